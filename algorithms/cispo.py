@@ -1,0 +1,45 @@
+"""CISPO: Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585).
+
+Differences from grpo:
+1. the importance weight is clipped and *detached*, never the update: loss = -mean_tokens sg(min(w_{i,t}, eps_max))
+   A_i log pi_theta(y_{i,t}), so every token keeps a gradient (rare high-ratio "fork" tokens are not dropped);
+2. no lower bound on the weight; eps_max 4..8 in the literature, 5 here;
+3. token-mean aggregation over the batch (as DAPO).
+No gradient is ever zeroed, so clip_frac is 0 by the metric's definition; `is_trunc_frac` is the fraction of tokens
+whose weight was truncated.
+"""
+
+from typing import Annotated
+
+import torch
+
+from algorithms.common import (
+    check_inputs,
+    log_ratio,
+    no_clip_metrics,
+    per_token,
+    ratio_metrics,
+    to_floats,
+    token_mean,
+)
+from algorithms.registry import Range, register
+
+
+@register("cispo", label="CISPO")
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_max: Annotated[float, Range(gt=0.0)] = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    check_inputs(logp, old_logp, advantages, mask)
+    w = log_ratio(logp, old_logp, mask).exp()  # (B, T)
+    adv = per_token(advantages, mask)  # (B, T)
+    # J = mean_tokens sg(min(w, eps_max)) A log pi_theta
+    obj = w.clamp(max=eps_max).detach() * adv * torch.where(mask.bool(), logp.float(), 0.0)
+    with torch.no_grad():
+        trunc = token_mean((w > eps_max).float(), mask)
+    metrics = {**no_clip_metrics(mask), **ratio_metrics(w, mask), "is_trunc_frac": trunc}
+    return -token_mean(obj, mask), to_floats(metrics)

@@ -1,0 +1,61 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, arXiv 2402.03300), as run by the GSPO paper
+(Zheng et al. 2025, arXiv 2507.18071, Eq. 2-3) for its MoE baseline.
+
+The reference every other variant states its difference from:
+1. token-level importance ratio w_{i,t} = pi_theta(y_{i,t}) / pi_old(y_{i,t});
+2. PPO clipping per token, asymmetric range tuned by the paper for the MoE: eps_low 0.2, eps_high 0.27;
+3. group-normalised advantage A_i = (r_i - mean r) / (std r + eps), shared by the tokens of y_i;
+4. "seq-mean-token-mean" aggregation: mean over each response's tokens, then over responses;
+5. free routing (no Routing Replay; see grpo_rr), no KL term.
+"""
+
+from typing import Annotated
+
+import torch
+
+from algorithms.common import (
+    check_inputs,
+    clip_metrics,
+    log_ratio,
+    per_token,
+    ratio_metrics,
+    seq_mean,
+    to_floats,
+)
+from algorithms.registry import Range, register
+
+
+def clipped_token_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO term min(w A, clip(w, 1-eps_low, 1+eps_high) A) (B, T) and its clip/ratio metrics."""
+    check_inputs(logp, old_logp, advantages, mask)
+    w = log_ratio(logp, old_logp, mask).exp()  # (B, T)  w_{i,t}
+    adv = per_token(advantages, mask)  # (B, T)  A_{i,t}
+    # min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)
+    obj = torch.minimum(w * adv, w.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+    with torch.no_grad():  # the clipped branch is active (zero gradient) exactly in these two cases
+        low = (w < 1.0 - eps_low) & (adv < 0)
+        high = (w > 1.0 + eps_high) & (adv > 0)
+    return obj, {**clip_metrics(low, high, mask), **ratio_metrics(w, mask)}
+
+
+@register("grpo", label="GRPO")
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.2,
+    eps_high: Annotated[float, Range(ge=0.0)] = 0.27,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    obj, metrics = clipped_token_objective(logp, old_logp, advantages, mask, eps_low, eps_high)  # (B, T)
+    # J = (1/G) sum_i (1/|y_i|) sum_t obj_{i,t}
+    loss = -seq_mean(obj, mask).mean()
+    return loss, to_floats(metrics)

@@ -1,0 +1,47 @@
+"""GSPO-token (Zheng et al. 2025, arXiv 2507.18071, Eq. 13-14): GSPO with per-token advantages.
+
+Differences from gspo:
+1. per-token ratio s_{i,t} = sg[s_i] * pi_theta(y_{i,t}) / sg[pi_theta(y_{i,t})]: numerically s_i, but each token
+   carries its own gradient path, so per-token advantages A_{i,t} (e.g. multi-turn credit) can be used;
+2. token-level clipping and seq-mean-token-mean aggregation of min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t}).
+With A_{i,t} = A_i it equals gspo in value, clipping decision and gradient (tested).
+"""
+
+from typing import Annotated
+
+import torch
+
+from algorithms.common import (
+    check_inputs,
+    clip_metrics,
+    log_ratio,
+    per_token,
+    ratio_metrics,
+    seq_mean,
+    to_floats,
+)
+from algorithms.registry import Range, register
+
+
+@register("gspo_token", label="GSPO-token")
+def gspo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 3e-4,
+    eps_high: Annotated[float, Range(ge=0.0)] = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    check_inputs(logp, old_logp, advantages, mask)
+    adv = per_token(advantages, mask)  # (B, T)
+    log_s = seq_mean(log_ratio(logp, old_logp, mask), mask)  # (B,)  log s_i
+    lp = logp.float()
+    # log s_{i,t} = sg[log s_i] + log pi_theta(y_{i,t}) - sg[log pi_theta(y_{i,t})]
+    s_t = (log_s.detach()[:, None] + torch.where(mask.bool(), lp - lp.detach(), 0.0)).exp()  # (B, T)
+    obj = torch.minimum(s_t * adv, s_t.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
+    loss = -seq_mean(obj, mask).mean()
+    with torch.no_grad():
+        low = (s_t < 1.0 - eps_low) & (adv < 0)
+        high = (s_t > 1.0 + eps_high) & (adv > 0)
+    return loss, to_floats({**clip_metrics(low, high, mask), **ratio_metrics(s_t, mask)})
