@@ -1,0 +1,157 @@
+"""The registry's strictness, its error texts, the contract every variant follows, and one-file extensibility."""
+
+import inspect
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import algorithms
+from algorithms.grpo import grpo_loss
+
+REQUIRED = {
+    "grpo": ("free", {"eps_low": 0.2, "eps_high": 0.27}),
+    "grpo_rr": ("replay", {"eps_low": 0.2, "eps_high": 0.27}),
+    "gspo": ("free", {"eps_low": 3e-4, "eps_high": 4e-4}),
+    "gspo_token": ("free", {"eps_low": 3e-4, "eps_high": 4e-4}),
+    "gspo_rr": ("replay", {"eps_low": 3e-4, "eps_high": 4e-4}),
+    "dapo": ("free", {"eps_low": 0.2, "eps_high": 0.28}),
+    "dr_grpo": ("free", {"eps_low": 0.2, "eps_high": 0.2, "norm_len": 0}),
+    "cispo": ("free", {"eps_max": 5.0}),
+    "gmpo": ("free", {"eps_low": 0.4, "eps_high": 0.4}),
+    "sapo": ("free", {"tau_pos": 1.0, "tau_neg": 1.05}),
+    "grpo_tis": ("free", {"eps_low": 0.2, "eps_high": 0.27, "tis_c": 2.0}),
+}
+ROOT = Path(algorithms.__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_required_variants_have_paper_defaults(name: str) -> None:
+    routing, hparams = REQUIRED[name]
+    alg = algorithms.get(name)
+    assert alg.name == name and alg.routing == routing
+    assert dict(alg.hparams) == hparams
+    assert alg.label and alg.color.startswith("#")
+    # the docstring cites its source and, for every variant but the reference, lists its differences
+    assert ("Differences from" in alg.doc) if name != "grpo" else ("arXiv" in alg.doc)
+
+
+def test_unknown_name_lists_every_valid_name() -> None:
+    with pytest.raises(algorithms.UnknownAlgorithmError) as err:
+        algorithms.get("gpso")
+    text = str(err.value)
+    assert "unknown algorithm 'gpso'" in text
+    for name in algorithms.names():
+        assert name in text
+
+
+def test_taken_name_raises_and_keeps_the_original() -> None:
+    original = algorithms.get("grpo")
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        algorithms.register("grpo", label="impostor")(grpo_loss)
+    assert algorithms.get("grpo") is original
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"routing": "sticky"}, "routing='sticky'; valid: free, replay, rollout_replay"),
+        ({"ratio_level": "group"}, "ratio_level='group'; valid: token, sequence"),
+    ],
+)
+def test_register_validates_its_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        algorithms.register("test_bad", label="bad", **kwargs)
+    with pytest.raises(ValueError, match="lower-case identifier"):
+        algorithms.register("Bad-Name", label="bad")
+
+
+def test_hparams_need_defaults() -> None:
+    def loss(logp, old_logp, advantages, mask, *, eps):  # type: ignore[no-untyped-def]
+        raise AssertionError
+
+    with pytest.raises(TypeError, match="hyper-parameter 'eps' needs a default"):
+        algorithms.register("test_nodefault", label="x")(loss)
+    assert "test_nodefault" not in algorithms.names()
+
+
+def test_names_are_in_registration_order() -> None:
+    names = algorithms.names()
+    assert set(REQUIRED) <= set(names)
+    assert len(names) == len(set(names))
+    try:
+        algorithms.register("test_last", label="last")(grpo_loss)
+        assert algorithms.names() == [*names, "test_last"]
+    finally:
+        algorithms.unregister("test_last")
+
+
+def test_check_hparams_names_field_value_and_valid_choices() -> None:
+    alg = algorithms.get("grpo")
+    with pytest.raises(ValueError, match=r"grpo.eps_low = -0.1: valid range is \[0.0, 1.0\)"):
+        alg.check_hparams({"eps_low": -0.1})
+    with pytest.raises(ValueError, match="has no hyper-parameter 'clip'; valid: eps_low, eps_high"):
+        alg.check_hparams({"clip": 0.2})
+    with pytest.raises(ValueError, match="must be a finite number"):
+        alg.check_hparams({"eps_high": float("nan")})
+    tuned = alg.with_hparams(eps_high=0.3)
+    assert tuned.hparams["eps_high"] == 0.3 and alg.hparams["eps_high"] == 0.27
+    with pytest.raises(TypeError, match="unknown hyper-parameter"):
+        alg.loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), clip=0.1)
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_contract(name: str) -> None:
+    """Every registered variant: loss signature, metric vocabulary, advantages shape, scalar loss with gradient."""
+    alg = algorithms.get(name)
+    assert alg.routing in algorithms.ROUTING_MODES
+    params = list(inspect.signature(alg.loss_fn).parameters)
+    assert params[:4] == ["logp", "old_logp", "advantages", "mask"]
+    gen = torch.Generator().manual_seed(0)
+    b, t = 8, 5
+    mask = (torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=gen)[:, None]).float()
+    old = -torch.rand(b, t, generator=gen) * 2
+    logp = (old + 0.3 * torch.randn(b, t, generator=gen)).requires_grad_(True)
+    adv = alg.advantages(torch.rand(b, generator=gen), group_size=4)
+    assert adv.shape == (b,)
+    extra = {"rollout_logp": old + 0.1 * torch.randn(b, t, generator=gen)} if alg.needs_rollout_logp else {}
+    loss, metrics = alg.loss(logp, old, adv, mask, **alg.hparams, **extra)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert set(algorithms.LOSS_METRICS) <= set(metrics)
+    assert all(isinstance(v, float) for v in metrics.values())
+    loss.backward()
+    assert logp.grad is not None and logp.grad.abs().sum() > 0
+    assert (logp.grad[mask == 0] == 0).all()
+
+
+def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
+    """Drop one file into algorithms/ (of a copy of the package): it is registered, with nothing else touched."""
+    pkg = tmp_path / "algorithms"
+    shutil.copytree(ROOT / "algorithms", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "grpo_wide.py").write_text(
+        textwrap.dedent(
+            '''
+            """GRPO with a wide clip range. Differences from grpo: 1. eps 0.5 / 0.5."""
+            from typing import Annotated
+            from algorithms.grpo import grpo_loss
+            from algorithms.registry import Range, register
+
+            @register("grpo_wide", label="GRPO (wide clip)")
+            def grpo_wide_loss(logp, old_logp, advantages, mask, *,
+                               eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.5, eps_high: float = 0.5):
+                return grpo_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high)
+            '''
+        )
+    )
+    code = (
+        "import algorithms; a = algorithms.get('grpo_wide'); "
+        "print(algorithms.names().count('grpo_wide'), dict(a.hparams), a.doc.split('.')[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "1 {'eps_low': 0.5, 'eps_high': 0.5} GRPO with a wide clip range"
