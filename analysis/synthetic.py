@@ -1,0 +1,181 @@
+"""Synthetic run directories with known answers, for the tests and the benchmark (never for results).
+
+Each algorithm gets a `Curve`: the reward follows the ScaleRL sigmoid R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
+of cumulative compute C plus Gaussian noise; the clip fractions are constants plus noise; the other metrics of the
+vocabulary (analysis.vocab) are smooth functions of the step. Runs can be made to collapse or fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from analysis import vocab
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Ground truth of one synthetic algorithm."""
+
+    a: float = 0.8
+    b: float = 1.5
+    c_mid: float = 2e12
+    r0: float = 0.1
+    noise: float = 0.02
+    clip_low: float = 0.01
+    clip_high: float = 0.02
+    collapse_step: int | None = None
+    """Reward falls to ~0 from this step and the run stops there with status collapsed."""
+
+
+def sigmoid(c: np.ndarray, *, r0: float, a: float, b: float, c_mid: float) -> np.ndarray:
+    """R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)."""
+    c = np.asarray(c, dtype=np.float64)
+    return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
+
+
+def synthetic_metrics(
+    curve: Curve,
+    *,
+    n_steps: int,
+    flops_per_step: float,
+    rng: np.random.Generator,
+    eval_every: int = 10,
+    n_extra: int = 0,
+) -> dict[str, np.ndarray]:
+    """Columns of one run's metrics.parquet."""
+    step = np.arange(1, n_steps + 1)
+    compute = flops_per_step * step  # cumulative FLOPs
+    reward = sigmoid(compute, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid)
+    reward = reward + curve.noise * rng.standard_normal(n_steps)
+    if curve.collapse_step is not None:
+        reward[step >= curve.collapse_step] = 0.01 * rng.random(int((step >= curve.collapse_step).sum()))
+    low = np.abs(curve.clip_low * (1 + 0.05 * rng.standard_normal(n_steps)))
+    high = np.abs(curve.clip_high * (1 + 0.05 * rng.standard_normal(n_steps)))
+    evals = np.where(step % eval_every == 0, 1.0, np.nan)
+    frac = step / n_steps
+    cols: dict[str, np.ndarray] = {
+        "step": step,
+        "compute_flops": compute,
+        "wall_s": 2.0 * step + rng.random(n_steps),
+        vocab.REWARD: reward,
+        "reward_std": 0.3 + 0.01 * rng.standard_normal(n_steps),
+        "eval_in_dist": evals * (0.9 * reward + 0.01 * rng.standard_normal(n_steps)),
+        "eval_hard": evals * (0.5 * reward + 0.01 * rng.standard_normal(n_steps)),
+        vocab.CLIP: low + high,
+        vocab.CLIP_LOW: low,
+        vocab.CLIP_HIGH: high,
+        "mismatch_mean_abs": 0.01 + 0.001 * rng.random(n_steps),
+        "mismatch_max_abs": 0.5 + 0.1 * rng.random(n_steps),
+        "mismatch_k3": 1e-4 * (1 + rng.random(n_steps)),
+        "mismatch_frac_gt2": 1e-3 * rng.random(n_steps),
+        vocab.ROUTING_SLOT: 0.1 + 0.02 * frac + 0.005 * rng.standard_normal(n_steps),
+        vocab.ROUTING_FLIP: 0.2 + 0.01 * rng.standard_normal(n_steps),
+        vocab.ROUTING_ENGINE: 0.03 + 0.005 * rng.random(n_steps),
+        vocab.RESPONSE_LEN: 100 + 50 * frac,
+        vocab.TRUNCATION: 0.05 * frac,
+        vocab.TOKENS: np.full(n_steps, 4096.0),
+    }
+    for i in range(n_extra):
+        cols[f"extra_{i}"] = rng.standard_normal(n_steps)
+    return cols
+
+
+def write_run(
+    runs_dir: str | os.PathLike[str],
+    run_id: str,
+    *,
+    config: Mapping[str, Any],
+    status: Mapping[str, Any],
+    metrics: Mapping[str, np.ndarray] | None,
+    manifest: Mapping[str, Any] | None = None,
+    layers: Mapping[str, np.ndarray] | None = None,
+    config_format: str = "json",
+) -> Path:
+    """Write one run directory of the contract (status.json, manifest.json, config, metrics/layers parquet)."""
+    path = Path(runs_dir) / run_id
+    path.mkdir(parents=True, exist_ok=True)
+    if config_format == "json":
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    else:
+        import yaml
+
+        (path / "config.yaml").write_text(yaml.safe_dump(dict(config)))
+    (path / "status.json").write_text(json.dumps(status))
+    (path / "manifest.json").write_text(json.dumps(manifest or {"git_sha": "0" * 40, "seed": config.get("seed")}))
+    if metrics is not None:
+        pq.write_table(pa.table(dict(metrics)), path / "metrics.parquet")
+    if layers is not None:
+        pq.write_table(pa.table(dict(layers)), path / "routing_layers.parquet")
+    return path
+
+
+def make_study(
+    root: str | os.PathLike[str],
+    curves: Mapping[str, Curve],
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    n_steps: int = 200,
+    flops_per_step: float = 1e11,
+    n_layers: int = 2,
+    n_extra: int = 0,
+    fail: Sequence[str] = (),
+    config_format: str = "json",
+) -> list[str]:
+    """Write runs algorithm x grid x seed under `root/runs`; returns the run ids in write order.
+
+    `grid` maps dotted config keys to the values swept (the cartesian product is written). Algorithms listed in
+    `fail` get status failed after a third of their steps (metrics up to there kept).
+    """
+    runs = Path(root) / "runs"
+    grid = dict(grid or {})
+    keys = list(grid)
+    ids = []
+    for alg, curve in curves.items():
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            for seed in seeds:
+                config: dict[str, Any] = {"algorithm": alg, "seed": seed, "model": {"preset": "tiny"}}
+                for key, value in zip(keys, combo, strict=True):
+                    node = config
+                    *parents, leaf = key.split(".")
+                    for p in parents:
+                        node = node.setdefault(p, {})
+                    node[leaf] = value
+                digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+                run_id = digest[:12]  # content-addressed, like the real run ids
+                rng = np.random.default_rng(int(digest[:8], 16))
+                cols = synthetic_metrics(
+                    curve, n_steps=n_steps, flops_per_step=flops_per_step, rng=rng, n_extra=n_extra
+                )
+                status: dict[str, Any] = {"state": "completed", "step": n_steps}
+                if curve.collapse_step is not None and curve.collapse_step <= n_steps:
+                    stop = curve.collapse_step + 2
+                    cols = {k: v[:stop] for k, v in cols.items()}
+                    status = {"state": "collapsed", "step": stop, "reason": "reward below floor"}
+                if alg in fail:
+                    stop = n_steps // 3
+                    cols = {k: v[:stop] for k, v in cols.items()}
+                    status = {"state": "failed", "step": stop, "error": "RuntimeError: synthetic failure"}
+                steps = cols["step"]
+                layers = {
+                    "step": np.repeat(steps, n_layers),
+                    "layer": np.tile(np.arange(n_layers), len(steps)),
+                    vocab.ROUTING_SLOT: np.tile(0.05 * (1 + np.arange(n_layers)), len(steps))
+                    + 0.002 * rng.standard_normal(len(steps) * n_layers),
+                }
+                write_run(
+                    runs, run_id, config=config, status=status, metrics=cols, layers=layers, config_format=config_format
+                )
+                ids.append(run_id)
+    return ids

@@ -1,0 +1,505 @@
+"""Load a study's run directories into one tidy table (and a per-run table), written as parquet.
+
+The run-directory contract (issue 4) is what this module reads, `results/runs/{run_id}/`:
+
+- a resolved config (`config.yaml` / `config.yml` / `config.json`, or `resolved_config.*`): nested keys are flattened
+  to dotted names (`model.num_layers`); the algorithm is `algorithm` (or `algorithm.name`), the seed `seed` (or any
+  `*.seed`, else the manifest's `seed`);
+- `manifest.json` (git sha, package versions, seed, host, ...): kept per run for the report's provenance;
+- `status.json` with `state` in running / completed / collapsed / failed, plus the collapse step and reason or the
+  error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`, `error`/`message`);
+- `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
+  metric columns (`reward_mean`, `clip_frac`, ...);
+- optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns).
+
+Tables (pandas; `Study.write` stores each as parquet):
+
+- `long`: run_id, algorithm, <every swept axis>, seed, step, compute_flops, wall_s, metric, value. One row per
+  (run, step, metric) that was logged: a metric not logged at a step (evals every N steps) has no row; inf is kept.
+  String-like columns are categorical so that 1,000 runs x 1,000 steps x 30 metrics stays in memory and is fast.
+- `runs`: one row per run directory found: run_id, algorithm, <axes>, seed, state, collapse_step, collapse_reason,
+  error, n_steps, last_step, last_compute, path. Failed and collapsed runs are kept and labelled, never dropped.
+- `layers`: the per-layer routing tables in long form (run_id, algorithm, <axes>, seed, step, layer, metric, value).
+- `missing`: the run ids a study asked for that have no directory (also warned about: nothing is dropped silently).
+
+Swept axes are the flattened config keys whose value differs between the loaded runs (seed and algorithm excluded,
+and bookkeeping keys such as paths); pass `axes=` to name them instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# --- the contract's names, in one place -------------------------------------------------------------------------------
+RUNS_SUBDIR = "runs"
+STATUS_FILE = "status.json"
+MANIFEST_FILE = "manifest.json"
+METRICS_FILE = "metrics.parquet"
+LAYERS_FILE = "routing_layers.parquet"
+CONFIG_FILES = (
+    "config.yaml",
+    "config.yml",
+    "config.json",
+    "resolved_config.yaml",
+    "resolved_config.yml",
+    "resolved_config.json",
+)
+STEP, COMPUTE, WALL, LAYER = "step", "compute_flops", "wall_s", "layer"
+RUN_ID, ALGORITHM, SEED, METRIC, VALUE = "run_id", "algorithm", "seed", "metric", "value"
+STATES = ("running", "completed", "collapsed", "failed")
+UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
+# Flattened config keys that are bookkeeping, never a swept axis (matched on the last dotted component).
+NON_AXIS_KEYS = frozenset(
+    {"run_id", "seed", "algorithm", "name", "results", "results_dir", "output_dir", "out_dir", "run_dir", "job_id"}
+)
+OUTPUT_FILES = {"long": "tidy.parquet", "runs": "runs.parquet", "layers": "layers.parquet", "missing": "missing.json"}
+
+
+@dataclass
+class RunRecord:
+    """One run directory as read from disk (metrics untouched)."""
+
+    run_id: str
+    path: Path
+    config: dict[str, Any]
+    """Resolved config, flattened to dotted keys."""
+    manifest: dict[str, Any]
+    status: dict[str, Any]
+    metrics: pa.Table | None
+    layers: pa.Table | None
+    read_errors: list[str] = field(default_factory=list)
+    """Files of the contract that could not be read (reported in the runs table's `error`)."""
+
+    @property
+    def state(self) -> str:
+        state = self.status.get("state")
+        return state if state in STATES else UNKNOWN_STATE
+
+    @property
+    def algorithm(self) -> str | None:
+        return _algorithm_of(self.config)
+
+    @property
+    def seed(self) -> int | None:
+        for key in ("seed", "run.seed", "train.seed"):
+            if key in self.config:
+                return _as_int(self.config[key])
+        seeds = [v for k, v in self.config.items() if k.endswith(".seed")]
+        if len(seeds) == 1:
+            return _as_int(seeds[0])
+        return _as_int(self.manifest.get("seed"))
+
+
+@dataclass
+class Study:
+    """A loaded study: the tidy tables, the swept axes and the runs that are missing."""
+
+    long: pd.DataFrame
+    runs: pd.DataFrame
+    layers: pd.DataFrame
+    axes: list[str]
+    missing: list[str]
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """run_id -> flattened resolved config."""
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """run_id -> manifest (provenance for the report)."""
+
+    @property
+    def metrics(self) -> list[str]:
+        """Metric names present in the long table."""
+        return [str(m) for m in self.long[METRIC].cat.categories]
+
+    @property
+    def group_cols(self) -> list[str]:
+        """What identifies a configuration (every seed of it is one group): algorithm and the swept axes."""
+        return [ALGORITHM, *self.axes]
+
+    def metric(self, name: str) -> pd.DataFrame:
+        """Rows of one metric (raises listing the valid names when absent)."""
+        if name not in self.long[METRIC].cat.categories:
+            raise KeyError(f"metric {name!r} not in this study; present: {', '.join(self.metrics)}")
+        code = self.long[METRIC].cat.categories.get_loc(name)
+        return self.long[self.long[METRIC].cat.codes.to_numpy() == code]
+
+    def write(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+        """Write long/runs/layers as parquet and the missing ids as JSON (atomically); returns the paths."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for key in ("long", "runs", "layers"):
+            paths[key] = _atomic_parquet(getattr(self, key), out / OUTPUT_FILES[key])
+        meta = {"missing": self.missing, "axes": self.axes}
+        paths["missing"] = _atomic_text(json.dumps(meta, indent=2), out / OUTPUT_FILES["missing"])
+        return paths
+
+
+def read_study(out_dir: str | os.PathLike[str]) -> Study:
+    """Read back what `Study.write` wrote (configs/manifests are not stored there: reload runs for those)."""
+    out = Path(out_dir)
+    meta = json.loads((out / OUTPUT_FILES["missing"]).read_text())
+    return Study(
+        long=pd.read_parquet(out / OUTPUT_FILES["long"]),
+        runs=pd.read_parquet(out / OUTPUT_FILES["runs"]),
+        layers=pd.read_parquet(out / OUTPUT_FILES["layers"]),
+        axes=list(meta["axes"]),
+        missing=list(meta["missing"]),
+    )
+
+
+# --- reading ----------------------------------------------------------------------------------------------------------
+def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are kept as values."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_config(run_dir: Path) -> tuple[dict[str, Any], str | None]:
+    for name in CONFIG_FILES:
+        path = run_dir / name
+        if not path.exists():
+            continue
+        try:
+            if path.suffix == ".json":
+                data = _read_json(path)
+            else:
+                import yaml
+
+                with open(path) as f:
+                    data = yaml.safe_load(f) or {}
+            return flatten(data), None
+        except Exception as exc:  # reported per run, never fatal for the study
+            return {}, f"{name}: {exc}"
+    return {}, f"no resolved config (looked for {', '.join(CONFIG_FILES)})"
+
+
+def read_run(run_dir: str | os.PathLike[str]) -> RunRecord:
+    """Read one run directory. Unreadable files are recorded in `read_errors`, never raised."""
+    path = Path(run_dir)
+    errors: list[str] = []
+    config, err = _read_config(path)
+    if err:
+        errors.append(err)
+    docs: dict[str, dict[str, Any]] = {}
+    for name in (STATUS_FILE, MANIFEST_FILE):
+        try:
+            docs[name] = _read_json(path / name)
+        except FileNotFoundError:
+            docs[name] = {}
+            errors.append(f"{name}: missing")
+        except Exception as exc:
+            docs[name] = {}
+            errors.append(f"{name}: {exc}")
+    tables: dict[str, pa.Table | None] = {}
+    for name in (METRICS_FILE, LAYERS_FILE):
+        try:
+            tables[name] = pq.read_table(path / name)
+        except FileNotFoundError:
+            tables[name] = None
+            if name == METRICS_FILE:
+                errors.append(f"{name}: missing")
+        except Exception as exc:
+            tables[name] = None
+            errors.append(f"{name}: {exc}")
+    metrics = tables[METRICS_FILE]
+    if metrics is not None and STEP not in metrics.column_names:
+        errors.append(f"{METRICS_FILE}: no '{STEP}' column")
+        metrics = None
+    return RunRecord(
+        run_id=path.name,
+        path=path,
+        config=config,
+        manifest=docs[MANIFEST_FILE],
+        status=docs[STATUS_FILE],
+        metrics=metrics,
+        layers=tables[LAYERS_FILE],
+        read_errors=errors,
+    )
+
+
+def runs_dir(results_dir: str | os.PathLike[str]) -> Path:
+    """`results_dir/runs` when it exists (the contract), else `results_dir` itself."""
+    root = Path(results_dir)
+    return root / RUNS_SUBDIR if (root / RUNS_SUBDIR).is_dir() else root
+
+
+def load_study(
+    results_dir: str | os.PathLike[str],
+    run_ids: Iterable[str] | None = None,
+    *,
+    axes: Sequence[str] | None = None,
+    metrics: Sequence[str] | None = None,
+    workers: int | None = None,
+    warn_missing: bool = True,
+) -> Study:
+    """Load every run under `results_dir` (or just `run_ids`, reporting those without a directory as missing).
+
+    `axes` names the swept config keys (dotted); by default they are inferred as the keys that differ between runs.
+    `metrics` restricts the long table to those metric columns (default: every numeric column).
+    """
+    base = runs_dir(results_dir)
+    if run_ids is None:
+        wanted = (
+            sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
+        )
+        missing: list[str] = []
+    else:
+        wanted, missing = [], []
+        for rid in dict.fromkeys(run_ids):  # keep order, drop duplicates
+            (wanted if (base / rid).is_dir() else missing).append(rid)
+    if missing and warn_missing:
+        warnings.warn(
+            f"{len(missing)} run(s) of the study have no directory under {base}: {', '.join(missing)}", stacklevel=2
+        )
+    n_workers = workers or min(8, (os.cpu_count() or 1) * 2)
+    if n_workers > 1 and len(wanted) > 8:
+        with ThreadPoolExecutor(n_workers) as pool:  # parquet/JSON reads release the GIL
+            records = list(pool.map(read_run, [base / rid for rid in wanted]))
+    else:
+        records = [read_run(base / rid) for rid in wanted]
+    return build_study(records, axes=axes, metrics=metrics, missing=missing)
+
+
+def infer_axes(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Flattened keys whose value differs between configs (bookkeeping keys excluded), sorted."""
+    keys = sorted({k for c in configs for k in c})
+    out = []
+    for key in keys:
+        if key.rsplit(".", 1)[-1] in NON_AXIS_KEYS or key == "algorithm.name":
+            continue
+        values = {_hashable(c.get(key)) for c in configs}
+        if len(values) > 1:
+            out.append(key)
+    return out
+
+
+def build_study(
+    records: Sequence[RunRecord],
+    *,
+    axes: Sequence[str] | None = None,
+    metrics: Sequence[str] | None = None,
+    missing: Sequence[str] = (),
+) -> Study:
+    """Assemble the tidy tables from runs already read."""
+    axes = list(axes) if axes is not None else infer_axes([r.config for r in records])
+    run_ids = [r.run_id for r in records]
+    algs = [r.algorithm for r in records]
+    seeds = [r.seed for r in records]
+    axis_values = {a: [_axis_value(r.config.get(a)) for r in records] for a in axes}
+
+    runs = pd.DataFrame(
+        {
+            RUN_ID: run_ids,
+            ALGORITHM: algs,
+            **axis_values,
+            SEED: pd.array(seeds, dtype="Int64"),
+            "state": [r.state for r in records],
+            "collapse_step": pd.array([_collapse_step(r) for r in records], dtype="Int64"),
+            "collapse_reason": [_collapse_reason(r) for r in records],
+            "error": [_error_of(r) for r in records],
+            "n_steps": [0 if r.metrics is None else r.metrics.num_rows for r in records],
+            "last_step": pd.array([_last(r.metrics, STEP) for r in records], dtype="Int64"),
+            "last_compute": [_last(r.metrics, COMPUTE) for r in records],
+            "path": [str(r.path) for r in records],
+        }
+    )
+    # Constant per-run columns become categoricals whose codes are repeated once per row.
+    run_cols = {RUN_ID: run_ids, ALGORITHM: algs, **axis_values, SEED: seeds}
+    long = _long_table([r.metrics for r in records], run_cols, index=(STEP, COMPUTE, WALL), metrics=metrics)
+    layers = _long_table([r.layers for r in records], run_cols, index=(STEP, LAYER), metrics=None)
+    return Study(
+        long=long,
+        runs=runs,
+        layers=layers,
+        axes=axes,
+        missing=list(missing),
+        configs={r.run_id: r.config for r in records},
+        manifests={r.run_id: r.manifest for r in records},
+    )
+
+
+def _long_table(
+    tables: Sequence[pa.Table | None],
+    run_cols: Mapping[str, Sequence[Any]],
+    *,
+    index: Sequence[str],
+    metrics: Sequence[str] | None,
+) -> pd.DataFrame:
+    """Melt per-run wide tables into one long table with numpy (no per-run pandas work)."""
+    if metrics is None:
+        names: dict[str, None] = {}
+        for t in tables:
+            if t is None:
+                continue
+            for f in t.schema:
+                if f.name not in index and (pa.types.is_floating(f.type) or pa.types.is_integer(f.type)):
+                    names[f.name] = None
+        metric_names = list(names)
+    else:
+        metric_names = list(metrics)
+    blocks: dict[str, list[np.ndarray]] = {c: [] for c in index}
+    run_idx: list[np.ndarray] = []
+    metric_idx: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for i, t in enumerate(tables):
+        if t is None or t.num_rows == 0:
+            continue
+        n = t.num_rows
+        idx_cols = {c: _column(t, c, n) for c in index}
+        present = [(j, m) for j, m in enumerate(metric_names) if m in t.column_names]
+        if not present:
+            continue
+        mat = np.empty((len(present), n), dtype=np.float64)  # (metrics, steps)
+        for row, (_, m) in enumerate(present):
+            mat[row] = _column(t, m, n)
+        keep = ~np.isnan(mat)  # a metric not logged at a step has no row
+        counts = keep.sum(axis=1)
+        total = int(counts.sum())
+        values.append(mat[keep])
+        metric_idx.append(np.repeat(np.array([j for j, _ in present], dtype=np.int32), counts))
+        rows = np.nonzero(keep)[1]
+        for c in index:
+            blocks[c].append(idx_cols[c][rows])
+        run_idx.append(np.full(total, i, dtype=np.int32))
+
+    def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype=dtype)
+
+    ridx = cat(run_idx, np.int32)
+    out: dict[str, Any] = {}
+    for col, per_run in run_cols.items():
+        out[col] = _categorical_by_run(per_run, ridx)
+    for c in index:
+        dtype = np.int64 if c in (STEP, LAYER) else np.float64
+        out[c] = cat(blocks[c], dtype)
+    out[METRIC] = pd.Categorical.from_codes(cat(metric_idx, np.int32), categories=pd.Index(metric_names, dtype=object))
+    out[VALUE] = cat(values, np.float64)
+    return pd.DataFrame(out, copy=False)
+
+
+def _categorical_by_run(per_run: Sequence[Any], ridx: np.ndarray) -> pd.Categorical:
+    """A categorical column with one value per run, expanded to rows by `ridx` (run index per row)."""
+    values = [None if v is None or (isinstance(v, float) and np.isnan(v)) else v for v in per_run]
+    uniq = list(dict.fromkeys(v for v in values if v is not None))
+    try:
+        uniq_sorted = sorted(uniq)
+    except TypeError:
+        uniq_sorted = sorted(uniq, key=str)
+    lookup = {v: k for k, v in enumerate(uniq_sorted)}
+    codes = np.array([lookup[v] if v is not None else -1 for v in values], dtype=np.int32)
+    cats = pd.Index(uniq_sorted) if uniq_sorted else pd.Index([], dtype=object)
+    if cats.dtype.kind not in "biuf":
+        cats = pd.Index(uniq_sorted, dtype=object)
+    return pd.Categorical.from_codes(codes[ridx] if len(codes) else np.empty(0, np.int32), categories=cats)
+
+
+def _column(t: pa.Table, name: str, n: int) -> np.ndarray:
+    if name not in t.column_names:
+        return np.full(n, np.nan)
+    col = t.column(name)
+    if pa.types.is_integer(col.type) and col.null_count == 0:
+        return col.to_numpy()
+    return col.cast(pa.float64()).to_numpy(zero_copy_only=False)
+
+
+# --- per-run fields ---------------------------------------------------------------------------------------------------
+def _algorithm_of(config: Mapping[str, Any]) -> str | None:
+    for key in ("algorithm", "algorithm.name", "alg", "run.algorithm"):
+        value = config.get(key)
+        if isinstance(value, str):
+            return value
+    found = [v for k, v in config.items() if k.endswith(".algorithm") and isinstance(v, str)]
+    return found[0] if len(found) == 1 else None
+
+
+def _collapse_step(r: RunRecord) -> int | None:
+    if r.state != "collapsed":
+        return None
+    for key in ("collapse_step", "step", "at_step"):
+        if key in r.status:
+            return _as_int(r.status[key])
+    return None
+
+
+def _collapse_reason(r: RunRecord) -> str | None:
+    if r.state != "collapsed":
+        return None
+    for key in ("reason", "collapse_reason", "message"):
+        if r.status.get(key) is not None:
+            return str(r.status[key])
+    return None
+
+
+def _error_of(r: RunRecord) -> str | None:
+    parts = []
+    if r.state == "failed":
+        err = r.status.get("error", r.status.get("message"))
+        if isinstance(err, Mapping):
+            err = ": ".join(str(err[k]) for k in ("type", "message") if k in err) or json.dumps(err)
+        parts.append(str(err) if err is not None else "failed (no error recorded)")
+    no_metrics_yet = r.state in ("failed", "running")  # no metrics file is expected there, not an error
+    parts.extend(e for e in r.read_errors if not (no_metrics_yet and e == f"{METRICS_FILE}: missing"))
+    return "; ".join(parts) if parts else None
+
+
+def _last(t: pa.Table | None, col: str) -> Any:
+    if t is None or t.num_rows == 0 or col not in t.column_names:
+        return None
+    value = t.column(col)[-1].as_py()
+    return value
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True, default=str) if isinstance(value, (list, dict, tuple)) else value
+
+
+def _axis_value(value: Any) -> Any:
+    """Scalars as they are; lists/dicts as canonical JSON strings (so they group)."""
+    return _hashable(value)
+
+
+# --- atomic writes ----------------------------------------------------------------------------------------------------
+def _atomic_parquet(df: pd.DataFrame, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return path
+
+
+def _atomic_text(text: str, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
