@@ -128,30 +128,37 @@ def test_contract(name: str) -> None:
     assert (logp.grad[mask == 0] == 0).all()
 
 
+def readme_variant() -> tuple[str, str]:
+    """The example file of the README's "Add an algorithm" section: (file name, source)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Add an algorithm", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    first, source = block.split("\n", 1)
+    assert first.startswith("# algorithms/")
+    return first.removeprefix("# algorithms/"), source
+
+
 def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
-    """Drop one file into algorithms/ (of a copy of the package): it is registered, with nothing else touched."""
+    """The README's example dropped into algorithms/ (of a copy of the package) is registered and follows the
+    contract, with nothing else touched."""
+    filename, source = readme_variant()
     pkg = tmp_path / "algorithms"
     shutil.copytree(ROOT / "algorithms", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "grpo_wide.py").write_text(
-        textwrap.dedent(
-            '''
-            """GRPO with a wide clip range. Differences from grpo: 1. eps 0.5 / 0.5."""
-            from typing import Annotated
-            from algorithms.grpo import grpo_loss
-            from algorithms.registry import Range, register
-
-            @register("grpo_wide", label="GRPO (wide clip)")
-            def grpo_wide_loss(logp, old_logp, advantages, mask, *,
-                               eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.5, eps_high: float = 0.5):
-                return grpo_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high)
-            '''
-        )
+    (pkg / filename).write_text(source)
+    name = filename.removesuffix(".py")
+    code = textwrap.dedent(
+        f"""
+        import torch, algorithms
+        a = algorithms.get({name!r})
+        mask = torch.ones(4, 3)
+        logp = torch.full((4, 3), -1.0, requires_grad=True)
+        loss, m = a.loss(logp, logp.detach() - 0.5, a.advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2), mask)
+        loss.backward()
+        print(algorithms.names().count({name!r}), dict(a.hparams), a.doc.splitlines()[0], sorted(m))
+        """
     )
-    code = (
-        "import algorithms; a = algorithms.get('grpo_wide'); "
-        "print(algorithms.names().count('grpo_wide'), dict(a.hparams), a.doc.split('.')[0])"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert out == "1 {'eps_low': 0.5, 'eps_high': 0.5} GRPO with a wide clip range"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    metrics = sorted(algorithms.LOSS_METRICS)
+    expected = f"1 {{'eps_low': 0.2, 'eps_high': 0.28}} GRPO with DAPO's clip-higher (arXiv 2503.14476). {metrics}"
+    assert out.stdout.strip() == expected
