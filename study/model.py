@@ -1,0 +1,391 @@
+"""The training engine: the MoE policy as a megatron-core GPTModel, on CPU (gloo) or CUDA (NCCL).
+
+Architecture (Qwen3-MoE semantics, so transformers' Qwen3MoeForCausalLM can compute the same function from mapped
+weights): RMSNorm, rotary positions (non-interleaved, like HF's rotate_half), grouped-query attention with QK
+RMSNorm, no biases, untied embeddings, every layer an MoE of SwiGLU experts with a softmax top-k router.
+
+Choices that matter for parity and for the study:
+1. Router: top-k over the logits, then softmax over the k chosen logits (`moe_router_pre_softmax=False`). That is
+   equal to Qwen3-MoE's softmax-then-top-k with `norm_topk_prob=True`, and under Routing Replay it makes the gate a
+   softmax over the current logits of the forced experts, so the router keeps learning (PAPER.md). Exception:
+   top-1 needs megatron's pre-softmax path (a softmax over one logit has zero gradient): the gate is then the full
+   softmax probability of the chosen expert, i.e. Qwen3-MoE with `norm_topk_prob=False`; see `norm_topk_prob()`.
+2. No load-balancing aux loss by default (`moe_router_load_balancing_type="none"`, coefficient 0): the paper's RL
+   runs fine-tune a cold-start model and the study measures routing drift, which an aux loss would confound. Set
+   `cfg.extra["moe_aux_loss_coeff"]` (> 0) to turn on megatron's "aux_loss" balancing.
+3. No dropout, no token dropping (no capacity factor), so a token's route depends on that token only and routes
+   survive re-splitting a batch (study/routing.py).
+4. Padding: RL batches are prompt + response, right-padded. With right padding no mask is needed: causal attention
+   never lets a real token see a later pad, and positions are 0..S-1, so `attention_mask=None` is exact for every
+   real token (pad positions give garbage the caller masks out). Left-padded batches are supported by passing
+   `attention_mask` (B, S), 1 on real tokens: positions restart at each row's first real token and pad keys are
+   masked (rows whose keys are all masked give a uniform softmax, never NaN, as megatron fills with -10000).
+5. Precision: parameters and compute in fp32 (CPU default), bf16 or fp16. The router runs in fp32 for bf16/fp16
+   (`moe_router_dtype="fp32"`, megatron's recommendation). Log-probs from the labels path are fp32 always
+   (megatron's cross entropy upcasts). fp16 training needs loss scaling: `DynamicLossScaler`. On CPUs without
+   AVX-512 BF16, bf16 matmuls are several times slower than fp32 (benchmarks/bench_model.py).
+6. Optimizer: plain `torch.optim.AdamW` (megatron's distributed optimizer needs CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from study import megatron_compat
+from study.config import DTYPES, ModelConfig
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Process group and megatron parallel state
+# ---------------------------------------------------------------------------------------------------------------------
+def init_distributed(*, tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
+    """Initialise torch.distributed and megatron's parallel state; idempotent.
+
+    Without a launcher (no WORLD_SIZE in the environment) this is one process: a world of size 1 on an in-memory
+    store (no port). Under torchrun it joins the launcher's group (env://). The backend is NCCL on CUDA, gloo on
+    CPU; on CPU the compatibility shims (study/megatron_compat.py) are applied first. Calling again with other
+    parallel sizes than the initialised ones is an error.
+    """
+    from megatron.core import parallel_state
+
+    for name, size in (("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} = {size!r}: must be a positive integer")
+    megatron_compat.apply()
+    cuda = torch.cuda.is_available()
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            torch.distributed.init_process_group(backend, init_method="env://")
+        else:
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if have != (tensor_parallel, expert_parallel):
+            raise ValueError(
+                f"megatron parallel state already initialised with (tensor_parallel, expert_parallel) = {have}, "
+                f"asked for {(tensor_parallel, expert_parallel)}"
+            )
+        return
+    world = torch.distributed.get_world_size()
+    if world % (tensor_parallel * expert_parallel):
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel x expert_parallel")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------------------
+def norm_topk_prob(cfg: ModelConfig) -> bool:
+    """Qwen3-MoE's `norm_topk_prob` that computes the same gate as `build_policy(cfg)` (False only for top-1)."""
+    return cfg.moe_top_k > 1
+
+
+def transformer_config(
+    cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True
+):  # -> megatron.core.transformer.TransformerConfig (imported lazily)
+    """The megatron TransformerConfig of the policy described by `cfg`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    extra = dict(cfg.extra)
+    aux = float(extra.pop("moe_aux_loss_coeff", 0.0))
+    if aux < 0:
+        raise ValueError(f"model.extra.moe_aux_loss_coeff = {aux}: must be >= 0")
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,  # SwiGLU: silu(x W_gate) * (x W_up), fc1 = [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        # MoE: softmax top-k router, gate renormalised over the chosen experts (module docstring, point 1).
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_top_k,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=cfg.moe_top_k == 1,
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_router_dtype=None if dtype == "fp32" else "fp32",
+        moe_enable_routing_replay=routing_replay,
+        # Precision.
+        params_dtype=TORCH_DTYPES[dtype],
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        attention_softmax_in_fp32=True,
+        # Plain-PyTorch paths (no TransformerEngine / Apex / fused CUDA kernels on CPU).
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=cuda,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        **extra,
+    )
+
+
+def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True):  # -> GPTModel
+    """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
+
+    Same seed and config give bit-identical weights. The caller's global RNG state is left untouched (the build
+    runs inside `torch.random.fork_rng`). `routing_replay=True` gives every router a replay hook that
+    study/routing.py drives (free routing until told otherwise). The module keeps `study_config` and `study_dtype`.
+    Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`, `...experts.local_experts.{e}...`);
+    keep them stable, the HF weight map depends on them.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed = {seed!r}: must be a non-negative integer")
+    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay)
+    init_distributed()
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        model = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_seq_len,
+            pre_process=True,
+            post_process=True,
+            parallel_output=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=cfg.rotary_base,
+        )
+    model.to(device=_device(), dtype=TORCH_DTYPES[dtype])
+    model.study_config = cfg
+    model.study_dtype = dtype
+    return model
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's parameters."""
+    return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward helpers
+# ---------------------------------------------------------------------------------------------------------------------
+def positions_and_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Position ids (B, S) and megatron's boolean attention mask (B, 1, S, S), True = masked, or None.
+
+    `attention_mask` (B, S) is 1 on real tokens. None, or a right-padded mask (every row real tokens first), gives
+    positions 0..S-1 and no mask (the causal default is exact for real tokens). Any other layout (left padding,
+    holes) gives positions counted over real tokens and an explicit causal-and-padding mask.
+    """
+    b, s = input_ids.shape
+    arange = torch.arange(s, device=input_ids.device)
+    if attention_mask is None:
+        return arange.expand(b, s), None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    real = attention_mask.to(device=input_ids.device).bool()  # (B, S)
+    lengths = real.sum(-1, keepdim=True)  # (B, 1)
+    if bool((real == (arange < lengths)).all()):  # right-padded: nothing to mask
+        return arange.expand(b, s), None
+    position_ids = (real.long().cumsum(-1) - 1).clamp_min(0)  # (B, S)
+    causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)  # (S, S) True above diagonal
+    mask = causal[None] | ~real[:, None, :]  # (B, S, S): future keys and pad keys
+    return position_ids, mask[:, None]  # (B, 1, S, S)
+
+
+def _check_ids(model: torch.nn.Module, input_ids: torch.Tensor, name: str = "input_ids") -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"{name} must be (B, S), got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer tensor, got {input_ids.dtype}")
+    cfg: ModelConfig | None = getattr(model, "study_config", None)
+    if cfg is not None:
+        if input_ids.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"{name} length {input_ids.shape[1]} > model.max_seq_len = {cfg.max_seq_len}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            raise ValueError(f"{name} out of range [0, {cfg.vocab_size})")
+
+
+def logits(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None):
+    """Next-token logits (B, S, V) in the model's dtype. `attention_mask` (B, S): see `positions_and_mask`."""
+    _check_ids(model, input_ids)
+    device = model_device(model)
+    input_ids = input_ids.to(device)
+    position_ids, mask = positions_and_mask(input_ids, attention_mask)
+    return model(input_ids, position_ids, mask)  # (B, S, V)
+
+
+def token_logp(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log pi(targets[b, t] | input_ids[b, :t+1]) as (B, S) fp32, differentiable.
+
+    Uses megatron's labels path (`GPTModel(..., labels=targets)` returns the per-token cross entropy in fp32,
+    without materialising log-softmax over the vocabulary). For a prompt+response batch pass
+    `input_ids = tokens[:, :-1]`, `targets = tokens[:, 1:]`. Targets at positions the caller masks out must still be
+    valid token ids (use 0 for padding).
+    """
+    _check_ids(model, input_ids)
+    _check_ids(model, targets, "targets")
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    device = model_device(model)
+    input_ids, targets = input_ids.to(device), targets.to(device)
+    position_ids, mask = positions_and_mask(input_ids, attention_mask)
+    ce = model(input_ids, position_ids, mask, labels=targets)  # (B, S) fp32 cross entropy
+    return -ce.float()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimisation
+# ---------------------------------------------------------------------------------------------------------------------
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float | None = None,
+) -> torch.optim.AdamW:
+    """Plain torch AdamW over every trainable parameter. `eps` defaults to 1e-8, or 1e-6 for fp16 parameters
+    (1e-8 is below fp16's smallest subnormal)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if eps is None:
+        eps = 1e-6 if any(p.dtype == torch.float16 for p in params) else 1e-8
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for fp16 training (the usual scheme; megatron's DynamicGradScaler needs CUDA).
+
+    Usage: `scaler.scale(loss).backward(); stepped = scaler.step(optimizer, model.parameters())`. `step` unscales
+    the gradients in place, skips the optimizer step and backs the scale off when any gradient is inf/NaN, and
+    grows the scale after `growth_interval` clean steps.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+    ) -> None:
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise ValueError("need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss x scale, in fp32."""
+        return loss.float() * self.scale_value
+
+    def unscale_(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide every gradient by the scale in place; True when all of them are finite."""
+        finite = True
+        inv = 1.0 / self.scale_value
+        for p in params:
+            if p.grad is None:
+                continue
+            if not bool(torch.isfinite(p.grad).all()):
+                finite = False
+            p.grad.mul_(inv)
+        return finite
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Unscale, step unless a gradient overflowed, update the scale. Returns whether the step was taken."""
+        finite = self.unscale_(params)
+        if finite:
+            optimizer.step()
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale_value = min(self.scale_value * self.growth_factor, self.max_scale)
+        else:
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
+        return finite
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale_value = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Total parameters (all experts)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "TORCH_DTYPES",
+    "DynamicLossScaler",
+    "build_optimizer",
+    "build_policy",
+    "count_parameters",
+    "init_distributed",
+    "logits",
+    "model_device",
+    "norm_topk_prob",
+    "positions_and_mask",
+    "token_logp",
+    "transformer_config",
+]
