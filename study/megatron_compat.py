@@ -24,9 +24,8 @@ patch took effect, so a megatron upgrade that moves one fails loudly instead of 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +44,17 @@ SHIMS: tuple[tuple[str, str], ...] = (
 )
 
 _APPLIED = False
+# The attributes the shims replaced, as they were (MISSING where megatron leaves the name undefined); tests use them
+# to show each shim is still needed.
+MISSING = object()
+ORIGINALS: dict[tuple[str, str], Any] = {}
 _ORIGINAL_CURRENT_DEVICE: Callable[[], int] = torch.cuda.current_device
+
+
+def _replace(owner: Any, owner_name: str, attr: str, new: Any) -> None:
+    """Set owner.attr = new, remembering the original (first time only) in ORIGINALS."""
+    ORIGINALS.setdefault((owner_name, attr), getattr(owner, attr, MISSING))
+    setattr(owner, attr, new)
 
 
 def _shim(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,7 +96,7 @@ def _patch_current_device() -> None:
         # Megatron passes the result as `device=` / `.to(...)` (rotary inv_freq, router and dispatcher buffers).
         return torch.device("cpu")
 
-    torch.cuda.current_device = current_device
+    _replace(torch.cuda, "torch.cuda", "current_device", current_device)
 
 
 # 2. RNG tracker on the CPU generator ---------------------------------------------------------------------------------
@@ -115,9 +124,10 @@ def _patch_rng_tracker() -> None:
             raise Exception(f"cuda rng state {name} already exists")
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
-    mrandom._get_cuda_rng_state = _get_cuda_rng_state
-    mrandom._set_cuda_rng_state = _set_cuda_rng_state
-    mrandom.CudaRNGStatesTracker.add = add
+    name = "megatron.core.tensor_parallel.random"
+    _replace(mrandom, name, "_get_cuda_rng_state", _get_cuda_rng_state)
+    _replace(mrandom, name, "_set_cuda_rng_state", _set_cuda_rng_state)
+    _replace(mrandom.CudaRNGStatesTracker, f"{name}.CudaRNGStatesTracker", "add", add)
 
 
 # 3. Causal masks on the CPU ----------------------------------------------------------------------------------------
@@ -138,8 +148,8 @@ def _patch_causal_masks() -> None:
         return ~torch.tril(mu, diagonal=skv - sq + window_size[1])  # (sq, skv) True = masked
 
     for module in (tutils, fused_softmax):  # fused_softmax imported both by name
-        module.get_default_causal_mask = get_default_causal_mask
-        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+        _replace(module, module.__name__, "get_default_causal_mask", get_default_causal_mask)
+        _replace(module, module.__name__, "get_sliding_window_causal_mask", get_sliding_window_causal_mask)
 
 
 # 4. te_general_gemm without TransformerEngine ------------------------------------------------------------------------
@@ -148,15 +158,4 @@ def _patch_te_general_gemm() -> None:
 
     # moe_utils.RouterGatingLinearFunction.forward reads `te_general_gemm`, defined only when TE imports.
     if getattr(moe_utils, "te_general_gemm", None) is None:
-        moe_utils.te_general_gemm = None
-
-
-@contextlib.contextmanager
-def original_current_device() -> Iterator[None]:
-    """Temporarily restore torch.cuda.current_device (for tests that show the unpatched failure)."""
-    patched = torch.cuda.current_device
-    torch.cuda.current_device = _ORIGINAL_CURRENT_DEVICE
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = patched
+        _replace(moe_utils, moe_utils.__name__, "te_general_gemm", None)
