@@ -350,7 +350,11 @@ def _long_table(
     index: Sequence[str],
     metrics: Sequence[str] | None,
 ) -> pd.DataFrame:
-    """Melt per-run wide tables into one long table with numpy (no per-run pandas work)."""
+    """Melt per-run wide tables into one long table with numpy (no per-run pandas work).
+
+    Two passes: per run a (metrics, steps) matrix and its logged-mask, then every output column is filled in place
+    in one preallocated array (the table is ~10^7 rows: copies, not Python, are what cost).
+    """
     if metrics is None:
         names: dict[str, None] = {}
         for t in tables:
@@ -362,48 +366,61 @@ def _long_table(
         metric_names = list(names)
     else:
         metric_names = list(metrics)
-    blocks: dict[str, list[np.ndarray]] = {c: [] for c in index}
-    run_idx: list[np.ndarray] = []
-    metric_idx: list[np.ndarray] = []
-    values: list[np.ndarray] = []
+    per_run: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]] | None] = []
+    run_rows = np.zeros(len(tables), dtype=np.int64)
     for i, t in enumerate(tables):
         if t is None or t.num_rows == 0:
+            per_run.append(None)
             continue
         n = t.num_rows
-        idx_cols = {c: _column(t, c, n) for c in index}
-        present = [(j, m) for j, m in enumerate(metric_names) if m in t.column_names]
-        if not present:
-            continue
+        present = [j for j, m in enumerate(metric_names) if m in t.column_names]
         mat = np.empty((len(present), n), dtype=np.float64)  # (metrics, steps)
-        for row, (_, m) in enumerate(present):
-            mat[row] = _column(t, m, n)
-        keep = ~np.isnan(mat)  # a metric not logged at a step has no row
-        counts = keep.sum(axis=1)
-        total = int(counts.sum())
-        values.append(mat[keep])
-        metric_idx.append(np.repeat(np.array([j for j, _ in present], dtype=np.int32), counts))
-        rows = np.nonzero(keep)[1]
-        for c in index:
-            blocks[c].append(idx_cols[c][rows])
-        run_idx.append(np.full(total, i, dtype=np.int32))
+        for row, j in enumerate(present):
+            mat[row] = _column(t, metric_names[j], n)
+        keep = ~np.isnan(mat)
+        full = bool(keep.all())
+        run_rows[i] = mat.size if full else int(keep.sum())
+        per_run.append(
+            (n, np.asarray(present, dtype=np.int64), mat, None if full else keep, {c: _column(t, c, n) for c in index})
+        )
 
-    def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype=dtype)
+    total = int(run_rows.sum())
+    metric_codes = np.empty(total, dtype=_code_dtype(len(metric_names)))
+    value = np.empty(total, dtype=np.float64)
+    idx_out = {c: np.empty(total, dtype=np.int32 if c in (STEP, LAYER) else np.float64) for c in index}
+    offset = 0
+    for item, rows in zip(per_run, run_rows, strict=True):
+        if item is None:
+            continue
+        n, present, mat, keep, idx_cols = item
+        sl = slice(offset, offset + int(rows))
+        if keep is None:  # every metric logged at every step: plain reshapes
+            value[sl] = mat.ravel()
+            metric_codes[sl] = np.repeat(present, n)
+            for c in index:
+                idx_out[c][sl].reshape(len(present), n)[:] = idx_cols[c]
+        else:
+            value[sl] = mat[keep]
+            metric_codes[sl] = np.repeat(present, keep.sum(axis=1))
+            for c in index:
+                idx_out[c][sl] = np.broadcast_to(idx_cols[c], mat.shape)[keep]
+        offset += int(rows)
 
-    ridx = cat(run_idx, np.int32)
     out: dict[str, Any] = {}
-    for col, per_run in run_cols.items():
-        out[col] = _categorical_by_run(per_run, ridx)
-    for c in index:
-        dtype = np.int64 if c in (STEP, LAYER) else np.float64
-        out[c] = cat(blocks[c], dtype)
-    out[METRIC] = pd.Categorical.from_codes(cat(metric_idx, np.int32), categories=pd.Index(metric_names, dtype=object))
-    out[VALUE] = cat(values, np.float64)
+    for col, values in run_cols.items():
+        out[col] = _categorical_by_run(values, run_rows)
+    out.update(idx_out)
+    out[METRIC] = pd.Categorical.from_codes(metric_codes, categories=pd.Index(metric_names, dtype=object))
+    out[VALUE] = value
     return pd.DataFrame(out, copy=False)
 
 
-def _categorical_by_run(per_run: Sequence[Any], ridx: np.ndarray) -> pd.Categorical:
-    """A categorical column with one value per run, expanded to rows by `ridx` (run index per row)."""
+def _code_dtype(n: int) -> type:
+    return np.int8 if n < 127 else np.int16 if n < 32767 else np.int32
+
+
+def _categorical_by_run(per_run: Sequence[Any], run_rows: np.ndarray) -> pd.Categorical:
+    """A categorical column with one value per run, repeated `run_rows[i]` times for run i."""
     values = [None if v is None or (isinstance(v, float) and np.isnan(v)) else v for v in per_run]
     uniq = list(dict.fromkeys(v for v in values if v is not None))
     try:
@@ -411,11 +428,11 @@ def _categorical_by_run(per_run: Sequence[Any], ridx: np.ndarray) -> pd.Categori
     except TypeError:
         uniq_sorted = sorted(uniq, key=str)
     lookup = {v: k for k, v in enumerate(uniq_sorted)}
-    codes = np.array([lookup[v] if v is not None else -1 for v in values], dtype=np.int32)
+    codes = np.array([lookup[v] if v is not None else -1 for v in values], dtype=_code_dtype(len(uniq_sorted)))
     cats = pd.Index(uniq_sorted) if uniq_sorted else pd.Index([], dtype=object)
     if cats.dtype.kind not in "biuf":
         cats = pd.Index(uniq_sorted, dtype=object)
-    return pd.Categorical.from_codes(codes[ridx] if len(codes) else np.empty(0, np.int32), categories=cats)
+    return pd.Categorical.from_codes(np.repeat(codes, run_rows), categories=cats)
 
 
 def _column(t: pa.Table, name: str, n: int) -> np.ndarray:

@@ -1,0 +1,440 @@
+"""Statistics over seeds: bootstrap confidence intervals, final-window summaries, collapse detection, and curves
+aggregated on a common compute grid.
+
+Every function takes the tidy long table of `analysis.tidy` (or a slice of it). "A configuration" is a group of
+runs that differ only by seed: by default the grouping columns are `algorithm` and every swept axis (all columns of
+the long table that are not run_id, seed, step, compute_flops, wall_s, metric, value).
+
+Confidence intervals are percentile bootstraps over seeds (runs), seeded, so a report is reproducible. With n seeds
+the bootstrap resamples n values: below about 5 seeds its intervals are too narrow (a Sober Look, arXiv 2504.07086,
+is why the report prints n next to every interval). With one seed there is no interval (NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from analysis.tidy import ALGORITHM, COMPUTE, METRIC, RUN_ID, SEED, STEP, VALUE, WALL
+
+NON_GROUP = frozenset({RUN_ID, SEED, STEP, COMPUTE, WALL, METRIC, VALUE, "layer"})
+
+
+@dataclass(frozen=True)
+class CI:
+    """A point estimate with a confidence interval over n independent samples (seeds)."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+    confidence: float = 0.95
+
+    def covers(self, value: float) -> bool:
+        return bool(self.low <= value <= self.high)
+
+    def __str__(self) -> str:
+        return f"{self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n})"
+
+
+def group_columns(long: pd.DataFrame) -> list[str]:
+    """Columns that identify a configuration: algorithm and the swept axes, in table order."""
+    return [c for c in long.columns if c not in NON_GROUP and c != "state"]
+
+
+def bootstrap_ci(
+    samples: Sequence[float] | np.ndarray,
+    *,
+    statistic: Callable[..., np.ndarray] = np.mean,
+    confidence: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    method: str = "percentile",
+) -> CI:
+    """Bootstrap CI of `statistic` (default the mean) with `scipy.stats.bootstrap`; NaN samples are ignored."""
+    x = np.asarray(samples, dtype=np.float64)
+    x = x[~np.isnan(x)]
+    n = int(x.size)
+    if n == 0:
+        return CI(np.nan, np.nan, np.nan, 0, confidence)
+    estimate = float(statistic(x))
+    if n < 2 or np.all(x == x[0]):
+        low = high = np.nan if n < 2 else estimate
+        return CI(estimate, low, high, n, confidence)
+    res = sps.bootstrap(
+        (x,),
+        statistic,
+        confidence_level=confidence,
+        n_resamples=n_resamples,
+        method=method,
+        vectorized=True,
+        axis=-1,
+        rng=np.random.default_rng(seed),
+    )
+    return CI(estimate, float(res.confidence_interval.low), float(res.confidence_interval.high), n, confidence)
+
+
+def bootstrap_mean_band(
+    values: np.ndarray,
+    *,
+    confidence: float = 0.95,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised percentile bootstrap of the mean over rows of `values` (runs, points), NaN-aware.
+
+    The same resampled seeds are used at every point, so the band is that of a curve, not of independent points.
+    Returns (mean, low, high, n) per point; low/high are NaN where fewer than two runs have a value.
+    """
+    y = np.asarray(values, dtype=np.float64)
+    if y.ndim == 1:
+        y = y[:, None]
+    n_runs, n_points = y.shape
+    valid = ~np.isnan(y)
+    n = valid.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, np.nansum(y, axis=0) / np.maximum(n, 1), np.nan)
+    low = np.full(n_points, np.nan)
+    high = np.full(n_points, np.nan)
+    if n_runs < 2:
+        return mean, low, high, n
+    rng = np.random.default_rng(seed)
+    filled = np.where(valid, y, 0.0)
+    alpha = (1.0 - confidence) / 2.0
+    chunk = max(1, int(4e7 // max(1, n_runs * n_points)))
+    means = np.empty((n_resamples, n_points))
+    for start in range(0, n_resamples, chunk):
+        stop = min(n_resamples, start + chunk)
+        idx = rng.integers(0, n_runs, size=(stop - start, n_runs))  # (R, n_runs) resampled seeds
+        s = filled[idx].sum(axis=1)  # (R, P)
+        c = valid[idx].sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means[start:stop] = np.where(c > 0, s / c, np.nan)
+    ok = n >= 2
+    if ok.any():
+        q = np.nanquantile(means[:, ok], [alpha, 1.0 - alpha], axis=0)
+        low[ok], high[ok] = q[0], q[1]
+    return mean, low, high, n
+
+
+# --- per-run reductions -----------------------------------------------------------------------------------------------
+def metric_rows(long: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The rows of one metric, sorted by run then step (raises listing the metrics present)."""
+    col = long[METRIC]
+    cats = col.cat.categories if isinstance(col.dtype, pd.CategoricalDtype) else pd.Index(col.unique())
+    if metric not in cats:
+        raise KeyError(f"metric {metric!r} not in the table; present: {', '.join(map(str, cats))}")
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        rows = long[col.cat.codes.to_numpy() == cats.get_loc(metric)]
+    else:
+        rows = long[col.to_numpy() == metric]
+    run = rows[RUN_ID]
+    codes = run.cat.codes.to_numpy() if isinstance(run.dtype, pd.CategoricalDtype) else pd.factorize(run)[0]
+    step = rows[STEP].to_numpy()
+    same_run = codes[1:] == codes[:-1]
+    if not (np.all(codes[1:] >= codes[:-1]) and np.all(step[1:][same_run] >= step[:-1][same_run])):
+        rows = rows.iloc[np.lexsort((step, codes))]
+    return rows
+
+
+def _run_slices(rows: pd.DataFrame) -> list[tuple[int, int]]:
+    """(start, stop) of each run's contiguous block in `rows` (sorted by run)."""
+    run = rows[RUN_ID]
+    codes = run.cat.codes.to_numpy() if isinstance(run.dtype, pd.CategoricalDtype) else pd.factorize(run)[0]
+    if codes.size == 0:
+        return []
+    cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
+    starts = np.concatenate([[0], cuts])
+    stops = np.concatenate([cuts, [codes.size]])
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def _run_info(rows: pd.DataFrame, slices: list[tuple[int, int]], cols: Sequence[str]) -> pd.DataFrame:
+    first = np.array([s for s, _ in slices], dtype=np.int64)
+    info = rows.iloc[first][[RUN_ID, *cols]].reset_index(drop=True)
+    for c in info.columns:
+        if isinstance(info[c].dtype, pd.CategoricalDtype):
+            info[c] = info[c].astype(info[c].cat.categories.dtype)
+    return info
+
+
+def final_window(long: pd.DataFrame, metric: str, *, frac: float = 0.1, min_points: int = 1) -> pd.DataFrame:
+    """Per run: the mean of `metric` over the last `frac` of its logged points (at least `min_points`).
+
+    Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_to.
+    A collapsed or failed run's window is the last stretch it logged before stopping.
+    """
+    if not 0 < frac <= 1:
+        raise ValueError(f"frac = {frac}: valid range is (0, 1]")
+    rows = metric_rows(long, metric)
+    slices = _run_slices(rows)
+    v = rows[VALUE].to_numpy()
+    st = rows[STEP].to_numpy()
+    cx = rows[COMPUTE].to_numpy() if COMPUTE in rows else np.full(len(rows), np.nan)
+    cols = [*group_columns(long), SEED]
+    info = _run_info(rows, slices, cols)
+    out_v, out_n, out_from, out_to, out_c = [], [], [], [], []
+    for start, stop in slices:
+        k = max(min_points, int(np.ceil(frac * (stop - start))))
+        lo = max(start, stop - k)
+        out_v.append(float(np.mean(v[lo:stop])))
+        out_n.append(stop - lo)
+        out_from.append(int(st[lo]))
+        out_to.append(int(st[stop - 1]))
+        out_c.append(float(cx[stop - 1]))
+    info["value"] = out_v
+    info["n_points"] = out_n
+    info["step_from"] = out_from
+    info["step_to"] = out_to
+    info["compute_to"] = out_c
+    return info
+
+
+def run_mean(long: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Per run: the mean of `metric` over all its logged steps (e.g. the paper's average clip fraction)."""
+    return final_window(long, metric, frac=1.0)
+
+
+def summarize(
+    per_run: pd.DataFrame,
+    *,
+    value: str = "value",
+    by: Sequence[str] | None = None,
+    confidence: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Mean and bootstrap CI over seeds of a per-run value, one row per configuration (group).
+
+    Columns: the `by` columns, mean, low, high, n (runs with a value), std.
+    """
+    by = list(by) if by is not None else [c for c in per_run.columns if c in group_columns(per_run)]
+    by = [c for c in by if c not in ("value", "n_points", "step_from", "step_to", "compute_to", "state")]
+    records = []
+    for key, grp in per_run.groupby(by, sort=True, dropna=False, observed=True):
+        key = key if isinstance(key, tuple) else (key,)
+        ci = bootstrap_ci(grp[value].to_numpy(), confidence=confidence, n_resamples=n_resamples, seed=seed)
+        x = grp[value].to_numpy(dtype=np.float64)
+        records.append(
+            {
+                **dict(zip(by, key, strict=True)),
+                "mean": ci.estimate,
+                "low": ci.low,
+                "high": ci.high,
+                "n": ci.n,
+                "std": float(np.nanstd(x, ddof=1)) if ci.n > 1 else np.nan,
+            }
+        )
+    return pd.DataFrame.from_records(records, columns=[*by, "mean", "low", "high", "n", "std"])
+
+
+def final_summary(
+    long: pd.DataFrame,
+    metric: str,
+    *,
+    frac: float = 0.1,
+    by: Sequence[str] | None = None,
+    runs: pd.DataFrame | None = None,
+    states: Sequence[str] | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Final-window mean per run, then mean and CI over seeds per configuration.
+
+    With `runs` (the per-run table), `states` keeps only runs in those states (e.g. ("completed",)) and the summary
+    counts the runs of each configuration that collapsed or failed (`n_collapsed`, `n_failed`), so a mean over the
+    survivors is never mistaken for a mean over all seeds.
+    """
+    per_run = final_window(long, metric, frac=frac)
+    counts = None
+    if runs is not None:
+        per_run = per_run.merge(runs[[RUN_ID, "state"]], on=RUN_ID, how="left")
+        states_df = per_run.copy()
+        if states is not None:
+            per_run = per_run[per_run["state"].isin(states)]
+        by_cols = list(by) if by is not None else group_columns(long)
+        counts = (
+            states_df.assign(
+                n_collapsed=states_df["state"].eq("collapsed"),
+                n_failed=states_df["state"].eq("failed"),
+            )
+            .groupby(by_cols, sort=False, dropna=False, observed=True)[["n_collapsed", "n_failed"]]
+            .sum()
+            .reset_index()
+        )
+    out = summarize(per_run, by=by if by is not None else group_columns(long), confidence=confidence, seed=seed)
+    if counts is not None:
+        out = out.merge(counts, on=[c for c in out.columns if c in counts.columns], how="left")
+    return out
+
+
+# --- collapse -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Collapse:
+    """Where and why a reward curve collapsed."""
+
+    step: int
+    reason: str
+
+
+def detect_collapse(
+    steps: np.ndarray,
+    values: np.ndarray,
+    *,
+    floor: float | None = None,
+    rel_drop: float | None = 0.5,
+    window: int = 10,
+    min_peak: float = 0.05,
+) -> Collapse | None:
+    """First step where the reward curve collapsed, or None.
+
+    Rules, in order of precedence at each step: a non-finite value; the rolling mean (over `window` steps) below
+    `floor`; the rolling mean below (1 - rel_drop) x its running peak, once that peak exceeds `min_peak` (a run that
+    never learned cannot collapse by this rule). The step reported is the last step of the first window that trips.
+    """
+    steps = np.asarray(steps)
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return None
+    bad = ~np.isfinite(v)
+    if bad.any():
+        return Collapse(int(steps[np.argmax(bad)]), "non-finite value")
+    w = max(1, min(window, v.size))
+    roll = np.convolve(v, np.ones(w) / w, mode="valid")  # roll[i] = mean v[i : i + w]
+    end = steps[w - 1 :]
+    hits: list[tuple[int, str]] = []
+    if floor is not None:
+        below = roll < floor
+        if below.any():
+            i = int(np.argmax(below))
+            hits.append((i, f"rolling mean {roll[i]:.3g} < floor {floor:g}"))
+    if rel_drop is not None:
+        peak = np.maximum.accumulate(roll)
+        drop = (peak > min_peak) & (roll < (1.0 - rel_drop) * peak)
+        if drop.any():
+            i = int(np.argmax(drop))
+            hits.append((i, f"rolling mean {roll[i]:.3g} < {1 - rel_drop:g} x peak {peak[i]:.3g}"))
+    if not hits:
+        return None
+    i, reason = min(hits)
+    return Collapse(int(end[i]), reason)
+
+
+def collapse_table(
+    long: pd.DataFrame,
+    runs: pd.DataFrame,
+    metric: str = "reward_mean",
+    **rules: float | int | None,
+) -> pd.DataFrame:
+    """Per run: the collapse the run reported (status.json) and the one `detect_collapse` finds in `metric`.
+
+    Columns: run_id, algorithm, state, reported_step, reported_reason, detected_step, detected_reason, collapsed
+    (reported or detected), collapse_step (reported if any, else detected), collapse_compute (compute at that step).
+    """
+    rows = metric_rows(long, metric)
+    detected: dict[str, Collapse | None] = {}
+    compute_at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    st, v, cx = rows[STEP].to_numpy(), rows[VALUE].to_numpy(), rows[COMPUTE].to_numpy()
+    rid = rows[RUN_ID].astype(str).to_numpy()
+    for start, stop in _run_slices(rows):
+        detected[rid[start]] = detect_collapse(st[start:stop], v[start:stop], **rules)  # type: ignore[arg-type]
+        compute_at[rid[start]] = (st[start:stop], cx[start:stop])
+    out = runs[[RUN_ID, ALGORITHM, "state", "collapse_step", "collapse_reason"]].rename(
+        columns={"collapse_step": "reported_step", "collapse_reason": "reported_reason"}
+    )
+    out = out.copy()
+    out["detected_step"] = pd.array([getattr(detected.get(r), "step", None) for r in out[RUN_ID]], dtype="Int64")
+    out["detected_reason"] = [getattr(detected.get(r), "reason", None) for r in out[RUN_ID]]
+    out["collapsed"] = out["state"].eq("collapsed") | out["detected_step"].notna()
+    out["collapse_step"] = out["reported_step"].fillna(out["detected_step"])
+    comp = []
+    for r, s in zip(out[RUN_ID], out["collapse_step"], strict=True):
+        if pd.isna(s) or r not in compute_at:
+            comp.append(np.nan)
+            continue
+        steps, cs = compute_at[r]
+        i = min(int(np.searchsorted(steps, int(s))), len(steps) - 1)
+        comp.append(float(cs[i]))
+    out["collapse_compute"] = comp
+    return out
+
+
+# --- curves on a common compute grid ---------------------------------------------------------------------------------
+def compute_grid(x: np.ndarray, *, n: int = 100, log: bool = True) -> np.ndarray:
+    """`n` points spanning the positive range of `x` (geometric when `log`)."""
+    x = np.asarray(x, dtype=np.float64)
+    x = x[np.isfinite(x) & ((x > 0) if log else True)]
+    if x.size == 0:
+        raise ValueError("no finite (positive, for a log grid) x values to build a grid from")
+    lo, hi = float(x.min()), float(x.max())
+    if lo == hi:
+        return np.array([lo])
+    return np.geomspace(lo, hi, n) if log else np.linspace(lo, hi, n)
+
+
+def interpolate_runs(
+    rows: pd.DataFrame,
+    grid: np.ndarray,
+    *,
+    x: str = COMPUTE,
+    log: bool = True,
+    smooth: int | None = None,
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """Each run's curve (one metric's rows) interpolated onto `grid`: (run info, (runs, len(grid)) matrix).
+
+    Interpolation is linear in log x when `log`; a run has NaN outside its own x range (no extrapolation), so a
+    collapsed run stops where it stopped. `smooth` applies a trailing rolling mean over that many steps first.
+    """
+    slices = _run_slices(rows)
+    xs, v = rows[x].to_numpy(dtype=np.float64), rows[VALUE].to_numpy(dtype=np.float64)
+    g = np.log(grid) if log else np.asarray(grid, dtype=np.float64)
+    mat = np.full((len(slices), len(grid)), np.nan)
+    for i, (start, stop) in enumerate(slices):
+        xi, vi = xs[start:stop], v[start:stop]
+        if smooth and smooth > 1:
+            vi = pd.Series(vi).rolling(smooth, min_periods=1).mean().to_numpy()
+        ok = np.isfinite(xi) & np.isfinite(vi) & ((xi > 0) if log else True)
+        if not ok.any():
+            continue
+        xi, vi = (np.log(xi[ok]) if log else xi[ok]), vi[ok]
+        mat[i] = np.interp(g, xi, vi, left=np.nan, right=np.nan)
+    info = _run_info(rows, slices, [c for c in group_columns(rows) if c in rows.columns] + [SEED])
+    return info, mat
+
+
+def aggregate_curves(
+    long: pd.DataFrame,
+    metric: str,
+    *,
+    by: Sequence[str] | None = None,
+    x: str = COMPUTE,
+    grid: np.ndarray | None = None,
+    n_grid: int = 100,
+    log: bool = True,
+    smooth: int | None = None,
+    confidence: float = 0.95,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Mean curve and bootstrap band over seeds per configuration, on one grid shared by every configuration.
+
+    Columns: the `by` columns, x (named as `x`), mean, low, high, n (runs with a value at that x).
+    """
+    rows = metric_rows(long, metric)
+    by = list(by) if by is not None else group_columns(long)
+    grid = compute_grid(rows[x].to_numpy(), n=n_grid, log=log) if grid is None else np.asarray(grid, np.float64)
+    info, mat = interpolate_runs(rows, grid, x=x, log=log, smooth=smooth)
+    frames = []
+    for key, idx in info.groupby(by, sort=True, dropna=False).indices.items():
+        key = key if isinstance(key, tuple) else (key,)
+        mean, low, high, n = bootstrap_mean_band(mat[idx], confidence=confidence, n_resamples=n_resamples, seed=seed)
+        frame = pd.DataFrame({x: grid, "mean": mean, "low": low, "high": high, "n": n})
+        for col, val in zip(by, key, strict=True):
+            frame[col] = val
+        frames.append(frame)
+    cols = [*by, x, "mean", "low", "high", "n"]
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
