@@ -1,0 +1,181 @@
+"""The Megatron-core MoE policy on CPU: log-probs, training step, determinism, dtypes, padding, bad inputs."""
+
+import pytest
+import torch
+
+from study.config import preset
+from study.model import (
+    DynamicLossScaler,
+    build_optimizer,
+    build_policy,
+    init_distributed,
+    logits,
+    norm_topk_prob,
+    token_logp,
+)
+
+TINY = preset("tiny")
+
+
+def _batch(b: int = 3, s: int = 17, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))  # (B, S)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_policy(TINY, seed=0)
+
+
+def test_labels_path_matches_log_softmax_gather(model):
+    ids = _batch()
+    with torch.no_grad():
+        logp = token_logp(model, ids[:, :-1], ids[:, 1:])  # (B, T)
+        ref = logits(model, ids[:, :-1]).float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # (B, T)
+    assert logp.dtype == torch.float32 and logp.shape == (3, 16)
+    assert (logp - ref).abs().max() <= 1e-6
+
+
+def test_logits_shape_and_dtype(model):
+    out = logits(model, _batch()[:, :-1])
+    assert out.shape == (3, 16, TINY.vocab_size) and out.dtype == torch.float32
+
+
+def test_train_step_moves_every_parameter():
+    model = build_policy(TINY, seed=1)
+    opt = build_optimizer(model, lr=1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = _batch(4, 33)
+    loss = -token_logp(model, ids[:, :-1], ids[:, 1:]).mean()
+    loss.backward()
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, f"no gradient: {no_grad}"
+    opt.step()
+    still = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert not still, f"unchanged after a step: {still}"
+    groups = {n.split(".")[-2] for n in before}  # router, linear_fc1/2, linear_qkv, *_layernorm, ...
+    assert {"router", "linear_fc1", "linear_fc2", "linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"} <= groups
+    with torch.no_grad():
+        assert -token_logp(model, ids[:, :-1], ids[:, 1:]).mean() < loss  # it learned something
+
+
+def test_same_seed_same_weights_and_logp(model):
+    rng_before = torch.get_rng_state()
+    again = build_policy(TINY, seed=0)
+    assert torch.equal(torch.get_rng_state(), rng_before), "build_policy touched the caller's RNG"
+    other = build_policy(TINY, seed=1)
+    sd, sd2, sd3 = model.state_dict(), again.state_dict(), other.state_dict()
+    weights = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert all(torch.equal(sd[k], sd2[k]) for k in weights)
+    assert not torch.equal(sd["decoder.layers.0.mlp.router.weight"], sd3["decoder.layers.0.mlp.router.weight"])
+    ids = _batch()
+    with torch.no_grad():
+        assert torch.equal(token_logp(model, ids[:, :-1], ids[:, 1:]), token_logp(again, ids[:, :-1], ids[:, 1:]))
+
+
+def test_parameter_names_are_stable(model):
+    names = {n for n, _ in model.named_parameters()}
+    for expected in (
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "decoder.final_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+    ):
+        assert expected in names
+    fc1 = dict(model.named_parameters())["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert fc1.shape == (2 * TINY.moe_ffn_hidden_size, TINY.hidden_size)  # [gate; up]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision(model, dtype):
+    low = build_policy(TINY, seed=0, dtype=dtype)
+    want = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert all(p.dtype == want for p in low.parameters())
+    ids = _batch()
+    with torch.no_grad():
+        lp, ref = token_logp(low, ids[:, :-1], ids[:, 1:]), token_logp(model, ids[:, :-1], ids[:, 1:])
+    assert lp.dtype == torch.float32 and torch.isfinite(lp).all()
+    diff = (lp - ref).abs().mean()
+    assert 0 < diff < 0.05, f"{dtype} vs fp32 mean |diff| = {diff}"
+
+
+def test_fp16_step_with_loss_scaler():
+    model = build_policy(TINY, seed=2, dtype="fp16")
+    opt = build_optimizer(model, lr=1e-3)
+    assert opt.defaults["eps"] >= 1e-6
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = _batch(2, 17)
+    scaler.scale(-token_logp(model, ids[:, :-1], ids[:, 1:]).mean()).backward()
+    assert scaler.step(opt, model.parameters())
+    assert scaler.scale_value == 2.0**11
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert sum(not torch.equal(p, before[n]) for n, p in model.named_parameters()) == len(before)
+
+
+def test_loss_scaler_skips_overflow():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = DynamicLossScaler(init_scale=8.0)
+    p.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float16)
+    assert not scaler.step(opt, [p])
+    assert torch.equal(p.detach(), torch.ones(3, dtype=torch.float16)) and scaler.scale_value == 4.0
+    p.grad = torch.tensor([4.0, 0.0, 0.0], dtype=torch.float16)
+    assert scaler.step(opt, [p])
+    assert p.detach().tolist() == [0.0, 1.0, 1.0]  # grad unscaled to 1.0 before the step
+
+
+def test_right_padding_needs_no_mask_and_left_padding_matches(model):
+    ids = _batch(1, 12)
+    with torch.no_grad():
+        plain = token_logp(model, ids[:, :-1], ids[:, 1:])  # (1, 11)
+        # Right padding: 4 pad tokens after the sequence; the mask is recognised as right-padded.
+        right = torch.cat([ids, torch.zeros(1, 4, dtype=ids.dtype)], 1)
+        mask = torch.cat([torch.ones(1, 12), torch.zeros(1, 4)], 1)
+        lp_r = token_logp(model, right[:, :-1], right[:, 1:], attention_mask=mask[:, :-1])
+        assert torch.allclose(lp_r[:, :11], plain, atol=1e-6)
+        # Left padding: 4 pads first; positions restart and pad keys are masked.
+        left = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), ids], 1)
+        mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 12)], 1)
+        lp_l = token_logp(model, left[:, :-1], left[:, 1:], attention_mask=mask[:, :-1])
+        assert torch.allclose(lp_l[:, 4:], plain, atol=1e-5)
+        assert torch.isfinite(lp_l).all()
+
+
+def test_top1_uses_pre_softmax_router():
+    cfg = TINY.replace(num_layers=1, moe_top_k=1)
+    assert norm_topk_prob(cfg) is False and norm_topk_prob(TINY) is True
+    model = build_policy(cfg, seed=0)
+    assert model.config.moe_router_pre_softmax is True
+    ids = _batch(2, 9)
+    (-token_logp(model, ids[:, :-1], ids[:, 1:]).mean()).backward()
+    assert model.decoder.layers[0].mlp.router.weight.grad.abs().sum() > 0
+
+
+def test_aux_loss_is_off_by_default_and_opt_in(model):
+    assert model.config.moe_aux_loss_coeff == 0.0 and model.config.moe_router_load_balancing_type == "none"
+    with_aux = build_policy(TINY.replace(num_layers=1, extra={"moe_aux_loss_coeff": 1e-3}), seed=0)
+    assert with_aux.config.moe_aux_loss_coeff == 1e-3 and with_aux.config.moe_router_load_balancing_type == "aux_loss"
+
+
+def test_bad_inputs(model):
+    with pytest.raises(ValueError, match="dtype"):
+        build_policy(TINY, seed=0, dtype="fp8")
+    with pytest.raises(ValueError, match="seed"):
+        build_policy(TINY, seed=-1)
+    with pytest.raises(TypeError):
+        build_policy({"num_layers": 2}, seed=0)
+    with pytest.raises(ValueError, match="moe_top_k"):
+        TINY.replace(moe_top_k=5)
+    with pytest.raises(ValueError, match="out of range"):
+        token_logp(model, torch.full((1, 4), TINY.vocab_size), torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        logits(model, torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets shape"):
+        token_logp(model, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        logits(model, torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="already initialised"):
+        init_distributed(tensor_parallel=2)
+    init_distributed()  # idempotent with the initialised sizes
