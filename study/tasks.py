@@ -1,0 +1,576 @@
+"""Verifiable tasks for the RL study: reasoning-gym generators and verifiers behind one small interface.
+
+A task item is a prompt, a reference solution (the cold-start SFT target), the reference answer and reasoning-gym's
+metadata. The format is compact and has no chat template, so a tiny model trained from scratch can learn it:
+
+    prompt:   "sum 4-1-7\\n"
+    solution: "4-1=3\\n3-7=-4\\n#### -4"
+
+The solution works the problem one operation per line and ends with the answer after the delimiter `####`
+(GSM8K's). `extract_answer` takes the text after the last `####` up to the end of that line; `score` hands it to
+reasoning-gym's own verifier for the task. A response cut at the length limit is scored as it stands: cut before the
+delimiter it has no answer, cut inside the answer it has a wrong one.
+
+Rewards are binary by default: 1.0 when the verifier gives full credit, else 0.0 (`partial_credit=True` passes the
+verifier's raw score through). reasoning-gym's partial credits are format shaping (countdown pays 0.01 for no answer
+and 0.05 for a wrong expression) or substring matches ("1214" earns 0.75 against "214"), neither of which the paper's
+verifier rewards have.
+
+Tasks and knobs (each range knob takes an int or a (min, max) pair):
+
+- `chain_sum`: `terms` operands joined by + and -, each of `digits` digits. The worked solution has terms-1 lines,
+  so `terms` is the generation-length knob.
+- `basic_arithmetic`: `terms` operands of up to `digits` digits (negatives and parentheses allowed) with the
+  `operators` (a subset of "+-*/"; "/" is floor division, as reasoning-gym evaluates it). One line per operation.
+- `countdown`: reach a target with all `terms` source numbers of `digits` digits and the `operators`; the solution
+  evaluates a reference expression line by line and answers with the expression.
+- `gsm_symbolic`: GSM8K-style word problems; the solution is reasoning-gym's worked answer. reasoning-gym has one
+  difficulty, so the knob is `steps`: the number of worked lines before the answer (items are drawn until one fits).
+
+Held-out evaluation sets (`eval_set`) have fixed seeds: `in_dist` draws from the default knobs (the analogue of the
+paper's AIME'24), `hard` from longer problems (the analogue of LiveCodeBench). Training streams (`make_task`) never
+yield a prompt of either set of the same task. Score them with `pass_at_1` (mean pass@1 over k samples per problem).
+
+User data (`load_user_data`): a JSONL or parquet file of (prompt, answer[, solution][, metadata]) rows scored by a
+named verifier: `exact`, `numeric`, or any reasoning-gym task's own scorer.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import reasoning_gym
+from reasoning_gym import utils as rg_utils
+from reasoning_gym.factory import DATASETS as RG_DATASETS
+from reasoning_gym.factory import get_score_answer_fn
+
+ANSWER_DELIMITER = "####"
+"""The answer follows the last occurrence of this marker in a response, up to the end of its line."""
+
+TASKS: tuple[str, ...] = ("chain_sum", "basic_arithmetic", "countdown", "gsm_symbolic")
+"""Generated task names, in a fixed order."""
+
+EVAL_SPLITS: tuple[str, ...] = ("in_dist", "hard")
+"""Held-out evaluation splits: in-distribution (default knobs) and harder/longer."""
+
+USER_VERIFIERS: tuple[str, ...] = ("exact", "numeric")
+"""Verifiers for user data besides reasoning-gym's task scorers."""
+
+OPERATORS = "+-*/"
+_MAX_DRAWS = 1000
+_GSM_SUFFIX = " Give the result as your final answer. Do not include units."
+
+# Valid range of every range knob, per task; the knobs a task takes are exactly the keys listed here (plus
+# `operators` where _TAKES_OPERATORS says so).
+_RANGES: dict[str, dict[str, tuple[int, int]]] = {
+    "chain_sum": {"terms": (2, 16), "digits": (1, 6)},
+    "basic_arithmetic": {"terms": (2, 10), "digits": (1, 4)},
+    "countdown": {"terms": (2, 6), "digits": (1, 3)},
+    "gsm_symbolic": {"steps": (1, 30)},
+}
+_TAKES_OPERATORS = {"basic_arithmetic", "countdown"}
+
+DEFAULT_KNOBS: dict[str, dict[str, Any]] = {
+    "chain_sum": {"terms": (2, 5), "digits": (1, 2)},
+    "basic_arithmetic": {"terms": (2, 4), "digits": (1, 1), "operators": "+-*"},
+    "countdown": {"terms": (3, 4), "digits": (1, 1), "operators": "+-*"},
+    "gsm_symbolic": {"steps": (1, 30)},
+}
+"""Training distribution of each task when no knob is given; also the knobs of its `in_dist` evaluation set."""
+
+HARD_KNOBS: dict[str, dict[str, Any]] = {
+    "chain_sum": {"terms": (8, 12), "digits": (1, 2)},
+    "basic_arithmetic": {"terms": (6, 8), "digits": (1, 1), "operators": "+-*"},
+    "countdown": {"terms": (5, 6), "digits": (1, 1), "operators": "+-*"},
+    "gsm_symbolic": {"steps": (4, 30)},
+}
+"""Knobs of each task's `hard` evaluation set: more operands / more worked steps, so longer answers."""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """A held-out evaluation set: fixed task, knobs, seed and size."""
+
+    task: str
+    split: str
+    knobs: Mapping[str, Any]
+    seed: int
+    size: int
+
+
+EVAL_SPECS: dict[tuple[str, str], EvalSpec] = {
+    (task, split): EvalSpec(
+        task=task,
+        split=split,
+        knobs=(DEFAULT_KNOBS if split == "in_dist" else HARD_KNOBS)[task],
+        seed=1000 + 10 * i + j,
+        size=128,
+    )
+    for i, task in enumerate(TASKS)
+    for j, split in enumerate(EVAL_SPLITS)
+}
+"""Every held-out set, by (task, split)."""
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One problem: what the policy sees, what cold start imitates, and what the verifier needs."""
+
+    task: str
+    """Task name (`user` for user data)."""
+    prompt: str
+    """Model input, ending with a newline; no chat template."""
+    solution: str
+    """Reference response: worked lines, then `#### <answer>` (no end-of-sequence marker)."""
+    answer: str
+    """Reference answer, as reasoning-gym states it."""
+    verifier: str
+    """Name of the scorer: a reasoning-gym task name, `exact` or `numeric`."""
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    """reasoning-gym's metadata (countdown's verifier reads `numbers` and `target`) plus `question` and `rg_seed`."""
+
+
+# --------------------------------------------------------------------------------------------------------- knobs
+
+
+def _range_knob(task: str, name: str, value: Any) -> tuple[int, int]:
+    lo_ok, hi_ok = _RANGES[task][name]
+    pair = (value, value) if isinstance(value, int) and not isinstance(value, bool) else value
+    valid = f"an int or a (min, max) pair with {lo_ok} <= min <= max <= {hi_ok}"
+    if (
+        not isinstance(pair, tuple | list)
+        or len(pair) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+        or not lo_ok <= pair[0] <= pair[1] <= hi_ok
+    ):
+        raise ValueError(f"task {task}: {name} = {value!r}; valid: {valid}")
+    return int(pair[0]), int(pair[1])
+
+
+def resolve_knobs(task: str, **knobs: Any) -> dict[str, Any]:
+    """Validate `knobs` for `task` and fill in its defaults; errors name the task, the knob and the valid values."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    valid_names = [*_RANGES[task], *(["operators"] if task in _TAKES_OPERATORS else [])]
+    resolved = dict(DEFAULT_KNOBS[task])
+    for name, value in knobs.items():
+        if value is None:
+            continue
+        if name not in valid_names:
+            raise ValueError(f"task {task}: unknown knob {name!r}; valid: {', '.join(valid_names)}")
+        resolved[name] = value
+    for name in _RANGES[task]:
+        resolved[name] = _range_knob(task, name, resolved[name])
+    if "operators" in resolved:
+        ops = resolved["operators"]
+        if not isinstance(ops, str) or not ops or any(op not in OPERATORS for op in ops) or len(set(ops)) != len(ops):
+            raise ValueError(
+                f"task {task}: operators = {ops!r}; valid: a non-empty string of distinct characters from {OPERATORS!r}"
+            )
+        if task == "basic_arithmetic" and ops == "/":  # reasoning-gym needs a non-division operator between terms
+            raise ValueError(f"task {task}: operators = {ops!r}; valid: must include one of '+-*' besides '/'")
+        resolved["operators"] = "".join(op for op in OPERATORS if op in ops)  # canonical order
+    return resolved
+
+
+def _rg_config(task: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """reasoning-gym config fields for the resolved knobs."""
+    if task == "chain_sum":
+        (t0, t1), (d0, d1) = knobs["terms"], knobs["digits"]
+        return dict(min_terms=t0, max_terms=t1, min_digits=d0, max_digits=d1, allow_negation=False)
+    if task == "basic_arithmetic":
+        (t0, t1), (d0, d1) = knobs["terms"], knobs["digits"]
+        return dict(
+            min_terms=t0,
+            max_terms=t1,
+            min_digits=d0,
+            max_digits=d1,
+            operators=tuple(knobs["operators"]),
+            allow_parentheses=True,
+            allow_negation=True,
+            whitespace="single",
+            format_style="simple",
+        )
+    if task == "countdown":
+        (t0, t1), (d0, d1) = knobs["terms"], knobs["digits"]
+        return dict(
+            min_numbers=t0,
+            max_numbers=t1,
+            min_value=1 if d0 == 1 else 10 ** (d0 - 1),
+            max_value=10**d1 - 1,
+            min_target=1,
+            max_target=10 ** (d1 + 2) - 1,
+            operators=tuple(knobs["operators"]),
+            shuffle=True,
+        )
+    return {"difficulty": 1.0}  # gsm_symbolic: reasoning-gym supports only 1.0
+
+
+# ------------------------------------------------------------------------------------------ worked solutions
+
+
+def _fmt(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _worked_steps(expression: str, *, floor_div: bool) -> tuple[list[str], Fraction]:
+    """One line per operation of `expression` (post-order, Python precedence): `a<op>b=c`; and the value.
+
+    `floor_div` evaluates "/" as floor division (basic_arithmetic's semantics), else exactly (countdown's sympy).
+    Negative literals are operands, not steps; negating a parenthesised group is a step `-(v)=-v`.
+    """
+    steps: list[str] = []
+
+    def ev(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            if isinstance(node.operand, ast.Constant):
+                return -ev(node.operand)
+            value = ev(node.operand)
+            steps.append(f"-({_fmt(value)})={_fmt(-value)}")
+            return -value
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                op, r = "+", a + b
+            elif isinstance(node.op, ast.Sub):
+                op, r = "-", a - b
+            elif isinstance(node.op, ast.Mult):
+                op, r = "*", a * b
+            elif isinstance(node.op, ast.Div):
+                op, r = "/", (Fraction(math.floor(a / b)) if floor_div else a / b)
+            else:
+                raise ValueError(f"unsupported operator in {expression!r}")
+            steps.append(f"{_fmt(a)}{op}{_fmt(b)}={_fmt(r)}")
+            return r
+        raise ValueError(f"unsupported syntax in {expression!r}")
+
+    value = ev(ast.parse(expression, mode="eval").body)
+    return steps, value
+
+
+def _solution(steps: Sequence[str], answer: str) -> str:
+    return "".join(f"{s}\n" for s in steps) + f"{ANSWER_DELIMITER} {answer}"
+
+
+# ------------------------------------------------------------------------------------------------- generation
+
+
+def _key(*parts: Any) -> int:
+    """A 56-bit reasoning-gym seed derived from `parts`: streams with different parts do not share items."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=7).digest(), "big")
+
+
+def _generate(task: str, knobs: Mapping[str, Any], rg_seed: int) -> TaskItem | None:
+    """The item reasoning-gym makes from `rg_seed`, in the compact format; None if the knobs reject it."""
+    try:
+        entry = reasoning_gym.create_dataset(task, seed=rg_seed, size=1, **_rg_config(task, knobs))[0]
+    except (ValueError, ZeroDivisionError):  # countdown: no target in range after 100 tries; rare degenerate draws
+        return None
+    meta = dict(entry["metadata"], question=entry["question"], rg_seed=rg_seed)
+    answer = entry["answer"]
+    if task in ("chain_sum", "basic_arithmetic"):
+        expression = entry["metadata"]["expression"].replace(" ", "")
+        steps, value = _worked_steps(expression, floor_div=True)
+        if _fmt(value) != answer:
+            raise AssertionError(f"{task}: worked solution of {expression!r} gives {_fmt(value)}, answer {answer}")
+        prompt = f"{'sum' if task == 'chain_sum' else 'calc'} {expression}\n"
+    elif task == "countdown":
+        answer = entry["answer"].replace(" ", "")
+        steps, value = _worked_steps(answer, floor_div=False)
+        if value != meta["target"]:
+            raise AssertionError(f"countdown: {answer!r} gives {_fmt(value)}, target {meta['target']}")
+        prompt = f"countdown {meta['target']} from {','.join(map(str, meta['numbers']))}\n"
+    else:  # gsm_symbolic
+        lines = meta["answer_cot"].strip().splitlines()
+        if not lines or not lines[-1].startswith(ANSWER_DELIMITER):
+            raise AssertionError(f"gsm_symbolic: worked answer does not end with {ANSWER_DELIMITER}: {lines[-1:]}")
+        steps = [line.rstrip() for line in lines[:-1]]
+        lo, hi = knobs["steps"]
+        if not lo <= sum(1 for s in steps if s.strip()) <= hi:
+            return None
+        question = entry["question"].removesuffix(_GSM_SUFFIX)
+        prompt = f"{question}\n"
+    return TaskItem(
+        task=task, prompt=prompt, solution=_solution(steps, answer), answer=answer, verifier=task, metadata=meta
+    )
+
+
+def _draw(task: str, knobs: Mapping[str, Any], parts: tuple[Any, ...], exclude: frozenset[str]) -> TaskItem:
+    for attempt in range(_MAX_DRAWS):
+        item = _generate(task, knobs, _key(*parts, attempt))
+        if item is not None and item.prompt not in exclude:
+            return item
+    raise ValueError(
+        f"task {task}: no item with knobs {dict(knobs)} in {_MAX_DRAWS} draws (the knob range is too narrow, "
+        "or its few problems are all held out for evaluation)"
+    )
+
+
+def _knob_key(knobs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(knobs.items()))
+
+
+@dataclass(frozen=True)
+class Task:
+    """An endless, deterministic training stream of one task: `task[i]` is the same item for the same seed and
+    knobs, on any machine. Prompts of the task's held-out evaluation sets are never yielded."""
+
+    name: str
+    knobs: Mapping[str, Any]
+    seed: int
+
+    def __getitem__(self, index: int) -> TaskItem:
+        if not isinstance(index, int) or index < 0:
+            raise IndexError(f"task index must be a non-negative int, got {index!r}")
+        return _draw(
+            self.name,
+            self.knobs,
+            ("train", self.name, _knob_key(self.knobs), self.seed, index),
+            _held_out_prompts(self.name),
+        )
+
+    def take(self, n: int, start: int = 0) -> list[TaskItem]:
+        """Items start .. start+n-1."""
+        return [self[i] for i in range(start, start + n)]
+
+    def __iter__(self) -> Iterator[TaskItem]:
+        i = 0
+        while True:
+            yield self[i]
+            i += 1
+
+
+def make_task(
+    name: str,
+    *,
+    terms: int | tuple[int, int] | None = None,
+    digits: int | tuple[int, int] | None = None,
+    operators: str | None = None,
+    steps: int | tuple[int, int] | None = None,
+    seed: int = 0,
+) -> Task:
+    """The training stream of task `name`. Knobs left at None take DEFAULT_KNOBS[name]; a knob the task does not
+    take, an unknown task or a value out of range raises ValueError naming it and the valid values.
+
+    terms: operands (chain_sum, basic_arithmetic) or source numbers (countdown); the length knob.
+    digits: digits per operand / source number.
+    operators: subset of "+-*/" (basic_arithmetic, countdown).
+    steps: worked lines before the answer (gsm_symbolic).
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"task {name}: seed = {seed!r}; valid: a non-negative int")
+    knobs = resolve_knobs(name, terms=terms, digits=digits, operators=operators, steps=steps)
+    return Task(name=name, knobs=knobs, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------------- evaluation
+
+
+@cache
+def _eval_items(task: str, split: str) -> tuple[TaskItem, ...]:
+    spec = EVAL_SPECS[(task, split)]
+    knobs = resolve_knobs(task, **spec.knobs)
+    items: list[TaskItem] = []
+    seen: set[str] = set()
+    index = 0
+    while len(items) < spec.size:  # distinct problems: each counts once in pass@1
+        item = _draw(task, knobs, ("eval", task, split, spec.seed, index), frozenset(seen))
+        seen.add(item.prompt)
+        items.append(item)
+        index += 1
+    return tuple(items)
+
+
+@cache
+def _held_out_prompts(task: str) -> frozenset[str]:
+    return frozenset(item.prompt for split in EVAL_SPLITS for item in _eval_items(task, split))
+
+
+def eval_set(task: str, split: Literal["in_dist", "hard"] = "in_dist", *, size: int | None = None) -> list[TaskItem]:
+    """The held-out set (task, split): fixed seed, distinct prompts, disjoint from every training stream of the
+    task. `size` takes a prefix (so smaller sets nest in larger ones); at most EVAL_SPECS[...].size."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"eval split = {split!r}; valid: {', '.join(EVAL_SPLITS)}")
+    items = _eval_items(task, split)
+    if size is None:
+        return list(items)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= len(items):
+        raise ValueError(f"eval size = {size!r}; valid: an int in [1, {len(items)}]")
+    return list(items[:size])
+
+
+def pass_at_1(scores: Sequence[Sequence[float]]) -> float:
+    """Mean pass@1 over problems: scores[p][j] is the score of sample j of problem p; a sample passes when its
+    score is 1.0. Each problem's pass rate over its k samples is the unbiased pass@1 estimate; this is their mean."""
+    rows = [list(row) for row in scores]
+    if not rows:
+        raise ValueError("pass_at_1: scores is empty; need one row of k >= 1 sample scores per problem")
+    rates = []
+    for p, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"pass_at_1: problem {p} has no samples")
+        for s in row:
+            if not 0.0 <= float(s) <= 1.0:
+                raise ValueError(f"pass_at_1: problem {p} has score {s!r} outside [0, 1]")
+        rates.append(sum(float(s) >= 1.0 for s in row) / len(row))
+    return sum(rates) / len(rates)
+
+
+# ----------------------------------------------------------------------------------------------------- scoring
+
+
+def extract_answer(response: str) -> str | None:
+    """The text after the last `####` up to the end of its line, stripped; None if there is no delimiter."""
+    at = response.rfind(ANSWER_DELIMITER)
+    if at < 0:
+        return None
+    return response[at + len(ANSWER_DELIMITER) :].split("\n", 1)[0].strip()
+
+
+# reasoning-gym's countdown verifier evaluates the answer with sympy's eval-based parser; evaluate only answers in
+# the task's own grammar (no '**': a power is not a countdown operator and can take unbounded time).
+_COUNTDOWN_GRAMMAR = re.compile(r"[0-9+\-*/() ]{1,200}")
+
+
+@cache
+def _rg_scorer(name: str) -> Any:
+    return get_score_answer_fn(name)
+
+
+def _verifier_score(verifier: str, answer: str | None, item: TaskItem) -> float:
+    """The verifier's raw score of `answer` for `item`."""
+    if verifier == "exact":
+        return float(answer is not None and answer == item.answer.strip())
+    if verifier == "numeric":
+        return float(rg_utils.compute_decimal_reward(answer, oracle_answer=item.answer.strip(), strip_commas=True))
+    if verifier == "countdown" and answer is not None and (not _COUNTDOWN_GRAMMAR.fullmatch(answer) or "**" in answer):
+        answer = ""  # scored as reasoning-gym scores an unparseable answer
+    entry = {"question": item.metadata.get("question", item.prompt), "answer": item.answer, "metadata": item.metadata}
+    return float(_rg_scorer(verifier)(answer, entry))
+
+
+def score(item: TaskItem, response: str, *, partial_credit: bool = False) -> float:
+    """Reward in [0, 1] of `response` (the generated text, as it stands, truncated or not) for `item`: the item's
+    verifier applied to `extract_answer(response)`; 1.0 or 0.0 unless `partial_credit`."""
+    raw = _verifier_score(item.verifier, extract_answer(response), item)
+    if partial_credit:
+        return min(max(raw, 0.0), 1.0)
+    return 1.0 if raw >= 1.0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------------- user data
+
+
+def _check_verifier(verifier: str) -> None:
+    if verifier not in USER_VERIFIERS and verifier not in RG_DATASETS:
+        raise ValueError(
+            f"verifier = {verifier!r}; valid: {', '.join(USER_VERIFIERS)}, or a reasoning-gym task: "
+            + ", ".join(sorted(RG_DATASETS))
+        )
+
+
+def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(row label for errors, row) pairs of a .jsonl or .parquet file."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            rows.append((where, row))
+        return rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    raise ValueError(f"user data {path}: unsupported file type {path.suffix!r}; valid: .jsonl, .parquet")
+
+
+def load_user_data(
+    path: str | Path,
+    *,
+    verifier: str,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    solution_field: str = "solution",
+    metadata_field: str = "metadata",
+) -> list[TaskItem]:
+    """Items from a JSONL or parquet file of rows {prompt, answer[, solution][, metadata]} scored by `verifier`
+    (`exact`, `numeric`, or a reasoning-gym task name, whose scorer may read `metadata`, e.g. countdown's numbers
+    and target). Prompts are used verbatim. A solution without `####` gets `\\n#### <answer>` appended; a missing
+    one becomes `#### <answer>`. Every row's own solution must score 1.0, so a row the verifier cannot accept is
+    caught here. Errors name the file, the row and the field."""
+    _check_verifier(verifier)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"user data: no such file {path}")
+    rows = _read_rows(path)
+    if not rows:
+        raise ValueError(f"user data {path}: no rows")
+    items = []
+    for where, row in rows:
+        prompt = row.get(prompt_field)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}")
+        answer = row.get(answer_field)
+        if isinstance(answer, int | float) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not answer.strip() or "\n" in answer.strip():
+            raise ValueError(f"{where}: field {answer_field!r} must be a non-empty one-line string, got {answer!r}")
+        answer = answer.strip()
+        solution = row.get(solution_field)
+        if solution is None:
+            solution = f"{ANSWER_DELIMITER} {answer}"
+        elif not isinstance(solution, str):
+            raise ValueError(f"{where}: field {solution_field!r} must be a string, got {type(solution).__name__}")
+        elif ANSWER_DELIMITER not in solution:
+            solution = f"{solution.rstrip()}\n{ANSWER_DELIMITER} {answer}"
+        metadata = row.get(metadata_field) or {}
+        if isinstance(metadata, str):
+            try:
+                metadata = json.loads(metadata)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: field {metadata_field!r} is not valid JSON ({e.msg})") from None
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{where}: field {metadata_field!r} must be an object, got {type(metadata).__name__}")
+        item = TaskItem(
+            task="user", prompt=prompt, solution=solution, answer=answer, verifier=verifier, metadata=dict(metadata)
+        )
+        try:
+            ok = score(item, solution)
+        except Exception as e:  # a reasoning-gym scorer missing the metadata it reads (KeyError, TypeError, ...)
+            raise ValueError(
+                f"{where}: verifier {verifier!r} failed on this row ({type(e).__name__}: {e}); "
+                f"check fields {answer_field!r} and {metadata_field!r}"
+            ) from None
+        if ok != 1.0:
+            raise ValueError(
+                f"{where}: verifier {verifier!r} does not accept the row's own "
+                f"{solution_field if row.get(solution_field) is not None else answer_field!r} "
+                f"(answer {extract_answer(solution)!r} scores 0); check fields {answer_field!r}, {solution_field!r} "
+                f"and {metadata_field!r}"
+            )
+        items.append(item)
+    return items
