@@ -1,0 +1,175 @@
+"""The policy's tokenizer: byte-level BPE trained offline with `tokenizers` on the task corpus.
+
+- Byte level: the 256 byte tokens are always in the vocabulary, so any text (user data included) round-trips exactly.
+- Every digit is its own token (digits are split off before BPE and never merged), so a tiny model can learn
+  arithmetic digit by digit.
+- Special tokens with fixed ids: <pad> = 0, <bos> = 1, <eos> = 2. A prompt is <bos> + text; a response is text +
+  <eos>. Prompts end with a newline and responses start with a non-space character, so the two encode separately
+  exactly as they encode together (the newline is a pre-token boundary).
+- Vocabulary: at most the model's `ModelConfig.vocab_size` (fewer when the corpus runs out of pairs to merge; the
+  model's extra embedding rows are padding).
+- Deterministic: the same corpus and vocabulary size give the same tokenizer.json, byte for byte.
+
+`save(directory)` writes tokenizer.json, tokenizer_config.json and special_tokens_map.json, which
+transformers' `AutoTokenizer.from_pretrained(directory)` (and so vLLM) loads as a PreTrainedTokenizerFast; its
+text encoding adds <bos> like `encode_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from study.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+"""Bytes plus special tokens: the smallest vocabulary that can encode every text."""
+
+_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class TaskTokenizer:
+    """A trained `tokenizers.Tokenizer` with the study's special tokens and encode/decode helpers."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        for token, expected in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
+            got = tokenizer.token_to_id(token)
+            if got != expected:
+                raise ValueError(f"tokenizer: special token {token} has id {got}; expected {expected}")
+        self.tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids in use (special tokens included); ids are 0 .. vocab_size-1."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens dropped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """<bos> + prompt."""
+        return [BOS_ID, *self.encode(prompt)]
+
+    def encode_response(self, response: str, *, eos: bool = True) -> list[int]:
+        """response (+ <eos>)."""
+        return [*self.encode(response), *([EOS_ID] if eos else [])]
+
+    def encode_example(self, prompt: str, response: str) -> tuple[list[int], int]:
+        """A supervised example: (<bos> prompt response <eos>, number of prompt tokens incl. <bos>)."""
+        p = self.encode_prompt(prompt)
+        return [*p, *self.encode_response(response)], len(p)
+
+    def decode_response(self, ids: Sequence[int]) -> tuple[str, bool]:
+        """(text up to the first <eos>, whether an <eos> ended it). A response without <eos> ran into the length
+        limit and is returned, and scored, as it stands."""
+        ids = list(ids)
+        ended = EOS_ID in ids
+        if ended:
+            ids = ids[: ids.index(EOS_ID)]
+        return self.decode(ids), ended
+
+    def save(self, directory: str | Path, *, model_max_length: int | None = None) -> None:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory` (created if
+        needed), each atomically. `model_max_length` (the model's max_seq_len) goes into the transformers config."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **specials,
+            "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"],
+            "padding_side": "left",
+        }
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        contents = (self.tokenizer.to_str(pretty=True), json.dumps(config, indent=2), json.dumps(specials, indent=2))
+        for name, text in zip(_FILES, contents, strict=True):
+            _write_atomic(directory / name, text + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TaskTokenizer:
+        """The tokenizer saved in `directory`."""
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer: no {path.name} in {directory}")
+        return cls(Tokenizer.from_file(str(path)))
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (what `save` writes, less the trailing newline)."""
+        return self.tokenizer.to_str(pretty=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> TaskTokenizer:
+    """Byte-level BPE with single-digit tokens trained on `texts`, at most `vocab_size` ids."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"tokenizer vocab_size = {vocab_size!r}; valid: an int >= {MIN_VOCAB_SIZE} (256 bytes + special tokens)"
+        )
+    texts = list(texts)
+    if not texts:
+        raise ValueError("tokenizer: the training corpus is empty")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Text encoding in transformers/vLLM prepends <bos>, as encode_prompt does.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, BOS_ID)]
+    )
+    return TaskTokenizer(tok)
+
+
+def task_corpus(tasks: Sequence[str] = TASKS, *, n_per_task: int = 2000, seed: int = 0) -> list[str]:
+    """Tokenizer training text: prompt + solution of training items of each task, half at its default knobs and
+    half at its hard knobs (so longer problems are covered too). Held-out evaluation prompts are not included."""
+    if not isinstance(n_per_task, int) or n_per_task < 2:
+        raise ValueError(f"tokenizer corpus n_per_task = {n_per_task!r}; valid: an int >= 2")
+    texts = []
+    for name in tasks:
+        half = n_per_task // 2
+        for knobs, n in ((DEFAULT_KNOBS[name], n_per_task - half), (HARD_KNOBS[name], half)):
+            texts.extend(item.prompt + item.solution for item in make_task(name, seed=seed, **knobs).take(n))
+    return texts
+
+
+def build_tokenizer(
+    vocab_size: int, tasks: Sequence[str] = TASKS, *, n_per_task: int = 2000, seed: int = 0
+) -> TaskTokenizer:
+    """The tokenizer for a model with `vocab_size` embedding rows, trained on `task_corpus(tasks, ...)`."""
+    return train_tokenizer(task_corpus(tasks, n_per_task=n_per_task, seed=seed), vocab_size=vocab_size)
