@@ -1,0 +1,402 @@
+"""Routing record and replay (the paper's Routing Replay, "R2", and R3) and routing-volatility metrics.
+
+megatron-core's `TransformerConfig(moe_enable_routing_replay=True)` gives every TopKRouter a `router_replay`
+object whose action (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD) decides the top-k. This module drives it per
+model:
+
+1. `RoutingController(model)` swaps each router's replay object for `_LayerReplay`, a subclass bound to that
+   router only, and removes megatron's from `RouterReplay.global_router_replay_instances`. That list is
+   class-level and shared by every model built with the flag (policy, reference, a second seed...); its static
+   setters would drive all of them at once. Nothing here touches the global list's API.
+2. Modes: "free" (the router chooses; nothing kept), "record" (the router chooses; the choice is kept and read with
+   `routes()`), "replay" (the given `Routes` are forced). Under replay the gate weights are still a softmax over
+   the *current* router logits of the forced experts (megatron gathers the logits at the forced indices, then the
+   softmax of `topk_routing_with_score_function` runs over them), so the router keeps learning: PAPER.md's
+   requirement, checked in tests/study/test_routing.py.
+3. In record and replay modes every router also keeps the top-k it would have chosen freely (`free_routes()`),
+   so routing volatility can be measured on the very forward pass that was replayed.
+4. Replay without routes, or with routes of another batch shape, layer count or top-k, raises. There is no silent
+   fallback to free routing.
+
+Token layout: megatron routes (S*B) tokens in sequence-major order; `Routes` stores them sample-major, (B, S, L, k),
+so `routes[idx]` follows any re-split of the batch along B. Routing of a token depends on that token only (no
+capacity factor, no token dropping), which is what makes the re-split valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Mode = Literal["free", "record", "replay"]
+MODES: tuple[str, ...] = ("free", "record", "replay")
+
+# The metric vocabulary of `routing_volatility` (per-layer keys add a suffix `_l{layer}`).
+ROUTING_METRICS: dict[str, str] = {
+    "slot_mismatch": "expert-slot mismatch, mean over (token, MoE layer) of 1 - |S_X & S_Y| / k (the paper's ~10%)",
+    "set_flip_rate": "router set-flip rate, fraction of (token, MoE layer) pairs whose top-k set changed",
+    "token_flip_rate": "token any-layer flip rate, fraction of tokens whose top-k set changed in at least one layer",
+    "tokens": "number of tokens compared (mask sum)",
+}
+
+
+def index_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 2**15:
+        return torch.int16
+    return torch.int32
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Top-k expert ids per token and MoE layer: `experts` (B, S, L, k), compact integers.
+
+    Index it like the batch: `routes[idx]` (idx over B, e.g. a minibatch's sample indices) keeps (B', S, L, k);
+    `routes[idx, :s]` also trims the sequence. Order within the k slots is the router's (descending score) and is
+    irrelevant to replay and to the metrics.
+    """
+
+    experts: torch.Tensor  # (B, S, L, k)
+
+    def __post_init__(self) -> None:
+        if self.experts.dim() != 4:
+            raise ValueError(f"Routes.experts must be (B, S, layers, k), got shape {tuple(self.experts.shape)}")
+        if self.experts.dtype.is_floating_point or self.experts.dtype == torch.bool:
+            raise ValueError(f"Routes.experts must be an integer tensor, got {self.experts.dtype}")
+
+    def __getitem__(self, idx: Any) -> Routes:
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        if len(idx) > 2:
+            raise IndexError("Routes index over (batch, sequence) only")
+        if any(isinstance(i, int) for i in idx):
+            idx = tuple(slice(i, i + 1) if isinstance(i, int) else i for i in idx)  # keep 4 dims
+        return Routes(self.experts[idx])
+
+    def __len__(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, S, layers, k)."""
+        b, s, n_layers, k = self.experts.shape
+        return b, s, n_layers, k
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[2]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[3]
+
+    def to(self, device: torch.device | str) -> Routes:
+        return Routes(self.experts.to(device))
+
+    @staticmethod
+    def cat(parts: Sequence[Routes]) -> Routes:
+        """Concatenate along the batch."""
+        return Routes(torch.cat([p.experts for p in parts], dim=0))
+
+    @staticmethod
+    def from_layers(per_layer: Sequence[torch.Tensor], batch: int, seq: int, num_experts: int) -> Routes:
+        """From megatron's per-layer (S*B, k) indices (sequence-major) to (B, S, L, k)."""
+        layers = [t.detach().reshape(seq, batch, -1).transpose(0, 1) for t in per_layer]  # (B, S, k) each
+        return Routes(torch.stack(layers, dim=2).to(index_dtype(num_experts)).cpu())  # (B, S, L, k)
+
+    def layer_tokens(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer `layer` in megatron's token order: (S*B, k) int64."""
+        b, s, _, k = self.shape
+        return self.experts[:, :, layer].transpose(0, 1).reshape(s * b, k).to(device=device, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-router replay object
+# ---------------------------------------------------------------------------------------------------------------------
+def _router_replay_classes() -> tuple[type, Any]:
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    return RouterReplay, RouterReplayAction
+
+
+def _make_layer_replay_class() -> type:
+    RouterReplay, Action = _router_replay_classes()
+
+    class _LayerReplay(RouterReplay):
+        """megatron's RouterReplay for one router, kept out of the class-level instance list, strict about
+        missing routes, and keeping the free top-k in record and replay modes."""
+
+        def __init__(self) -> None:  # deliberately not super().__init__(): it appends to the global list
+            self.target_topk_idx: torch.Tensor | None = None  # (S*B, k) int64, forced experts
+            self.recorded_topk_idx: torch.Tensor | None = None  # (S*B, k), experts used by the last forward
+            self.free_topk_idx: torch.Tensor | None = None  # (S*B, k), experts free routing would have chosen
+            self.router_replay_action = None
+            self.replay_backward_list: list[torch.Tensor] = []
+            self.layer = -1
+
+        def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+            # megatron's version also appends to replay_backward_list (for activation recompute, unused here),
+            # which would grow by one tensor per replayed batch.
+            self.target_topk_idx = topk_indices
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            action = self.router_replay_action
+            if action is None:
+                return default_compute_topk(scores, topk, num_groups, group_topk)
+            if action == Action.RECORD:
+                probs, top = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                self.recorded_topk_idx = self.free_topk_idx = top.detach()
+                return probs, top
+            if action == Action.REPLAY_FORWARD:
+                target = self.target_topk_idx
+                if target is None:
+                    raise RuntimeError(f"routing replay: no routes set for MoE layer {self.layer}")
+                if tuple(target.shape) != (scores.shape[0], topk):
+                    raise RuntimeError(
+                        f"routing replay: MoE layer {self.layer} routes {tuple(target.shape)} do not match the "
+                        f"{scores.shape[0]} tokens x top-{topk} of this forward"
+                    )
+                with torch.no_grad():
+                    _, free = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+                self.free_topk_idx = free
+                # megatron: probs = scores.gather(1, target); the caller then softmaxes over the k gathered logits.
+                probs, top = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+                self.recorded_topk_idx = top
+                return probs, top
+            raise RuntimeError(f"routing replay: action {action} is not supported (no activation recompute here)")
+
+    return _LayerReplay
+
+
+_LAYER_REPLAY_CLASS: type | None = None
+
+
+def _layer_replay_class() -> type:
+    global _LAYER_REPLAY_CLASS
+    if _LAYER_REPLAY_CLASS is None:
+        _LAYER_REPLAY_CLASS = _make_layer_replay_class()
+    return _LAYER_REPLAY_CLASS
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Controller
+# ---------------------------------------------------------------------------------------------------------------------
+class RoutingController:
+    """Routing mode of one model (free / record / replay). Bind it once: `ctl = RoutingController(model)`.
+
+    Typical RL use (Routing Replay):
+        with torch.no_grad(), ctl.recording():             # pi_old recompute
+            old_logp = token_logp(model, ids, targets)
+        routes = ctl.routes()                              # (B, S, L, k)
+        for idx in minibatches:
+            with ctl.replaying(routes[idx]):               # pi_theta, same experts
+                logp = token_logp(model, ids[idx], targets[idx])
+            free = ctl.free_routes()                       # what the router would choose now
+    Several controllers on one model share its state (the mode lives on the routers).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        RouterReplay, _ = _router_replay_classes()
+        layer_cls = _layer_replay_class()
+        self.model = model
+        self.routers: list[Any] = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        if not self.routers:
+            raise ValueError("model has no MoE routers (TopKRouter)")
+        for i, router in enumerate(self.routers):
+            replay = router.router_replay
+            if replay is None:
+                raise ValueError(
+                    "model was built without routing replay: build_policy(..., routing_replay=True) "
+                    "(TransformerConfig.moe_enable_routing_replay)"
+                )
+            if not isinstance(replay, layer_cls):
+                instances = RouterReplay.global_router_replay_instances
+                for j in reversed(range(len(instances))):
+                    if instances[j] is replay:
+                        del instances[j]
+                router.router_replay = layer_cls()
+            router.router_replay.layer = i
+        self.num_experts: int = int(self.routers[0].config.num_moe_experts)
+        self.top_k: int = int(self.routers[0].topk)
+        if not hasattr(model, "_study_routing"):
+            model._study_routing = _ModelState()
+            model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+        self._state: _ModelState = model._study_routing
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    @property
+    def _replays(self) -> list[Any]:
+        return [r.router_replay for r in self.routers]
+
+    @property
+    def mode(self) -> Mode:
+        _, Action = _router_replay_classes()
+        action = self._replays[0].router_replay_action
+        return {None: "free", Action.RECORD: "record", Action.REPLAY_FORWARD: "replay"}[action]
+
+    # -- mode setters ------------------------------------------------------------------------------------------------
+    def free(self) -> None:
+        """Free routing, nothing kept (rollouts, evaluation)."""
+        self._set(None, None)
+
+    def record(self) -> None:
+        """Free routing; the experts of every forward are kept until the next one (`routes()`)."""
+        _, Action = _router_replay_classes()
+        self._set(Action.RECORD, None)
+
+    def replay(self, routes: Routes) -> None:
+        """Force `routes` (B, S, L, k) in every following forward, whose input must be (B, S)."""
+        if not isinstance(routes, Routes):
+            raise TypeError(f"routes must be Routes, got {type(routes).__name__}")
+        b, s, n_layers, k = routes.shape
+        if n_layers != self.num_layers or k != self.top_k:
+            raise ValueError(
+                f"routes have {n_layers} layers x top-{k}, the model {self.num_layers} layers x top-{self.top_k}"
+            )
+        if routes.experts.numel() and int(routes.experts.max()) >= self.num_experts:
+            raise ValueError(f"routes name expert {int(routes.experts.max())}; the model has {self.num_experts}")
+        _, Action = _router_replay_classes()
+        device = self.routers[0].weight.device
+        for layer, replay in enumerate(self._replays):
+            replay.set_target_indices(routes.layer_tokens(layer, device))
+        self._set(Action.REPLAY_FORWARD, (b, s))
+
+    def _set(self, action: Any, replay_shape: tuple[int, int] | None) -> None:
+        for replay in self._replays:
+            replay.router_replay_action = action
+            replay.recorded_topk_idx = replay.free_topk_idx = None
+            if replay_shape is None:
+                replay.target_topk_idx = None
+        self._state.active = action is not None
+        self._state.replay_shape = replay_shape
+        self._state.result_shape = None
+
+    # -- context managers --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[RoutingController]:
+        """Record inside the block, free routing after it."""
+        self.record()
+        try:
+            yield self
+        finally:
+            self._keep_results_then_free()
+
+    @contextlib.contextmanager
+    def replaying(self, routes: Routes) -> Iterator[RoutingController]:
+        """Replay `routes` inside the block, free routing after it."""
+        self.replay(routes)
+        try:
+            yield self
+        finally:
+            self._keep_results_then_free()
+
+    def _keep_results_then_free(self) -> None:
+        for replay in self._replays:
+            replay.router_replay_action = None
+            replay.target_topk_idx = None
+        self._state.active = False
+        self._state.replay_shape = None
+
+    # -- results -----------------------------------------------------------------------------------------------------
+    def routes(self) -> Routes:
+        """Experts used by the last forward in record or replay mode (B, S, L, k)."""
+        return self._collect("recorded_topk_idx", "routes()")
+
+    def free_routes(self) -> Routes:
+        """Experts free routing would have chosen in the last forward in record or replay mode (B, S, L, k)."""
+        return self._collect("free_topk_idx", "free_routes()")
+
+    def _collect(self, attr: str, what: str) -> Routes:
+        per_layer = [getattr(r, attr) for r in self._replays]
+        shape = self._state.result_shape
+        if any(t is None for t in per_layer) or shape is None:
+            raise RuntimeError(f"{what}: no forward ran in record or replay mode since the mode was set")
+        b, s = shape
+        if any(t.shape[0] != b * s for t in per_layer):
+            raise RuntimeError(f"{what}: routers saw a different token count than the last input {shape}")
+        return Routes.from_layers(per_layer, b, s, self.num_experts)
+
+
+@dataclass
+class _ModelState:
+    """Routing state shared by every controller of one model (kept on the model as `_study_routing`)."""
+
+    active: bool = False  # record or replay mode
+    replay_shape: tuple[int, int] | None = None  # (B, S) the forced routes are for
+    result_shape: tuple[int, int] | None = None  # (B, S) of the last forward in record or replay mode
+
+
+def _pre_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Check a replayed forward's batch shape against its routes; remember the (B, S) of recorded results."""
+    state: _ModelState = model._study_routing
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    if input_ids is None or not state.active:
+        return
+    shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
+    if state.replay_shape is not None and shape != state.replay_shape:
+        raise RuntimeError(
+            f"routing replay: routes are for a (B, S) = {state.replay_shape} batch, the input is {shape}"
+        )
+    state.result_shape = shape
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Volatility metrics (PAPER.md, "Metric definitions")
+# ---------------------------------------------------------------------------------------------------------------------
+def _as_tensor(r: Routes | torch.Tensor) -> torch.Tensor:
+    return r.experts if isinstance(r, Routes) else r
+
+
+def routing_volatility(
+    x: Routes | torch.Tensor,
+    y: Routes | torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    per_layer: bool = True,
+) -> dict[str, float]:
+    """Routing volatility between two routings of the same tokens, over the tokens where `mask` (B, S) is true.
+
+    slot_mismatch = mean(1 - |S_X & S_Y| / k); set_flip_rate = mean(S_X != S_Y), both over (token, layer);
+    token_flip_rate = mean over tokens of any layer flipped; with `per_layer`, the same two per layer as
+    `slot_mismatch_l{i}` / `set_flip_rate_l{i}`. No tokens gives zeros and tokens = 0.
+    """
+    ex, ey = _as_tensor(x), _as_tensor(y)
+    if ex.shape != ey.shape or ex.dim() != 4:
+        raise ValueError(f"routings must have one (B, S, L, k) shape, got {tuple(ex.shape)} and {tuple(ey.shape)}")
+    b, s, n_layers, k = ex.shape
+    if mask is None:
+        mask = torch.ones(b, s, dtype=torch.bool)
+    if mask.shape != (b, s):
+        raise ValueError(f"mask shape {tuple(mask.shape)} != routes (B, S) = {(b, s)}")
+    sel = mask.to(ex.device).bool()  # (B, S)
+    ex, ey = ex[sel].long(), ey[sel].long()  # (N, L, k)
+    # |S_X & S_Y| per (token, layer): slots of X found anywhere in Y (ids within one set are distinct).
+    overlap = (ex[..., :, None] == ey[..., None, :]).any(-1).sum(-1).float()  # (N, L)
+    mismatch = 1.0 - overlap / k  # (N, L)
+    flipped = (overlap < k).float()  # (N, L)  S_X != S_Y
+    n = ex.shape[0]
+    out = {
+        "slot_mismatch": float(mismatch.mean()) if n else 0.0,
+        "set_flip_rate": float(flipped.mean()) if n else 0.0,
+        "token_flip_rate": float(flipped.amax(-1).mean()) if n else 0.0,
+        "tokens": float(n),
+    }
+    if per_layer:
+        for layer in range(n_layers):
+            out[f"slot_mismatch_l{layer}"] = float(mismatch[:, layer].mean()) if n else 0.0
+            out[f"set_flip_rate_l{layer}"] = float(flipped[:, layer].mean()) if n else 0.0
+    return out
+
+
+__all__ = ["MODES", "ROUTING_METRICS", "Routes", "RoutingController", "index_dtype", "routing_volatility"]
