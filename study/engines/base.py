@@ -1,0 +1,143 @@
+"""The rollout-engine interface: load the training engine's weights, sample G completions per prompt, return what
+the RL step needs (token ids, the engine's own log-probs, finish reasons, and where it can, the routed experts).
+
+Semantics shared by every engine (and checked against each other by tests/engines):
+1. Samples are prompt-major: sample j of prompt p is `rollout.prompt_index[p * n + j] == p`.
+2. `logprobs[i][t]` is log pi_engine(y_t | x, y_<t) of the *untempered* model distribution (log_softmax of the raw
+   logits, fp32), whatever the sampling temperature: vLLM's default `logprobs_mode="raw_logprobs"`. At temperature 1
+   this is the sampling distribution (the RL default, pi_old); at other temperatures it is not.
+3. A response ends with the first sampled stop token (kept in `tokens`, finish reason "stop") or after
+   `max_new_tokens` (finish reason "length").
+4. `routes[i]` (R3) is (P_i + T_i - 1, layers, k) integer: the experts chosen for every token that is fed as an
+   input when the full sequence `prompt + response` is scored teacher-forced, i.e. for `input_ids = seq[:-1]`; the
+   final sampled token is never an input. Order within k is the engine's (descending gate weight); compare as sets.
+5. Same seed, same prompts, same weights -> same samples (per engine; engines do not share random streams).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from study.config import ModelConfig
+
+FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+
+
+@dataclass
+class Rollout:
+    """The samples of one `generate` call; lists have one entry per sample, prompt-major."""
+
+    prompt_index: list[int]
+    """Which prompt each sample answers."""
+    tokens: list[list[int]]
+    """Response token ids, stop token included."""
+    logprobs: list[torch.Tensor]
+    """(T_i,) fp32 log-prob of each sampled token under the engine's untempered distribution."""
+    finish_reasons: list[str]
+    """"stop" (a stop token was sampled) or "length" (max_new_tokens reached)."""
+    routes: list[torch.Tensor] | None = None
+    """(P_i + T_i - 1, layers, k) uint8/int16 routed experts of `(prompt + response)[:-1]`; None where the engine
+    cannot return them or they were not asked for."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total response tokens over all samples."""
+        return sum(len(t) for t in self.tokens)
+
+
+class RolloutEngine(ABC):
+    """A rollout engine built from a ModelConfig; weights come from the training engine via `load_weights`."""
+
+    name: ClassVar[str]
+    routes_supported: ClassVar[bool] = False
+    """Whether `generate(..., return_routes=True)` can return routed experts on this machine."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: str = "fp32") -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+
+    @abstractmethod
+    def load_weights(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.weights)."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        *,
+        seed: int,
+        temperature: float = 1.0,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        return_routes: bool = False,
+    ) -> Rollout:
+        """Sample `n` responses for each prompt (token-id lists); see the module docstring for the semantics."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""
+
+
+_ENGINES: dict[str, type[RolloutEngine]] = {}
+
+
+def register_engine(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEngine]]:
+    """Class decorator: register a rollout engine under `name`; a duplicate name raises."""
+
+    def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+        if name in _ENGINES:
+            raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name].__qualname__})")
+        cls.name = name
+        _ENGINES[name] = cls
+        return cls
+
+    return deco
+
+
+def engine_names() -> list[str]:
+    """The registered engine names."""
+    return list(_ENGINES)
+
+
+def get_engine(name: str, cfg: ModelConfig, *, dtype: str = "fp32", **kwargs: object) -> RolloutEngine:
+    """Build the rollout engine `name` for `cfg`; an unknown name lists the valid ones."""
+    try:
+        cls = _ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown rollout engine {name!r}; valid: {', '.join(_ENGINES)}") from None
+    return cls(cfg, dtype=dtype, **kwargs)
+
+
+def check_generate_args(prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int,
+                        cfg: ModelConfig) -> None:  # fmt: skip
+    """Shared argument validation: errors, never silent clipping."""
+    if n < 1:
+        raise ValueError(f"n = {n}: must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+    if not prompts:
+        raise ValueError("no prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) + max_new_tokens > cfg.max_seq_len:
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} > model.max_seq_len {cfg.max_seq_len}"
+            )
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+
+
+def routes_dtype(num_experts: int) -> torch.dtype:
+    """uint8 where expert ids fit, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16

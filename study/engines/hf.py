@@ -1,0 +1,225 @@
+"""`hf` rollout engine: transformers' Qwen3MoeForCausalLM built from the same ModelConfig, sampled with a tight
+KV-cache loop (left-padded batch, one forward per new token).
+
+Why a hand loop and not `model.generate`: it returns the sampled tokens' raw log-probs without materialising the
+(steps, N, V) score tensors, records routed experts from router hooks at no extra forward, and its random stream is
+one `torch.Generator` seeded per call, so a (seed, prompts, weights) triple always gives the same samples.
+
+Routed experts (R3) come from forward hooks on every layer's `mlp.gate` (Qwen3MoeTopKRouter returns
+(router_logits, gate_weights, expert_indices), indices (tokens, k) in descending gate weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from study.config import ModelConfig
+from study.engines.base import Rollout, RolloutEngine, check_generate_args, register_engine, routes_dtype
+from study.weights import TORCH_DTYPES, hf_config, hf_param_names
+
+
+def build_hf_model(cfg: ModelConfig, dtype: str = "fp32", *, experts_implementation: str | None = None):
+    """A randomly initialised transformers Qwen3MoeForCausalLM with the shape of `cfg`, in eval mode."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kwargs = {k: v for k, v in hf_config(cfg, dtype).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hcfg = Qwen3MoeConfig(**kwargs)
+    hcfg._attn_implementation = "sdpa"
+    if experts_implementation is not None:
+        hcfg._experts_implementation = experts_implementation
+    model = Qwen3MoeForCausalLM(hcfg).to(TORCH_DTYPES[dtype]).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def fuse_experts(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF checkpoint names (per-expert gate/up/down) -> transformers' in-memory names (stacked expert tensors):
+    mlp.experts.gate_up_proj (E, 2F, H) = [gate_e; up_e] per expert, mlp.experts.down_proj (E, H, F)."""
+    missing = set(hf_param_names(cfg)) - set(hf_state)
+    if missing:
+        raise KeyError(f"HF state dict lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+    out = {k: v for k, v in hf_state.items() if ".mlp.experts." not in k}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.stack(
+            [
+                torch.cat([hf_state[f"{p}{e}.gate_proj.weight"], hf_state[f"{p}{e}.up_proj.weight"]])
+                for e in range(cfg.num_experts)
+            ]
+        )  # (E, 2F, H)
+        out[p + "down_proj"] = torch.stack([hf_state[f"{p}{e}.down_proj.weight"] for e in range(cfg.num_experts)])
+    return out
+
+
+def unfuse_experts(model_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' in-memory names (stacked experts) -> HF checkpoint names (per-expert gate/up/down), cloned."""
+    F = cfg.moe_ffn_hidden_size
+    out = {k: v.detach().clone() for k, v in model_state.items() if ".mlp.experts." not in k}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = model_state[p + "gate_up_proj"], model_state[p + "down_proj"]  # (E, 2F, H), (E, H, F)
+        for e in range(cfg.num_experts):
+            out[f"{p}{e}.gate_proj.weight"] = gate_up[e, :F].detach().clone()
+            out[f"{p}{e}.up_proj.weight"] = gate_up[e, F:].detach().clone()
+            out[f"{p}{e}.down_proj.weight"] = down[e].detach().clone()
+    return out
+
+
+@register_engine("hf")
+class HFEngine(RolloutEngine):
+    """transformers Qwen3-MoE with a KV-cache sampling loop; returns routed experts (R3) on any device."""
+
+    routes_supported = True
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: str = "fp32",
+        device: str | torch.device = "cpu",
+        experts_implementation: str | None = None,
+    ) -> None:
+        super().__init__(cfg, dtype=dtype)
+        self.device = torch.device(device)
+        self.model = build_hf_model(cfg, dtype, experts_implementation=experts_implementation).to(self.device)
+        self._routers = [layer.mlp.gate for layer in self.model.model.layers]
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-checkpoint-named weights into the model (cast to the engine dtype); every tensor must be there."""
+        fused = fuse_experts(hf_state, self.cfg)
+        params = dict(self.model.named_parameters())
+        unknown = set(fused) - set(params)
+        missing = set(params) - set(fused)
+        if unknown or missing:
+            raise KeyError(
+                f"weights do not match the model: unknown {sorted(unknown)[:4]}, missing {sorted(missing)[:4]}"
+            )
+        for name, value in fused.items():
+            dst = params[name]
+            if dst.shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """The current weights under HF checkpoint names (fp32 copies)."""
+        return unfuse_experts({k: v.detach().float() for k, v in self.model.state_dict().items()}, self.cfg)
+
+    # -- routes ----------------------------------------------------------------------------------------------------
+
+    def _hook_routes(self, store: list[list[torch.Tensor]], shape: list[tuple[int, int]]) -> list:
+        """Forward hooks appending each router's (N, S, k) expert indices of the current forward to store[layer]."""
+        handles = []
+        for layer, router in enumerate(self._routers):
+
+            def hook(_mod, _inp, out, layer=layer):
+                n, s = shape[0]
+                store[layer].append(out[2].reshape(n, s, -1).to("cpu", routes_dtype(self.cfg.num_experts)))
+
+            handles.append(router.register_forward_hook(hook))
+        return handles
+
+    # -- sampling --------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        *,
+        seed: int,
+        temperature: float = 1.0,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        return_routes: bool = False,
+    ) -> Rollout:
+        """Sample `n` responses per prompt; see study.engines.base for the semantics."""
+        from transformers import DynamicCache
+
+        check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
+        dev = self.device
+        prompt_index = [p for p in range(len(prompts)) for _ in range(n)]
+        lens = torch.tensor([len(prompts[p]) for p in prompt_index])
+        N, P = len(prompt_index), int(lens.max())
+        ids = torch.zeros(N, P, dtype=torch.long)  # (N, P) left-padded with token 0 (masked out)
+        for i, p in enumerate(prompt_index):
+            ids[i, P - len(prompts[p]) :] = torch.tensor(prompts[p])
+        mask = (torch.arange(P)[None, :] >= (P - lens)[:, None]).long()  # (N, P)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P) positions restart at 0 after the padding
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=dev)
+
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        store: list[list[torch.Tensor]] = [[] for _ in self._routers]
+        shape = [(N, P)]
+        handles = self._hook_routes(store, shape) if return_routes else []
+        try:
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            toks, lps = [], []
+            done = torch.zeros(N, dtype=torch.bool, device=dev)
+            length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
+            last_pos = pos[:, -1:]  # (N, 1)
+            for step in range(max_new_tokens):
+                logits = out.logits[:, -1].float()  # (N, V)
+                logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
+                if temperature == 0:
+                    tok = logits.argmax(-1)
+                else:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (N,)
+                toks.append(tok)
+                lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+                length += (~done).long()
+                done |= torch.isin(tok, stops)
+                if bool(done.all()) or step == max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=dev)], dim=1)
+                last_pos = last_pos + 1
+                shape[0] = (N, 1)
+                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos,
+                                 past_key_values=cache, use_cache=True)  # fmt: skip
+        finally:
+            for h in handles:
+                h.remove()
+
+        tok_mat = torch.stack(toks, 1).cpu()  # (N, steps)
+        lp_mat = torch.stack(lps, 1).cpu()  # (N, steps) fp32
+        length, done = length.cpu(), done.cpu()
+        tokens = [tok_mat[i, : length[i]].tolist() for i in range(N)]
+        logprobs = [lp_mat[i, : length[i]].clone() for i in range(N)]
+        finish = ["stop" if done[i] else "length" for i in range(N)]
+        routes = None
+        if return_routes:
+            # per layer: prefill (N, P, k) then one (N, 1, k) per decode step -> (N, P + steps - 1, k)
+            per_layer = [torch.cat(s, dim=1) for s in store]
+            full = torch.stack(per_layer, dim=2)  # (N, P + steps - 1, layers, k)
+            routes = [full[i, P - lens[i] : P + length[i] - 1].clone() for i in range(N)]
+        return Rollout(prompt_index, tokens, logprobs, finish, routes)
+
+    @torch.no_grad()
+    def score(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, return_routes: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Teacher-forced log-probs (fp32, (T_i,)) of each response given its prompt, one sequence at a time (no
+        padding), and optionally the routes of `(prompt + response)[:-1]` ((P_i + T_i - 1, layers, k))."""
+        lps, routes = [], []
+        for prompt, resp in zip(prompts, responses, strict=True):
+            seq = torch.tensor([*prompt, *resp], device=self.device)[None]  # (1, S)
+            store: list[list[torch.Tensor]] = [[] for _ in self._routers]
+            handles = self._hook_routes(store, [(1, seq.shape[1] - 1)]) if return_routes else []
+            try:
+                logits = self.model(input_ids=seq[:, :-1]).logits.float()  # (1, S - 1, V)
+            finally:
+                for h in handles:
+                    h.remove()
+            logp = torch.log_softmax(logits, -1).gather(-1, seq[:, 1:, None])[0, :, 0]  # (S - 1,)
+            lps.append(logp[len(prompt) - 1 :].cpu())
+            if return_routes:
+                routes.append(torch.stack([s[0][0] for s in store], dim=1))  # (S - 1, layers, k)
+        return lps, (routes if return_routes else None)

@@ -1,0 +1,136 @@
+"""The `hf` rollout engine on the Megatron policy's weights: seeded reproducible sampling, its log-probs equal a
+teacher-forced recompute (its own and Megatron's), finish reasons, and routed experts (R3) equal to the experts
+Megatron routes the same tokens to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from study import weights as W
+from study.engines import Rollout, engine_names, get_engine, register_engine
+from study.engines.hf import HFEngine
+from tests.engines.conftest import CFG, build_megatron, megatron_logp, random_prompts
+
+STOPS = list(range(0, 512, 17))  # ~1 in 17 tokens stops: both finish reasons occur in a small batch
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return build_megatron(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(megatron) -> HFEngine:
+    eng = get_engine("hf", CFG)
+    eng.load_weights(W.megatron_to_hf(megatron, CFG))
+    return eng
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(5, CFG.vocab_size, seed=11)
+
+
+@pytest.fixture(scope="module")
+def rollout(engine, prompts) -> Rollout:
+    return engine.generate(prompts, 3, seed=123, max_new_tokens=12, stop_token_ids=STOPS, return_routes=True)
+
+
+def test_registry():
+    assert {"hf", "vllm"} <= set(engine_names())
+    with pytest.raises(ValueError, match="valid: hf, vllm"):
+        get_engine("sglang", CFG)
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("hf")(HFEngine)
+
+
+def test_layout_and_finish_reasons(rollout, prompts):
+    assert rollout.prompt_index == [p for p in range(len(prompts)) for _ in range(3)]
+    assert set(rollout.finish_reasons) == {"stop", "length"}
+    for toks, lp, reason in zip(rollout.tokens, rollout.logprobs, rollout.finish_reasons, strict=True):
+        assert lp.dtype == torch.float32 and lp.shape == (len(toks),) and bool((lp <= 0).all())
+        stops_at = [i for i, t in enumerate(toks) if t in STOPS]
+        if reason == "stop":
+            assert stops_at == [len(toks) - 1]  # the stop token ends the response and is kept
+        else:
+            assert not stops_at and len(toks) == 12
+
+
+def test_seeded_sampling_is_reproducible(engine, prompts, rollout):
+    first = engine.generate(prompts, 3, seed=123, max_new_tokens=12, stop_token_ids=STOPS)
+    again = engine.generate(prompts, 3, seed=123, max_new_tokens=12, stop_token_ids=STOPS)
+    assert again.tokens == first.tokens == rollout.tokens  # the fixture ran with another thread count
+    assert all(torch.equal(a, b) for a, b in zip(again.logprobs, first.logprobs, strict=True))
+    other = engine.generate(prompts, 3, seed=124, max_new_tokens=12, stop_token_ids=STOPS)
+    assert other.tokens != rollout.tokens
+    # the n samples of one prompt differ from each other
+    assert len({tuple(t) for t in rollout.tokens[:3]}) > 1
+
+
+def test_logprobs_equal_teacher_forced_recompute(engine, megatron, rollout, prompts):
+    ps = [prompts[i] for i in rollout.prompt_index]
+    own, _ = engine.score(ps, rollout.tokens)
+    mg = megatron_logp(megatron, ps, rollout.tokens)
+    got = torch.cat(rollout.logprobs)
+    d_own = (got - torch.cat(own)).abs()
+    d_mg = (got - torch.cat(mg)).abs()
+    assert d_own.mean() <= 1e-5 and d_mg.mean() <= 1e-5, (d_own.mean(), d_mg.mean())
+    assert d_own.max() <= 1e-4 and d_mg.max() <= 1e-4
+
+
+def test_logprobs_are_untempered_and_greedy_is_argmax(engine, rollout, prompts):
+    hot = engine.generate(prompts[:2], 2, seed=5, temperature=1.7, max_new_tokens=8)
+    own, _ = engine.score([prompts[i] for i in hot.prompt_index], hot.tokens)
+    assert (torch.cat(hot.logprobs) - torch.cat(own)).abs().max() <= 1e-4  # raw log_softmax, not of logits / T
+    greedy = engine.generate(prompts[:2], 2, seed=5, temperature=0.0, max_new_tokens=8)
+    assert greedy.tokens[0] == greedy.tokens[1]
+    seq = torch.tensor(prompts[0] + greedy.tokens[0])[None]
+    with torch.no_grad():
+        logits = engine.model(input_ids=seq[:, :-1]).logits[0, len(prompts[0]) - 1 :]  # (T, V)
+    assert logits.argmax(-1).tolist() == greedy.tokens[0]
+
+
+def test_routes_shape_and_equal_to_megatron_routing(engine, megatron, rollout, prompts):
+    from study.model import token_logp
+    from study.routing import RoutingController
+
+    ctl = RoutingController(megatron)
+    assert engine.routes_supported and rollout.routes is not None
+    for i, (toks, routes) in enumerate(zip(rollout.tokens, rollout.routes, strict=True)):
+        prompt = prompts[rollout.prompt_index[i]]
+        seq = torch.tensor(prompt + toks)[None]  # (1, S)
+        assert routes.shape == (seq.shape[1] - 1, CFG.num_layers, CFG.moe_top_k) and routes.dtype == torch.uint8
+        with torch.no_grad(), ctl.recording():
+            token_logp(megatron, seq[:, :-1], seq[:, 1:])
+        mg = ctl.routes().experts[0]  # (S - 1, L, k)
+        assert torch.equal(routes.sort(-1).values, mg.sort(-1).values.to(routes.dtype)), i
+    # and the hook-recorded routes equal a teacher-forced forward's
+    _, scored = engine.score([prompts[i] for i in rollout.prompt_index], rollout.tokens, return_routes=True)
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(scored, rollout.routes, strict=True))
+
+
+def test_load_weights_changes_the_function(megatron, prompts):
+    eng = HFEngine(CFG)
+    state = W.megatron_to_hf(megatron, CFG)
+    eng.load_weights(state)
+    before = eng.generate(prompts, 2, seed=1, max_new_tokens=6)
+    state["lm_head.weight"] = state["lm_head.weight"] * 3.0
+    eng.load_weights(state)
+    after = eng.generate(prompts, 2, seed=1, max_new_tokens=6)
+    assert before.tokens != after.tokens or not all(
+        torch.allclose(a, b) for a, b in zip(before.logprobs, after.logprobs, strict=True)
+    )
+    assert all(torch.equal(v, eng.state_dict_hf()[k]) for k, v in state.items())
+    del state["model.norm.weight"]
+    with pytest.raises(KeyError):
+        eng.load_weights(state)
+
+
+def test_bad_arguments_raise(engine):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([[1, 2]], 1, seed=0, max_new_tokens=CFG.max_seq_len)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], 1, seed=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[CFG.vocab_size]], 1, seed=0, max_new_tokens=4)
