@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis import vocab
+from analysis.fit import sigmoid
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,6 @@ class Curve:
     clip_high: float = 0.02
     collapse_step: int | None = None
     """Reward falls to ~0 from this step and the run stops there with status collapsed."""
-
-
-def sigmoid(c: np.ndarray, *, r0: float, a: float, b: float, c_mid: float) -> np.ndarray:
-    """R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)."""
-    c = np.asarray(c, dtype=np.float64)
-    return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
 
 
 def synthetic_metrics(
