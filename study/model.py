@@ -22,8 +22,10 @@ Choices that matter for parity and for the study:
    masked (rows whose keys are all masked give a uniform softmax, never NaN, as megatron fills with -10000).
 5. Precision: parameters and compute in fp32 (CPU default), bf16 or fp16. The router runs in fp32 for bf16/fp16
    (`moe_router_dtype="fp32"`, megatron's recommendation). Log-probs from the labels path are fp32 always
-   (megatron's cross entropy upcasts). fp16 training needs loss scaling: `DynamicLossScaler`. On CPUs without
-   AVX-512 BF16, bf16 matmuls are several times slower than fp32 (benchmarks/bench_model.py).
+   (megatron's cross entropy upcasts). fp16 training needs loss scaling: `DynamicLossScaler`. CPU speed depends
+   on the CPU's ISA: where it has AVX-512 BF16 (this machine kind) bf16 GEMMs are ~7x fp32's and the `small`
+   step ~1.5x faster, elsewhere bf16 is several times slower; fp16 GEMMs run ~100x slower than fp32 on CPU (no
+   native kernels), so fp16 is for CUDA and for tests. Measure with benchmarks/bench_model.py.
 6. Optimizer: plain `torch.optim.AdamW` (megatron's distributed optimizer needs CUDA).
 """
 
