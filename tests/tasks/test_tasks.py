@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -317,3 +318,16 @@ def test_bad_user_parquet_and_files(tmp_path: Path) -> None:
         load_user_data(tmp_path / "d.csv", verifier="exact")
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_user_data(tmp_path / "missing.jsonl", verifier="exact")
+
+
+@cache
+def _first_item(name: str) -> TaskItem:
+    return make_task(name, seed=9)[0]
+
+
+@given(name=st.sampled_from(TASKS), text=st.text(alphabet=st.sampled_from("0123456789+-*/() .e#x\n_'"), max_size=60))
+def test_verifiers_never_raise_on_arbitrary_responses(name: str, text: str) -> None:
+    # an RL run scores whatever the policy writes; reasoning-gym's verifier must give a number in [0, 1]
+    for response in (text, f"#### {text}"):
+        assert score(_first_item(name), response) in (0.0, 1.0)
+        assert 0.0 <= score(_first_item(name), response, partial_credit=True) <= 1.0
