@@ -116,7 +116,12 @@ def bootstrap_mean_band(
             means[start:stop] = np.where(c > 0, s / c, np.nan)
     ok = n >= 2
     if ok.any():
-        q = np.nanquantile(means[:, ok], [alpha, 1.0 - alpha], axis=0)
+        m = means[:, ok]
+        q = (
+            np.quantile(m, [alpha, 1.0 - alpha], axis=0)
+            if not np.isnan(m).any()
+            else np.nanquantile(m, [alpha, 1 - alpha], axis=0)
+        )
         low[ok], high[ok] = q[0], q[1]
     return mean, low, high, n
 

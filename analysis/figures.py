@@ -1,0 +1,565 @@
+"""The paper's figures from a loaded study (analysis.tidy.Study). No function here names an algorithm.
+
+Each `figureN_*` returns a `Made`: the matplotlib Figure, a file name, a caption, and the tables behind it (for the
+report). `make_all` renders every figure whose data the study has and says why it skipped the others.
+
+1. reward and each held-out eval vs training compute, per configuration, seed mean with a bootstrap band;
+2. average clipped-token fraction per algorithm (log scale; total, low, high) and clip fraction over training;
+3. with vs without Routing Replay: algorithms that share a loss function and differ by `routing`, one panel per
+   loss, every run drawn, collapsed runs marked with an x;
+4. precision: final reward and mismatch metrics per (train dtype, rollout dtype, pi_old source) configuration;
+5. length: final reward and efficiency vs maximum generation length;
+6. routing volatility: expert-slot mismatch per layer and over training; its relation to the clip fraction;
+7. compute-scaling fits (analysis.fit): points, curve, extrapolation, and the table of A, B, C_mid.
+
+Metric and axis names: analysis.vocab.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from analysis import fit as fitting
+from analysis import stats, style, vocab
+from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, VALUE, Study
+
+PFLOP = 1e15
+
+
+@dataclass
+class Made:
+    """A built figure: save it with `style.save(made.fig, out_dir / made.name)`."""
+
+    fig: Figure
+    name: str
+    caption: str
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+
+class MissingData(ValueError):
+    """The study lacks the metric or axis a figure needs (message says which, and what is there)."""
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------------
+def select(study: Study, where: Mapping[str, Any] | None) -> Study:
+    """The runs of `study` whose axis values match `where` (e.g. {"rollout.max_gen_len": 512})."""
+    if not where:
+        return study
+    long, runs, layers = study.long, study.runs, study.layers
+    for key, value in where.items():
+        if key not in runs.columns:
+            raise MissingData(f"cannot select on {key!r}: not a column; axes are {study.axes}")
+        ids = set(runs.loc[runs[key] == value, RUN_ID].astype(str))
+        long = long[long[RUN_ID].astype(str).isin(ids)]
+        layers = layers[layers[RUN_ID].astype(str).isin(ids)]
+        runs = runs[runs[RUN_ID].astype(str).isin(ids)]
+    return Study(long=long, runs=runs, layers=layers, axes=study.axes, missing=study.missing)
+
+
+def _varying(study: Study) -> list[str]:
+    """Swept axes that still take more than one value in (a selection of) the study."""
+    return [a for a in study.axes if study.runs[a].nunique(dropna=False) > 1]
+
+
+def _need_metric(study: Study, metric: str) -> None:
+    if metric not in study.metrics:
+        raise MissingData(f"metric {metric!r} not logged; present: {', '.join(study.metrics)}")
+
+
+def _need_axis(study: Study, axis: str) -> None:
+    if axis not in study.axes:
+        raise MissingData(f"axis {axis!r} is not swept in this study; swept axes: {study.axes or 'none'}")
+
+
+def _group_label(alg: str, extra: Mapping[str, Any]) -> str:
+    tail = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in extra.items())
+    return f"{style.label(alg)} ({tail})" if tail else style.label(alg)
+
+
+def _curves(study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True) -> pd.DataFrame:
+    by = [ALGORITHM, *_varying(study)]
+    return stats.aggregate_curves(study.long, metric, by=by, smooth=smooth, n_grid=n_grid, log=log)
+
+
+def _legend(fig: Figure, ax: Axes, *, loc: str = "best", max_inside: int = 5) -> None:
+    """A legend inside `ax` when it is short, else one legend below the whole figure."""
+    handles, labels = ax.get_legend_handles_labels()
+    if len(handles) <= max_inside:
+        ax.legend(handles, labels, loc=loc)
+    else:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(handles)))
+
+
+def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, x: str = COMPUTE) -> None:
+    """Mean line and band per configuration, registry order; line style cycles over extra axes' values."""
+    dashes = ["-", "--", ":", "-."]
+    keys = curves[[ALGORITHM, *extra_axes]].drop_duplicates()
+    algs = style.order(keys[ALGORITHM].astype(str))
+    for alg in algs:
+        sub = keys[keys[ALGORITHM].astype(str) == alg]
+        for k, (_, key) in enumerate(sub.iterrows()):
+            mask = np.ones(len(curves), dtype=bool)
+            for col in [ALGORITHM, *extra_axes]:
+                mask &= (curves[col] == key[col]).to_numpy()
+            c = curves[mask]
+            extra = {a: key[a] for a in extra_axes}
+            ax.plot(c[x] / PFLOP, c["mean"], color=style.color(alg), ls=dashes[k % 4], label=_group_label(alg, extra))
+            ax.fill_between(c[x] / PFLOP, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
+
+
+# --- Figure 1 ---------------------------------------------------------------------------------------------------------
+def figure1_reward(
+    study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10, n_grid: int = 100
+) -> Made:
+    """Training reward and each held-out eval vs training compute (log x), seed mean with a 95% bootstrap band."""
+    st = select(study, where)
+    _need_metric(st, vocab.REWARD)
+    metrics = [vocab.REWARD, *vocab.eval_metrics(st.metrics)]
+    fig = style.new_figure(ncols=len(metrics), width=min(style.WIDTH_DOUBLE, 2.4 * len(metrics)) or None)
+    axs = fig.subplots(1, len(metrics), squeeze=False)[0]
+    extra = _varying(st)
+    tables = {}
+    for ax, metric in zip(axs, metrics, strict=True):
+        curves = _curves(st, metric, smooth=smooth if metric == vocab.REWARD else None, n_grid=n_grid)
+        tables[metric] = curves
+        _plot_curves(ax, curves, extra)
+        ax.set_xscale("log")
+        ax.set_xlabel("training compute (PFLOP)")
+        ax.set_title("training reward" if metric == vocab.REWARD else metric)
+    axs[0].set_ylabel("mean reward / pass@1")
+    _legend(fig, axs[-1], loc="lower right")
+    n = st.runs.groupby(ALGORITHM, observed=True).size()
+    caption = (
+        "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
+        f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {dict(n)}). Reward is smoothed "
+        f"with a trailing {smooth}-step mean. Where fewer seeds reach a compute, the band is over those that do."
+    )
+    return Made(fig, "figure1_reward", caption, tables)
+
+
+# --- Figure 2 ---------------------------------------------------------------------------------------------------------
+def clip_table(study: Study, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Average clipped-token fraction per algorithm (mean over all steps per run, then mean and CI over seeds).
+
+    Columns: algorithm, part (total / low / high), mean, low, high, n; algorithms in registry order.
+    """
+    parts = {"total": vocab.CLIP, "low": vocab.CLIP_LOW, "high": vocab.CLIP_HIGH}
+    frames = []
+    for part, metric in parts.items():
+        _need_metric(study, metric)
+        per_run = stats.run_mean(study.long, metric)
+        s = stats.summarize(per_run, by=[ALGORITHM], confidence=confidence, seed=seed)
+        s.insert(1, "part", part)
+        frames.append(s)
+    out = pd.concat(frames, ignore_index=True)
+    algs = style.order(out[ALGORITHM].astype(str))
+    out["_o"] = out[ALGORITHM].astype(str).map({a: i for i, a in enumerate(algs)})
+    out["_p"] = out["part"].map({p: i for i, p in enumerate(parts)})
+    return out.sort_values(["_o", "_p"]).drop(columns=["_o", "_p"]).reset_index(drop=True)
+
+
+def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10) -> Made:
+    """Left: average clipped-token fraction per algorithm (log y; total, low, high bars with 95% CIs).
+    Right: clip fraction over training compute."""
+    st = select(study, where)
+    table = clip_table(st)
+    fig = style.new_figure(ncols=2)
+    ax, ax2 = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    algs = list(dict.fromkeys(table[ALGORITHM].astype(str)))
+    width = 0.27
+    shades = {"total": 1.0, "low": 0.55, "high": 0.3}
+    hatches = {"total": "", "low": "//", "high": ".."}
+    for k, part in enumerate(["total", "low", "high"]):
+        t = table[table["part"] == part].set_index(table[table["part"] == part][ALGORITHM].astype(str)).loc[algs]
+        xs = np.arange(len(algs)) + (k - 1) * width
+        heights = t["mean"].to_numpy(dtype=float)
+        err = np.vstack([heights - t["low"].to_numpy(float), t["high"].to_numpy(float) - heights])
+        err = np.where(np.isfinite(err), np.maximum(err, 0), 0)
+        ax.bar(
+            xs,
+            heights,
+            width,
+            yerr=err,
+            color=[style.color(a) for a in algs],
+            alpha=shades[part],
+            hatch=hatches[part],
+            edgecolor="white",
+            label=part,
+            gid=f"clip-{part}",
+            error_kw={"lw": 0.7, "capsize": 1.5},
+        )
+        for xi, h in zip(xs, heights, strict=True):
+            if h == 0:
+                ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=6)
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(algs)), [style.label(a) for a in algs], rotation=30, ha="right")
+    ax.set_ylabel("avg. fraction of clipped tokens")
+    ax.legend(title=None, loc="upper left")
+    ax.grid(axis="x", visible=False)
+    curves = _curves(st, vocab.CLIP, smooth=smooth, n_grid=100)
+    _plot_curves(ax2, curves, _varying(st))
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("training compute (PFLOP)")
+    ax2.set_ylabel("clipped-token fraction")
+    _legend(fig, ax2)
+    tot = table[table["part"] == "total"].set_index(ALGORITHM)["mean"]
+    caption = (
+        "Figure 2. Average fraction of clipped tokens (token-weighted, clipped branch active) per algorithm, split "
+        "into the low side (ratio < 1 - eps_low, A < 0) and the high side (ratio > 1 + eps_high, A > 0); mean over "
+        "training steps per run, then mean and 95% bootstrap interval over seeds. Right: over training. Averages: "
+        + ", ".join(f"{style.label(str(a))} {v:.3g}" for a, v in tot.items())
+        + "."
+    )
+    return Made(fig, "figure2_clipping", caption, {"clip_fraction": table, "clip_over_training": curves})
+
+
+# --- Figure 3 ---------------------------------------------------------------------------------------------------------
+def routing_families(names: Sequence[str]) -> list[list[str]]:
+    """Groups of algorithms that share a loss function but differ in routing mode, registry order, free first.
+
+    Only groups with at least two routing modes present are returned (these are the Routing Replay ablations).
+    """
+    reg = style._registry()
+    by_loss: dict[int, list[str]] = {}
+    for n in style.order(names):
+        by_loss.setdefault(id(reg.get(n).loss_fn), []).append(n)
+    modes = {m: i for i, m in enumerate(reg.ROUTING_MODES)}
+    out = []
+    for members in by_loss.values():
+        if len({reg.get(n).routing for n in members}) > 1:
+            out.append(sorted(members, key=lambda n: modes[reg.get(n).routing]))
+    return out
+
+
+def figure3_routing_replay(
+    study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10, **collapse_rules: Any
+) -> Made:
+    """Reward vs compute with and without Routing Replay, one panel per loss function; every run drawn thin, the
+    seed mean thick, collapsed runs (reported in status.json or detected in the reward) marked with an x."""
+    st = select(study, where)
+    _need_metric(st, vocab.REWARD)
+    fams = routing_families(st.runs[ALGORITHM].dropna().astype(str).unique())
+    if not fams:
+        raise MissingData("no pair of algorithms with the same loss and different routing in this study")
+    fig = style.new_figure(ncols=len(fams), width=min(style.WIDTH_DOUBLE, 3.5 * len(fams)))
+    axs = fig.subplots(1, len(fams), squeeze=False)[0]
+    rows = stats.metric_rows(st.long, vocab.REWARD)
+    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=100)
+    info, mat = stats.interpolate_runs(rows, grid, smooth=smooth)
+    coll = stats.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
+    coll_by = coll.set_index(RUN_ID)
+    reg = style._registry()
+    for ax, fam in zip(axs, fams, strict=True):
+        for alg in fam:
+            idx = np.flatnonzero(info[ALGORITHM].astype(str).to_numpy() == alg)
+            col = style.color(alg)
+            for i in idx:
+                ax.plot(grid / PFLOP, mat[i], color=col, lw=0.5, alpha=0.35)
+                rid = str(info[RUN_ID].iloc[i])
+                if rid in coll_by.index and bool(coll_by.loc[rid, "collapsed"]):
+                    cx = coll_by.loc[rid, "collapse_compute"]
+                    last = np.flatnonzero(np.isfinite(mat[i]))
+                    if np.isfinite(cx) and last.size:
+                        yv = np.interp(np.log(cx), np.log(grid[last]), mat[i][last])
+                        ax.plot([cx / PFLOP], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none", gid="collapse")
+            if idx.size:
+                mean = stats.bootstrap_mean_band(mat[idx], n_resamples=0)[0]
+                ax.plot(grid / PFLOP, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
+        ax.plot([], [], marker="x", ls="none", color=style.NEUTRAL, label="collapsed")
+        ax.set_xscale("log")
+        ax.set_title(style.label(fam[0]))
+        ax.set_xlabel("training compute (PFLOP)")
+        ax.legend(loc="best")
+    axs[0].set_ylabel("training reward")
+    n_coll = coll[coll["collapsed"]].groupby(ALGORITHM, observed=True).size().to_dict()
+    caption = (
+        "Figure 3. With vs without Routing Replay: algorithms sharing a loss function, differing only in routing "
+        "mode. Thin lines are individual seeds, thick lines their mean; x marks where a run collapsed (status or "
+        f"reward-drop rule). Collapsed runs per algorithm: {n_coll or 'none'}."
+    )
+    return Made(fig, "figure3_routing_replay", caption, {"collapses": coll})
+
+
+# --- Figure 4 ---------------------------------------------------------------------------------------------------------
+def _config_bars(
+    ax: Axes, summary: pd.DataFrame, config_cols: Sequence[str], *, ylabel: str, log: bool = False
+) -> list[str]:
+    """Grouped bars: x = configuration (joined axis values), one bar per algorithm, 95% CI error bars."""
+    summary = summary.copy()
+    summary["_cfg"] = summary[list(config_cols)].astype(str).agg(" / ".join, axis=1)
+    cfgs = list(dict.fromkeys(summary.sort_values(list(config_cols))["_cfg"]))
+    algs = style.order(summary[ALGORITHM].astype(str))
+    width = 0.8 / max(1, len(algs))
+    for k, alg in enumerate(algs):
+        s = summary[summary[ALGORITHM].astype(str) == alg].set_index("_cfg").reindex(cfgs)
+        xs = np.arange(len(cfgs)) + (k - (len(algs) - 1) / 2) * width
+        h = s["mean"].to_numpy(float)
+        err = np.vstack([h - s["low"].to_numpy(float), s["high"].to_numpy(float) - h])
+        err = np.where(np.isfinite(err), np.maximum(err, 0), 0)
+        ax.bar(xs, h, width, yerr=err, color=style.color(alg), label=style.label(alg), error_kw={"lw": 0.7})
+    ax.set_xticks(np.arange(len(cfgs)), cfgs, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(axis="x", visible=False)
+    return cfgs
+
+
+def figure4_precision(
+    study: Study,
+    *,
+    axes: Sequence[str] = (vocab.TRAIN_DTYPE_AXIS, vocab.ROLLOUT_DTYPE_AXIS, vocab.OLD_LOGP_AXIS),
+    mismatch: Sequence[str] = ("mismatch_mean_abs", "mismatch_k3"),
+    frac: float = 0.1,
+) -> Made:
+    """Final reward and training-inference mismatch per precision configuration (the axes among `axes` that the
+    study sweeps), bars per algorithm with 95% CIs over seeds."""
+    present = [a for a in axes if a in study.axes]
+    if not present:
+        raise MissingData(f"none of the precision axes {list(axes)} is swept; swept axes: {study.axes or 'none'}")
+    for m in (vocab.REWARD, *mismatch):
+        _need_metric(study, m)
+    by = [ALGORITHM, *present]
+    fig = style.new_figure(ncols=1 + len(mismatch), width=style.WIDTH_DOUBLE, height=3.0)
+    axs = fig.subplots(1, 1 + len(mismatch), squeeze=False)[0]
+    tables = {}
+    for ax, metric in zip(axs, [vocab.REWARD, *mismatch], strict=True):
+        s = stats.final_summary(study.long, metric, frac=frac, by=by, runs=study.runs)
+        tables[metric] = s
+        _config_bars(ax, s, present, ylabel=metric, log=metric != vocab.REWARD)
+        ax.set_title("final reward" if metric == vocab.REWARD else metric)
+    axs[0].legend(loc="best")
+    caption = (
+        f"Figure 4. Precision: final reward (mean of the last {frac:.0%} of steps) and training-inference mismatch "
+        f"per configuration ({' / '.join(present)}); bars are seed means with 95% bootstrap intervals."
+    )
+    return Made(fig, "figure4_precision", caption, tables)
+
+
+# --- Figure 5 ---------------------------------------------------------------------------------------------------------
+def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float = 0.1) -> Made:
+    """Final reward and efficiency vs maximum generation length, per algorithm (seed mean, 95% CI).
+
+    Efficiency = (final-window reward - first logged reward) / total training compute, in reward per PFLOP.
+    """
+    _need_axis(study, axis)
+    _need_metric(study, vocab.REWARD)
+    fw = stats.final_window(study.long, vocab.REWARD, frac=frac)
+    first = stats.metric_rows(study.long, vocab.REWARD).groupby(RUN_ID, observed=True)[VALUE].first()
+    fw["efficiency"] = (fw["value"].to_numpy() - first.reindex(fw[RUN_ID].astype(str)).to_numpy()) / (
+        fw["compute_to"].to_numpy() / PFLOP
+    )
+    fig = style.new_figure(ncols=2)
+    axs = fig.subplots(1, 2)
+    tables = {}
+    for ax, col, ylabel in ((axs[0], "value", "final reward"), (axs[1], "efficiency", "reward gain per PFLOP")):
+        s = stats.summarize(fw, value=col, by=[ALGORITHM, axis])
+        tables[col] = s
+        for alg in style.order(s[ALGORITHM].astype(str)):
+            t = s[s[ALGORITHM].astype(str) == alg].sort_values(axis)
+            xs = t[axis].to_numpy(dtype=float)
+            ax.plot(xs, t["mean"], marker="o", color=style.color(alg), label=style.label(alg))
+            ax.fill_between(xs, t["low"].to_numpy(float), t["high"].to_numpy(float), color=style.color(alg), alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"max generation length ({axis})")
+        ax.set_ylabel(ylabel)
+    axs[0].legend(loc="best")
+    caption = (
+        f"Figure 5. Final reward (mean of the last {frac:.0%} of steps) and efficiency (reward gained per PFLOP of "
+        "training compute) against the maximum generation length; seed means with 95% bootstrap intervals."
+    )
+    return Made(fig, "figure5_length", caption, tables)
+
+
+# --- Figure 6 ---------------------------------------------------------------------------------------------------------
+def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10) -> Made:
+    """Routing volatility: expert-slot mismatch per layer (left), over training (middle), and per run against the
+    average clip fraction (right)."""
+    st = select(study, where)
+    _need_metric(st, vocab.ROUTING_SLOT)
+    fig = style.new_figure(ncols=3, height=2.8)
+    ax_l, ax_t, ax_c = fig.subplots(1, 3)
+    tables: dict[str, pd.DataFrame] = {}
+    if len(st.layers) and vocab.ROUTING_SLOT in set(st.layers["metric"].astype(str)):
+        lay = st.layers[st.layers["metric"].astype(str) == vocab.ROUTING_SLOT]
+        per_run = lay.groupby([RUN_ID, ALGORITHM, "layer"], observed=True)[VALUE].mean().reset_index()
+        s = stats.summarize(per_run, value=VALUE, by=[ALGORITHM, "layer"])
+        tables["per_layer"] = s
+        for alg in style.order(s[ALGORITHM].astype(str)):
+            t = s[s[ALGORITHM].astype(str) == alg].sort_values("layer")
+            ax_l.errorbar(
+                t["layer"],
+                t["mean"],
+                yerr=np.nan_to_num(np.vstack([t["mean"] - t["low"], t["high"] - t["mean"]]).clip(min=0)),
+                marker="o",
+                ms=3,
+                color=style.color(alg),
+                label=style.label(alg),
+                capsize=1.5,
+            )
+        ax_l.set_xlabel("MoE layer")
+        ax_l.legend(loc="best")
+    else:
+        ax_l.text(0.5, 0.5, "no per-layer routing table", ha="center", va="center", transform=ax_l.transAxes)
+    ax_l.set_ylabel("expert-slot mismatch")
+    ax_l.set_title("per layer")
+    curves = _curves(st, vocab.ROUTING_SLOT, smooth=smooth, n_grid=100)
+    tables["over_training"] = curves
+    _plot_curves(ax_t, curves, _varying(st))
+    _legend(fig, ax_t)
+    ax_t.set_xscale("log")
+    ax_t.set_xlabel("training compute (PFLOP)")
+    ax_t.set_title("over training (old vs new policy)")
+    if vocab.CLIP in st.metrics:
+        rs = stats.run_mean(st.long, vocab.ROUTING_SLOT).rename(columns={"value": "slot_mismatch"})
+        cf = stats.run_mean(st.long, vocab.CLIP)[[RUN_ID, "value"]].rename(columns={"value": "clip_frac"})
+        both = rs.merge(cf, on=RUN_ID)
+        tables["vs_clip"] = both
+        for alg in style.order(both[ALGORITHM].astype(str)):
+            t = both[both[ALGORITHM].astype(str) == alg]
+            ax_c.scatter(t["slot_mismatch"], t["clip_frac"], s=12, color=style.color(alg), label=style.label(alg))
+        ax_c.set_yscale("log")
+        ax_c.set_xlabel("avg. expert-slot mismatch")
+        ax_c.set_ylabel("avg. clipped-token fraction")
+        ax_c.set_title("volatility vs clipping (one dot per run)")
+    caption = (
+        "Figure 6. Routing volatility: the expert-slot mismatch mean(1 - |S_old & S_new| / k) between the routing "
+        "before and after an update, per MoE layer (mean over steps and seeds, 95% CI), over training, and per run "
+        "against the average clipped-token fraction."
+    )
+    return Made(fig, "figure6_routing", caption, tables)
+
+
+# --- Figure 7 ---------------------------------------------------------------------------------------------------------
+def figure7_fits(
+    study: Study,
+    *,
+    fits: dict[tuple[object, ...], fitting.ScalingFit] | None = None,
+    where: Mapping[str, Any] | None = None,
+    extrapolate: float = 10.0,
+    n_boot: int = 200,
+) -> Made:
+    """Compute-scaling fits per algorithm: fitted points, the curve over the data (solid), its extrapolation to
+    `extrapolate` x the largest compute (dashed), the asymptote A (dotted), and the table of A, B, C_mid."""
+    st = select(study, where)
+    if fits is None:
+        fits = fitting.fit_study(st.long, vocab.REWARD, runs=st.runs, n_boot=n_boot)
+    table = fitting.fits_table(fits)
+    fig = style.new_figure(ncols=2, height=3.0)
+    ax, ax_t = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    algs = style.order(str(k[0]) for k in fits)
+    for alg in algs:
+        f = fits[(alg,)]
+        col = style.color(alg)
+        ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, color=col, alpha=0.7)
+        xs = np.geomspace(f.x.min(), f.c_max, 100)
+        xe = np.geomspace(f.c_max, f.c_max * extrapolate, 50)
+        ax.plot(xs / PFLOP, f.predict(xs), color=col, label=style.label(alg))
+        ax.plot(xe / PFLOP, f.predict(xe), color=col, ls="--")
+        ax.axhline(f.params.a, color=col, ls=":", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute (PFLOP)")
+    ax.set_ylabel("training reward")
+    ax.legend(loc="upper left")
+    ax_t.axis("off")
+
+    def ci(v: float, lo: float, hi: float, fmt: str) -> str:
+        return f"{v:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]" if np.isfinite(lo) else f"{v:{fmt}}"
+
+    cells = []
+    for alg in algs:
+        r = table[table[ALGORITHM] == alg].iloc[0]
+        cells.append(
+            [
+                style.label(alg),
+                ci(r["A"], r["A_low"], r["A_high"], ".3f") + ("" if r["A_identified"] else " *"),
+                ci(r["B"], r["B_low"], r["B_high"], ".2f"),
+                ci(r["C_mid"] / PFLOP, r["C_mid_low"] / PFLOP, r["C_mid_high"] / PFLOP, ".3g"),
+            ]
+        )
+    tab = ax_t.table(cellText=cells, colLabels=["", "A", "B", "C_mid (PFLOP)"], loc="center", cellLoc="left")
+    tab.auto_set_font_size(False)
+    tab.set_fontsize(6)
+    tab.auto_set_column_width(list(range(4)))
+    unidentified = [style.label(str(k[0])) for k, f in fits.items() if not f.a_identified]
+    caption = (
+        "Figure 7. ScaleRL fits R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) per algorithm (R0 fixed to the initial "
+        "reward, early phase dropped): fitted points, the curve (solid), its extrapolation (dashed) and the "
+        "asymptote A (dotted); intervals are "
+        + (next(iter(fits.values())).ci_method if fits else "n/a")
+        + ". "
+        + (
+            f"* A not identified (the run is too short): {', '.join(unidentified)}."
+            if unidentified
+            else "A is identified for every algorithm."
+        )
+    )
+    return Made(fig, "figure7_fits", caption, {"fits": table})
+
+
+# --- all --------------------------------------------------------------------------------------------------------------
+FIGURES = {
+    "figure1_reward": figure1_reward,
+    "figure2_clipping": figure2_clipping,
+    "figure3_routing_replay": figure3_routing_replay,
+    "figure4_precision": figure4_precision,
+    "figure5_length": figure5_length,
+    "figure6_routing": figure6_routing,
+    "figure7_fits": figure7_fits,
+}
+
+
+@dataclass
+class Rendered:
+    """What `make_all` wrote, and why it skipped what it skipped."""
+
+    paths: dict[str, list[Path]]
+    captions: dict[str, str]
+    tables: dict[str, dict[str, pd.DataFrame]]
+    skipped: dict[str, str]
+
+
+def make_all(study: Study, out_dir: str | os.PathLike[str], *, only: Sequence[str] | None = None) -> Rendered:
+    """Render every figure the study has data for into `out_dir` (PNG, PDF, SVG); skipped ones say why."""
+    out = Rendered({}, {}, {}, {})
+    for name, fn in FIGURES.items():
+        if only is not None and name not in only:
+            continue
+        try:
+            made = fn(study)
+        except MissingData as exc:
+            out.skipped[name] = str(exc)
+            continue
+        out.paths[name] = style.save(made.fig, Path(out_dir) / made.name)
+        out.captions[name] = made.caption
+        out.tables[name] = made.tables
+    return out
+
+
+__all__ = [
+    "FIGURES",
+    "Made",
+    "MissingData",
+    "Rendered",
+    "clip_table",
+    "figure1_reward",
+    "figure2_clipping",
+    "figure3_routing_replay",
+    "figure4_precision",
+    "figure5_length",
+    "figure6_routing",
+    "figure7_fits",
+    "make_all",
+    "routing_families",
+    "select",
+]
