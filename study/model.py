@@ -108,7 +108,6 @@ def transformer_config(
     aux = float(extra.pop("moe_aux_loss_coeff", 0.0))
     if aux < 0:
         raise ValueError(f"model.extra.moe_aux_loss_coeff = {aux}: must be >= 0")
-    cuda = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -148,7 +147,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=cuda,
+        masked_softmax_fusion=False,  # the fused kernel is an Apex/TE CUDA extension
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,

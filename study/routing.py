@@ -18,6 +18,9 @@ model:
 4. Replay without routes, or with routes of another batch shape, layer count or top-k, raises. There is no silent
    fallback to free routing.
 
+Assumes every router sees the whole (S*B) batch: tensor parallelism without sequence parallelism, or none (the
+default). With sequence parallelism each rank routes a slice; that is not supported and fails the token-count check.
+
 Token layout: megatron routes (S*B) tokens in sequence-major order; `Routes` stores them sample-major, (B, S, L, k),
 so `routes[idx]` follows any re-split of the batch along B. Routing of a token depends on that token only (no
 capacity factor, no token dropping), which is what makes the re-split valid.

@@ -203,3 +203,17 @@ def test_volatility_metrics_hand_made():
         routing_volatility(x, y[:, :2])
     with pytest.raises(ValueError):
         routing_volatility(x, y, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_replay_in_bf16():
+    model = build_policy(TINY.replace(num_layers=1), seed=0, dtype="bf16")
+    ctl = RoutingController(model)
+    ids = _batch(2, 17)
+    with torch.no_grad(), ctl.recording():
+        _logp(model, ids)
+    routes = ctl.routes()
+    _perturb_routers(ctl)
+    with ctl.replaying(routes):
+        _logp(model, ids).mean().backward()
+    assert torch.equal(ctl.routes().experts, routes.experts)
+    assert ctl.routers[0].weight.grad.abs().sum() > 0
