@@ -33,12 +33,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from study import megatron_compat
 from study.config import DTYPES, ModelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,9 +101,7 @@ def norm_topk_prob(cfg: ModelConfig) -> bool:
     return cfg.moe_top_k > 1
 
 
-def transformer_config(
-    cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True
-):  # -> megatron.core.transformer.TransformerConfig (imported lazily)
+def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True) -> TransformerConfig:
     """The megatron TransformerConfig of the policy described by `cfg`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -155,7 +158,7 @@ def transformer_config(
     )
 
 
-def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True):  # -> GPTModel
+def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
     Same seed and config give bit-identical weights. The caller's global RNG state is left untouched (the build
@@ -250,7 +253,9 @@ def _check_ids(model: torch.nn.Module, input_ids: torch.Tensor, name: str = "inp
             raise ValueError(f"{name} out of range [0, {cfg.vocab_size})")
 
 
-def logits(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None):
+def logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token logits (B, S, V) in the model's dtype. `attention_mask` (B, S): see `positions_and_mask`."""
     _check_ids(model, input_ids)
     device = model_device(model)
@@ -363,9 +368,11 @@ class DynamicLossScaler:
         return finite
 
     def state_dict(self) -> dict[str, float]:
+        """Scale and step counters, for checkpoints."""
         return {"scale": self.scale_value, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        """Inverse of `state_dict`."""
         self.scale_value = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
