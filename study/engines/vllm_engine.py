@@ -200,16 +200,31 @@ class VLLMEngine(RolloutEngine):
         return Rollout(prompt_index, tokens, logprobs, finish, routes if return_routes else None)
 
     def close(self) -> None:
-        """Shut vLLM down and delete the temporary checkpoint."""
+        """Shut vLLM down and delete the temporary checkpoint, leaving torch.distributed alone.
+
+        In-process vLLM shares the default process group with Megatron (whichever initialised it first), and
+        `EngineCore.shutdown` ends with `cleanup_dist_env_and_memory()`, which destroys that group: Megatron then
+        fails with "group should not be None". The cleanup is swapped for a plain memory release during shutdown.
+        """
         llm = getattr(self, "llm", None)
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(
-                getattr(engine, "engine_core", None), "shutdown", None
-            )
-            if callable(shutdown):
-                shutdown()
+            import vllm.v1.engine.core as core
+
+            original = core.cleanup_dist_env_and_memory
+            core.cleanup_dist_env_and_memory = _release_memory_only
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                core.cleanup_dist_env_and_memory = original
             self.llm = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _release_memory_only(shutdown_ray: bool = False) -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
