@@ -1,0 +1,57 @@
+"""The metric vocabulary of an RL run, documented once: one row per step in metrics.parquet.
+
+Analysis reads these names and never an algorithm's; every variant logs every one (a value that does not apply is
+NaN, e.g. eval columns between evaluations). Loss metrics (algorithms.LOSS_METRICS and a variant's extras) are means
+over the step's minibatches.
+"""
+
+from __future__ import annotations
+
+from algorithms import LOSS_METRICS
+from study.config import ModelConfig
+
+STEP_METRICS: dict[str, str] = {
+    "step": "RL step (rollout batch) index, from 1",
+    "reward_mean": "mean task reward of the step's responses (before any reward shaping)",
+    "reward_std": "standard deviation of that reward",
+    "eval_in_dist": "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)",
+    "eval_hard": "the same on the harder, longer held-out set",
+    "response_len_mean": "mean response length in tokens (stop token included)",
+    "response_len_max": "longest response of the step",
+    "truncation_rate": "fraction of responses cut at max_new_tokens",
+    "zero_var_group_frac": "fraction of groups whose rewards were all equal (no signal; DAPO drops them)",
+    **LOSS_METRICS,
+    "loss": "the algorithm's loss, mean over minibatches",
+    "approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "
+    "minibatch update, mean over minibatches",
+    "entropy_est": "-mean log pi_theta of the sampled response tokens (Monte-Carlo entropy estimate)",
+    "grad_norm": "global gradient norm before clipping, mean over minibatches",
+    "lr": "learning rate",
+    "mismatch_mean_abs": "training-inference mismatch: mean |delta|, delta = logp_train_old - logp_rollout",
+    "mismatch_max_abs": "max |delta|",
+    "mismatch_k3": "k3 KL, mean(e^delta - 1 - delta)",
+    "mismatch_frac_gt2": "fraction of tokens with max(rho, 1/rho) > 2, rho = e^delta",
+    "routing_slot_mismatch": "old vs new policy: expert-slot mismatch of the update forward's free routing against "
+    "the pi_old recompute's, mean over minibatches (computed alongside under replay)",
+    "routing_set_flip_rate": "old vs new policy: router set-flip rate",
+    "routing_token_flip_rate": "old vs new policy: token any-layer flip rate",
+    "engine_routing_slot_mismatch": "rollout engine vs trainer routing of the same tokens (NaN when the engine "
+    "returns no routes)",
+    "tokens": "response tokens of the step",
+    "tokens_total": "prompt + response tokens of the step",
+    "compute_flops": "cumulative training compute (FLOPs estimate: rollout 2N, pi_old recompute 2N, update 6N per "
+    "token, N active parameters, plus attention) - the x-axis of Figure 1",
+    "wall_s": "cumulative wall seconds of the run's steps (evaluation and checkpoints excluded)",
+    "time_rollout_s": "seconds in rollout this step",
+    "time_old_logp_s": "seconds in the pi_old recompute",
+    "time_update_s": "seconds in the minibatch updates",
+    "time_sync_s": "seconds pushing weights to the rollout engine",
+    "peak_rss_gb": "peak resident memory of the process so far (GiB)",
+}
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, context: float) -> float:
+    """Forward FLOPs for `tokens` tokens attending over `context` positions on average: 2 N per token (N active
+    parameters) plus attention scores and values (2 x 2 x context x heads x head_dim per layer per token)."""
+    attention = 4.0 * cfg.num_layers * context * cfg.num_attention_heads * cfg.head_dim
+    return tokens * (2.0 * cfg.active_params_per_token + attention)

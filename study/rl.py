@@ -1,0 +1,444 @@
+"""The RL run: one algorithm on one configuration, from a cold-start checkpoint to a run directory analysis trusts.
+
+Per step (GSPO paper, section 5.1; the three places where the algorithm matters are marked ALGO):
+ 1. P prompts from the task stream -> G samples each from the rollout engine, with the engine's own log-probs;
+ 2. rewards from the task's verifier (truncated responses scored as they stand); ALGO reward shaping (DAPO);
+ 3. ALGO advantages `alg.advantages(rewards, G)`; zero-variance groups dropped and refilled if the algorithm asks;
+ 4. pi_old log-probs recomputed by the training engine with routing RECORDed (or R3: the engine's routes replayed);
+    `old_logp_source: rollout` uses the engine's log-probs as pi_old instead (section 5.4);
+ 5. the batch split into M minibatches; for each: forward with the routing the algorithm asks for (free / replay /
+    rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step;
+ 6. weights pushed to the rollout engine; metrics row written; evaluation and checkpoint every N steps.
+All randomness is derived from (seed, step), so a resumed run is bit-identical to an uninterrupted one on CPU at a
+fixed thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+import algorithms
+from study import rundir, tasks
+from study.engines import get_engine
+from study.metrics import STEP_METRICS, forward_flops
+from study.model import DynamicLossScaler, build_optimizer, build_policy, token_logp
+from study.routing import Routes, RoutingController, routing_volatility
+from study.runconfig import RunConfig
+from study.tokenizer import EOS_ID, TaskTokenizer
+from study.weights import megatron_to_hf
+
+
+class Collapse(Exception):
+    """The run diverged or collapsed: a result to record, not a crash."""
+
+
+def derive_seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def run(cfg: RunConfig, results: str | Path, *, progress: bool = True) -> Path:
+    """Run (or resume, or skip if finished) `cfg` under `results/runs/{run_id}/`; returns the run directory."""
+    run_dir = Path(results) / "runs" / cfg.run_id
+    status = rundir.read_status(run_dir)
+    if status is not None and status["state"] in ("completed", "collapsed"):
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    if not (run_dir / "manifest.json").exists():
+        rundir.write_json(run_dir / "manifest.json", rundir.manifest(cfg.seed, cfg.threads))
+    rundir.set_status(run_dir, "running", step=0)
+    try:
+        _train(cfg, run_dir, Path(results), progress=progress)
+    except Exception as exc:
+        rundir.set_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+    return run_dir
+
+
+def resume(run_dir: str | Path, *, progress: bool = True) -> Path:
+    """Continue a killed run from its last checkpoint (its directory names everything)."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    cfg = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), where=str(run_dir))
+    if cfg.run_id != run_dir.name:
+        raise ValueError(f"{run_dir}: its config hashes to {cfg.run_id}, not to the directory name")
+    return run(cfg, run_dir.parent.parent, progress=progress)
+
+
+def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[str, torch.Tensor] | None]:
+    """Tokenizer and Megatron state dict of the cold start (None: random init from the cold-start seed)."""
+    mcfg = cfg.model_config()
+    if cfg.coldstart == "scratch":
+        from study.tokenizer import build_tokenizer
+
+        return build_tokenizer(mcfg.vocab_size, [cfg.task], n_per_task=400), None
+    if cfg.coldstart == "auto":
+        from study.coldstart import ensure_coldstart
+
+        directory = ensure_coldstart(cfg.model, cfg.task, results)
+    else:
+        directory = Path(cfg.coldstart)
+    if not (directory / "policy.pt").is_file():
+        raise FileNotFoundError(f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`)")
+    return TaskTokenizer.load(directory), torch.load(directory / "policy.pt", weights_only=True)
+
+
+def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> None:
+    torch.set_num_threads(cfg.threads)
+    alg = algorithms.get(cfg.algorithm)
+    hparams = alg.check_hparams(cfg.hparams)
+    mcfg = cfg.model_config()
+    tok, init_state = initial_policy(cfg, results)
+    if tok.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
+
+    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=cfg.train_dtype)
+    if init_state is not None:
+        policy.load_state_dict(init_state, strict=False)
+    optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scaler = DynamicLossScaler() if cfg.train_dtype == "fp16" else None
+    routing = RoutingController(policy)
+    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype)
+    stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
+    evals = {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size) for split in tasks.EVAL_SPLITS}
+
+    rows: list[dict[str, float]] = []
+    layer_rows: list[dict[str, float]] = []
+    start, data_pos, compute, wall = 0, 0, 0.0, 0.0
+    ckpt_path = run_dir / "checkpoint" / "state.pt"
+    if ckpt_path.exists():  # resume: everything after the checkpoint is recomputed
+        state = torch.load(ckpt_path, weights_only=False)
+        policy.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        start, data_pos, compute, wall = state["step"], state["data_pos"], state["compute"], state["wall"]
+        rows = [r for r in pd.read_parquet(run_dir / "metrics.parquet").to_dict("records") if r["step"] <= start]
+        if (run_dir / "routing_layers.parquet").exists():
+            layer_rows = [
+                r for r in pd.read_parquet(run_dir / "routing_layers.parquet").to_dict("records") if r["step"] <= start
+            ]
+    engine.load_weights(megatron_to_hf(policy, mcfg))
+
+    bar = _progress(cfg.steps, start, progress)
+    step = start
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
+            row.update(step=step, lr=cfg.lr)
+
+            # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
+            batch, data_pos, t_rollout = _collect(cfg, alg, engine, stream, tok, data_pos, step, row)
+            row["time_rollout_s"] = t_rollout
+            compute += batch["rollout_flops"]
+            if batch["n"] == 0:  # every group had zero variance: nothing to learn from this step
+                row["wall_s"] = wall = wall + time.perf_counter() - t0
+                rows.append(row)
+                _write_metrics(run_dir, rows, layer_rows)
+                continue
+
+            # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed)
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                ids, tgt, am = batch["input_ids"], batch["targets"], batch["attn_mask"]
+                engine_routes = batch.get("engine_routes")
+                if alg.routing == "rollout_replay":
+                    with routing.replaying(engine_routes):
+                        train_old_full = token_logp(policy, ids, tgt, attention_mask=am)
+                    old_routes = engine_routes
+                    free_old = routing.free_routes()
+                else:
+                    with routing.recording():
+                        train_old_full = token_logp(policy, ids, tgt, attention_mask=am)
+                    old_routes = free_old = routing.routes()
+            train_old = train_old_full.gather(1, batch["pos"])  # (B, T)
+            row["time_old_logp_s"] = time.perf_counter() - t1
+            mask, rollout_logp = batch["mask"], batch["rollout_logp"]
+            row.update(_mismatch(train_old, rollout_logp, mask))
+            if engine_routes is not None and alg.routing != "rollout_replay":
+                row["engine_routing_slot_mismatch"] = routing_volatility(
+                    engine_routes, old_routes, am, per_layer=False
+                )["slot_mismatch"]
+            old_logp = train_old if cfg.old_logp_source == "recompute" else rollout_logp
+            n_tokens_total = int(am.sum())
+            if cfg.old_logp_source == "recompute":
+                compute += forward_flops(mcfg, n_tokens_total, ids.shape[1] / 2)
+
+            # 5. minibatch updates
+            t2 = time.perf_counter()
+            perm = torch.randperm(
+                batch["n"], generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step))
+            )
+            sums: dict[str, float] = {}
+            vols: list[dict[str, float]] = []
+            for idx in torch.tensor_split(perm, min(cfg.minibatches, batch["n"])):
+                with routing.replaying(old_routes[idx]) if alg.routing != "free" else routing.recording():
+                    logp_full = token_logp(policy, ids[idx], tgt[idx], attention_mask=am[idx])  # (b, S)
+                new_free = routing.free_routes() if alg.routing != "free" else routing.routes()
+                vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
+                logp = logp_full.gather(1, batch["pos"][idx])  # (b, T)
+                mb_mask = mask[idx]
+                with torch.no_grad():
+                    d = torch.where(mb_mask.bool(), old_logp[idx] - logp.detach(), 0.0)
+                    if float(d.abs().max()) > cfg.max_log_ratio:
+                        raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
+                # ALGO: the loss
+                extra = {"rollout_logp": rollout_logp[idx]} if alg.needs_rollout_logp else {}
+                loss, metrics = alg.loss(logp, old_logp[idx], batch["advantages"][idx], mb_mask, **hparams, **extra)
+                if not torch.isfinite(loss):
+                    raise Collapse(f"non-finite loss at step {step}")
+                optimizer.zero_grad(set_to_none=True)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                params = [p for p in policy.parameters() if p.grad is not None]
+                if scaler is not None:
+                    scaler.unscale_(params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+                if not torch.isfinite(grad_norm) and scaler is None:
+                    raise Collapse(f"non-finite gradient norm at step {step}")
+                if scaler is not None:
+                    scaler.step(optimizer, [])  # already unscaled; skips the step on overflow
+                else:
+                    optimizer.step()
+                n_mb = float(mb_mask.sum().clamp_min(1))
+                with torch.no_grad():
+                    k3 = float(torch.where(mb_mask.bool(), d.exp() - 1 - d, 0.0).sum() / n_mb)
+                    ent = float(-torch.where(mb_mask.bool(), logp.detach(), 0.0).sum() / n_mb)
+                for key, value in {**metrics, "loss": float(loss), "approx_kl": k3, "entropy_est": ent,
+                                   "grad_norm": float(grad_norm)}.items():  # fmt: skip
+                    sums[key] = sums.get(key, 0.0) + value
+                compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
+            n_updates = len(vols)
+            row.update({k: v / n_updates for k, v in sums.items()})
+            row["routing_slot_mismatch"] = float(np.mean([v["slot_mismatch"] for v in vols]))
+            row["routing_set_flip_rate"] = float(np.mean([v["set_flip_rate"] for v in vols]))
+            row["routing_token_flip_rate"] = float(np.mean([v["token_flip_rate"] for v in vols]))
+            for layer in range(routing.num_layers):
+                per_layer = {
+                    m: float(np.mean([v[f"{m}_l{layer}"] for v in vols])) for m in ("slot_mismatch", "set_flip_rate")
+                }
+                layer_rows.append({"step": step, "layer": layer, **per_layer})
+            row["time_update_s"] = time.perf_counter() - t2
+
+            # 6. weights to the rollout engine
+            t3 = time.perf_counter()
+            engine.load_weights(megatron_to_hf(policy, mcfg))
+            row["time_sync_s"] = time.perf_counter() - t3
+            wall += time.perf_counter() - t0
+            row.update(compute_flops=compute, wall_s=wall, peak_rss_gb=_peak_rss_gb())
+            row["tokens_total"] = n_tokens_total
+
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                row.update(_evaluate(cfg, engine, tok, evals, step))
+            rows.append(row)
+            _write_metrics(run_dir, rows, layer_rows)
+            _check_reward_floor(cfg, rows)
+            if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall)
+            rundir.set_status(run_dir, "running", step=step)
+            _tick(bar, row)
+    except Collapse as why:
+        _write_metrics(run_dir, rows, layer_rows)
+        rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
+        return
+    finally:
+        if bar is not None:
+            bar.close()
+        engine.close()
+    rundir.set_status(run_dir, "completed", step=cfg.steps)
+
+
+def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignore[no-untyped-def]
+    """Rollouts for one step as padded tensors. Returns (batch, new data position, seconds)."""
+    t0 = time.perf_counter()
+    want = cfg.prompts_per_step
+    kept: list[dict[str, Any]] = []
+    n_groups = n_zero = 0
+    flops = 0.0
+    all_rewards: list[float] = []
+    lengths_all: list[int] = []
+    truncated = 0
+    for attempt in range(3 if alg.dynamic_sampling else 1):
+        items = stream.take(want - len(kept), start=data_pos)
+        data_pos += len(items)
+        prompts = [tok.encode_prompt(item.prompt) for item in items]
+        rollout = engine.generate(
+            prompts,
+            cfg.group_size,
+            seed=derive_seed("rollout", cfg.seed, step, attempt),
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=[EOS_ID],
+            return_routes=alg.routing == "rollout_replay",
+        )
+        texts = [tok.decode_response(t)[0] for t in rollout.tokens]
+        rewards = torch.tensor(
+            [tasks.score(items[p], text) for p, text in zip(rollout.prompt_index, texts, strict=True)]
+        )
+        lengths = torch.tensor([len(t) for t in rollout.tokens])
+        all_rewards += rewards.tolist()
+        lengths_all += lengths.tolist()
+        truncated += sum(r == "length" for r in rollout.finish_reasons)
+        prompt_tokens = sum(len(prompts[p]) for p in rollout.prompt_index)
+        flops += forward_flops(cfg.model_config(), rollout.num_tokens + prompt_tokens, cfg.max_new_tokens)
+        shaped = alg.reward_shaping(rewards, lengths, cfg.max_new_tokens) if alg.reward_shaping else rewards  # ALGO
+        adv = alg.advantages(shaped, cfg.group_size)  # ALGO
+        grouped = shaped.view(-1, cfg.group_size)
+        zero_var = (grouped == grouped[:, :1]).all(1)
+        n_groups += len(items)
+        n_zero += int(zero_var.sum())
+        for p in range(len(items)):
+            if alg.dynamic_sampling and bool(zero_var[p]):
+                continue
+            for j in range(cfg.group_size):
+                i = p * cfg.group_size + j
+                routes = rollout.routes[i] if rollout.routes is not None else None
+                kept.append({"prompt": prompts[p], "response": rollout.tokens[i], "logp": rollout.logprobs[i],
+                             "adv": float(adv[i]), "routes": routes})  # fmt: skip
+        if len(kept) >= want * cfg.group_size:
+            break
+    row["reward_mean"] = float(np.mean(all_rewards))
+    row["reward_std"] = float(np.std(all_rewards))
+    row["response_len_mean"] = float(np.mean(lengths_all))
+    row["response_len_max"] = float(np.max(lengths_all))
+    row["truncation_rate"] = truncated / len(lengths_all)
+    row["zero_var_group_frac"] = n_zero / n_groups
+    row["tokens"] = float(sum(lengths_all))
+    batch = _pad(kept, cfg.max_new_tokens)
+    batch["rollout_flops"] = flops
+    return batch, data_pos, time.perf_counter() - t0
+
+
+def _pad(samples: list[dict[str, Any]], max_new: int) -> dict[str, Any]:
+    """Right-padded teacher-forcing tensors: input_ids/targets/attn_mask (B, S); response-aligned pos/mask/
+    rollout_logp (B, T = max_new); advantages (B,); engine routes (B, S, L, k) when the engine returned them."""
+    n = len(samples)
+    if n == 0:
+        return {"n": 0}
+    seqs = [s["prompt"] + s["response"] for s in samples]
+    width = max(len(q) for q in seqs) - 1
+    ids = torch.zeros(n, width, dtype=torch.long)
+    tgt = torch.zeros(n, width, dtype=torch.long)
+    am = torch.zeros(n, width, dtype=torch.long)
+    pos = torch.zeros(n, max_new, dtype=torch.long)
+    mask = torch.zeros(n, max_new)
+    roll = torch.zeros(n, max_new)
+    for i, (s, q) in enumerate(zip(samples, seqs, strict=True)):
+        q_t = torch.tensor(q)
+        ids[i, : len(q) - 1], tgt[i, : len(q) - 1], am[i, : len(q) - 1] = q_t[:-1], q_t[1:], 1
+        t, p = len(s["response"]), len(s["prompt"])
+        pos[i] = (p - 1 + torch.arange(max_new)).clamp(max=width - 1)  # target index of response token t
+        mask[i, :t] = 1.0
+        roll[i, :t] = s["logp"]
+    batch: dict[str, Any] = {"n": n, "input_ids": ids, "targets": tgt, "attn_mask": am, "pos": pos, "mask": mask,
+                             "rollout_logp": roll, "advantages": torch.tensor([s["adv"] for s in samples])}  # fmt: skip
+    if samples[0]["routes"] is not None:
+        r0 = samples[0]["routes"]
+        routes = torch.zeros(n, width, *r0.shape[1:], dtype=r0.dtype)
+        for i, s in enumerate(samples):
+            routes[i, : s["routes"].shape[0]] = s["routes"]
+        batch["engine_routes"] = Routes(routes)
+    return batch
+
+
+@torch.no_grad()
+def _mismatch(train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    m = mask.bool()
+    d = (train_old - rollout_logp)[m]  # delta = logp_train_old - logp_rollout
+    if d.numel() == 0:
+        return {}
+    return {
+        "mismatch_mean_abs": float(d.abs().mean()),
+        "mismatch_max_abs": float(d.abs().max()),
+        "mismatch_k3": float((d.exp() - 1 - d).mean()),
+        "mismatch_frac_gt2": float((d.abs() > math.log(2.0)).float().mean()),
+    }
+
+
+@torch.no_grad()
+def _evaluate(cfg, engine, tok, evals, step) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Mean pass@1 over k samples on each held-out set (same sampling seed at every evaluation)."""
+    out = {}
+    for split, items in evals.items():
+        rollout = engine.generate(
+            [tok.encode_prompt(item.prompt) for item in items],
+            cfg.eval_samples,
+            seed=derive_seed("eval", split),
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=[EOS_ID],
+        )
+        scores = [[0.0] * cfg.eval_samples for _ in items]
+        for i, (p, toks) in enumerate(zip(rollout.prompt_index, rollout.tokens, strict=True)):
+            scores[p][i % cfg.eval_samples] = tasks.score(items[p], tok.decode_response(toks)[0])
+        out[f"eval_{split}"] = tasks.pass_at_1(scores)
+    return out
+
+
+def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
+    if cfg.reward_floor <= -1.0 or len(rows) < cfg.collapse_window:
+        return
+    recent = float(np.mean([r["reward_mean"] for r in rows[-cfg.collapse_window :]]))
+    if recent < cfg.reward_floor:
+        raise Collapse(
+            f"reward collapse: mean reward {recent:.3f} over {cfg.collapse_window} steps < {cfg.reward_floor}"
+        )
+
+
+def _write_metrics(run_dir: Path, rows: list[dict[str, float]], layer_rows: list[dict[str, float]]) -> None:
+    frame = pd.DataFrame(rows, columns=list(STEP_METRICS) + sorted({k for r in rows for k in r} - set(STEP_METRICS)))
+    frame["step"] = frame["step"].astype("int64")
+    rundir.atomic_write(run_dir / "metrics.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
+    if layer_rows:
+        layers = pd.DataFrame(layer_rows)
+        rundir.atomic_write(run_dir / "routing_layers.parquet", lambda tmp: layers.to_parquet(tmp, index=False))
+
+
+def _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall) -> None:  # type: ignore[no-untyped-def]
+    state = {
+        "model": policy.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "step": step,
+        "data_pos": data_pos,
+        "compute": compute,
+        "wall": wall,
+    }
+    rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _progress(total: int, start: int, enabled: bool):  # type: ignore[no-untyped-def]
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="rl", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _tick(bar, row: dict[str, float]) -> None:  # type: ignore[no-untyped-def]
+    if bar is not None:
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row['clip_frac']:.2g}", refresh=False)
+        bar.update(1)

@@ -1,0 +1,239 @@
+"""The resolved configuration of one RL run: a typed dataclass with a sentence per field, presets, `--set` overrides,
+validation before any compute, and the content hash that names the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import algorithms
+from study.config import DTYPES, PRESETS, ModelConfig
+
+OLD_LOGP_SOURCES = ("recompute", "rollout")
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One algorithm on one configuration. Every field is part of the run id except those in `NOT_HASHED`."""
+
+    algorithm: str = "grpo"
+    """Registered algorithm name (`python -m algorithms` lists them)."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the algorithm's loss hyper-parameters (e.g. eps_low); the rest take the registry's defaults."""
+    seed: int = 0
+    """Seed of the run: prompt order, rollout sampling, minibatch split. The cold start has its own seed."""
+    model: str = "tiny"
+    """Model preset (study.config.PRESETS); must match the cold-start checkpoint's."""
+    task: str = "chain_sum"
+    """Training task (study.tasks.TASKS)."""
+    task_knobs: dict[str, Any] = field(default_factory=dict)
+    """Difficulty/length knobs of the task (study.tasks.make_task)."""
+    coldstart: str = "auto"
+    """Cold-start checkpoint directory, or "auto" (make or reuse the preset's own under the results dir), or
+    "scratch" (random initialisation, for tests of the machinery only)."""
+    steps: int = 20
+    """RL steps (rollout batches)."""
+    prompts_per_step: int = 8
+    """P: prompts per rollout batch."""
+    group_size: int = 4
+    """G: responses sampled per prompt."""
+    minibatches: int = 4
+    """M: gradient updates per rollout batch (paper: 4; minibatches 2..M are off-policy)."""
+    max_new_tokens: int = 32
+    """Maximum response length; longer responses are truncated and scored as they stand."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (1.0: the engine samples from pi_old itself)."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    rollout_engine: str = "hf"
+    """Inference engine for rollouts: hf (transformers, the fast CPU default) or vllm."""
+    train_dtype: str = "fp32"
+    """Training engine precision."""
+    rollout_dtype: str = "fp32"
+    """Rollout engine precision."""
+    old_logp_source: str = "recompute"
+    """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
+    eval_every: int = 10
+    """Evaluate on the held-out sets every this many steps (and at the end); 0 = never."""
+    eval_size: int = 32
+    """Problems per held-out set."""
+    eval_samples: int = 4
+    """k samples per problem for mean pass@1."""
+    checkpoint_every: int = 10
+    """Checkpoint (model, optimizer, every RNG, data position) every this many steps; 0 = only at the end."""
+    reward_floor: float = -1.0
+    """Collapse when the mean reward over the last `collapse_window` steps falls below this (-1 = off)."""
+    collapse_window: int = 5
+    """Steps in the reward-collapse window."""
+    max_log_ratio: float = 20.0
+    """Collapse when any |log pi_theta - log pi_old| on a response token exceeds this (exploding ratios)."""
+    threads: int = 1
+    """torch threads; results are bit-identical only at a fixed thread count."""
+
+    # -- construction ------------------------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RunConfig:
+        unknown = set(data) - set(cls.field_names())
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {', '.join(cls.field_names())}")
+        hints = typing.get_type_hints(cls)
+        clean: dict[str, Any] = {}
+        for key, value in data.items():
+            clean[key] = _coerce(key, value, hints[key])
+        cfg = cls(**clean)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return RunConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- validation --------------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Every error names the field, the value and the valid choices, before any compute is spent."""
+        from study import tasks
+
+        alg = algorithms.get(self.algorithm) if self.algorithm in algorithms.names() else None
+        if alg is None:
+            raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
+        alg.check_hparams(self.hparams)
+        _choice("model", self.model, tuple(PRESETS))
+        _choice("task", self.task, tuple(tasks.TASKS))
+        tasks.make_task(self.task, **self.task_knobs)  # validates the knobs
+        _choice("rollout_engine", self.rollout_engine, ENGINES)
+        _choice("train_dtype", self.train_dtype, DTYPES)
+        _choice("rollout_dtype", self.rollout_dtype, DTYPES)
+        _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
+        for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "eval_size", "eval_samples",
+                     "collapse_window", "threads"):  # fmt: skip
+            _positive(name, getattr(self, name))
+        if self.group_size < 2:
+            raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
+        if (self.prompts_per_step * self.group_size) % self.minibatches:
+            raise ValueError(
+                f"minibatches = {self.minibatches} must divide prompts_per_step x group_size = "
+                f"{self.prompts_per_step * self.group_size}"
+            )
+        if not 0.0 < self.temperature <= 2.0:
+            raise ValueError(f"temperature = {self.temperature}: valid range is (0, 2]")
+        if not self.lr > 0:
+            raise ValueError(f"lr = {self.lr}: must be > 0")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("grad_clip and weight_decay must be >= 0")
+        model = self.model_config()
+        if self.max_new_tokens >= model.max_seq_len:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be < model.max_seq_len {model.max_seq_len}")
+        if self.old_logp_source == "rollout" and alg.routing == "replay":
+            raise ValueError(
+                f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
+                "'rollout' skips that recompute; valid: old_logp_source = 'recompute', or a rollout_replay variant"
+            )
+
+    def model_config(self) -> ModelConfig:
+        return PRESETS[self.model]
+
+    @property
+    def run_id(self) -> str:
+        """Content hash of the resolved config (hyper-parameters resolved against the registry's defaults)."""
+        resolved = self.to_dict()
+        resolved["hparams"] = algorithms.get(self.algorithm).check_hparams(self.hparams)
+        for key in NOT_HASHED:
+            resolved.pop(key)
+        blob = json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str)
+        return f"{self.algorithm}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+# Fields that do not change what a run computes.
+NOT_HASHED: tuple[str, ...] = ("checkpoint_every",)
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} = {value!r}; valid: {', '.join(valid)}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if value < 1:
+        raise ValueError(f"{name} = {value}: must be >= 1")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Type-check one field (YAML and --set give strings, ints for floats...)."""
+    origin = typing.get_origin(hint) or hint
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} = {value!r}: must be a mapping")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str) and not (isinstance(value, hint) and not isinstance(value, bool)):
+        raise ValueError(f"{key} = {value!r}: must be {hint.__name__}")
+    return value
+
+
+PRESET_RUNS: dict[str, dict[str, Any]] = {
+    # Tests and smoke runs: a minute or two per run on one thread; random-init cold start is made automatically.
+    "tiny": {"model": "tiny", "steps": 6, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
+             "max_new_tokens": 24, "eval_every": 3, "eval_size": 8, "eval_samples": 2, "checkpoint_every": 3},
+    # The embedded default study: a few minutes per run on one core.
+    "default": {"model": "default", "steps": 40, "prompts_per_step": 8, "group_size": 8, "minibatches": 4,
+                "max_new_tokens": 48, "eval_every": 10, "eval_size": 32, "eval_samples": 4},
+}  # fmt: skip
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`key=value` strings to a dict; values parsed as YAML scalars; `hparams.eps_low=0.1` nests."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw else ""
+        if "." in key:
+            head, sub = key.split(".", 1)
+            out.setdefault(head, {})[sub] = value
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, *, preset: str | None = None, sets: list[str] = ()) -> RunConfig:
+    """Preset, then the YAML file, then `--set` overrides; validated."""
+    data: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESET_RUNS:
+            raise ValueError(f"preset = {preset!r}; valid: {', '.join(PRESET_RUNS)}")
+        data.update(PRESET_RUNS[preset])
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: must hold a mapping of config fields")
+        data.update(loaded)
+    for key, value in parse_set(list(sets)).items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return RunConfig.from_dict(data, where=str(path or "config"))
