@@ -220,7 +220,7 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
                 with torch.no_grad():
                     k3 = float(torch.where(mb_mask.bool(), d.exp() - 1 - d, 0.0).sum() / n_mb)
                     ent = float(-torch.where(mb_mask.bool(), logp.detach(), 0.0).sum() / n_mb)
-                for key, value in {**metrics, "loss": float(loss), "approx_kl": k3, "entropy_est": ent,
+                for key, value in {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": ent,
                                    "grad_norm": float(grad_norm)}.items():  # fmt: skip
                     sums[key] = sums.get(key, 0.0) + value
                 compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)

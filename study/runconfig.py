@@ -185,7 +185,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} = {value!r}: must be a mapping")
-        return dict(value)
+        return {k: _scalar(v) if isinstance(v, str) else v for k, v in value.items()}
+    if hint is float and isinstance(value, str):
+        value = _scalar(value)  # YAML 1.1 reads 1e-4 as a string
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str) and not (isinstance(value, hint) and not isinstance(value, bool)):
@@ -210,13 +212,23 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else ""
+        value = _scalar(raw)
         if "." in key:
             head, sub = key.split(".", 1)
             out.setdefault(head, {})[sub] = value
         else:
             out[key] = value
     return out
+
+
+def _scalar(raw: str) -> Any:
+    """int, then float (YAML 1.1 reads "5e-3" as a string), then any YAML scalar or flow collection."""
+    for parse in (int, float):
+        try:
+            return parse(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw) if raw else ""
 
 
 def load_config(path: str | Path | None = None, *, preset: str | None = None, sets: list[str] = ()) -> RunConfig:
