@@ -171,8 +171,11 @@ class HFEngine(RolloutEngine):
                 if temperature == 0:
                     tok = logits.argmax(-1)
                 else:
-                    probs = torch.softmax(logits / temperature, dim=-1)
-                    tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (N,)
+                    probs = torch.softmax(logits / temperature, dim=-1)  # (N, V)
+                    # exponential race: argmax p_v / E_v with E_v ~ Exp(1) is a draw from p (vLLM's sampler too;
+                    # 2-3x faster than torch.multinomial on CPU)
+                    noise = torch.empty_like(probs).exponential_(generator=gen)
+                    tok = (probs / noise).argmax(-1)  # (N,)
                 toks.append(tok)
                 lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
                 length += (~done).long()
