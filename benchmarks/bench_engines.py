@@ -1,0 +1,76 @@
+"""Rollout throughput of each engine and dtype: response tokens per second for a few batch sizes.
+
+Not a test. Every sample runs to max_new_tokens (no stop tokens), so tokens = prompts x n x max_new_tokens; the
+timing covers `generate` only (engine built and warmed up first). For vLLM it also times one in-place weight
+update (reload + CPU MoE re-pack + prefix-cache reset).
+
+    .venv/bin/python benchmarks/bench_engines.py                       # tiny preset, all engines, fp32 and bf16
+    .venv/bin/python benchmarks/bench_engines.py --preset default --engines hf --dtypes fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from study.config import preset
+from study.engines import get_engine
+from study.engines.hf import build_hf_model, unfuse_experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--engines", default="hf,vllm")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--batches", default="8x4,32x4,64x8", help="prompts x n, comma-separated")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the best is reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM on CPU uses 1 anyway); 0: default")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cfg = preset(args.preset)
+    state = unfuse_experts(build_hf_model(cfg).state_dict(), cfg)  # random init, same for every engine
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(int(x) for x in b.split("x")) for b in args.batches.split(",")]
+    print(f"preset={args.preset} threads={torch.get_num_threads()} cpus={os.cpu_count()} "
+          f"cuda={torch.cuda.is_available()} prompt_len={args.prompt_len} "
+          f"max_new_tokens={args.max_new_tokens}")  # fmt: skip
+    print(f"{'engine':<6} {'dtype':<5} {'prompts x n':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    for name in args.engines.split(","):
+        for dtype in args.dtypes.split(","):
+            t0 = time.perf_counter()
+            kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {}
+            engine = get_engine(name, cfg, dtype=dtype, **kwargs)
+            if name == "hf":
+                engine.load_weights(state)
+            build = time.perf_counter() - t0
+            try:
+                engine.generate([[1, 2, 3]], 2, seed=0, max_new_tokens=4)  # warm-up
+                for prompts_n, n in batches:
+                    prompts = torch.randint(0, cfg.vocab_size, (prompts_n, args.prompt_len), generator=g).tolist()
+                    best = float("inf")
+                    for rep in range(args.repeats):
+                        t = time.perf_counter()
+                        r = engine.generate(prompts, n, seed=rep, max_new_tokens=args.max_new_tokens)
+                        best = min(best, time.perf_counter() - t)
+                    print(f"{name:<6} {dtype:<5} {f'{prompts_n}x{n}':>11} {r.num_tokens:>7} {best:>8.3f} "
+                          f"{r.num_tokens / best:>9.0f}", flush=True)  # fmt: skip
+                extra = ""
+                if name == "vllm":
+                    t = time.perf_counter()
+                    engine.load_weights(state)
+                    extra = f", in-place weight update {time.perf_counter() - t:.3f} s"
+                print(f"{name:<6} {dtype:<5} build {build:.1f} s{extra}", flush=True)
+            finally:
+                engine.close()
+
+
+if __name__ == "__main__":
+    main()
