@@ -95,8 +95,10 @@ def _legend(fig: Figure, ax: Axes, *, loc: str = "best", max_inside: int = 5) ->
     handles, labels = ax.get_legend_handles_labels()
     if len(handles) <= max_inside:
         ax.legend(handles, labels, loc=loc)
-    else:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(handles)))
+    else:  # below the figure, which grows by the legend's height
+        ncols = min(2, len(handles))
+        fig.set_figheight(fig.get_figheight() + 0.16 * -(-len(handles) // ncols) + 0.1)
+        fig.legend(handles, labels, loc="outside lower center", ncols=ncols)
 
 
 def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, x: str = COMPUTE) -> None:
@@ -408,6 +410,7 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
                 capsize=1.5,
             )
         ax_l.set_xlabel("MoE layer")
+        ax_l.set_xticks(sorted(s["layer"].unique()))
         ax_l.legend(loc="best")
     else:
         ax_l.text(0.5, 0.5, "no per-layer routing table", ha="center", va="center", transform=ax_l.transAxes)
@@ -419,7 +422,7 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
     _legend(fig, ax_t)
     ax_t.set_xscale("log")
     ax_t.set_xlabel("training compute (PFLOP)")
-    ax_t.set_title("over training (old vs new policy)")
+    ax_t.set_title("over training")
     if vocab.CLIP in st.metrics:
         rs = stats.run_mean(st.long, vocab.ROUTING_SLOT).rename(columns={"value": "slot_mismatch"})
         cf = stats.run_mean(st.long, vocab.CLIP)[[RUN_ID, "value"]].rename(columns={"value": "clip_frac"})
@@ -431,7 +434,7 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
         ax_c.set_yscale("log")
         ax_c.set_xlabel("avg. expert-slot mismatch")
         ax_c.set_ylabel("avg. clipped-token fraction")
-        ax_c.set_title("volatility vs clipping (one dot per run)")
+        ax_c.set_title("vs clipping (per run)")
     caption = (
         "Figure 6. Routing volatility: the expert-slot mismatch mean(1 - |S_old & S_new| / k) between the routing "
         "before and after an update, per MoE layer (mean over steps and seeds, 95% CI), over training, and per run "

@@ -364,23 +364,30 @@ def fit_study(
     n_boot: int = 200,
     confidence: float = 0.95,
     seed: int = 0,
-) -> dict[tuple[object, ...], ScalingFit]:
+) -> Fits:
     """One fit per configuration (`by`), on a log compute grid shared by all of them.
 
     With `runs`, only runs in `states` are fitted (a collapsed run is not a scaling curve); the others are listed in
-    each fit's notes. R0 is the mean over runs of their first logged value of `metric`.
+    each fit's notes; a configuration with no such run is in `fits.skipped` with the reason. R0 is the mean over
+    runs of their first logged value of `metric`.
     """
     rows = stats.metric_rows(long, metric)
     excluded: dict[tuple[object, ...], int] = {}
+    fits = Fits()
     if runs is not None:
         ok_ids = set(runs.loc[runs["state"].isin(states), "run_id"].astype(str))
         drop = ~rows["run_id"].astype(str).isin(ok_ids)
         for key, grp in rows[drop].groupby(list(by), observed=True):
             excluded[key if isinstance(key, tuple) else (key,)] = grp["run_id"].nunique()
         rows = rows[~drop]
+        kept = set(rows[list(by)].astype(object).drop_duplicates().itertuples(index=False, name=None))
+        for key, n in excluded.items():
+            if key not in kept:
+                fits.skipped[key] = f"not fitted: none of its {n} run(s) is {'/'.join(states)}"
+    if rows.empty:
+        return fits
     grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=n_grid, log=True)
     info, mat = stats.interpolate_runs(rows, grid)
-    fits: dict[tuple[object, ...], ScalingFit] = {}
     for key, idx in info.groupby(list(by), sort=True).indices.items():
         key = key if isinstance(key, tuple) else (key,)
         f = fit_curves(
@@ -399,9 +406,20 @@ def fit_study(
 
 
 def fits_table(fits: dict[tuple[object, ...], ScalingFit], by: Sequence[str] = (ALGORITHM,)) -> pd.DataFrame:
-    """The fit table: one row per configuration with A, B, C_mid, their intervals and identification."""
+    """The fit table: one row per configuration with A, B, C_mid, their intervals and identification; the
+    configurations `fit_study` could not fit are rows too (NaN numbers, the reason in `notes`)."""
     rows = [{**dict(zip(by, key, strict=True)), **f.row()} for key, f in fits.items()]
+    for key, reason in getattr(fits, "skipped", {}).items():
+        rows.append({**dict(zip(by, key, strict=True)), "A_identified": False, "notes": reason})
     return pd.DataFrame(rows)
+
+
+class Fits(dict[tuple[object, ...], ScalingFit]):
+    """Fits per configuration key, plus `skipped`: configuration key -> why it was not fitted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: dict[tuple[object, ...], str] = {}
 
 
 @dataclass(frozen=True)

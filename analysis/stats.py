@@ -100,7 +100,7 @@ def bootstrap_mean_band(
         mean = np.where(n > 0, np.nansum(y, axis=0) / np.maximum(n, 1), np.nan)
     low = np.full(n_points, np.nan)
     high = np.full(n_points, np.nan)
-    if n_runs < 2:
+    if n_runs < 2 or n_resamples < 1:
         return mean, low, high, n
     rng = np.random.default_rng(seed)
     filled = np.where(valid, y, 0.0)
@@ -272,8 +272,10 @@ def final_summary(
             .reset_index()
         )
     out = summarize(per_run, by=by if by is not None else group_columns(long), confidence=confidence, seed=seed)
-    if counts is not None:
-        out = out.merge(counts, on=[c for c in out.columns if c in counts.columns], how="left")
+    if counts is not None:  # every configuration keeps its row, even when no run of it is in `states`
+        out = counts.merge(out, on=[c for c in out.columns if c in counts.columns], how="left")
+        out = out[[*[c for c in out.columns if c not in ("n_collapsed", "n_failed")], "n_collapsed", "n_failed"]]
+        out["n"] = out["n"].fillna(0).astype(int)
     return out
 
 

@@ -1,0 +1,88 @@
+"""Seed statistics with known answers."""
+
+import numpy as np
+import pandas as pd
+
+from analysis import stats
+
+
+def test_bootstrap_ci_covers_the_true_mean_at_about_the_nominal_rate():
+    rng = np.random.default_rng(0)
+    reps, hits_scipy, hits_vec = 200, 0, 0
+    for k in range(reps):
+        x = rng.normal(loc=1.0, scale=2.0, size=30)
+        hits_scipy += stats.bootstrap_ci(x, n_resamples=999, seed=k).covers(1.0)
+        _, lo, hi, _ = stats.bootstrap_mean_band(x[:, None], n_resamples=999, seed=k)
+        hits_vec += bool(lo[0] <= 1.0 <= hi[0])
+    # 95% intervals: a percentile bootstrap at n = 30 covers a bit below nominal.
+    assert 0.88 <= hits_scipy / reps <= 0.99
+    assert 0.88 <= hits_vec / reps <= 0.99
+
+
+def test_bootstrap_single_seed_has_no_interval():
+    ci = stats.bootstrap_ci([0.3])
+    assert ci.estimate == 0.3 and np.isnan(ci.low) and np.isnan(ci.high) and ci.n == 1
+
+
+def test_band_is_nan_aware():
+    y = np.array([[1.0, 2.0, np.nan], [3.0, 4.0, np.nan], [5.0, np.nan, 7.0]])
+    mean, lo, hi, n = stats.bootstrap_mean_band(y)
+    np.testing.assert_allclose(mean, [3.0, 3.0, 7.0])
+    assert n.tolist() == [3, 2, 1]
+    assert lo[0] < 3.0 < hi[0] and np.isnan(lo[2])
+
+
+def _long(values_by_run):
+    rows = []
+    for rid, (alg, vals) in values_by_run.items():
+        for s, v in enumerate(vals, 1):
+            rows.append({"run_id": rid, "algorithm": alg, "seed": 0, "step": s, "compute_flops": s * 1.0,
+                         "wall_s": s * 1.0, "metric": "m", "value": v})  # fmt: skip
+    df = pd.DataFrame(rows)
+    for c in ("run_id", "algorithm", "metric"):
+        df[c] = df[c].astype("category")
+    return df
+
+
+def test_final_window_is_the_mean_of_the_last_fraction():
+    long = _long({"r1": ("x", list(range(1, 11))), "r2": ("x", [5.0] * 20), "r3": ("y", [1.0, 2.0])})
+    fw = stats.final_window(long, "m", frac=0.2).set_index("run_id")
+    assert fw.loc["r1", "value"] == 9.5 and fw.loc["r1", "n_points"] == 2  # mean of 9, 10
+    assert fw.loc["r2", "value"] == 5.0 and fw.loc["r2", "n_points"] == 4
+    assert fw.loc["r3", "value"] == 2.0 and fw.loc["r3", "n_points"] == 1
+    s = stats.summarize(fw, by=["algorithm"]).set_index("algorithm")
+    assert s.loc["x", "mean"] == 7.25 and s.loc["x", "n"] == 2 and s.loc["y", "n"] == 1
+
+
+def test_detect_collapse_rules():
+    steps = np.arange(100)
+    rising = np.linspace(0, 0.8, 100)
+    assert stats.detect_collapse(steps, rising) is None
+    crash = rising.copy()
+    crash[60:] = 0.0
+    c = stats.detect_collapse(steps, crash, window=5)
+    assert c is not None and 60 <= c.step <= 65 and "peak" in c.reason
+    nan = rising.copy()
+    nan[30] = np.nan
+    assert stats.detect_collapse(steps, nan).step == 30
+    floor = stats.detect_collapse(steps, np.full(100, 0.01), floor=0.02, rel_drop=None)
+    assert floor is not None and floor.step == 9  # the end of the first full 10-step window (steps 0..9)
+
+
+def test_curves_interpolate_on_a_common_grid_without_extrapolating():
+    long = _long({"r1": ("x", [1.0, 2.0, 3.0, 4.0]), "r2": ("x", [3.0, 4.0])})
+    out = stats.aggregate_curves(long, "m", by=["algorithm"], grid=np.array([1.0, 2.0, 4.0]), log=False)
+    # r2 covers x in [1, 2] only: at x = 4 the mean is r1's alone.
+    np.testing.assert_allclose(out["mean"], [2.0, 3.0, 4.0])
+    assert out["n"].tolist() == [2, 2, 1]
+
+
+def test_study_level_summary_counts_collapsed_runs(study):
+    s = stats.final_summary(study.long, "reward_mean", runs=study.runs, by=["algorithm"], states=("completed",))
+    s = s.set_index("algorithm")
+    assert s.loc["grpo", "n_collapsed"] == 12 and s.loc["sapo", "n_failed"] == 12
+    assert s.loc["gspo", "n"] == 12 and s.loc["gspo", "low"] < s.loc["gspo", "mean"] < s.loc["gspo", "high"]
+    ct = stats.collapse_table(study.long, study.runs)
+    grpo = ct[ct["algorithm"] == "grpo"]
+    assert grpo["collapsed"].all() and (grpo["detected_step"] >= 120).all()
+    assert not ct[ct["algorithm"] == "gspo"]["collapsed"].any()
