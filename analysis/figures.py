@@ -51,7 +51,7 @@ class MissingData(ValueError):
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
 def select(study: Study, where: Mapping[str, Any] | None) -> Study:
-    """The runs of `study` whose axis values match `where` (e.g. {"rollout.max_gen_len": 512})."""
+    """The runs of `study` whose axis values match `where` (e.g. {"max_new_tokens": 512})."""
     if not where:
         return study
     long, runs, layers = study.long, study.runs, study.layers
@@ -392,8 +392,8 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
     fig = style.new_figure(ncols=3, height=2.8)
     ax_l, ax_t, ax_c = fig.subplots(1, 3)
     tables: dict[str, pd.DataFrame] = {}
-    if len(st.layers) and vocab.ROUTING_SLOT in set(st.layers["metric"].astype(str)):
-        lay = st.layers[st.layers["metric"].astype(str) == vocab.ROUTING_SLOT]
+    if len(st.layers) and vocab.LAYER_SLOT in set(st.layers["metric"].astype(str)):
+        lay = st.layers[st.layers["metric"].astype(str) == vocab.LAYER_SLOT]
         per_run = lay.groupby([RUN_ID, ALGORITHM, "layer"], observed=True)[VALUE].mean().reset_index()
         s = stats.summarize(per_run, value=VALUE, by=[ALGORITHM, "layer"])
         tables["per_layer"] = s

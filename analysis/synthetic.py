@@ -166,7 +166,7 @@ def make_study(
                 layers = {
                     "step": np.repeat(steps, n_layers),
                     "layer": np.tile(np.arange(n_layers), len(steps)),
-                    vocab.ROUTING_SLOT: np.tile(0.05 * (1 + np.arange(n_layers)), len(steps))
+                    vocab.LAYER_SLOT: np.tile(0.05 * (1 + np.arange(n_layers)), len(steps))
                     + 0.002 * rng.standard_normal(len(steps) * n_layers),
                 }
                 write_run(

@@ -11,16 +11,17 @@ Per-step metrics (columns of `metrics.parquet`):
 | mismatch_k3 | k3 KL estimate mean(e^d - 1 - d) of that difference |
 | mismatch_frac_gt2 | fraction of tokens with max(rho, 1/rho) > 2 |
 | routing_slot_mismatch | old vs new policy after an update: mean(1 - abs(S_X & S_Y) / k) (the paper's "10%") |
-| routing_flip_rate | old vs new: fraction of (token, layer) whose top-k set changed |
-| routing_slot_mismatch_engine | rollout engine vs trainer, same definition |
+| routing_set_flip_rate | old vs new: fraction of (token, layer) whose top-k set changed |
+| engine_routing_slot_mismatch | rollout engine vs trainer, same definition |
 | response_len_mean, truncation_rate | mean response length (tokens), fraction truncated at the length limit |
 | tokens | response tokens trained on in the step |
 
-Per-layer routing table (`routing_layers.parquet`): step, layer, routing_slot_mismatch (same definition, one layer).
+Per-layer routing table (`routing_layers.parquet`): step, layer, slot_mismatch, set_flip_rate (same definitions,
+one layer).
 
-Swept axes (flattened config keys; the defaults below, each figure takes the name as an argument):
-train dtype `precision.train_dtype`, rollout dtype `precision.rollout_dtype`, pi_old source `old_logp_source`,
-generation length `rollout.max_gen_len`.
+These names follow `study.metrics.STEP_METRICS` (the run's documented vocabulary); this module only names the ones
+the figures read. Swept axes are `study.runconfig.RunConfig` fields (the defaults below; each figure takes the name
+as an argument): `train_dtype`, `rollout_dtype`, `old_logp_source` (Figure 4), `max_new_tokens` (Figure 5).
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ EVAL_PREFIXES = ("eval_", "eval/")
 CLIP, CLIP_LOW, CLIP_HIGH = "clip_frac", "clip_frac_low", "clip_frac_high"
 MISMATCH = ("mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "mismatch_frac_gt2")
 ROUTING_SLOT = "routing_slot_mismatch"
-ROUTING_FLIP = "routing_flip_rate"
-ROUTING_ENGINE = "routing_slot_mismatch_engine"
+ROUTING_FLIP = "routing_set_flip_rate"
+ROUTING_ENGINE = "engine_routing_slot_mismatch"
+LAYER_SLOT = "slot_mismatch"  # column of routing_layers.parquet
 RESPONSE_LEN = "response_len_mean"
 TRUNCATION = "truncation_rate"
 TOKENS = "tokens"
 
-TRAIN_DTYPE_AXIS = "precision.train_dtype"
-ROLLOUT_DTYPE_AXIS = "precision.rollout_dtype"
+TRAIN_DTYPE_AXIS = "train_dtype"
+ROLLOUT_DTYPE_AXIS = "rollout_dtype"
 OLD_LOGP_AXIS = "old_logp_source"
-LENGTH_AXIS = "rollout.max_gen_len"
+LENGTH_AXIS = "max_new_tokens"
 
 
 def eval_metrics(metrics: list[str]) -> list[str]:

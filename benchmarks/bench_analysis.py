@@ -35,7 +35,7 @@ def main() -> None:
         "gspo": synthetic.Curve(a=0.8, clip_low=0.05, clip_high=0.1),
         "gspo_rr": synthetic.Curve(a=0.78, clip_low=0.05, clip_high=0.1),
     }
-    grid = {"rollout.max_gen_len": [128, 256, 512, 1024, 2048], "optim.lr": [1e-6, 2e-6]}
+    grid = {"max_new_tokens": [128, 256, 512, 1024, 2048], "lr": [1e-6, 2e-6]}
     per_seed = len(curves) * 5 * 2
     seeds = range(max(1, args.runs // per_seed))
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_analysis_"))

@@ -28,7 +28,7 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory):
         seeds=(0, 1, 2),
         n_steps=200,
         flops_per_step=1e11,
-        grid={"rollout.max_gen_len": [256, 1024], "precision.rollout_dtype": ["bf16", "fp16"]},
+        grid={"max_new_tokens": [256, 1024], "rollout_dtype": ["bf16", "fp16"]},
         fail=["sapo"],
     )
     return root, ids
