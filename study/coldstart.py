@@ -1,0 +1,589 @@
+"""Cold start: supervised fine-tuning of the MoE policy on task solutions until its pass@1 enters a band.
+
+The paper starts RL from a cold-start fine-tuned model. RL has signal only when the G samples of a prompt disagree,
+so the cold start stops as soon as the policy's mean pass@1 on the task's in-distribution eval set (k samples at
+temperature 1 from the hf rollout engine) is inside a configured band (default 0.1-0.5), not when the loss is low.
+
+1. Data: the task's training stream (`make_task(task, seed=seed)`, default knobs, never an eval prompt), fresh items
+   every step. An example is `<bos> prompt solution <eos>`, right-padded with <pad>; the loss is the token-mean
+   negative log-likelihood of the response tokens (solution and <eos>) only: prompt positions get no gradient.
+2. Optimiser: AdamW, linear warmup then constant lr (the stopping step is not known in advance), global grad clip.
+3. Stopping: every `eval_every` SFT steps. Inside the band: stop (status `in_band`). Above it: stop (status
+   `overshoot`) and keep the closest checkpoint seen. Budget spent below it: status `budget`, closest checkpoint
+   kept. The policy saved is always the checked checkpoint nearest to the band (distance 0 inside it).
+4. Directory: `results/coldstart/{model}-{task}-{hash}/`, the hash over the resolved settings (`ColdStartSettings`,
+   the init checkpoint's content included, the thread count not). Built in a temporary sibling directory and renamed
+   into place, under an exclusive lock, so a killed or racing builder never leaves a partial directory under the
+   final name; `coldstart.json` is written last and marks it complete, so a complete directory is simply reused.
+
+Directory contents:
+
+    policy.pt             Megatron GPTModel state dict (torch.save; torch.load(weights_only=True);
+                          policy.load_state_dict(state, strict=False))
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json     TaskTokenizer.load(directory)
+    config.json, model.safetensors    HF Qwen3-MoE export: AutoModelForCausalLM / AutoTokenizer.from_pretrained
+    coldstart.json        status, achieved pass@1, steps, settings, timings, the check trajectory, the loss curve
+
+`ensure_coldstart(model_preset, task, results)` is what the RL loop calls; `coldstart_main(argv)` is the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from study import tasks
+from study.config import ModelConfig, preset
+from study.rundir import atomic_write, manifest, write_json
+from study.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
+
+FORMAT_VERSION = 1
+"""Bumped when the directory layout or the training recipe changes meaning (it is part of the hash)."""
+
+STATUSES = ("in_band", "overshoot", "budget")
+"""Outcome of a cold start: pass@1 inside the band / jumped above it / step budget spent below it."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ColdStartSettings:
+    """Everything that determines a cold-start checkpoint; all of it (but `threads`) is hashed into its directory."""
+
+    model: str = "tiny"
+    """Model preset (study.config.PRESETS)."""
+    task: str = "chain_sum"
+    """Task whose solutions are imitated and whose in_dist eval set is scored (study.tasks.TASKS)."""
+    band: tuple[float, float] = (0.1, 0.5)
+    """Target mean pass@1 band [low, high]; training stops as soon as a check lands inside it."""
+    seed: int = 0
+    """Seed of the initialisation, the data stream and the eval sampling."""
+    batch_size: int = 64
+    """Examples per SFT step."""
+    lr: float = 5e-3
+    """Peak AdamW learning rate (after warmup; constant afterwards)."""
+    warmup_steps: int = 20
+    """Linear warmup from lr / warmup_steps to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    max_steps: int = 1500
+    """SFT step budget; reaching it below the band ends with status `budget`."""
+    eval_every: int = 50
+    """Check pass@1 every this many SFT steps."""
+    eval_size: int = 64
+    """Problems of the in_dist eval set used for the check (a prefix of it)."""
+    eval_samples: int = 4
+    """k samples per problem for mean pass@1."""
+    max_new_tokens: int = 64
+    """Response length limit of the check's samples (the longest default-knob solution must fit)."""
+    tokenizer_n_per_task: int = 400
+    """Corpus size of the tokenizer (build_tokenizer's n_per_task) when no init checkpoint brings one."""
+    init: str | None = None
+    """Start from this checkpoint (a directory with policy.pt [and tokenizer.json], or a .pt state dict) instead of
+    a random initialisation; its content hash, not its path, goes into the directory hash."""
+    threads: int = 1
+    """torch threads while training (not hashed: it changes speed, and float summation order only)."""
+
+    def __post_init__(self) -> None:
+        preset(self.model)
+        if self.task not in tasks.TASKS:
+            raise ValueError(f"coldstart.task = {self.task!r}; valid: {', '.join(tasks.TASKS)}")
+        lo, hi = _pair(self.band)
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"coldstart.band = {self.band!r}; valid: (low, high) with 0 <= low < high <= 1")
+        object.__setattr__(self, "band", (lo, hi))
+        for name in ("batch_size", "max_steps", "eval_every", "eval_size", "eval_samples", "max_new_tokens",
+                     "threads", "tokenizer_n_per_task"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"coldstart.{name} = {value!r}: must be a positive integer")
+        for name in ("seed", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"coldstart.{name} = {value!r}: must be a non-negative integer")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"coldstart.lr = {self.lr!r}: must be a positive number")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("coldstart.weight_decay and coldstart.grad_clip must be >= 0")
+        max_eval = tasks.EVAL_SPECS[(self.task, "in_dist")].size
+        if self.eval_size > max_eval:
+            raise ValueError(f"coldstart.eval_size = {self.eval_size}: valid range is [1, {max_eval}]")
+        if self.init is not None:
+            object.__setattr__(self, "init", str(self.init))
+            _init_policy_path(self.init)  # raises if missing
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model preset's ModelConfig."""
+        return preset(self.model)
+
+    def hashed(self) -> dict[str, Any]:
+        """The fields that name the directory (init replaced by its content hash)."""
+        fields = dataclasses.asdict(self)
+        fields.pop("threads")
+        fields["band"] = list(self.band)
+        if self.init is not None:
+            fields["init"] = _file_sha256(_init_policy_path(self.init))
+        fields["format_version"] = FORMAT_VERSION
+        return fields
+
+    @property
+    def digest(self) -> str:
+        """12 hex digits of the sha256 of `hashed()`."""
+        text = json.dumps(self.hashed(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @property
+    def dirname(self) -> str:
+        """`{model}-{task}-{digest}`."""
+        return f"{self.model}-{self.task}-{self.digest}"
+
+
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Measured on one CPU thread (see tests/study/test_coldstart.py::test_tiny_chain_sum_reaches_band).
+    "tiny": dict(batch_size=64, lr=5e-3, warmup_steps=20, max_steps=1500, eval_every=50),
+    "default": dict(batch_size=32, lr=2e-3, warmup_steps=30, max_steps=1500, eval_every=25),
+    "small": dict(batch_size=32, lr=5e-4, warmup_steps=50, max_steps=3000, eval_every=50),
+}
+"""Recipe per model preset (the SFT batch, lr and budget that reach the band quickly); explicit arguments win."""
+
+
+def resolve_settings(model_preset: str, task: str, **overrides: Any) -> ColdStartSettings:
+    """The preset's recipe (PRESET_DEFAULTS) with `overrides` (ColdStartSettings fields; None = keep) on top."""
+    preset(model_preset)
+    valid = {f.name for f in dataclasses.fields(ColdStartSettings)} - {"model", "task"}
+    unknown = set(overrides) - valid
+    if unknown:
+        raise ValueError(f"unknown coldstart setting(s) {sorted(unknown)}; valid: {', '.join(sorted(valid))}")
+    fields = dict(PRESET_DEFAULTS.get(model_preset, {}))
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return ColdStartSettings(model=model_preset, task=task, **fields)
+
+
+def _pair(band: Any) -> tuple[float, float]:
+    if not isinstance(band, Sequence) or isinstance(band, str) or len(band) != 2:
+        raise ValueError(f"coldstart.band = {band!r}; valid: (low, high) with 0 <= low < high <= 1")
+    return float(band[0]), float(band[1])
+
+
+def _init_policy_path(init: str | Path) -> Path:
+    path = Path(init)
+    if path.is_dir():
+        path = path / "policy.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"coldstart.init = {init}: no such state dict (a directory with policy.pt or a .pt)")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches and the loss
+# ---------------------------------------------------------------------------------------------------------------------
+def collate(
+    tok: TaskTokenizer, items: Sequence[tasks.TaskItem], *, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded SFT batch of `<bos> prompt solution <eos>`: (input_ids, targets, loss_mask), each (B, S - 1).
+
+    `targets[b, t]` is token t + 1 of example b; `loss_mask[b, t]` is 1 where that target is a response token
+    (solution or <eos>), 0 on prompt tokens and padding (whose targets are <pad> = 0, a valid id)."""
+    examples = [tok.encode_example(item.prompt, item.solution) for item in items]
+    longest = max(len(ids) for ids, _ in examples)
+    if longest > max_len:
+        raise ValueError(f"an SFT example has {longest} tokens > model.max_seq_len = {max_len}")
+    tokens = torch.full((len(examples), longest), PAD_ID, dtype=torch.long)  # (B, S)
+    response = torch.zeros((len(examples), longest), dtype=torch.bool)  # (B, S)
+    for b, (ids, n_prompt) in enumerate(examples):
+        tokens[b, : len(ids)] = torch.tensor(ids)
+        response[b, n_prompt : len(ids)] = True
+    return tokens[:, :-1], tokens[:, 1:], response[:, 1:].float()  # (B, S - 1) each
+
+
+def sft_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean negative log-likelihood of the masked-in targets: (loss, metrics).
+
+    input_ids, targets, loss_mask: (B, S). Targets where loss_mask is 0 do not enter the loss (nor its gradient)."""
+    from study.model import token_logp
+
+    logp = token_logp(model, input_ids, targets)  # (B, S) fp32
+    n = loss_mask.sum().clamp_min(1.0)
+    # L = - sum_{b,t} m_bt log pi(y_bt | y_<t) / sum_{b,t} m_bt
+    loss = -(logp * loss_mask).sum() / n
+    return loss, {"loss": float(loss.detach()), "tokens": float(loss_mask.sum())}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------------------
+def eval_pass_at_1(
+    engine: Any,
+    model: torch.nn.Module,
+    tok: TaskTokenizer,
+    items: Sequence[tasks.TaskItem],
+    *,
+    k: int,
+    seed: int,
+    max_new_tokens: int,
+) -> tuple[float, float]:
+    """(mean pass@1, truncation rate) of `model` on `items`: its weights pushed to the hf `engine`, k samples per
+    problem at temperature 1, each scored by the task's verifier as it stands."""
+    from study.weights import megatron_to_hf
+
+    engine.load_weights(megatron_to_hf(model, model.study_config))
+    prompts = [tok.encode_prompt(item.prompt) for item in items]
+    rollout = engine.generate(
+        prompts, k, seed=seed, temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=[EOS_ID]
+    )
+    scores: list[list[float]] = [[] for _ in items]
+    for p, ids in zip(rollout.prompt_index, rollout.tokens, strict=True):
+        text, _ = tok.decode_response(ids)
+        scores[p].append(tasks.score(items[p], text))
+    truncated = sum(r == "length" for r in rollout.finish_reasons) / len(rollout)
+    return tasks.pass_at_1(scores), truncated
+
+
+def probe_logp(model: torch.nn.Module, tok: TaskTokenizer, item: tasks.TaskItem) -> float:
+    """Teacher-forced log-prob of `item`'s reference response under `model` (a fingerprint of the weights)."""
+    from study.model import token_logp
+
+    input_ids, targets, mask = collate(tok, [item], max_len=model.study_config.max_seq_len)  # (1, S) each
+    with torch.no_grad():
+        return float((token_logp(model, input_ids, targets) * mask).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+def _band_distance(value: float, band: tuple[float, float]) -> float:
+    return max(band[0] - value, value - band[1], 0.0)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: bool = False) -> dict[str, Any]:
+    """Train per `settings` and write the directory's files into `out_dir` (coldstart.json last); its record."""
+    from tqdm import tqdm
+
+    from study.engines import get_engine
+    from study.model import build_optimizer, build_policy
+    from study.weights import export_hf
+
+    cfg = settings.model_config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t_all = time.perf_counter()
+    with _threads(settings.threads):
+        # -- tokenizer and initial weights ---------------------------------------------------------------------
+        t0 = time.perf_counter()
+        init_path = _init_policy_path(settings.init) if settings.init is not None else None
+        if init_path is not None and (init_path.parent / "tokenizer.json").is_file():
+            tok = TaskTokenizer.load(init_path.parent)  # the checkpoint's own token ids
+        else:
+            tok = build_tokenizer(cfg.vocab_size, [settings.task], n_per_task=settings.tokenizer_n_per_task)
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size = {cfg.vocab_size}")
+        tok.save(out_dir, model_max_length=cfg.max_seq_len)
+        times["tokenizer_s"] = time.perf_counter() - t0
+
+        model = build_policy(cfg, seed=settings.seed, dtype="fp32")
+        if init_path is not None:
+            _load_policy(model, torch.load(init_path, weights_only=True), where=str(init_path))
+        model.train()
+        optimizer = build_optimizer(model, lr=settings.lr, weight_decay=settings.weight_decay)
+        warmup = max(settings.warmup_steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        engine = get_engine("hf", cfg, dtype="fp32")
+        stream = tasks.make_task(settings.task, seed=settings.seed)
+        eval_items = tasks.eval_set(settings.task, "in_dist", size=settings.eval_size)
+        longest = max(len(tok.encode_prompt(i.prompt)) for i in eval_items) + settings.max_new_tokens
+        if longest > cfg.max_seq_len:
+            raise ValueError(f"eval prompt + max_new_tokens = {longest} > model.max_seq_len = {cfg.max_seq_len}")
+
+        # -- SFT until the band ------------------------------------------------------------------------------------
+        lo, hi = settings.band
+        losses: list[float] = []
+        checks: list[dict[str, float]] = []
+        best: dict[str, Any] | None = None  # the check nearest the band and its weights
+        status = "budget"
+        train_s = eval_s = 0.0
+
+        def check(step: int) -> bool:
+            """Score pass@1 at `step`, keep the weights if nearest the band so far; True = stop."""
+            nonlocal best, status, eval_s
+            t = time.perf_counter()
+            model.eval()
+            score, truncated = eval_pass_at_1(engine, model, tok, eval_items, k=settings.eval_samples,
+                                              seed=settings.seed * 1_000_003 + step,
+                                              max_new_tokens=settings.max_new_tokens)  # fmt: skip
+            model.train()
+            eval_s += time.perf_counter() - t
+            window = losses[-settings.eval_every :]
+            checks.append({"step": step, "pass_at_1": score, "truncation_rate": truncated,
+                           "loss": sum(window) / len(window) if window else float("nan"),
+                           "wall_s": time.perf_counter() - t_all})  # fmt: skip
+            distance = _band_distance(score, settings.band)
+            if best is None or distance < best["distance"]:
+                best = {"distance": distance, "step": step, "pass_at_1": score, "truncation_rate": truncated,
+                        "state": copy.deepcopy(model.state_dict())}  # fmt: skip
+            bar.set_postfix(loss=f"{checks[-1]['loss']:.3f}", pass_at_1=f"{score:.3f}")
+            if lo <= score <= hi:
+                status = "in_band"
+                return True
+            if score > hi:
+                status = "overshoot"
+                return True
+            return False
+
+        bar = tqdm(total=settings.max_steps, desc=f"coldstart {settings.model}/{settings.task}", disable=not progress,
+                   file=sys.stderr)  # fmt: skip
+        stopped = settings.init is not None and check(0)  # a given checkpoint may already be in the band
+        step = 0
+        while not stopped and step < settings.max_steps:
+            t = time.perf_counter()
+            items = stream.take(settings.batch_size, start=step * settings.batch_size)
+            input_ids, targets, loss_mask = collate(tok, items, max_len=cfg.max_seq_len)  # (B, S) each
+            loss, _ = sft_loss(model, input_ids, targets, loss_mask)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"coldstart: non-finite SFT loss {float(loss)} at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if settings.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            losses.append(float(loss.detach()))
+            step += 1
+            train_s += time.perf_counter() - t
+            bar.update(1)
+            if step % settings.eval_every == 0 or step == settings.max_steps:
+                stopped = check(step)
+        bar.close()
+        times["train_s"], times["eval_s"] = train_s, eval_s
+        assert best is not None  # at least one check ran: max_steps >= 1
+        model.load_state_dict(best["state"])
+
+        # -- write: policy, HF export, the record last -----------------------------------------------------------
+        t0 = time.perf_counter()
+        # Tensors only: megatron's `_extra_state` entries are None (load with strict=False).
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        atomic_write(out_dir / "policy.pt", lambda tmp: torch.save(state, tmp))
+        export_hf(model, cfg, out_dir)
+        times["write_s"] = time.perf_counter() - t0
+        times["total_s"] = time.perf_counter() - t_all
+        record = {
+            "status": status,
+            "band": list(settings.band),
+            "pass_at_1": best["pass_at_1"],
+            "truncation_rate": best["truncation_rate"],
+            "step": best["step"],
+            "steps_trained": step,
+            "examples_seen": step * settings.batch_size,
+            "probe_logp": probe_logp(model, tok, eval_items[0]),
+            "settings": dataclasses.asdict(settings) | {"band": list(settings.band)},
+            "hash": settings.digest,
+            "hashed": settings.hashed(),
+            "model_config": dataclasses.asdict(cfg),
+            "tokenizer_vocab_size": tok.vocab_size,
+            "timings": times,
+            "checks": checks,
+            "loss_curve": losses,
+            "manifest": manifest(settings.seed, settings.threads),
+        }
+        write_json(out_dir / "coldstart.json", record)
+    return record
+
+
+def _load_policy(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, where: str) -> None:
+    """Load a Megatron state dict (strict=False for megatron's `_extra_state` entries; any other gap raises)."""
+    result = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"{where}: state dict does not fit the model: missing {missing[:4]}, "
+                       f"unexpected {result.unexpected_keys[:4]}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The content-addressed directory
+# ---------------------------------------------------------------------------------------------------------------------
+class ColdStartError(RuntimeError):
+    """The cold start ended outside its band (the directory is complete; its coldstart.json says how it ended)."""
+
+
+def is_complete(directory: Path) -> bool:
+    """Whether `directory` is a finished cold start (coldstart.json, written last, is there)."""
+    return (directory / "coldstart.json").is_file()
+
+
+def read_record(directory: str | Path) -> dict[str, Any]:
+    """The coldstart.json of a finished cold-start directory."""
+    path = Path(directory) / "coldstart.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
+    return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (released by the kernel if the holder dies)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_coldstart(
+    model_preset: str,
+    task: str,
+    results: str | Path,
+    *,
+    band: tuple[float, float] = (0.1, 0.5),
+    seed: int = 0,
+    threads: int = 1,
+    init: str | Path | None = None,
+    strict: bool = True,
+    progress: bool = False,
+    **overrides: Any,
+) -> Path:
+    """The directory `results/coldstart/{model_preset}-{task}-{hash}/` of a finished cold start, trained now unless
+    a complete one with the same settings exists (then it is returned untouched, without training).
+
+    `overrides` are further ColdStartSettings fields (batch_size, lr, max_steps, eval_every, ...; see
+    PRESET_DEFAULTS for each preset's recipe). Racing callers serialise on a lock file next to the directory; the
+    directory appears under its final name only when complete. With `strict` (default), a cold start that ended
+    outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or not.
+    """
+    settings = resolve_settings(model_preset, task, band=band, seed=seed, threads=threads,
+                                init=None if init is None else str(init), **overrides)  # fmt: skip
+    root = Path(results) / "coldstart"
+    directory = root / settings.dirname
+    if not is_complete(directory):
+        with _exclusive(root / f".{settings.dirname}.lock"):
+            if not is_complete(directory):  # another process may have finished it while we waited
+                _build(settings, directory, progress=progress)
+    record = read_record(directory)
+    if strict and record["status"] != "in_band":
+        lo, hi = record["band"]
+        raise ColdStartError(
+            f"cold start {directory} ended with status {record['status']!r}: pass@1 {record['pass_at_1']:.3f} after "
+            f"{record['steps_trained']} SFT steps, band [{lo}, {hi}]. Change lr / eval_every (overshoot) or "
+            "max_steps (budget), or pass strict=False to use the closest checkpoint."
+        )
+    return directory
+
+
+def _build(settings: ColdStartSettings, directory: Path, *, progress: bool) -> None:
+    """Train into a temporary sibling directory and rename it to `directory` (called under the lock)."""
+    for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by a killed builder
+        shutil.rmtree(stale, ignore_errors=True)
+    if directory.exists():  # incomplete (cannot normally happen: only complete directories are renamed in)
+        shutil.rmtree(directory)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    try:
+        train_coldstart(settings, tmp, progress=progress)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m study coldstart` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="python -m study coldstart",
+        description="SFT the MoE policy on task solutions until its in-distribution pass@1 enters a band; writes "
+        "(or reuses) results/coldstart/{model}-{task}-{hash}/.",
+    )
+    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--task", default="chain_sum", help=f"task: {', '.join(tasks.TASKS)} (default: chain_sum)")
+    p.add_argument("--results", default="results", help="results root (default: results)")
+    p.add_argument("--band", type=float, nargs=2, default=(0.1, 0.5), metavar=("LOW", "HIGH"),
+                   help="target pass@1 band (default: 0.1 0.5)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--max-steps", type=int, default=None, help="SFT step budget (default: the preset's)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step (default: the preset's)")
+    p.add_argument("--eval-every", type=int, default=None, help="SFT steps between checks (default: the preset's)")
+    p.add_argument("--init", default=None, help="start from this checkpoint (directory with policy.pt, or a .pt)")
+    p.add_argument("--no-strict", action="store_true", help="exit 0 even when the band was missed")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def coldstart_main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: make or reuse the cold start, print its directory and outcome; exit status 1 when it ended
+    outside the band (unless --no-strict), 2 on a settings error."""
+    args = build_parser().parse_args(argv)
+    try:
+        directory = ensure_coldstart(
+            args.model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
+            init=args.init, strict=False, progress=not args.quiet, max_steps=args.max_steps, lr=args.lr,
+            batch_size=args.batch_size, eval_every=args.eval_every,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"coldstart: {exc}", file=sys.stderr)
+        return 2
+    record = read_record(directory)
+    print(f"{directory}\nstatus {record['status']}: pass@1 {record['pass_at_1']:.3f} (band {record['band']}) at "
+          f"step {record['step']} of {record['steps_trained']}, {record['timings']['total_s']:.1f} s")  # fmt: skip
+    return 0 if record["status"] == "in_band" or args.no_strict else 1
+
+
+__all__ = [
+    "PRESET_DEFAULTS",
+    "STATUSES",
+    "ColdStartError",
+    "ColdStartSettings",
+    "coldstart_main",
+    "collate",
+    "ensure_coldstart",
+    "eval_pass_at_1",
+    "is_complete",
+    "read_record",
+    "resolve_settings",
+    "sft_loss",
+    "train_coldstart",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(coldstart_main())
