@@ -159,7 +159,9 @@ class ColdStartSettings:
 
 
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    # Measured on one CPU thread (see tests/study/test_coldstart.py::test_tiny_chain_sum_reaches_band).
+    # Measured on one CPU thread, chain_sum, seed 0, on a shared, loaded 2-core machine: tiny reaches pass@1 0.109
+    # after 800 steps (~125 s CPU, 235 s wall); default 0.109 after 525 steps (394 s wall). pass@1 climbs by about
+    # 0.02 per check near the band, so these check intervals do not jump over it.
     "tiny": dict(batch_size=64, lr=5e-3, warmup_steps=20, max_steps=1500, eval_every=50),
     "default": dict(batch_size=32, lr=2e-3, warmup_steps=30, max_steps=1500, eval_every=25),
     "small": dict(batch_size=32, lr=5e-4, warmup_steps=50, max_steps=3000, eval_every=50),
