@@ -1,0 +1,305 @@
+"""The study report: `results/<study>/report/index.html` (one self-contained page, figures embedded as base64 PNG)
+and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun).
+
+Contents: the study and its provenance (git sha, package versions, machine from the manifests; the config common to
+every run and the swept axes), the scorecard (analysis.scorecard), every figure with its caption (analysis.figures;
+skipped figures say why), the figures' tables (small ones inline, every one as CSV under `tables/`), and the
+failed, collapsed and missing runs. Every file is written atomically (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from analysis import figures, scorecard, stats, vocab
+from analysis.tidy import ALGORITHM, RUN_ID, Study, load_study
+
+MAX_INLINE_ROWS = 40
+"""Tables longer than this are linked as CSV instead of printed."""
+
+
+@dataclass
+class Report:
+    """What `build_report` wrote."""
+
+    html: Path
+    markdown: Path
+    figures: dict[str, Path]
+    """figure name -> PNG embedded in the page."""
+    skipped: dict[str, str]
+    scorecard: list[scorecard.ClaimResult]
+
+
+def _atomic_write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if isinstance(data, str):
+        tmp.write_text(data, encoding="utf-8")
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def _common_config(configs: Mapping[str, Mapping[str, Any]], axes: Sequence[str]) -> dict[str, Any]:
+    """Flattened config keys with one value across every run (seed, algorithm and the swept axes excluded)."""
+    items = list(configs.values())
+    if not items:
+        return {}
+    out = {}
+    for key in sorted({k for c in items for k in c}):
+        if key in axes or key.rsplit(".", 1)[-1] in ("seed", "algorithm"):
+            continue
+        vals = {json.dumps(c.get(key), sort_keys=True, default=str) for c in items}
+        if len(vals) == 1:
+            out[key] = items[0].get(key)
+    return out
+
+
+def provenance(study: Study) -> dict[str, Any]:
+    """What the manifests say: git shas, package versions, python, machine and host (each with its run count)."""
+    mans = list(study.manifests.values())
+
+    def count(key: str) -> dict[str, int]:
+        return dict(Counter(str(m.get(key)) for m in mans if m.get(key) is not None))
+
+    packages: dict[str, Counter[str]] = {}
+    for m in mans:
+        for name, ver in (m.get("packages") or {}).items():
+            packages.setdefault(name, Counter())[str(ver)] += 1
+    return {
+        "git_sha": count("git_sha"),
+        "python": count("python"),
+        "machine": count("machine"),
+        "host": count("host"),
+        "cpu_count": count("cpu_count"),
+        "packages": {k: dict(v) for k, v in sorted(packages.items())},
+    }
+
+
+def problem_runs(study: Study) -> pd.DataFrame:
+    """Failed, collapsed (reported or detected in the reward) and unknown-state runs, plus missing run ids."""
+    runs = study.runs
+    cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step", "collapse_step", "reason"]
+    detected: dict[str, Any] = {}
+    if vocab.REWARD in study.metrics:
+        coll = stats.collapse_table(study.long, runs, vocab.REWARD)
+        detected = {
+            str(r): (s, why)
+            for r, s, why, c in zip(
+                coll[RUN_ID], coll["detected_step"], coll["detected_reason"], coll["collapsed"], strict=True
+            )
+            if c
+        }
+    records = []
+    for _, r in runs.iterrows():
+        rid = str(r[RUN_ID])
+        bad = r["state"] in ("failed", "collapsed", "unknown") or rid in detected
+        if not bad:
+            continue
+        reason = r["error"] if r["state"] in ("failed", "unknown") else r["collapse_reason"]
+        step = r["collapse_step"]
+        if r["state"] not in ("failed", "collapsed", "unknown") and rid in detected:
+            step, reason = detected[rid][0], f"detected: {detected[rid][1]}"
+        rec = {c: r.get(c) for c in cols if c in runs.columns}
+        rec.update(collapse_step=step, reason=reason)
+        records.append(rec)
+    for rid in study.missing:
+        records.append({RUN_ID: rid, "state": "missing", "reason": "no run directory"})
+    return pd.DataFrame.from_records(records, columns=cols)
+
+
+# --- rendering --------------------------------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
+
+
+def _html_table(df: pd.DataFrame, cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+        for row in df.itertuples(index=False, name=None)
+    )
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _md_cell(v: Any) -> str:
+    return _fmt(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "(none)\n"
+    lines = ["| " + " | ".join(_md_cell(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(_md_cell(v) for v in row) + " |" for row in df.itertuples(index=False, name=None)]
+    return "\n".join(lines) + "\n"
+
+
+def _kv(d: Mapping[str, Any]) -> pd.DataFrame:
+    return pd.DataFrame({"key": list(d), "value": [json.dumps(v, default=str) for v in d.values()]})
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:.85em}td,th{border:1px solid #ccc;padding:.2em .5em;
+vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:.9em}
+.supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}"""
+
+
+def render(
+    title: str,
+    study: Study,
+    cards: Sequence[scorecard.ClaimResult],
+    rendered: figures.Rendered,
+    problems: pd.DataFrame,
+    table_files: Mapping[str, Path],
+    out_dir: Path,
+) -> tuple[str, str]:
+    """The HTML page and its Markdown twin."""
+    prov = provenance(study)
+    common = _common_config(study.configs, study.axes)
+    states = study.runs["state"].value_counts().to_dict()
+    algs = sorted(study.runs[ALGORITHM].dropna().astype(str).unique())
+    axes_vals = {a: sorted(map(str, study.runs[a].dropna().unique())) for a in study.axes}
+    summary = {
+        "runs": len(study.runs),
+        "states": states,
+        "missing": len(study.missing),
+        "algorithms": algs,
+        "swept axes": axes_vals,
+    }
+    prov_rows = {k: v for k, v in prov.items() if k != "packages"}
+    pk = pd.DataFrame(
+        {"package": list(prov["packages"]), "versions (runs)": [json.dumps(v) for v in prov["packages"].values()]}
+    )
+    card_df = scorecard.scorecard_table(cards)
+
+    h: list[str] = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+        "<h2 id='study'>Study</h2>",
+        _html_table(_kv(summary)),
+        "<h2 id='provenance'>Provenance</h2>",
+        _html_table(_kv(prov_rows)),
+        "<h3>Packages</h3>",
+        _html_table(pk),
+        "<h3>Configuration common to every run</h3>",
+        _html_table(_kv(common)),
+        "<h2 id='scorecard'>Scorecard</h2>",
+        "<p>Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group.</p>",
+        '<table class="scorecard"><thead><tr><th>claim</th><th>statement</th><th>verdict</th><th>evidence</th>'
+        "<th>rule</th></tr></thead><tbody>",
+    ]
+    for r, row in zip(cards, card_df.itertuples(index=False), strict=True):
+        ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
+        h.append(
+            f'<tr class="{r.verdict}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
+            f"<td>{html.escape(row.verdict)}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
+        )
+    h.append("</tbody></table>")
+    m: list[str] = [
+        f"# {title}\n",
+        "## Study\n",
+        _md_table(_kv(summary)),
+        "## Provenance\n",
+        _md_table(_kv(prov_rows)),
+        "### Packages\n",
+        _md_table(pk),
+        "### Configuration common to every run\n",
+        _md_table(_kv(common)),
+        "## Scorecard\n",
+        "Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group.\n",
+        _md_table(card_df),
+    ]
+
+    h.append("<h2 id='figures'>Figures</h2>")
+    m.append("## Figures\n")
+    for name, paths in rendered.paths.items():
+        png = next(p for p in paths if p.suffix == ".png")
+        b64 = base64.b64encode(png.read_bytes()).decode("ascii")
+        cap = rendered.captions[name]
+        h.append(
+            f"<figure id='{name}'><img alt='{html.escape(name)}' src='data:image/png;base64,{b64}'>"
+            f"<figcaption>{html.escape(cap)}</figcaption></figure>"
+        )
+        m.append(f"![{name}]({png.relative_to(out_dir).as_posix()})\n\n{cap}\n")
+        for tname, df in rendered.tables.get(name, {}).items():
+            key = f"{name}.{tname}"
+            link = table_files[key].relative_to(out_dir).as_posix()
+            h.append(f"<h4>{html.escape(key)} (<a href='{link}'>CSV</a>)</h4>")
+            m.append(f"#### {key} ([CSV]({link}))\n")
+            if len(df) <= MAX_INLINE_ROWS:
+                h.append(_html_table(df))
+                m.append(_md_table(df))
+            else:
+                h.append(f"<p>{len(df)} rows: see the CSV.</p>")
+                m.append(f"{len(df)} rows: see the CSV.\n")
+    if rendered.skipped:
+        sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
+        h += ["<h3>Figures not drawn</h3>", _html_table(sk)]
+        m += ["### Figures not drawn\n", _md_table(sk)]
+    h += ["<h2 id='problems'>Failed, collapsed and missing runs</h2>", _html_table(problems)]
+    m += ["## Failed, collapsed and missing runs\n", _md_table(problems)]
+    h.append("</body></html>")
+    return "\n".join(h), "\n".join(m)
+
+
+def build_report(study: Study, out_dir: str | os.PathLike[str], *, title: str = "study") -> Report:
+    """Write index.html, index.md, figures/ and tables/ for `study` under `out_dir`; returns what was written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rendered = figures.make_all(study, out / "figures")
+    table_files: dict[str, Path] = {}
+    for name, tables in rendered.tables.items():
+        for tname, df in tables.items():
+            table_files[f"{name}.{tname}"] = _atomic_write(
+                out / "tables" / f"{name}.{tname}.csv", df.to_csv(index=False)
+            )
+    cards = scorecard.scorecard(study)
+    _atomic_write(out / "tables" / "scorecard.csv", scorecard.scorecard_table(cards).to_csv(index=False))
+    problems = problem_runs(study)
+    _atomic_write(out / "tables" / "problem_runs.csv", problems.to_csv(index=False))
+    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out)
+    html_path = _atomic_write(out / "index.html", page)
+    md_path = _atomic_write(out / "index.md", md)
+    pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in rendered.paths.items()}
+    return Report(html_path, md_path, pngs, dict(rendered.skipped), cards)
+
+
+def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> list[str] | None:
+    """Run ids of study `study`: listed in `results_dir/<study>/run_ids.txt` (one a line) or `study.json`
+    ({"run_ids": [...]}) when either exists; otherwise None (every run under results_dir/runs)."""
+    if not study:
+        return None
+    base = Path(results_dir) / study
+    txt, js = base / "run_ids.txt", base / "study.json"
+    if txt.is_file():
+        return [line.strip() for line in txt.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    if js.is_file():
+        ids: Iterable[str] = json.loads(js.read_text()).get("run_ids", [])
+        return [str(i) for i in ids]
+    return None
+
+
+def report_from_results(
+    results_dir: str | os.PathLike[str], *, study: str | None = None, out_dir: str | os.PathLike[str] | None = None
+) -> Report:
+    """Load the study's runs from `results_dir` and write its report (default `results_dir/<study>/report`)."""
+    name = study or "all"
+    st = load_study(results_dir, study_run_ids(results_dir, study))
+    out = Path(out_dir) if out_dir is not None else Path(results_dir) / name / "report"
+    return build_report(st, out, title=name)
+
+
+__all__ = ["Report", "build_report", "problem_runs", "provenance", "report_from_results", "study_run_ids"]

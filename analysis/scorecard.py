@@ -1,0 +1,476 @@
+"""The report's scorecard: a verdict per claim C1-C6 of PAPER.md, with its evidence and the rule that produced it.
+
+Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale) and comes with the numbers it
+was decided on (point estimate, 95% percentile bootstrap interval over seeds, n) and the rule as a sentence, so a
+reader can disagree with the rule rather than with a hidden threshold. A claim whose algorithms or axis are absent
+from the study is "inconclusive" with a reason starting "not in this study".
+
+The claims are about the paper's algorithms, so this module names them (gspo, grpo, grpo_rr, gspo_rr); the Routing
+Replay partner of an algorithm is found through the registry (same loss function, routing "replay"), never by name.
+
+Two-group quantities (differences, ratios) are bootstrapped by resampling the seeds of each group independently
+(seeded, so a report is reproducible). Runs of one algorithm that differ in other swept axes are pooled as samples
+(the rule text says which axes were pooled). Failed runs (infrastructure) are excluded; collapsed runs count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from analysis import stats, style, vocab
+from analysis.fit import A_NOISE
+from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
+
+SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
+NOT_IN_STUDY = "not in this study"
+GSPO, GRPO = "gspo", "grpo"
+CLIP_RATIO = 10.0
+"""C2: the paper's "two orders of magnitude" read conservatively as >= 10x."""
+EQUIV_MARGIN = A_NOISE
+"""C4: reward differences within this margin are treated as noise across seeds (ScaleRL's 0.02)."""
+FINAL_FRAC = 0.1
+"""Final window: the last 10% of the (common) compute grid."""
+N_GRID = 100
+N_RESAMPLES = 4000
+CLAIMS = {
+    "C1": "GSPO trains more efficiently than GRPO at equal compute.",
+    "C2": "GSPO's clipped-token fraction is >= 10x GRPO's.",
+    "C3": "GRPO without Routing Replay is unstable on MoE; with it, it converges.",
+    "C4": "GSPO needs no Routing Replay.",
+    "C5": "GSPO tolerates inference-engine log-probs as pi_old (precision mismatch) better than GRPO.",
+    "C6": "Performance keeps improving with more compute and longer generation length.",
+}
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One number behind a verdict: estimate, bootstrap interval over seeds, sample sizes."""
+
+    name: str
+    estimate: float
+    low: float
+    high: float
+    n: str
+    """Sample sizes, e.g. "3 vs 3" (runs of each group)."""
+
+    def __str__(self) -> str:
+        return f"{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n})"
+
+
+@dataclass
+class ClaimResult:
+    """A claim's verdict, the rule that produced it and its evidence."""
+
+    claim: str
+    statement: str
+    verdict: str
+    rule: str
+    evidence: list[Evidence] = field(default_factory=list)
+    reason: str = ""
+    """Why the verdict is what it is (e.g. "not in this study: gspo absent"), or the deciding comparison."""
+
+    @property
+    def label(self) -> str:
+        """The verdict with its reason when inconclusive, e.g. "inconclusive: not in this study (gspo absent)"."""
+        if self.verdict == INCONCLUSIVE and self.reason:
+            return f"{INCONCLUSIVE}: {self.reason}"
+        return self.verdict
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------------
+def _boot_two(
+    x: np.ndarray,
+    y: np.ndarray,
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    *,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> tuple[float, float, float]:
+    """fn(mean x, mean y) with a percentile bootstrap interval, x and y resampled independently (NaN: no interval)."""
+    x = np.asarray(x, np.float64)[~np.isnan(np.asarray(x, np.float64))]
+    y = np.asarray(y, np.float64)[~np.isnan(np.asarray(y, np.float64))]
+    if x.size == 0 or y.size == 0:
+        return np.nan, np.nan, np.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        est = float(fn(np.asarray(x.mean()), np.asarray(y.mean())))
+        if x.size < 2 or y.size < 2:
+            return est, np.nan, np.nan
+        rng = np.random.default_rng(seed)
+        mx = x[rng.integers(0, x.size, (n_resamples, x.size))].mean(axis=1)
+        my = y[rng.integers(0, y.size, (n_resamples, y.size))].mean(axis=1)
+        d = fn(mx, my)
+    d = np.where(np.isnan(d), np.inf, d)  # 0/0 cannot happen unless both are 0; treat it as "no evidence" upward
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(d, [alpha, 1 - alpha], method="inverted_cdf")
+    return est, float(lo), float(hi)
+
+
+def _boot_four(
+    groups: Sequence[np.ndarray], fn: Callable[..., np.ndarray], *, n_resamples: int = N_RESAMPLES, seed: int = 0
+) -> tuple[float, float, float]:
+    """fn(mean g0, ..., mean g3) with each group resampled independently (percentile 95%)."""
+    gs = [np.asarray(g, np.float64)[~np.isnan(np.asarray(g, np.float64))] for g in groups]
+    if any(g.size == 0 for g in gs):
+        return np.nan, np.nan, np.nan
+    est = float(fn(*[np.asarray(g.mean()) for g in gs]))
+    if any(g.size < 2 for g in gs):
+        return est, np.nan, np.nan
+    rng = np.random.default_rng(seed)
+    means = [g[rng.integers(0, g.size, (n_resamples, g.size))].mean(axis=1) for g in gs]
+    lo, hi = np.quantile(fn(*means), [0.025, 0.975], method="inverted_cdf")
+    return est, float(lo), float(hi)
+
+
+def _decide(low: float, high: float, *, up: float, down: float) -> str:
+    """supported when low >= up, contradicted when high < down, else inconclusive (NaN bounds: inconclusive)."""
+    if np.isfinite(low) and low >= up:
+        return SUPPORTED
+    if np.isfinite(high) and high < down:
+        return CONTRADICTED
+    return INCONCLUSIVE
+
+
+def replay_partner(name: str, present: Sequence[str]) -> str | None:
+    """The algorithm of `present` with the same loss function as `name` and routing "replay" (via the registry)."""
+    reg = style._registry()
+    base = reg.get(name)
+    for other in present:
+        try:
+            spec = reg.get(other)
+        except (KeyError, ValueError):
+            continue
+        if other != name and spec.loss_fn is base.loss_fn and spec.routing == "replay":
+            return other
+    return None
+
+
+def _free_of(name: str, present: Sequence[str]) -> str | None:
+    """`name` itself when present and its routing is free (checked in the registry)."""
+    return name if name in present and style._registry().get(name).routing == "free" else None
+
+
+def _absent(claim: str, rule: str, what: str) -> ClaimResult:
+    return ClaimResult(claim, CLAIMS[claim], INCONCLUSIVE, rule, [], f"{NOT_IN_STUDY} ({what})")
+
+
+def _usable_runs(study: Study) -> pd.DataFrame:
+    """Runs that carry evidence: everything but failed (infrastructure) and unknown-state runs."""
+    return study.runs[~study.runs["state"].isin(["failed", "unknown"])]
+
+
+def _final_reward_at_common_compute(
+    study: Study, groups: dict[str, pd.Series], metric: str = vocab.REWARD
+) -> tuple[dict[str, np.ndarray], float]:
+    """Per group (a boolean mask over study.runs): each run's mean `metric` over the last FINAL_FRAC of a compute grid
+    that ends where the shortest-running group's longest run ends ("equal compute"). A collapsed run is held at its
+    last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded."""
+    usable = set(_usable_runs(study)[RUN_ID].astype(str))
+    ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable for g, m in groups.items()}
+    rows = stats.metric_rows(study.long, metric)
+    rows = rows[rows[RUN_ID].astype(str).isin(set().union(*ids.values()))]
+    if rows.empty:
+        return {g: np.array([]) for g in groups}, np.nan
+    runs = study.runs.set_index(study.runs[RUN_ID].astype(str))
+    c_end = min(
+        (float(runs.loc[list(v), "last_compute"].max()) for v in ids.values() if v),
+        default=np.nan,
+    )
+    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=N_GRID)
+    grid = grid[grid <= c_end * (1 + 1e-9)]
+    info, mat = stats.interpolate_runs(rows, grid)
+    k = max(1, int(np.ceil(FINAL_FRAC * len(grid))))
+    out = {}
+    rid = info[RUN_ID].astype(str).to_numpy()
+    for g, members in ids.items():
+        vals = []
+        for i in np.flatnonzero(np.isin(rid, list(members))):
+            row = mat[i]
+            finite = np.flatnonzero(np.isfinite(row))
+            if finite.size and runs.loc[rid[i], "state"] == "collapsed":
+                row = row.copy()
+                row[finite[-1] + 1 :] = row[finite[-1]]
+            vals.append(np.nanmean(row[-k:]) if np.isfinite(row[-k:]).any() else np.nan)
+        out[g] = np.asarray(vals, np.float64)
+    return out, c_end
+
+
+def _n(*xs: np.ndarray) -> str:
+    return " vs ".join(str(int(np.isfinite(x).sum())) for x in xs)
+
+
+def _alg_mask(study: Study, name: str) -> pd.Series:
+    return study.runs[ALGORITHM].astype(str) == name
+
+
+def _pooled(study: Study, exclude: Sequence[str] = ()) -> str:
+    axes = [a for a in study.axes if a not in exclude and study.runs[a].nunique(dropna=False) > 1]
+    return f" Runs pooled over the swept axes {', '.join(axes)}." if axes else ""
+
+
+def _grpo_baseline(present: Sequence[str]) -> str | None:
+    """The paper's GRPO baseline of Figures 1-2: GRPO with Routing Replay (registry partner), else plain GRPO."""
+    if GRPO not in present:
+        return None
+    return replay_partner(GRPO, present) or GRPO
+
+
+# --- claims -----------------------------------------------------------------------------------------------------------
+def claim_c1(study: Study) -> ClaimResult:
+    """C1: GSPO's final reward at equal compute minus the GRPO baseline's."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    base = _grpo_baseline(present)
+    rule = (
+        "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over the last "
+        f"{FINAL_FRAC:.0%} of the compute both reached (collapsed runs held at their last value, failed runs "
+        "excluded); 95% CI lower bound > 0 -> supported; upper bound < 0 -> contradicted; else inconclusive."
+    )
+    if GSPO not in present or base is None:
+        return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
+    if vocab.REWARD not in study.metrics:
+        return _absent("C1", rule, f"metric {vocab.REWARD} not logged")
+    vals, c_end = _final_reward_at_common_compute(study, {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)})
+    est, lo, hi = _boot_two(vals[GSPO], vals[base], lambda a, b: a - b)
+    verdict = _decide(lo, hi, up=np.nextafter(0, 1), down=0.0)
+    ev = [
+        Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[GSPO], vals[base])),
+        _mean_ev(f"reward({GSPO})", vals[GSPO]),
+        _mean_ev(f"reward({base})", vals[base]),
+    ]
+    return ClaimResult("C1", CLAIMS["C1"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+
+
+def claim_c2(study: Study) -> ClaimResult:
+    """C2: ratio of mean clipped-token fractions, GSPO over the GRPO baseline."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    base = _grpo_baseline(present)
+    rule = (
+        f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
+        f"per run then over seeds; 95% CI lower bound >= {CLIP_RATIO:g} -> supported; upper bound < {CLIP_RATIO:g} "
+        "-> contradicted; else inconclusive."
+    )
+    if GSPO not in present or base is None:
+        return _absent("C2", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
+    if vocab.CLIP not in study.metrics:
+        return _absent("C2", rule, f"metric {vocab.CLIP} not logged")
+    per_run = stats.run_mean(study.long, vocab.CLIP)
+    usable = set(_usable_runs(study)[RUN_ID].astype(str))
+    per_run = per_run[per_run[RUN_ID].astype(str).isin(usable)]
+    alg = per_run[ALGORITHM].astype(str)
+    x, y = per_run.loc[alg == GSPO, "value"].to_numpy(), per_run.loc[alg == base, "value"].to_numpy()
+    est, lo, hi = _boot_two(x, y, lambda a, b: a / b)
+    verdict = _decide(lo, hi, up=CLIP_RATIO, down=CLIP_RATIO)
+    ev = [
+        Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
+        _mean_ev(f"clip_frac({GSPO})", x),
+        _mean_ev(f"clip_frac({base})", y),
+    ]
+    return ClaimResult("C2", CLAIMS["C2"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+
+
+def _collapse_rates(study: Study, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Per algorithm: 1.0 per run that collapsed (reported in status.json or detected in the reward), else 0.0."""
+    coll = stats.collapse_table(study.long, study.runs, vocab.REWARD)
+    coll = coll[~coll["state"].isin(["failed", "unknown"])]
+    alg = coll[ALGORITHM].astype(str)
+    return {n: coll.loc[alg == n, "collapsed"].to_numpy(dtype=np.float64) for n in names}
+
+
+def claim_c3(study: Study) -> ClaimResult:
+    """C3: collapse rate of GRPO without Routing Replay minus with it."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    free = _free_of(GRPO, present)
+    rr = replay_partner(GRPO, present) if GRPO in present else None
+    rule = (
+        "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
+        "(the registry's replay partner: same loss, routing=replay); 95% CI lower bound > 0 -> supported; upper "
+        "bound <= 0 (free GRPO collapses no more often) -> contradicted; else inconclusive."
+    )
+    if free is None or rr is None:
+        return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
+    if vocab.REWARD not in study.metrics:
+        return _absent("C3", rule, f"metric {vocab.REWARD} not logged")
+    rates = _collapse_rates(study, [free, rr])
+    est, lo, hi = _boot_two(rates[free], rates[rr], lambda a, b: a - b)
+    if np.isfinite(lo) and lo > 0:
+        verdict = SUPPORTED
+    elif np.isfinite(hi) and hi <= 0:
+        verdict = CONTRADICTED
+    else:
+        verdict = INCONCLUSIVE
+    ev = [
+        Evidence(f"collapse_rate({free}) - collapse_rate({rr})", est, lo, hi, _n(rates[free], rates[rr])),
+        _mean_ev(f"collapse_rate({free})", rates[free]),
+        _mean_ev(f"collapse_rate({rr})", rates[rr]),
+    ]
+    return ClaimResult("C3", CLAIMS["C3"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+
+
+def claim_c4(study: Study) -> ClaimResult:
+    """C4: GSPO without Routing Replay neither collapses nor trails GSPO with it by more than the noise margin."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    free = _free_of(GSPO, present)
+    rr = replay_partner(GSPO, present) if GSPO in present else None
+    m = EQUIV_MARGIN
+    rule = (
+        "g = reward of GSPO with Routing Replay minus without it, over the last "
+        f"{FINAL_FRAC:.0%} of the compute both reached; supported when no free-routing GSPO run collapsed and g's "
+        f"95% CI upper bound < {m:g} (replay gains less than seed noise); contradicted when g's CI lower bound > {m:g} "
+        "or free GSPO's collapse-rate CI lower bound > 0; else inconclusive."
+    )
+    if free is None or rr is None:
+        return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
+    if vocab.REWARD not in study.metrics:
+        return _absent("C4", rule, f"metric {vocab.REWARD} not logged")
+    vals, c_end = _final_reward_at_common_compute(study, {free: _alg_mask(study, free), rr: _alg_mask(study, rr)})
+    est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
+    rates = _collapse_rates(study, [free])[free]
+    rci = stats.bootstrap_ci(rates, n_resamples=N_RESAMPLES)
+    if (np.isfinite(lo) and lo > m) or (np.isfinite(rci.low) and rci.low > 0):
+        verdict = CONTRADICTED
+    elif np.isfinite(hi) and hi < m and rates.size and not rates.any():
+        verdict = SUPPORTED
+    else:
+        verdict = INCONCLUSIVE
+    ev = [
+        Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
+        Evidence(f"collapse_rate({free})", rci.estimate, rci.low, rci.high, str(rci.n)),
+    ]
+    return ClaimResult("C4", CLAIMS["C4"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+
+
+def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
+    """C5: GRPO's reward drop from using the engine's log-probs as pi_old minus GSPO's drop."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    rule = (
+        f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
+        "(engine log-probs as pi_old); "
+        "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
+        "recompute); 95% CI lower bound > 0 -> supported; upper bound < 0 -> contradicted; else inconclusive."
+    )
+    if GSPO not in present or GRPO not in present:
+        return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
+    if axis not in study.axes or not {"recompute", "rollout"} <= set(study.runs[axis].astype(str)):
+        return _absent("C5", rule, f"axis {axis} with values recompute and rollout not swept")
+    if vocab.REWARD not in study.metrics:
+        return _absent("C5", rule, f"metric {vocab.REWARD} not logged")
+    src = study.runs[axis].astype(str)
+    groups = {
+        (a, s): _alg_mask(study, a) & (src == s) for a in (GRPO, GSPO) for s in ("recompute", "rollout")
+    }  # fmt: skip
+    vals, _ = _final_reward_at_common_compute(study, {f"{a}|{s}": m for (a, s), m in groups.items()})
+    g = [vals[f"{GRPO}|recompute"], vals[f"{GRPO}|rollout"], vals[f"{GSPO}|recompute"], vals[f"{GSPO}|rollout"]]
+    est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
+    d_grpo = _boot_two(g[0], g[1], lambda a, b: a - b)
+    d_gspo = _boot_two(g[2], g[3], lambda a, b: a - b)
+    verdict = _decide(lo, hi, up=np.nextafter(0, 1), down=0.0)
+    ev = [
+        Evidence("drop(grpo) - drop(gspo)", est, lo, hi, _n(*g)),
+        Evidence("drop(grpo)", *d_grpo, _n(g[0], g[1])),
+        Evidence("drop(gspo)", *d_gspo, _n(g[2], g[3])),
+    ]
+    return ClaimResult("C5", CLAIMS["C5"], verdict, rule + _pooled(study, [axis]), ev, _reason(verdict, ev[0]))
+
+
+def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
+    """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length."""
+    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    rule = (
+        "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
+        f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. "
+        "Supported when both 95% CI lower bounds > 0; contradicted when either CI upper bound < 0; else inconclusive "
+        f"(also when {axis} is not swept)."
+    )
+    if GSPO not in present:
+        return _absent("C6", rule, f"{GSPO} absent")
+    if vocab.REWARD not in study.metrics:
+        return _absent("C6", rule, f"metric {vocab.REWARD} not logged")
+    usable = set(_usable_runs(study)[RUN_ID].astype(str))
+    rows = stats.metric_rows(study.long, vocab.REWARD)
+    rows = rows[(rows[ALGORITHM].astype(str) == GSPO) & rows[RUN_ID].astype(str).isin(usable)]
+    gains = []
+    for _, r in rows.groupby(RUN_ID, observed=True, sort=False):
+        v = r["value"].to_numpy(np.float64)
+        q = len(v) // 4
+        if q >= 1:
+            gains.append(v[-q:].mean() - v[-2 * q : -q].mean())
+    ci = stats.bootstrap_ci(np.asarray(gains), n_resamples=N_RESAMPLES)
+    ev = [Evidence("compute gain (last vs third quarter)", ci.estimate, ci.low, ci.high, str(ci.n))]
+    parts = [_decide(ci.low, ci.high, up=np.nextafter(0, 1), down=0.0)]
+    reason = ""
+    if axis in study.axes and study.runs.loc[_alg_mask(study, GSPO), axis].nunique() > 1:
+        lens = study.runs.loc[_alg_mask(study, GSPO), axis]
+        lo_v, hi_v = lens.min(), lens.max()
+        m = _alg_mask(study, GSPO)
+        vals, _ = _final_reward_at_common_compute(
+            study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
+        )
+        est, lo, hi = _boot_two(vals["long"], vals["short"], lambda a, b: a - b)
+        ev.append(Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"])))
+        parts.append(_decide(lo, hi, up=np.nextafter(0, 1), down=0.0))
+    else:
+        parts.append(INCONCLUSIVE)
+        reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {parts[0]}"
+    if CONTRADICTED in parts:
+        verdict = CONTRADICTED
+    elif all(p == SUPPORTED for p in parts):
+        verdict = SUPPORTED
+    else:
+        verdict = INCONCLUSIVE
+    return ClaimResult("C6", CLAIMS["C6"], verdict, rule + _pooled(study, [axis]), ev, reason or _reason(verdict, *ev))
+
+
+def _mean_ev(name: str, x: np.ndarray) -> Evidence:
+    ci = stats.bootstrap_ci(x, n_resamples=N_RESAMPLES)
+    return Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n))
+
+
+def _reason(verdict: str, *ev: Evidence) -> str:
+    if verdict == INCONCLUSIVE and any(not np.isfinite(e.low) for e in ev):
+        return "no interval (fewer than two usable runs per group)"
+    return "; ".join(str(e) for e in ev)
+
+
+CLAIM_FUNCTIONS = {"C1": claim_c1, "C2": claim_c2, "C3": claim_c3, "C4": claim_c4, "C5": claim_c5, "C6": claim_c6}
+
+
+def scorecard(study: Study) -> list[ClaimResult]:
+    """Every claim C1-C6 of PAPER.md evaluated on `study`."""
+    return [fn(study) for fn in CLAIM_FUNCTIONS.values()]
+
+
+def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
+    """One row per claim: claim, statement, verdict (with reason when inconclusive), evidence, rule."""
+    return pd.DataFrame(
+        {
+            "claim": [r.claim for r in results],
+            "statement": [r.statement for r in results],
+            "verdict": [r.label for r in results],
+            "evidence": ["; ".join(str(e) for e in r.evidence) for r in results],
+            "rule": [r.rule for r in results],
+        }
+    )
+
+
+__all__ = [
+    "CLAIMS",
+    "CONTRADICTED",
+    "INCONCLUSIVE",
+    "NOT_IN_STUDY",
+    "SUPPORTED",
+    "ClaimResult",
+    "Evidence",
+    "claim_c1",
+    "claim_c2",
+    "claim_c3",
+    "claim_c4",
+    "claim_c5",
+    "claim_c6",
+    "replay_partner",
+    "scorecard",
+    "scorecard_table",
+]

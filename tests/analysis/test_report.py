@@ -1,0 +1,107 @@
+"""The report: files written, figures embedded, scorecard present, Markdown twin; the CLI; a real browser (slow)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis import figures, report, synthetic
+
+C = synthetic.Curve
+CURVES = {
+    "grpo": C(a=0.5, c_mid=2e12, clip_low=0.0004, clip_high=0.0009, collapse_step=30),
+    "grpo_rr": C(a=0.6, c_mid=2e12, clip_low=0.0005, clip_high=0.0008),
+    "gspo": C(a=0.8, c_mid=2e12, clip_low=0.05, clip_high=0.1),
+    "sapo": C(a=0.7, c_mid=2e12, clip_low=0.0, clip_high=0.0),
+}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, report.Report]:
+    root = tmp_path_factory.mktemp("results")
+    synthetic.make_study(root, CURVES, seeds=(0, 1, 2), n_steps=60, grid={"max_new_tokens": [256, 1024]}, fail=["sapo"])
+    (root / "mystudy").mkdir()
+    ids = sorted(p.name for p in (root / "runs").iterdir())
+    (root / "mystudy" / "run_ids.txt").write_text("\n".join([*ids, "deadbeef0000"]) + "\n")
+    with pytest.warns(UserWarning, match="deadbeef0000"):
+        rep = report.report_from_results(root, study="mystudy")
+    return root, rep
+
+
+def test_report_files_and_embedded_figures(built) -> None:
+    root, rep = built
+    assert rep.html == root / "mystudy" / "report" / "index.html" and rep.html.is_file()
+    assert rep.markdown.is_file() and rep.markdown.name == "index.md"
+    page = rep.html.read_text()
+    imgs = re.findall(r"<img [^>]*src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(imgs) == len(rep.figures) >= 4
+    for name, png in rep.figures.items():
+        assert base64.b64encode(png.read_bytes()).decode() in imgs, name
+        assert f"id='{name}'" in page
+    assert "src='figures/" not in page and '<img src="http' not in page  # self-contained
+    assert len(rep.figures) + len(rep.skipped) == len(figures.FIGURES)
+    for why in rep.skipped.values():
+        assert why.split(";")[0][:30] in page.replace("&#x27;", "'")
+
+
+def test_report_scorecard_provenance_problems(built) -> None:
+    _, rep = built
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    assert 'class="scorecard"' in page
+    for claim in ("C1", "C2", "C3", "C4", "C5", "C6"):
+        assert f"<td>{claim}</td>" in page and f"| {claim} |" in md
+    assert "0" * 40 in page and "0" * 40 in md  # git sha from the manifests
+    assert "deadbeef0000" in page and "missing" in md  # missing run listed
+    assert "failed" in page and "synthetic failure" in md  # failed sapo runs with their error
+    assert "collapsed" in md
+    for name, png in rep.figures.items():
+        assert f"]({png.relative_to(rep.markdown.parent).as_posix()})" in md, name
+    assert not list(rep.html.parent.rglob(".*.tmp*"))  # atomic writes left no temporaries
+
+
+def test_cli_rebuilds_report(built, tmp_path) -> None:
+    root, _ = built
+    out = tmp_path / "rep"
+    res = subprocess.run(
+        [sys.executable, "-m", "analysis", "report", str(root), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(out / "index.html")
+    assert (out / "index.html").is_file() and (out / "index.md").is_file()
+    assert "data:image/png;base64," in (out / "index.html").read_text()
+
+
+@pytest.mark.slow
+def test_report_renders_in_headless_chromium(built, tmp_path) -> None:
+    exe = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+    if exe is None:
+        pytest.skip("Debian chromium is not installed (/usr/bin/chromium); apt-get install chromium to run this check")
+    _, rep = built
+    page = rep.html.read_text()
+    probe = (
+        "<script>window.addEventListener('load',()=>{const i=[...document.images];"
+        "document.title='IMG:'+i.length+':'+i.filter(x=>x.complete&&x.naturalWidth>0).length;});</script>"
+    )
+    probe_html = tmp_path / "probe.html"
+    probe_html.write_text(page.replace("</body>", probe + "</body>"))
+    res = subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000", "--dump-dom",
+         probe_html.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    m = re.search(r"<title>IMG:(\d+):(\d+)</title>", res.stdout)
+    assert m, res.stderr[-2000:]
+    assert int(m.group(1)) == len(rep.figures) and m.group(1) == m.group(2)
