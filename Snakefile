@@ -1,0 +1,25 @@
+"""The study workflow: a sweep file (sweeps/*.yaml) -> resolved run configs -> runs -> collect -> report.
+
+    snakemake --cores all                                   # the default study (sweeps/default.yaml)
+    snakemake --cores all --config sweep=sweeps/smoke.yaml  # another study
+
+Rules live in sweeps/rules/*.smk; experiment facts in the sweep file, runtime choices in profiles.
+"""
+
+from snakemake.utils import min_version
+
+min_version("9.27")
+
+
+configfile: "sweeps/config.yaml"
+
+
+include: "sweeps/rules/common.smk"
+include: "sweeps/rules/run.smk"
+include: "sweeps/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        REPORT,

@@ -1,0 +1,149 @@
+"""A sweep file -> the validated RunConfigs of its study, keyed by run id.
+
+`python -m sweeps.expand SWEEP.yaml` lists the run ids; `--write-config RUN_ID --out FILE` writes one resolved
+config (what the Snakemake `resolve` rule calls). Identical runs (in one study or across studies) share a run id,
+the content hash of the resolved config, so they are listed and run once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import algorithms
+from study.runconfig import PRESET_RUNS, RunConfig
+from sweeps.schema import SweepError, validate_sweep
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    base: dict[str, Any]
+    axes: dict[str, list[Any]]
+    mode: str = "grid"
+    preset: str | None = None
+    source: str = "sweep"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "sweep") -> Sweep:
+        validate_sweep(data, where=where)
+        axes = dict(data.get("axes") or {})
+        if axes.get("algorithm") == "all":
+            axes["algorithm"] = list(algorithms.names())
+        mode = data.get("mode", "grid")
+        if mode == "zip" and len({len(v) for v in axes.values()}) > 1:
+            lengths = ", ".join(f"{k}: {len(v)}" for k, v in axes.items())
+            raise SweepError(f"{where}: mode = 'zip' needs axes of equal length; got {lengths}")
+        return cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where)
+
+    def combinations(self) -> list[dict[str, Any]]:
+        """The axis values of every run, in file order (grid: last axis fastest)."""
+        names = list(self.axes)
+        if not names:
+            return [{}]
+        rows = itertools.product(*self.axes.values()) if self.mode == "grid" else zip(*self.axes.values(), strict=True)
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+    def run_data(self, combo: dict[str, Any]) -> dict[str, Any]:
+        """Preset, then base, then the axis values (mappings such as hparams are merged, not replaced)."""
+        data: dict[str, Any] = dict(PRESET_RUNS[self.preset]) if self.preset else {}
+        for layer in (self.base, combo):
+            for key, value in layer.items():
+                merge = isinstance(value, dict) and isinstance(data.get(key), dict)
+                data[key] = {**data[key], **value} if merge else value
+        return data
+
+    def expand(self) -> dict[str, RunConfig]:
+        """run id -> validated RunConfig; duplicates (same resolved config) collapse to one entry."""
+        runs: dict[str, RunConfig] = {}
+        for combo in self.combinations():
+            where = f"{self.source}: run {combo}" if combo else self.source
+            try:
+                cfg = RunConfig.from_dict(self.run_data(combo), where=where)
+            except ValueError as err:
+                raise SweepError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from err
+            runs.setdefault(cfg.run_id, cfg)
+        return runs
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Parse and validate a sweep file (errors name the file, the field and the valid values)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"sweep file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SweepError(f"{path}: not valid YAML: {err}") from err
+    return Sweep.from_dict(data, where=str(path))
+
+
+def expand(path: str | Path) -> dict[str, RunConfig]:
+    """run id -> RunConfig for the sweep file at `path`."""
+    return load_sweep(path).expand()
+
+
+def write_config(cfg: RunConfig, out: str | Path) -> Path:
+    """The resolved config as YAML (what `python -m study run` reads)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(out)
+    return out
+
+
+def write_run_ids(study: str, runs: dict[str, RunConfig], out: str | Path, *, source: str = "") -> Path:
+    """The study's run ids, one a line (what `python -m analysis report --study` reads)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(f"# study {study} from {source}\n" + "".join(f"{run_id}\n" for run_id in runs))
+    tmp.replace(out)
+    print(f"{len(runs)} run id(s) of study {study} -> {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sweeps.expand", description=__doc__)
+    parser.add_argument("sweep", nargs="+", help="sweep file(s) to validate and expand")
+    parser.add_argument("--write-config", metavar="RUN_ID", help="write this run's resolved config to --out")
+    parser.add_argument("--out", help="output YAML path for --write-config")
+    parser.add_argument("--write-configs", metavar="DIR", help="write every run's resolved config to DIR/RUN_ID.yaml")
+    parser.add_argument("--run-ids", metavar="FILE", help="write the study's run ids to FILE, one a line")
+    args = parser.parse_args(argv)
+    try:
+        for path in args.sweep:
+            sweep = load_sweep(path)
+            runs = sweep.expand()
+            if args.write_config:
+                if args.write_config not in runs:
+                    raise SweepError(f"{path}: no run {args.write_config}; runs: {', '.join(runs)}")
+                if not args.out:
+                    parser.error("--write-config needs --out")
+                print(write_config(runs[args.write_config], args.out))
+                continue
+            if args.write_configs or args.run_ids:
+                for run_id, cfg in runs.items():
+                    if args.write_configs:
+                        print(write_config(cfg, Path(args.write_configs) / f"{run_id}.yaml"))
+                if args.run_ids:
+                    write_run_ids(sweep.name, runs, args.run_ids, source=path)
+                continue
+            print(f"{path}: study {sweep.name!r}, {len(runs)} run(s) ({sweep.mode})")
+            for run_id in runs:
+                print(f"  {run_id}")
+    except SweepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
