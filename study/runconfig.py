@@ -198,7 +198,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 PRESET_RUNS: dict[str, dict[str, Any]] = {
     # Tests and smoke runs: a minute or two per run on one thread; random-init cold start is made automatically.
     "tiny": {"model": "tiny", "steps": 6, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
-             "max_new_tokens": 24, "eval_every": 3, "eval_size": 8, "eval_samples": 2, "checkpoint_every": 3},
+             "max_new_tokens": 48, "eval_every": 3, "eval_size": 8, "eval_samples": 2, "checkpoint_every": 3},
     # The embedded default study: a few minutes per run on one core.
     "default": {"model": "default", "steps": 40, "prompts_per_step": 8, "group_size": 8, "minibatches": 4,
                 "max_new_tokens": 48, "eval_every": 10, "eval_size": 32, "eval_samples": 4},
