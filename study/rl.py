@@ -172,10 +172,9 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             row["time_old_logp_s"] = time.perf_counter() - t1
             mask, rollout_logp = batch["mask"], batch["rollout_logp"]
             row.update(_mismatch(train_old, rollout_logp, mask))
-            if engine_routes is not None and alg.routing != "rollout_replay":
-                row["engine_routing_slot_mismatch"] = routing_volatility(
-                    engine_routes, old_routes, am, per_layer=False
-                )["slot_mismatch"]
+            if engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
+                vol = routing_volatility(engine_routes, free_old, am, per_layer=False)
+                row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
             old_logp = train_old if cfg.old_logp_source == "recompute" else rollout_logp
             n_tokens_total = int(am.sum())
             if cfg.old_logp_source == "recompute":
@@ -285,7 +284,7 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=[EOS_ID],
-            return_routes=alg.routing == "rollout_replay",
+            return_routes=alg.routing == "rollout_replay" or engine.routes_supported,  # R3, or engine-vs-trainer
         )
         texts = [tok.decode_response(t)[0] for t in rollout.tokens]
         rewards = torch.tensor(
