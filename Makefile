@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The default study (sweeps/default.yaml): cold start, every run, figures and report; prints the report path.
 study: $(STAMP)
-	$(PY) -m algorithms
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" snakemake --cores all
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
