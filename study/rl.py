@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 import algorithms
+from study import precision as precision_mod
 from study import rundir, tasks
 from study.engines import get_engine
 from study.metrics import STEP_METRICS, forward_flops
@@ -57,7 +58,9 @@ def run(cfg: RunConfig, results: str | Path, *, progress: bool = True) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
     if not (run_dir / "manifest.json").exists():
-        rundir.write_json(run_dir / "manifest.json", rundir.manifest(cfg.seed, cfg.threads))
+        # precision hook: every result says which engine ran emulated (study/precision.py)
+        manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
+        rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:
         _train(cfg, run_dir, Path(results), progress=progress)
@@ -105,13 +108,17 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
     if tok.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
 
-    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=cfg.train_dtype)
+    train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/precision.py)
+    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
     if init_state is not None:
         policy.load_state_dict(init_state, strict=False)
-    optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
+    optimizer = build_optimizer(
+        policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=precision_mod.adam_eps(train_prec)
+    )
     scaler = DynamicLossScaler() if cfg.train_dtype == "fp16" else None
     routing = RoutingController(policy)
-    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype)
+    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
     stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
     evals = {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size) for split in tasks.EVAL_SPLITS}
 
@@ -143,6 +150,7 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             t0 = time.perf_counter()
             row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
             row.update(step=step, lr=cfg.lr)
+            row["precision_emulated"] = float(train_prec.emulated or rollout_prec.emulated)  # precision hook: label
 
             # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
             batch, data_pos, t_rollout = _collect(cfg, alg, engine, stream, tok, data_pos, step, row)
@@ -215,6 +223,7 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
                     scaler.step(optimizer, [])  # already unscaled; skips the step on overflow
                 else:
                     optimizer.step()
+                prec.round_parameters_()  # precision hook: emulated parameters are stored rounded
                 n_mb = float(mb_mask.sum().clamp_min(1))
                 with torch.no_grad():
                     k3 = float(torch.where(mb_mask.bool(), d.exp() - 1 - d, 0.0).sum() / n_mb)
@@ -274,7 +283,10 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
     lengths_all: list[int] = []
     truncated = 0
     for attempt in range(3 if alg.dynamic_sampling else 1):
-        items = stream.take(want - len(kept), start=data_pos)
+        need = want - len(kept) // cfg.group_size  # groups still missing (dynamic sampling refills dropped ones)
+        if need <= 0:
+            break
+        items = stream.take(need, start=data_pos)
         data_pos += len(items)
         prompts = [tok.encode_prompt(item.prompt) for item in items]
         rollout = engine.generate(
@@ -310,8 +322,6 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
                 routes = rollout.routes[i] if rollout.routes is not None else None
                 kept.append({"prompt": prompts[p], "response": rollout.tokens[i], "logp": rollout.logprobs[i],
                              "adv": float(adv[i]), "routes": routes})  # fmt: skip
-        if len(kept) >= want * cfg.group_size:
-            break
     row["reward_mean"] = float(np.mean(all_rewards))
     row["reward_std"] = float(np.std(all_rewards))
     row["response_len_mean"] = float(np.mean(lengths_all))

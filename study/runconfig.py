@@ -64,6 +64,11 @@ class RunConfig:
     """Training engine precision."""
     rollout_dtype: str = "fp32"
     """Rollout engine precision."""
+    train_precision: str = ""
+    """Training engine precision with mode (study.precision.PRECISIONS, e.g. "bf16-emulated", "bf16_fp32head");
+    "" = train_dtype, real. When set, train_dtype is its format (filled in when omitted)."""
+    rollout_precision: str = ""
+    """Rollout engine precision with mode, like train_precision; "same" = train_precision's."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     eval_every: int = 10
@@ -94,6 +99,7 @@ class RunConfig:
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {', '.join(cls.field_names())}")
         hints = typing.get_type_hints(cls)
+        data = _resolve_precision(data)  # precision hook (study/precision.py): "same", dtypes from precisions
         clean: dict[str, Any] = {}
         for key, value in data.items():
             clean[key] = _coerce(key, value, hints[key])
@@ -102,7 +108,11 @@ class RunConfig:
         return cfg
 
     def replace(self, **changes: Any) -> RunConfig:
-        return RunConfig.from_dict({**self.to_dict(), **changes})
+        data = {**self.to_dict(), **changes}
+        for side in ("train", "rollout"):  # a changed precision re-derives its dtype unless that is changed too
+            if f"{side}_precision" in changes and f"{side}_dtype" not in changes:
+                data.pop(f"{side}_dtype")
+        return RunConfig.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +133,7 @@ class RunConfig:
         _choice("train_dtype", self.train_dtype, DTYPES)
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
+        self._validate_precision()
         for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "eval_size", "eval_samples",
                      "collapse_window", "threads"):  # fmt: skip
             _positive(name, getattr(self, name))
@@ -151,6 +162,35 @@ class RunConfig:
                 "'rollout' skips that recompute; valid: old_logp_source = 'recompute', or a rollout_replay variant"
             )
 
+    def _validate_precision(self) -> None:
+        """Precision hook (study/precision.py): valid labels, consistent with the dtype fields, supported by the
+        rollout engine."""
+        from study.precision import PRECISIONS, Precision
+
+        for side in ("train", "rollout"):
+            spec, dtype = getattr(self, f"{side}_precision"), getattr(self, f"{side}_dtype")
+            if not spec:
+                continue
+            _choice(f"{side}_precision", spec, PRECISIONS)
+            if Precision.parse(spec).dtype != dtype:
+                raise ValueError(
+                    f"{side}_precision = {spec!r} computes in {Precision.parse(spec).dtype}, but {side}_dtype = "
+                    f"{dtype!r}; valid: omit {side}_dtype or set it to {Precision.parse(spec).dtype!r}"
+                )
+        rollout = Precision.parse(self.rollout_precision or self.rollout_dtype)
+        if self.rollout_engine == "vllm" and not rollout.plain:
+            raise ValueError(
+                f"rollout_precision = {self.rollout_precision!r} needs module hooks that vLLM's fused kernels do not "
+                f"offer; valid with rollout_engine = 'vllm': {', '.join(DTYPES)} (real), or use rollout_engine = 'hf'"
+            )
+
+    @property
+    def precisions(self) -> tuple[Any, Any]:
+        """(train, rollout) study.precision.Precision of the run."""
+        from study.precision import resolve
+
+        return resolve(self.train_dtype, self.train_precision), resolve(self.rollout_dtype, self.rollout_precision)
+
     def model_config(self) -> ModelConfig:
         return PRESETS[self.model]
 
@@ -161,12 +201,33 @@ class RunConfig:
         resolved["hparams"] = algorithms.get(self.algorithm).check_hparams(self.hparams)
         for key in NOT_HASHED:
             resolved.pop(key)
+        for key, default in HASHED_IF_SET.items():  # fields added later: run ids of older configs stay valid
+            if resolved.get(key) == default:
+                resolved.pop(key)
         blob = json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str)
         return f"{self.algorithm}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
 # Fields that do not change what a run computes.
 NOT_HASHED: tuple[str, ...] = ("checkpoint_every",)
+# Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
+HASHED_IF_SET: dict[str, Any] = {"train_precision": "", "rollout_precision": ""}
+
+
+def _resolve_precision(data: dict[str, Any]) -> dict[str, Any]:
+    """Precision hook (study/precision.py): rollout_precision "same" -> the train precision's label; an omitted
+    train_dtype / rollout_dtype is the format of the given precision. Invalid labels are left to validate()."""
+    from study.precision import PRECISIONS, Precision
+
+    data = dict(data)
+    if data.get("rollout_precision") == "same":
+        data["rollout_precision"] = data.get("train_precision") or data.get("train_dtype", "fp32")
+    for side in ("train", "rollout"):
+        spec = data.get(f"{side}_precision")
+        if isinstance(spec, str) and spec in PRECISIONS:
+            spec = data[f"{side}_precision"] = Precision.parse(spec).label
+            data.setdefault(f"{side}_dtype", Precision.parse(spec).dtype)
+    return data
 
 
 def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -80,10 +80,21 @@ class HFEngine(RolloutEngine):
         dtype: str = "fp32",
         device: str | torch.device = "cpu",
         experts_implementation: str | None = None,
+        precision: str | None = None,
     ) -> None:
+        """`precision` (study.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real."""
         super().__init__(cfg, dtype=dtype)
         self.device = torch.device(device)
-        self.model = build_hf_model(cfg, dtype, experts_implementation=experts_implementation).to(self.device)
+        # precision hook (study/precision.py): emulated runs build in fp32 and round; the fp32 head is cast
+        from study.precision import Precision, apply_precision
+
+        prec = Precision.parse(precision, field="precision") if precision else Precision(dtype)
+        if prec.dtype != dtype:
+            raise ValueError(f"precision = {precision!r} computes in {prec.dtype}, but dtype = {dtype!r}")
+        self.precision = prec
+        self.model = build_hf_model(cfg, prec.storage_dtype, experts_implementation=experts_implementation)
+        self.model = self.model.to(self.device)
+        self._precision = apply_precision(self.model, prec)
         self._routers = [layer.mlp.gate for layer in self.model.model.layers]
 
     # -- weights ---------------------------------------------------------------------------------------------------
@@ -104,6 +115,7 @@ class HFEngine(RolloutEngine):
             if dst.shape != value.shape:
                 raise ValueError(f"{name}: shape {tuple(value.shape)} != model {tuple(dst.shape)}")
             dst.copy_(value.to(device=dst.device, dtype=dst.dtype))
+        self._precision.round_parameters_()  # precision hook: emulated weights are stored rounded
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """The current weights under HF checkpoint names (fp32 copies)."""

@@ -75,12 +75,24 @@ class VLLMEngine(RolloutEngine):
         hf_state: Mapping[str, torch.Tensor] | None = None,
         model_dir: str | Path | None = None,
         max_num_seqs: int = 256,
+        precision: str | None = None,
         **llm_kwargs: object,
     ) -> None:
         """Export `hf_state` (random HF init if None) to `model_dir` (a temp dir if None) and start vLLM on it.
 
-        `llm_kwargs` go to `vllm.LLM` unchanged (e.g. gpu_memory_utilization on CUDA).
+        `llm_kwargs` go to `vllm.LLM` unchanged (e.g. gpu_memory_utilization on CUDA). `precision` (study.precision
+        labels): only plain real dtypes; emulated and fp32-head precisions need module hooks vLLM does not offer.
         """
+        # precision hook (study/precision.py): refuse what this engine cannot compute, before starting vLLM
+        if precision is not None:
+            from study.precision import Precision
+
+            prec = Precision.parse(precision, field="precision")
+            if not prec.plain or prec.dtype != dtype:
+                raise NotImplementedError(
+                    f"precision = {precision!r}: the vllm engine supports real fp32 / bf16 / fp16 only (dtype=); "
+                    "emulated precisions and the fp32 LM head are implemented by the hf engine"
+                )
         super().__init__(cfg, dtype=dtype)
         if cfg.head_dim < 32:
             raise ValueError(f"model.head_dim = {cfg.head_dim}: vLLM's CPU attention needs head_dim >= 32")
