@@ -15,6 +15,7 @@ import torch
 
 import algorithms
 from study import rl
+from study.coldstart import ensure_coldstart
 from study.runconfig import load_config
 
 # Columns that measure the machine, not the computation.
@@ -87,22 +88,36 @@ def test_exploding_ratio_collapses(results: Path) -> None:
     assert st["state"] == "collapsed" and "exploding ratio" in st["reason"]
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> None:
-    sets = ["algorithm=gspo", "steps=6", "checkpoint_every=2", "eval_every=3"]
-    reference = rl.run(load_config(preset="tiny", sets=sets), results, progress=False)
-    expected = pd.read_parquet(reference / "metrics.parquet").drop(columns=list(TIMING))
+def _in_subprocess(results: Path, sets: list[str]) -> subprocess.Popen:
+    """`python -m study run` in a fresh process: the reference, the killed run and the resume all run in the same
+    kind of process (a test process that imported vLLM computes the engine's log-probs differently in the 7th
+    digit, which is an environment difference, not a resume difference)."""
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    # The same run in another results dir (sharing the cold start), killed once its step-4 checkpoint exists.
-    other = tmp_path / "other"
+
+def _share_coldstart(results: Path, other: Path) -> None:
     (other / "coldstart").mkdir(parents=True)
     for src in (results / "coldstart").iterdir():
         os.symlink(src, other / "coldstart" / src.name)
-    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(other), "--quiet"]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run_dir = other / "runs" / reference.name
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> None:
+    sets = ["algorithm=gspo", "steps=6", "checkpoint_every=2", "eval_every=3"]
+    ensure_coldstart("tiny", "chain_sum", results)  # made once, shared through symlinks
+    reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
+    for root in (reference_root, killed_root):
+        _share_coldstart(results, root)
+    ref = _in_subprocess(reference_root, sets)
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    (reference,) = (reference_root / "runs").iterdir()
+    expected = pd.read_parquet(reference / "metrics.parquet").drop(columns=list(TIMING))
+
+    proc = _in_subprocess(killed_root, sets)
+    run_dir = killed_root / "runs" / reference.name
     deadline = time.time() + 300
     while time.time() < deadline:
         st = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
@@ -114,7 +129,9 @@ def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> 
     st = status(run_dir)
     assert st["state"] == "running" and st["step"] < 6, "the run finished before it could be killed"
 
-    resumed = rl.resume(run_dir, progress=False)
-    assert status(resumed)["state"] == "completed"
-    got = pd.read_parquet(resumed / "metrics.parquet").drop(columns=list(TIMING))
+    resume = subprocess.run([sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"],
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resume.returncode == 0, resume.stderr
+    assert status(run_dir)["state"] == "completed"
+    got = pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
     pd.testing.assert_frame_equal(got, expected, check_exact=True)
