@@ -1,5 +1,6 @@
-# Resolve the study's configs, then one job per run id: `python -m study run` (which skips finished runs and resumes
-# interrupted ones). Runs live under results/runs/{run_id}/, shared by every study that contains them.
+# Resolve the study's configs, then one job per run id: `python -m study.launch` runs it (in-process, submitit's local
+# executor or SLURM, blocking until it ends), and the run skips itself if finished and resumes if interrupted. Runs live
+# under results/runs/{run_id}/, shared by every study that contains them.
 
 
 rule resolve:
@@ -30,7 +31,19 @@ rule run:
         python=PYTHON,
         results=results_of_run,
     threads: run_threads
+    resources:
+        # Defaults run locally in this process; `--profile slurm` overrides them (--set-resources run:launcher=...).
+        launcher="in-process",
+        slurm_partition="",
+        slurm_account="",
+        gpus=0,
+        runtime=120,
+        mem_gb=16,
+        # One per run: `--resources concurrent_runs=N` (the slurm profile) caps the runs in flight.
+        concurrent_runs=1,
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study run {input} --results {params.results} --quiet > {log} 2>&1"
+        "{params.python} -m study.launch {input} --results {params.results} --launcher {resources.launcher} "
+        "--partition '{resources.slurm_partition}' --account '{resources.slurm_account}' --gpus {resources.gpus} "
+        "--time-min {resources.runtime} --mem-gb {resources.mem_gb} > {log} 2>&1"

@@ -1,0 +1,176 @@
+"""Launch one run through submitit, blocking until it ends: in-process, submitit's local executor, or SLURM.
+
+    python -m study.launch CONFIG.yaml --results results --launcher in-process        # debugging (pdb works)
+    python -m study.launch CONFIG.yaml --results results --launcher local             # a child process
+    python -m study.launch CONFIG.yaml --results results --launcher slurm --partition gpu --gpus 1 --time-min 240
+
+1. The launcher is always named: submitit's AutoExecutor picks SLURM wherever `srun` is on PATH, cluster or not.
+2. The same callable, `Run`, runs in every launcher: `study.rl.run` on the config, which skips a finished run and
+   resumes an interrupted one from its last checkpoint (every `checkpoint_every` steps).
+3. Requeue: on a SLURM time-out or preemption submitit calls `Run.checkpoint`, which returns the same run as a
+   `DelayedSubmission`; submitit requeues the job (at most `--max-timeouts` times after a time-out) and the requeued
+   job resumes the run, so its metrics equal those of an uninterrupted run.
+4. A failed job raises `FailedJobError` carrying the remote traceback; it is printed verbatim to stderr (the Snakemake
+   rule's log). submitit's logs (the run's stdout/stderr) live in RESULTS/runs/RUN_ID/submitit/.
+5. SIGINT or SIGTERM cancels the job this process started (scancel for SLURM) before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError
+
+LAUNCHERS = ("in-process", "local", "slurm")
+
+
+class Cancelled(BaseException):
+    """SIGINT/SIGTERM while waiting for a job. A BaseException, so `rl.run` leaves the run resumable ("running")."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Run:
+    """The submitted callable: one run of a resolved config under `results` (identical in every launcher)."""
+
+    def __init__(self, config: dict[str, Any], results: str) -> None:
+        self.config = config
+        self.results = results
+
+    def __call__(self) -> dict[str, Any]:
+        from study import rl, rundir
+        from study.runconfig import RunConfig
+
+        cfg = RunConfig.from_dict(self.config, where="launch")
+        run_dir = rl.run(cfg, self.results, progress=False)
+        return {"run_dir": str(run_dir), **(rundir.read_status(run_dir) or {})}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit on time-out/preemption: requeue the same run; it resumes from its own checkpoint dir."""
+        return submitit.helpers.DelayedSubmission(Run(self.config, self.results))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one job asks for. Empty partition/account: the cluster's defaults."""
+
+    partition: str = ""
+    account: str = ""
+    gpus: int = 0
+    time_min: int = 120
+    mem_gb: float = 16.0
+    cpus: int = 1
+    max_timeouts: int = 3
+    signal_delay_s: int = 90
+
+
+def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> submitit.Executor:
+    """submitit's local or SLURM executor, chosen by name (never AutoExecutor's detection)."""
+    if launcher == "local":
+        ex: submitit.Executor = submitit.LocalExecutor(folder)
+        ex.update_parameters(timeout_min=res.time_min, gpus_per_node=res.gpus, signal_delay_s=res.signal_delay_s)
+        return ex
+    if launcher == "slurm":
+        ex = submitit.SlurmExecutor(folder, max_num_timeout=res.max_timeouts)
+        params: dict[str, Any] = {
+            "job_name": job_name,
+            "time": res.time_min,
+            "mem": f"{max(1, round(res.mem_gb * 1024))}M",
+            "cpus_per_task": res.cpus,
+            "ntasks_per_node": 1,
+            "signal_delay_s": res.signal_delay_s,
+        }
+        if res.gpus:
+            params["gpus_per_node"] = res.gpus
+        if res.partition:
+            params["partition"] = res.partition
+        if res.account:
+            params["account"] = res.account
+        ex.update_parameters(**params)
+        return ex
+    raise ValueError(f"launcher = {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+
+
+def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Resources) -> dict[str, Any]:
+    """Run `config` through `launcher` and block until it ends; returns the run's status (plus "run_dir").
+
+    Raises FailedJobError (remote traceback in its message) or UncompletedJobError (e.g. timed out too often)."""
+    from study.runconfig import RunConfig
+
+    cfg = RunConfig.from_dict(config, where="launch")
+    call = Run(cfg.to_dict(), str(results))
+    if launcher == "in-process":
+        return call()
+    folder = Path(results) / "runs" / cfg.run_id / "submitit"
+    job = executor(launcher, folder, res, job_name=cfg.run_id).submit(call)
+    print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
+    previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return job.result()
+    except Cancelled:
+        print(f"cancelling {launcher} job {job.job_id}", file=sys.stderr, flush=True)
+        job.cancel(check=False)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_cancelled(signum: int, frame: Any) -> None:
+    raise Cancelled(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m study.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)")
+    parser.add_argument("--results", default="results", help="results directory (the run goes to RESULTS/runs/RUN_ID)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
+    parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--account", default="", help="SLURM account (default: the user's)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per run")
+    parser.add_argument("--time-min", type=int, default=Resources.time_min, help="time limit per job, minutes")
+    parser.add_argument("--mem-gb", type=float, default=Resources.mem_gb, help="memory per run, GB")
+    parser.add_argument("--cpus", type=int, default=0, help="CPUs per run (default: the config's `threads`)")
+    parser.add_argument("--max-timeouts", type=int, default=Resources.max_timeouts,
+                        help="requeues after SLURM time-outs before giving up (preemptions: unlimited)")  # fmt: skip
+    parser.add_argument("--signal-delay-s", type=int, default=Resources.signal_delay_s,
+                        help="seconds before the time limit at which SLURM signals the job to checkpoint")  # fmt: skip
+    args = parser.parse_args(argv)
+
+    from study.runconfig import load_config
+
+    try:
+        cfg = load_config(args.config)
+    except (ValueError, FileNotFoundError) as err:  # config errors: before any job, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
+                    mem_gb=args.mem_gb, cpus=args.cpus or cfg.threads, max_timeouts=args.max_timeouts,
+                    signal_delay_s=args.signal_delay_s)  # fmt: skip
+    try:
+        status = launch(cfg.to_dict(), args.results, args.launcher, res)
+    except FailedJobError as err:  # the remote traceback, verbatim
+        print(str(err), file=sys.stderr)
+        return 1
+    except UncompletedJobError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Cancelled as sig:
+        return 128 + sig.signum
+    print(f"{status['state']}: {status['run_dir']}")
+    return 0 if status["state"] in ("completed", "collapsed") else 1
+
+
+if __name__ == "__main__":
+    # Run through the module's import name, so that the pickled `Run` is `study.launch.Run`, not `__main__.Run`.
+    from study.launch import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,72 @@
+"""Fixtures of the launcher tests: the smoke sweep's runs, one tiny cold start per session, the real SLURM cluster
+(scripts/slurm/start.sh) when its controller answers, and megatron's CPU-fallback warnings silenced."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from study.runconfig import RunConfig
+from sweeps.expand import load_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+_HERE = Path(__file__).parent
+_QUIET = (
+    "ignore:.*(Apex|Transformer Engine|TransformerEngine).*",
+    "ignore:.*full scope is deprecated.*",
+    "ignore:.*tp_group is None.*",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _HERE in Path(str(item.fspath)).parents:
+            for spec in _QUIET:
+                item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+def slurm_up() -> bool:
+    """The controller of the cluster named by SLURM_CONF answers."""
+    if not os.environ.get("SLURM_CONF") or shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+needs_slurm = pytest.mark.skipif(not slurm_up(), reason="no SLURM controller answers (eval scripts/slurm/start.sh)")
+
+
+def smoke_config(algorithm: str = "grpo", **changes) -> RunConfig:
+    """A run of the smoke study (sweeps/smoke.yaml), with `changes`."""
+    runs = load_sweep(ROOT / "sweeps" / "smoke.yaml").expand()
+    cfg = next(c for c in runs.values() if c.algorithm == algorithm)
+    return cfg.replace(**changes) if changes else cfg
+
+
+@pytest.fixture(scope="session")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One results dir per session holding the tiny cold start (2-4 min to make, once; reused from the checkout's
+    results/coldstart when it has one)."""
+    from study.coldstart import ensure_coldstart
+
+    results = tmp_path_factory.mktemp("results")
+    cached = ROOT / "results" / "coldstart"
+    if cached.is_dir():
+        shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
+    cfg = smoke_config()
+    ensure_coldstart(cfg.model, cfg.task, results)
+    return results
+
+
+def sharing_coldstart(results: Path, other: Path) -> Path:
+    """A fresh results dir whose cold start is `results`' (symlinked), so the same run id can run there again."""
+    (other / "coldstart").mkdir(parents=True)
+    for src in (results / "coldstart").iterdir():
+        os.symlink(src, other / "coldstart" / src.name)
+    return other

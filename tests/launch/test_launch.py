@@ -1,0 +1,200 @@
+"""study.launch: the same run in-process, under submitit's local executor and on a real SLURM cluster; failures come
+back with the remote traceback; Ctrl-C/SIGTERM cancels the SLURM job; a SLURM time-out requeues the run, which resumes
+from its checkpoint to the metrics of an uninterrupted run; the smoke study runs through the slurm profile."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from study import launch
+from tests.launch.conftest import ROOT, needs_slurm, sharing_coldstart, smoke_config
+
+# Columns that measure the machine, not the computation.
+TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
+LAUNCH = [sys.executable, "-m", "study.launch"]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def write_config(cfg, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def run_launch(config: Path, results: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    cmd = [*LAUNCH, str(config), "--results", str(results), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> pd.DataFrame:
+    return pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
+
+
+def state(run_dir: Path) -> str:
+    return json.loads((run_dir / "status.json").read_text())["state"]
+
+
+def sacct_states(job_id: str) -> list[str]:
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def bad_config(tmp_path: Path) -> Path:
+    """A run that fails at its first line of compute (no cold start there): the traceback must reach the caller."""
+    cfg = smoke_config(coldstart=str(tmp_path / "no-coldstart-here"))
+    return write_config(cfg, tmp_path / "bad.yaml")
+
+
+# --- fast tier -------------------------------------------------------------------------------------------------------
+
+
+def test_the_launcher_is_always_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="launcher = 'auto'; valid: in-process, local, slurm"):
+        launch.executor("auto", tmp_path, launch.Resources(), job_name="x")
+    proc = run_launch(write_config(smoke_config(), tmp_path / "c.yaml"), tmp_path, "--launcher", "auto", timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'auto'" in proc.stderr
+
+
+def test_checkpoint_requeues_the_same_run() -> None:
+    run = launch.Run(smoke_config().to_dict(), "results")
+    delayed = run.checkpoint()
+    assert isinstance(delayed.function, launch.Run)
+    assert delayed.function.config == run.config and delayed.function.results == run.results
+
+
+@pytest.mark.parametrize("launcher", ["in-process", "local"])
+def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> None:
+    proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", launcher, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "FileNotFoundError: coldstart = " in proc.stderr and "no-coldstart-here: no policy.pt" in proc.stderr
+    assert 'in initial_policy\n    raise FileNotFoundError(f"coldstart' in proc.stderr  # the remote frames, verbatim
+    (run_dir,) = (tmp_path / "results" / "runs").iterdir()
+    assert state(run_dir) == "failed"
+    if launcher == "local":  # the job's own stdout/stderr, under the run directory
+        (err_log,) = (run_dir / "submitit").glob("*_log.err")
+        assert "no-coldstart-here: no policy.pt" in err_log.read_text()
+
+
+def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
+    """`snakemake -n --profile slurm`, as typed, from the repository root: every run goes through the slurm launcher."""
+    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/smoke.yaml", f"results={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
+    assert len(launches) == 2 and all("--launcher slurm" in line for line in launches), proc.stdout
+    assert "concurrent_runs=1" in proc.stdout
+    default = subprocess.run([*SNAKEMAKE, "-n", "-p", "--cores", "1", "--config", f"results={tmp_path}"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert default.returncode == 0 and "--launcher in-process" in default.stdout, default.stdout + default.stderr
+
+
+# --- slow tier: real runs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_in_process_and_local_run_the_same_run(results: Path, tmp_path: Path) -> None:
+    config = write_config(smoke_config(), tmp_path / "smoke.yaml")
+    proc = run_launch(config, results, "--launcher", "in-process")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = results / "runs" / smoke_config().run_id
+    assert proc.stdout.strip() == f"completed: {run_dir}"
+
+    other = sharing_coldstart(results, tmp_path / "other")
+    local = run_launch(config, other, "--launcher", "local", "--time-min", "20")
+    assert local.returncode == 0, local.stderr[-4000:]
+    local_dir = other / "runs" / run_dir.name
+    assert state(local_dir) == "completed"
+    assert list((local_dir / "submitit").glob("*_log.out")), "submitit's logs belong under the run directory"
+    pd.testing.assert_frame_equal(metrics(local_dir), metrics(run_dir), check_exact=True)
+
+
+# --- SLURM tier: the real cluster of scripts/slurm/start.sh ---------------------------------------------------------
+
+
+@needs_slurm
+def test_sigterm_cancels_the_slurm_job(tmp_path: Path) -> None:
+    cfg = smoke_config(coldstart="scratch", steps=500, eval_every=0)
+    config = write_config(cfg, tmp_path / "long.yaml")
+    cmd = [*LAUNCH, str(config), "--results", str(tmp_path), "--launcher", "slurm", "--mem-gb", "1", "--time-min", "10"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = proc.stderr.readline()  # "submitted slurm job N; logs: ..."
+    job_id = re.match(r"submitted slurm job (\d+)", first).group(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, first + err
+    assert f"cancelling slurm job {job_id}" in err
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(s.startswith("CANCELLED") for s in sacct_states(job_id)):
+        time.sleep(1)
+    assert any(s.startswith("CANCELLED") for s in sacct_states(job_id)), sacct_states(job_id)
+
+
+@needs_slurm
+def test_a_failing_slurm_job_surfaces_the_remote_traceback(tmp_path: Path) -> None:
+    proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", "slurm", "--mem-gb", "1", timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "failed during processing with trace:" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "no-coldstart-here: no policy.pt" in proc.stderr
+    assert "study/rl.py" in proc.stderr and "in initial_policy" in proc.stderr  # frames of the remote process
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_smoke_study_through_the_slurm_profile(results: Path, tmp_path: Path) -> None:
+    """The smoke study with the repository's slurm profile; only its site values (no GPUs here, a small node) are
+    replaced, in a copy: a command-line --set-resources would replace the profile's whole run entry."""
+    profile = yaml.safe_load((ROOT / "slurm" / "config.yaml").read_text())
+    profile["set-resources"]["run"].update(gpus=0, mem_gb=2, slurm_partition="", slurm_account="")
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "config.yaml").write_text(yaml.safe_dump(profile))
+    study = sharing_coldstart(results, tmp_path / "results")
+    cmd = [*SNAKEMAKE, "--profile", str(tmp_path / "slurm"), "--config", "sweep=sweeps/smoke.yaml", f"results={study}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (study / "smoke" / "report" / "index.html").is_file()
+    run_dirs = sorted((study / "runs").iterdir())
+    assert len(run_dirs) == 2 and all(state(d) == "completed" for d in run_dirs)
+    for run_dir in run_dirs:
+        job_id = json.loads((run_dir / "manifest.json").read_text())["job_id"]
+        assert job_id and sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+        assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()
+        assert "submitted slurm job" in (run_dir / "run.log").read_text()
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
+    """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
+    requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
+    # 600 tiny steps (~2 min on one core) against a 2-minute limit: slurmctld sends the 20-s warning signal on its
+    # ~30-s time-limit sweep, i.e. 70-100 s into the job, after the ~30 s start-up and several checkpoints.
+    cfg = smoke_config(steps=600, eval_every=200, checkpoint_every=10)
+    config = write_config(cfg, tmp_path / "long.yaml")
+    other = sharing_coldstart(results, tmp_path / "other")
+    slurm_args = ["--launcher", "slurm", "--time-min", "2", "--signal-delay-s", "20", "--max-timeouts", "8"]
+    slurm = subprocess.Popen([*LAUNCH, str(config), "--results", str(other), *slurm_args, "--mem-gb", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    reference = run_launch(config, results, "--launcher", "in-process")  # meanwhile, on the other core
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    _, err = slurm.communicate(timeout=1200)
+    assert slurm.returncode == 0, err[-4000:]
+    run_dir = other / "runs" / cfg.run_id
+    assert state(run_dir) == "completed"
+    log = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.*")))
+    assert "this job is timed-out" in log and "Calling checkpoint method" in log, log[-4000:]
+    assert re.search(r"Requeued job \d+ \(\d+ remaining timeouts\)", log), log[-4000:]
+    assert log.count("Starting with JobEnvironment") >= 2  # the requeued job started again
+    pd.testing.assert_frame_equal(metrics(run_dir), metrics(results / "runs" / cfg.run_id), check_exact=True)
