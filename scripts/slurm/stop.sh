@@ -16,8 +16,9 @@ ours() {
     local pid
     pid=$(cat "$DIR/run/$1.pid" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    { tr '\0' '\n' <"/proc/$pid/cmdline"; tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qF "$DIR" \
-        || return 1
+    local identity
+    identity=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null; tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null)
+    [[ $identity == *"$DIR"* ]] || return 1
     echo "$pid"
 }
 
