@@ -67,6 +67,15 @@ def unfuse_experts(model_state: Mapping[str, torch.Tensor], cfg: ModelConfig) ->
     return out
 
 
+class _Logits:
+    """`.logits` of a decode step taken without the model's output wrappers."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
 @register_engine("hf")
 class HFEngine(RolloutEngine):
     """transformers Qwen3-MoE with a KV-cache sampling loop; returns routed experts (R3) on any device."""
@@ -174,6 +183,7 @@ class HFEngine(RolloutEngine):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)  # fmt: skip
             toks, lps = [], []
+            padded = bool((lens != P).any())  # left padding: decode steps need the key-padding mask
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
@@ -197,8 +207,7 @@ class HFEngine(RolloutEngine):
                 mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=dev)], dim=1)
                 last_pos = last_pos + 1
                 shape[0] = (N, 1)
-                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos,
-                                 past_key_values=cache, use_cache=True)  # fmt: skip
+                out = self._decode(tok, mask, last_pos, cache, padded)
         finally:
             for h in handles:
                 h.remove()
@@ -216,6 +225,27 @@ class HFEngine(RolloutEngine):
             full = torch.stack(per_layer, dim=2)  # (N, P + steps - 1, layers, k)
             routes = [full[i, P - lens[i] : P + length[i] - 1].clone() for i in range(N)]
         return Rollout(prompt_index, tokens, logprobs, finish, routes)
+
+    def _decode(self, tok: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache, padded: bool):  # type: ignore[no-untyped-def]
+        """One decode step of the (N,) tokens `tok`; returns an object with `.logits` (N, 1, V).
+
+        Without hooks on the top-level model (real precisions), the decoder layers are called directly: the same
+        modules, inputs and mask as `self.model(...)` (the key-padding mask (N, 1, 1, S) as a bool, or None when
+        nothing is padded, which is what transformers' create_causal_mask gives sdpa for one query), bit-identical
+        logits, without the per-call wrappers (output capturing, mask building, two ModelOutputs): about 20% of a
+        decode step of the tiny preset (benchmarks/bench_engines.py, docs/performance.md).
+        """
+        if self.model._forward_hooks or self.model._forward_pre_hooks:  # emulated precision wraps the whole call
+            return self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=position_ids,
+                              past_key_values=cache, use_cache=True)  # fmt: skip
+        body = self.model.model
+        hidden = body.embed_tokens(tok[:, None])  # (N, 1, H)
+        rope = body.rotary_emb(hidden, position_ids=position_ids)
+        attn_mask = mask[:, None, None, :].bool() if padded else None  # (N, 1, 1, S) True = attend
+        for layer in body.layers[: body.config.num_hidden_layers]:
+            hidden = layer(hidden, attention_mask=attn_mask, position_ids=position_ids, past_key_values=cache,
+                           use_cache=True, position_embeddings=rope)  # fmt: skip
+        return _Logits(self.model.lm_head(body.norm(hidden)))
 
     @torch.no_grad()
     def score(
