@@ -24,6 +24,9 @@ STEP_METRICS: dict[str, str] = {
     "loss": "the algorithm's loss, mean over minibatches",
     "approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "
     "minibatch update, mean over minibatches",
+    "kl_ref": "k3 estimate of KL(pi_theta || pi_ref) to the frozen initial policy, e^r - 1 - r, r = logp_ref - "
+    "logp_theta, aggregated over tokens as the algorithm's loss aggregates them, mean over minibatches (NaN when "
+    "kl_coef = 0)",
     "entropy_est": "-mean log pi_theta of the sampled response tokens (Monte-Carlo entropy estimate)",
     "grad_norm": "global gradient norm before clipping, mean over minibatches",
     "lr": "learning rate",

@@ -9,6 +9,10 @@ Per step (GSPO paper, section 5.1; the three places where the algorithm matters 
  5. the batch split into M minibatches; for each: forward with the routing the algorithm asks for (free / replay /
     rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step;
  6. weights pushed to the rollout engine; metrics row written; evaluation and checkpoint every N steps.
+Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
+(its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
+aggregates its own tokens (`aggregation_weights`). task = "user" trains on a user's rows (study.tasks.UserTask) and
+coldstart may name a local HF checkpoint (study/hfinit.py).
 All randomness is derived from (seed, step), so a resumed run is bit-identical to an uninterrupted one on CPU at a
 fixed thread count.
 """
@@ -37,7 +41,7 @@ from study.metrics import STEP_METRICS, forward_flops
 from study.model import DynamicLossScaler, build_optimizer, build_policy, token_logp
 from study.routing import Routes, RoutingController, routing_volatility
 from study.runconfig import RunConfig
-from study.tokenizer import EOS_ID, TaskTokenizer
+from study.tokenizer import TaskTokenizer
 from study.weights import megatron_to_hf
 
 
@@ -85,8 +89,11 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
     """Tokenizer and Megatron state dict of the cold start (None: random init from the cold-start seed)."""
     mcfg = cfg.model_config()
     if cfg.coldstart == "scratch":
-        from study.tokenizer import build_tokenizer
+        from study.tokenizer import build_tokenizer, train_tokenizer
 
+        if cfg.task == "user":  # user data hook: a tokenizer of the user's training text
+            train, _ = cfg.user_split()
+            return train_tokenizer([it.prompt + it.solution for it in train], vocab_size=mcfg.vocab_size), None
         return build_tokenizer(mcfg.vocab_size, [cfg.task], n_per_task=400), None
     if cfg.coldstart == "auto":
         from study.coldstart import ensure_coldstart
@@ -95,8 +102,61 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
     else:
         directory = Path(cfg.coldstart)
     if not (directory / "policy.pt").is_file():
-        raise FileNotFoundError(f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`)")
+        from study import hfinit
+
+        if hfinit.is_hf_checkpoint(directory):  # HF hook: a local Qwen3-MoE checkpoint (study/hfinit.py)
+            hfinit.check_checkpoint(directory, cfg.model)
+            return hfinit.load_checkpoint(directory, mcfg)
+        raise FileNotFoundError(
+            f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`) and no HF checkpoint "
+            "(config.json + *.safetensors)"
+        )
     return TaskTokenizer.load(directory), torch.load(directory / "policy.pt", weights_only=True)
+
+
+def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
+    """(training stream with `take(n, start)`, held-out sets by split). task = "user": the user's training rows
+    cycled in a seed-dependent order per epoch, and their held-out split (or eval_data) as `in_dist`."""
+    if cfg.task == "user":
+        train, held = cfg.user_split()
+        return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
+    stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
+    return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size) for split in tasks.EVAL_SPLITS}
+
+
+def reference_policy(
+    cfg: RunConfig, init_state: dict[str, torch.Tensor] | None, train_prec: Any
+) -> tuple[torch.nn.Module, Any]:
+    """KL hook: a frozen copy of the initial policy (same seed, same cold-start weights, same precision as the
+    trainer) and its precision handle (keep it alive: it owns the emulation hooks)."""
+    ref = build_policy(cfg.model_config(), seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
+    if init_state is not None:
+        ref.load_state_dict(init_state, strict=False)
+    handle = precision_mod.apply_precision(ref, train_prec)
+    ref.requires_grad_(False)
+    return ref, handle
+
+
+def aggregation_weights(alg: Any, mask: torch.Tensor, hparams: dict[str, Any]) -> torch.Tensor:
+    """(B, T) weight of each response token in the algorithm's loss aggregation: -d loss / d logp at ratio 1 with
+    advantage 1, where no clip, gate or correction is active, so the gradient is the aggregation itself
+    (seq-mean-token-mean: 1 / (B |y_i|); token-mean: 1 / sum |y_i|; Dr. GRPO: 1 / (B L))."""
+    probe = torch.zeros(mask.shape, requires_grad=True)
+    old = torch.zeros(mask.shape)
+    extra = {"rollout_logp": old} if alg.needs_rollout_logp else {}
+    loss, _ = alg.loss(probe, old, torch.ones(mask.shape[0]), mask, **hparams, **extra)
+    (grad,) = torch.autograd.grad(loss, probe)
+    return torch.where(mask.bool(), -grad, 0.0).clamp_min(0.0)
+
+
+def kl_to_reference(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref) on the sampled response tokens (Schulman's k3, as in DeepSeekMath's
+    GRPO): e^r - 1 - r with r = logp_ref - logp_theta, >= 0 per token, unbiased for samples from pi_theta (the
+    batch is from pi_old, the usual approximation), summed with the algorithm's aggregation `weights`."""
+    r = torch.where(mask.bool(), ref_logp.float() - logp.float(), 0.0)
+    return (weights * (r.exp() - 1.0 - r)).sum()
 
 
 def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> None:
@@ -119,8 +179,8 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
     scaler = DynamicLossScaler() if cfg.train_dtype == "fp16" else None
     routing = RoutingController(policy)
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
-    stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
-    evals = {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size) for split in tasks.EVAL_SPLITS}
+    stream, evals = task_data(cfg)
+    ref, _ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
 
     rows: list[dict[str, float]] = []
     layer_rows: list[dict[str, float]] = []
@@ -177,6 +237,11 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
                         train_old_full = token_logp(policy, ids, tgt, attention_mask=am)
                     old_routes = free_old = routing.routes()
             train_old = train_old_full.gather(1, batch["pos"])  # (B, T)
+            ref_logp = None
+            if ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
+                with torch.no_grad():
+                    ref_logp = token_logp(ref, ids, tgt, attention_mask=am).gather(1, batch["pos"])
+                compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
             row["time_old_logp_s"] = time.perf_counter() - t1
             mask, rollout_logp = batch["mask"], batch["rollout_logp"]
             row.update(_mismatch(train_old, rollout_logp, mask))
@@ -209,6 +274,10 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
                 # ALGO: the loss
                 extra = {"rollout_logp": rollout_logp[idx]} if alg.needs_rollout_logp else {}
                 loss, metrics = alg.loss(logp, old_logp[idx], batch["advantages"][idx], mb_mask, **hparams, **extra)
+                if ref_logp is not None:  # KL hook: + kl_coef x k3 KL(pi_theta || pi_ref), the algorithm's averaging
+                    kl = kl_to_reference(logp, ref_logp[idx], mb_mask, aggregation_weights(alg, mb_mask, hparams))
+                    loss = loss + cfg.kl_coef * kl
+                    metrics = {**metrics, "kl_ref": float(kl.detach())}
                 if not torch.isfinite(loss):
                     raise Collapse(f"non-finite loss at step {step}")
                 optimizer.zero_grad(set_to_none=True)
@@ -295,7 +364,7 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
             seed=derive_seed("rollout", cfg.seed, step, attempt),
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=[EOS_ID],
+            stop_token_ids=[tok.eos_id],
             return_routes=alg.routing == "rollout_replay" or engine.routes_supported,  # R3, or engine-vs-trainer
         )
         texts = [tok.decode_response(t)[0] for t in rollout.tokens]
@@ -391,7 +460,7 @@ def _evaluate(cfg, engine, tok, evals, step) -> dict[str, float]:  # type: ignor
             seed=derive_seed("eval", split),
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=[EOS_ID],
+            stop_token_ids=[tok.eos_id],
         )
         scores = [[0.0] * cfg.eval_samples for _ in items]
         for i, (p, toks) in enumerate(zip(rollout.prompt_index, rollout.tokens, strict=True)):

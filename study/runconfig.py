@@ -5,6 +5,7 @@ validation before any compute, and the content hash that names the run directory
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
@@ -34,7 +35,7 @@ class RunConfig:
     model: str = "tiny"
     """Model preset (study.config.PRESETS); must match the cold-start checkpoint's."""
     task: str = "chain_sum"
-    """Training task (study.tasks.TASKS)."""
+    """Training task (study.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
     task_knobs: dict[str, Any] = field(default_factory=dict)
     """Difficulty/length knobs of the task (study.tasks.make_task)."""
     coldstart: str = "auto"
@@ -87,6 +88,17 @@ class RunConfig:
     """Collapse when any |log pi_theta - log pi_old| on a response token exceeds this (exploding ratios)."""
     threads: int = 1
     """torch threads; results are bit-identical only at a fixed thread count."""
+    data: str = ""
+    """task = "user": a JSONL or parquet file of (prompt, answer[, solution][, metadata]) rows. Its content hash, not
+    its path, goes into the run id."""
+    verifier: str = ""
+    """task = "user": the scorer of the rows: exact, numeric, or a reasoning-gym task name."""
+    eval_data: str = ""
+    """task = "user": held-out rows (same format and verifier), logged as eval_in_dist; "" = `eval_size` rows of
+    `data` held out with a fixed seed (study.tasks.split_user_data)."""
+    kl_coef: float = 0.0
+    """Coefficient of a k3 KL(pi_theta || pi_ref) penalty to the frozen initial policy, added to the loss
+    (0 = off, as in the paper)."""
 
     # -- construction ------------------------------------------------------------------------------------------------
     @classmethod
@@ -127,8 +139,13 @@ class RunConfig:
             raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
         alg.check_hparams(self.hparams)
         _choice("model", self.model, tuple(PRESETS))
-        _choice("task", self.task, tuple(tasks.TASKS))
-        tasks.make_task(self.task, **self.task_knobs)  # validates the knobs
+        _choice("task", self.task, (*tasks.TASKS, "user"))
+        self._validate_user_data()
+        if self.task != "user":
+            tasks.make_task(self.task, **self.task_knobs)  # validates the knobs
+        self._validate_coldstart()
+        if not (self.kl_coef >= 0.0 and self.kl_coef < float("inf")):
+            raise ValueError(f"kl_coef = {self.kl_coef}: must be a finite number >= 0 (0 = no KL penalty)")
         _choice("rollout_engine", self.rollout_engine, ENGINES)
         _choice("train_dtype", self.train_dtype, DTYPES)
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
@@ -161,6 +178,59 @@ class RunConfig:
                 f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
                 "'rollout' skips that recompute; valid: old_logp_source = 'recompute', or a rollout_replay variant"
             )
+
+    def _validate_user_data(self) -> None:
+        """User data hook: task = "user" needs `data` and `verifier`; the files load (every row checked by the
+        verifier) and split before any compute. Errors name the field."""
+        from study import tasks
+
+        if self.task != "user":
+            for name in ("data", "verifier", "eval_data"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} = {getattr(self, name)!r} is only read with task = 'user' (task = "
+                                     f"{self.task!r}); valid: task = 'user', or {name} = ''")  # fmt: skip
+            return
+        if self.task_knobs:
+            raise ValueError(f"task_knobs = {self.task_knobs!r}: task = 'user' has no knobs; valid: {{}}")
+        if not self.data:
+            raise ValueError("data = '': task = 'user' needs a JSONL or parquet file of (prompt, answer) rows")
+        if not self.verifier:
+            raise ValueError(f"verifier = '': task = 'user' needs one; valid: {', '.join(tasks.USER_VERIFIERS)}, "
+                             "or a reasoning-gym task name")  # fmt: skip
+        tasks.check_verifier(self.verifier)
+        if self.coldstart == "auto":
+            raise ValueError("coldstart = 'auto' trains on a generated task; with task = 'user' valid: 'scratch', a "
+                             "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+        self.user_split()
+
+    def user_split(self) -> tuple[list[Any], list[Any]]:
+        """(training items, held-out items) of task = "user" (study.tasks.split_user_data); errors name the field."""
+        from study import tasks
+
+        loaded = {}
+        for name in ("data", "eval_data"):
+            path = getattr(self, name)
+            if not path:
+                continue
+            try:
+                loaded[name] = _load_user_data(path, self.verifier, _file_digest(path))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{name} = {path!r}: {e}") from None
+        try:
+            return tasks.split_user_data(loaded["data"], eval_size=self.eval_size, eval_items=loaded.get("eval_data"))
+        except ValueError as e:
+            raise ValueError(f"data = {self.data!r}: {e}") from None
+
+    def _validate_coldstart(self) -> None:
+        """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model preset; other
+        paths are checked when the run starts (a sweep may name a cold start that is still being made)."""
+        from study import hfinit
+
+        if self.coldstart in ("auto", "scratch"):
+            return
+        directory = Path(self.coldstart)
+        if not (directory / "policy.pt").is_file() and hfinit.is_hf_checkpoint(directory):
+            hfinit.check_checkpoint(directory, self.model)
 
     def _validate_precision(self) -> None:
         """Precision hook (study/precision.py): valid labels, consistent with the dtype fields, supported by the
@@ -204,6 +274,9 @@ class RunConfig:
         for key, default in HASHED_IF_SET.items():  # fields added later: run ids of older configs stay valid
             if resolved.get(key) == default:
                 resolved.pop(key)
+        for key in ("data", "eval_data"):  # user data: the content, not where it lies
+            if key in resolved:
+                resolved[key] = f"sha256:{_file_digest(resolved[key])}"
         blob = json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str)
         return f"{self.algorithm}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -211,7 +284,41 @@ class RunConfig:
 # Fields that do not change what a run computes.
 NOT_HASHED: tuple[str, ...] = ("checkpoint_every",)
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
-HASHED_IF_SET: dict[str, Any] = {"train_precision": "", "rollout_precision": ""}
+HASHED_IF_SET: dict[str, Any] = {
+    "train_precision": "",
+    "rollout_precision": "",
+    "data": "",
+    "verifier": "",
+    "eval_data": "",
+    "kl_coef": 0.0,
+}
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of the file's bytes, cached by (path, size, mtime)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        raise FileNotFoundError(f"no such file {path}") from None
+    return _digest(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=16)
+def _load_user_data(path: str, verifier: str, digest: str) -> tuple[Any, ...]:
+    """study.tasks.load_user_data, cached by content (validation runs on every from_dict / replace)."""
+    from study import tasks
+
+    return tuple(tasks.load_user_data(path, verifier=verifier))
 
 
 def _resolve_precision(data: dict[str, Any]) -> dict[str, Any]:

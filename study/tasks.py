@@ -574,3 +574,68 @@ def load_user_data(
             )
         items.append(item)
     return items
+
+
+def check_verifier(verifier: str) -> None:
+    """Raise ValueError naming `verifier` and the valid choices unless it is a user-data verifier."""
+    _check_verifier(verifier)
+
+
+USER_HELDOUT_SEED = 0
+"""Seed of the held-out split of a user data file: fixed (not the run's seed), so every run of a sweep over the same
+file evaluates on the same items and trains on the rest."""
+
+
+def split_user_data(
+    items: Sequence[TaskItem], *, eval_size: int, eval_items: Sequence[TaskItem] | None = None
+) -> tuple[list[TaskItem], list[TaskItem]]:
+    """(training items, held-out items) of a user data file. Without `eval_items`, `eval_size` items drawn with
+    USER_HELDOUT_SEED are held out; with them, they are the held-out set (its first `eval_size`). Training items whose
+    prompt is in the held-out set are dropped either way, so no evaluated prompt is trained on."""
+    import random
+
+    if eval_items is None:
+        if len(items) <= eval_size:
+            raise ValueError(
+                f"user data has {len(items)} rows; the held-out split takes eval_size = {eval_size}, leaving none to "
+                "train on; valid: more rows, a smaller eval_size, or eval_data"
+            )
+        order = list(range(len(items)))
+        random.Random(USER_HELDOUT_SEED).shuffle(order)
+        held = [items[i] for i in sorted(order[:eval_size])]
+    else:
+        held = list(eval_items[:eval_size])
+    held_prompts = {item.prompt for item in held}
+    train = [item for item in items if item.prompt not in held_prompts]
+    if not train:
+        raise ValueError("user data: every training prompt is also in the held-out set; nothing left to train on")
+    return train, held
+
+
+@dataclass(frozen=True)
+class UserTask:
+    """A deterministic, endless training stream over a user's items: epoch e is a permutation of the items drawn from
+    (seed, e), so the stream cycles through every item once per epoch in a seed-dependent order. `take` and indexing
+    match Task's, so the RL loop's data position resumes it exactly."""
+
+    items: tuple[TaskItem, ...]
+    seed: int
+
+    def __getitem__(self, index: int) -> TaskItem:
+        if not isinstance(index, int) or index < 0:
+            raise IndexError(f"task index must be a non-negative int, got {index!r}")
+        epoch, i = divmod(index, len(self.items))
+        return self.items[_epoch_order(self.seed, epoch, len(self.items))[i]]
+
+    def take(self, n: int, start: int = 0) -> list[TaskItem]:
+        """Items start .. start+n-1."""
+        return [self[i] for i in range(start, start + n)]
+
+
+@cache
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    import random
+
+    order = list(range(n))
+    random.Random(_key("user", seed, epoch)).shuffle(order)
+    return tuple(order)

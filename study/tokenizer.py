@@ -4,7 +4,10 @@
 - Every digit is its own token (digits are split off before BPE and never merged), so a tiny model can learn
   arithmetic digit by digit.
 - Special tokens with fixed ids: <pad> = 0, <bos> = 1, <eos> = 2. A prompt is <bos> + text; a response is text +
-  <eos>. Prompts end with a newline and responses start with a non-space character, so the two encode separately
+  <eos>. A tokenizer loaded from another checkpoint's files (an HF model's tokenizer.json with tokenizer_config.json
+  / special_tokens_map.json) takes its special tokens and ids from those files instead: `pad_id`, `bos_id` (None:
+  prompts get no prefix) and `eos_id` are per instance; the module constants are the study's own ids.
+  Prompts end with a newline and responses start with a non-space character, so the two encode separately
   exactly as they encode together (the newline is a pre-token boundary).
 - Vocabulary: at most the model's `ModelConfig.vocab_size` (fewer when the corpus runs out of pairs to merge; the
   model's extra embedding rows are padding).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -39,12 +42,31 @@ _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 class TaskTokenizer:
     """A trained `tokenizers.Tokenizer` with the study's special tokens and encode/decode helpers."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        for token, expected in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
-            got = tokenizer.token_to_id(token)
-            if got != expected:
-                raise ValueError(f"tokenizer: special token {token} has id {got}; expected {expected}")
+    def __init__(self, tokenizer: Tokenizer, *, specials: Mapping[str, str | None] | None = None) -> None:
+        """`specials` None: the study's <pad>/<bos>/<eos> at their fixed ids 0/1/2 (checked). Otherwise the
+        `pad_token` / `bos_token` / `eos_token` names of a checkpoint's tokenizer files: eos is required, a missing
+        bos means prompts get no prefix, a missing pad pads with eos."""
         self.tokenizer = tokenizer
+        if specials is None:
+            for token, expected in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
+                got = tokenizer.token_to_id(token)
+                if got != expected:
+                    raise ValueError(f"tokenizer: special token {token} has id {got}; expected {expected}")
+            self.specials: dict[str, str | None] = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+            self.pad_id, self.bos_id, self.eos_id = PAD_ID, BOS_ID, EOS_ID
+            return
+        ids: dict[str, int | None] = {}
+        for key in ("pad_token", "bos_token", "eos_token"):
+            token = specials.get(key)
+            ids[key] = None if token is None else tokenizer.token_to_id(token)
+            if token is not None and ids[key] is None:
+                raise ValueError(f"tokenizer: {key} {token!r} is not in the vocabulary")
+        if ids["eos_token"] is None:
+            raise ValueError("tokenizer: no eos_token in the tokenizer files; a response needs an end marker")
+        self.specials = {k: specials.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+        self.eos_id: int = ids["eos_token"]
+        self.bos_id: int | None = ids["bos_token"]
+        self.pad_id: int = ids["pad_token"] if ids["pad_token"] is not None else self.eos_id
 
     @property
     def vocab_size(self) -> int:
@@ -60,12 +82,12 @@ class TaskTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """<bos> + prompt."""
-        return [BOS_ID, *self.encode(prompt)]
+        """<bos> + prompt (just the prompt for a tokenizer without bos)."""
+        return [*([self.bos_id] if self.bos_id is not None else []), *self.encode(prompt)]
 
     def encode_response(self, response: str, *, eos: bool = True) -> list[int]:
         """response (+ <eos>)."""
-        return [*self.encode(response), *([EOS_ID] if eos else [])]
+        return [*self.encode(response), *([self.eos_id] if eos else [])]
 
     def encode_example(self, prompt: str, response: str) -> tuple[list[int], int]:
         """A supervised example: (<bos> prompt response <eos>, number of prompt tokens incl. <bos>)."""
@@ -76,9 +98,9 @@ class TaskTokenizer:
         """(text up to the first <eos>, whether an <eos> ended it). A response without <eos> ran into the length
         limit and is returned, and scored, as it stands."""
         ids = list(ids)
-        ended = EOS_ID in ids
+        ended = self.eos_id in ids
         if ended:
-            ids = ids[: ids.index(EOS_ID)]
+            ids = ids[: ids.index(self.eos_id)]
         return self.decode(ids), ended
 
     def save(self, directory: str | Path, *, model_max_length: int | None = None) -> None:
@@ -86,7 +108,7 @@ class TaskTokenizer:
         needed), each atomically. `model_max_length` (the model's max_seq_len) goes into the transformers config."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+        specials = {k: v for k, v in self.specials.items() if v is not None}
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             **specials,
@@ -102,15 +124,32 @@ class TaskTokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> TaskTokenizer:
-        """The tokenizer saved in `directory`."""
+        """The tokenizer saved in `directory`; special tokens from its special_tokens_map.json or
+        tokenizer_config.json when present (the study's own files name <pad>/<bos>/<eos>, so ids stay 0/1/2)."""
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer: no {path.name} in {directory}")
-        return cls(Tokenizer.from_file(str(path)))
+        return cls(Tokenizer.from_file(str(path)), specials=_special_tokens(Path(directory)))
 
     def to_json(self) -> str:
         """The tokenizer.json text (what `save` writes, less the trailing newline)."""
         return self.tokenizer.to_str(pretty=True)
+
+
+def _special_tokens(directory: Path) -> dict[str, str | None] | None:
+    """{pad,bos,eos}_token names from special_tokens_map.json, else tokenizer_config.json (a value may be a string
+    or transformers' {"content": ...} object); None when neither file exists (the study's fixed ids apply)."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = directory / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            out: dict[str, str | None] = {}
+            for key in ("pad_token", "bos_token", "eos_token"):
+                value = data.get(key)
+                out[key] = value.get("content") if isinstance(value, dict) else value
+            if out["eos_token"] is not None:
+                return out
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:
