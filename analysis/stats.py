@@ -300,8 +300,9 @@ def detect_collapse(
     """First step where the reward curve collapsed, or None.
 
     Rules, in order of precedence at each step: a non-finite value; the rolling mean (over `window` steps) below
-    `floor`; the rolling mean below (1 - rel_drop) x its running peak, once that peak exceeds `min_peak` (a run that
-    never learned cannot collapse by this rule). The step reported is the last step of the first window that trips.
+    `floor`; the rolling mean below (1 - rel_drop) x its running peak from some window to the end of the run, once
+    that peak exceeds `min_peak` (a run that never learned cannot collapse by this rule; a dip it recovers from is
+    noise, not a collapse). The step reported is the last step of the first window that trips.
     """
     steps = np.asarray(steps)
     v = np.asarray(values, dtype=np.float64)
@@ -322,9 +323,9 @@ def detect_collapse(
     if rel_drop is not None:
         peak = np.maximum.accumulate(roll)
         drop = (peak > min_peak) & (roll < (1.0 - rel_drop) * peak)
-        if drop.any():
-            i = int(np.argmax(drop))
-            hits.append((i, f"rolling mean {roll[i]:.3g} < {1 - rel_drop:g} x peak {peak[i]:.3g}"))
+        if drop[-1]:  # only a drop the run never recovers from: noisy small-batch rewards dip and come back
+            i = len(drop) - int(np.argmin(drop[::-1])) if not drop.all() else 0
+            hits.append((i, f"rolling mean {roll[i]:.3g} < {1 - rel_drop:g} x peak {peak[i]:.3g} to the end"))
     if not hits:
         return None
     i, reason = min(hits)

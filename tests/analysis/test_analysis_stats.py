@@ -67,6 +67,9 @@ def test_detect_collapse_rules():
     assert stats.detect_collapse(steps, nan).step == 30
     floor = stats.detect_collapse(steps, np.full(100, 0.01), floor=0.02, rel_drop=None)
     assert floor is not None and floor.step == 9  # the end of the first full 10-step window (steps 0..9)
+    dip = rising.copy()
+    dip[40:50] = 0.0  # a dip the run recovers from is noise, not a collapse
+    assert stats.detect_collapse(steps, dip, window=5) is None
 
 
 def test_curves_interpolate_on_a_common_grid_without_extrapolating():
