@@ -153,6 +153,8 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path):
     report = results / "smoke" / "report" / "index.html"
     assert report.is_file()
     assert f"report: {report}" in proc.stdout + proc.stderr
+    figures = {p.name for p in (results / "smoke" / "report" / "figures").glob("*.png")}
+    assert {"figure1_reward.png", "figure2_clipping.png"} <= figures, figures  # drawn from the real runs
     statuses = sorted((results / "runs").glob("*/status.json"))
     assert len(statuses) == 2
     assert all(yaml.safe_load(p.read_text())["state"] in ("completed", "collapsed") for p in statuses)
