@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,dev
 
-.PHONY: install study test test-fast lint format clean
+.PHONY: install study test test-fast lint format clean bench-trl
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,17 @@ test: lint
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# RL step vs TRL's GRPOTrainer (benchmarks/bench_trl.py). TRL goes into its own environment, .venv-bench, never .venv:
+# the CPU torch pin and the harness (`-e .[bench]`) in one pip command, so no CUDA torch is pulled.
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/.installed: pyproject.toml
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[bench]'
+	@touch $@
+
+bench-trl: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/bench_trl.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

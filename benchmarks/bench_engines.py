@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the best is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM on CPU uses 1 anyway); 0: default")
+    ap.add_argument("--wrapped", action="store_true",
+                    help="hf: decode through the full transformers call (a no-op hook on the model disables the "
+                    "direct decoder-layer path), i.e. the engine before that speed-up")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,7 +44,8 @@ def main() -> None:
     batches = [tuple(int(x) for x in b.split("x")) for b in args.batches.split(",")]
     print(f"preset={args.preset} threads={torch.get_num_threads()} cpus={os.cpu_count()} "
           f"cuda={torch.cuda.is_available()} prompt_len={args.prompt_len} "
-          f"max_new_tokens={args.max_new_tokens}")  # fmt: skip
+          f"max_new_tokens={args.max_new_tokens} load={os.getloadavg()[0]:.2f}"
+          f"{' hf=wrapped' if args.wrapped else ''}")  # fmt: skip
     print(f"{'engine':<6} {'dtype':<5} {'prompts x n':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
     for name in args.engines.split(","):
         for dtype in args.dtypes.split(","):
@@ -50,6 +54,8 @@ def main() -> None:
             engine = get_engine(name, cfg, dtype=dtype, **kwargs)
             if name == "hf":
                 engine.load_weights(state)
+                if args.wrapped:
+                    engine.model.register_forward_pre_hook(lambda _m, _a: None)
             build = time.perf_counter() - t0
             try:
                 engine.generate([[1, 2, 3]], 2, seed=0, max_new_tokens=4)  # warm-up

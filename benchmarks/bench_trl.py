@@ -1,0 +1,241 @@
+"""One RL step of this harness vs TRL's GRPOTrainer, side by side (a script, not a test).
+
+    make bench-trl                                   # creates .venv-bench (TRL lives only there), runs this
+    .venv-bench/bin/python benchmarks/bench_trl.py [--batches 8x4x32,32x8x64] [--algorithms grpo,gspo] [--reps 5]
+
+Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
+process group and accelerate's state stay apart), one torch thread, fp32:
+- the same network: the `tiny` preset's Qwen3-MoE (study.config), built for TRL as transformers'
+  Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy starts from;
+- the same prompts (the chain_sum task stream, seed 0), tokenizer (the task BPE, saved as a PreTrainedTokenizerFast)
+  and reward: the chain_sum verifier (study.tasks.score) on the decoded response. A random-init model never solves
+  a problem, so every reward is 0: no model quality is involved and both sides do the full work anyway;
+- the same algorithm and update structure: one rollout batch of P x G completions (temperature 1, stop at <eos>),
+  the pi_old log-prob recompute, then M = 4 minibatch AdamW updates (lr 1e-4, clip 1.0, no KL, beta = 0). GRPO is
+  TRL's loss_type="grpo" with importance_sampling_level="token"; GSPO is importance_sampling_level="sequence" with
+  loss_type="grpo"; the clip ranges are our registry's defaults. TRL: per_device_train_batch_size = P G / 4,
+  steps_per_generation = 4 (so it recomputes pi_old), use_cpu, no bf16, no gradient checkpointing, optim
+  adamw_torch (ours is torch.optim.AdamW too).
+
+What is timed, per RL step (one rollout batch), after `--warmup` discarded steps:
+- ours: study.rl.run (coldstart=scratch, no evaluation, no checkpoints) from the end of one step's bookkeeping to
+  the next (rundir.set_status is wrapped to stamp the time): rollout (hf engine) + rewards + pi_old recompute +
+  4 updates + weight sync to the engine + the metrics row and its parquet write;
+- TRL: GRPOTrainer.train(), the time between every 4th `on_step_end` callback: generation
+  (transformers' generate) + rewards + pi_old + 4 optimizer steps + TRL's own bookkeeping.
+Reported: median wall s/step, median CPU s/step (process CPU time; robust to other jobs on the machine),
+completion tokens/s (the step's generated tokens, <eos> included, / median wall), and TRL / ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+TASK = "chain_sum"
+PRESET = "tiny"
+MINIBATCHES = 4
+
+
+def _parse_batch(text: str) -> tuple[int, int, int]:
+    p, g, t = (int(x) for x in text.split("x"))
+    return p, g, t
+
+
+def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = False) -> dict:
+    import torch
+
+    from study import rl, rundir
+    from study.engines.hf import HFEngine
+    from study.runconfig import RunConfig
+
+    if wrapped:  # the hf engine before its direct decode path: a no-op hook forces the full transformers call
+        init = HFEngine.__init__
+
+        def init_wrapped(self, *a, **k):  # type: ignore[no-untyped-def]
+            init(self, *a, **k)
+            self.model.register_forward_pre_hook(lambda _m, _a: None)
+
+        HFEngine.__init__ = init_wrapped
+
+    p, g, t = _parse_batch(batch)
+    cfg = RunConfig.from_dict({"algorithm": alg, "model": PRESET, "task": TASK, "coldstart": "scratch",
+                               "steps": steps, "prompts_per_step": p, "group_size": g, "minibatches": MINIBATCHES,
+                               "max_new_tokens": t, "eval_every": 0, "checkpoint_every": 0, "threads": threads,
+                               "seed": 0, "lr": 1e-4, "grad_clip": 1.0})  # fmt: skip
+    stamps: list[tuple[float, float]] = []
+    set_status = rundir.set_status
+
+    def stamped(run_dir, state, **kw):  # type: ignore[no-untyped-def]
+        if state == "running":
+            stamps.append((time.perf_counter(), time.process_time()))
+        return set_status(run_dir, state, **kw)
+
+    rundir.set_status = stamped
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = rl.run(cfg, tmp, progress=False)
+        import pandas as pd
+
+        m = pd.read_parquet(run_dir / "metrics.parquet")
+    # stamps[0]: before step 1 (run() marks the run as running); stamps[i]: after step i
+    wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
+    cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
+    parts = {k: m[f"time_{k}_s"].tolist() for k in ("rollout", "old_logp", "update", "sync")}
+    return {"wall": wall, "cpu": cpu, "tokens": m["tokens"].tolist(), "parts": parts,
+            "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import algorithms
+    from study import tasks
+    from study.config import preset
+    from study.engines.hf import fuse_experts
+    from study.model import build_policy
+    from study.rl import derive_seed
+    from study.tokenizer import build_tokenizer
+    from study.weights import hf_config, megatron_to_hf
+
+    torch.set_num_threads(threads)
+    p, g, t = _parse_batch(batch)
+    mcfg = preset(PRESET)
+    hp = algorithms.get(alg).check_hparams({})
+    tmp = Path(tempfile.mkdtemp(prefix="bench_trl_"))
+    tok = build_tokenizer(mcfg.vocab_size, [TASK], n_per_task=400)  # what study.rl uses with coldstart=scratch
+    tok.save(tmp / "tok")
+    hf_tok = AutoTokenizer.from_pretrained(tmp / "tok")
+
+    kwargs = {k: v for k, v in hf_config(mcfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs))
+    policy = build_policy(mcfg, seed=derive_seed("init", 0))  # the weights our side starts from
+    model.load_state_dict(fuse_experts(megatron_to_hf(policy, mcfg), mcfg), strict=True)
+    del policy
+    model.train()
+
+    items = tasks.make_task(TASK, seed=0).take(p * steps, start=0)
+    data = Dataset.from_dict({"prompt": [it.prompt for it in items], "idx": list(range(len(items)))})
+    completion_tokens: list[int] = []
+
+    def reward(prompts, completions, completion_ids, idx, **_):  # type: ignore[no-untyped-def]
+        completion_tokens.append(sum(len(c) for c in completion_ids))
+        return [tasks.score(items[i], text) for i, text in zip(idx, completions, strict=True)]
+
+    args = GRPOConfig(
+        output_dir=str(tmp / "out"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        beta=0.0, learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, warmup_steps=0,
+        per_device_train_batch_size=p * g // MINIBATCHES, gradient_accumulation_steps=1,
+        steps_per_generation=MINIBATCHES, num_generations=g, max_completion_length=t, temperature=1.0,
+        top_p=1.0, loss_type="grpo", epsilon=hp["eps_low"], epsilon_high=hp["eps_high"],
+        importance_sampling_level="sequence" if alg == "gspo" else "token", num_iterations=1,
+        max_steps=steps * MINIBATCHES, shuffle_dataset=False, seed=0, report_to="none", save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+    )  # fmt: skip
+    stamps: list[tuple[float, float]] = []
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, *a, **k):  # type: ignore[no-untyped-def]
+            stamps.append((time.perf_counter(), time.process_time()))
+
+        def on_step_end(self, args, state, control, **k):  # type: ignore[no-untyped-def]
+            if state.global_step % MINIBATCHES == 0:
+                stamps.append((time.perf_counter(), time.process_time()))
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=hf_tok,
+                          callbacks=[Stamp()])  # fmt: skip
+    torch.set_num_threads(threads)
+    trainer.train()
+    wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
+    cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
+    return {"wall": wall, "cpu": cpu, "tokens": completion_tokens, "threads": torch.get_num_threads(),
+            "params": sum(q.numel() for q in model.parameters())}  # fmt: skip
+
+
+def _run_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    cmd = [sys.executable, __file__, "--side", side, "--algorithms", alg, "--batches", batch, "--steps", str(steps),
+           "--threads", str(threads), *(["--wrapped-decode"] if wrapped else [])]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        sys.stderr.write(out.stdout[-4000:] + out.stderr[-8000:])
+        raise SystemExit(f"{side} side failed ({alg}, {batch})")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="8x4x32,32x8x64", help="prompts x samples x new tokens, comma-separated")
+    ap.add_argument("--algorithms", default="grpo,gspo")
+    ap.add_argument("--reps", type=int, default=5, help="timed RL steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="discarded first steps")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sides", default="ours,trl")
+    ap.add_argument(
+        "--wrapped-decode",
+        action="store_true",
+        help="ours: the hf engine decoding through the full transformers call (before the speed-up)",
+    )
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side, print JSON
+    ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.side is not None:
+        if args.side == "ours":
+            out = _side_ours(args.algorithms, args.batches, args.steps, args.threads, args.wrapped_decode)
+        else:
+            out = _side_trl(args.algorithms, args.batches, args.steps, args.threads)
+        print(json.dumps(out))
+        return
+
+    import torch
+    import transformers
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = None
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
+          f"threads={args.threads}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+          f"preset={PRESET}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
+          f"{', ours: wrapped decode' if args.wrapped_decode else ''}")  # fmt: skip
+    sides = args.sides.split(",")
+    if "trl" in sides and trl_version is None:
+        raise SystemExit("TRL is not installed here: run `make bench-trl` (it uses .venv-bench)")
+    print(f"{'batch PxGxT':<12} {'alg':<5} {'side':<5} {'s/step':>7} {'cpu s':>7} {'tokens':>7} {'tok/s':>7} "
+          f"{'rollout':>7} {'old':>6} {'update':>7} {'sync':>6}  TRL/ours")  # fmt: skip
+    for batch in args.batches.split(","):
+        for alg in args.algorithms.split(","):
+            res = {}
+            for side in sides:
+                r = _run_side(side, alg, batch, args.warmup + args.reps, args.threads, args.wrapped_decode)
+                keep = slice(args.warmup, None)
+                wall, cpu = statistics.median(r["wall"][keep]), statistics.median(r["cpu"][keep])
+                tokens = statistics.mean(r["tokens"][keep])
+                res[side] = wall
+                parts = ""
+                if "parts" in r:
+                    parts = " ".join(f"{statistics.median(v[keep]):>{w}.3f}"
+                                     for v, w in zip(r["parts"].values(), (7, 6, 7, 6), strict=True))  # fmt: skip
+                ratio = f"  {res['trl'] / res['ours']:.2f}x" if side == sides[-1] and len(res) == 2 else ""
+                print(f"{batch:<12} {alg:<5} {side:<5} {wall:>7.3f} {cpu:>7.3f} {tokens:>7.0f} {tokens / wall:>7.0f} "
+                      f"{parts:<30}{ratio}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
