@@ -77,7 +77,7 @@ def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> 
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr
     assert "FileNotFoundError: coldstart = " in proc.stderr and "no-coldstart-here: no policy.pt" in proc.stderr
-    assert 'in initial_policy\n    raise FileNotFoundError(' in proc.stderr  # the remote frames, verbatim
+    assert "in initial_policy\n    raise FileNotFoundError(" in proc.stderr  # the remote frames, verbatim
     (run_dir,) = (tmp_path / "results" / "runs").iterdir()
     assert state(run_dir) == "failed"
     if launcher == "local":  # the job's own stdout/stderr, under the run directory
