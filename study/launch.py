@@ -110,14 +110,17 @@ def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Reso
     if launcher == "in-process":
         return call()
     folder = Path(results) / "runs" / cfg.run_id / "submitit"
-    job = executor(launcher, folder, res, job_name=cfg.run_id).submit(call)
-    print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
+    # Handlers first: a signal that arrives once the job id is printed must cancel the job, not kill us.
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    job = None
     try:
+        job = executor(launcher, folder, res, job_name=cfg.run_id).submit(call)
+        print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
         return job.result()
     except Cancelled:
-        print(f"cancelling {launcher} job {job.job_id}", file=sys.stderr, flush=True)
-        job.cancel(check=False)
+        if job is not None:
+            print(f"cancelling {launcher} job {job.job_id}", file=sys.stderr, flush=True)
+            job.cancel(check=False)
         raise
     finally:
         for sig, handler in previous.items():
