@@ -1,5 +1,5 @@
 """Fixtures of the launcher tests: the smoke sweep's runs, one tiny cold start per session, the real SLURM cluster
-(scripts/slurm/start.sh) when its controller answers, and megatron's CPU-fallback warnings silenced."""
+(scripts/slurm/start.sh) when its controller answers."""
 
 from __future__ import annotations
 
@@ -14,19 +14,6 @@ from study.runconfig import RunConfig
 from sweeps.expand import load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-_HERE = Path(__file__).parent
-_QUIET = (
-    "ignore:.*(Apex|Transformer Engine|TransformerEngine).*",
-    "ignore:.*full scope is deprecated.*",
-    "ignore:.*tp_group is None.*",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _HERE in Path(str(item.fspath)).parents:
-            for spec in _QUIET:
-                item.add_marker(pytest.mark.filterwarnings(spec))
 
 
 def slurm_up() -> bool:
