@@ -8,7 +8,8 @@ Per step (GSPO paper, section 5.1; the three places where the algorithm matters 
     `old_logp_source: rollout` uses the engine's log-probs as pi_old instead (section 5.4);
  5. the batch split into M minibatches; for each: forward with the routing the algorithm asks for (free / replay /
     rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step;
- 6. weights pushed to the rollout engine; metrics row written; evaluation and checkpoint every N steps.
+ 6. weights pushed to the rollout engine; metrics row kept (files written at checkpoints); evaluation and checkpoint
+    every N steps.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
 aggregates its own tokens (`aggregation_weights`). task = "user" trains on a user's rows (study.tasks.UserTask) and
@@ -43,6 +44,10 @@ from study.routing import Routes, RoutingController, routing_volatility
 from study.runconfig import RunConfig
 from study.tokenizer import TaskTokenizer
 from study.weights import megatron_to_hf
+
+TOKEN_SAMPLES = "token_samples.parquet"
+TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
+METRICS_EVERY_S = 30.0  # the metric files are also rewritten at least this often (live monitoring)
 
 
 class Collapse(Exception):
@@ -184,6 +189,7 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
 
     rows: list[dict[str, float]] = []
     layer_rows: list[dict[str, float]] = []
+    token_frames: list[pd.DataFrame] = []  # trainer vs engine log-probs of sampled tokens (token_samples.parquet)
     start, data_pos, compute, wall = 0, 0, 0.0, 0.0
     ckpt_path = run_dir / "checkpoint" / "state.pt"
     if ckpt_path.exists():  # resume: everything after the checkpoint is recomputed
@@ -201,10 +207,14 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             layer_rows = [
                 r for r in pd.read_parquet(run_dir / "routing_layers.parquet").to_dict("records") if r["step"] <= start
             ]
+        if (run_dir / TOKEN_SAMPLES).exists():
+            kept = pd.read_parquet(run_dir / TOKEN_SAMPLES)
+            token_frames = [kept[kept["step"] <= start]]
     engine.load_weights(megatron_to_hf(policy, mcfg))
 
     bar = _progress(cfg.steps, start, progress)
     step = start
+    last_write = time.monotonic()
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -219,7 +229,7 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             if batch["n"] == 0:  # every group had zero variance: nothing to learn from this step
                 row["wall_s"] = wall = wall + time.perf_counter() - t0
                 rows.append(row)
-                _write_metrics(run_dir, rows, layer_rows)
+                last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
                 continue
 
             # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed)
@@ -245,6 +255,8 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             row["time_old_logp_s"] = time.perf_counter() - t1
             mask, rollout_logp = batch["mask"], batch["rollout_logp"]
             row.update(_mismatch(train_old, rollout_logp, mask))
+            if step == 1 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                token_frames.append(_token_samples(step, train_old, rollout_logp, mask))
             if engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
                 vol = routing_volatility(engine_routes, free_old, am, per_layer=False)
                 row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
@@ -324,16 +336,19 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 row.update(_evaluate(cfg, engine, tok, evals, step))
             rows.append(row)
-            _write_metrics(run_dir, rows, layer_rows)
+            last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
             _check_reward_floor(cfg, rows)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall)
             rundir.set_status(run_dir, "running", step=step)
             _tick(bar, row)
     except Collapse as why:
-        _write_metrics(run_dir, rows, layer_rows)
+        _write_metrics(run_dir, rows, layer_rows, token_frames)
         rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
+    except BaseException:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
+        _write_metrics(run_dir, rows, layer_rows, token_frames)
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -479,13 +494,47 @@ def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
         )
 
 
-def _write_metrics(run_dir: Path, rows: list[dict[str, float]], layer_rows: list[dict[str, float]]) -> None:
+def _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames) -> float:  # type: ignore[no-untyped-def]
+    """Write the metric files at every checkpoint step (before the checkpoint: resume keeps the rows up to it), at
+    the last step, and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole table
+    every step cost 9% of a tiny step. Returns the time of the last write."""
+    due = step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+    if due or time.monotonic() - last_write >= METRICS_EVERY_S:
+        _write_metrics(run_dir, rows, layer_rows, token_frames)
+        return time.monotonic()
+    return last_write
+
+
+def _write_metrics(
+    run_dir: Path, rows: list[dict[str, float]], layer_rows: list[dict[str, float]], token_frames: list[pd.DataFrame]
+) -> None:
+    if not rows:
+        return
     frame = pd.DataFrame(rows, columns=list(STEP_METRICS) + sorted({k for r in rows for k in r} - set(STEP_METRICS)))
     frame["step"] = frame["step"].astype("int64")
     rundir.atomic_write(run_dir / "metrics.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
     if layer_rows:
         layers = pd.DataFrame(layer_rows)
         rundir.atomic_write(run_dir / "routing_layers.parquet", lambda tmp: layers.to_parquet(tmp, index=False))
+    if token_frames:
+        tokens = pd.concat(token_frames, ignore_index=True)
+        rundir.atomic_write(run_dir / TOKEN_SAMPLES, lambda tmp: tokens.to_parquet(tmp, index=False))
+
+
+@torch.no_grad()
+def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> pd.DataFrame:
+    """The first TOKEN_SAMPLE_SEQS sequences' response tokens: trainer (pi_old recompute) vs engine log-probs."""
+    m = mask[:TOKEN_SAMPLE_SEQS].bool()
+    sample, pos = m.nonzero(as_tuple=True)
+    return pd.DataFrame(
+        {
+            "step": np.full(len(sample), step, dtype=np.int64),
+            "sample": sample.numpy().astype(np.int64),
+            "pos": pos.numpy().astype(np.int64),
+            "trainer_logp": train_old[:TOKEN_SAMPLE_SEQS][m].float().numpy().astype(np.float32),
+            "engine_logp": rollout_logp[:TOKEN_SAMPLE_SEQS][m].float().numpy().astype(np.float32),
+        }
+    )
 
 
 def _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall) -> None:  # type: ignore[no-untyped-def]

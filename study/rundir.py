@@ -5,6 +5,9 @@
     status.json        {"state": running | completed | collapsed | failed, "step": ..., "reason"/"error": ...}
     metrics.parquet    one row per step (study.metrics.STEP_METRICS)
     routing_layers.parquet   per-layer routing volatility, one row per (step, layer)
+    token_samples.parquet    trainer (pi_old recompute) vs engine log-probs of the response tokens of up to 64
+                       sequences at step 1, every eval step and the last step (step, sample, pos, trainer_logp,
+                       engine_logp); the metric files are rewritten at every checkpoint, the last step and every 30 s
     checkpoint/        latest checkpoint (model, optimizer, RNG states, data position)
     log.txt            progress log
 

@@ -56,6 +56,25 @@ def test_finished_runs_are_skipped(tmp_path: Path) -> None:
     assert manifest["packages"]["torch"].startswith("2.13.0")
 
 
+def test_token_samples_pair_trainer_and_engine_logprobs(tmp_path: Path) -> None:
+    cfg = load_config(preset="tiny", sets=["coldstart=scratch", "steps=3", "eval_every=2", "checkpoint_every=0"])
+    run_dir = rl.run(cfg, tmp_path, progress=False)
+    tokens = pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)
+    metrics = pd.read_parquet(run_dir / "metrics.parquet").set_index("step")
+    assert sorted(tokens["step"].unique()) == [1, 2, 3]  # step 1, the eval step, the last step
+    # the tiny batch (16 sequences) is under the 64-sequence cap: every response token is there, once
+    per_step = tokens.groupby("step").size()
+    assert per_step.tolist() == metrics.loc[[1, 2, 3], "tokens"].astype(int).tolist()
+    assert not tokens.duplicated(["step", "sample", "pos"]).any()
+    d = tokens["trainer_logp"] - tokens["engine_logp"]
+    assert (tokens[["trainer_logp", "engine_logp"]] <= 0).all().all()
+    # fp32 on both sides: the two engines agree to float rounding; the per-step summary is the same numbers
+    assert d.abs().max() < 1e-3
+    assert d.abs().groupby(tokens["step"]).mean().to_numpy() == pytest.approx(
+        metrics.loc[[1, 2, 3], "mismatch_mean_abs"].to_numpy(), rel=1e-4, abs=1e-7
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", algorithms.names())
 def test_every_algorithm_trains_and_moves_its_parameters(name: str, results: Path) -> None:
@@ -135,3 +154,6 @@ def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> 
     assert status(run_dir)["state"] == "completed"
     got = pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
     pd.testing.assert_frame_equal(got, expected, check_exact=True)
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(run_dir / rl.TOKEN_SAMPLES), pd.read_parquet(reference / rl.TOKEN_SAMPLES), check_exact=True
+    )
