@@ -27,6 +27,7 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,17 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def run(cfg: RunConfig, results: str | Path, *, progress: bool = True) -> Path:
-    """Run (or resume, or skip if finished) `cfg` under `results/runs/{run_id}/`; returns the run directory."""
+def run(
+    cfg: RunConfig,
+    results: str | Path,
+    *,
+    progress: bool = True,
+    on_eval: Callable[[int, dict[str, float]], None] | None = None,
+) -> Path:
+    """Run (or resume, or skip if finished) `cfg` under `results/runs/{run_id}/`; returns the run directory.
+
+    `on_eval(step, row)` (tuning hook, sweeps/tune.py) is called after each held-out evaluation, once the step is
+    recorded; it may stop the run by raising a BaseException, which leaves the run resumable ("running")."""
     run_dir = Path(results) / "runs" / cfg.run_id
     status = rundir.read_status(run_dir)
     if status is not None and status["state"] in ("completed", "collapsed"):
@@ -72,7 +82,7 @@ def run(cfg: RunConfig, results: str | Path, *, progress: bool = True) -> Path:
         rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:
-        _train(cfg, run_dir, Path(results), progress=progress)
+        _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval)
     except Exception as exc:
         rundir.set_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         raise
@@ -164,7 +174,9 @@ def kl_to_reference(
     return (weights * (r.exp() - 1.0 - r)).sum()
 
 
-def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> None:
+def _train(
+    cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool, on_eval: Callable[..., None] | None = None
+) -> None:
     torch.set_num_threads(cfg.threads)
     alg = algorithms.get(cfg.algorithm)
     hparams = alg.check_hparams(cfg.hparams)
@@ -342,6 +354,8 @@ def _train(cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool) -> N
                 _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall)
             rundir.set_status(run_dir, "running", step=step)
             _tick(bar, row)
+            if on_eval is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                on_eval(step, row)  # tuning hook (sweeps/tune.py): may stop the run by raising
     except Collapse as why:
         _write_metrics(run_dir, rows, layer_rows, token_frames)
         rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
