@@ -100,3 +100,9 @@ def order(names: Iterable[str]) -> list[str]:
     if unknown:
         _registry().get(unknown[0])  # raises with the valid names
     return sorted(names, key=reg.__getitem__)
+
+
+def config_colors(n: int) -> list[str]:
+    """n distinct colours for what is not an algorithm (e.g. precision configurations): tab10, tab20 beyond 10."""
+    cmap = mpl.colormaps["tab10" if n <= 10 else "tab20"]
+    return [mpl.colors.to_hex(cmap(i % cmap.N)) for i in range(n)]

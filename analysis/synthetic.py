@@ -3,6 +3,10 @@
 Each algorithm gets a `Curve`: the reward follows the ScaleRL sigmoid R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 of cumulative compute C plus Gaussian noise; the clip fractions are constants plus noise; the other metrics of the
 vocabulary (analysis.vocab) are smooth functions of the step. Runs can be made to collapse or fail.
+
+Token samples (`token_samples.parquet`, what Figure 4b reads) are optional: `synthetic_token_samples` draws each
+sequence's log-ratio mean_t(trainer_logp - engine_logp) from N(mu, sigma) and adds zero-mean token noise whose mean
+over the sequence is removed, so every sequence's length-normalised log-ratio is exactly its draw (to float32).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +90,50 @@ def synthetic_metrics(
     return cols
 
 
+TOKEN_SEQS = 64
+"""Sequences per written step, as the run loop writes them."""
+
+
+def token_steps(n_steps: int, eval_every: int) -> list[int]:
+    """The steps the run loop writes token samples at: step 1, every eval step and the last step."""
+    steps = {1, n_steps} | (set(range(eval_every, n_steps + 1, eval_every)) if eval_every else set())
+    return sorted(s for s in steps if 1 <= s <= n_steps)
+
+
+def synthetic_token_samples(
+    steps: Sequence[int],
+    *,
+    mu: float,
+    sigma: float,
+    rng: np.random.Generator,
+    n_seq: int = TOKEN_SEQS,
+    length: tuple[int, int] = (4, 40),
+    token_noise: float = 0.05,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Columns of a token_samples.parquet and the true per-sequence log-ratios, in (step, sample) order.
+
+    Per sequence: |y| uniform in `length`, engine log-probs -Exponential(1), delta ~ N(mu, sigma), and
+    trainer = engine + delta + e - mean(e) with e ~ N(0, token_noise): mean_t(trainer - engine) = delta.
+    """
+    steps = np.asarray(steps, np.int64)
+    n_rows = len(steps) * n_seq
+    lens = rng.integers(length[0], length[1] + 1, n_rows)  # (S,) tokens per sequence, (step, sample) order
+    delta = mu + sigma * rng.standard_normal(n_rows)  # (S,) the per-sequence log-ratio
+    seq = np.repeat(np.arange(n_rows), lens)  # (N,) sequence index of each token
+    starts = np.r_[0, np.cumsum(lens)[:-1]]
+    engine = -rng.exponential(1.0, seq.size)
+    e = token_noise * rng.standard_normal(seq.size)
+    e -= (np.bincount(seq, weights=e) / lens)[seq]  # zero mean within each sequence
+    cols = {
+        "step": np.repeat(np.repeat(steps, n_seq), lens),
+        "sample": np.repeat(np.tile(np.arange(n_seq, dtype=np.int64), len(steps)), lens),
+        "pos": np.arange(seq.size, dtype=np.int64) - starts[seq],
+        "trainer_logp": (engine + delta[seq] + e).astype(np.float32),
+        "engine_logp": engine.astype(np.float32),
+    }
+    return cols, delta
+
+
 def write_run(
     runs_dir: str | os.PathLike[str],
     run_id: str,
@@ -95,9 +143,10 @@ def write_run(
     metrics: Mapping[str, np.ndarray] | None,
     manifest: Mapping[str, Any] | None = None,
     layers: Mapping[str, np.ndarray] | None = None,
+    tokens: Mapping[str, np.ndarray] | None = None,
     config_format: str = "json",
 ) -> Path:
-    """Write one run directory of the contract (status.json, manifest.json, config, metrics/layers parquet)."""
+    """Write one run directory of the contract (status.json, manifest.json, config, metrics/layers/token parquet)."""
     path = Path(runs_dir) / run_id
     path.mkdir(parents=True, exist_ok=True)
     if config_format == "json":
@@ -107,11 +156,18 @@ def write_run(
 
         (path / "config.yaml").write_text(yaml.safe_dump(dict(config)))
     (path / "status.json").write_text(json.dumps(status))
-    (path / "manifest.json").write_text(json.dumps(manifest or {"git_sha": "0" * 40, "seed": config.get("seed")}))
+    if manifest is None:
+        manifest = {"git_sha": "0" * 40, "seed": config.get("seed")}
+        labels = [v for k, v in config.items() if k.endswith("_precision") and isinstance(v, str) and v]
+        if labels:  # as study.precision.labels writes it
+            manifest["precision_emulated"] = any(v.endswith("-emulated") for v in labels)
+    (path / "manifest.json").write_text(json.dumps(manifest))
     if metrics is not None:
         pq.write_table(pa.table(dict(metrics)), path / "metrics.parquet")
     if layers is not None:
         pq.write_table(pa.table(dict(layers)), path / "routing_layers.parquet")
+    if tokens is not None:
+        pq.write_table(pa.table(dict(tokens)), path / "token_samples.parquet")
     return path
 
 
@@ -127,11 +183,15 @@ def make_study(
     n_extra: int = 0,
     fail: Sequence[str] = (),
     config_format: str = "json",
+    token_mismatch: Callable[[Mapping[str, Any]], tuple[float, float]] | None = None,
+    eval_every: int = 10,
 ) -> list[str]:
     """Write runs algorithm x grid x seed under `root/runs`; returns the run ids in write order.
 
     `grid` maps dotted config keys to the values swept (the cartesian product is written). Algorithms listed in
-    `fail` get status failed after a third of their steps (metrics up to there kept).
+    `fail` get status failed after a third of their steps (metrics up to there kept). `token_mismatch(config)` ->
+    (mu, sigma), when given, writes token_samples.parquet (64 sequences at step 1, every eval step and the last
+    logged step) whose per-sequence log-ratios are N(mu, sigma) draws.
     """
     runs = Path(root) / "runs"
     grid = dict(grid or {})
@@ -151,7 +211,12 @@ def make_study(
                 run_id = digest[:12]  # content-addressed, like the real run ids
                 rng = np.random.default_rng(int(digest[:8], 16))
                 cols = synthetic_metrics(
-                    curve, n_steps=n_steps, flops_per_step=flops_per_step, rng=rng, n_extra=n_extra
+                    curve,
+                    n_steps=n_steps,
+                    flops_per_step=flops_per_step,
+                    rng=rng,
+                    n_extra=n_extra,
+                    eval_every=eval_every,
                 )
                 status: dict[str, Any] = {"state": "completed", "step": n_steps}
                 if curve.collapse_step is not None and curve.collapse_step <= n_steps:
@@ -169,8 +234,20 @@ def make_study(
                     vocab.LAYER_SLOT: np.tile(0.05 * (1 + np.arange(n_layers)), len(steps))
                     + 0.002 * rng.standard_normal(len(steps) * n_layers),
                 }
+                tokens = None
+                if token_mismatch is not None:
+                    mu, sigma = token_mismatch(config)
+                    at = token_steps(int(steps[-1]), eval_every)
+                    tokens = synthetic_token_samples(at, mu=mu, sigma=sigma, rng=rng)[0]
                 write_run(
-                    runs, run_id, config=config, status=status, metrics=cols, layers=layers, config_format=config_format
+                    runs,
+                    run_id,
+                    config=config,
+                    status=status,
+                    metrics=cols,
+                    layers=layers,
+                    tokens=tokens,
+                    config_format=config_format,
                 )
                 ids.append(run_id)
     return ids

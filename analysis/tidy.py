@@ -10,7 +10,10 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
   error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`, `error`/`message`);
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
   metric columns (`reward_mean`, `clip_frac`, ...);
-- optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns).
+- optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns);
+- optionally `token_samples.parquet` (one row per response token of a subset of rollouts: `step`, `sample`, `pos`,
+  `trainer_logp` (the training engine's pi_old recompute), `engine_logp` (the rollout engine's log-prob)); runs
+  written before the loop logged it have none, which is not an error.
 
 Tables (pandas; `Study.write` stores each as parquet):
 
@@ -20,7 +23,16 @@ Tables (pandas; `Study.write` stores each as parquet):
 - `runs`: one row per run directory found: run_id, algorithm, <axes>, seed, state, collapse_step, collapse_reason,
   error, n_steps, last_step, last_compute, path. Failed and collapsed runs are kept and labelled, never dropped.
 - `layers`: the per-layer routing tables in long form (run_id, algorithm, <axes>, seed, step, layer, metric, value).
+- `tokens`: token samples (run_id, algorithm, <axes>, seed, <precision keys>, precision_emulated, step, sample, pos,
+  trainer_logp, engine_logp), at most `max_token_rows` rows per run (a seeded random subset of the run's rows when it
+  has more; float32): what Figure 4b scatters.
+- `sequences`: one row per sampled sequence, computed from *every* token row before any subsampling (run_id, ...,
+  step, sample, n_tokens, seq_log_ratio = mean over the sequence's tokens of trainer_logp - engine_logp, i.e. the log
+  of the GSPO length-normalised sequence ratio (pi_trainer(y|x) / pi_engine(y|x))^(1/|y|)).
 - `missing`: the run ids a study asked for that have no directory (also warned about: nothing is dropped silently).
+
+`runs.precision_emulated` says whether a run's low precision was emulated (the manifest's `precision_emulated`, else
+a `*_precision` config value ending in "-emulated"; None when the run says nothing).
 
 Swept axes are the flattened config keys whose value differs between the loaded runs (seed and algorithm excluded,
 and bookkeeping keys such as paths); pass `axes=` to name them instead.
@@ -31,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +61,13 @@ STATUS_FILE = "status.json"
 MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.parquet"
 LAYERS_FILE = "routing_layers.parquet"
+TOKENS_FILE = "token_samples.parquet"
+TOKEN_COLUMNS = ("step", "sample", "pos", "trainer_logp", "engine_logp")
+MAX_TOKEN_ROWS = 20_000
+"""Token rows kept per run in `Study.tokens` (a seeded random subset beyond this; sequences use every row)."""
+PRECISION_KEYS = ("train_dtype", "rollout_dtype", "old_logp_source")
+"""Config keys that define a precision configuration (joined to the token tables even when not swept)."""
+EMULATED = "precision_emulated"
 CONFIG_FILES = (
     "config.yaml",
     "config.yml",
@@ -64,7 +84,14 @@ UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
 NON_AXIS_KEYS = frozenset(
     {"run_id", "seed", "algorithm", "name", "results", "results_dir", "output_dir", "out_dir", "run_dir", "job_id"}
 )
-OUTPUT_FILES = {"long": "tidy.parquet", "runs": "runs.parquet", "layers": "layers.parquet", "missing": "missing.json"}
+OUTPUT_FILES = {
+    "long": "tidy.parquet",
+    "runs": "runs.parquet",
+    "layers": "layers.parquet",
+    "tokens": "tokens.parquet",
+    "sequences": "sequences.parquet",
+    "missing": "missing.json",
+}
 
 
 @dataclass
@@ -81,6 +108,10 @@ class RunRecord:
     layers: pa.Table | None
     read_errors: list[str] = field(default_factory=list)
     """Files of the contract that could not be read (reported in the runs table's `error`)."""
+    tokens: dict[str, np.ndarray] | None = None
+    """token_samples.parquet's columns, subsampled to at most MAX_TOKEN_ROWS rows (None: no file)."""
+    sequences: dict[str, np.ndarray] | None = None
+    """Per-sequence step, sample, n_tokens and seq_log_ratio from every token row (None: no file)."""
 
     @property
     def state(self) -> str:
@@ -101,6 +132,15 @@ class RunRecord:
             return _as_int(seeds[0])
         return _as_int(self.manifest.get("seed"))
 
+    @property
+    def precision_emulated(self) -> bool | None:
+        """The manifest's precision_emulated, else whether a *_precision config value ends in "-emulated"."""
+        value = self.manifest.get(EMULATED)
+        if isinstance(value, bool):
+            return value
+        labels = [v for k, v in self.config.items() if k.endswith("_precision") and isinstance(v, str) and v]
+        return any(v.endswith("-emulated") for v in labels) if labels else None
+
 
 @dataclass
 class Study:
@@ -115,6 +155,10 @@ class Study:
     """run_id -> flattened resolved config."""
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     """run_id -> manifest (provenance for the report)."""
+    tokens: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """Token samples (trainer vs engine log-prob), subsampled per run; empty when no run wrote token_samples."""
+    sequences: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """Per-sequence mean log-ratio trainer - engine of every sampled sequence; empty when no run wrote any."""
 
     @property
     def metrics(self) -> list[str]:
@@ -134,11 +178,11 @@ class Study:
         return self.long[self.long[METRIC].cat.codes.to_numpy() == code]
 
     def write(self, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-        """Write long/runs/layers as parquet and the missing ids as JSON (atomically); returns the paths."""
+        """Write long/runs/layers/tokens/sequences as parquet and the missing ids as JSON (atomically)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {}
-        for key in ("long", "runs", "layers"):
+        for key in ("long", "runs", "layers", "tokens", "sequences"):
             paths[key] = _atomic_parquet(getattr(self, key), out / OUTPUT_FILES[key])
         meta = {"missing": self.missing, "axes": self.axes}
         paths["missing"] = _atomic_text(json.dumps(meta, indent=2), out / OUTPUT_FILES["missing"])
@@ -149,12 +193,17 @@ def read_study(out_dir: str | os.PathLike[str]) -> Study:
     """Read back what `Study.write` wrote (configs/manifests are not stored there: reload runs for those)."""
     out = Path(out_dir)
     meta = json.loads((out / OUTPUT_FILES["missing"]).read_text())
+    optional = {
+        key: pd.read_parquet(out / OUTPUT_FILES[key]) if (out / OUTPUT_FILES[key]).exists() else pd.DataFrame()
+        for key in ("tokens", "sequences")
+    }  # older tidy folders have neither
     return Study(
         long=pd.read_parquet(out / OUTPUT_FILES["long"]),
         runs=pd.read_parquet(out / OUTPUT_FILES["runs"]),
         layers=pd.read_parquet(out / OUTPUT_FILES["layers"]),
         axes=list(meta["axes"]),
         missing=list(meta["missing"]),
+        **optional,
     )
 
 
@@ -198,7 +247,51 @@ def _read_config(run_dir: Path) -> tuple[dict[str, Any], str | None]:
     return {}, f"no resolved config (looked for {', '.join(CONFIG_FILES)})"
 
 
-def read_run(run_dir: str | os.PathLike[str]) -> RunRecord:
+def read_token_samples(
+    path: str | os.PathLike[str], *, max_rows: int = MAX_TOKEN_ROWS, seed: int = 0
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """token_samples.parquet -> (token columns subsampled to `max_rows` rows, per-sequence table from every row).
+
+    The subset is a seeded uniform random choice of rows, kept in file order. The per-sequence table has one row per
+    (step, sample): n_tokens and seq_log_ratio = mean over its tokens of trainer_logp - engine_logp (float64).
+    Raises ValueError when a column is missing.
+    """
+    t = pq.read_table(path)
+    absent = [c for c in TOKEN_COLUMNS if c not in t.column_names]
+    if absent:
+        raise ValueError(f"missing column(s) {', '.join(absent)}; present: {', '.join(t.column_names)}")
+    step = t.column("step").to_numpy().astype(np.int64)
+    sample = t.column("sample").to_numpy().astype(np.int64)
+    trainer = t.column("trainer_logp").cast(pa.float32()).to_numpy(zero_copy_only=False)
+    engine = t.column("engine_logp").cast(pa.float32()).to_numpy(zero_copy_only=False)
+    # sequences: group rows by (step, sample) with one stable sort (files are written grouped, but do not rely on it)
+    diff = trainer.astype(np.float64) - engine.astype(np.float64)
+    order = np.lexsort((sample, step))
+    key_s, key_i = step[order], sample[order]
+    start = np.flatnonzero(np.r_[True, (np.diff(key_s) != 0) | (np.diff(key_i) != 0)]) if len(order) else order
+    n_tok = np.diff(np.r_[start, len(order)])
+    sums = np.add.reduceat(diff[order], start) if len(order) else np.zeros(0)
+    sequences = {
+        "step": key_s[start],
+        "sample": key_i[start],
+        "n_tokens": n_tok.astype(np.int64),
+        "seq_log_ratio": sums / np.maximum(n_tok, 1),
+    }
+    n, keep = t.num_rows, slice(None)
+    if n > max_rows:
+        keep = np.sort(np.random.default_rng(seed).choice(n, size=max_rows, replace=False))
+    pos = t.column("pos").to_numpy().astype(np.int64)
+    tokens = {
+        "step": step[keep],
+        "sample": sample[keep],
+        "pos": pos[keep],
+        "trainer_logp": trainer[keep],
+        "engine_logp": engine[keep],
+    }
+    return tokens, sequences
+
+
+def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN_ROWS) -> RunRecord:
     """Read one run directory. Unreadable files are recorded in `read_errors`, never raised."""
     path = Path(run_dir)
     errors: list[str] = []
@@ -230,6 +323,13 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunRecord:
     if metrics is not None and STEP not in metrics.column_names:
         errors.append(f"{METRICS_FILE}: no '{STEP}' column")
         metrics = None
+    tokens = sequences = None
+    if (path / TOKENS_FILE).exists():  # optional: older runs have none
+        try:
+            seed = zlib.crc32(path.name.encode())  # the same subset on every load
+            tokens, sequences = read_token_samples(path / TOKENS_FILE, max_rows=max_token_rows, seed=seed)
+        except Exception as exc:
+            errors.append(f"{TOKENS_FILE}: {exc}")
     return RunRecord(
         run_id=path.name,
         path=path,
@@ -239,6 +339,8 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunRecord:
         metrics=metrics,
         layers=tables[LAYERS_FILE],
         read_errors=errors,
+        tokens=tokens,
+        sequences=sequences,
     )
 
 
@@ -256,11 +358,13 @@ def load_study(
     metrics: Sequence[str] | None = None,
     workers: int | None = None,
     warn_missing: bool = True,
+    max_token_rows: int = MAX_TOKEN_ROWS,
 ) -> Study:
     """Load every run under `results_dir` (or just `run_ids`, reporting those without a directory as missing).
 
     `axes` names the swept config keys (dotted); by default they are inferred as the keys that differ between runs.
     `metrics` restricts the long table to those metric columns (default: every numeric column).
+    `max_token_rows` bounds the token samples kept per run (Study.tokens; Study.sequences uses every row).
     """
     base = runs_dir(results_dir)
     if run_ids is None:
@@ -277,11 +381,15 @@ def load_study(
             f"{len(missing)} run(s) of the study have no directory under {base}: {', '.join(missing)}", stacklevel=2
         )
     n_workers = workers or min(8, (os.cpu_count() or 1) * 2)
+
+    def read(rid: str) -> RunRecord:
+        return read_run(base / rid, max_token_rows=max_token_rows)
+
     if n_workers > 1 and len(wanted) > 8:
         with ThreadPoolExecutor(n_workers) as pool:  # parquet/JSON reads release the GIL
-            records = list(pool.map(read_run, [base / rid for rid in wanted]))
+            records = list(pool.map(read, wanted))
     else:
-        records = [read_run(base / rid) for rid in wanted]
+        records = [read(rid) for rid in wanted]
     return build_study(records, axes=axes, metrics=metrics, missing=missing)
 
 
@@ -325,6 +433,7 @@ def build_study(
             "n_steps": [0 if r.metrics is None else r.metrics.num_rows for r in records],
             "last_step": pd.array([_last(r.metrics, STEP) for r in records], dtype="Int64"),
             "last_compute": [_last(r.metrics, COMPUTE) for r in records],
+            EMULATED: pd.array([r.precision_emulated for r in records], dtype="boolean"),
             "path": [str(r.path) for r in records],
         }
     )
@@ -332,6 +441,13 @@ def build_study(
     run_cols = {RUN_ID: run_ids, ALGORITHM: algs, **axis_values, SEED: seeds}
     long = _long_table([r.metrics for r in records], run_cols, index=(STEP, COMPUTE, WALL), metrics=metrics)
     layers = _long_table([r.layers for r in records], run_cols, index=(STEP, LAYER), metrics=None)
+    token_cols = {
+        **run_cols,
+        **{k: [_axis_value(r.config.get(k)) for r in records] for k in PRECISION_KEYS if k not in run_cols},
+        EMULATED: [r.precision_emulated for r in records],
+    }
+    tokens = _stack([r.tokens for r in records], token_cols)
+    sequences = _stack([r.sequences for r in records], token_cols)
     return Study(
         long=long,
         runs=runs,
@@ -340,7 +456,23 @@ def build_study(
         missing=list(missing),
         configs={r.run_id: r.config for r in records},
         manifests={r.run_id: r.manifest for r in records},
+        tokens=tokens,
+        sequences=sequences,
     )
+
+
+def _stack(per_run: Sequence[Mapping[str, np.ndarray] | None], run_cols: Mapping[str, Sequence[Any]]) -> pd.DataFrame:
+    """Concatenate per-run column dicts, with the per-run constants as categorical columns (empty: no columns)."""
+    present = [(i, d) for i, d in enumerate(per_run) if d is not None]
+    if not present:
+        return pd.DataFrame()
+    rows = np.array([0 if d is None else len(next(iter(d.values()))) for d in per_run], dtype=np.int64)
+    out: dict[str, Any] = {}
+    for col, values in run_cols.items():
+        out[col] = _categorical_by_run(values, rows)
+    for name in present[0][1]:
+        out[name] = np.concatenate([d[name] for _, d in present])
+    return pd.DataFrame(out, copy=False)
 
 
 def _long_table(

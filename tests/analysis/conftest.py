@@ -18,6 +18,9 @@ TRUTH = {
     "sapo": C(a=0.7, b=1.5, c_mid=1.2e13, clip_low=0.0, clip_high=0.0),
 }
 
+TOKEN_TRUTH = {"bf16": (0.02, 0.01), "fp16": (-0.005, 0.002)}
+"""(mean, std) of the per-sequence log-ratio trainer - engine in token_samples.parquet, per rollout dtype."""
+
 
 @pytest.fixture(scope="session")
 def study_dir(tmp_path_factory: pytest.TempPathFactory):
@@ -30,6 +33,7 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory):
         flops_per_step=1e11,
         grid={"max_new_tokens": [256, 1024], "rollout_dtype": ["bf16", "fp16"]},
         fail=["sapo"],
+        token_mismatch=lambda config: TOKEN_TRUTH[config["rollout_dtype"]],
     )
     return root, ids
 
