@@ -3,12 +3,17 @@
 `python -m sweeps.expand SWEEP.yaml` lists the run ids; `--write-config RUN_ID --out FILE` writes one resolved
 config (what the Snakemake `resolve` rule calls). Identical runs (in one study or across studies) share a run id,
 the content hash of the resolved config, so they are listed and run once.
+
+A sweep with `tuned: FILE` (a tuned file, written by `python -m sweeps.tune`) runs every algorithm with its tuned
+values: each run's config is the preset, then `base`, then the tuned RunConfig fields and hyper-parameters of the run's
+algorithm, then the axis values. The file must exist and hold every algorithm the sweep runs, before any job starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +23,7 @@ import yaml
 
 import algorithms
 from study.runconfig import PRESET_RUNS, RunConfig
-from sweeps.schema import SweepError, validate_sweep
+from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,12 @@ class Sweep:
     mode: str = "grid"
     preset: str | None = None
     source: str = "sweep"
+    tuned: str | None = None
+    """Path of the tuned file (the sweep's `tuned:`), or None."""
+    tuned_values: dict[str, dict[str, Any]] | None = None
+    """algorithm -> {"config": {field: value}, "hparams": {...}} from the tuned file."""
+    tune: dict[str, Any] | None = None
+    """The `tune:` section of a tuning sweep (sweeps/tune.py), or None."""
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sweep") -> Sweep:
@@ -40,7 +51,10 @@ class Sweep:
         if mode == "zip" and len({len(v) for v in axes.values()}) > 1:
             lengths = ", ".join(f"{k}: {len(v)}" for k, v in axes.items())
             raise SweepError(f"{where}: mode = 'zip' needs axes of equal length; got {lengths}")
-        return cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where)
+        tuned = data.get("tuned")
+        tuned_values = load_tuned(tuned, where=f"{where}: tuned") if tuned else None
+        return cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
+                   tuned_values, data.get("tune"))  # fmt: skip
 
     def combinations(self) -> list[dict[str, Any]]:
         """The axis values of every run, in file order (grid: last axis fastest)."""
@@ -51,9 +65,22 @@ class Sweep:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def run_data(self, combo: dict[str, Any]) -> dict[str, Any]:
-        """Preset, then base, then the axis values (mappings such as hparams are merged, not replaced)."""
+        """Preset, then base, then the tuned values of the run's algorithm, then the axis values (mappings such as
+        hparams are merged, not replaced)."""
         data: dict[str, Any] = dict(PRESET_RUNS[self.preset]) if self.preset else {}
-        for layer in (self.base, combo):
+        layers = [self.base, combo]
+        if self.tuned_values is not None:
+            algorithm = combo.get("algorithm", self.base.get("algorithm", RunConfig.algorithm))
+            if algorithm not in self.tuned_values:
+                raise SweepError(
+                    f"{self.source}: tuned = {self.tuned!r} has no tuned values for algorithm {algorithm!r} (tuned: "
+                    f"{', '.join(self.tuned_values)}); valid: tune it too (add it to the tuning sweep's "
+                    "axes.algorithm), or drop it from this sweep: a comparison of tuned and untuned algorithms is "
+                    "not fair"
+                )
+            entry = self.tuned_values[algorithm]
+            layers.insert(1, {**entry["config"], "hparams": dict(entry["hparams"])})
+        for layer in layers:
             for key, value in layer.items():
                 merge = isinstance(value, dict) and isinstance(data.get(key), dict)
                 data[key] = {**data[key], **value} if merge else value
@@ -70,6 +97,38 @@ class Sweep:
                 raise SweepError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from err
             runs.setdefault(cfg.run_id, cfg)
         return runs
+
+
+def tune_command(path: str) -> str:
+    """The command that writes the tuned file `path` (RESULTS/tune/<name>/best.yaml <- sweeps/<name>.yaml)."""
+    match = re.search(r"(?:^|/)tune/([A-Za-z0-9_.-]+)/best\.ya?ml$", path)
+    sweep = f"sweeps/{match.group(1)}.yaml" if match and Path("sweeps", f"{match.group(1)}.yaml").is_file() else None
+    if sweep is None:
+        return "`python -m sweeps.tune TUNING_SWEEP.yaml`, which writes RESULTS/tune/<name>/best.yaml (copy it here)"
+    results = path[: match.start()] if match.start() else "."
+    extra = f" --results {results}" if results not in (".", "results") else ""
+    return f"`python -m sweeps.tune {sweep}{extra}` (or `snakemake tune --cores all --config sweep={sweep}`)"
+
+
+def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str, Any]]:
+    """algorithm -> {"config": {...}, "hparams": {...}} of a tuned file, validated (schema and each algorithm's
+    hyper-parameter ranges); a missing file names the field and the command that writes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"{where} = {str(path)!r}: no such file; write it with {tune_command(str(path))}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SweepError(f"{where} = {str(path)!r}: not valid YAML: {err}") from err
+    validate_tuned_file(data, where=f"{where} = {str(path)!r}")
+    out = {}
+    for name, entry in data["algorithms"].items():
+        try:
+            algorithms.get(name).check_hparams(entry["hparams"])
+        except ValueError as err:
+            raise SweepError(f"{where} = {str(path)!r}: algorithms.{name}.hparams: {err}") from None
+        out[name] = {"config": dict(entry["config"]), "hparams": dict(entry["hparams"])}
+    return out
 
 
 def load_sweep(path: str | Path) -> Sweep:

@@ -10,9 +10,12 @@ A sweep file:
       algorithm: all
       seed: [0, 1, 2]
     mode: grid                 # grid: the cross product of the axes; zip: the i-th value of every axis together
+    tuned: results/tune/tune/best.yaml   # optional: tuned lr/hparams per algorithm (python -m sweeps.tune writes it)
+    tune: {trials: 4, ...}     # optional: makes this a tuning sweep (sweeps/tune.py documents the section)
 
 Errors name the field (as a dotted path: `axes.algorithm[2]`) and the valid values, before any job starts.
 Cross-field rules (minibatches divides the batch, ...) are RunConfig.validate's, run on every expanded run.
+The tuned file (what `tuned:` names) has its own schema, `tuned_file_schema()`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from study.config import DTYPES, PRESETS
 from study.runconfig import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
-TOP_LEVEL = ("name", "preset", "base", "axes", "mode", "description")
+TOP_LEVEL = ("name", "preset", "base", "axes", "mode", "description", "tuned", "tune")
+OBJECTIVES = tuple(f"eval_{split}" for split in tasks.EVAL_SPLITS)  # held-out eval columns of metrics.parquet
+PRUNERS = ("median", "percentile", "threshold", "none")
+SAMPLERS = ("tpe", "random")
+TUNABLE_FIELDS = ("lr", "weight_decay", "grad_clip")  # RunConfig fields a tuning sweep may search (plus hparams)
+TUNED_FORMAT = 1
 
 
 class SweepError(ValueError):
@@ -89,6 +97,94 @@ def sweep_schema() -> dict[str, Any]:
             "base": base,
             "axes": {"type": "object", "properties": axes, "additionalProperties": False},
             "mode": {"enum": list(MODES)},
+            "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
+            "tune": tune_schema(),
+        },
+        "additionalProperties": False,
+    }
+
+
+_NUMBER = {"type": ["number", "string"]}  # YAML 1.1 reads 1e-4 as a string; sweeps/tune.py coerces and checks it
+
+
+def tune_schema() -> dict[str, Any]:
+    """JSON Schema of a sweep's `tune:` section (the meaning of each key: sweeps/tune.py's docstring)."""
+    bounds = {
+        "type": "object",
+        "properties": {"low": _NUMBER, "high": _NUMBER, "log": {"type": "boolean"}},
+        "required": ["low", "high"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "required": ["trials"],
+        "properties": {
+            "trials": {"type": "integer", "minimum": 1},
+            "objective": {"enum": list(OBJECTIVES)},
+            "spread": _NUMBER,
+            "space": {"type": "object", "additionalProperties": {"oneOf": [{"const": "fixed"}, bounds]}},
+            "pruner": {
+                "type": "object",
+                "properties": {
+                    "name": {"enum": list(PRUNERS)},
+                    "startup_trials": {"type": "integer", "minimum": 0},
+                    "warmup_steps": {"type": "integer", "minimum": 0},
+                    "percentile": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 100},
+                    "lower": {"type": "number"},
+                },
+                "additionalProperties": False,
+            },
+            "sampler": {
+                "type": "object",
+                "properties": {"name": {"enum": list(SAMPLERS)}, "seed": {"type": "integer", "minimum": 0}},
+                "additionalProperties": False,
+            },
+            "storage": {"type": "string", "minLength": 1},
+        },
+        "additionalProperties": False,
+    }
+
+
+def tuned_file_schema() -> dict[str, Any]:
+    """JSON Schema of a tuned file (results/tune/<name>/best.yaml, written by sweeps/tune.py): per algorithm the
+    RunConfig fields and hyper-parameters to run it with, plus the provenance of the tuning."""
+    entry = {
+        "type": "object",
+        "required": ["config", "hparams"],
+        "properties": {
+            "config": {
+                "type": "object",
+                "properties": {name: {"type": "number"} for name in TUNABLE_FIELDS},
+                "additionalProperties": False,
+            },
+            "hparams": {"type": "object"},
+            "value": {"type": "number"},
+            "trial": {"type": "integer", "minimum": 0},
+            "run_id": {"type": "string"},
+            "trials": {"type": "object"},
+            "space": {"type": "object"},
+        },
+        "additionalProperties": False,
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "tuned hyper-parameters",
+        "type": "object",
+        "required": ["format", "algorithms"],
+        "properties": {
+            "format": {"const": TUNED_FORMAT},
+            "study": {"type": "string"},
+            "source": {"type": "string"},
+            "objective": {"type": "object"},
+            "budget": {"type": "object"},
+            "storage": {"type": "string"},
+            "provenance": {"type": "object"},
+            "algorithms": {
+                "type": "object",
+                "minProperties": 1,
+                "propertyNames": {"enum": list(algorithms.names())},
+                "additionalProperties": entry,
+            },
         },
         "additionalProperties": False,
     }
@@ -112,6 +208,14 @@ def _message(error: jsonschema.ValidationError) -> str:
         return f"{where} = {error.instance!r}; valid: {', '.join(map(str, error.validator_value))}"
     if error.validator == "oneOf" and where.startswith("axes.algorithm"):
         return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(algorithms.names())}"
+    if error.validator == "oneOf" and where.startswith("tune.space."):
+        return f"{where} = {error.instance!r}; valid: `fixed`, or {{low: X, high: Y}} with optional log: true|false"
+    if error.validator == "const":
+        return f"{where} = {error.instance!r}; valid: {error.validator_value!r}"
+    if error.validator == "pattern":
+        return f"{where} = {error.instance!r}: must match {error.validator_value} (a YAML file)"
+    if error.validator in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        return f"{where} = {error.instance!r}: {error.validator} is {error.validator_value}"
     if error.validator == "type":
         return f"{where} = {error.instance!r}: must be {error.validator_value}"
     if error.validator == "minItems":
@@ -130,10 +234,19 @@ def _leaves(error: jsonschema.ValidationError) -> list[jsonschema.ValidationErro
     return [error]
 
 
-def validate_sweep(data: Any, *, where: str = "sweep") -> None:
-    """Raise SweepError listing every schema violation of `data` (a parsed sweep file)."""
-    validator = jsonschema.Draft202012Validator(sweep_schema())
+def _validate(schema: dict[str, Any], data: Any, where: str) -> None:
+    validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         messages = list(dict.fromkeys(_message(leaf) for error in errors for leaf in _leaves(error)))
         raise SweepError(f"{where}: " + "\n  ".join(messages))
+
+
+def validate_sweep(data: Any, *, where: str = "sweep") -> None:
+    """Raise SweepError listing every schema violation of `data` (a parsed sweep file)."""
+    _validate(sweep_schema(), data, where)
+
+
+def validate_tuned_file(data: Any, *, where: str = "tuned file") -> None:
+    """Raise SweepError listing every schema violation of `data` (a parsed tuned file)."""
+    _validate(tuned_file_schema(), data, where)
