@@ -17,6 +17,7 @@ configfile: "sweeps/config.yaml"
 include: "sweeps/rules/common.smk"
 include: "sweeps/rules/run.smk"
 include: "sweeps/rules/report.smk"
+include: "sweeps/rules/tune.smk"
 
 
 rule all:

@@ -1,0 +1,27 @@
+# Helpers of tune.smk (the tuning rules): the tuning sweep's algorithms, threads, paths.
+import re
+
+import algorithms  # noqa: E402
+
+TUNE_DIR = f"{RESULTS}/tune/{STUDY}"
+TUNE_ALGORITHMS = list(dict.fromkeys(cfg.algorithm for cfg in RUNS.values())) if SWEEP.tune is not None else []
+
+
+def tune_inputs(wildcards):
+    """Every algorithm's tuned part; a sweep without `tune:` fails here, before any job starts."""
+    if SWEEP.tune is None:
+        raise WorkflowError(
+            f"{config['sweep']}: no `tune:` section, so the `tune` target has nothing to tune; valid: a tuning sweep "
+            "such as --config sweep=sweeps/tune.yaml"
+        )
+    return expand(f"{TUNE_DIR}/{{algorithm}}.yaml", algorithm=TUNE_ALGORITHMS)
+
+
+def tune_threads(wildcards):
+    """torch threads of the algorithm's trials (its starting run's RunConfig.threads)."""
+    return max(cfg.threads for cfg in RUNS.values() if cfg.algorithm == wildcards.algorithm)
+
+
+def results_of_tune(wildcards, output):
+    """The results root, from results/tune/<name>/<file>.yaml."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(output[0])))
