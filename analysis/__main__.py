@@ -1,27 +1,125 @@
-"""`python -m analysis report RESULTS_DIR [--study NAME] [--out DIR]`: rebuild a study's report from its run
-directories (nothing is rerun) and print the path of index.html."""
+"""`python -m analysis collect|figures|report`: the analysis steps of the study workflow, each runnable by hand.
+
+    python -m analysis collect STATUS.json ... --study NAME --out FILE  # these run directories' ids -> FILE
+    python -m analysis figures RESULTS_DIR --study NAME --out DIR       # the study's figures -> DIR (nothing is rerun)
+    python -m analysis report RESULTS_DIR --study NAME [--out DIR]      # -> RESULTS_DIR/NAME/report/index.html
+
+A study's runs are those listed in RESULTS_DIR/NAME/run_ids.txt (what `collect` writes) or study.json; without
+--study, every run under RESULTS_DIR/runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
+
+CAPTIONS = "captions"
+"""Subdirectory of a `figures` output holding one reStructuredText caption per figure (NAME.rst)."""
+INDEX = "figures.json"
+"""The `figures` output's index: figure name -> files and caption, and the skipped figures with the reason."""
+
+
+def _atomic_write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def rst_escape(text: str) -> str:
+    """`text` as one reStructuredText paragraph that renders verbatim: every character but ASCII letters, digits and
+    whitespace backslash-escaped, so no `*`, backtick, `_`, `|` or leading `1.` is read as markup."""
+    return re.sub(r"([^0-9A-Za-z\s])", r"\\\1", " ".join(text.split()))
+
+
+def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: str) -> Path:
+    """Write the run ids of `status_files` (RESULTS/runs/RUN_ID/status.json), in the given order, to `out`, one a
+    line after a `# study NAME` header; print how many runs ended in each state."""
+    ids, states = [], Counter()
+    for path in map(Path, status_files):
+        if path.name != "status.json":
+            raise SystemExit(f"collect: {path} is not a run's status.json")
+        ids.append(path.parent.name)
+        try:
+            states[str(json.loads(path.read_text()).get("state", "unknown"))] += 1
+        except (OSError, ValueError):
+            states["unreadable"] += 1
+    unique = list(dict.fromkeys(ids))
+    written = _atomic_write(Path(out), f"# study {study}: {len(unique)} run(s)\n" + "".join(f"{r}\n" for r in unique))
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
+    print(f"{len(unique)} run id(s) of study {study} ({summary}) -> {written}")
+    return written
+
+
+def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathLike[str]) -> Path:
+    """Render the study's figures into `out_dir` (analysis.figures.make_all: PNG, PDF, SVG), one caption per figure
+    under `out_dir/captions/NAME.rst` and the index `out_dir/figures.json`; return the index's path."""
+    from analysis import figures
+    from analysis.report import study_run_ids
+    from analysis.tidy import load_study
+
+    out = Path(out_dir)
+    st = load_study(results_dir, study_run_ids(results_dir, study))
+    rendered = figures.make_all(st, out)
+    for name, caption in rendered.captions.items():
+        _atomic_write(out / CAPTIONS / f"{name}.rst", rst_escape(caption) + "\n")
+    index = {
+        "study": study or "all",
+        "figures": {
+            name: {"files": [p.name for p in paths], "caption": rendered.captions[name]}
+            for name, paths in rendered.paths.items()
+        },
+        "skipped": dict(rendered.skipped),
+    }
+    path = _atomic_write(out / INDEX, json.dumps(index, indent=1) + "\n")
+    for name, why in rendered.skipped.items():
+        for stale in [out / CAPTIONS / f"{name}.rst", *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg"))]:
+            stale.unlink(missing_ok=True)  # drawn by an earlier call into this directory, no longer valid
+        print(f"skipped {name}: {why}")
+    print(f"{len(rendered.paths)} figure(s) -> {out}")
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    study_help = "study name: its runs are listed in RESULTS_DIR/NAME/run_ids.txt or study.json"
+
+    col = sub.add_parser("collect", help="write the run ids of the given run directories' status.json files")
+    col.add_argument("status", nargs="*", help="RESULTS_DIR/runs/RUN_ID/status.json of every run of the study")
+    col.add_argument("--study", required=True, help="study name (written in the file's header)")
+    col.add_argument("--out", required=True, help="output file (RESULTS_DIR/<study>/run_ids.txt)")
+
+    fig = sub.add_parser("figures", help="render the study's figures (PNG, PDF, SVG) with their captions")
+    fig.add_argument("results_dir", help="the results directory (holding runs/{run_id}/)")
+    fig.add_argument("--study", default=None, help=study_help)
+    fig.add_argument("--out", required=True, help="output directory (the workflow's: RESULTS_DIR/<study>/figures)")
+
     rep = sub.add_parser("report", help="rebuild results/<study>/report/index.html (+ index.md) from run directories")
     rep.add_argument("results_dir", help="the results directory (holding runs/{run_id}/)")
-    rep.add_argument(
-        "--study", default=None, help="study name: its runs are listed in RESULTS_DIR/NAME/run_ids.txt or study.json"
-    )
+    rep.add_argument("--study", default=None, help=study_help)
     rep.add_argument("--out", default=None, help="output directory (default RESULTS_DIR/<study or 'all'>/report)")
     args = parser.parse_args(argv)
+
+    if args.command == "collect":
+        collect(args.out, args.status, study=args.study)
+        return 0
     import matplotlib
 
     matplotlib.use("Agg")
+    if args.command == "figures":
+        make_figures(args.results_dir, study=args.study, out_dir=args.out)
+        return 0
     from analysis import report
 
     result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out)
