@@ -1,4 +1,4 @@
-# Helpers: config validation, the sweep's runs, paths. Imported names are used by run.smk and report.smk.
+# Helpers: config validation, the sweep's runs and the cold starts they need, paths. Used by the other rule files.
 import os
 import sys
 
@@ -7,6 +7,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)  # the repository root: study, sweeps, analysis
 
+from study.coldstart import resolve_settings  # noqa: E402
 from sweeps.expand import load_sweep, write_config  # noqa: E402
 from sweeps.schema import SweepError  # noqa: E402
 
@@ -24,10 +25,26 @@ RESULTS = config["results"]
 STUDY = SWEEP.name
 STUDY_DIR = f"{RESULTS}/{STUDY}"
 REPORT = f"{STUDY_DIR}/report/index.html"
+FIGURES = f"{STUDY_DIR}/figures"
+
+
+def coldstart_name(cfg):
+    """results/coldstart/<name> of a run with coldstart = "auto": the directory `study.rl.initial_policy` gets from
+    ensure_coldstart(model, task, results) with its defaults; None for a run given a checkpoint (or "scratch")."""
+    if cfg.coldstart != "auto":
+        return None
+    return resolve_settings(cfg.model, cfg.task, band=(0.1, 0.5), seed=0, threads=1, init=None).dirname
+
+
+RUN_COLDSTART = {run_id: coldstart_name(cfg) for run_id, cfg in RUNS.items()}  # run id -> cold start (or None)
+COLDSTARTS = {  # cold-start directory name -> (model preset, task), one `coldstart` job each
+    name: (cfg.model, cfg.task) for cfg, name in zip(RUNS.values(), RUN_COLDSTART.values()) if name is not None
+}
 
 
 wildcard_constraints:
     run_id=r"[A-Za-z0-9_]+-[0-9a-f]{12}",
+    coldstart=r"[A-Za-z0-9_]+-[A-Za-z0-9_]+-[0-9a-f]{12}",
 
 
 def run_threads(wildcards):
@@ -39,16 +56,35 @@ def status_files(wildcards):
     return [f"{RESULTS}/runs/{run_id}/status.json" for run_id in RUNS]
 
 
+def coldstart_of_run(wildcards):
+    """The finished cold start the run starts from (coldstart.json is written last), or nothing."""
+    name = RUN_COLDSTART[wildcards.run_id]
+    return [] if name is None else [f"{RESULTS}/coldstart/{name}/coldstart.json"]
+
+
+def coldstart_model(wildcards):
+    return COLDSTARTS[wildcards.coldstart][0]
+
+
+def coldstart_task(wildcards):
+    return COLDSTARTS[wildcards.coldstart][1]
+
+
 def configs_dir(wildcards, output):
     """results/<study>/configs, from the first resolved config's path."""
     return os.path.dirname(output[0])
 
 
 def results_of_run(wildcards, output):
-    """The results root, from results/runs/{run_id}/status.json."""
+    """The results root, from results/runs/{run_id}/status.json (or results/coldstart/{coldstart}/coldstart.json)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(output[0])))
 
 
 def results_of_report(wildcards, output):
     """The results root, from results/<study>/report/index.html."""
     return os.path.dirname(os.path.dirname(os.path.dirname(output[0])))
+
+
+def results_of_figures(wildcards, output):
+    """The results root, from results/<study>/figures."""
+    return os.path.dirname(os.path.dirname(output[0]))

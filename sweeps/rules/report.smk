@@ -1,4 +1,5 @@
-# collect: the study's run ids (what `python -m analysis report --study` reads); report: the study's HTML report.
+# collect: the run ids of the study's run directories (what `python -m analysis figures|report --study` read);
+# figures: the paper's figures (registered for `snakemake --report`); report: the study's own HTML report.
 
 
 rule collect:
@@ -10,18 +11,47 @@ rule collect:
         f"{STUDY_DIR}/logs/collect.log",
     params:
         python=PYTHON,
-        sweep=config["sweep"],
+        study=STUDY,
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m sweeps.expand {params.sweep} --run-ids {output} > {log} 2>&1"
+        # The ids are the parents of the input status files: exactly the runs this workflow ran.
+        "{params.python} -m analysis collect {input} --study {params.study} --out {output} > {log} 2>&1"
+
+
+rule figures:
+    input:
+        f"{STUDY_DIR}/run_ids.txt",
+    output:
+        # Which figures a study gets depends on its data (a figure without its metric or axis is skipped, with the
+        # reason in figures.json), so the rule's output is the directory and the report picks up its PNGs.
+        report(
+            directory(FIGURES),
+            patterns=["{figure}.png"],
+            caption="../report/figure.rst",
+            category="Figures",
+            labels={"figure": "{figure}"},
+        ),
+    log:
+        f"{STUDY_DIR}/logs/figures.log",
+    params:
+        python=PYTHON,
+        results=results_of_figures,
+        study=STUDY,
+    conda:
+        "../envs/study.yaml"
+    shell:
+        "{params.python} -m analysis figures {params.results} --study {params.study} --out {output} > {log} 2>&1"
 
 
 rule report:
     input:
         f"{STUDY_DIR}/run_ids.txt",
+        FIGURES,
     output:
-        REPORT,
+        # analysis.report.build_report draws the figures again from the same data (identical files) to embed them.
+        report(REPORT, caption="../report/report.rst", category="Report"),
+        report(f"{STUDY_DIR}/report/tables/scorecard.csv", caption="../report/scorecard.rst", category="Report"),
     log:
         f"{STUDY_DIR}/logs/report.log",
     params:

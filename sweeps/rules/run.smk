@@ -1,6 +1,7 @@
-# Resolve the study's configs, then one job per run id: `python -m study.launch` runs it (in-process, submitit's local
-# executor or SLURM, blocking until it ends), and the run skips itself if finished and resumes if interrupted. Runs live
-# under results/runs/{run_id}/, shared by every study that contains them.
+# Resolve the study's configs; make each cold start the runs need (one job per distinct checkpoint); then one job per
+# run id: `python -m study.launch` runs it (in-process, submitit's local executor or SLURM, blocking until it ends), and
+# the run skips itself if finished and resumes if interrupted. Runs live under results/runs/{run_id}/ and cold starts
+# under results/coldstart/{model}-{task}-{hash}/, both shared by every study that contains them.
 
 
 rule resolve:
@@ -18,11 +19,36 @@ rule resolve:
         "{params.python} -m sweeps.expand {params.sweep} --write-configs {params.configs} > {log} 2>&1"
 
 
+rule coldstart:
+    # The cold start of runs with coldstart = "auto" (python -m study coldstart = study.coldstart.ensure_coldstart,
+    # which a run would otherwise call itself, under a lock): trained here once, before the runs, on this machine, with
+    # the settings and the one torch thread a run would use, so the directory (named by its settings' hash) is the
+    # one the runs reuse. --no-strict: a cold start that missed its pass@1 band is kept, not deleted as a failed
+    # job's output; the runs then stop on it with the reason (ensure_coldstart is strict there).
+    output:
+        f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json",
+    log:
+        f"{STUDY_DIR}/logs/coldstart/{{coldstart}}.log",
+    params:
+        python=PYTHON,
+        results=results_of_run,
+        model=coldstart_model,
+        task=coldstart_task,
+    threads: 1
+    conda:
+        "../envs/study.yaml"
+    shell:
+        "{params.python} -m study coldstart --model {params.model} --task {params.task} --results {params.results} "
+        "--threads 1 --no-strict --quiet > {log} 2>&1"
+
+
 rule run:
     input:
         # The run id is the hash of this file's content, so its mtime carries no information: another study
         # writing the same config must not make a finished run look outdated.
-        ancient(f"{STUDY_DIR}/configs/{{run_id}}.yaml"),
+        config=ancient(f"{STUDY_DIR}/configs/{{run_id}}.yaml"),
+        # Likewise the cold start: its directory is named by the hash of its settings.
+        coldstart=ancient(coldstart_of_run),
     output:
         f"{RESULTS}/runs/{{run_id}}/status.json",
     log:
@@ -44,6 +70,6 @@ rule run:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study.launch {input} --results {params.results} --launcher {resources.launcher} "
+        "{params.python} -m study.launch {input.config} --results {params.results} --launcher {resources.launcher} "
         "--partition '{resources.slurm_partition}' --account '{resources.slurm_account}' --gpus {resources.gpus} "
         "--time-min {resources.runtime} --mem-gb {resources.mem_gb} > {log} 2>&1"

@@ -1,7 +1,10 @@
-"""Sweep files: schema errors, expansion, run ids; the Snakemake workflow: lint, dry runs, one real smoke study."""
+"""Sweep files: schema errors, expansion, run ids; the Snakemake workflow: lint, dry runs (coldstart -> run ->
+collect -> figures -> report), `python -m analysis collect`, one real smoke study and `snakemake --report` on it."""
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import subprocess
@@ -12,6 +15,9 @@ import pytest
 import yaml
 
 import algorithms
+from analysis.__main__ import main as analysis_main
+from analysis.__main__ import rst_escape
+from study.coldstart import resolve_settings
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import SweepError, validate_sweep
 
@@ -113,22 +119,81 @@ def _snakemake(*args, cwd=ROOT, timeout=300):
     return subprocess.run([*SNAKEMAKE, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
-def test_snakemake_lint():
-    proc = _snakemake("--lint")
+def job_counts(stdout: str) -> dict[str, int]:
+    """The "Job stats" table of a dry run: rule -> number of jobs."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", stdout, re.M) if m[1] != "total"}
+
+
+def expected_coldstarts(path: Path) -> set[str]:
+    """results/coldstart/<name> of the sweep's runs with coldstart = "auto" (what study.rl makes them use)."""
+    runs = load_sweep(path).expand().values()
+    return {resolve_settings(c.model, c.task).dirname for c in runs if c.coldstart == "auto"}
+
+
+@pytest.mark.parametrize("sweep_file", [None, "sweeps/smoke.yaml"], ids=["default", "smoke"])
+def test_snakemake_lint(sweep_file):
+    proc = _snakemake("--lint", *(["--config", f"sweep={sweep_file}"] if sweep_file else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Lints for" not in proc.stdout + proc.stderr
+    assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", ["default", "smoke"])
-def test_snakemake_dry_run(name, tmp_path):
-    args = ["-n", "--cores", "2", "--config", f"results={tmp_path}"]
+@pytest.mark.parametrize(
+    "name, profile", [("default", False), ("smoke", False), ("smoke", True)], ids=["default", "smoke", "smoke-slurm"]
+)
+def test_snakemake_dry_run(name, profile, tmp_path):
+    """The whole chain is planned: one cold start per distinct checkpoint, every run, then collect, figures and report
+    once; the runs depend on the cold start; with `--profile slurm` as typed too."""
+    args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"]), "--config", f"results={tmp_path}"]
     if name != "default":  # the default study is what a bare `snakemake` runs
         args.append(f"sweep=sweeps/{name}.yaml")
     proc = _snakemake(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    n_runs = len(load_sweep(ROOT / "sweeps" / f"{name}.yaml").expand())
-    counts = dict(line.split() for line in proc.stdout.splitlines() if re.fullmatch(r"\w+\s+\d+", line.strip()))
-    assert counts["run"] == str(n_runs), proc.stdout
+    sweep_path = ROOT / "sweeps" / f"{name}.yaml"
+    coldstarts = expected_coldstarts(sweep_path)
+    counts = job_counts(proc.stdout)
+    expected = {"resolve": 1, "coldstart": len(coldstarts), "run": len(load_sweep(sweep_path).expand())}
+    expected.update(collect=1, figures=1, report=1, all=1)
+    assert counts == expected, proc.stdout
+    for cs in coldstarts:
+        assert f"{tmp_path}/coldstart/{cs}/coldstart.json" in proc.stdout
+    run_inputs = [line for line in proc.stdout.splitlines() if line.strip().startswith("input:") and ".yaml" in line]
+    assert run_inputs and all("/coldstart.json" in line for line in run_inputs), run_inputs
+    assert f"--out {tmp_path}/{name}/figures" in proc.stdout  # python -m analysis figures
+
+
+def test_no_coldstart_job_for_runs_given_a_checkpoint(tmp_path):
+    sweep_file = tmp_path / "scratch.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep(name="scratch", base={"steps": 2, "coldstart": "scratch"})))
+    proc = _snakemake("-n", "--cores", "1", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = job_counts(proc.stdout)
+    assert counts.get("coldstart", 0) == 0 and counts["run"] == 1, proc.stdout
+
+
+def test_collect_lists_the_runs_it_is_given(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    statuses = []
+    for run_id, state in [("gspo-bbbbbbbbbbbb", "completed"), ("grpo-aaaaaaaaaaaa", "collapsed")]:
+        (runs / run_id).mkdir(parents=True)
+        (runs / run_id / "status.json").write_text(json.dumps({"state": state, "step": 2}))
+        statuses.append(str(runs / run_id / "status.json"))
+    out = tmp_path / "t" / "run_ids.txt"
+    assert analysis_main(["collect", *statuses, "--study", "t", "--out", str(out)]) == 0
+    assert out.read_text().splitlines() == ["# study t: 2 run(s)", "gspo-bbbbbbbbbbbb", "grpo-aaaaaaaaaaaa"]
+    assert "2 run id(s) of study t (1 collapsed, 1 completed)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"not a run's status\.json"):
+        analysis_main(["collect", str(runs), "--study", "t", "--out", str(out)])
+
+
+def test_figure_captions_render_verbatim_in_rst():
+    """`snakemake --report` renders each caption file as reStructuredText: no character may turn into markup."""
+    from docutils.core import publish_parts
+
+    caption = "1. GRPO* and `GSPO` (runs: {'a': 1}) | eps_low_ [C1] \\ 95% -- *not* emphasis <b>"
+    body = publish_parts(rst_escape(caption), writer="html")["body"]
+    assert "system-message" not in body and "<em>" not in body, body
+    assert html.unescape(re.sub(r"<[^>]+>", "", body)).strip() == caption
 
 
 def test_snakemake_rejects_a_bad_sweep_before_any_job(tmp_path):
@@ -142,11 +207,13 @@ def test_snakemake_rejects_a_bad_sweep_before_any_job(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_smoke_study_runs_then_reruns_nothing(tmp_path):
-    """The real smoke study (a few minutes, most of it the tiny cold start), then a rerun that computes nothing."""
+    """The real smoke study (a few minutes, most of it the tiny cold start), then `snakemake --report` on it (its
+    figures, their captions, the study's report), then a rerun that computes nothing."""
     results = tmp_path / "results"
     cached = ROOT / "results" / "coldstart"  # reuse a finished cold start if this checkout has one
     if cached.is_dir():
         shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
+    copied = {p.name for p in (results / "coldstart").glob("*/coldstart.json")} if cached.is_dir() else set()
     config = ["--config", "sweep=sweeps/smoke.yaml", f"results={results}"]
     proc = _snakemake("--cores", "2", *config, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -159,6 +226,26 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path):
     assert len(statuses) == 2
     assert all(yaml.safe_load(p.read_text())["state"] in ("completed", "collapsed") for p in statuses)
     before = {p: p.stat().st_mtime_ns for p in statuses}
+    # The coldstart rule made (or found) exactly the cold start the runs used: the runs made no other.
+    coldstarts = expected_coldstarts(ROOT / "sweeps" / "smoke.yaml")
+    made = {p.parent.name for p in (results / "coldstart").glob("*/coldstart.json")}
+    assert coldstarts <= made and made - copied <= coldstarts, (made, copied, coldstarts)
+    run_ids = (results / "smoke" / "run_ids.txt").read_text().split()
+    assert run_ids[-2:] == list(load_sweep(ROOT / "sweeps" / "smoke.yaml").expand())  # collect: what ran
+
+    # `snakemake --report`: every figure the figures rule drew, with its caption, and the study's own report.
+    index = json.loads((results / "smoke" / "figures" / "figures.json").read_text())
+    assert {f"{name}.png" for name in index["figures"]} == figures
+    snake_report = tmp_path / "snakemake-report.html"
+    rep = _snakemake(*config, "--report", str(snake_report))
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    page = snake_report.read_text()
+    for name, fig in index["figures"].items():
+        assert f"Adding {name}.png" in rep.stdout + rep.stderr
+        words = re.findall(r"[A-Za-z0-9]+", fig["caption"])[:6]
+        assert re.search(r"\W+".join(words), page), (name, words)  # the figure's own caption, rendered
+    assert "Adding index.html" in rep.stdout + rep.stderr and "Adding scorecard.csv" in rep.stdout + rep.stderr
+    assert "System Message" not in page  # every caption is valid reStructuredText
 
     rerun = _snakemake("--cores", "2", *config)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
