@@ -9,14 +9,24 @@ The claims are about the paper's algorithms, so this module names them (gspo, gr
 Replay partner of an algorithm is found through the registry (same loss function, routing "replay"), never by name.
 
 Two-group quantities (differences, ratios) are bootstrapped by resampling the seeds of each group independently
-(seeded, so a report is reproducible). Runs of one algorithm that differ in other swept axes are pooled as samples
-(the rule text says which axes were pooled). Failed runs (infrastructure) are excluded; collapsed runs count.
+(seeded, so a report is reproducible). Failed runs (infrastructure) are excluded; collapsed runs count.
+
+Stratification: runs that differ in another swept axis (dtype, generation length, ...) are never pooled into one
+sample. Each claim's comparison is made within every stratum = combination of the swept axes other than the claim's
+own axis (seeds are the samples, never a stratum), and the per-stratum verdicts are combined by STRATA_RULE:
+contradicted if any stratum with data is contradicted, supported if every stratum with data is supported, else
+inconclusive. A stratum "has data" when every compared group has a usable run in it. Two kinds of swept axes are not
+stratified, and the rule text names them: axes whose values the compared groups do not share (e.g. a per-algorithm
+`hparams.*`: no stratum could hold both groups, so each group is pooled over its own values), and axes fully
+determined by the stratified ones (train_dtype given train_precision). With several strata, each stratum's
+evidence is listed with its own verdict, plus the pooled estimate for reference (not used in the verdict).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -26,6 +36,8 @@ from analysis.fit import A_NOISE
 from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
 
 SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
+NO_DATA = "no data"
+"""A stratum in which some compared group has no usable run (not counted in the combined verdict)."""
 NOT_IN_STUDY = "not in this study"
 GSPO, GRPO = "gspo", "grpo"
 CLIP_RATIO = 10.0
@@ -36,6 +48,11 @@ FINAL_FRAC = 0.1
 """Final window: the last 10% of the (common) compute grid."""
 N_GRID = 100
 N_RESAMPLES = 4000
+STRATA_RULE = (
+    "contradicted if the comparison is contradicted in any stratum with data; supported if it is supported in every "
+    "stratum with data; otherwise inconclusive (also when no stratum has data)"
+)
+"""How per-stratum verdicts combine into the claim's verdict (quoted in every stratified rule)."""
 CLAIMS = {
     "C1": "GSPO trains more efficiently than GRPO at equal compute.",
     "C2": "GSPO's clipped-token fraction is >= 10x GRPO's.",
@@ -56,9 +73,31 @@ class Evidence:
     high: float
     n: str
     """Sample sizes, e.g. "3 vs 3" (runs of each group)."""
+    stratum: str = ""
+    """The stratum this number is computed in ("max_new_tokens=256, rollout_dtype=bf16"); "" = the whole study."""
+    verdict: str = ""
+    """The stratum's verdict, on the first evidence line of each stratum of a stratified claim."""
 
     def __str__(self) -> str:
-        return f"{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n})"
+        head = f"[{self.stratum}] " if self.stratum else ""
+        tail = f" -> {self.verdict}" if self.verdict else ""
+        return f"{head}{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n}){tail}"
+
+
+@dataclass
+class Stratum:
+    """One stratum of a claim: its axis values, its verdict (or NO_DATA) and its evidence."""
+
+    key: dict[str, Any]
+    verdict: str
+    evidence: list[Evidence] = field(default_factory=list)
+    part: str = ""
+    """For claims with several parts (C6): which part this stratum belongs to."""
+
+    @property
+    def label(self) -> str:
+        key = ", ".join(f"{k}={v}" for k, v in self.key.items()) or "all runs"
+        return f"{self.part}: {key}" if self.part else key
 
 
 @dataclass
@@ -72,6 +111,16 @@ class ClaimResult:
     evidence: list[Evidence] = field(default_factory=list)
     reason: str = ""
     """Why the verdict is what it is (e.g. "not in this study: gspo absent"), or the deciding comparison."""
+    strata: list[Stratum] = field(default_factory=list)
+    """Per-stratum verdicts (one entry, key {}, when no other axis is swept)."""
+
+    @property
+    def strata_summary(self) -> str:
+        """E.g. "4 strata: supported 2, contradicted 1, no data 1"; "" when the claim was not stratified."""
+        if len(self.strata) <= 1:
+            return ""
+        counts = {v: sum(s.verdict == v for s in self.strata) for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_DATA)}
+        return f"{len(self.strata)} strata: " + ", ".join(f"{v} {c}" for v, c in counts.items() if c)
 
     @property
     def label(self) -> str:
@@ -207,9 +256,169 @@ def _alg_mask(study: Study, name: str) -> pd.Series:
     return study.runs[ALGORITHM].astype(str) == name
 
 
-def _pooled(study: Study, exclude: Sequence[str] = ()) -> str:
-    axes = [a for a in study.axes if a not in exclude and study.runs[a].nunique(dropna=False) > 1]
-    return f" Runs pooled over the swept axes {', '.join(axes)}." if axes else ""
+# --- stratification ---------------------------------------------------------------------------------------------------
+@dataclass
+class Stratification:
+    """How a claim's runs are split: the stratified axes, the swept axes left pooled (and why), the strata."""
+
+    axes: list[str]
+    """Axes stratified on."""
+    unshared: list[str]
+    """Swept axes whose values the compared groups do not share (pooled within each group)."""
+    determined: list[str]
+    """Swept axes fully determined by the stratified ones (adding them splits nothing)."""
+    strata: list[tuple[dict[str, Any], pd.Series]]
+    """(axis values, boolean mask over study.runs) per stratum; one ({}, all True) when nothing is stratified."""
+
+    def text(self, own: Sequence[str] = ()) -> str:
+        """The sentence appended to a claim's rule."""
+        if not self.axes:
+            out = " No other swept axis varies among the compared runs: one comparison over all of them."
+        else:
+            out = (
+                f" Stratified: the comparison is made separately in each of the {len(self.strata)} combinations of "
+                f"{', '.join(self.axes)} (seeds are the samples); combined verdict: {STRATA_RULE}. Each stratum is "
+                "decided at 95%, so with many strata a spurious contradiction somewhere is likelier; the per-stratum "
+                "evidence is listed so another rule can be applied."
+            )
+        if own:
+            out += f" Not stratified on the claim's own axis {', '.join(own)}."
+        if self.unshared:
+            out += (
+                f" Pooled, not stratified (the compared groups share none of their values): {', '.join(self.unshared)}."
+            )
+        if self.determined:
+            out += f" Determined by the stratified axes: {', '.join(self.determined)}."
+        return out
+
+
+def _stratify(study: Study, groups: Mapping[str, pd.Series], *, exclude: Sequence[str] = ()) -> Stratification:
+    """Strata of the usable runs of `groups` (name -> mask over study.runs) over every swept axis except `exclude`."""
+    runs = study.runs
+    usable = ~runs["state"].isin(["failed", "unknown"])
+    members = usable.copy() & False
+    for m in groups.values():
+        members |= m & usable
+    # axis values as strings, unset (None / NaN) as "unset", so that grouping and matching agree
+    text = {a: runs[a].map(lambda v: "unset" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
+            for a in study.axes if a not in exclude}  # fmt: skip
+    sub = pd.DataFrame({a: t[members] for a, t in text.items()})
+    strat: list[str] = []
+    unshared: list[str] = []
+    determined: list[str] = []
+
+    def n_combos(cols: list[str]) -> int:
+        return len(sub[cols].drop_duplicates()) if cols else 1
+
+    for a in text:
+        if sub[a].nunique() <= 1:
+            continue
+        shared = set.intersection(*(set(text[a][m & usable]) for m in groups.values()))
+        if not shared:
+            unshared.append(a)
+        elif n_combos([*strat, a]) > n_combos(strat):
+            strat.append(a)
+        else:
+            determined.append(a)
+    if not strat:
+        return Stratification([], unshared, determined, [({}, pd.Series(True, index=runs.index))])
+
+    def natural(v: str) -> tuple[int, float, str]:  # numbers in numeric order, then strings
+        try:
+            return (0, float(v), "")
+        except ValueError:
+            return (1, 0.0, v)
+
+    keys = sorted(set(sub[strat].itertuples(index=False, name=None)), key=lambda k: tuple(natural(v) for v in k))
+    out = []
+    for key in keys:
+        mask = pd.Series(True, index=runs.index)
+        for a, v in zip(strat, key, strict=True):
+            mask &= text[a] == v
+        first = runs.loc[mask & members].iloc[0]  # the axis values as the runs table holds them (numbers as numbers)
+        out.append(({a: first[a] for a in strat}, mask))
+    return Stratification(strat, unshared, determined, out)
+
+
+Evaluate = Callable[[pd.Series], tuple[str, list[Evidence]] | None]
+"""A claim's comparison within a stratum (mask over study.runs) -> (verdict, evidence), None when there is no data."""
+
+
+def _has_data(study: Study, groups: Mapping[str, pd.Series], mask: pd.Series) -> bool:
+    usable = ~study.runs["state"].isin(["failed", "unknown"])
+    return all(bool((m & mask & usable).any()) for m in groups.values())
+
+
+def _run_strata(
+    study: Study, strat: Stratification, groups: Mapping[str, pd.Series] | None, evaluate: Evaluate, part: str = ""
+) -> list[Stratum]:
+    out = []
+    for key, mask in strat.strata:
+        res = None if groups is not None and not _has_data(study, groups, mask) else evaluate(mask)
+        out.append(Stratum(key, NO_DATA, [], part) if res is None else Stratum(key, res[0], res[1], part))
+    return out
+
+
+def combine(verdicts: Sequence[str]) -> str:
+    """STRATA_RULE: contradicted if any stratum with data is, supported if all with data are, else inconclusive."""
+    with_data = [v for v in verdicts if v != NO_DATA]
+    if CONTRADICTED in with_data:
+        return CONTRADICTED
+    if with_data and all(v == SUPPORTED for v in with_data):
+        return SUPPORTED
+    return INCONCLUSIVE
+
+
+def _combined_reason(strata: Sequence[Stratum]) -> str:
+    with_data = [s for s in strata if s.verdict != NO_DATA]
+    if not with_data:
+        return "no stratum has usable runs of every compared group"
+    counts = {v: [s.label for s in with_data if s.verdict == v] for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE)}
+    parts = [f"{v} in {len(c)}" for v, c in counts.items() if c]
+    out = f"{', '.join(parts)} of {len(with_data)} strata with data"
+    if len(with_data) < len(strata):
+        out += f" ({len(strata) - len(with_data)} without)"
+    if counts[CONTRADICTED]:
+        out += "; contradicted in: " + "; ".join(counts[CONTRADICTED])
+    return out
+
+
+def _finish(
+    claim: str,
+    rule: str,
+    strat: Stratification,
+    strata: list[Stratum],
+    pooled: Evaluate | None,
+    *,
+    own: Sequence[str] = (),
+) -> ClaimResult:
+    """The claim's result: a single stratum reads as before; several are combined by STRATA_RULE."""
+    rule = rule + strat.text(own)
+    if len(strata) == 1:
+        s = strata[0]
+        if s.verdict == NO_DATA:
+            return ClaimResult(
+                claim, CLAIMS[claim], INCONCLUSIVE, rule, [], "no usable runs of every compared group", strata
+            )
+        return ClaimResult(
+            claim, CLAIMS[claim], s.verdict, rule, s.evidence, _reason(s.verdict, *s.evidence[:1]), strata
+        )
+    verdict = combine([s.verdict for s in strata])
+    evidence = []
+    for s in strata:
+        if s.verdict == NO_DATA:
+            evidence.append(
+                Evidence("some compared group has no usable run", np.nan, np.nan, np.nan, "0", s.label, NO_DATA)
+            )
+            continue
+        for k, e in enumerate(s.evidence):
+            evidence.append(Evidence(e.name, e.estimate, e.low, e.high, e.n, s.label, s.verdict if k == 0 else ""))
+    if pooled is not None:
+        res = pooled(pd.Series(True, index=next(iter(strat.strata))[1].index))
+        if res is not None and res[1]:
+            e = res[1][0]
+            evidence.append(Evidence(e.name, e.estimate, e.low, e.high, e.n, "pooled over strata, reference only"))
+    return ClaimResult(claim, CLAIMS[claim], verdict, rule, evidence, _combined_reason(strata), strata)
 
 
 def _grpo_baseline(present: Sequence[str]) -> str | None:
@@ -219,10 +428,14 @@ def _grpo_baseline(present: Sequence[str]) -> str | None:
     return replay_partner(GRPO, present) or GRPO
 
 
+def _present(study: Study) -> list[str]:
+    return list(study.runs[ALGORITHM].dropna().astype(str).unique())
+
+
 # --- claims -----------------------------------------------------------------------------------------------------------
 def claim_c1(study: Study) -> ClaimResult:
-    """C1: GSPO's final reward at equal compute minus the GRPO baseline's."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    """C1: GSPO's final reward at equal compute minus the GRPO baseline's, per stratum."""
+    present = _present(study)
     base = _grpo_baseline(present)
     rule = (
         "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over the last "
@@ -233,20 +446,25 @@ def claim_c1(study: Study) -> ClaimResult:
         return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
     if vocab.REWARD not in study.metrics:
         return _absent("C1", rule, f"metric {vocab.REWARD} not logged")
-    vals, c_end = _final_reward_at_common_compute(study, {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)})
-    est, lo, hi = _boot_two(vals[GSPO], vals[base], lambda a, b: a - b)
-    verdict = _decide(lo, hi, up=np.nextafter(0, 1), down=0.0)
-    ev = [
-        Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[GSPO], vals[base])),
-        _mean_ev(f"reward({GSPO})", vals[GSPO]),
-        _mean_ev(f"reward({base})", vals[base]),
-    ]
-    return ClaimResult("C1", CLAIMS["C1"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+    groups = {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)}
+
+    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
+        vals, c_end = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()})
+        est, lo, hi = _boot_two(vals[GSPO], vals[base], lambda a, b: a - b)
+        ev = [
+            Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[GSPO], vals[base])),
+            _mean_ev(f"reward({GSPO})", vals[GSPO]),
+            _mean_ev(f"reward({base})", vals[base]),
+        ]
+        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+
+    strat = _stratify(study, groups)
+    return _finish("C1", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c2(study: Study) -> ClaimResult:
-    """C2: ratio of mean clipped-token fractions, GSPO over the GRPO baseline."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    """C2: ratio of mean clipped-token fractions, GSPO over the GRPO baseline, per stratum."""
+    present = _present(study)
     base = _grpo_baseline(present)
     rule = (
         f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
@@ -260,29 +478,46 @@ def claim_c2(study: Study) -> ClaimResult:
     per_run = stats.run_mean(study.long, vocab.CLIP)
     usable = set(_usable_runs(study)[RUN_ID].astype(str))
     per_run = per_run[per_run[RUN_ID].astype(str).isin(usable)]
-    alg = per_run[ALGORITHM].astype(str)
-    x, y = per_run.loc[alg == GSPO, "value"].to_numpy(), per_run.loc[alg == base, "value"].to_numpy()
-    est, lo, hi = _boot_two(x, y, lambda a, b: a / b)
-    verdict = _decide(lo, hi, up=CLIP_RATIO, down=CLIP_RATIO)
-    ev = [
-        Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
-        _mean_ev(f"clip_frac({GSPO})", x),
-        _mean_ev(f"clip_frac({base})", y),
-    ]
-    return ClaimResult("C2", CLAIMS["C2"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+    alg, rid = per_run[ALGORITHM].astype(str), per_run[RUN_ID].astype(str)
+    groups = {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)}
+
+    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
+        inside = rid.isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
+        x = per_run.loc[inside & (alg == GSPO), "value"].to_numpy()
+        y = per_run.loc[inside & (alg == base), "value"].to_numpy()
+        est, lo, hi = _boot_two(x, y, lambda a, b: a / b)
+        ev = [
+            Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
+            _mean_ev(f"clip_frac({GSPO})", x),
+            _mean_ev(f"clip_frac({base})", y),
+        ]
+        return _decide(lo, hi, up=CLIP_RATIO, down=CLIP_RATIO), ev
+
+    strat = _stratify(study, groups)
+    return _finish("C2", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
 
 
-def _collapse_rates(study: Study, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """Per algorithm: 1.0 per run that collapsed (reported in status.json or detected in the reward), else 0.0."""
+def _collapsed(study: Study) -> pd.DataFrame:
+    """Per usable run: 1.0 when it collapsed (reported in status.json or detected in the reward), else 0.0."""
     coll = stats.collapse_table(study.long, study.runs, vocab.REWARD)
     coll = coll[~coll["state"].isin(["failed", "unknown"])]
-    alg = coll[ALGORITHM].astype(str)
-    return {n: coll.loc[alg == n, "collapsed"].to_numpy(dtype=np.float64) for n in names}
+    return pd.DataFrame(
+        {
+            RUN_ID: coll[RUN_ID].astype(str).to_numpy(),
+            ALGORITHM: coll[ALGORITHM].astype(str).to_numpy(),
+            "collapsed": coll["collapsed"].to_numpy(dtype=np.float64),
+        }
+    )
+
+
+def _rates(coll: pd.DataFrame, study: Study, mask: pd.Series, name: str) -> np.ndarray:
+    inside = coll[RUN_ID].isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
+    return coll.loc[inside & (coll[ALGORITHM] == name), "collapsed"].to_numpy()
 
 
 def claim_c3(study: Study) -> ClaimResult:
-    """C3: collapse rate of GRPO without Routing Replay minus with it."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum."""
+    present = _present(study)
     free = _free_of(GRPO, present)
     rr = replay_partner(GRPO, present) if GRPO in present else None
     rule = (
@@ -294,25 +529,32 @@ def claim_c3(study: Study) -> ClaimResult:
         return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
     if vocab.REWARD not in study.metrics:
         return _absent("C3", rule, f"metric {vocab.REWARD} not logged")
-    rates = _collapse_rates(study, [free, rr])
-    est, lo, hi = _boot_two(rates[free], rates[rr], lambda a, b: a - b)
-    if np.isfinite(lo) and lo > 0:
-        verdict = SUPPORTED
-    elif np.isfinite(hi) and hi <= 0:
-        verdict = CONTRADICTED
-    else:
-        verdict = INCONCLUSIVE
-    ev = [
-        Evidence(f"collapse_rate({free}) - collapse_rate({rr})", est, lo, hi, _n(rates[free], rates[rr])),
-        _mean_ev(f"collapse_rate({free})", rates[free]),
-        _mean_ev(f"collapse_rate({rr})", rates[rr]),
-    ]
-    return ClaimResult("C3", CLAIMS["C3"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+    coll = _collapsed(study)
+    groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
+
+    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
+        a, b = _rates(coll, study, mask, free), _rates(coll, study, mask, rr)
+        est, lo, hi = _boot_two(a, b, lambda x, y: x - y)
+        if np.isfinite(lo) and lo > 0:
+            verdict = SUPPORTED
+        elif np.isfinite(hi) and hi <= 0:
+            verdict = CONTRADICTED
+        else:
+            verdict = INCONCLUSIVE
+        ev = [
+            Evidence(f"collapse_rate({free}) - collapse_rate({rr})", est, lo, hi, _n(a, b)),
+            _mean_ev(f"collapse_rate({free})", a),
+            _mean_ev(f"collapse_rate({rr})", b),
+        ]
+        return verdict, ev
+
+    strat = _stratify(study, groups)
+    return _finish("C3", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c4(study: Study) -> ClaimResult:
     """C4: GSPO without Routing Replay neither collapses nor trails GSPO with it by more than the noise margin."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    present = _present(study)
     free = _free_of(GSPO, present)
     rr = replay_partner(GSPO, present) if GSPO in present else None
     m = EQUIV_MARGIN
@@ -326,26 +568,33 @@ def claim_c4(study: Study) -> ClaimResult:
         return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
     if vocab.REWARD not in study.metrics:
         return _absent("C4", rule, f"metric {vocab.REWARD} not logged")
-    vals, c_end = _final_reward_at_common_compute(study, {free: _alg_mask(study, free), rr: _alg_mask(study, rr)})
-    est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
-    rates = _collapse_rates(study, [free])[free]
-    rci = stats.bootstrap_ci(rates, n_resamples=N_RESAMPLES)
-    if (np.isfinite(lo) and lo > m) or (np.isfinite(rci.low) and rci.low > 0):
-        verdict = CONTRADICTED
-    elif np.isfinite(hi) and hi < m and rates.size and not rates.any():
-        verdict = SUPPORTED
-    else:
-        verdict = INCONCLUSIVE
-    ev = [
-        Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
-        Evidence(f"collapse_rate({free})", rci.estimate, rci.low, rci.high, str(rci.n)),
-    ]
-    return ClaimResult("C4", CLAIMS["C4"], verdict, rule + _pooled(study), ev, _reason(verdict, ev[0]))
+    coll = _collapsed(study)
+    groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
+
+    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
+        vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
+        est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
+        rates = _rates(coll, study, mask, free)
+        rci = stats.bootstrap_ci(rates, n_resamples=N_RESAMPLES)
+        if (np.isfinite(lo) and lo > m) or (np.isfinite(rci.low) and rci.low > 0):
+            verdict = CONTRADICTED
+        elif np.isfinite(hi) and hi < m and rates.size and not rates.any():
+            verdict = SUPPORTED
+        else:
+            verdict = INCONCLUSIVE
+        ev = [
+            Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
+            Evidence(f"collapse_rate({free})", rci.estimate, rci.low, rci.high, str(rci.n)),
+        ]
+        return verdict, ev
+
+    strat = _stratify(study, groups)
+    return _finish("C4", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
-    """C5: GRPO's reward drop from using the engine's log-probs as pi_old minus GSPO's drop."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    """C5: GRPO's reward drop from using the engine's log-probs as pi_old minus GSPO's drop, per stratum."""
+    present = _present(study)
     rule = (
         f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
@@ -359,26 +608,27 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
     if vocab.REWARD not in study.metrics:
         return _absent("C5", rule, f"metric {vocab.REWARD} not logged")
     src = study.runs[axis].astype(str)
-    groups = {
-        (a, s): _alg_mask(study, a) & (src == s) for a in (GRPO, GSPO) for s in ("recompute", "rollout")
-    }  # fmt: skip
-    vals, _ = _final_reward_at_common_compute(study, {f"{a}|{s}": m for (a, s), m in groups.items()})
-    g = [vals[f"{GRPO}|recompute"], vals[f"{GRPO}|rollout"], vals[f"{GSPO}|recompute"], vals[f"{GSPO}|rollout"]]
-    est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
-    d_grpo = _boot_two(g[0], g[1], lambda a, b: a - b)
-    d_gspo = _boot_two(g[2], g[3], lambda a, b: a - b)
-    verdict = _decide(lo, hi, up=np.nextafter(0, 1), down=0.0)
-    ev = [
-        Evidence("drop(grpo) - drop(gspo)", est, lo, hi, _n(*g)),
-        Evidence("drop(grpo)", *d_grpo, _n(g[0], g[1])),
-        Evidence("drop(gspo)", *d_gspo, _n(g[2], g[3])),
-    ]
-    return ClaimResult("C5", CLAIMS["C5"], verdict, rule + _pooled(study, [axis]), ev, _reason(verdict, ev[0]))
+    groups = {f"{a}|{s}": _alg_mask(study, a) & (src == s) for a in (GRPO, GSPO) for s in ("recompute", "rollout")}
+
+    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
+        vals, _ = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()})
+        g = [vals[f"{GRPO}|recompute"], vals[f"{GRPO}|rollout"], vals[f"{GSPO}|recompute"], vals[f"{GSPO}|rollout"]]
+        est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
+        ev = [
+            Evidence("drop(grpo) - drop(gspo)", est, lo, hi, _n(*g)),
+            Evidence("drop(grpo)", *_boot_two(g[0], g[1], lambda a, b: a - b), _n(g[0], g[1])),
+            Evidence("drop(gspo)", *_boot_two(g[2], g[3], lambda a, b: a - b), _n(g[2], g[3])),
+        ]
+        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+
+    strat = _stratify(study, groups, exclude=[axis])
+    return _finish("C5", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate, own=[axis])
 
 
 def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
-    """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length."""
-    present = list(study.runs[ALGORITHM].dropna().astype(str).unique())
+    """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length;
+    each part per stratum of the other swept axes, combined by STRATA_RULE, then the parts combined."""
+    present = _present(study)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
         f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. "
@@ -392,36 +642,68 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     usable = set(_usable_runs(study)[RUN_ID].astype(str))
     rows = stats.metric_rows(study.long, vocab.REWARD)
     rows = rows[(rows[ALGORITHM].astype(str) == GSPO) & rows[RUN_ID].astype(str).isin(usable)]
-    gains = []
-    for _, r in rows.groupby(RUN_ID, observed=True, sort=False):
+    gains: dict[str, float] = {}
+    for rid, r in rows.groupby(RUN_ID, observed=True, sort=False):
         v = r["value"].to_numpy(np.float64)
         q = len(v) // 4
         if q >= 1:
-            gains.append(v[-q:].mean() - v[-2 * q : -q].mean())
-    ci = stats.bootstrap_ci(np.asarray(gains), n_resamples=N_RESAMPLES)
-    ev = [Evidence("compute gain (last vs third quarter)", ci.estimate, ci.low, ci.high, str(ci.n))]
-    parts = [_decide(ci.low, ci.high, up=np.nextafter(0, 1), down=0.0)]
-    reason = ""
-    if axis in study.axes and study.runs.loc[_alg_mask(study, GSPO), axis].nunique() > 1:
-        lens = study.runs.loc[_alg_mask(study, GSPO), axis]
+            gains[str(rid)] = v[-q:].mean() - v[-2 * q : -q].mean()
+    gspo = {GSPO: _alg_mask(study, GSPO)}
+
+    def compute_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
+        ids = set(study.runs.loc[mask & gspo[GSPO], RUN_ID].astype(str))
+        ci = stats.bootstrap_ci(np.asarray([g for r, g in gains.items() if r in ids]), n_resamples=N_RESAMPLES)
+        if ci.n == 0:
+            return None
+        ev = [Evidence("compute gain (last vs third quarter)", ci.estimate, ci.low, ci.high, str(ci.n))]
+        return _decide(ci.low, ci.high, up=np.nextafter(0, 1), down=0.0), ev
+
+    def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
+        m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable)
+        lens = study.runs.loc[m, axis]
+        if lens.nunique() < 2:
+            return None
         lo_v, hi_v = lens.min(), lens.max()
-        m = _alg_mask(study, GSPO)
         vals, _ = _final_reward_at_common_compute(
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
         est, lo, hi = _boot_two(vals["long"], vals["short"], lambda a, b: a - b)
-        ev.append(Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"])))
-        parts.append(_decide(lo, hi, up=np.nextafter(0, 1), down=0.0))
+        ev = [Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"]))]
+        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+
+    s_compute = _stratify(study, gspo)
+    strata = _run_strata(study, s_compute, gspo, compute_part, part="compute")
+    part_verdicts = [combine([s.verdict for s in strata])]
+    reason = ""
+    swept = axis in study.axes and study.runs.loc[gspo[GSPO], axis].nunique() > 1
+    if swept:
+        s_length = _stratify(study, gspo, exclude=[axis])
+        length = _run_strata(study, s_length, gspo, length_part, part="length")
+        strata += length
+        part_verdicts.append(combine([s.verdict for s in length]))
+        text = f" (a) {s_compute.text().strip()} (b) {s_length.text([axis]).strip()}"
     else:
-        parts.append(INCONCLUSIVE)
-        reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {parts[0]}"
-    if CONTRADICTED in parts:
+        part_verdicts.append(INCONCLUSIVE)
+        reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {part_verdicts[0]}"
+        text = f" (a) {s_compute.text().strip()}"
+    if CONTRADICTED in part_verdicts:
         verdict = CONTRADICTED
-    elif all(p == SUPPORTED for p in parts):
+    elif all(p == SUPPORTED for p in part_verdicts):
         verdict = SUPPORTED
     else:
         verdict = INCONCLUSIVE
-    return ClaimResult("C6", CLAIMS["C6"], verdict, rule + _pooled(study, [axis]), ev, reason or _reason(verdict, *ev))
+    evidence = []
+    for s in strata:
+        label = s.label if (len(s_compute.strata) > 1 or s.part == "length") else ""
+        if s.verdict == NO_DATA:
+            evidence.append(Evidence("no usable runs", np.nan, np.nan, np.nan, "0", label, NO_DATA))
+        for k, e in enumerate(s.evidence):
+            evidence.append(
+                Evidence(e.name, e.estimate, e.low, e.high, e.n, label, s.verdict if label and k == 0 else "")
+            )
+    if not reason:
+        reason = f"compute part {part_verdicts[0]}, length part {part_verdicts[1]} (each combined over its strata)"
+    return ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
 
 
 def _mean_ev(name: str, x: np.ndarray) -> Evidence:
@@ -444,16 +726,42 @@ def scorecard(study: Study) -> list[ClaimResult]:
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
-    """One row per claim: claim, statement, verdict (with reason when inconclusive), evidence, rule."""
+    """One row per claim: claim, statement, verdict (with reason when inconclusive), strata (per-stratum verdict
+    counts; "" when not stratified), evidence, rule."""
     return pd.DataFrame(
         {
             "claim": [r.claim for r in results],
             "statement": [r.statement for r in results],
             "verdict": [r.label for r in results],
+            "strata": [r.strata_summary for r in results],
             "evidence": ["; ".join(str(e) for e in r.evidence) for r in results],
             "rule": [r.rule for r in results],
         }
     )
+
+
+def strata_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
+    """One row per (claim, stratum) of the stratified claims: claim, stratum, verdict, the stratum's first evidence."""
+    rows = []
+    for r in results:
+        if len(r.strata) <= 1:
+            continue
+        for s in r.strata:
+            e = s.evidence[0] if s.evidence else None
+            rows.append(
+                {
+                    "claim": r.claim,
+                    "stratum": s.label,
+                    "verdict": s.verdict,
+                    "evidence": e.name if e else "",
+                    "estimate": e.estimate if e else np.nan,
+                    "low": e.low if e else np.nan,
+                    "high": e.high if e else np.nan,
+                    "n": e.n if e else "0",
+                }
+            )
+    cols = ["claim", "stratum", "verdict", "evidence", "estimate", "low", "high", "n"]
+    return pd.DataFrame(rows, columns=cols)
 
 
 __all__ = [
@@ -461,16 +769,22 @@ __all__ = [
     "CONTRADICTED",
     "INCONCLUSIVE",
     "NOT_IN_STUDY",
+    "NO_DATA",
+    "STRATA_RULE",
     "SUPPORTED",
     "ClaimResult",
     "Evidence",
+    "Stratification",
+    "Stratum",
     "claim_c1",
     "claim_c2",
     "claim_c3",
     "claim_c4",
     "claim_c5",
     "claim_c6",
+    "combine",
     "replay_partner",
     "scorecard",
     "scorecard_table",
+    "strata_table",
 ]

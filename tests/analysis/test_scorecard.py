@@ -98,3 +98,104 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
 def test_replay_partner_uses_registry() -> None:
     assert scorecard.replay_partner("grpo", ["grpo", "gspo_rr", "grpo_rr"]) == "grpo_rr"
     assert scorecard.replay_partner("gspo", ["grpo_rr", "gspo"]) is None
+
+
+# --- stratification: runs that differ in another swept axis are compared within their stratum, never pooled --------
+def _two_strata(tmp_path, by_stratum, *, axis="max_new_tokens", seeds=(0, 1, 2, 3, 4), n_steps=60):
+    """One synthetic study whose curves differ per value of `axis` (make_study once per value, same root)."""
+    for value, curves in by_stratum.items():
+        synthetic.make_study(tmp_path, curves, seeds=seeds, n_steps=n_steps, grid={axis: [value]})
+    return tidy.load_study(tmp_path)
+
+
+def test_c1_strata_that_disagree_are_contradicted_though_the_pooled_mean_favours_gspo(tmp_path) -> None:
+    st = _two_strata(
+        tmp_path,
+        {
+            256: {"gspo": C(a=0.9, c_mid=2e12), "grpo": C(a=0.3, c_mid=2e12)},  # GSPO far ahead
+            1024: {"gspo": C(a=0.5, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)},  # GSPO behind
+        },
+    )
+    r = scorecard.claim_c1(st)
+    assert [s.verdict for s in r.strata] == [SUPPORTED, CONTRADICTED]
+    assert [s.key for s in r.strata] == [{"max_new_tokens": 256}, {"max_new_tokens": 1024}]
+    assert r.verdict == CONTRADICTED  # contradicted in any stratum with data -> contradicted
+    assert "contradicted in: max_new_tokens=1024" in r.reason and "supported in 1" in r.reason
+    pooled = [e for e in r.evidence if e.stratum.startswith("pooled")]
+    assert len(pooled) == 1 and pooled[0].estimate > 0.1  # pooling would have said "GSPO better"
+    firsts = [e for e in r.evidence if e.verdict]
+    assert [e.stratum for e in firsts] == ["max_new_tokens=256", "max_new_tokens=1024"]
+    assert firsts[0].low > 0 and firsts[1].high < 0
+    assert "max_new_tokens" in r.rule and scorecard.STRATA_RULE in r.rule
+    table = scorecard.scorecard_table([r])
+    assert table["strata"].iloc[0] == "2 strata: supported 1, contradicted 1"
+    per = scorecard.strata_table([r])
+    assert per["verdict"].tolist() == [SUPPORTED, CONTRADICTED] and per["claim"].tolist() == ["C1", "C1"]
+
+
+def test_c1_supported_only_when_every_stratum_with_data_is(tmp_path) -> None:
+    same = {"gspo": C(a=0.6, c_mid=2e12, noise=0.05), "grpo": C(a=0.6, c_mid=2e12, noise=0.05)}
+    st = _two_strata(tmp_path, {256: {"gspo": C(a=0.9, c_mid=2e12), "grpo": C(a=0.3, c_mid=2e12)}, 1024: same})
+    r = scorecard.claim_c1(st)
+    assert [s.verdict for s in r.strata] == [SUPPORTED, INCONCLUSIVE] and r.verdict == INCONCLUSIVE
+
+
+def test_stratum_without_one_algorithm_has_no_data_and_does_not_count(tmp_path) -> None:
+    st = _two_strata(
+        tmp_path,
+        {
+            "bf16": {"gspo": C(clip_low=0.05, clip_high=0.1), "grpo": C(clip_low=0.0005, clip_high=0.0008)},
+            "fp16": {"gspo": C(clip_low=0.001, clip_high=0.001)},  # no GRPO here: nothing to compare
+        },
+        axis="rollout_dtype",
+    )
+    r = scorecard.claim_c2(st)
+    assert [s.verdict for s in r.strata] == [SUPPORTED, scorecard.NO_DATA]
+    assert r.verdict == SUPPORTED and "(1 without)" in r.reason
+    assert any(e.verdict == scorecard.NO_DATA and e.stratum == "rollout_dtype=fp16" for e in r.evidence)
+
+
+def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_path) -> None:
+    # hparams.eps_high takes different values for the two algorithms (no stratum could hold both): pooled, said so.
+    # train_dtype follows train_precision: stratifying on train_precision already splits it.
+    for alg, curve, eps in (
+        ("gspo", C(clip_low=0.05, clip_high=0.1), 4e-4),
+        ("grpo", C(clip_low=5e-4, clip_high=8e-4), 0.27),
+    ):
+        for prec, dtype in (("fp32", "fp32"), ("bf16-emulated", "bf16")):
+            synthetic.make_study(
+                tmp_path,
+                {alg: curve},
+                seeds=(0, 1, 2),
+                n_steps=40,
+                grid={"hparams.eps_high": [eps], "train_precision": [prec], "train_dtype": [dtype]},
+            )
+    st = tidy.load_study(tmp_path)
+    assert st.axes == ["hparams.eps_high", "train_dtype", "train_precision"]
+    r = scorecard.claim_c2(st)
+    assert len(r.strata) == 2 and [list(s.key) for s in r.strata] == [["train_dtype"], ["train_dtype"]]
+    assert "Pooled, not stratified (the compared groups share none of their values): hparams.eps_high" in r.rule
+    assert "Determined by the stratified axes: train_precision" in r.rule
+    assert r.verdict == SUPPORTED
+
+
+def test_c5_stratifies_on_the_other_axes_but_not_its_own(tmp_path) -> None:
+    curves = {"gspo": C(a=0.8, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)}
+    synthetic.make_study(
+        tmp_path,
+        curves,
+        seeds=(0, 1, 2),
+        n_steps=40,
+        grid={"old_logp_source": ["recompute", "rollout"], "rollout_dtype": ["bf16", "fp16"]},
+    )
+    r = scorecard.claim_c5(tidy.load_study(tmp_path))
+    assert [s.key for s in r.strata] == [{"rollout_dtype": "bf16"}, {"rollout_dtype": "fp16"}]
+    assert "Not stratified on the claim's own axis old_logp_source" in r.rule
+
+
+def test_combine_rule() -> None:
+    nd = scorecard.NO_DATA
+    assert scorecard.combine([SUPPORTED, SUPPORTED, nd]) == SUPPORTED
+    assert scorecard.combine([SUPPORTED, CONTRADICTED]) == CONTRADICTED
+    assert scorecard.combine([SUPPORTED, INCONCLUSIVE]) == INCONCLUSIVE
+    assert scorecard.combine([nd, nd]) == INCONCLUSIVE
