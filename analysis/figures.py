@@ -100,6 +100,11 @@ def _varying(study: Study) -> list[str]:
     return [a for a in study.axes if study.runs[a].nunique(dropna=False) > 1]
 
 
+def _counts(sizes: pd.Series) -> str:
+    """{"GRPO": 3, ...} as "GRPO 3, GSPO 3" (registry labels, plain ints); "" when empty."""
+    return ", ".join(f"{style.label(str(k))} {int(v)}" for k, v in sizes.items() if int(v))
+
+
 def _need_metric(study: Study, metric: str) -> None:
     if metric not in study.metrics:
         raise MissingData(f"metric {metric!r} not logged; present: {', '.join(study.metrics)}")
@@ -172,7 +177,7 @@ def figure1_reward(
     n = st.runs.groupby(ALGORITHM, observed=True).size()
     caption = (
         "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
-        f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {dict(n)}). Reward is smoothed "
+        f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
         f"with a trailing {smooth}-step mean. Where fewer seeds reach a compute, the band is over those that do."
     )
     return Made(fig, "figure1_reward", caption, tables)
@@ -313,7 +318,7 @@ def figure3_routing_replay(
         ax.set_xlabel("training compute (PFLOP)")
         ax.legend(loc="best")
     axs[0].set_ylabel("training reward")
-    n_coll = coll[coll["collapsed"]].groupby(ALGORITHM, observed=True).size().to_dict()
+    n_coll = _counts(coll[coll["collapsed"]].groupby(ALGORITHM, observed=True).size())
     caption = (
         "Figure 3. With vs without Routing Replay: algorithms sharing a loss function, differing only in routing "
         "mode. Thin lines are individual seeds, thick lines their mean; x marks where a run collapsed (status or "
@@ -495,7 +500,9 @@ def figure4b_token_logprobs(
     x_all = tok["trainer_logp"].to_numpy(np.float64)
     y_all = tok["engine_logp"].to_numpy(np.float64)
     both = np.concatenate([x_all[np.isfinite(x_all)], y_all[np.isfinite(y_all)]])
-    lim = (float(np.quantile(both, 0.001)) if both.size else -1.0, max(0.0, float(both.max()) if both.size else 0.0))
+    lo, hi = (float(np.quantile(both, 0.001)), float(both.max())) if both.size else (-1.0, 0.0)
+    pad = 0.05 * max(hi - lo, 1e-3)
+    lim = (lo - pad, hi + pad)
     hexbins = False
     for k, cfg in enumerate(shown):
         ax = fig.add_subplot(gs[k // ncols, k % ncols])
@@ -536,7 +543,7 @@ def figure4b_token_logprobs(
         f"configuration ({' / '.join(cols) or 'none recorded'}): x = the training engine's pi_old recompute (before "
         "the step's update, the weights the engine sampled with), y = the rollout engine's log-prob; dashed y = x"
         + ("; hexbins coloured by token count (log scale)" if hexbins else "")
-        + f". {len(tok)} tokens from {len(runs)} runs (a random subset per run when a run logged many), sampled at "
+        + f". {len(tok)} tokens from {len(runs)} run(s) (a random subset per run when a run logged many), sampled at "
         f"steps {', '.join(map(str, steps[:12]))}{' ...' if len(steps) > 12 else ''} (step 1, every eval step and "
         "the last step; up to 64 sequences each)."
         + (

@@ -2,7 +2,8 @@
 and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun).
 
 Contents: the study and its provenance (git sha, package versions, machine from the manifests; the config common to
-every run and the swept axes), the scorecard (analysis.scorecard), every figure with its caption (analysis.figures;
+every run, the swept axes, and every run with its axis values and state), the scorecard (analysis.scorecard; stratified
+claims with their per-stratum verdicts), every figure with its caption and links to its PDF and SVG (analysis.figures;
 skipped figures say why), the figures' tables (small ones inline, every one as CSV under `tables/`), and the
 failed, collapsed and missing runs. Every file is written atomically (temporary file, then rename).
 """
@@ -21,8 +22,8 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import figures, scorecard, stats, vocab
-from analysis.tidy import ALGORITHM, RUN_ID, Study, load_study
+from analysis import figures, scorecard, stats, style, vocab
+from analysis.tidy import ALGORITHM, EMULATED, RUN_ID, Study, load_study
 
 MAX_INLINE_ROWS = 40
 """Tables longer than this are linked as CSV instead of printed."""
@@ -119,6 +120,23 @@ def problem_runs(study: Study) -> pd.DataFrame:
     return pd.DataFrame.from_records(records, columns=cols)
 
 
+def runs_table(study: Study) -> pd.DataFrame:
+    """Every run: id, algorithm and its registry label, swept axes, seed, state, steps, precision emulation."""
+    runs = study.runs
+    cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step"]
+    out = runs[[c for c in cols if c in runs.columns]].copy()
+    labels = []
+    for a in out[ALGORITHM]:
+        try:
+            labels.append(style.label(str(a)))
+        except (KeyError, ValueError):  # an algorithm the registry does not know (an old run): its name
+            labels.append(str(a))
+    out.insert(2, "label", labels)
+    if EMULATED in runs.columns and runs[EMULATED].notna().any():
+        out[EMULATED] = runs[EMULATED]
+    return out.reset_index(drop=True)
+
+
 # --- rendering --------------------------------------------------------------------------------------------------------
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
@@ -176,14 +194,19 @@ def render(
         "runs": len(study.runs),
         "states": states,
         "missing": len(study.missing),
+        "missing run ids": list(study.missing),
         "algorithms": algs,
         "swept axes": axes_vals,
     }
+    if EMULATED in study.runs.columns and study.runs[EMULATED].notna().any():
+        summary["runs with emulated precision"] = int(study.runs[EMULATED].fillna(False).sum())
     prov_rows = {k: v for k, v in prov.items() if k != "packages"}
     pk = pd.DataFrame(
         {"package": list(prov["packages"]), "versions (runs)": [json.dumps(v) for v in prov["packages"].values()]}
     )
     card_df = scorecard.scorecard_table(cards)
+    strata_df = scorecard.strata_table(cards)
+    runs_df = runs_table(study)
 
     h: list[str] = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
@@ -196,18 +219,23 @@ def render(
         _html_table(pk),
         "<h3>Configuration common to every run</h3>",
         _html_table(_kv(common)),
+        "<h3>Runs</h3>",
+        _table_or_link(runs_df, table_files.get("runs"), out_dir, html_out=True),
         "<h2 id='scorecard'>Scorecard</h2>",
-        "<p>Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group.</p>",
+        f"<p>{html.escape(SCORECARD_NOTE)}</p>",
         '<table class="scorecard"><thead><tr><th>claim</th><th>statement</th><th>verdict</th><th>evidence</th>'
         "<th>rule</th></tr></thead><tbody>",
     ]
     for r, row in zip(cards, card_df.itertuples(index=False), strict=True):
         ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
+        strata = f"<br><small>{html.escape(row.strata)}</small>" if row.strata else ""
         h.append(
             f'<tr class="{r.verdict}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
-            f"<td>{html.escape(row.verdict)}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
+            f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
         )
     h.append("</tbody></table>")
+    if not strata_df.empty:
+        h += ["<h3>Per-stratum verdicts</h3>", _html_table(strata_df)]
     m: list[str] = [
         f"# {title}\n",
         "## Study\n",
@@ -218,10 +246,14 @@ def render(
         _md_table(pk),
         "### Configuration common to every run\n",
         _md_table(_kv(common)),
+        "### Runs\n",
+        _table_or_link(runs_df, table_files.get("runs"), out_dir, html_out=False),
         "## Scorecard\n",
-        "Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group.\n",
+        SCORECARD_NOTE + "\n",
         _md_table(card_df),
     ]
+    if not strata_df.empty:
+        m += ["### Per-stratum verdicts\n", _md_table(strata_df)]
 
     h.append("<h2 id='figures'>Figures</h2>")
     m.append("## Figures\n")
@@ -229,11 +261,14 @@ def render(
         png = next(p for p in paths if p.suffix == ".png")
         b64 = base64.b64encode(png.read_bytes()).decode("ascii")
         cap = rendered.captions[name]
+        others = [p for p in paths if p.suffix != ".png"]
+        links_h = " ".join(f"<a href='{p.relative_to(out_dir).as_posix()}'>{p.suffix[1:].upper()}</a>" for p in others)
+        links_m = " ".join(f"[{p.suffix[1:].upper()}]({p.relative_to(out_dir).as_posix()})" for p in others)
         h.append(
             f"<figure id='{name}'><img alt='{html.escape(name)}' src='data:image/png;base64,{b64}'>"
-            f"<figcaption>{html.escape(cap)}</figcaption></figure>"
+            f"<figcaption>{html.escape(cap)} {links_h}</figcaption></figure>"
         )
-        m.append(f"![{name}]({png.relative_to(out_dir).as_posix()})\n\n{cap}\n")
+        m.append(f"![{name}]({png.relative_to(out_dir).as_posix()})\n\n{cap} {links_m}\n")
         for tname, df in rendered.tables.get(name, {}).items():
             key = f"{name}.{tname}"
             link = table_files[key].relative_to(out_dir).as_posix()
@@ -249,10 +284,31 @@ def render(
         sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
         h += ["<h3>Figures not drawn</h3>", _html_table(sk)]
         m += ["### Figures not drawn\n", _md_table(sk)]
-    h += ["<h2 id='problems'>Failed, collapsed and missing runs</h2>", _html_table(problems)]
-    m += ["## Failed, collapsed and missing runs\n", _md_table(problems)]
+    none = "<p>None: every run completed and none was detected as collapsed; no run is missing.</p>"
+    h += ["<h2 id='problems'>Failed, collapsed and missing runs</h2>", _html_table(problems) if len(problems) else none]
+    m += ["## Failed, collapsed and missing runs\n", _md_table(problems) if len(problems) else none[3:-4] + "\n"]
     h.append("</body></html>")
     return "\n".join(h), "\n".join(m)
+
+
+SCORECARD_NOTE = (
+    "Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group. Claims are "
+    "compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
+    + scorecard.STRATA_RULE
+    + " (each claim's rule says what it was stratified on)."
+)
+
+
+def _table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path, *, html_out: bool) -> str:
+    """The table inline when short, else a line linking its CSV."""
+    if len(df) <= MAX_INLINE_ROWS or csv is None:
+        return _html_table(df) if html_out else _md_table(df)
+    link = csv.relative_to(out_dir).as_posix()
+    return (
+        f"<p>{len(df)} runs: see <a href='{link}'>the CSV</a>.</p>"
+        if html_out
+        else f"{len(df)} runs: see [the CSV]({link}).\n"
+    )
 
 
 def build_report(study: Study, out_dir: str | os.PathLike[str], *, title: str = "study") -> Report:
@@ -266,8 +322,10 @@ def build_report(study: Study, out_dir: str | os.PathLike[str], *, title: str = 
             table_files[f"{name}.{tname}"] = _atomic_write(
                 out / "tables" / f"{name}.{tname}.csv", df.to_csv(index=False)
             )
+    table_files["runs"] = _atomic_write(out / "tables" / "runs.csv", runs_table(study).to_csv(index=False))
     cards = scorecard.scorecard(study)
     _atomic_write(out / "tables" / "scorecard.csv", scorecard.scorecard_table(cards).to_csv(index=False))
+    _atomic_write(out / "tables" / "scorecard_strata.csv", scorecard.strata_table(cards).to_csv(index=False))
     problems = problem_runs(study)
     _atomic_write(out / "tables" / "problem_runs.csv", problems.to_csv(index=False))
     page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out)
@@ -302,4 +360,12 @@ def report_from_results(
     return build_report(st, out, title=name)
 
 
-__all__ = ["Report", "build_report", "problem_runs", "provenance", "report_from_results", "study_run_ids"]
+__all__ = [
+    "Report",
+    "build_report",
+    "problem_runs",
+    "provenance",
+    "report_from_results",
+    "runs_table",
+    "study_run_ids",
+]

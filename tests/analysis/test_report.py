@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import figures, report, synthetic
+from analysis import figures, report, style, synthetic
 
 C = synthetic.Curve
 CURVES = {
@@ -105,3 +105,19 @@ def test_report_renders_in_headless_chromium(built, tmp_path) -> None:
     m = re.search(r"<title>IMG:(\d+):(\d+)</title>", res.stdout)
     assert m, res.stderr[-2000:]
     assert int(m.group(1)) == len(rep.figures) and m.group(1) == m.group(2)
+
+
+def test_report_links_pdf_svg_lists_runs_and_strata(built) -> None:
+    _, rep = built
+    out = rep.html.parent
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    for name in rep.figures:
+        for ext in ("pdf", "svg"):
+            assert (out / "figures" / f"{name}.{ext}").is_file()
+            assert f"<a href='figures/{name}.{ext}'>{ext.upper()}</a>" in page
+            assert f"[{ext.upper()}](figures/{name}.{ext})" in md
+    # every run listed with its registry label; the scorecard is stratified by max_new_tokens
+    assert "### Runs" in md and style.label("grpo_rr") in md
+    assert (out / "tables" / "runs.csv").is_file() and (out / "tables" / "scorecard_strata.csv").is_file()
+    assert "### Per-stratum verdicts" in md and "max_new_tokens=256" in md and "max_new_tokens=1024" in md
+    assert "contradicted if the comparison is contradicted in any stratum with data" in page
