@@ -11,6 +11,7 @@ Routed experts (R3) come from forward hooks on every layer's `mlp.gate` (Qwen3Mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -65,6 +66,56 @@ def unfuse_experts(model_state: Mapping[str, torch.Tensor], cfg: ModelConfig) ->
             out[f"{p}{e}.up_proj.weight"] = gate_up[e, F:].detach().clone()
             out[f"{p}{e}.down_proj.weight"] = down[e].detach().clone()
     return out
+
+
+def sample(logits: torch.Tensor, logp: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of `logits` (N, V) at `temperature` (0 = argmax); `logp` = log_softmax(logits).
+
+    Inverse CDF with one uniform per row: the first index whose cumulative probability (fp64) exceeds u x total.
+    It draws from the same distribution as vLLM's exponential race (argmax p_v / E_v, E_v ~ Exp(1)), at 1/16 of its
+    cost on CPU: the race needs V exponentials per row, and `exponential_` was 26% of a 32 x 8 x 64 tiny rollout.
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logp if temperature == 1 else torch.log_softmax(logits / temperature, dim=-1)).double().exp_()
+    cdf = probs.cumsum_(-1)  # (N, V)
+    u = torch.rand(cdf.shape[0], 1, generator=gen, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+@functools.cache
+def _growing_layer():  # type: ignore[no-untyped-def]
+    """The cache layer class (built on first use: transformers is imported lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer whose keys/values live in one buffer sized for the whole generation: appending a decode step
+        writes a slice and returns a view, instead of re-concatenating the cache (the `cat`s were 20% of a rollout)."""
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            n, h, _, d = key_states.shape
+            self._kbuf = key_states.new_empty(n, h, self.capacity, d)
+            self._vbuf = value_states.new_empty(n, h, self.capacity, value_states.shape[-1])
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"KV cache of {self.capacity} positions cannot take position {end}")
+            self._kbuf[:, :, self.length : end] = key_states
+            self._vbuf[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+            return self.keys, self.values
+
+    return GrowingLayer
 
 
 class _Logits:
@@ -180,6 +231,7 @@ class HFEngine(RolloutEngine):
         handles = self._hook_routes(store, shape) if return_routes else []
         try:
             cache = DynamicCache(config=self.model.config)
+            cache.layers = [_growing_layer()(P + max_new_tokens) for _ in cache.layers]
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)  # fmt: skip
             toks, lps = [], []
@@ -190,14 +242,7 @@ class HFEngine(RolloutEngine):
             for step in range(max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
                 logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
-                if temperature == 0:
-                    tok = logits.argmax(-1)
-                else:
-                    probs = torch.softmax(logits / temperature, dim=-1)  # (N, V)
-                    # exponential race: argmax p_v / E_v with E_v ~ Exp(1) is a draw from p (vLLM's sampler too;
-                    # 2-3x faster than torch.multinomial on CPU)
-                    noise = torch.empty_like(probs).exponential_(generator=gen)
-                    tok = (probs / noise).argmax(-1)  # (N,)
+                tok = sample(logits, logp, temperature, gen)  # (N,)
                 toks.append(tok)
                 lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
                 length += (~done).long()

@@ -134,3 +134,30 @@ def test_bad_arguments_raise(engine):
         engine.generate([[]], 1, seed=0, max_new_tokens=4)
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[CFG.vocab_size]], 1, seed=0, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_draws_from_the_tempered_distribution(temperature):
+    # 3 rows with known distributions (one with near-zero and exactly-zero-probability tokens); 40k seeded draws per
+    # row; a chi-square goodness-of-fit test (deterministic: fixed seed) and no draw of a zero-probability token
+    from scipy.stats import chisquare
+
+    from study.engines.hf import sample
+
+    logits = torch.tensor(
+        [[0.0, 1.0, 2.0, 3.0, -1.0], [5.0, 5.0, -30.0, 0.0, 1.0], [0.0, float("-inf"), 0.5, -0.5, 0.0]]
+    )
+    logp = torch.log_softmax(logits, -1)
+    reps = 40_000
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(logits.repeat(reps, 1), logp.repeat(reps, 1), temperature, gen).view(reps, 3)
+    expected = torch.softmax(logits.double() / temperature, -1)
+    for row in range(3):
+        counts = torch.bincount(draws[:, row], minlength=5).double()
+        assert counts[expected[row] == 0].sum() == 0
+        keep = expected[row] * reps >= 5  # chi-square cells need expected counts >= 5
+        f_exp = expected[row][keep] * reps
+        f_obs = counts[keep]
+        p = chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue
+        assert p > 1e-3, (row, counts.tolist(), (expected[row] * reps).tolist())
+    assert torch.equal(sample(logits, logp, 0.0, gen), logits.argmax(-1))
