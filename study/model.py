@@ -31,6 +31,7 @@ Choices that matter for parity and for the study:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -180,6 +181,7 @@ def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_re
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
+    spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -201,6 +203,48 @@ def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_re
     model.study_config = cfg
     model.study_dtype = dtype
     return model
+
+
+@functools.cache
+def sdpa_core_attention() -> type:
+    """megatron's local core attention (DotProductAttention) computed by torch's scaled_dot_product_attention.
+
+    The local spec's DotProductAttention runs baddbmm, a Python masked softmax and bmm, with the (B h, S, S) scores in
+    memory: ~15% of a tiny-preset update on CPU. SDPA (flash on CPU, a fused kernel on GPU) computes the same
+    softmax(q k^T / sqrt(d) + mask) v in fp32 accumulation; the module, its parameters (none) and its place in the
+    spec are megatron's. Anything SDPA cannot express here (packed sequences, attention bias, a softmax offset,
+    dropout in training) goes to megatron's own forward.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPADotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
+            dropout = self.config.attention_dropout if self.training else 0.0
+            if (
+                packed_seq_params is not None
+                or attention_bias is not None
+                or dropout > 0
+                or (getattr(self.config, "softmax_type", "vanilla") != "vanilla")
+            ):
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)  # fmt: skip
+            sq, b = query.shape[:2]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (S, B, h, d) -> (B, h, S, d)
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if attention_mask is None:
+                mask, causal = None, mask_type == AttnMaskType.causal
+            else:
+                # megatron: True = masked; SDPA: True = attend. A query may always see itself, so a fully padded row
+                # (left padding) stays finite, as megatron's -10000 fill keeps it (its output is masked out anyway).
+                eye = torch.eye(sq, k.shape[2], dtype=torch.bool, device=q.device)
+                mask, causal = ~attention_mask | eye, False
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (S, B, h d)
+
+    return SDPADotProductAttention
 
 
 def _device() -> torch.device:

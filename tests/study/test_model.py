@@ -179,3 +179,32 @@ def test_bad_inputs(model):
     with pytest.raises(ValueError, match="already initialised"):
         init_distributed(tensor_parallel=2)
     init_distributed()  # idempotent with the initialised sizes
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_core_attention_equals_megatron_dot_product_attention(model, masked):
+    # the policy's core attention (torch SDPA) against megatron's own DotProductAttention on the same inputs, with
+    # the causal default and with an explicit causal-and-padding mask (left padding: rows 0-2 of sequence 1 are pads)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from study.model import positions_and_mask, sdpa_core_attention
+
+    core = model.decoder.layers[0].self_attention.core_attention
+    assert isinstance(core, sdpa_core_attention())
+    ref = DotProductAttention(core.config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    s, b, h, d = 11, 2, TINY.num_attention_heads, TINY.head_dim
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, b, h, d, generator=gen) for _ in range(3))
+    mask = None
+    if masked:
+        real = torch.ones(b, s, dtype=torch.long)
+        real[1, :3] = 0
+        _, mask = positions_and_mask(torch.zeros(b, s, dtype=torch.long), real)
+    got, want = core(q, k, v, mask), ref(q, k, v, mask)
+    assert got.shape == want.shape == (s, b, h * d)
+    keep = torch.ones(s, b, dtype=torch.bool)
+    if masked:
+        keep[:3, 1] = False  # pad queries: garbage on both sides, masked out of every loss
+    assert (got - want)[keep].abs().max() <= 1e-5
+    assert torch.isfinite(got).all()
