@@ -156,11 +156,22 @@ def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=hf_tok,
                           callbacks=[Stamp()])  # fmt: skip
+    gen_s: list[float] = []  # transformers' generate inside TRL's rollout: TRL's rollout phase
+    generate = trainer.model.generate
+
+    def timed_generate(*a, **k):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen_s.append(time.perf_counter() - t0)
+
+    trainer.model.generate = timed_generate
     torch.set_num_threads(threads)
     trainer.train()
     wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
     cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
-    return {"wall": wall, "cpu": cpu, "tokens": completion_tokens, "threads": torch.get_num_threads(),
+    return {"wall": wall, "cpu": cpu, "tokens": completion_tokens, "threads": torch.get_num_threads(), "gen": gen_s,
             "params": sum(q.numel() for q in model.parameters())}  # fmt: skip
 
 
@@ -229,6 +240,8 @@ def main() -> None:
                 tokens = statistics.mean(r["tokens"][keep])
                 res[side] = wall
                 parts = ""
+                if r.get("gen"):  # TRL: its rollout phase (generate); the rest is not split
+                    parts = f"{statistics.median(r['gen'][keep]):>7.3f}"
                 if "parts" in r:
                     parts = " ".join(f"{statistics.median(v[keep]):>{w}.3f}"
                                      for v, w in zip(r["parts"].values(), (7, 6, 7, 6), strict=True))  # fmt: skip
