@@ -531,7 +531,9 @@ def figure4b_token_logprobs(
         h = hist[hist["config"] == cfg]
         edges = np.r_[h["bin_left"].to_numpy(), h["bin_right"].to_numpy()[-1:]]
         n = int(tables["seq_log_ratio"].set_index("config").loc[cfg, "n_sequences"])
-        ax_h.stairs(h["fraction"].to_numpy(), edges, color=color, lw=1.2, label=f"{cfg} (n={n})", gid=f"hist-{cfg}")
+        em = summary.loc[cfg, "emulated"]
+        name = f"{cfg}{' (emulated)' if pd.notna(em) and bool(em) else ''} (n={n})"
+        ax_h.stairs(h["fraction"].to_numpy(), edges, color=color, lw=1.2, label=name, gid=f"hist-{cfg}")
     ax_h.axvline(0.0, color="black", lw=0.6, ls=":")
     ax_h.set_xlabel("sequence log-ratio mean_t(log pi_trainer - log pi_engine) = log s_i")
     ax_h.set_ylabel("fraction of sequences")

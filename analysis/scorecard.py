@@ -80,6 +80,8 @@ class Evidence:
 
     def __str__(self) -> str:
         head = f"[{self.stratum}] " if self.stratum else ""
+        if self.verdict == NO_DATA:
+            return f"{head}{NO_DATA}: {self.name}"
         tail = f" -> {self.verdict}" if self.verdict else ""
         return f"{head}{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n}){tail}"
 
@@ -272,8 +274,10 @@ class Stratification:
 
     def text(self, own: Sequence[str] = ()) -> str:
         """The sentence appended to a claim's rule."""
-        if not self.axes:
+        if not self.axes and not self.unshared:
             out = " No other swept axis varies among the compared runs: one comparison over all of them."
+        elif not self.axes:
+            out = " Nothing to stratify on: one comparison over all the compared runs."
         else:
             out = (
                 f" Stratified: the comparison is made separately in each of the {len(self.strata)} combinations of "
@@ -285,7 +289,9 @@ class Stratification:
             out += f" Not stratified on the claim's own axis {', '.join(own)}."
         if self.unshared:
             out += (
-                f" Pooled, not stratified (the compared groups share none of their values): {', '.join(self.unshared)}."
+                " CONFOUNDED, not stratified: the compared groups share no value of "
+                f"{', '.join(self.unshared)}, so the comparison includes the effect of those axes (each group is "
+                "pooled over its own values)."
             )
         if self.determined:
             out += f" Determined by the stratified axes: {', '.join(self.determined)}."
@@ -674,7 +680,8 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     s_compute = _stratify(study, gspo)
     strata = _run_strata(study, s_compute, gspo, compute_part, part="compute")
     part_verdicts = [combine([s.verdict for s in strata])]
-    reason = ""
+    no_compute = strata[0].verdict == NO_DATA and len(s_compute.strata) == 1
+    compute_note = "no data (no GSPO run with at least 4 logged steps)" if no_compute else part_verdicts[0]
     swept = axis in study.axes and study.runs.loc[gspo[GSPO], axis].nunique() > 1
     if swept:
         s_length = _stratify(study, gspo, exclude=[axis])
@@ -682,9 +689,10 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         strata += length
         part_verdicts.append(combine([s.verdict for s in length]))
         text = f" (a) {s_compute.text().strip()} (b) {s_length.text([axis]).strip()}"
+        reason = f"compute part {compute_note}, length part {part_verdicts[1]} (each combined over its strata)"
     else:
         part_verdicts.append(INCONCLUSIVE)
-        reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {part_verdicts[0]}"
+        reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {compute_note}"
         text = f" (a) {s_compute.text().strip()}"
     if CONTRADICTED in part_verdicts:
         verdict = CONTRADICTED
@@ -695,14 +703,13 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     evidence = []
     for s in strata:
         label = s.label if (len(s_compute.strata) > 1 or s.part == "length") else ""
-        if s.verdict == NO_DATA:
-            evidence.append(Evidence("no usable runs", np.nan, np.nan, np.nan, "0", label, NO_DATA))
+        if s.verdict == NO_DATA and label:
+            why = "no run with at least 4 logged steps" if s.part == "compute" else "fewer than two lengths"
+            evidence.append(Evidence(why, np.nan, np.nan, np.nan, "0", label, NO_DATA))
         for k, e in enumerate(s.evidence):
             evidence.append(
                 Evidence(e.name, e.estimate, e.low, e.high, e.n, label, s.verdict if label and k == 0 else "")
             )
-    if not reason:
-        reason = f"compute part {part_verdicts[0]}, length part {part_verdicts[1]} (each combined over its strata)"
     return ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
 
 

@@ -156,7 +156,7 @@ def test_stratum_without_one_algorithm_has_no_data_and_does_not_count(tmp_path) 
 
 
 def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_path) -> None:
-    # hparams.eps_high takes different values for the two algorithms (no stratum could hold both): pooled, said so.
+    # hparams.eps_high takes different values for the two algorithms (no stratum could hold both): pooled, flagged.
     # train_dtype follows train_precision: stratifying on train_precision already splits it.
     for alg, curve, eps in (
         ("gspo", C(clip_low=0.05, clip_high=0.1), 4e-4),
@@ -174,7 +174,7 @@ def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_pa
     assert st.axes == ["hparams.eps_high", "train_dtype", "train_precision"]
     r = scorecard.claim_c2(st)
     assert len(r.strata) == 2 and [list(s.key) for s in r.strata] == [["train_dtype"], ["train_dtype"]]
-    assert "Pooled, not stratified (the compared groups share none of their values): hparams.eps_high" in r.rule
+    assert "CONFOUNDED, not stratified: the compared groups share no value of hparams.eps_high" in r.rule
     assert "Determined by the stratified axes: train_precision" in r.rule
     assert r.verdict == SUPPORTED
 
