@@ -24,8 +24,8 @@ Tables (pandas; `Study.write` stores each as parquet):
   error, n_steps, last_step, last_compute, path. Failed and collapsed runs are kept and labelled, never dropped.
 - `layers`: the per-layer routing tables in long form (run_id, algorithm, <axes>, seed, step, layer, metric, value).
 - `tokens`: token samples (run_id, algorithm, <axes>, seed, <precision keys>, precision_emulated, step, sample, pos,
-  trainer_logp, engine_logp), at most `max_token_rows` rows per run (a seeded random subset of the run's rows when it
-  has more; float32): what Figure 4b scatters.
+  trainer_logp, engine_logp), at most min(`max_token_rows`, `token_budget` / runs) rows per run (a seeded random
+  subset of the run's rows when it has more; float32 log-probs, int32 indices): what Figure 4b scatters.
 - `sequences`: one row per sampled sequence, computed from *every* token row before any subsampling (run_id, ...,
   step, sample, n_tokens, seq_log_ratio = mean over the sequence's tokens of trainer_logp - engine_logp, i.e. the log
   of the GSPO length-normalised sequence ratio (pi_trainer(y|x) / pi_engine(y|x))^(1/|y|)).
@@ -65,6 +65,8 @@ TOKENS_FILE = "token_samples.parquet"
 TOKEN_COLUMNS = ("step", "sample", "pos", "trainer_logp", "engine_logp")
 MAX_TOKEN_ROWS = 20_000
 """Token rows kept per run in `Study.tokens` (a seeded random subset beyond this; sequences use every row)."""
+TOKEN_BUDGET = 2_000_000
+"""Token rows kept over the whole study (~40 MB): the per-run cap shrinks to TOKEN_BUDGET / runs for big studies."""
 PRECISION_KEYS = ("train_dtype", "rollout_dtype", "old_logp_source")
 """Config keys that define a precision configuration (joined to the token tables even when not swept)."""
 EMULATED = "precision_emulated"
@@ -282,9 +284,9 @@ def read_token_samples(
         keep = np.sort(np.random.default_rng(seed).choice(n, size=max_rows, replace=False))
     pos = t.column("pos").to_numpy().astype(np.int64)
     tokens = {
-        "step": step[keep],
-        "sample": sample[keep],
-        "pos": pos[keep],
+        "step": step[keep].astype(np.int32),
+        "sample": sample[keep].astype(np.int32),
+        "pos": pos[keep].astype(np.int32),
         "trainer_logp": trainer[keep],
         "engine_logp": engine[keep],
     }
@@ -359,12 +361,14 @@ def load_study(
     workers: int | None = None,
     warn_missing: bool = True,
     max_token_rows: int = MAX_TOKEN_ROWS,
+    token_budget: int = TOKEN_BUDGET,
 ) -> Study:
     """Load every run under `results_dir` (or just `run_ids`, reporting those without a directory as missing).
 
     `axes` names the swept config keys (dotted); by default they are inferred as the keys that differ between runs.
     `metrics` restricts the long table to those metric columns (default: every numeric column).
-    `max_token_rows` bounds the token samples kept per run (Study.tokens; Study.sequences uses every row).
+    `max_token_rows` bounds the token samples kept per run, and `token_budget` those of the whole study (the per-run
+    cap becomes min(max_token_rows, token_budget // runs)); Study.sequences always uses every token row.
     """
     base = runs_dir(results_dir)
     if run_ids is None:
@@ -381,9 +385,10 @@ def load_study(
             f"{len(missing)} run(s) of the study have no directory under {base}: {', '.join(missing)}", stacklevel=2
         )
     n_workers = workers or min(8, (os.cpu_count() or 1) * 2)
+    per_run = min(max_token_rows, token_budget // max(1, len(wanted)))
 
     def read(rid: str) -> RunRecord:
-        return read_run(base / rid, max_token_rows=max_token_rows)
+        return read_run(base / rid, max_token_rows=per_run)
 
     if n_workers > 1 and len(wanted) > 8:
         with ThreadPoolExecutor(n_workers) as pool:  # parquet/JSON reads release the GIL

@@ -112,3 +112,11 @@ def test_tokens_round_trip_through_write(study, tmp_path):
     back = tidy.read_study(tmp_path / "tidy")
     assert len(back.tokens) == len(study.tokens) and len(back.sequences) == len(study.sequences)
     assert len(study.tokens) <= tidy.MAX_TOKEN_ROWS * len(study.runs)
+
+
+def test_token_budget_bounds_the_whole_study(tmp_path):
+    synthetic.make_study(tmp_path, {"gspo": C()}, seeds=(0, 1, 2, 3), n_steps=20, token_mismatch=lambda c: (0, 0.01))
+    st = tidy.load_study(tmp_path, token_budget=1000)
+    per_run = st.tokens.groupby("run_id", observed=True).size()
+    assert len(per_run) == 4 and (per_run == 250).all()  # 1000 // 4 runs, each run has more than that
+    assert st.sequences.groupby("run_id", observed=True).size().eq(3 * synthetic.TOKEN_SEQS).all()  # untouched
