@@ -673,21 +673,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.best_only:
             others = []
             for _ in range(args.workers - 1):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "sweeps.tune",
-                    args.sweep,
-                    "--results",
-                    str(p.results),
-                    "--storage",
-                    p.storage,
-                    "--no-best",
-                    *([f"--algorithm={args.algorithm}"] if only else []),
-                ]
+                cmd = [sys.executable, "-m", "sweeps.tune", args.sweep, "--results", str(p.results), "--no-best"]
+                cmd += ["--storage", p.storage, *([f"--algorithm={args.algorithm}"] if only else [])]
                 others.append(subprocess.Popen(cmd))
-            ran = work(p, only)
-            failed = sum(proc.wait() != 0 for proc in others)
+            try:
+                ran = work(p, only)
+            finally:  # the other workers finish their trials either way
+                failed = sum(proc.wait() != 0 for proc in others)
             print(f"{p.name}: this worker ran {ran}" + (f"; {failed} other worker(s) failed" if failed else ""))
             if failed:
                 return 1
