@@ -3,6 +3,7 @@
     python -m study.launch CONFIG.yaml --results results --launcher in-process        # debugging (pdb works)
     python -m study.launch CONFIG.yaml --results results --launcher local             # a child process
     python -m study.launch CONFIG.yaml --results results --launcher slurm --partition gpu --gpus 1 --time-min 240
+    python -m study.launch --coldstart tiny chain_sum --results results --launcher slurm    # a cold start, likewise
 
 1. The launcher is always named: submitit's AutoExecutor picks SLURM wherever `srun` is on PATH, cluster or not.
 2. The same callable, `Run`, runs in every launcher: `study.rl.run` on the config, which skips a finished run and
@@ -58,6 +59,26 @@ class Run:
         return submitit.helpers.DelayedSubmission(Run(self.config, self.results))
 
 
+class ColdStart:
+    """The submitted callable of a cold start (`study.coldstart.ensure_coldstart`, not strict: an out-of-band result
+    is kept and the runs stop on it with the reason), so that on a cluster it trains on a compute node too."""
+
+    def __init__(self, model: str, task: str, results: str, threads: int = 1) -> None:
+        self.model, self.task, self.results, self.threads = model, task, results, threads
+
+    def __call__(self) -> dict[str, Any]:
+        from study.coldstart import ensure_coldstart, read_record
+
+        directory = ensure_coldstart(self.model, self.task, self.results, threads=self.threads, strict=False)
+        record = read_record(directory)
+        return {"run_dir": str(directory), "state": "completed", "coldstart": record["status"],
+                "pass_at_1": record["pass_at_1"]}  # fmt: skip
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Time-out/preemption: requeue; an unfinished cold start is trained again (it has no mid-way checkpoint)."""
+        return submitit.helpers.DelayedSubmission(ColdStart(self.model, self.task, self.results, self.threads))
+
+
 @dataclass(frozen=True)
 class Resources:
     """What one job asks for. Empty partition/account: the cluster's defaults."""
@@ -107,14 +128,28 @@ def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Reso
 
     cfg = RunConfig.from_dict(config, where="launch")
     call = Run(cfg.to_dict(), str(results))
+    return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
+
+
+def launch_coldstart(model: str, task: str, results: str | Path, launcher: str, res: Resources) -> dict[str, Any]:
+    """Make (or reuse) the cold start of (model preset, task) through `launcher`, blocking; returns its status."""
+    from study.coldstart import resolve_settings
+
+    name = resolve_settings(model, task, threads=res.cpus).dirname  # raises on an unknown preset or task
+    call = ColdStart(model, task, str(results), threads=res.cpus)
+    return _submit_and_wait(call, launcher, Path(results) / "coldstart" / "submitit" / name, res, f"coldstart-{name}")
+
+
+def _submit_and_wait(call: Any, launcher: str, folder: Path, res: Resources, job_name: str) -> dict[str, Any]:
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher = {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if launcher == "in-process":
         return call()
-    folder = Path(results) / "runs" / cfg.run_id / "submitit"
     # Handlers first: a signal that arrives once the job id is printed must cancel the job, not kill us.
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGINT, signal.SIGTERM)}
     job = None
     try:
-        job = executor(launcher, folder, res, job_name=cfg.run_id).submit(call)
+        job = executor(launcher, folder, res, job_name=job_name).submit(call)
         print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
         return job.result()
     except Cancelled:
@@ -133,7 +168,10 @@ def _raise_cancelled(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m study.launch", description=__doc__.split("\n")[0])
-    parser.add_argument("config", help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)")
+    parser.add_argument("config", nargs="?",
+                        help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)")  # fmt: skip
+    parser.add_argument("--coldstart", nargs=2, metavar=("MODEL", "TASK"),
+                        help="launch the cold start of a model preset and task instead of a run")  # fmt: skip
     parser.add_argument("--results", default="results", help="results directory (the run goes to RESULTS/runs/RUN_ID)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
     parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
@@ -147,19 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signal-delay-s", type=int, default=Resources.signal_delay_s,
                         help="seconds before the time limit at which SLURM signals the job to checkpoint")  # fmt: skip
     args = parser.parse_args(argv)
+    if (args.config is None) == (args.coldstart is None):
+        parser.error("give either CONFIG (a run) or --coldstart MODEL TASK")
 
     from study.runconfig import load_config
 
     try:
-        cfg = load_config(args.config)
+        threads = 1 if args.coldstart else load_config(args.config).threads
+        res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
+                        mem_gb=args.mem_gb, cpus=args.cpus or threads, max_timeouts=args.max_timeouts,
+                        signal_delay_s=args.signal_delay_s)  # fmt: skip
+        if args.coldstart:
+            from study.coldstart import resolve_settings
+
+            resolve_settings(*args.coldstart, threads=res.cpus)  # settings errors: before any job
+        else:
+            cfg = load_config(args.config)
     except (ValueError, FileNotFoundError) as err:  # config errors: before any job, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
-    res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
-                    mem_gb=args.mem_gb, cpus=args.cpus or cfg.threads, max_timeouts=args.max_timeouts,
-                    signal_delay_s=args.signal_delay_s)  # fmt: skip
     try:
-        status = launch(cfg.to_dict(), args.results, args.launcher, res)
+        if args.coldstart:
+            status = launch_coldstart(*args.coldstart, args.results, args.launcher, res)
+        else:
+            status = launch(cfg.to_dict(), args.results, args.launcher, res)
     except FailedJobError as err:  # the remote traceback, verbatim
         print(str(err), file=sys.stderr)
         return 1

@@ -20,11 +20,12 @@ rule resolve:
 
 
 rule coldstart:
-    # The cold start of runs with coldstart = "auto" (python -m study coldstart = study.coldstart.ensure_coldstart,
-    # which a run would otherwise call itself, under a lock): trained here once, before the runs, on this machine, with
-    # the settings and the one torch thread a run would use, so the directory (named by its settings' hash) is the
-    # one the runs reuse. --no-strict: a cold start that missed its pass@1 band is kept, not deleted as a failed
-    # job's output; the runs then stop on it with the reason (ensure_coldstart is strict there).
+    # The cold start of runs with coldstart = "auto" (study.coldstart.ensure_coldstart, which a run would otherwise
+    # call itself, under a lock): made once, before the runs, through the same launcher as the runs (`python -m
+    # study.launch --coldstart`: in-process here, a SLURM job under `--profile slurm`, not the submit host), with the
+    # settings and the one torch thread a run would use, so the directory (named by its settings' hash) is the one
+    # the runs reuse. Not strict: a cold start that missed its pass@1 band is kept, not deleted as a failed job's
+    # output; the runs then stop on it with the reason (ensure_coldstart is strict there).
     output:
         f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json",
     log:
@@ -35,11 +36,20 @@ rule coldstart:
         model=coldstart_model,
         task=coldstart_task,
     threads: 1
+    resources:
+        launcher="in-process",
+        slurm_partition="",
+        slurm_account="",
+        gpus=0,
+        runtime=120,
+        mem_gb=16,
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study coldstart --model {params.model} --task {params.task} --results {params.results} "
-        "--threads 1 --no-strict --quiet > {log} 2>&1"
+        "{params.python} -m study.launch --coldstart {params.model} {params.task} --results {params.results} "
+        "--launcher {resources.launcher} --partition '{resources.slurm_partition}' "
+        "--account '{resources.slurm_account}' --gpus {resources.gpus} --time-min {resources.runtime} "
+        "--mem-gb {resources.mem_gb} --cpus 1 > {log} 2>&1"
 
 
 rule run:

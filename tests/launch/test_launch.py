@@ -86,12 +86,15 @@ def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> 
 
 
 def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
-    """`snakemake -n --profile slurm`, as typed, from the repository root: every run goes through the slurm launcher."""
+    """`snakemake -n --profile slurm`, as typed, from the repository root: every run and the cold start go through the
+    slurm launcher."""
     cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/smoke.yaml", f"results={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
-    assert len(launches) == 2 and all("--launcher slurm" in line for line in launches), proc.stdout
+    coldstarts = [line for line in launches if "--coldstart tiny chain_sum" in line]
+    assert len(launches) == 3 and len(coldstarts) == 1, proc.stdout  # 2 runs + their cold start
+    assert all("--launcher slurm" in line for line in launches), proc.stdout
     assert "concurrent_runs=1" in proc.stdout
     default = subprocess.run([*SNAKEMAKE, "-n", "-p", "--cores", "1", "--config", f"results={tmp_path}"],
                              capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
@@ -151,12 +154,32 @@ def test_a_failing_slurm_job_surfaces_the_remote_traceback(tmp_path: Path) -> No
 
 @needs_slurm
 @pytest.mark.slow
+def test_the_coldstart_launches_as_a_slurm_job(results: Path, tmp_path: Path) -> None:
+    """`python -m study.launch --coldstart` (the coldstart rule under --profile slurm) runs ensure_coldstart in a
+    SLURM job; here the cold start exists already, so the job finds and reports it without training."""
+    other = sharing_coldstart(results, tmp_path / "other")
+    cfg = smoke_config()
+    cmd = [*LAUNCH, "--coldstart", cfg.model, cfg.task, "--results", str(other), "--launcher", "slurm", "--mem-gb", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stderr.split("submitted slurm job ")[1].split(";")[0]
+    assert sacct_states(job_id) == ["COMPLETED"]
+    from study.coldstart import resolve_settings
+
+    directory = other / "coldstart" / resolve_settings(cfg.model, cfg.task).dirname
+    assert proc.stdout.strip() == f"completed: {directory}"
+    assert list((other / "coldstart" / "submitit" / directory.name).glob(f"{job_id}_0_log.out"))
+
+
+@needs_slurm
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_smoke_study_through_the_slurm_profile(results: Path, tmp_path: Path) -> None:
     """The smoke study with the repository's slurm profile; only its site values (no GPUs here, a small node) are
     replaced, in a copy: a command-line --set-resources would replace the profile's whole run entry."""
     profile = yaml.safe_load((ROOT / "slurm" / "config.yaml").read_text())
-    profile["set-resources"]["run"].update(gpus=0, mem_gb=2, slurm_partition="", slurm_account="")
+    for rule in ("run", "coldstart"):
+        profile["set-resources"][rule].update(gpus=0, mem_gb=2, slurm_partition="", slurm_account="")
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "config.yaml").write_text(yaml.safe_dump(profile))
     study = sharing_coldstart(results, tmp_path / "results")
