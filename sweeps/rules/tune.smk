@@ -27,6 +27,8 @@ rule tune:
 
 
 rule tune_algorithm:
+    input:
+        ancient(coldstart_of_tuning),  # named by its settings' hash: its mtime carries no information
     output:
         f"{TUNE_DIR}/{{algorithm}}.yaml",
     log:

@@ -17,6 +17,13 @@ def tune_inputs(wildcards):
     return expand(f"{TUNE_DIR}/{{algorithm}}.yaml", algorithm=TUNE_ALGORITHMS)
 
 
+def coldstart_of_tuning(wildcards):
+    """The finished cold starts of the algorithm's starting runs (the coldstart rule makes them once, before any
+    trial), or nothing for runs given a checkpoint or "scratch"."""
+    names = {RUN_COLDSTART[run_id] for run_id, cfg in RUNS.items() if cfg.algorithm == wildcards.algorithm}
+    return [f"{RESULTS}/coldstart/{name}/coldstart.json" for name in sorted(names - {None})]
+
+
 def tune_threads(wildcards):
     """torch threads of the algorithm's trials (its starting run's RunConfig.threads)."""
     return max(cfg.threads for cfg in RUNS.values() if cfg.algorithm == wildcards.algorithm)

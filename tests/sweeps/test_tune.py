@@ -410,6 +410,7 @@ def test_snakemake_tune_rules(tmp_path: Path) -> None:
         line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2 and line.split()[1].isdigit()
     )
     assert counts["tune_algorithm"] == "2" and counts["tune"] == "1"
+    assert counts["coldstart"] == "1"  # made once, before the trials (each tune_algorithm job takes it as input)
     proc = snakemake()  # the default study has no tune: section
     assert proc.returncode != 0 and "sweeps/default.yaml: no `tune:` section" in proc.stdout + proc.stderr
     missing = f"{tmp_path}/tune/tune/best.yaml"
