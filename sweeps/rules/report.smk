@@ -65,4 +65,5 @@ rule report:
 
 
 onsuccess:
-    print(f"report: {REPORT}")
+    if os.path.exists(REPORT):  # not after a target without one (`snakemake tune`)
+        print(f"report: {REPORT}")
