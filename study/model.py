@@ -159,14 +159,20 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
     )
 
 
-def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True) -> GPTModel:
+CORE_ATTENTIONS = ("sdpa", "megatron")
+
+
+def build_policy(
+    cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True, core_attention: str = "sdpa"
+) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
     Same seed and config give bit-identical weights. The caller's global RNG state is left untouched (the build
     runs inside `torch.random.fork_rng`). `routing_replay=True` gives every router a replay hook that
     study/routing.py drives (free routing until told otherwise). The module keeps `study_config` and `study_dtype`.
     Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`, `...experts.local_experts.{e}...`);
-    keep them stable, the HF weight map depends on them.
+    keep them stable, the HF weight map depends on them. `core_attention`: "sdpa" (torch's fused attention,
+    `sdpa_core_attention`) or "megatron" (the local spec's own DotProductAttention; same function, slower on CPU).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -176,12 +182,15 @@ def build_policy(cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_re
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed = {seed!r}: must be a non-negative integer")
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention = {core_attention!r}; valid: {', '.join(CORE_ATTENTIONS)}")
     tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay)
     init_distributed()
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
-    spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    if core_attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

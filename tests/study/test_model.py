@@ -164,6 +164,8 @@ def test_bad_inputs(model):
         build_policy(TINY, seed=0, dtype="fp8")
     with pytest.raises(ValueError, match="seed"):
         build_policy(TINY, seed=-1)
+    with pytest.raises(ValueError, match="core_attention = 'flash'; valid: sdpa, megatron"):
+        build_policy(TINY, seed=0, core_attention="flash")
     with pytest.raises(TypeError):
         build_policy({"num_layers": 2}, seed=0)
     with pytest.raises(ValueError, match="moe_top_k"):
