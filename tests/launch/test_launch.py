@@ -202,9 +202,10 @@ def test_smoke_study_through_the_slurm_profile(results: Path, tmp_path: Path) ->
 def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
     """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
     requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
-    # 600 tiny steps (~2 min on one core) against a 2-minute limit: slurmctld sends the 20-s warning signal on its
-    # ~30-s time-limit sweep, i.e. 70-100 s into the job, after the ~30 s start-up and several checkpoints.
-    cfg = smoke_config(steps=600, eval_every=200, checkpoint_every=10)
+    # 1,800 tiny steps (~0.09 s each: ~3 min on one core) against a 2-minute limit: slurmctld sends the 20-s warning
+    # signal on its ~30-s time-limit sweep, i.e. 70-100 s into the job, after the ~30 s start-up and several
+    # checkpoints. (600 steps, ~2 min before the rollout got 2x faster, now finish before the signal.)
+    cfg = smoke_config(steps=1800, eval_every=600, checkpoint_every=10)
     config = write_config(cfg, tmp_path / "long.yaml")
     other = sharing_coldstart(results, tmp_path / "other")
     slurm_args = ["--launcher", "slurm", "--time-min", "2", "--signal-delay-s", "20", "--max-timeouts", "8"]
