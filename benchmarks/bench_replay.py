@@ -15,7 +15,6 @@ minibatch replay hands megatron (8 L k bytes per minibatch token).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
@@ -23,34 +22,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 
 def _side(preset: str, alg: str, steps: int) -> dict:
     import pandas as pd
+    from steptimer import timed_run
 
-    from study import rl, rundir
     from study.routing import index_dtype
     from study.runconfig import PRESET_RUNS, RunConfig
 
     cfg = RunConfig.from_dict({**PRESET_RUNS[preset], "algorithm": alg, "coldstart": "scratch", "steps": steps,
                                "eval_every": 0, "checkpoint_every": 0, "threads": 1})  # fmt: skip
-    stamps: list[tuple[float, float]] = []
-    set_status = rundir.set_status
-
-    def stamped(run_dir, state, **kw):  # type: ignore[no-untyped-def]
-        if state == "running":
-            stamps.append((time.perf_counter(), time.process_time()))
-        return set_status(run_dir, state, **kw)
-
-    rundir.set_status = stamped
     with tempfile.TemporaryDirectory() as tmp:
-        m = pd.read_parquet(rl.run(cfg, tmp, progress=False) / "metrics.parquet")
+        run_dir, wall, cpu = timed_run(cfg, tmp)
+        m = pd.read_parquet(run_dir / "metrics.parquet")
     mcfg = cfg.model_config()
     kept = mcfg.num_layers * mcfg.moe_top_k * torch_itemsize(index_dtype(mcfg.num_experts))
-    return {"wall": [b[0] - a[0] for a, b in itertools.pairwise(stamps)],
-            "cpu": [b[1] - a[1] for a, b in itertools.pairwise(stamps)],
+    return {"wall": wall, "cpu": cpu,
             "update": m["time_update_s"].tolist(), "old": m["time_old_logp_s"].tolist(),
             "tokens_total": m["tokens_total"].tolist(),
             "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

@@ -53,8 +53,8 @@ def _parse_batch(text: str) -> tuple[int, int, int]:
 
 def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = False) -> dict:
     import torch
+    from steptimer import timed_run
 
-    from study import rl, rundir
     from study.engines.hf import HFEngine
     from study.runconfig import RunConfig
 
@@ -72,23 +72,11 @@ def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = F
                                "steps": steps, "prompts_per_step": p, "group_size": g, "minibatches": MINIBATCHES,
                                "max_new_tokens": t, "eval_every": 0, "checkpoint_every": 0, "threads": threads,
                                "seed": 0, "lr": 1e-4, "grad_clip": 1.0})  # fmt: skip
-    stamps: list[tuple[float, float]] = []
-    set_status = rundir.set_status
-
-    def stamped(run_dir, state, **kw):  # type: ignore[no-untyped-def]
-        if state == "running":
-            stamps.append((time.perf_counter(), time.process_time()))
-        return set_status(run_dir, state, **kw)
-
-    rundir.set_status = stamped
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = rl.run(cfg, tmp, progress=False)
+        run_dir, wall, cpu = timed_run(cfg, tmp)
         import pandas as pd
 
         m = pd.read_parquet(run_dir / "metrics.parquet")
-    # stamps[0]: before step 1 (run() marks the run as running); stamps[i]: after step i
-    wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
-    cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
     parts = {k: m[f"time_{k}_s"].tolist() for k in ("rollout", "old_logp", "update", "sync")}
     return {"wall": wall, "cpu": cpu, "tokens": m["tokens"].tolist(), "parts": parts,
             "threads": torch.get_num_threads()}  # fmt: skip
