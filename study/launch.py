@@ -191,21 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     from study.runconfig import load_config
 
     try:
-        threads = 1 if args.coldstart else load_config(args.config).threads
+        cfg = None if args.coldstart else load_config(args.config)
         res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
-                        mem_gb=args.mem_gb, cpus=args.cpus or threads, max_timeouts=args.max_timeouts,
-                        signal_delay_s=args.signal_delay_s)  # fmt: skip
+                        mem_gb=args.mem_gb, cpus=args.cpus or (cfg.threads if cfg else 1),
+                        max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
         if args.coldstart:
             from study.coldstart import resolve_settings
 
             resolve_settings(*args.coldstart, threads=res.cpus)  # settings errors: before any job
-        else:
-            cfg = load_config(args.config)
     except (ValueError, FileNotFoundError) as err:  # config errors: before any job, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        if args.coldstart:
+        if cfg is None:
             status = launch_coldstart(*args.coldstart, args.results, args.launcher, res)
         else:
             status = launch(cfg.to_dict(), args.results, args.launcher, res)

@@ -230,6 +230,7 @@ def _train(
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
+            eval_step = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
             row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
             row.update(step=step, lr=cfg.lr)
             row["precision_emulated"] = float(train_prec.emulated or rollout_prec.emulated)  # precision hook: label
@@ -267,7 +268,7 @@ def _train(
             row["time_old_logp_s"] = time.perf_counter() - t1
             mask, rollout_logp = batch["mask"], batch["rollout_logp"]
             row.update(_mismatch(train_old, rollout_logp, mask))
-            if step == 1 or step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            if step in (1, cfg.steps) or eval_step:
                 token_frames.append(_token_samples(step, train_old, rollout_logp, mask))
             if engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
                 vol = routing_volatility(engine_routes, free_old, am, per_layer=False)
@@ -345,7 +346,7 @@ def _train(
             row.update(compute_flops=compute, wall_s=wall, peak_rss_gb=_peak_rss_gb())
             row["tokens_total"] = n_tokens_total
 
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if eval_step:
                 row.update(_evaluate(cfg, engine, tok, evals, step))
             rows.append(row)
             last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
@@ -354,7 +355,7 @@ def _train(
                 _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall)
             rundir.set_status(run_dir, "running", step=step)
             _tick(bar, row)
-            if on_eval is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if on_eval is not None and eval_step:
                 on_eval(step, row)  # tuning hook (sweeps/tune.py): may stop the run by raising
     except Collapse as why:
         _write_metrics(run_dir, rows, layer_rows, token_frames)
