@@ -27,7 +27,7 @@ def build_hf_model(cfg: ModelConfig, dtype: str = "fp32", *, experts_implementat
 
     kwargs = {k: v for k, v in hf_config(cfg, dtype).items() if k not in ("architectures", "model_type", "torch_dtype")}
     hcfg = Qwen3MoeConfig(**kwargs)
-    hcfg._attn_implementation = "sdpa"
+    hcfg._attn_implementation = _register_decode_attention()
     if experts_implementation is not None:
         hcfg._experts_implementation = experts_implementation
     model = Qwen3MoeForCausalLM(hcfg).to(TORCH_DTYPES[dtype]).eval()
@@ -81,6 +81,48 @@ def sample(logits: torch.Tensor, logp: torch.Tensor, temperature: float, gen: to
     cdf = probs.cumsum_(-1)  # (N, V)
     u = torch.rand(cdf.shape[0], 1, generator=gen, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+DECODE_ATTENTION = "study_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
+    """Attention for transformers' AttentionInterface: one-query decode steps by two batched matmuls, the rest SDPA.
+
+    For a decode step (query length 1) transformers' `sdpa` path copies the whole KV cache every step: with a padding
+    mask it cannot use SDPA's grouped-query mode and expands the keys and values to every query head (`repeat_kv`),
+    and SDPA's CPU flash kernel copies the cache views again; together 35% of a tiny 32 x 8 x 64 rollout
+    (docs/performance.md). Here the query heads are grouped under their key/value head (a view, no copy), the scores
+    and softmax are fp32, and pad keys get -inf. Equal to `sdpa` to ~1e-7 (tests/engines). Prefill, dropout and
+    anything else go to transformers' `sdpa_attention_forward` unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
+    n, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    q = query.float().view(n, kv_heads, heads // kv_heads, d)  # query head h reads key/value head h // group
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(d**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:  # (n, 1, 1, L): bool True = attend, or additive float
+        if attention_mask.dtype == torch.bool:
+            scores.masked_fill_(~attention_mask, float("-inf"))
+        else:
+            scores.add_(attention_mask)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())  # (n, kv_heads, group, d)
+    return out.to(query.dtype).view(n, heads, 1, d).transpose(1, 2), None  # (n, 1, heads, d), no weights
+
+
+@functools.cache
+def _register_decode_attention() -> str:
+    """Register `decode_attention` (and SDPA's mask format for it) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    return DECODE_ATTENTION
 
 
 @functools.cache

@@ -161,3 +161,46 @@ def test_sampler_draws_from_the_tempered_distribution(temperature):
         p = chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue
         assert p > 1e-3, (row, counts.tolist(), (expected[row] * reps).tolist())
     assert torch.equal(sample(logits, logp, 0.0, gen), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_sdpa(masked, dtype):
+    """The engine's decode-step attention (grouped query heads, no KV copy) computes transformers' sdpa attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from study.engines.hf import decode_attention
+
+    class Attn:  # what the attention functions read from the module
+        num_key_value_groups, is_causal = 2, True
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, length, d = 6, 4, 2, 11, 32
+    q, k, v = (torch.randn(n, h, s, d, generator=g).to(dtype) for h, s in ((heads, 1), (kv_heads, length),
+                                                                            (kv_heads, length)))  # fmt: skip
+    mask = (torch.rand(n, 1, 1, length, generator=g) > 0.4) if masked else None
+    if mask is not None:
+        mask[..., -1] = True  # the current token always sees itself
+    want, _ = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=d**-0.5)
+    got, weights = decode_attention(Attn(), q, k, v, mask, scaling=d**-0.5)
+    assert weights is None and got.shape == want.shape == (n, 1, heads, d) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if mask is not None:  # a masked key changes nothing: move its value far away
+        v2 = v.clone()
+        v2[~mask[:, 0, 0].unsqueeze(1).expand(n, kv_heads, length)] = 1e4
+        torch.testing.assert_close(decode_attention(Attn(), q, k, v2, mask, scaling=d**-0.5)[0], got)
+
+
+def test_decode_attention_matches_sdpa_in_generate(engine, prompts, rollout):
+    """Swapping the engine's attention back to transformers' sdpa samples the same tokens with the same log-probs
+    (left-padded prompts: the decode steps carry a key-padding mask)."""
+    assert engine.model.config._attn_implementation == "study_decode"
+    engine.model.config._attn_implementation = "sdpa"
+    try:
+        ref = engine.generate(prompts, 3, seed=123, max_new_tokens=12, stop_token_ids=STOPS)
+    finally:
+        engine.model.config._attn_implementation = "study_decode"
+    assert ref.tokens == rollout.tokens
+    for a, b in zip(ref.logprobs, rollout.logprobs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
