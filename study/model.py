@@ -323,13 +323,17 @@ def token_logp(
     targets: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log pi(targets[b, t] | input_ids[b, :t+1]) as (B, S) fp32, differentiable.
+    """log pi(targets[b, t] | input_ids[b, :t+1]) as (B, S) fp32, differentiable; with `positions` (B, T) only
+    those: out[b, j] = log pi(targets[b, positions[b, j]] | ...), (B, T).
 
     Uses megatron's labels path (`GPTModel(..., labels=targets)` returns the per-token cross entropy in fp32,
     without materialising log-softmax over the vocabulary). For a prompt+response batch pass
     `input_ids = tokens[:, :-1]`, `targets = tokens[:, 1:]`. Targets at positions the caller masks out must still be
-    valid token ids (use 0 for padding).
+    valid token ids (use 0 for padding). With `positions` the output layer and the cross entropy run on the kept
+    positions only (a response's T of the S positions; TRL's `logits_to_keep`): the decoder still sees every token,
+    the prompt's LM head and vocabulary softmax are skipped (a fifth to a third of their cost in an RL batch).
     """
     _check_ids(model, input_ids)
     _check_ids(model, targets, "targets")
@@ -338,7 +342,29 @@ def token_logp(
     device = model_device(model)
     input_ids, targets = input_ids.to(device), targets.to(device)
     position_ids, mask = positions_and_mask(input_ids, attention_mask)
-    ce = model(input_ids, position_ids, mask, labels=targets)  # (B, S) fp32 cross entropy
+    if positions is None:
+        ce = model(input_ids, position_ids, mask, labels=targets)  # (B, S) fp32 cross entropy
+        return -ce.float()
+    b, s = input_ids.shape
+    if positions.dim() != 2 or positions.shape[0] != b or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be (B={b}, T) int64, got {tuple(positions.shape)} {positions.dtype}")
+    positions = positions.to(device)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= s):
+        raise ValueError(f"positions out of range [0, {s})")
+    head = getattr(model, "output_layer", None)
+    if head is None:  # not a GPTModel: the full forward, then the gather
+        return -model(input_ids, position_ids, mask, labels=targets).float().gather(1, positions)
+
+    def keep(_module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]  # (S, B, H), megatron's sequence-first layout
+        index = positions.t()[:, :, None].expand(-1, -1, hidden.shape[-1])  # (T, B, H)
+        return (hidden.gather(0, index), *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        ce = model(input_ids, position_ids, mask, labels=targets.gather(1, positions))  # (B, T)
+    finally:
+        handle.remove()
     return -ce.float()
 
 

@@ -35,6 +35,34 @@ def test_labels_path_matches_log_softmax_gather(model):
     assert (logp - ref).abs().max() <= 1e-6
 
 
+def test_kept_positions_equal_the_full_forward_gathered_with_gradients(model):
+    """`positions` runs the LM head and cross entropy on the kept positions only: the same log-probs and the same
+    gradients as the full (B, S) forward followed by a gather, also under left padding."""
+    ids = _batch(3, 21, seed=4)
+    am = torch.ones(3, 20, dtype=torch.long)
+    am[1, :5] = 0  # left padding in one row: the explicit-mask path
+    pos = torch.tensor([[3, 7, 19, 19], [5, 6, 7, 8], [0, 1, 2, 18]])
+    full = token_logp(model, ids[:, :-1], ids[:, 1:], attention_mask=am)
+    kept = token_logp(model, ids[:, :-1], ids[:, 1:], attention_mask=am, positions=pos)
+    assert kept.shape == (3, 4) and kept.dtype == torch.float32
+    torch.testing.assert_close(kept, full.gather(1, pos), atol=1e-6, rtol=0)
+    weights = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for out in (full.gather(1, pos), kept):
+        model.zero_grad(set_to_none=True)
+        (out * weights).sum().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and "output_layer.weight" in grads[1]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4, msg=name)
+    assert not model.output_layer._forward_pre_hooks  # the hook is gone after the call
+    with pytest.raises(ValueError, match=r"positions out of range \[0, 20\)"):
+        token_logp(model, ids[:, :-1], ids[:, 1:], positions=pos + 1)
+    with pytest.raises(ValueError, match=r"positions must be \(B=3, T\) int64"):
+        token_logp(model, ids[:, :-1], ids[:, 1:], positions=pos[:2])
+
+
 def test_logits_shape_and_dtype(model):
     out = logits(model, _batch()[:, :-1])
     assert out.shape == (3, 16, TINY.vocab_size) and out.dtype == torch.float32
