@@ -245,27 +245,47 @@ def _train(
                 last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
                 continue
 
-            # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed)
+            # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed). The first
+            # minibatch is not recomputed: its first update forward runs on the same tokens with the same weights
+            # (nothing has been updated yet), so that forward's detached log-probs and routes are pi_old's.
             t1 = time.perf_counter()
-            with torch.no_grad():
-                ids, tgt, am = batch["input_ids"], batch["targets"], batch["attn_mask"]
-                engine_routes = batch.get("engine_routes")
-                if alg.routing == "rollout_replay":
-                    with routing.replaying(engine_routes):
-                        train_old_full = token_logp(policy, ids, tgt, attention_mask=am)
-                    old_routes = engine_routes
-                    free_old = routing.free_routes()
-                else:
-                    with routing.recording():
-                        train_old_full = token_logp(policy, ids, tgt, attention_mask=am)
-                    old_routes = free_old = routing.routes()
-            train_old = train_old_full.gather(1, batch["pos"])  # (B, T)
+            ids, tgt, am, pos = batch["input_ids"], batch["targets"], batch["attn_mask"], batch["pos"]
+            engine_routes = batch.get("engine_routes")
+            r3 = alg.routing == "rollout_replay"
+            perm = torch.randperm(
+                batch["n"], generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step))
+            )
+            chunks = torch.tensor_split(perm, min(cfg.minibatches, batch["n"]))
+            first, rest = chunks[0], perm[len(chunks[0]) :]
+            train_old = torch.empty(pos.shape)  # (B, T) fp32
+            free_experts: torch.Tensor | None = None  # (B, S, L, k): the routes free routing chose for pi_old
+            if len(rest):
+                with torch.no_grad(), routing.replaying(engine_routes[rest]) if r3 else routing.recording():
+                    train_old[rest] = token_logp(policy, ids[rest], tgt[rest], attention_mask=am[rest],
+                                                 positions=pos[rest])  # fmt: skip
+                free_rest = routing.free_routes() if r3 else routing.routes()
+                free_experts = free_rest.experts.new_empty((batch["n"], *free_rest.experts.shape[1:]))
+                free_experts[rest] = free_rest.experts
+            t_old = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            with routing.replaying(engine_routes[first]) if r3 else routing.recording():
+                logp_first = token_logp(policy, ids[first], tgt[first], attention_mask=am[first],
+                                        positions=pos[first])  # (b, T), the first update's forward  # fmt: skip
+            free_first = routing.free_routes() if r3 else routing.routes()
+            t_first = time.perf_counter() - t2
+            train_old[first] = logp_first.detach()
+            if free_experts is None:
+                free_experts = free_first.experts.new_empty((batch["n"], *free_first.experts.shape[1:]))
+            free_experts[first] = free_first.experts
+            free_old = Routes(free_experts)
+            old_routes = engine_routes if r3 else free_old
             ref_logp = None
+            t1 = time.perf_counter()
             if ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
                 with torch.no_grad():
-                    ref_logp = token_logp(ref, ids, tgt, attention_mask=am).gather(1, batch["pos"])
+                    ref_logp = token_logp(ref, ids, tgt, attention_mask=am, positions=pos)
                 compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
-            row["time_old_logp_s"] = time.perf_counter() - t1
+            row["time_old_logp_s"] = t_old + time.perf_counter() - t1
             mask, rollout_logp = batch["mask"], batch["rollout_logp"]
             row.update(_mismatch(train_old, rollout_logp, mask))
             if step in (1, cfg.steps) or eval_step:
@@ -276,21 +296,20 @@ def _train(
             old_logp = train_old if cfg.old_logp_source == "recompute" else rollout_logp
             n_tokens_total = int(am.sum())
             if cfg.old_logp_source == "recompute":
-                compute += forward_flops(mcfg, n_tokens_total, ids.shape[1] / 2)
+                compute += forward_flops(mcfg, int(am[rest].sum()), ids.shape[1] / 2)
 
-            # 5. minibatch updates
+            # 5. minibatch updates (the first one's forward ran above)
             t2 = time.perf_counter()
-            perm = torch.randperm(
-                batch["n"], generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step))
-            )
             sums: dict[str, float] = {}
             vols: list[dict[str, float]] = []
-            for idx in torch.tensor_split(perm, min(cfg.minibatches, batch["n"])):
-                with routing.replaying(old_routes[idx]) if alg.routing != "free" else routing.recording():
-                    logp_full = token_logp(policy, ids[idx], tgt[idx], attention_mask=am[idx])  # (b, S)
-                new_free = routing.free_routes() if alg.routing != "free" else routing.routes()
+            for i, idx in enumerate(chunks):
+                if i == 0:
+                    logp, new_free = logp_first, free_first
+                else:
+                    with routing.replaying(old_routes[idx]) if alg.routing != "free" else routing.recording():
+                        logp = token_logp(policy, ids[idx], tgt[idx], attention_mask=am[idx], positions=pos[idx])
+                    new_free = routing.free_routes() if alg.routing != "free" else routing.routes()
                 vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
-                logp = logp_full.gather(1, batch["pos"][idx])  # (b, T)
                 mb_mask = mask[idx]
                 with torch.no_grad():
                     d = torch.where(mb_mask.bool(), old_logp[idx] - logp.detach(), 0.0)
@@ -336,7 +355,7 @@ def _train(
                     m: float(np.mean([v[f"{m}_l{layer}"] for v in vols])) for m in ("slot_mismatch", "set_flip_rate")
                 }
                 layer_rows.append({"step": step, "layer": layer, **per_layer})
-            row["time_update_s"] = time.perf_counter() - t2
+            row["time_update_s"] = t_first + time.perf_counter() - t2
 
             # 6. weights to the rollout engine
             t3 = time.perf_counter()

@@ -75,6 +75,29 @@ def test_token_samples_pair_trainer_and_engine_logprobs(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("minibatches", [1, 4])
+def test_pi_old_reuses_the_first_minibatch_forward(tmp_path: Path, monkeypatch, minibatches: int) -> None:
+    """pi_old is recomputed for every row but the first minibatch's, whose update forward (same weights, same
+    tokens) gives pi_old: per step the policy forwards 2B - B/M rows, and with one minibatch the ratio is exactly 1."""
+    rows: list[int] = []
+    real = rl.token_logp
+
+    def counting(model, input_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(input_ids.shape[0])
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rl, "token_logp", counting)
+    sets = ["coldstart=scratch", "steps=2", "eval_every=0", "checkpoint_every=0", f"minibatches={minibatches}"]
+    cfg = load_config(preset="tiny", sets=sets)
+    run_dir = rl.run(cfg, tmp_path, progress=False)
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    b = cfg.prompts_per_step * cfg.group_size
+    assert sum(rows) == 2 * (2 * b - b // minibatches)
+    if minibatches == 1:  # the only update starts at pi_old itself
+        assert metrics["clip_frac"].eq(0).all() and metrics["approx_kl"].eq(0).all()
+    assert metrics["mismatch_mean_abs"].lt(1e-4).all()  # pi_old (both kinds of rows) vs the engine's log-probs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", algorithms.names())
 def test_every_algorithm_trains_and_moves_its_parameters(name: str, results: Path) -> None:
