@@ -23,8 +23,9 @@ rule coldstart:
     # The cold start of runs with coldstart = "auto" (study.coldstart.ensure_coldstart, which a run would otherwise
     # call itself, under a lock): made once, before the runs, through the same launcher as the runs (`python -m
     # study.launch --coldstart`: in-process here, a SLURM job under `--profile slurm`, not the submit host), with the
-    # settings and the one torch thread a run would use, so the directory (named by its settings' hash) is the one
-    # the runs reuse. Not strict: a cold start that missed its pass@1 band is kept, not deleted as a failed job's
+    # settings a run would use, so the directory (named by its settings' hash, which leaves the thread count out) is
+    # the one the runs reuse. Two torch threads (Snakemake caps them at --cores): nothing else can run until the cold
+    # start is done, so one thread would leave the second core of a 2-core machine idle. Not strict: a cold start that missed its pass@1 band is kept, not deleted as a failed job's
     # output; the runs then stop on it with the reason (ensure_coldstart is strict there).
     output:
         f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json",
@@ -35,7 +36,7 @@ rule coldstart:
         results=results_of_run,
         model=coldstart_model,
         task=coldstart_task,
-    threads: 1
+    threads: 2
     resources:
         launcher="in-process",
         slurm_partition="",
@@ -49,7 +50,7 @@ rule coldstart:
         "{params.python} -m study.launch --coldstart {params.model} {params.task} --results {params.results} "
         "--launcher {resources.launcher} --partition '{resources.slurm_partition}' "
         "--account '{resources.slurm_account}' --gpus {resources.gpus} --time-min {resources.runtime} "
-        "--mem-gb {resources.mem_gb} --cpus 1 > {log} 2>&1"
+        "--mem-gb {resources.mem_gb} --cpus {threads} > {log} 2>&1"
 
 
 rule run:
