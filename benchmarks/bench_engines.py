@@ -6,6 +6,8 @@ update (reload + CPU MoE re-pack + prefix-cache reset).
 
     .venv/bin/python benchmarks/bench_engines.py                       # tiny preset, all engines, fp32 and bf16
     .venv/bin/python benchmarks/bench_engines.py --preset default --engines hf --dtypes fp32
+    .venv/bin/python benchmarks/bench_engines.py --engines hf --dtypes fp32 --batches 32x8 --max-new-tokens 64 \
+        --ragged --hf-attention sdpa,study_decode,sdpa,study_decode     # the engine's decode attention vs sdpa
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--batches", default="8x4,32x4,64x8", help="prompts x n, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--ragged", action="store_true",
+                    help="prompt lengths drawn from [prompt-len / 2, prompt-len] (left padding, as in an RL batch) "
+                    "instead of all prompt-len")  # fmt: skip
+    ap.add_argument("--hf-attention", default="study_decode",
+                    help="hf: transformers attention implementations to time in turn, comma-separated (the engine's "
+                    "own `study_decode`, or `sdpa`); the same weights and prompts for each")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the best is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM on CPU uses 1 anyway); 0: default")
@@ -45,37 +53,44 @@ def main() -> None:
     print(f"preset={args.preset} threads={torch.get_num_threads()} cpus={os.cpu_count()} "
           f"cuda={torch.cuda.is_available()} prompt_len={args.prompt_len} "
           f"max_new_tokens={args.max_new_tokens} load={os.getloadavg()[0]:.2f}"
-          f"{' hf=wrapped' if args.wrapped else ''}")  # fmt: skip
+          f"{' ragged' if args.ragged else ''}{' hf=wrapped' if args.wrapped else ''}")  # fmt: skip
     print(f"{'engine':<6} {'dtype':<5} {'prompts x n':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    for name in args.engines.split(","):
-        for dtype in args.dtypes.split(","):
-            t0 = time.perf_counter()
-            kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {}
-            engine = get_engine(name, cfg, dtype=dtype, **kwargs)
-            if name == "hf":
-                engine.load_weights(state)
-                if args.wrapped:
-                    engine.model.register_forward_pre_hook(lambda _m, _a: None)
-            build = time.perf_counter() - t0
-            try:
-                engine.generate([[1, 2, 3]], 2, seed=0, max_new_tokens=4)  # warm-up
-                for prompts_n, n in batches:
-                    prompts = torch.randint(0, cfg.vocab_size, (prompts_n, args.prompt_len), generator=g).tolist()
-                    best = float("inf")
-                    for rep in range(args.repeats):
-                        t = time.perf_counter()
-                        r = engine.generate(prompts, n, seed=rep, max_new_tokens=args.max_new_tokens)
-                        best = min(best, time.perf_counter() - t)
-                    print(f"{name:<6} {dtype:<5} {f'{prompts_n}x{n}':>11} {r.num_tokens:>7} {best:>8.3f} "
-                          f"{r.num_tokens / best:>9.0f}", flush=True)  # fmt: skip
-                extra = ""
-                if name == "vllm":
+    prompt_sets = {}
+    for prompts_n, _n in batches:
+        lens = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (prompts_n,), generator=g).tolist()
+        prompt_sets[prompts_n] = [torch.randint(0, cfg.vocab_size, (k if args.ragged else args.prompt_len,),
+                                                generator=g).tolist() for k in lens]  # fmt: skip
+    runs = [(name, dtype, attn) for name in args.engines.split(",") for dtype in args.dtypes.split(",")
+            for attn in (args.hf_attention.split(",") if name == "hf" else [None])]  # fmt: skip
+    for name, dtype, attn in runs:
+        t0 = time.perf_counter()
+        kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {}
+        engine = get_engine(name, cfg, dtype=dtype, **kwargs)
+        if name == "hf":
+            engine.load_weights(state)
+            if args.wrapped:
+                engine.model.register_forward_pre_hook(lambda _m, _a: None)
+            engine.model.config._attn_implementation = attn
+        build = time.perf_counter() - t0
+        try:
+            engine.generate([[1, 2, 3]], 2, seed=0, max_new_tokens=4)  # warm-up
+            for prompts_n, n in batches:
+                prompts = prompt_sets[prompts_n]
+                best = float("inf")
+                for rep in range(args.repeats):
                     t = time.perf_counter()
-                    engine.load_weights(state)
-                    extra = f", in-place weight update {time.perf_counter() - t:.3f} s"
-                print(f"{name:<6} {dtype:<5} build {build:.1f} s{extra}", flush=True)
-            finally:
-                engine.close()
+                    r = engine.generate(prompts, n, seed=rep, max_new_tokens=args.max_new_tokens)
+                    best = min(best, time.perf_counter() - t)
+                print(f"{name:<6} {dtype:<5} {f'{prompts_n}x{n}':>11} {r.num_tokens:>7} {best:>8.3f} "
+                      f"{r.num_tokens / best:>9.0f}{f'  {attn}' if attn else ''}", flush=True)  # fmt: skip
+            extra = ""
+            if name == "vllm":
+                t = time.perf_counter()
+                engine.load_weights(state)
+                extra = f", in-place weight update {time.perf_counter() - t:.3f} s"
+            print(f"{name:<6} {dtype:<5} build {build:.1f} s{extra}", flush=True)
+        finally:
+            engine.close()
 
 
 if __name__ == "__main__":
