@@ -235,8 +235,7 @@ def main() -> None:
                                                 args.wrapped_decode))  # fmt: skip
             keep = slice(args.warmup, None)
             for side in sides:
-                rounds = sorted(runs[side], key=lambda r: statistics.median(r["wall"][keep]))
-                r = rounds[0]  # the fastest round
+                r = min(runs[side], key=lambda x: statistics.median(x["wall"][keep]))  # the fastest round
                 wall, cpu = statistics.median(r["wall"][keep]), statistics.median(r["cpu"][keep])
                 tokens = statistics.mean(r["tokens"][keep])
                 res[side] = wall

@@ -351,16 +351,13 @@ def token_logp(
     positions = positions.to(device)
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= s):
         raise ValueError(f"positions out of range [0, {s})")
-    head = getattr(model, "output_layer", None)
-    if head is None:  # not a GPTModel: the full forward, then the gather
-        return -model(input_ids, position_ids, mask, labels=targets).float().gather(1, positions)
 
     def keep(_module: torch.nn.Module, args: tuple) -> tuple:
         hidden = args[0]  # (S, B, H), megatron's sequence-first layout
         index = positions.t()[:, :, None].expand(-1, -1, hidden.shape[-1])  # (T, B, H)
         return (hidden.gather(0, index), *args[1:])
 
-    handle = head.register_forward_pre_hook(keep)
+    handle = model.output_layer.register_forward_pre_hook(keep)
     try:
         ce = model(input_ids, position_ids, mask, labels=targets.gather(1, positions))  # (B, T)
     finally:

@@ -257,27 +257,18 @@ def _train(
             )
             chunks = torch.tensor_split(perm, min(cfg.minibatches, batch["n"]))
             first, rest = chunks[0], perm[len(chunks[0]) :]
-            train_old = torch.empty(pos.shape)  # (B, T) fp32
-            free_experts: torch.Tensor | None = None  # (B, S, L, k): the routes free routing chose for pi_old
+            parts = []
             if len(rest):
-                with torch.no_grad(), routing.replaying(engine_routes[rest]) if r3 else routing.recording():
-                    train_old[rest] = token_logp(policy, ids[rest], tgt[rest], attention_mask=am[rest],
-                                                 positions=pos[rest])  # fmt: skip
-                free_rest = routing.free_routes() if r3 else routing.routes()
-                free_experts = free_rest.experts.new_empty((batch["n"], *free_rest.experts.shape[1:]))
-                free_experts[rest] = free_rest.experts
+                with torch.no_grad():
+                    parts.append(_old_pass(policy, routing, batch, rest, r3))
             t_old = time.perf_counter() - t1
             t2 = time.perf_counter()
-            with routing.replaying(engine_routes[first]) if r3 else routing.recording():
-                logp_first = token_logp(policy, ids[first], tgt[first], attention_mask=am[first],
-                                        positions=pos[first])  # (b, T), the first update's forward  # fmt: skip
-            free_first = routing.free_routes() if r3 else routing.routes()
+            logp_first, free_first = _old_pass(policy, routing, batch, first, r3)  # the first update's, with grad
             t_first = time.perf_counter() - t2
-            train_old[first] = logp_first.detach()
-            if free_experts is None:
-                free_experts = free_first.experts.new_empty((batch["n"], *free_first.experts.shape[1:]))
-            free_experts[first] = free_first.experts
-            free_old = Routes(free_experts)
+            parts.insert(0, (logp_first.detach(), free_first))
+            unperm = perm.argsort()  # parts are in perm order (first, then rest)
+            train_old = torch.cat([lp for lp, _ in parts])[unperm]  # (B, T)
+            free_old = Routes(Routes.cat([r for _, r in parts]).experts[unperm])  # free routing of pi_old's forward
             old_routes = engine_routes if r3 else free_old
             ref_logp = None
             t1 = time.perf_counter()
@@ -388,6 +379,17 @@ def _train(
             bar.close()
         engine.close()
     rundir.set_status(run_dir, "completed", step=cfg.steps)
+
+
+def _old_pass(
+    policy: torch.nn.Module, routing: RoutingController, batch: dict[str, Any], idx: torch.Tensor, r3: bool
+) -> tuple[torch.Tensor, Routes]:
+    """pi_old's forward of the rows idx, the engine's routes replayed (R3) or free routing recorded: response
+    log-probs (b, T) and the routes free routing chose."""
+    with routing.replaying(batch["engine_routes"][idx]) if r3 else routing.recording():
+        logp = token_logp(policy, batch["input_ids"][idx], batch["targets"][idx],
+                          attention_mask=batch["attn_mask"][idx], positions=batch["pos"][idx])  # fmt: skip
+    return logp, routing.free_routes() if r3 else routing.routes()
 
 
 def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignore[no-untyped-def]

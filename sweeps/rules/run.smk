@@ -25,8 +25,9 @@ rule coldstart:
     # study.launch --coldstart`: in-process here, a SLURM job under `--profile slurm`, not the submit host), with the
     # settings a run would use, so the directory (named by its settings' hash, which leaves the thread count out) is
     # the one the runs reuse. Two torch threads (Snakemake caps them at --cores): nothing else can run until the cold
-    # start is done, so one thread would leave the second core of a 2-core machine idle. Not strict: a cold start that missed its pass@1 band is kept, not deleted as a failed job's
-    # output; the runs then stop on it with the reason (ensure_coldstart is strict there).
+    # start is done, so one thread would leave the second core of a 2-core machine idle. Not strict: a cold start
+    # that missed its pass@1 band is kept, not deleted as a failed job's output; the runs then stop on it with the
+    # reason (ensure_coldstart is strict there).
     output:
         f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json",
     log:
