@@ -6,7 +6,7 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
   to dotted names (`model.num_layers`); the algorithm is `algorithm` (or `algorithm.name`), the seed `seed` (or any
   `*.seed`, else the manifest's `seed`);
 - `manifest.json` (git sha, package versions, seed, host, ...): kept per run for the report's provenance;
-- `status.json` with `state` in running / completed / collapsed / failed, plus the collapse step and reason or the
+- `status.json` with `state` in running / completed / collapsed / failed / stopped, plus the collapse step and reason or the
   error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`, `error`/`message`);
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
   metric columns (`reward_mean`, `clip_frac`, ...);
@@ -80,7 +80,7 @@ CONFIG_FILES = (
 )
 STEP, COMPUTE, WALL, LAYER = "step", "compute_flops", "wall_s", "layer"
 RUN_ID, ALGORITHM, SEED, METRIC, VALUE = "run_id", "algorithm", "seed", "metric", "value"
-STATES = ("running", "completed", "collapsed", "failed")
+STATES = ("running", "completed", "collapsed", "failed", "stopped")
 UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
 # Flattened config keys that are bookkeeping, never a swept axis (matched on the last dotted component).
 NON_AXIS_KEYS = frozenset(

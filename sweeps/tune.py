@@ -39,7 +39,7 @@ A tuning sweep is a sweep file with a `tune:` section (sweeps/tune.yaml):
 3. A trial is an ordinary run (`study.rl.run` into RESULTS/runs/{run_id}/): an identical run that exists is reused,
    a finished one without computing anything. Every held-out eval (each `eval_every` steps) is reported to Optuna
    (`trial.report`) and the pruner decides (`trial.should_prune`) before the last step. A pruned run stops there, its
-   directory kept and resumable (status `running` at that step); the trial is PRUNED with user attribute
+   directory kept and resumable (status `stopped` at that step, with the pruner in `reason`); the trial is PRUNED with user attribute
    outcome=pruned. A collapsed run (status `collapsed`) is PRUNED with outcome=collapsed. Neither can be best.
    Samplers are seeded per (seed, algorithm, trial number), so one worker is reproducible and parallel workers do not
    propose the same point.
@@ -94,7 +94,7 @@ class TuneError(RuntimeError):
 
 class Pruned(BaseException):
     """Raised from the run's on_eval hook to stop a pruned trial. A BaseException, so `rl.run` leaves the run
-    resumable ("running") instead of recording it as failed."""
+    resumable instead of recording it as failed; the trial then marks it "stopped"."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"pruned at step {step}")
@@ -478,6 +478,8 @@ def _run_trial(p: Plan, algorithm: str, study: Any, trial: Any) -> str:
     try:
         rl.run(cfg, p.results, progress=False, on_eval=on_eval)
     except Pruned as stop:
+        reason = f"pruned by {type(study.pruner).__name__} at step {stop.step} (tuning trial {trial.number})"
+        rundir.set_status(run_dir, "stopped", step=stop.step, reason=reason)  # resumable, like "running"
         return pruned(stop.step)
     except Exception as err:
         trial.set_user_attr("outcome", "failed")

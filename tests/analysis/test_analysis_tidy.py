@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import synthetic, tidy
+from analysis import report, synthetic, tidy
 
 
 def _write(root, run_id, state, *, metrics=True, **status):
@@ -49,6 +49,15 @@ def test_loader_keeps_failed_and_collapsed_and_reports_missing(tmp_path):
     assert set(st.long.columns) >= {
         "run_id", "algorithm", "train.lr", "seed", "step", "compute_flops", "wall_s", "metric", "value"
     }  # fmt: skip
+
+
+def test_a_stopped_run_keeps_its_state_and_metrics(tmp_path):
+    # a pruned tuning trial's run (sweeps/tune.py): stopped on purpose, neither failed nor still running
+    _write(tmp_path, "p", "stopped", step=2, reason="pruned by ThresholdPruner at step 2 (tuning trial 0)")
+    st = tidy.load_study(tmp_path)
+    row = st.runs.set_index("run_id").loc["p"]
+    assert row["state"] == "stopped" and row["n_steps"] > 0
+    assert report.problem_runs(st).empty  # stopping a trial is not a problem of the run
 
 
 def test_unreadable_files_are_reported_not_raised(tmp_path):

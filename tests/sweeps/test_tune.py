@@ -207,7 +207,9 @@ def test_a_pruned_trial_is_recorded_pruned_and_its_run_is_resumable(tmp_path: Pa
         assert t.user_attrs["outcome"] == "pruned" and t.user_attrs["stopped_at_step"] == 2
         assert t.intermediate_values == {2: 0.0}
         run_dir = p.results / "runs" / t.user_attrs["run_id"]
-        assert status(run_dir) == {**status(run_dir), "state": "running", "step": 2}  # stopped, not failed
+        st = status(run_dir)
+        assert st["state"] == "stopped" and st["step"] == 2, st  # stopped on purpose, not failed nor running
+        assert st["reason"] == f"pruned by ThresholdPruner at step 2 (tuning trial {t.number})"
         assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
         assert (run_dir / "checkpoint" / "state.pt").exists()
     with pytest.raises(tune.TuneError, match=r"prune.gspo: no trial completed \(2 pruned or collapsed\)"):
