@@ -6,8 +6,9 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
   to dotted names (`model.num_layers`); the algorithm is `algorithm` (or `algorithm.name`), the seed `seed` (or any
   `*.seed`, else the manifest's `seed`);
 - `manifest.json` (git sha, package versions, seed, host, ...): kept per run for the report's provenance;
-- `status.json` with `state` in running / completed / collapsed / failed / stopped, plus the collapse step and reason or the
-  error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`, `error`/`message`);
+- `status.json` with `state` in running / completed / collapsed / failed / stopped, plus the collapse step and
+  reason or the error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`,
+  `error`/`message`);
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
   metric columns (`reward_mean`, `clip_frac`, ...);
 - optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns);

@@ -39,10 +39,10 @@ A tuning sweep is a sweep file with a `tune:` section (sweeps/tune.yaml):
 3. A trial is an ordinary run (`study.rl.run` into RESULTS/runs/{run_id}/): an identical run that exists is reused,
    a finished one without computing anything. Every held-out eval (each `eval_every` steps) is reported to Optuna
    (`trial.report`) and the pruner decides (`trial.should_prune`) before the last step. A pruned run stops there, its
-   directory kept and resumable (status `stopped` at that step, with the pruner in `reason`); the trial is PRUNED with user attribute
-   outcome=pruned. A collapsed run (status `collapsed`) is PRUNED with outcome=collapsed. Neither can be best.
-   Samplers are seeded per (seed, algorithm, trial number), so one worker is reproducible and parallel workers do not
-   propose the same point.
+   directory kept and resumable (status `stopped` at that step, the pruner named in `reason`); the trial is PRUNED
+   with user attribute outcome=pruned. A collapsed run (status `collapsed`) is PRUNED with outcome=collapsed. Neither
+   can be best. Samplers are seeded per (seed, algorithm, trial number), so one worker is reproducible and parallel
+   workers do not propose the same point.
 4. Storage: `sqlite` is sqlite:///RESULTS/tune/<name>/optuna.db (one machine); `journal` is a JournalStorage file,
    RESULTS/tune/<name>/journal.log (workers on several nodes sharing RESULTS over NFS); an RDB URL
    (postgresql://..., mysql+pymysql://...) serves a cluster. Workers on several hosts share RESULTS (run directories,
