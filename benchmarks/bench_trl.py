@@ -2,6 +2,7 @@
 
     make bench-trl                                   # creates .venv-bench (TRL lives only there), runs this
     .venv-bench/bin/python benchmarks/bench_trl.py [--batches 8x4x32,32x8x64] [--algorithms grpo,gspo] [--reps 5]
+    .venv-bench/bin/python benchmarks/bench_trl.py --concurrent --rounds 2   # both sides at once, one CPU each
 
 Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
 process group and accelerate's state stay apart), one torch thread, fp32:
@@ -25,6 +26,12 @@ What is timed, per RL step (one rollout batch), after `--warmup` discarded steps
   (transformers' generate) + rewards + pi_old + 4 optimizer steps + TRL's own bookkeeping.
 Reported: median wall s/step, median CPU s/step (process CPU time; robust to other jobs on the machine),
 completion tokens/s (the step's generated tokens, <eos> included, / median wall), and TRL / ours.
+
+By default the sides run one after the other (`--rounds N`: N alternations, each side's fastest round kept). On a
+machine whose speed drifts by tens of percent within minutes (a shared VM host) that ratio moves with the drift.
+`--concurrent` runs both sides at the same time, each pinned to its own CPUs (swapped every round), timed in
+lock-step over the same window (steptimer.Lockstep), and reports the median of the rounds' paired ratios: drift
+slows both sides alike. Both sides are slower than alone (they share the L3 cache and memory bandwidth).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from steptimer import LOCKSTEP_ENV  # benchmarks/ is on sys.path: this runs as a script
 
 TASK = "chain_sum"
 PRESET = "tiny"
@@ -85,6 +94,7 @@ def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = F
 def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
     import torch
     from datasets import Dataset
+    from steptimer import Lockstep
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -133,14 +143,17 @@ def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
     )  # fmt: skip
     stamps: list[tuple[float, float]] = []
+    lockstep = Lockstep()
 
     class Stamp(TrainerCallback):
-        def on_train_begin(self, *a, **k):  # type: ignore[no-untyped-def]
+        def on_train_begin(self, args, state, control, **k):  # type: ignore[no-untyped-def]
             stamps.append((time.perf_counter(), time.process_time()))
+            control.should_training_stop = lockstep.after_step(stamps)
 
         def on_step_end(self, args, state, control, **k):  # type: ignore[no-untyped-def]
             if state.global_step % MINIBATCHES == 0:
                 stamps.append((time.perf_counter(), time.process_time()))
+                control.should_training_stop = lockstep.after_step(stamps)
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=hf_tok,
                           callbacks=[Stamp()])  # fmt: skip
@@ -163,16 +176,43 @@ def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
             "params": sum(q.numel() for q in model.parameters())}  # fmt: skip
 
 
-def _run_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool) -> dict:
+def _start_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool,
+                lockstep: str | None = None, cpus: set[int] | None = None) -> subprocess.Popen:  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+           "TOKENIZERS_PARALLELISM": "false", **({LOCKSTEP_ENV: lockstep} if lockstep else {})}  # fmt: skip
     cmd = [sys.executable, __file__, "--side", side, "--algorithms", alg, "--batches", batch, "--steps", str(steps),
            "--threads", str(threads), *(["--wrapped-decode"] if wrapped else [])]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        sys.stderr.write(out.stdout[-4000:] + out.stderr[-8000:])
-        raise SystemExit(f"{side} side failed ({alg}, {batch})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin)  # fmt: skip
+
+
+def _result(proc: subprocess.Popen, what: str) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        sys.stderr.write(out[-4000:] + err[-8000:])
+        raise SystemExit(f"{what} failed")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _run_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool) -> dict:
+    return _result(_start_side(side, alg, batch, steps, threads, wrapped), f"{side} side ({alg}, {batch})")
+
+
+def _run_concurrent(sides: list[str], alg: str, batch: str, warmup: int, reps: int, threads: int, wrapped: bool,
+                    round_: int) -> dict[str, dict]:  # fmt: skip
+    """Both sides at once, each pinned to its own `threads` CPUs (swapped every round), timed in lock-step."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < len(sides) * threads:
+        raise SystemExit(f"--concurrent needs {len(sides) * threads} CPUs ({threads} per side), this process has "
+                         f"{len(cpus)}")  # fmt: skip
+    order = sides if round_ % 2 == 0 else sides[::-1]
+    with tempfile.TemporaryDirectory(prefix="bench_lockstep_") as where:
+        procs = {side: _start_side(side, alg, batch, warmup + 3 * reps, threads, wrapped,
+                                   f"{where}:{side}:{warmup}:{reps}",
+                                   set(cpus[order.index(side) * threads:(order.index(side) + 1) * threads]))
+                 for side in sides}  # fmt: skip
+        return {side: _result(p, f"{side} side ({alg}, {batch}, concurrent)") for side, p in procs.items()}
 
 
 def main() -> None:
@@ -190,6 +230,12 @@ def main() -> None:
         "machine slows whole runs down, not single steps)",
     )
     ap.add_argument("--sides", default="ours,trl")
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the two sides at the same time, each pinned to its own CPUs, timed over the same window "
+        "(steptimer.Lockstep): a machine whose speed drifts slows both alike; needs 2 x threads CPUs",
+    )
     ap.add_argument(
         "--wrapped-decode",
         action="store_true",
@@ -219,6 +265,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
           f"threads={args.threads}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
           f"preset={PRESET}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
+          f"{', concurrent (lock-step, pinned)' if args.concurrent else ''}"
           f"{', ours: wrapped decode' if args.wrapped_decode else ''}")  # fmt: skip
     sides = args.sides.split(",")
     if "trl" in sides and trl_version is None:
@@ -229,11 +276,17 @@ def main() -> None:
         for alg in args.algorithms.split(","):
             res: dict[str, float] = {}
             runs: dict[str, list[dict]] = {side: [] for side in sides}
-            for _ in range(args.rounds):
+            for round_ in range(args.rounds):
+                if args.concurrent:
+                    both = _run_concurrent(sides, alg, batch, args.warmup, args.reps, args.threads,
+                                           args.wrapped_decode, round_)  # fmt: skip
+                    for side in sides:
+                        runs[side].append(both[side])
+                    continue
                 for side in sides:
                     runs[side].append(_run_side(side, alg, batch, args.warmup + args.reps, args.threads,
                                                 args.wrapped_decode))  # fmt: skip
-            keep = slice(args.warmup, None)
+            keep = slice(args.warmup, args.warmup + args.reps)  # lock-step sides run on past their timed steps
             for side in sides:
                 r = min(runs[side], key=lambda x: statistics.median(x["wall"][keep]))  # the fastest round
                 wall, cpu = statistics.median(r["wall"][keep]), statistics.median(r["cpu"][keep])
@@ -246,6 +299,10 @@ def main() -> None:
                     parts = " ".join(f"{statistics.median(v[keep]):>{w}.3f}"
                                      for v, w in zip(r["parts"].values(), (7, 6, 7, 6), strict=True))  # fmt: skip
                 ratio = f"  {res['trl'] / res['ours']:.2f}x" if side == sides[-1] and len(res) == 2 else ""
+                if ratio and args.concurrent:  # rounds are paired (the same window): the median of their ratios
+                    paired = [statistics.median(t["wall"][keep]) / statistics.median(o["wall"][keep])
+                              for o, t in zip(runs["ours"], runs["trl"], strict=True)]  # fmt: skip
+                    ratio = f"  {statistics.median(paired):.2f}x paired (" + "/".join(f"{x:.2f}" for x in paired) + ")"
                 spread = ""
                 if args.rounds > 1:
                     spread = "  rounds " + "/".join(f"{statistics.median(x['wall'][keep]):.3f}" for x in runs[side])

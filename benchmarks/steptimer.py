@@ -4,29 +4,82 @@ both run as scripts, so this directory is on sys.path)."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any
+
+LOCKSTEP_ENV = "BENCH_LOCKSTEP"
+"""`DIR:SIDE:WARMUP:REPS` in a side's environment: time that side in lock-step with the other side (`Lockstep`)."""
+
+
+class StopRun(BaseException):
+    """Ends a lock-step side's run early: `rl.run` keeps the finished steps' metrics and re-raises it."""
+
+
+class Lockstep:
+    """Two benchmark processes timed over the same wall-clock window (bench_trl.py --concurrent).
+
+    Each side runs its warm-up steps, waits at a barrier until the other side has too (files in DIR), restamps its
+    clock and runs its REPS timed steps; then it keeps stepping (the load the other side sees stays the same) until
+    the other side has finished its timed steps as well, and stops. So every timed step of either side ran while the
+    other was computing: a change of the machine's speed during the window (a shared host) slows both sides alike.
+    Without the environment variable every method is a no-op and the side runs its steps alone.
+    """
+
+    def __init__(self) -> None:
+        spec = os.environ.get(LOCKSTEP_ENV)
+        self.on = bool(spec)
+        if self.on:
+            where, self.side, warmup, reps = spec.split(":")
+            self.dir, self.warmup, self.reps = Path(where), int(warmup), int(reps)
+
+    def _wait(self, name: str, timeout: float = 900.0) -> None:
+        (self.dir / f"{self.side}.{name}").touch()
+        deadline = time.monotonic() + timeout
+        while sum(1 for _ in self.dir.glob(f"*.{name}")) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lock-step: the other side never reached {name!r}")
+            time.sleep(0.005)
+
+    def after_step(self, stamps: list[tuple[float, float]]) -> bool:
+        """Call after appending the stamp of a finished step (stamps[0] is the start); returns True to stop."""
+        if not self.on:
+            return False
+        done = len(stamps) - 1
+        if done == self.warmup:
+            self._wait("ready")
+            stamps[-1] = (time.perf_counter(), time.process_time())  # the barrier's wait is not a step
+        elif done == self.warmup + self.reps:
+            (self.dir / f"{self.side}.timed").touch()
+        return done >= self.warmup + self.reps and sum(1 for _ in self.dir.glob("*.timed")) >= 2
 
 
 def timed_run(cfg: Any, results: str | Path) -> tuple[Path, list[float], list[float]]:
     """Run `cfg` under `results`; returns (run directory, wall s per step, process CPU s per step).
 
     The clocks are read at every `rundir.set_status(..., "running")`: once before step 1 (run() marks the run as
-    running) and once after each step's bookkeeping, so step i is the time between stamps i - 1 and i."""
+    running) and once after each step's bookkeeping, so step i is the time between stamps i - 1 and i. In lock-step
+    (`Lockstep`) the run may end before `cfg.steps`."""
     from study import rl, rundir
 
     stamps: list[tuple[float, float]] = []
     set_status = rundir.set_status
+    lockstep = Lockstep()
+    run_dir = Path(results) / "runs" / cfg.run_id
 
     def stamped(run_dir, state, **kw):  # type: ignore[no-untyped-def]
         if state == "running":
             stamps.append((time.perf_counter(), time.process_time()))
-        return set_status(run_dir, state, **kw)
+        set_status(run_dir, state, **kw)
+        if state == "running" and lockstep.after_step(stamps):
+            raise StopRun
 
     rundir.set_status = stamped
     try:
-        run_dir = rl.run(cfg, results, progress=False)
+        rl.run(cfg, results, progress=False)
+    except StopRun:
+        pass
     finally:
         rundir.set_status = set_status
     wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
