@@ -2,7 +2,7 @@
 
     python -m analysis collect STATUS.json ... --study NAME --out FILE  # these run directories' ids -> FILE
     python -m analysis figures RESULTS_DIR --study NAME --out DIR       # the study's figures -> DIR (nothing is rerun)
-    python -m analysis report RESULTS_DIR --study NAME [--out DIR]      # -> RESULTS_DIR/NAME/report/index.html
+    python -m analysis report RESULTS_DIR --study NAME [--out DIR] [--figures DIR]  # -> RESULTS_DIR/NAME/report/
 
 A study's runs are those listed in RESULTS_DIR/NAME/run_ids.txt (what `collect` writes) or study.json; without
 --study, every run under RESULTS_DIR/runs.
@@ -21,8 +21,6 @@ from pathlib import Path
 
 CAPTIONS = "captions"
 """Subdirectory of a `figures` output holding one reStructuredText caption per figure (NAME.rst)."""
-INDEX = "figures.json"
-"""The `figures` output's index: figure name -> files and caption, and the skipped figures with the reason."""
 
 
 def _atomic_write(path: Path, text: str) -> Path:
@@ -70,18 +68,24 @@ def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathL
     rendered = figures.make_all(st, out)
     for name, caption in rendered.captions.items():
         _atomic_write(out / CAPTIONS / f"{name}.rst", rst_escape(caption) + "\n")
-    index = {
-        "study": study or "all",
-        "figures": {
-            name: {"files": [p.name for p in paths], "caption": rendered.captions[name]}
-            for name, paths in rendered.paths.items()
-        },
-        "skipped": dict(rendered.skipped),
-    }
-    path = _atomic_write(out / INDEX, json.dumps(index, indent=1) + "\n")
+    tables = {
+        name: {t: _atomic_write(out / figures.TABLES / f"{name}.{t}.csv", df.to_csv(index=False)).relative_to(out)
+               for t, df in dfs.items()}
+        for name, dfs in rendered.tables.items()
+    }  # fmt: skip
+    entries = {
+        name: {"files": [p.name for p in paths], "caption": rendered.captions[name],
+               "tables": {t: rel.as_posix() for t, rel in tables.get(name, {}).items()}}
+        for name, paths in rendered.paths.items()
+    }  # fmt: skip
+    index = {"study": study or "all", "data": figures.data_fingerprint(st), "figures": entries,
+             "skipped": dict(rendered.skipped)}  # fmt: skip
+    path = _atomic_write(out / figures.INDEX, json.dumps(index, indent=1) + "\n")
     for name, why in rendered.skipped.items():
-        for stale in [out / CAPTIONS / f"{name}.rst", *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg"))]:
-            stale.unlink(missing_ok=True)  # drawn by an earlier call into this directory, no longer valid
+        stale = [out / CAPTIONS / f"{name}.rst", *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg")),
+                 *(out / figures.TABLES).glob(f"{name}.*.csv")]  # fmt: skip
+        for old in stale:
+            old.unlink(missing_ok=True)  # drawn by an earlier call into this directory, no longer valid
         print(f"skipped {name}: {why}")
     print(f"{len(rendered.paths)} figure(s) -> {out}")
     return path
@@ -109,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("results_dir", help="the results directory (holding runs/{run_id}/)")
     rep.add_argument("--study", default=None, help=study_help)
     rep.add_argument("--out", default=None, help="output directory (default RESULTS_DIR/<study or 'all'>/report)")
+    rep.add_argument("--figures", default=None,
+                     help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
+                     "drawn again (drawn again if its runs differ)")  # fmt: skip
     args = parser.parse_args(argv)
 
     if args.command == "collect":
@@ -122,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from analysis import report
 
-    result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out)
+    result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures)
     print(result.html)
     return 0
 

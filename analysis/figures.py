@@ -736,6 +736,26 @@ FIGURES = {
 }
 
 
+INDEX = "figures.json"
+"""A figures directory's index (`python -m analysis figures`): figure name -> files, caption and tables, the skipped
+figures with the reason, and the fingerprint of the data they were drawn from."""
+TABLES = "tables"
+"""Subdirectory of a figures directory holding each figure's tables, NAME.TABLE.csv."""
+
+
+def data_fingerprint(study: Study) -> str:
+    """A hash of what a study's figures are drawn from, per run: id, state, rows, last step and compute, and the
+    missing run ids. Run directories only grow (a resumed run appends steps), so equal fingerprints mean figures
+    drawn from one can be reused for the other (`analysis.report.build_report(figures_dir=...)`)."""
+    import hashlib
+    import json
+
+    cols = [c for c in (RUN_ID, "state", "n_steps", "last_step", "last_compute") if c in study.runs.columns]
+    rows = study.runs[cols].astype(str).sort_values(RUN_ID).values.tolist()
+    text = json.dumps({"runs": rows, "missing": sorted(map(str, study.missing))})
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass
 class Rendered:
     """What `make_all` wrote, and why it skipped what it skipped."""
@@ -765,10 +785,13 @@ def make_all(study: Study, out_dir: str | os.PathLike[str], *, only: Sequence[st
 
 __all__ = [
     "FIGURES",
+    "INDEX",
+    "TABLES",
     "Made",
     "MissingData",
     "Rendered",
     "clip_table",
+    "data_fingerprint",
     "figure1_reward",
     "figure2_clipping",
     "figure3_routing_replay",

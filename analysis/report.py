@@ -311,17 +311,64 @@ def _table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path, *, html_ou
     )
 
 
-def build_report(study: Study, out_dir: str | os.PathLike[str], *, title: str = "study") -> Report:
-    """Write index.html, index.md, figures/ and tables/ for `study` under `out_dir`; returns what was written."""
+def reuse_figures(
+    study: Study, figures_dir: str | os.PathLike[str], out_dir: Path
+) -> tuple[figures.Rendered, dict[str, Path]] | None:
+    """The figures, captions and tables of a `python -m analysis figures` output, copied into `out_dir`, when they were
+    drawn from the same data as `study` (`figures.data_fingerprint`); None (with the reason printed) otherwise.
+    Also returns the CSV file of each table, "FIGURE.TABLE" -> path, to be copied byte for byte."""
+    src = Path(figures_dir)
+    try:
+        index = json.loads((src / figures.INDEX).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"figures in {src} not reused ({exc}): drawing them")
+        return None
+    if "data" not in index:
+        print(f"figures in {src} carry no data fingerprint (written by an older version): drawing them")
+        return None
+    if index["data"] != figures.data_fingerprint(study):
+        print(f"figures in {src} were drawn from other runs: drawing them")
+        return None
+    entries = index.get("figures", {})
+    needed = [src / f for e in entries.values() for f in e["files"]]
+    needed += [src / rel for e in entries.values() for rel in e.get("tables", {}).values()]
+    if any(not p.is_file() for p in needed):
+        print(f"figures in {src} are incomplete: drawing them")
+        return None
+    rendered = figures.Rendered({}, {}, {}, dict(index.get("skipped", {})))
+    sources: dict[str, Path] = {}
+    for name, entry in entries.items():
+        rendered.paths[name] = [_atomic_write(out_dir / f, (src / f).read_bytes()) for f in entry["files"]]
+        rendered.captions[name] = entry["caption"]
+        rendered.tables[name] = {}
+        for tname, rel in entry.get("tables", {}).items():
+            sources[f"{name}.{tname}"] = src / rel
+            rendered.tables[name][tname] = pd.read_csv(src / rel, float_precision="round_trip")
+    return rendered, sources
+
+
+def build_report(
+    study: Study,
+    out_dir: str | os.PathLike[str],
+    *,
+    title: str = "study",
+    figures_dir: str | os.PathLike[str] | None = None,
+) -> Report:
+    """Write index.html, index.md, figures/ and tables/ for `study` under `out_dir`; returns what was written.
+
+    `figures_dir`: a `python -m analysis figures` output; its files and tables are copied when they were drawn from
+    the same data (`reuse_figures`), else the figures are drawn again (the study workflow's report rule passes its
+    figures rule's output, so nothing is drawn twice)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rendered = figures.make_all(study, out / "figures")
+    reused = reuse_figures(study, figures_dir, out / "figures") if figures_dir is not None else None
+    rendered, sources = reused if reused is not None else (figures.make_all(study, out / "figures"), {})
     table_files: dict[str, Path] = {}
     for name, tables in rendered.tables.items():
         for tname, df in tables.items():
-            table_files[f"{name}.{tname}"] = _atomic_write(
-                out / "tables" / f"{name}.{tname}.csv", df.to_csv(index=False)
-            )
+            key = f"{name}.{tname}"
+            data = sources[key].read_bytes() if key in sources else df.to_csv(index=False)
+            table_files[key] = _atomic_write(out / "tables" / f"{key}.csv", data)
     table_files["runs"] = _atomic_write(out / "tables" / "runs.csv", runs_table(study).to_csv(index=False))
     cards = scorecard.scorecard(study)
     _atomic_write(out / "tables" / "scorecard.csv", scorecard.scorecard_table(cards).to_csv(index=False))
@@ -351,13 +398,18 @@ def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> lis
 
 
 def report_from_results(
-    results_dir: str | os.PathLike[str], *, study: str | None = None, out_dir: str | os.PathLike[str] | None = None
+    results_dir: str | os.PathLike[str],
+    *,
+    study: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    figures_dir: str | os.PathLike[str] | None = None,
 ) -> Report:
-    """Load the study's runs from `results_dir` and write its report (default `results_dir/<study>/report`)."""
+    """Load the study's runs from `results_dir` and write its report (default `results_dir/<study>/report`);
+    `figures_dir`: see `build_report`."""
     name = study or "all"
     st = load_study(results_dir, study_run_ids(results_dir, study))
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / name / "report"
-    return build_report(st, out, title=name)
+    return build_report(st, out, title=name, figures_dir=figures_dir)
 
 
 __all__ = [
@@ -366,6 +418,7 @@ __all__ = [
     "problem_runs",
     "provenance",
     "report_from_results",
+    "reuse_figures",
     "runs_table",
     "study_run_ids",
 ]

@@ -49,7 +49,7 @@ rule report:
         f"{STUDY_DIR}/run_ids.txt",
         FIGURES,
     output:
-        # analysis.report.build_report draws the figures again from the same data (identical files) to embed them.
+        # The report embeds the figures rule's files and tables (copied, not drawn again: --figures).
         report(REPORT, caption="../report/report.rst", category="Report"),
         report(f"{STUDY_DIR}/report/tables/scorecard.csv", caption="../report/scorecard.rst", category="Report"),
     log:
@@ -61,7 +61,7 @@ rule report:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m analysis report {params.results} --study {params.study} > {log} 2>&1"
+        "{params.python} -m analysis report {params.results} --study {params.study} --figures {input[1]} > {log} 2>&1"
 
 
 onsuccess:

@@ -121,3 +121,36 @@ def test_report_links_pdf_svg_lists_runs_and_strata(built) -> None:
     assert (out / "tables" / "runs.csv").is_file() and (out / "tables" / "scorecard_strata.csv").is_file()
     assert "### Per-stratum verdicts" in md and "max_new_tokens=256" in md and "max_new_tokens=1024" in md
     assert "contradicted if the comparison is contradicted in any stratum with data" in page
+
+
+def test_report_reuses_the_figures_output_of_the_same_runs(built, tmp_path) -> None:
+    # `python -m analysis figures` then `report --figures`: the report copies that output's files and tables (the
+    # study workflow's report rule), which a marker written into one PNG shows; with other runs it draws them again
+    import matplotlib
+
+    from analysis.__main__ import main
+
+    matplotlib.use("Agg")
+    root, fresh = built
+    figs = tmp_path / "figures"
+    assert main(["figures", str(root), "--study", "mystudy", "--out", str(figs)]) == 0
+    name = next(iter(fresh.figures))
+    marked = (figs / f"{name}.png").read_bytes() + b"reused"
+    (figs / f"{name}.png").write_bytes(marked)
+    out = tmp_path / "rep"
+    rep = report.report_from_results(root, study="mystudy", out_dir=out, figures_dir=figs)
+    assert set(rep.figures) == set(fresh.figures) and rep.skipped == fresh.skipped
+    assert rep.figures[name].read_bytes() == marked
+    assert base64.b64encode(marked).decode() in rep.html.read_text()
+    fresh_tables = fresh.html.parent / "tables"
+    for csv in fresh_tables.glob("figure*.csv"):  # the figures' tables: the same bytes as drawn for the report
+        assert (out / "tables" / csv.name).read_bytes() == csv.read_bytes(), csv.name
+    assert rep.html.read_text().count("<figure id=") == fresh.html.read_text().count("<figure id=")
+
+    # other runs (one run directory removed from the study): drawn again, the marker is gone
+    other = tmp_path / "other"
+    shutil.copytree(root, other)
+    gone = next(p for p in (other / "runs").iterdir())
+    shutil.rmtree(gone)
+    again = report.report_from_results(other, study="mystudy", out_dir=tmp_path / "rep2", figures_dir=figs)
+    assert again.figures[name].read_bytes() != marked
