@@ -46,8 +46,8 @@ rule figures:
 
 rule report:
     input:
-        f"{STUDY_DIR}/run_ids.txt",
-        FIGURES,
+        ids=f"{STUDY_DIR}/run_ids.txt",
+        figures=FIGURES,
     output:
         # The report embeds the figures rule's files and tables (copied, not drawn again: --figures).
         report(REPORT, caption="../report/report.rst", category="Report"),
@@ -61,7 +61,7 @@ rule report:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m analysis report {params.results} --study {params.study} --figures {input[1]} > {log} 2>&1"
+        "{params.python} -m analysis report {params.results} --study {params.study} --figures {input.figures} > {log} 2>&1"
 
 
 onsuccess:

@@ -213,7 +213,7 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path):
     cached = ROOT / "results" / "coldstart"  # reuse a finished cold start if this checkout has one
     if cached.is_dir():
         shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
-    copied = {p.name for p in (results / "coldstart").glob("*/coldstart.json")} if cached.is_dir() else set()
+    copied = {p.parent.name for p in (results / "coldstart").glob("*/coldstart.json")} if cached.is_dir() else set()
     config = ["--config", "sweep=sweeps/smoke.yaml", f"results={results}"]
     proc = _snakemake("--cores", "2", *config, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
