@@ -152,66 +152,11 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,  # the fused kernel is an Apex/TE CUDA extension
-        apply_rope_fusion=_install_rope(),  # megatron's fused-RoPE hook: TransformerEngine's, or `rope` below
+        apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         **extra,
     )
-
-
-class _Rope(torch.autograd.Function):
-    """Non-interleaved RoPE of t (S, B, h, D) by cos/sin (S, 1, 1, D/2) in four elementwise ops each way.
-
-    out = (x0 c - x1 s, x1 c + x0 s) on the halves x0, x1 of the last dimension: megatron's unfused
-    `t * cos + rotate_half(t) * sin` without materialising `rotate_half` (two slices, a negation and a cat) and the
-    final `cat((t, t_pass))` of an empty pass-through part; the backward is the inverse rotation.
-    """
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        half = t.shape[-1] // 2
-        out = torch.empty_like(t)
-        x0, x1, o0, o1 = t[..., :half], t[..., half:], out[..., :half], out[..., half:]
-        torch.mul(x0, cos, out=o0).addcmul_(x1, sin, value=-1)
-        torch.mul(x1, cos, out=o1).addcmul_(x0, sin)
-        ctx.save_for_backward(cos, sin)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        half = grad.shape[-1] // 2
-        dx = torch.empty_like(grad)
-        g0, g1, d0, d1 = grad[..., :half], grad[..., half:], dx[..., :half], dx[..., half:]
-        torch.mul(g0, cos, out=d0).addcmul_(g1, sin)
-        torch.mul(g1, cos, out=d1).addcmul_(g0, sin, value=-1)
-        return dx, None, None
-
-
-def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, **_: object) -> torch.Tensor:
-    """megatron's `apply_rotary_pos_emb` in the (S, B, h, D) layout, as its fused-RoPE hook calls it.
-
-    `freqs` (S, 1, 1, D) holds each frequency twice (megatron's `cat((f, f))`). Equal to megatron's unfused
-    `_apply_rotary_pos_emb_bshd` to float rounding, values and gradients (tests/study/test_model.py), in about half
-    its time on CPU (2.0 -> 1.1 ms forward + backward for a (81, 64, 2, 32) query, 2.5 -> 0.8 ms forward for
-    (81, 192, 2, 32); docs/performance.md). Interleaved or partial rotary goes to megatron's own function.
-    """
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-    half = t.shape[-1] // 2
-    if interleaved or freqs.shape[-1] != t.shape[-1] or t.shape[-1] % 2:
-        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-    f = freqs[..., :half]
-    return _Rope.apply(t, f.cos().to(t.dtype), f.sin().to(t.dtype))
-
-
-def _install_rope() -> bool:
-    """Make `rope` megatron's fused RoPE unless TransformerEngine's is there; returns True (fusion on)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = rope
-    return True
 
 
 CORE_ATTENTIONS = ("sdpa", "megatron")

@@ -238,29 +238,3 @@ def test_sdpa_core_attention_equals_megatron_dot_product_attention(model, masked
         keep[:3, 1] = False  # pad queries: garbage on both sides, masked out of every loss
     assert (got - want)[keep].abs().max() <= 1e-5
     assert torch.isfinite(got).all()
-
-
-def test_rope_equals_megatron_unfused_rope_values_and_gradients(model):
-    # the policy's RoPE (megatron's fused-RoPE hook, study.model.rope) against megatron's unfused implementation on
-    # the model's own rotary frequencies, forward and backward; the model must actually route through the hook
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from study.model import rope
-
-    assert model.config.apply_rope_fusion
-    if rope_utils.fused_apply_rotary_pos_emb is not rope:  # only TransformerEngine's may take the hook's place
-        assert rope_utils.fused_apply_rotary_pos_emb.__module__.startswith("megatron.core.extensions")
-    s, b, h, d = 13, 3, TINY.num_attention_heads, TINY.head_dim
-    freqs = model.rotary_pos_emb(s)  # (S, 1, 1, D)
-    gen = torch.Generator().manual_seed(5)
-    t = torch.randn(s, b, h, d, generator=gen, requires_grad=True)
-    grad = torch.randn(s, b, h, d, generator=gen)
-    got = rope(t, freqs)
-    want = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
-    assert (got - want).abs().max() <= 1e-6 and (got - t).abs().max() > 0.1  # the rotation did something
-    (g_got,) = torch.autograd.grad(got, t, grad)
-    (g_want,) = torch.autograd.grad(want, t, grad)
-    assert (g_got - g_want).abs().max() <= 1e-6
-    # interleaved and partial rotary are megatron's own function
-    assert torch.equal(rope(t, freqs, interleaved=True), rope_utils._apply_rotary_pos_emb_bshd(t, freqs, True))
-    assert torch.equal(rope(t, freqs[..., :16]), rope_utils._apply_rotary_pos_emb_bshd(t, freqs[..., :16]))
