@@ -231,7 +231,16 @@ def test_median_pruner_prunes_a_destructive_learning_rate(tmp_path: Path) -> Non
     cached = ROOT / "results" / "coldstart"  # reuse a finished cold start if this checkout has one
     if cached.is_dir():
         shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
-    base = {"coldstart": "auto", "steps": 6, "eval_every": 2, "eval_size": 16, "eval_samples": 2}
+    # max_log_ratio: lr 0.01 moves the policy's log-probs by ~20 within step 1, at the default guard (20), so the run
+    # could record an exploding-ratio collapse before the pruner sees its first eval; the guard is raised here
+    base = {
+        "coldstart": "auto",
+        "steps": 6,
+        "eval_every": 2,
+        "eval_size": 16,
+        "eval_samples": 2,
+        "max_log_ratio": 1000.0,
+    }
     p = tune.plan(write_sweep(tmp_path / "median.yaml", base=base, axes={"algorithm": ["grpo"]}, trials=2,
                               space={"lr": {"low": 1e-5, "high": 0.5}, "eps_low": "fixed", "eps_high": "fixed"},
                               pruner={"name": "median", "startup_trials": 1}), results)  # fmt: skip
