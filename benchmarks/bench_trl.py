@@ -6,7 +6,7 @@
 
 Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
 process group and accelerate's state stay apart), one torch thread, fp32:
-- the same network: the `tiny` preset's Qwen3-MoE (study.config), built for TRL as transformers'
+- the same network: a preset's Qwen3-MoE (study.config; `--preset`, default `tiny`), built for TRL as transformers'
   Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy starts from;
 - the same prompts (the chain_sum task stream, seed 0), tokenizer (the task BPE, saved as a PreTrainedTokenizerFast)
   and reward: the chain_sum verifier (study.tasks.score) on the decoded response. A random-init model never solves
@@ -51,7 +51,6 @@ from pathlib import Path
 from steptimer import LOCKSTEP_ENV  # benchmarks/ is on sys.path: this runs as a script
 
 TASK = "chain_sum"
-PRESET = "tiny"
 MINIBATCHES = 4
 
 
@@ -60,7 +59,7 @@ def _parse_batch(text: str) -> tuple[int, int, int]:
     return p, g, t
 
 
-def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = False) -> dict:
+def _side_ours(preset: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool = False) -> dict:
     import torch
     from steptimer import timed_run
 
@@ -77,7 +76,7 @@ def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = F
         HFEngine.__init__ = init_wrapped
 
     p, g, t = _parse_batch(batch)
-    cfg = RunConfig.from_dict({"algorithm": alg, "model": PRESET, "task": TASK, "coldstart": "scratch",
+    cfg = RunConfig.from_dict({"algorithm": alg, "model": preset, "task": TASK, "coldstart": "scratch",
                                "steps": steps, "prompts_per_step": p, "group_size": g, "minibatches": MINIBATCHES,
                                "max_new_tokens": t, "eval_every": 0, "checkpoint_every": 0, "threads": threads,
                                "seed": 0, "lr": 1e-4, "grad_clip": 1.0})  # fmt: skip
@@ -91,7 +90,7 @@ def _side_ours(alg: str, batch: str, steps: int, threads: int, wrapped: bool = F
             "threads": torch.get_num_threads()}  # fmt: skip
 
 
-def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
+def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) -> dict:
     import torch
     from datasets import Dataset
     from steptimer import Lockstep
@@ -109,7 +108,7 @@ def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     p, g, t = _parse_batch(batch)
-    mcfg = preset(PRESET)
+    mcfg = preset(preset_name)
     hp = algorithms.get(alg).check_hparams({})
     tmp = Path(tempfile.mkdtemp(prefix="bench_trl_"))
     tok = build_tokenizer(mcfg.vocab_size, [TASK], n_per_task=400)  # what study.rl uses with coldstart=scratch
@@ -176,12 +175,12 @@ def _side_trl(alg: str, batch: str, steps: int, threads: int) -> dict:
             "params": sum(q.numel() for q in model.parameters())}  # fmt: skip
 
 
-def _start_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool,
+def _start_side(preset: str, side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool,
                 lockstep: str | None = None, cpus: set[int] | None = None) -> subprocess.Popen:  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false", **({LOCKSTEP_ENV: lockstep} if lockstep else {})}  # fmt: skip
-    cmd = [sys.executable, __file__, "--side", side, "--algorithms", alg, "--batches", batch, "--steps", str(steps),
-           "--threads", str(threads), *(["--wrapped-decode"] if wrapped else [])]  # fmt: skip
+    cmd = [sys.executable, __file__, "--preset", preset, "--side", side, "--algorithms", alg, "--batches", batch,
+           "--steps", str(steps), "--threads", str(threads), *(["--wrapped-decode"] if wrapped else [])]  # fmt: skip
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=pin)  # fmt: skip
@@ -195,12 +194,12 @@ def _result(proc: subprocess.Popen, what: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _run_side(side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool) -> dict:
-    return _result(_start_side(side, alg, batch, steps, threads, wrapped), f"{side} side ({alg}, {batch})")
+def _run_side(preset: str, side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool) -> dict:
+    return _result(_start_side(preset, side, alg, batch, steps, threads, wrapped), f"{side} side ({alg}, {batch})")
 
 
-def _run_concurrent(sides: list[str], alg: str, batch: str, warmup: int, reps: int, threads: int, wrapped: bool,
-                    round_: int) -> dict[str, dict]:  # fmt: skip
+def _run_concurrent(preset: str, sides: list[str], alg: str, batch: str, warmup: int, reps: int, threads: int,
+                    wrapped: bool, round_: int) -> dict[str, dict]:  # fmt: skip
     """Both sides at once, each pinned to its own `threads` CPUs (swapped every round), timed in lock-step."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < len(sides) * threads:
@@ -208,7 +207,7 @@ def _run_concurrent(sides: list[str], alg: str, batch: str, warmup: int, reps: i
                          f"{len(cpus)}")  # fmt: skip
     order = sides if round_ % 2 == 0 else sides[::-1]
     with tempfile.TemporaryDirectory(prefix="bench_lockstep_") as where:
-        procs = {side: _start_side(side, alg, batch, warmup + 3 * reps, threads, wrapped,
+        procs = {side: _start_side(preset, side, alg, batch, warmup + 3 * reps, threads, wrapped,
                                    f"{where}:{side}:{warmup}:{reps}",
                                    set(cpus[order.index(side) * threads:(order.index(side) + 1) * threads]))
                  for side in sides}  # fmt: skip
@@ -217,6 +216,7 @@ def _run_concurrent(sides: list[str], alg: str, batch: str, warmup: int, reps: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", help="the model preset both sides build (study.config)")
     ap.add_argument("--batches", default="8x4x32,32x8x64", help="prompts x samples x new tokens, comma-separated")
     ap.add_argument("--algorithms", default="grpo,gspo")
     ap.add_argument("--reps", type=int, default=5, help="timed RL steps per side")
@@ -247,15 +247,21 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     if args.side is not None:
         if args.side == "ours":
-            out = _side_ours(args.algorithms, args.batches, args.steps, args.threads, args.wrapped_decode)
+            out = _side_ours(args.preset, args.algorithms, args.batches, args.steps, args.threads, args.wrapped_decode)
         else:
-            out = _side_trl(args.algorithms, args.batches, args.steps, args.threads)
+            out = _side_trl(args.preset, args.algorithms, args.batches, args.steps, args.threads)
         print(json.dumps(out))
         return
 
     import torch
     import transformers
 
+    from study.config import preset
+
+    try:
+        preset(args.preset)  # an unknown name fails here, before either side starts
+    except ValueError as e:
+        raise SystemExit(f"--preset: {e}") from None
     try:
         import trl
 
@@ -264,7 +270,7 @@ def main() -> None:
         trl_version = None
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
           f"threads={args.threads}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
-          f"preset={PRESET}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
+          f"preset={args.preset}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
           f"{', concurrent (lock-step, pinned)' if args.concurrent else ''}"
           f"{', ours: wrapped decode' if args.wrapped_decode else ''}")  # fmt: skip
     sides = args.sides.split(",")
@@ -278,13 +284,13 @@ def main() -> None:
             runs: dict[str, list[dict]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 if args.concurrent:
-                    both = _run_concurrent(sides, alg, batch, args.warmup, args.reps, args.threads,
+                    both = _run_concurrent(args.preset, sides, alg, batch, args.warmup, args.reps, args.threads,
                                            args.wrapped_decode, round_)  # fmt: skip
                     for side in sides:
                         runs[side].append(both[side])
                     continue
                 for side in sides:
-                    runs[side].append(_run_side(side, alg, batch, args.warmup + args.reps, args.threads,
+                    runs[side].append(_run_side(args.preset, side, alg, batch, args.warmup + args.reps, args.threads,
                                                 args.wrapped_decode))  # fmt: skip
             keep = slice(args.warmup, args.warmup + args.reps)  # lock-step sides run on past their timed steps
             for side in sides:
