@@ -161,6 +161,8 @@ def main() -> None:
         raise SystemExit(f"bad argument: {e}") from None
     if any(sh is not None and (len(sh) != 3 or min(sh) < 1) for sh in shapes):
         raise SystemExit("--rollout and --update take three positive integers AxBxC")
+    if shapes[1] and shapes[1][2] > shapes[1][1]:
+        raise SystemExit(f"--update: {shapes[1][2]} response positions > {shapes[1][1]} positions")
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
           f"preset={args.preset}")  # fmt: skip
@@ -171,8 +173,6 @@ def main() -> None:
         _table(rows, total, args.top)
     if shapes[1]:
         b, s, t = shapes[1]
-        if t > s:
-            raise SystemExit(f"--update: {t} response positions > {s} positions")
         totals, modules = update(args.preset, b, s, t, args.repeats)
         whole = sum(totals.values())
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in totals.items())
