@@ -22,10 +22,11 @@ import time
 import warnings
 
 import torch
+from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
 
 from study.config import preset
 from study.metrics import forward_flops
-from study.model import build_optimizer, build_policy, count_parameters, token_logp
+from study.model import build_optimizer, build_policy, count_parameters
 
 
 def gemm_peak(
@@ -60,15 +61,9 @@ def update(name: str, threads: int, *, batch: int, seq: int, iters: int, warmup:
     walls, cpus, adam = [], [], []
     for i in range(warmup + iters):
         t, c = time.perf_counter(), time.process_time()
-        logp = token_logp(model, ids[:, :-1], ids[:, 1:])  # (B, S)
-        loss = -logp.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-        ta = time.perf_counter()
-        opt.step()
+        phases = minibatch_update(model, opt, ids)
         if i >= warmup:
-            adam.append(time.perf_counter() - ta)
+            adam.append(phases["adam"])
             walls.append(time.perf_counter() - t)
             cpus.append(time.process_time() - c)
     tokens = batch * seq

@@ -27,8 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-Times = collections.defaultdict
-
 
 def _hook_modules(named: dict[str, torch.nn.Module], acc: dict[str, float]) -> None:
     """Forward pre/post hooks adding each module's wall time to acc[name] (names may repeat: summed)."""
@@ -70,7 +68,7 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(8, 17, (p,), generator=gen).tolist()
     prompts = [torch.randint(3, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
-    acc: dict[str, float] = Times(float)
+    acc: dict[str, float] = collections.defaultdict(float)
     body = engine.model.model
     _hook_modules({"embed": body.embed_tokens, "rotary": body.rotary_emb, "final norm": body.norm,
                    "lm_head": engine.model.lm_head}, acc)  # fmt: skip
@@ -102,8 +100,10 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
 
 
 def update(preset_name: str, b: int, s: int, t: int, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
+
     from study.config import preset
-    from study.model import build_optimizer, build_policy, token_logp
+    from study.model import build_optimizer, build_policy
 
     cfg = preset(preset_name)
     model = build_policy(cfg, seed=0)
@@ -111,7 +111,7 @@ def update(preset_name: str, b: int, s: int, t: int, repeats: int) -> tuple[dict
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (b, s + 1), generator=gen)
     positions = torch.arange(s - t, s).expand(b, t).contiguous()
-    acc: dict[str, float] = Times(float)
+    acc: dict[str, float] = collections.defaultdict(float)
     for name, mod in model.named_modules():  # down to layers.N.mlp.experts; layer indices as '#': summed
         parts = name.split(".")
         if name and len(parts) <= 5:
@@ -120,17 +120,9 @@ def update(preset_name: str, b: int, s: int, t: int, repeats: int) -> tuple[dict
     per_module: list[dict[str, float]] = []
     for i in range(2 + repeats):
         acc.clear()
-        t0 = time.perf_counter()
-        logp = token_logp(model, ids[:, :-1], ids[:, 1:], positions=positions)
-        t1 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        (-logp.mean()).backward()
-        t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], 1.0)
-        opt.step()
-        t3 = time.perf_counter()
+        took = minibatch_update(model, opt, ids, positions=positions)
         if i >= 2:
-            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            for k, v in zip(phases, (took["forward"], took["backward"], took["clip"] + took["adam"]), strict=True):
                 phases[k].append(v)
             per_module.append(dict(acc))
     totals = {k: statistics.median(v) for k, v in phases.items()}

@@ -1,5 +1,6 @@
-"""Per-step wall and CPU seconds of one `study.rl.run`, shared by the step benchmarks (bench_trl.py, bench_replay.py;
-both run as scripts, so this directory is on sys.path)."""
+"""Timing helpers shared by the benchmarks (they run as scripts, so this directory is on sys.path): per-step wall and
+CPU seconds of one `study.rl.run` (bench_trl.py, bench_replay.py) and the phases of one minibatch update
+(bench_peak.py, profile_modules.py)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,25 @@ def timed_run(cfg: Any, results: str | Path) -> tuple[Path, list[float], list[fl
     wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
     cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
     return run_dir, wall, cpu
+
+
+def minibatch_update(model: Any, opt: Any, ids: Any, *, positions: Any = None) -> dict[str, float]:
+    """One minibatch update as study/rl.py does it on the (B, S + 1) token batch `ids`: `token_logp` forward (on the
+    response `positions` (B, T) only, if given), a scalar loss, backward, global-norm clip, AdamW step. Returns the
+    wall seconds of each phase: forward, backward, clip, adam."""
+    import torch
+
+    from study.model import token_logp
+
+    t0 = time.perf_counter()
+    logp = token_logp(model, ids[:, :-1], ids[:, 1:], positions=positions)
+    t1 = time.perf_counter()
+    loss = -logp.mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t2 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    t3 = time.perf_counter()
+    opt.step()
+    t4 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "clip": t3 - t2, "adam": t4 - t3}
