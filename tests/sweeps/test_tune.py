@@ -43,10 +43,9 @@ def write_sweep(path: Path, *, base: dict | None = None, axes: dict | None = Non
 
 
 def studies(p: tune.Plan) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    storage = tune.storage_url(p)
-    if storage.startswith("journal:"):
-        backend = optuna.storages.journal.JournalFileBackend(storage.removeprefix("journal:"))
-        storage = optuna.storages.JournalStorage(backend)
+    # through the workers' own lock: a reader creating SQLite's tables unlocked can race a starting worker into a
+    # broken schema (two alembic stamps), after which every later open of the storage fails
+    storage = tune.open_storage(p)
     return {a: optuna.load_study(study_name=p.study_name(a), storage=storage).get_trials() for a in p.starts}
 
 
@@ -287,36 +286,32 @@ def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
                         trials=2)  # fmt: skip
     results = tmp_path / "results"
     p = tune.plan(sweep, results)
-    proc = subprocess.Popen([sys.executable, "-m", "sweeps.tune", str(sweep), "--results", str(results), "--no-best"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sweeps.tune", str(sweep), "--results", str(results),
+                                 "--no-best"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    # wait for a run's first checkpoint (a file, so polling does not touch the worker's database), then kill
     deadline = time.monotonic() + 300
-    running = None
-    while time.monotonic() < deadline and running is None:
-        time.sleep(0.2)
-        if (p.dir / "optuna.db").exists():
-            trials = studies(p)["grpo"] if _has_study(p) else []
-            running = next((t for t in trials if t.state == TrialState.RUNNING and "run_id" in t.user_attrs), None)
-    assert running is not None, "the worker never started a trial"
-    run_dir = results / "runs" / running.user_attrs["run_id"]
-    while time.monotonic() < deadline and not (run_dir / "checkpoint" / "state.pt").exists():
+    checkpoints: list[Path] = []
+    while not checkpoints and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
+        checkpoints = list((results / "runs").glob("*/checkpoint/state.pt"))
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, f"the worker ended by itself before the kill:\n{log.read_text()[-3000:]}"
+    assert checkpoints, f"no checkpoint after 300 s:\n{log.read_text()[-3000:]}"
+    (killed,) = [t for t in studies(p)["grpo"] if t.state == TrialState.RUNNING]
+    assert killed.user_attrs["pid"] == proc.pid
+    assert status(results / "runs" / killed.user_attrs["run_id"])["state"] == "running"
     assert tune.work(p) == {"grpo": 2}
     trials = studies(p)["grpo"]
     states = [t.state for t in trials]
     assert states.count(TrialState.FAIL) == 1 and states.count(TrialState.COMPLETE) == 2, states
     failed = next(t for t in trials if t.state == TrialState.FAIL)
+    assert failed.number == killed.number
     retry = next(t for t in trials if t.user_attrs.get("retry_of") == failed.number)
     assert retry.params == failed.params and retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["run_id"] == killed.user_attrs["run_id"], "the retry resumes the killed run"
     assert status(results / "runs" / retry.user_attrs["run_id"])["state"] == "completed"
-
-
-def _has_study(p: tune.Plan) -> bool:
-    try:
-        return p.study_name("grpo") in optuna.get_all_study_names(tune.storage_url(p))
-    except Exception:  # the database is being created by the worker
-        return False
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------
