@@ -1,0 +1,127 @@
+"""Ways to compute the rollout engine's MoE experts at decode sizes, per call (a script, not a test).
+
+    .venv/bin/python benchmarks/bench_experts.py [--preset tiny default] [--tokens 32 64 256 1024] [--repeats 7]
+
+The hf engine runs transformers' Qwen3-MoE experts module once per layer and decode step, on the step's tokens (one
+per sequence: 32 at 8x4, 256 at 32x8). This times, on layer 0's experts of a preset's model (its initial weights),
+with router-shaped inputs (top-k of a softmax, renormalised):
+- grouped_mm: transformers' default path (sort by expert, gather, two `F.grouped_mm`, inverse permutation), what the
+  engine runs;
+- batched_mm: transformers' other built-in path (each routed row gathers its own expert's weights, then `bmm`);
+- loop: one `F.linear` pair per expert over its tokens, `index_add_` into the output;
+- dense: every expert on every token (two batched matmuls, E/k times the FLOPs), combined with the routing weights
+  as a dense (tokens, experts) matrix: the fewest ops.
+Each row gives the best of `--repeats` interleaved rounds (ms per call) and the largest absolute difference from
+grouped_mm.
+One torch thread, no autograd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def loop(experts: torch.nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for e in range(experts.num_experts):
+        tok, pos = torch.where(idx == e)
+        if tok.numel():
+            gate, up = F.linear(x[tok], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(gate) * up, experts.down_proj[e]) * w[tok, pos, None])
+    return out
+
+
+def dense(experts: torch.nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.matmul(x, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I) each
+    y = torch.matmul(F.silu(gate) * up, experts.down_proj.transpose(1, 2))  # (E, T, H)
+    weights = torch.zeros(x.shape[0], experts.num_experts, dtype=w.dtype).scatter_(1, idx, w)  # (T, E)
+    return torch.einsum("eth,te->th", y, weights)
+
+
+def implementations() -> dict[str, Callable[..., torch.Tensor]]:
+    import transformers.integrations.moe as moe
+
+    return {
+        "grouped_mm": moe.grouped_mm_experts_forward,
+        "batched_mm": moe.batched_mm_experts_forward,
+        "loop": loop,
+        "dense": dense,
+    }
+
+
+def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s: float = 0.02) -> dict[str, float]:
+    """Seconds per call of each function: the best of `repeats` rounds, each round timing every function in turn
+    (interleaved, so a slow phase of the machine hits all of them) over enough calls to fill ~`block_s`."""
+    calls = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        for _ in range(3):  # warm-up and calibration
+            fn()
+        calls[name] = max(1, min(200, round(block_s / ((time.perf_counter() - t0) / 3))))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
+    return best
+
+
+def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
+    from study.config import preset
+    from study.engines.hf import build_hf_model
+
+    cfg = preset(preset_name)
+    experts = build_hf_model(cfg).model.layers[0].mlp.experts
+    fns = implementations()
+    gen = torch.Generator().manual_seed(0)
+    print(f"\npreset {preset_name}: {cfg.num_experts} experts, top-{cfg.moe_top_k}, hidden {cfg.hidden_size}, "
+          f"expert width {cfg.moe_ffn_hidden_size}")  # fmt: skip
+    print(f"| tokens | {' | '.join(fns)} |")
+    print(f"|---:|{'---:|' * len(fns)}")
+    for t in tokens:
+        x = torch.randn(t, cfg.hidden_size, generator=gen)
+        probs = torch.randn(t, cfg.num_experts, generator=gen).softmax(-1)
+        w, idx = torch.topk(probs, cfg.moe_top_k)
+        w = w / w.sum(-1, keepdim=True)
+        with torch.no_grad():
+            ref = fns["grouped_mm"](experts, x, idx, w)
+            diffs = {name: (fn(experts, x, idx, w) - ref).abs().max().item() for name, fn in fns.items()}
+            secs = time_calls({name: functools.partial(fn, experts, x, idx, w) for name, fn in fns.items()}, repeats)
+        cells = [f"{secs[n] * 1e3:.3f} ms" + (f" (diff {diffs[n]:.0e})" if diffs[n] else "") for n in fns]
+        print(f"| {t} | {' | '.join(cells)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", nargs="+", default=["tiny", "default"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[32, 64, 256, 1024], help="tokens per call")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    from study.config import preset
+
+    try:
+        for name in args.preset:
+            preset(name)
+    except ValueError as e:
+        raise SystemExit(f"--preset: {e}") from None
+    if min(args.tokens) < 1 or args.repeats < 1:
+        raise SystemExit("--tokens and --repeats take positive integers")
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    for name in args.preset:
+        bench(name, args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
