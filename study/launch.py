@@ -10,7 +10,10 @@
    resumes an interrupted one from its last checkpoint (every `checkpoint_every` steps).
 3. Requeue: on a SLURM time-out or preemption submitit calls `Run.checkpoint`, which returns the same run as a
    `DelayedSubmission`; submitit requeues the job (at most `--max-timeouts` times after a time-out) and the requeued
-   job resumes the run, so its metrics equal those of an uninterrupted run.
+   job resumes the run, so its metrics equal those of an uninterrupted run. SLURM ends a job's processes when it
+   requeues it, `scontrol requeue` among them when it has not exited yet; submitit takes that for a failed requeue
+   and records the job as failed, although it was requeued. In the job, `scontrol requeue` ending by SIGTERM counts
+   as requeued (`requeue`): a job that in fact was not requeued ends without a result, which the launcher reports.
 4. A failed job raises `FailedJobError` carrying the remote traceback; it is printed verbatim to stderr (the Snakemake
    rule's log). submitit's logs (the run's stdout/stderr) live in RESULTS/runs/RUN_ID/submitit/.
 5. SIGINT or SIGTERM cancels the job this process started (scancel for SLURM) before exiting.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,33 @@ class Cancelled(BaseException):
         self.signum = signum
 
 
+def requeue(cmd: list[str], timeout: float = 60) -> bool:
+    """Run the requeue command; True when it exited 0, False when SIGTERM ended it (SLURM ending the job's processes
+    for the requeue it asked for). Any other failure raises CalledProcessError."""
+    try:
+        subprocess.check_call(cmd, timeout=timeout)
+    except subprocess.CalledProcessError as err:
+        if err.returncode != -signal.SIGTERM:
+            raise
+        return False
+    return True
+
+
+def _slurm_requeue(self: Any, countdown: int) -> None:
+    """submitit's SlurmJobEnvironment._requeue (`scontrol requeue JOB`, then a log line), through `requeue`."""
+    from submitit.core.logger import get_logger
+
+    ended = "" if requeue(["scontrol", "requeue", self.job_id]) else " (scontrol ended by the requeue's SIGTERM)"
+    get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts){ended}")
+
+
+def _in_job() -> None:
+    """Set up the job process: submitit's requeue through `requeue` (module docstring, point 3)."""
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    SlurmJobEnvironment._requeue = _slurm_requeue  # type: ignore[method-assign]
+
+
 class Run:
     """The submitted callable: one run of a resolved config under `results` (identical in every launcher)."""
 
@@ -50,6 +81,7 @@ class Run:
         from study import rl, rundir
         from study.runconfig import RunConfig
 
+        _in_job()
         cfg = RunConfig.from_dict(self.config, where="launch")
         run_dir = rl.run(cfg, self.results, progress=False)
         return {"run_dir": str(run_dir), **(rundir.read_status(run_dir) or {})}
@@ -69,6 +101,7 @@ class ColdStart:
     def __call__(self) -> dict[str, Any]:
         from study.coldstart import ensure_coldstart, read_record
 
+        _in_job()
         directory = ensure_coldstart(self.model, self.task, self.results, threads=self.threads, strict=False)
         record = read_record(directory)
         return {"run_dir": str(directory), "state": "completed", "coldstart": record["status"],

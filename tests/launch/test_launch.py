@@ -122,6 +122,21 @@ def test_in_process_and_local_run_the_same_run(results: Path, tmp_path: Path) ->
     pd.testing.assert_frame_equal(metrics(local_dir), metrics(run_dir), check_exact=True)
 
 
+def test_a_requeue_ended_by_sigterm_counts_as_requeued() -> None:
+    """SLURM ends a job's processes when it requeues the job, `scontrol requeue` too if it has not exited: that
+    SIGTERM means requeued (CI once failed a requeued run on it); any other failure of the command still raises."""
+    py = [sys.executable, "-c"]
+    assert launch.requeue([*py, "pass"]) is True
+    assert launch.requeue([*py, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) is False
+    for failing in ("raise SystemExit(1)", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"):
+        with pytest.raises(subprocess.CalledProcessError):
+            launch.requeue([*py, failing])
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    launch._in_job()  # what Run and ColdStart do first in the job
+    assert SlurmJobEnvironment._requeue is launch._slurm_requeue
+
+
 # --- SLURM tier: the real cluster of scripts/slurm/start.sh ---------------------------------------------------------
 
 
