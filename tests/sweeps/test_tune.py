@@ -43,8 +43,8 @@ def write_sweep(path: Path, *, base: dict | None = None, axes: dict | None = Non
 
 
 def studies(p: tune.Plan) -> dict[str, list[optuna.trial.FrozenTrial]]:
-    # through the workers' own lock: a reader creating SQLite's tables unlocked can race a starting worker into a
-    # broken schema (two alembic stamps), after which every later open of the storage fails
+    # through the workers' own lock: a reader opening SQLite unlocked creates its tables too, and one of two processes
+    # doing so at once fails with `table ... already exists` (a starting worker would die of it)
     storage = tune.open_storage(p)
     return {a: optuna.load_study(study_name=p.study_name(a), storage=storage).get_trials() for a in p.starts}
 
