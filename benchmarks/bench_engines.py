@@ -8,6 +8,8 @@ update (reload + CPU MoE re-pack + prefix-cache reset).
     .venv/bin/python benchmarks/bench_engines.py --preset default --engines hf --dtypes fp32
     .venv/bin/python benchmarks/bench_engines.py --engines hf --dtypes fp32 --batches 32x8 --max-new-tokens 64 \
         --ragged --hf-attention sdpa,study_decode,sdpa,study_decode     # the engine's decode attention vs sdpa
+    .venv/bin/python benchmarks/bench_engines.py --engines hf --dtypes fp32 --batches 8x4,32x8 --ragged \
+        --hf-decode fused,layers,fused,layers                           # the fused decode step vs the layers
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def main() -> None:
     ap.add_argument("--hf-attention", default="study_decode",
                     help="hf: transformers attention implementations to time in turn, comma-separated (the engine's "
                     "own `study_decode`, or `sdpa`); the same weights and prompts for each")  # fmt: skip
+    ap.add_argument("--hf-decode", default="fused",
+                    help="hf: decode steps to time in turn, comma-separated: `fused` (the engine's fused step, its "
+                    "default) or `layers` (transformers' decoder layers called directly: a no-op hook on the final "
+                    "norm disables the fused step)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the best is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM on CPU uses 1 anyway); 0: default")
@@ -60,9 +66,13 @@ def main() -> None:
         lens = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (prompts_n,), generator=g).tolist()
         prompt_sets[prompts_n] = [torch.randint(0, cfg.vocab_size, (k if args.ragged else args.prompt_len,),
                                                 generator=g).tolist() for k in lens]  # fmt: skip
-    runs = [(name, dtype, attn) for name in args.engines.split(",") for dtype in args.dtypes.split(",")
-            for attn in (args.hf_attention.split(",") if name == "hf" else [None])]  # fmt: skip
-    for name, dtype, attn in runs:
+    decodes = args.hf_decode.split(",")
+    if set(decodes) - {"fused", "layers"}:
+        ap.error(f"--hf-decode: {args.hf_decode!r}; valid: fused, layers")
+    runs = [(name, dtype, attn, decode) for name in args.engines.split(",") for dtype in args.dtypes.split(",")
+            for attn in (args.hf_attention.split(",") if name == "hf" else [None])
+            for decode in (decodes if name == "hf" else [None])]  # fmt: skip
+    for name, dtype, attn, decode in runs:
         t0 = time.perf_counter()
         kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {}
         engine = get_engine(name, cfg, dtype=dtype, **kwargs)
@@ -71,6 +81,8 @@ def main() -> None:
             if args.wrapped:
                 engine.model.register_forward_pre_hook(lambda _m, _a: None)
             engine.model.config._attn_implementation = attn
+            if decode == "layers":
+                engine.model.model.norm.register_forward_hook(lambda _m, _a, _o: None)
         build = time.perf_counter() - t0
         try:
             engine.generate([[1, 2, 3]], 2, seed=0, max_new_tokens=4)  # warm-up
@@ -82,7 +94,7 @@ def main() -> None:
                     r = engine.generate(prompts, n, seed=rep, max_new_tokens=args.max_new_tokens)
                     best = min(best, time.perf_counter() - t)
                 print(f"{name:<6} {dtype:<5} {f'{prompts_n}x{n}':>11} {r.num_tokens:>7} {best:>8.3f} "
-                      f"{r.num_tokens / best:>9.0f}{f'  {attn}' if attn else ''}", flush=True)  # fmt: skip
+                      f"{r.num_tokens / best:>9.0f}{f'  {attn} {decode}' if attn else ''}", flush=True)  # fmt: skip
             extra = ""
             if name == "vllm":
                 t = time.perf_counter()

@@ -6,7 +6,9 @@ torch.profiler's per-op shares overstate small elementwise ops by up to 10x on t
 section 6, fourth round), so this measures with wall-clock hooks instead:
 - rollout: the hf engine's `generate` of P x G samples of T new tokens (ragged prompts of 8-16 tokens, every sample
   runs to T), with forward pre/post hooks on the transformers modules of each decoder layer and timers around the
-  engine's decode attention, the RoPE, the KV-cache append and the sampler; the fastest of `--repeats` calls;
+  engine's decode attention, the RoPE, the KV-cache append and the sampler; the fastest of `--repeats` calls. The
+  hooks make the engine decode through those modules, not its fused step (study/engines/hf.py `_FusedDecoder`,
+  which calls none of them): this breaks down the module path; `bench_engines.py --hf-decode` times the two;
 - update: one minibatch update as study/rl.py does it (`token_logp` over B x S positions, log-probs on the last T,
   backward, grad-norm clip, AdamW), forward time per megatron module (hooks; backward hooks do not work on megatron's
   custom autograd Functions), totals for forward, backward and optimizer; medians of `--repeats` after 2 warm-ups.

@@ -6,7 +6,13 @@ Why a hand loop and not `model.generate`: it returns the sampled tokens' raw log
 one `torch.Generator` seeded per call, so a (seed, prompts, weights) triple always gives the same samples.
 
 Routed experts (R3) come from forward hooks on every layer's `mlp.gate` (Qwen3MoeTopKRouter returns
-(router_logits, gate_weights, expert_indices), indices (tokens, k) in descending gate weight).
+(router_logits, gate_weights, expert_indices), indices (tokens, k) in descending gate weight) in the prefill, and
+from the decode step itself.
+
+Decode steps: the prefill runs transformers' model; each later step runs `_FusedDecoder`, the same arithmetic as the
+model's decoder layers written out on their parameters with fewer ops (bit-identical; 25-35% off a tiny 8 x 4 x 32
+rollout, docs/performance.md section 6), or the decoder layers themselves where that would not be exact (emulated
+precisions, hooks, another attention).
 """
 
 from __future__ import annotations
@@ -169,6 +175,134 @@ class _Logits:
         self.logits = logits
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3MoeRMSNorm's arithmetic, op for op (fp32 statistics, `weight * normed.to(dtype)`)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (normed if normed.dtype == x.dtype else normed.to(x.dtype))
+
+
+class _FusedDecoder:
+    """The decode step of `model` (a Qwen3MoeForCausalLM) as tensor ops on its own parameters: the same arithmetic,
+    op for op, as its decoder layers with `decode_attention` and the `grouped_mm` experts, in ~40% fewer ops.
+
+    At the tiny preset's decode sizes every op is a few microseconds of work and a few more of dispatch: the module
+    calls, transformers' per-call checks, three projections where one GEMM over the concatenated weights does, the
+    mask re-concatenated every step, `rotate_half`'s slices and concatenation (a `roll` here, with the sign folded
+    into `sin`). Bit-identical to the module path in fp32 (tests/engines compare the tokens and log-probs of whole
+    rollouts); built per `generate` (so it always reads the current weights) and only for a real precision, the
+    engine's `decode_attention` and the default rope (`eligible`); otherwise the engine calls the modules.
+    """
+
+    def __init__(self, model, n: int, key_pad: torch.Tensor | None, cache) -> None:  # type: ignore[no-untyped-def]
+        body, cfg = model.model, model.config
+        self.model, self.body, self.cache, self.n, self.key_pad = model, body, cache, n, key_pad
+        self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # RoPE for every position the cache can hold, as transformers' rotary embedding computes it per step
+        weight = body.embed_tokens.weight
+        freqs = torch.arange(cache.layers[0].capacity, device=weight.device)[:, None].float() * body.rotary_emb.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # (capacity, d)
+        dtype = weight.dtype
+        self.cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.sin = torch.cat((-sin[:, : self.d // 2], sin[:, self.d // 2 :]), dim=-1)  # rotate_half's sign
+        self.layers = []
+        self.grouped_mm = self._grouped_mm(body.layers[0].mlp.experts)
+        for layer in body.layers[: cfg.num_hidden_layers]:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # one GEMM for the three
+            qk_norm = torch.cat([a.q_norm.weight.expand(self.hq, self.d), a.k_norm.weight.expand(self.hk, self.d)])
+            self.layers.append((layer.input_layernorm, qkv, qk_norm, a.q_norm.variance_epsilon, a.scaling,
+                                a.o_proj.weight, layer.post_attention_layernorm, mlp.gate, mlp.experts))  # fmt: skip
+
+    @staticmethod
+    def eligible(model, precision) -> bool:  # type: ignore[no-untyped-def]
+        """Whether the fused step computes exactly what `model`'s modules would (else the engine calls them)."""
+        cfg = model.config
+        # a hook anywhere but on the modules the fused step still calls (the embedding, the LM head: an fp32 head's
+        # upcast) would be skipped
+        skip = ("model.embed_tokens", "lm_head")
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for n, m in model.named_modules() if n not in skip)
+        return (
+            not hooked
+            and not precision.emulated  # emulated precisions round inside the modules' calls (hooks)
+            and cfg._attn_implementation == DECODE_ATTENTION
+            and cfg.rope_parameters.get("rope_type", "default") == "default"
+            and model.model.rotary_emb.attention_scaling == 1.0
+            and not cfg.attention_bias
+            and not cfg.mlp_only_layers
+            and cfg.decoder_sparse_step == 1
+        )
+
+    @staticmethod
+    def _grouped_mm(experts):  # type: ignore[no-untyped-def]
+        """torch's grouped GEMM where transformers' `grouped_mm` experts call it on every input (gated, no bias, no
+        expert parallelism, a torch whose CPU kernel takes any alignment); else None: the module is called."""
+        from transformers.integrations import moe
+        from transformers.utils.import_utils import is_torch_less_or_equal
+
+        if (experts.config._experts_implementation != "grouped_mm" or experts.has_bias or not experts.has_gate
+                or experts.is_transposed or experts._is_expert_parallel or is_torch_less_or_equal("2.10.0", True)
+                or not moe._can_use_grouped_mm(experts.gate_up_proj, experts.gate_up_proj, None)):  # fmt: skip
+            return None
+        return getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+
+    def _experts(self, experts, h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """transformers' `grouped_mm_experts_forward`, op for op, without its per-call checks."""
+        if self.grouped_mm is None:
+            return experts(h, top_i, top_w)
+        k = top_i.shape[-1]
+        ids, perm = torch.sort(top_i.reshape(-1))
+        rows = h[perm // k]
+        offsets = torch.histc(ids.float(), bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+        offsets = torch.cumsum(offsets, dim=0, dtype=torch.int32)
+        gate_up = self.grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offs=offsets)
+        out = self.grouped_mm(experts._apply_gate(gate_up), experts.down_proj.transpose(-2, -1), offs=offsets)
+        out = out * top_w.reshape(-1)[perm].unsqueeze(-1)
+        unsorted = torch.empty_like(out)
+        unsorted[perm] = out  # = out[inverse(perm)], transformers' restore
+        return unsorted.view(h.shape[0], k, h.shape[-1]).sum(dim=1).to(h.dtype)
+
+    def step(self, tok: torch.Tensor, position_ids: torch.Tensor, routes: list[list[torch.Tensor]] | None):
+        """Logits (N, V) of the next token after the (N,) tokens `tok` at `position_ids` (N, 1); appends each
+        layer's (N, 1, k) expert indices to routes[layer] (on the CPU) if given."""
+        n, d, hq, hk = self.n, self.d, self.hq, self.hk
+        x = self.body.embed_tokens(tok)  # (N, H)
+        at = position_ids[:, 0]
+        cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # (N, 1, d)
+        for i, (norm1, qkv_w, qk_norm, qk_eps, scaling, o_w, norm2, router, experts) in enumerate(self.layers):
+            h = _rms(x, norm1.weight, norm1.variance_epsilon)
+            qkv = torch.nn.functional.linear(h, qkv_w)  # (N, (hq + 2 hk) d)
+            qk = _rms(qkv[:, : (hq + hk) * d].view(n, hq + hk, d), qk_norm, qk_eps)
+            qk = (qk * cos) + (qk.roll(d // 2, dims=-1) * sin)  # RoPE: rotate_half(x) = roll(x) with sin's sign
+            layer = self.cache.layers[i]
+            pos = layer.length
+            if pos >= layer.capacity:
+                raise RuntimeError(f"KV cache of {layer.capacity} positions cannot take position {pos + 1}")
+            layer._kbuf[:, :, pos] = qk[:, hq:]
+            layer._vbuf[:, :, pos] = qkv[:, (hq + hk) * d :].view(n, hk, d)
+            layer.length = pos + 1
+            keys, values = layer._kbuf[:, :, : pos + 1], layer._vbuf[:, :, : pos + 1]
+            layer.keys, layer.values = keys, values
+            # decode_attention: query heads grouped under their key/value head, fp32 scores and softmax
+            q = qk[:, :hq].float().reshape(n, hk, hq // hk, d)
+            scores = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling)
+            if self.key_pad is not None:
+                scores.masked_fill_(self.key_pad[..., : pos + 1], float("-inf"))
+            attn = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(x.dtype).view(n, hq * d)
+            x = x + torch.nn.functional.linear(attn, o_w)
+            h = _rms(x, norm2.weight, norm2.variance_epsilon)
+            # Qwen3MoeTopKRouter
+            logits = torch.nn.functional.linear(h, router.weight)
+            top_w, top_i = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+            if self.norm_topk:
+                top_w /= top_w.sum(dim=-1, keepdim=True)
+            if routes is not None:
+                routes[i].append(top_i.reshape(n, 1, -1).to("cpu", routes_dtype(experts.num_experts)))
+            x = x + self._experts(experts, h, top_i, top_w.to(logits.dtype))
+        return self.model.lm_head(_rms(x, self.body.norm.weight, self.body.norm.variance_epsilon))
+
+
 @register_engine("hf")
 class HFEngine(RolloutEngine):
     """transformers Qwen3-MoE with a KV-cache sampling loop; returns routed experts (R3) on any device."""
@@ -270,6 +404,7 @@ class HFEngine(RolloutEngine):
         gen = torch.Generator(device=dev).manual_seed(seed)
         store: list[list[torch.Tensor]] = [[] for _ in self._routers]
         shape = [(N, P)]
+        use_fused = _FusedDecoder.eligible(self.model, self.precision)  # before the route hooks go on
         handles = self._hook_routes(store, shape) if return_routes else []
         try:
             cache = DynamicCache(config=self.model.config)
@@ -278,6 +413,13 @@ class HFEngine(RolloutEngine):
                              use_cache=True, logits_to_keep=1)  # fmt: skip
             toks, lps = [], []
             padded = bool((lens != P).any())  # left padding: decode steps need the key-padding mask
+            fused = None
+            if use_fused:
+                key_pad = None
+                if padded:  # (N, 1, 1, capacity) True = a pad key
+                    key_pad = torch.zeros(N, 1, 1, P + max_new_tokens, dtype=torch.bool, device=dev)
+                    key_pad[:, 0, 0, :P] = mask == 0
+                fused = _FusedDecoder(self.model, N, key_pad, cache)
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
@@ -291,8 +433,11 @@ class HFEngine(RolloutEngine):
                 done |= torch.isin(tok, stops)
                 if bool(done.all()) or step == max_new_tokens - 1:
                     break
-                mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=dev)], dim=1)
                 last_pos = last_pos + 1
+                if fused is not None:
+                    out = _Logits(fused.step(tok, last_pos, store if return_routes else None)[:, None])
+                    continue
+                mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=dev)], dim=1)
                 shape[0] = (N, 1)
                 out = self._decode(tok, mask, last_pos, cache, padded)
         finally:

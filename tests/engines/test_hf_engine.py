@@ -204,3 +204,47 @@ def test_decode_attention_matches_sdpa_in_generate(engine, prompts, rollout):
     assert ref.tokens == rollout.tokens
     for a, b in zip(ref.logprobs, rollout.logprobs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "experts"), [("fp32", None), ("bf16", None), ("fp32", "eager")])
+def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts, monkeypatch):
+    """The engine's fused decode step (one GEMM for q/k/v, ops on the modules' parameters) samples the same tokens
+    with the same log-probs and routes as transformers' decoder layers, bit for bit, on left-padded prompts; with
+    the default `grouped_mm` experts it computes them itself, with any other it calls the experts module."""
+    from study.engines import hf
+
+    eng = get_engine("hf", CFG, dtype=dtype, experts_implementation=experts)
+    eng.load_weights(W.megatron_to_hf(megatron, CFG))
+    assert hf._FusedDecoder.eligible(eng.model, eng.precision)
+    assert (hf._FusedDecoder._grouped_mm(eng.model.model.layers[0].mlp.experts) is None) == (experts == "eager")
+    calls = []
+    step = hf._FusedDecoder.step
+    monkeypatch.setattr(hf._FusedDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    kw = dict(seed=5, max_new_tokens=10, stop_token_ids=STOPS, return_routes=True)
+    fused = eng.generate(prompts, 3, **kw)
+    assert len(calls) >= 5  # the fused step ran (the rollout stops early only when every sample has stopped)
+    monkeypatch.setattr(hf._FusedDecoder, "eligible", staticmethod(lambda *a: False))
+    modules = eng.generate(prompts, 3, **kw)
+    assert fused.tokens == modules.tokens and fused.finish_reasons == modules.finish_reasons
+    for a, b in zip(fused.logprobs, modules.logprobs, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fused.routes, modules.routes, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_decode_step_only_where_it_is_exact():
+    """Emulated precisions (rounding hooks inside the modules), another attention or a hook on a layer keep the
+    modules' decode step."""
+    from study.engines import hf
+
+    emulated = get_engine("hf", CFG, dtype="bf16", precision="bf16-emulated")
+    assert emulated.precision.emulated and not hf._FusedDecoder.eligible(emulated.model, emulated.precision)
+    eng = get_engine("hf", CFG)
+    assert hf._FusedDecoder.eligible(eng.model, eng.precision)
+    eng.model.config._attn_implementation = "sdpa"
+    assert not hf._FusedDecoder.eligible(eng.model, eng.precision)
+    eng.model.config._attn_implementation = hf.DECODE_ATTENTION
+    handle = eng.model.model.layers[0].mlp.experts.register_forward_hook(lambda *a: None)
+    assert not hf._FusedDecoder.eligible(eng.model, eng.precision)
+    handle.remove()
+    assert hf._FusedDecoder.eligible(eng.model, eng.precision)
