@@ -194,6 +194,7 @@ def _train(
         policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=precision_mod.adam_eps(train_prec)
     )
     scaler = DynamicLossScaler() if cfg.train_dtype == "fp16" else None
+    all_params = list(policy.parameters())  # walked after every backward: once here, not a module walk each time
     routing = RoutingController(policy)
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
     stream, evals = task_data(cfg)
@@ -317,7 +318,7 @@ def _train(
                     raise Collapse(f"non-finite loss at step {step}")
                 optimizer.zero_grad(set_to_none=True)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-                params = [p for p in policy.parameters() if p.grad is not None]
+                params = [p for p in all_params if p.grad is not None]
                 if scaler is not None:
                     scaler.unscale_(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)

@@ -128,6 +128,28 @@ def test_low_precision(model, dtype):
     assert 0 < diff < 0.05, f"{dtype} vs fp32 mean |diff| = {diff}"
 
 
+def test_optimizer_is_fused_adamw_with_the_plain_update():
+    """build_optimizer's fused AdamW takes the steps torch's single-tensor AdamW takes, to rounding."""
+    model = build_policy(TINY, seed=3)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    assert opt.defaults["fused"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    init = [p.detach().clone() for p in params]
+    ref = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, eps=1e-8, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        for p, c in zip(params, copies, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            c.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, c in zip(params, copies, strict=True):
+        torch.testing.assert_close(p.detach(), c.detach(), rtol=1e-6, atol=1e-7)
+    moved = sum(float((c - c0).abs().max()) > 1e-3 for c, c0 in zip(copies, init, strict=True))
+    assert moved == len(copies)  # 5 steps of lr 1e-2 moved every tensor: the comparison above is not vacuous
+
+
 def test_fp16_step_with_loss_scaler():
     model = build_policy(TINY, seed=2, dtype="fp16")
     opt = build_optimizer(model, lr=1e-3)
