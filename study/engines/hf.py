@@ -10,7 +10,7 @@ Routed experts (R3) come from forward hooks on every layer's `mlp.gate` (Qwen3Mo
 from the decode step itself.
 
 Decode steps: the prefill runs transformers' model; each later step runs `_FusedDecoder`, the same arithmetic as the
-model's decoder layers written out on their parameters with fewer ops (bit-identical; 25-35% off a tiny 8 x 4 x 32
+model's decoder layers written out on their parameters with fewer ops (bit-identical; 25-40% off a tiny 8 x 4 x 32
 rollout, docs/performance.md section 6), or the decoder layers themselves where that would not be exact (emulated
 precisions, hooks, another attention).
 """
