@@ -254,7 +254,8 @@ class _FusedDecoder:
         k = top_i.shape[-1]
         ids, perm = torch.sort(top_i.reshape(-1))
         rows = h[perm // k]
-        offsets = torch.histc(ids.float(), bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+        counts_of = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()  # what histc takes there
+        offsets = torch.histc(counts_of, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
         offsets = torch.cumsum(offsets, dim=0, dtype=torch.int32)
         gate_up = self.grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offs=offsets)
         out = self.grouped_mm(experts._apply_gate(gate_up), experts.down_proj.transpose(-2, -1), offs=offsets)
