@@ -108,16 +108,22 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
     n, heads, _, d = query.shape
-    kv_heads = key.shape[1]
-    q = query.float().view(n, kv_heads, heads // kv_heads, d)  # query head h reads key/value head h // group
-    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(d**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # (n, 1, 1, L): bool True = attend, or additive float
+    q = query.float().view(n, key.shape[1], heads // key.shape[1], d)  # query head h reads key/value head h // group
+    out = _grouped_decode_attention(q, key, value, attention_mask, d**-0.5 if scaling is None else scaling)
+    return out.to(query.dtype).view(n, heads, 1, d).transpose(1, 2), None  # (n, 1, heads, d), no weights
+
+
+def _grouped_decode_attention(q, key, value, attention_mask, scaling: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """`decode_attention`'s arithmetic on fp32 queries already grouped, (n, kv_heads, group, d): fp32 scores and
+    softmax, pad keys -inf (`attention_mask` (n, 1, 1, L): bool True = attend, or additive float). Returns the fp32
+    (n, kv_heads, group, d) output. The engine's fused decode step calls it too."""
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scaling)
+    if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores.masked_fill_(~attention_mask, float("-inf"))
         else:
             scores.add_(attention_mask)
-    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())  # (n, kv_heads, group, d)
-    return out.to(query.dtype).view(n, heads, 1, d).transpose(1, 2), None  # (n, 1, heads, d), no weights
+    return torch.matmul(torch.softmax(scores, dim=-1), value.float())
 
 
 @functools.cache
@@ -194,17 +200,16 @@ class _FusedDecoder:
     engine's `decode_attention` and the default rope (`eligible`); otherwise the engine calls the modules.
     """
 
-    def __init__(self, model, n: int, key_pad: torch.Tensor | None, cache) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, n: int, attend: torch.Tensor | None, cache) -> None:  # type: ignore[no-untyped-def]
+        """`attend`: (N, 1, 1, capacity) bool, False on pad keys (None: nothing padded); `cache`: the prefill's."""
         body, cfg = model.model, model.config
-        self.model, self.body, self.cache, self.n, self.key_pad = model, body, cache, n, key_pad
+        self.model, self.body, self.cache, self.n, self.attend = model, body, cache, n, attend
         self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # RoPE for every position the cache can hold, as transformers' rotary embedding computes it per step
+        # RoPE for every position the cache can hold, from the model's rotary embedding (elementwise per position)
         weight = body.embed_tokens.weight
-        freqs = torch.arange(cache.layers[0].capacity, device=weight.device)[:, None].float() * body.rotary_emb.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)  # (capacity, d)
-        dtype = weight.dtype
-        self.cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = body.rotary_emb(weight, torch.arange(cache.layers[0].capacity, device=weight.device)[None])
+        self.cos, sin = cos[0], sin[0]  # (capacity, d)
         self.sin = torch.cat((-sin[:, : self.d // 2], sin[:, self.d // 2 :]), dim=-1)  # rotate_half's sign
         self.layers = []
         self.grouped_mm = self._grouped_mm(body.layers[0].mlp.experts)
@@ -228,7 +233,6 @@ class _FusedDecoder:
             and not precision.emulated  # emulated precisions round inside the modules' calls (hooks)
             and cfg._attn_implementation == DECODE_ATTENTION
             and cfg.rope_parameters.get("rope_type", "default") == "default"
-            and model.model.rotary_emb.attention_scaling == 1.0
             and not cfg.attention_bias
             and not cfg.mlp_only_layers
             and cfg.decoder_sparse_step == 1
@@ -276,21 +280,10 @@ class _FusedDecoder:
             qkv = torch.nn.functional.linear(h, qkv_w)  # (N, (hq + 2 hk) d)
             qk = _rms(qkv[:, : (hq + hk) * d].view(n, hq + hk, d), qk_norm, qk_eps)
             qk = (qk * cos) + (qk.roll(d // 2, dims=-1) * sin)  # RoPE: rotate_half(x) = roll(x) with sin's sign
-            layer = self.cache.layers[i]
-            pos = layer.length
-            if pos >= layer.capacity:
-                raise RuntimeError(f"KV cache of {layer.capacity} positions cannot take position {pos + 1}")
-            layer._kbuf[:, :, pos] = qk[:, hq:]
-            layer._vbuf[:, :, pos] = qkv[:, (hq + hk) * d :].view(n, hk, d)
-            layer.length = pos + 1
-            keys, values = layer._kbuf[:, :, : pos + 1], layer._vbuf[:, :, : pos + 1]
-            layer.keys, layer.values = keys, values
-            # decode_attention: query heads grouped under their key/value head, fp32 scores and softmax
-            q = qk[:, :hq].float().reshape(n, hk, hq // hk, d)
-            scores = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling)
-            if self.key_pad is not None:
-                scores.masked_fill_(self.key_pad[..., : pos + 1], float("-inf"))
-            attn = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(x.dtype).view(n, hq * d)
+            keys, values = self.cache.layers[i].update(qk[:, hq:, None], qkv[:, (hq + hk) * d :].view(n, hk, 1, d))
+            mask = None if self.attend is None else self.attend[..., : keys.shape[2]]
+            q = qk[:, :hq].float().reshape(n, hk, hq // hk, d)  # as decode_attention groups the query heads
+            attn = _grouped_decode_attention(q, keys, values, mask, scaling).to(x.dtype).view(n, hq * d)
             x = x + torch.nn.functional.linear(attn, o_w)
             h = _rms(x, norm2.weight, norm2.variance_epsilon)
             # Qwen3MoeTopKRouter
@@ -416,11 +409,11 @@ class HFEngine(RolloutEngine):
             padded = bool((lens != P).any())  # left padding: decode steps need the key-padding mask
             fused = None
             if use_fused:
-                key_pad = None
-                if padded:  # (N, 1, 1, capacity) True = a pad key
-                    key_pad = torch.zeros(N, 1, 1, P + max_new_tokens, dtype=torch.bool, device=dev)
-                    key_pad[:, 0, 0, :P] = mask == 0
-                fused = _FusedDecoder(self.model, N, key_pad, cache)
+                attend = None
+                if padded:  # (N, 1, 1, capacity) False = a pad key
+                    attend = torch.ones(N, 1, 1, P + max_new_tokens, dtype=torch.bool, device=dev)
+                    attend[:, 0, 0, :P] = mask.bool()
+                fused = _FusedDecoder(self.model, N, attend, cache)
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
