@@ -48,6 +48,20 @@ def sacct_states(job_id: str) -> list[str]:
     return out.stdout.split()
 
 
+ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+def final_sacct_states(job_id: str, timeout: float = 120) -> list[str]:
+    """The job's states once SLURM has finished it. The launcher returns as soon as submitit's result file exists,
+    which the job writes before it exits: for a moment after that, sacct still reports it RUNNING (CI saw this)."""
+    deadline = time.time() + timeout
+    states = sacct_states(job_id)
+    while time.time() < deadline and (not states or any(s.startswith(ACTIVE_STATES) for s in states)):
+        time.sleep(1)
+        states = sacct_states(job_id)
+    return states
+
+
 def bad_config(tmp_path: Path) -> Path:
     """A run that fails at its first line of compute (no cold start there): the traceback must reach the caller."""
     cfg = smoke_config(coldstart=str(tmp_path / "no-coldstart-here"))
@@ -152,10 +166,8 @@ def test_sigterm_cancels_the_slurm_job(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, first + err
     assert f"cancelling slurm job {job_id}" in err
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(s.startswith("CANCELLED") for s in sacct_states(job_id)):
-        time.sleep(1)
-    assert any(s.startswith("CANCELLED") for s in sacct_states(job_id)), sacct_states(job_id)
+    states = final_sacct_states(job_id)
+    assert any(s.startswith("CANCELLED") for s in states), states
 
 
 @needs_slurm
@@ -178,7 +190,7 @@ def test_the_coldstart_launches_as_a_slurm_job(results: Path, tmp_path: Path) ->
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stderr.split("submitted slurm job ")[1].split(";")[0]
-    assert sacct_states(job_id) == ["COMPLETED"]
+    assert final_sacct_states(job_id) == ["COMPLETED"]
     from study.coldstart import resolve_settings
 
     directory = other / "coldstart" / resolve_settings(cfg.model, cfg.task).dirname
@@ -206,7 +218,7 @@ def test_smoke_study_through_the_slurm_profile(results: Path, tmp_path: Path) ->
     assert len(run_dirs) == 2 and all(state(d) == "completed" for d in run_dirs)
     for run_dir in run_dirs:
         job_id = json.loads((run_dir / "manifest.json").read_text())["job_id"]
-        assert job_id and sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+        assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
         assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()
         assert "submitted slurm job" in (run_dir / "run.log").read_text()
 
