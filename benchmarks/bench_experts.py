@@ -14,6 +14,13 @@ with router-shaped inputs (top-k of a softmax, renormalised):
 Each row gives the best of `--repeats` interleaved rounds (ms per call) and the largest absolute difference from
 grouped_mm.
 One torch thread, no autograd.
+
+    .venv/bin/python benchmarks/bench_experts.py --policy [--tokens 800 3000 10368]
+
+`--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
+loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
+weights (stacked per call, so the gradients reach each expert's own parameters), on `--tokens` routed rows split
+evenly over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50 positions at top-2: ~800).
 """
 
 from __future__ import annotations
@@ -101,11 +108,53 @@ def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
         print(f"| {t} | {' | '.join(cells)} |")
 
 
+def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.Tensor) -> None:
+    fn(*args).backward(grad)
+
+
+def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
+    from study.config import preset
+    from study.model import build_policy
+
+    cfg = preset(preset_name)
+    experts = build_policy(cfg, seed=0).decoder.layers[0].mlp.experts
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+    def grouped(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        local = experts.local_experts
+        fc1 = torch.stack([e.linear_fc1.weight for e in local]).transpose(1, 2)  # (E, H, 2F)
+        fc2 = torch.stack([e.linear_fc2.weight for e in local]).transpose(1, 2)  # (E, F, H)
+        offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
+        gate, up = grouped_mm(x, fc1, offs=offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up * probs[:, None], fc2, offs=offs)
+
+    def sequential(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return experts(x, per_expert, probs)[0]
+
+    print(f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm, forward + "
+          f"backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
+          f"expert width {cfg.moe_ffn_hidden_size}")  # fmt: skip
+    print("| routed rows | SequentialMLP | grouped_mm | max difference (forward) |\n|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for rows in rows_list:
+        x = torch.randn(rows, cfg.hidden_size, generator=gen, requires_grad=True)
+        per_expert = torch.full((cfg.num_experts,), rows // cfg.num_experts)
+        per_expert[0] += rows - int(per_expert.sum())
+        probs = torch.rand(rows, generator=gen)
+        grad = torch.randn(rows, cfg.hidden_size, generator=gen)
+        diff = (sequential(x, per_expert, probs) - grouped(x, per_expert, probs)).abs().max().item()
+        calls = {k: functools.partial(_forward_backward, f, (x, per_expert, probs), grad)
+                 for k, f in (("sequential", sequential), ("grouped", grouped))}  # fmt: skip
+        secs = time_calls(calls, repeats)
+        print(f"| {rows} | {secs['sequential'] * 1e3:.3f} | {secs['grouped'] * 1e3:.3f} | {diff:.0e} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", nargs="+", default=["tiny", "default"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[32, 64, 256, 1024], help="tokens per call")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--policy", action="store_true", help="the megatron policy's experts, forward + backward")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     from study.config import preset
@@ -120,7 +169,10 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     for name in args.preset:
-        bench(name, args.tokens, args.repeats)
+        if args.policy:
+            policy_bench(name, args.tokens, args.repeats)
+        else:
+            bench(name, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
