@@ -33,9 +33,8 @@ import warnings
 import torch
 
 
-def _opaque_grouped_mm():  # type: ignore[no-untyped-def]
-    """torch's grouped GEMM as a custom op with a fake kernel, so that dynamo can trace around it in fp32."""
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+def _opaque(grouped_mm):  # type: ignore[no-untyped-def]
+    """The engine's grouped GEMM as a custom op with a fake kernel, so that dynamo can trace around it in fp32."""
 
     @torch.library.custom_op("study_bench::grouped_mm", mutates_args=())
     def op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -60,9 +59,11 @@ def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
     prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
     engine = get_engine("hf", cfg, dtype="fp32")
     engine.load_weights(unfuse_experts(build_hf_model(cfg).state_dict(), cfg))
-    opaque = _opaque_grouped_mm()
-    pick = _FusedDecoder._grouped_mm
-    _FusedDecoder._grouped_mm = staticmethod(lambda experts: opaque if pick(experts) is not None else None)
+    kernel = _FusedDecoder._grouped_mm(engine.model.model.layers[0].mlp.experts)  # what the fused step would call
+    if kernel is None:
+        raise SystemExit("the engine's experts do not run torch's grouped_mm here; nothing to wrap")
+    opaque = _opaque(kernel)
+    _FusedDecoder._grouped_mm = staticmethod(lambda _experts: opaque)
     eager = _FusedDecoder.step
     compiled = torch.compile(eager, dynamic=True)
 
@@ -90,11 +91,11 @@ def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
 
 def update(preset_name: str, mode: str, repeats: int) -> None:
     from study.config import preset
-    from study.model import build_policy, token_logp
+    from study.model import build_optimizer, build_policy, token_logp
 
     cfg = preset(preset_name)
     model = build_policy(cfg, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = build_optimizer(model, lr=1e-4)  # the run's AdamW (fused)
     params = [q for q in model.parameters() if q.requires_grad]
     b, t = 8, 32
 
