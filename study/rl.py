@@ -457,32 +457,37 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
 
 def _pad(samples: list[dict[str, Any]], max_new: int) -> dict[str, Any]:
     """Right-padded teacher-forcing tensors: input_ids/targets/attn_mask (B, S); response-aligned pos/mask/
-    rollout_logp (B, T = max_new); advantages (B,); engine routes (B, S, L, k) when the engine returned them."""
+    rollout_logp (B, T = max_new); advantages (B,); engine routes (B, S, L, k) when the engine returned them.
+
+    Each filled by one scatter over all samples (a per-sample loop of slice writes was ~2% of a step at 8x4x32 and
+    32x8x64 on `tiny`)."""
     n = len(samples)
     if n == 0:
         return {"n": 0}
-    seqs = [s["prompt"] + s["response"] for s in samples]
-    width = max(len(q) for q in seqs) - 1
-    ids = torch.zeros(n, width, dtype=torch.long)
-    tgt = torch.zeros(n, width, dtype=torch.long)
-    am = torch.zeros(n, width, dtype=torch.long)
-    pos = torch.zeros(n, max_new, dtype=torch.long)
-    mask = torch.zeros(n, max_new)
+    p_len = torch.tensor([len(s["prompt"]) for s in samples])
+    r_len = torch.tensor([len(s["response"]) for s in samples])
+    seq_len = p_len + r_len
+    width = int(seq_len.max()) - 1
+    flat = torch.tensor([tok for s in samples for part in (s["prompt"], s["response"]) for tok in part])
+    rows = torch.repeat_interleave(torch.arange(n), seq_len)  # the sample of each flat token
+    cols = torch.arange(len(flat)) - torch.repeat_interleave(seq_len.cumsum(0) - seq_len, seq_len)
+    full = torch.zeros(n, width + 1, dtype=torch.long)
+    full[rows, cols] = flat
+    am = (torch.arange(width) < (seq_len - 1)[:, None]).long()
+    ids, tgt = full[:, :-1] * am, full[:, 1:] * am
+    steps = torch.arange(max_new)
+    pos = (p_len[:, None] - 1 + steps).clamp(max=width - 1)  # target index of response token t
+    in_resp = steps < r_len[:, None]
+    mask = in_resp.float()
     roll = torch.zeros(n, max_new)
-    for i, (s, q) in enumerate(zip(samples, seqs, strict=True)):
-        q_t = torch.tensor(q)
-        ids[i, : len(q) - 1], tgt[i, : len(q) - 1], am[i, : len(q) - 1] = q_t[:-1], q_t[1:], 1
-        t, p = len(s["response"]), len(s["prompt"])
-        pos[i] = (p - 1 + torch.arange(max_new)).clamp(max=width - 1)  # target index of response token t
-        mask[i, :t] = 1.0
-        roll[i, :t] = s["logp"]
+    roll[in_resp] = torch.cat([torch.as_tensor(s["logp"], dtype=roll.dtype) for s in samples])
     batch: dict[str, Any] = {"n": n, "input_ids": ids, "targets": tgt, "attn_mask": am, "pos": pos, "mask": mask,
                              "rollout_logp": roll, "advantages": torch.tensor([s["adv"] for s in samples])}  # fmt: skip
     if samples[0]["routes"] is not None:
         r0 = samples[0]["routes"]
+        r_rows = torch.tensor([s["routes"].shape[0] for s in samples])
         routes = torch.zeros(n, width, *r0.shape[1:], dtype=r0.dtype)
-        for i, s in enumerate(samples):
-            routes[i, : s["routes"].shape[0]] = s["routes"]
+        routes[torch.arange(width) < r_rows[:, None]] = torch.cat([s["routes"] for s in samples])
         batch["engine_routes"] = Routes(routes)
     return batch
 

@@ -32,6 +32,29 @@ def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 
 
+def test_pad_lays_out_teacher_forcing_tensors() -> None:
+    # Worked by hand: two ragged samples (prompt + response of 5 and 4 tokens), T = 3 response slots.
+    r0, r1 = torch.arange(8, dtype=torch.uint8).view(4, 1, 2), torch.arange(10, 16, dtype=torch.uint8).view(3, 1, 2)
+    samples = [
+        {"prompt": [5, 6], "response": [7, 8, 9], "logp": torch.tensor([-0.1, -0.2, -0.3]), "adv": 0.5, "routes": r0},
+        {"prompt": [1, 2, 3], "response": [4], "logp": torch.tensor([-0.5]), "adv": -0.5, "routes": r1},
+    ]
+    b = rl._pad(samples, 3)
+    assert b["n"] == 2
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
+    assert b["targets"].tolist() == [[6, 7, 8, 9], [2, 3, 4, 0]]
+    assert b["attn_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert b["pos"].tolist() == [[1, 2, 3], [2, 3, 3]]  # targets[i, pos[i, t]] is response token t
+    assert b["mask"].tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert torch.equal(b["rollout_logp"], torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+    assert torch.equal(b["advantages"], torch.tensor([0.5, -0.5]))
+    assert b["input_ids"].dtype == b["targets"].dtype == b["attn_mask"].dtype == torch.long
+    routes = b["engine_routes"].experts
+    assert routes.shape == (2, 4, 1, 2) and routes.dtype == torch.uint8
+    assert torch.equal(routes[0], r0) and torch.equal(routes[1, :3], r1) and not routes[1, 3].any()
+    assert rl._pad([], 3) == {"n": 0}
+
+
 def test_reward_collapse_is_a_result_not_a_crash(tmp_path: Path) -> None:
     # From random weights nothing is ever correct: the reward floor trips after its 2-step window.
     cfg = load_config(preset="tiny", sets=["coldstart=scratch", "reward_floor=0.5", "collapse_window=2"])
