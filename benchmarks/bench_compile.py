@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_compile.py                          # both parts, tiny, 8x4x32 and 8 x 47-52
     .venv/bin/python benchmarks/bench_compile.py --part rollout --batch 32x8x64
     .venv/bin/python benchmarks/bench_compile.py --part update --compile decoder,layers
+    .venv/bin/python benchmarks/bench_compile.py --part update --update-batch 64x81x64 --repeats 5 --rounds 4
 
 Neither is used by the harness; this measures whether it would pay, with the compile time it costs every process.
 
@@ -12,11 +13,13 @@ Neither is used by the harness; this measures whether it would pay, with the com
   (its meta function asks for bf16), so in both modes it is wrapped in an opaque custom op: the compiled graph calls
   the same eager kernel, and the eager mode pays the wrapper's dispatch too. Routes are not returned (the step's
   list appends would guard the graph on their lengths).
-- update: one 8-sequence minibatch update of the megatron policy (token_logp on the last 32 positions, loss,
-  backward, grad clip, fused AdamW), median of `--repeats` after one call, at three sequence lengths (an RL run pads
-  to a new length every step), eager and then with `torch.compile(dynamic=True)` on the whole decoder block
-  (`decoder`) or on each layer's self-attention and experts modules (`layers`), each in a fresh process.
-
+- update: one minibatch update of the megatron policy (`--update-batch` rows x positions x log-prob positions; the
+  default 8x50x32 is an 8x4x32 step's minibatch, 64x81x64 a 32x8x64 step's): token_logp on the last positions,
+  loss, backward, grad clip, fused AdamW. Lengths cycle through positions -3, +0, +2 (an RL run pads to a new length
+  every step). `torch.compile(dynamic=True)` goes on the whole decoder block (`decoder`) or on each layer's
+  self-attention and experts modules (`layers`), each mode in a fresh process (its first calls give the compile
+  time), which then alternates eager and compiled rounds on the same weights (`--rounds`, median of `--repeats`
+  updates each), so that the machine's drift falls on both alike.
 One torch thread.
 """
 
@@ -89,15 +92,16 @@ def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
         print(f"round {k + 1}: eager {e:.4f}  compiled {c:.4f}  compiled / eager {c / e:.2f}")
 
 
-def update(preset_name: str, mode: str, repeats: int) -> None:
+def update(preset_name: str, mode: str, shape: str, repeats: int, rounds: int) -> None:
     from study.config import preset
     from study.model import build_optimizer, build_policy, token_logp
 
+    b, s0, t = (int(x) for x in shape.split("x"))
     cfg = preset(preset_name)
     model = build_policy(cfg, seed=0)
     opt = build_optimizer(model, lr=1e-4)  # the run's AdamW (fused)
     params = [q for q in model.parameters() if q.requires_grad]
-    b, t = 8, 32
+    lengths = (s0 - 3, s0, s0 + 2)
 
     def step(s: int) -> float:
         gen = torch.Generator().manual_seed(s)
@@ -114,16 +118,38 @@ def update(preset_name: str, mode: str, repeats: int) -> None:
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
+    eager = {"decoder": model.decoder, "layers": [(m.self_attention, m.mlp.experts) for m in model.decoder.layers]}
     if mode == "decoder":
-        model.decoder = torch.compile(model.decoder, dynamic=True)
-    elif mode == "layers":
-        for layer in model.decoder.layers:
-            layer.self_attention = torch.compile(layer.self_attention, dynamic=True)
-            layer.mlp.experts = torch.compile(layer.mlp.experts, dynamic=True)
-    for s in (50, 47, 52):
-        first = step(s)
-        secs = statistics.median(step(s) for _ in range(repeats))
-        print(f"update {preset_name} 8 x {s}, {mode:<7}: first call {first:7.2f} s, then median {secs * 1e3:6.1f} ms")
+        compiled = torch.compile(model.decoder, dynamic=True)
+
+        def use(on: bool) -> None:
+            model.decoder = compiled if on else eager["decoder"]
+    else:
+        compiled = [(torch.compile(a, dynamic=True), torch.compile(e, dynamic=True)) for a, e in eager["layers"]]
+
+        def use(on: bool) -> None:
+            for layer, plain, comp in zip(model.decoder.layers, eager["layers"], compiled, strict=True):
+                layer.self_attention, layer.mlp.experts = comp if on else plain
+
+    use(True)
+    t0 = time.perf_counter()
+    for s in lengths:
+        step(s)
+    print(f"{mode}: first call at each of {len(lengths)} lengths (compilation): {time.perf_counter() - t0:.1f} s")
+    use(False)
+    for s in lengths:
+        step(s)  # eager warm-up
+    for r in range(rounds):
+        med = {}
+        for on in (False, True):
+            use(on)
+            med[on] = statistics.median(step(lengths[k % len(lengths)]) for k in range(repeats))
+        e, c = med[False] * 1e3, med[True] * 1e3
+        print(
+            f"update {preset_name} {b} x {s0 - 3}..{s0 + 2}, {mode:<7} round {r + 1}: eager {e:6.1f} ms  compiled"
+            f" {c:6.1f} ms  compiled / eager {c / e:.2f}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -133,7 +159,8 @@ def main() -> None:
     ap.add_argument("--batch", default="8x4x32", help="rollout: prompts x samples x new tokens")
     ap.add_argument("--compile", default="decoder,layers", help="update: what to compile, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=3, help="rollout: alternating eager / compiled rounds")
+    ap.add_argument("--update-batch", default="8x50x32", help="update: rows x positions x log-prob positions")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating eager / compiled rounds")
     ap.add_argument("--_update-mode", dest="update_mode", help=argparse.SUPPRESS)  # one fresh process per mode
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -147,17 +174,30 @@ def main() -> None:
     modes = args.compile.split(",")
     if set(modes) - {"decoder", "layers"}:
         raise SystemExit(f"--compile: {args.compile!r}; valid: decoder, layers")
+    for flag, value, fields in (
+        ("--batch", args.batch, "prompts x samples x new tokens, e.g. 8x4x32"),
+        ("--update-batch", args.update_batch, "rows x positions x log-prob positions, e.g. 8x50x32"),
+    ):
+        parts = value.split("x")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise SystemExit(f"{flag}: {value!r}; valid: three positive ints, {fields}")
+    b, s0, t = (int(x) for x in args.update_batch.split("x"))
+    if t > s0 - 3:
+        raise SystemExit(f"--update-batch: {args.update_batch!r}; the log-prob positions must be <= positions - 3")
     if args.update_mode:
-        update(args.preset, args.update_mode, args.repeats)
+        update(args.preset, args.update_mode, args.update_batch, args.repeats, args.rounds)
         return
     print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     if args.part in ("rollout", "both"):
         rollout(args.preset, args.batch, args.repeats, args.rounds)
     if args.part in ("update", "both"):
-        print(f"\nupdate: {args.preset}, one minibatch of 8 sequences, forward + backward + clip + AdamW")
-        for mode in ["eager", *modes]:
-            cmd = [sys.executable, __file__, "--preset", args.preset, "--repeats", str(args.repeats),
-                   "--_update-mode", mode]  # fmt: skip
+        print(
+            f"\nupdate: {args.preset}, one minibatch of {b} sequences, forward + backward + clip + AdamW, median "
+            f"of {args.repeats} per round"
+        )
+        for mode in modes:
+            cmd = [sys.executable, __file__, "--preset", args.preset, "--repeats", str(args.repeats), "--rounds",
+                   str(args.rounds), "--update-batch", args.update_batch, "--_update-mode", mode]  # fmt: skip
             subprocess.run(cmd, check=True)
 
 
