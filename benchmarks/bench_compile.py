@@ -20,6 +20,7 @@ Neither is used by the harness; this measures whether it would pay, with the com
   self-attention and experts modules (`layers`), each mode in a fresh process (its first calls give the compile
   time), which then alternates eager and compiled rounds on the same weights (`--rounds`, median of `--repeats`
   updates each), so that the machine's drift falls on both alike.
+
 One torch thread.
 """
 
