@@ -25,7 +25,13 @@ What is timed, per RL step (one rollout batch), after `--warmup` discarded steps
 - TRL: GRPOTrainer.train(), the time between every 4th `on_step_end` callback: generation
   (transformers' generate) + rewards + pi_old + 4 optimizer steps + TRL's own bookkeeping.
 Reported: median wall s/step, median CPU s/step (process CPU time; robust to other jobs on the machine),
-completion tokens/s (the step's generated tokens, <eos> included, / median wall), and TRL / ours.
+completion tokens/s (the step's generated tokens, <eos> included, / median wall), and TRL / ours. Then, per batch,
+the step's work in FLOPs and each side's rate against the machine's fp32 GEMM peak (1 thread, measured at the
+start): the rollout (prefill + decode steps), one pi_old forward and 4 minibatch updates (3 forwards' worth) over
+the teacher-forcing batch, each by study.metrics.forward_flops (2 x active parameters + attention, per token) on
+the prompts' token lengths and the completions both sides generated. Both sides do this work (ours reuses the first
+minibatch's forward for a quarter of pi_old, so it does a little less); the line shows what share of the GEMM peak
+each side runs at over the whole step, and what share 2x TRL's throughput would need.
 
 By default the sides run one after the other (`--rounds N`: N alternations, each side's fastest round kept). On a
 machine whose speed drifts by tens of percent within minutes (a shared VM host) that ratio moves with the drift.
@@ -57,6 +63,28 @@ MINIBATCHES = 4
 def _parse_batch(text: str) -> tuple[int, int, int]:
     p, g, t = (int(x) for x in text.split("x"))
     return p, g, t
+
+
+def step_work(cfg, n: int, lp: float, completion_tokens: float) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """FLOPs of one RL step's rollout, pi_old and 4 updates over `n` sequences whose prompts are `lp` tokens long
+    on average, with `completion_tokens` generated in all (module docstring)."""
+    from study.metrics import forward_flops
+
+    tc = completion_tokens / n
+    prefill = forward_flops(cfg, round(n * lp), lp / 2)  # causal: a prompt token attends to half the prompt
+    decode = forward_flops(cfg, round(n * tc), lp + tc / 2)
+    forward = forward_flops(cfg, round(n * (lp + tc)), (lp + tc) / 2)  # teacher forcing over prompt + completion
+    return {"rollout": prefill + decode, "pi_old": forward, "updates": 3 * forward}
+
+
+def _prompt_len(p: int, steps: int, vocab: int) -> float:
+    """Mean token length of the prompts both sides take in `steps` RL steps of `p` prompts."""
+    from study import tasks
+    from study.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(vocab, [TASK], n_per_task=400)  # what both sides use (study.rl, coldstart=scratch)
+    items = tasks.make_task(TASK, seed=0).take(p * steps, start=0)
+    return statistics.mean(len(tok.encode_prompt(it.prompt)) for it in items)
 
 
 def _side_ours(preset: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool = False) -> dict:
@@ -276,11 +304,19 @@ def main() -> None:
     sides = args.sides.split(",")
     if "trl" in sides and trl_version is None:
         raise SystemExit("TRL is not installed here: run `make bench-trl` (it uses .venv-bench)")
+    from bench_peak import gemm_peak
+
+    peak = gemm_peak(1, sizes=(1024,))[1024][0]  # GFLOP/s, wall, best of 5
+    print(f"fp32 GEMM peak, 1 thread: {peak:.1f} GFLOP/s (torch.mm 1024 x 1024, best of 5)")
+    cfg = preset(args.preset)
     print(f"{'batch PxGxT':<12} {'alg':<5} {'side':<5} {'s/step':>7} {'cpu s':>7} {'tokens':>7} {'tok/s':>7} "
           f"{'rollout':>7} {'old':>6} {'update':>7} {'sync':>6}  TRL/ours")  # fmt: skip
     for batch in args.batches.split(","):
+        p, g, _t = _parse_batch(batch)
+        prompt_len = _prompt_len(p, args.warmup + args.reps, cfg.vocab_size)
         for alg in args.algorithms.split(","):
             res: dict[str, float] = {}
+            work: dict[str, tuple[dict[str, float], float]] = {}
             runs: dict[str, list[dict]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 if args.concurrent:
@@ -298,6 +334,7 @@ def main() -> None:
                 wall, cpu = statistics.median(r["wall"][keep]), statistics.median(r["cpu"][keep])
                 tokens = statistics.mean(r["tokens"][keep])
                 res[side] = wall
+                work[side] = (step_work(cfg, p * g, prompt_len, tokens), wall)
                 parts = ""
                 if r.get("gen"):  # TRL: its rollout phase (generate); the rest is not split
                     parts = f"{statistics.median(r['gen'][keep]):>7.3f}"
@@ -314,6 +351,17 @@ def main() -> None:
                     spread = "  rounds " + "/".join(f"{statistics.median(x['wall'][keep]):.3f}" for x in runs[side])
                 print(f"{batch:<12} {alg:<5} {side:<5} {wall:>7.3f} {cpu:>7.3f} {tokens:>7.0f} {tokens / wall:>7.0f} "
                       f"{parts:<30}{ratio}{spread}", flush=True)  # fmt: skip
+            cells = []
+            for side, (w, wall) in work.items():
+                total, parts = sum(w.values()), " / ".join(f"{v / 1e9:.2f}" for v in w.values())
+                rate = total / wall / 1e9
+                cells.append(f"{side} {total / 1e9:.2f} GFLOP ({parts}) in {wall:.3f} s = {rate:.1f} GFLOP/s, "
+                             f"{rate / peak:.0%}")  # fmt: skip
+            if "trl" in work:
+                w, wall = work["trl"]
+                cells.append(f"2x TRL: {2 * sum(w.values()) / wall / 1e9 / peak:.0%}")
+            print(f"{'':<12} {alg:<5} work (rollout / pi_old / updates) and share of GEMM peak: " + "; ".join(cells),
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
