@@ -19,8 +19,11 @@ One torch thread, no autograd.
 
 `--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
 loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
-weights (stacked per call, so the gradients reach each expert's own parameters), on `--tokens` routed rows split
-evenly over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50 positions at top-2: ~800).
+weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`, the
+same per-expert GEMMs in one autograd Function with a hand-written backward (no module calls, no per-op autograd
+nodes: the least Python the loop can have), on `--tokens` routed rows split over the experts. Rows: routed rows per
+layer (an 8-sequence minibatch of ~50 positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x
+the forward's 2 x rows x 3 x hidden x expert width.
 """
 
 from __future__ import annotations
@@ -108,6 +111,50 @@ def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
         print(f"| {t} | {' | '.join(cells)} |")
 
 
+class ExpertsFunction(torch.autograd.Function):
+    """SequentialMLP's forward (per expert: fc1, SwiGLU, times the routing prob, fc2) and its backward, written out:
+    the same matmuls in the same order, so the output and the input and weight gradients equal megatron's bit for
+    bit in fp32; the probs' gradient sums in another order (differs by ~1e-8)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, counts, *weights):  # type: ignore[no-untyped-def]
+        fc1, fc2 = weights[: len(counts)], weights[len(counts) :]
+        out = x.new_empty(x.shape[0], fc2[0].shape[0])
+        saved, start = [], 0
+        for e, n in enumerate(counts):
+            rows = slice(start, start + n)
+            h = torch.matmul(x[rows], fc1[e].t())
+            gate, up = torch.chunk(h, 2, dim=-1)
+            act = F.silu(gate) * up * probs[rows, None]
+            torch.matmul(act, fc2[e].t(), out=out[rows])
+            saved += [h, act]
+            start += n
+        ctx.counts = counts
+        ctx.save_for_backward(x, probs, *saved, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        counts = ctx.counts
+        x, probs, *rest = ctx.saved_tensors
+        saved, fc1, fc2 = rest[: 2 * len(counts)], rest[2 * len(counts) : 3 * len(counts)], rest[3 * len(counts) :]
+        dx, dprobs, dfc1, dfc2, start = torch.empty_like(x), torch.empty_like(probs), [], [], 0
+        for e, n in enumerate(counts):
+            rows = slice(start, start + n)
+            h, act = saved[2 * e], saved[2 * e + 1]
+            dfc2.append(grad[rows].t().matmul(act))
+            dact = grad[rows].matmul(fc2[e])
+            gate, up = torch.chunk(h, 2, dim=-1)
+            silu = F.silu(gate)
+            torch.sum(dact * silu * up, dim=-1, out=dprobs[rows])
+            dact = dact * probs[rows, None]
+            dh = torch.cat((torch.ops.aten.silu_backward(dact * up, gate), dact * silu), dim=-1)
+            dfc1.append(dh.t().matmul(x[rows]))
+            torch.matmul(dh, fc1[e], out=dx[rows])
+            start += n
+        return dx, dprobs, None, *dfc1, *dfc2
+
+
 def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.Tensor) -> None:
     fn(*args).backward(grad)
 
@@ -131,22 +178,39 @@ def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
     def sequential(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return experts(x, per_expert, probs)[0]
 
-    print(f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm, forward + "
-          f"backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
+    local = experts.local_experts
+    weights = [e.linear_fc1.weight for e in local] + [e.linear_fc2.weight for e in local]
+
+    def function(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return ExpertsFunction.apply(x, probs, per_expert.tolist(), *weights)
+
+    print(f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm and one Function, "
+          f"forward + backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
           f"expert width {cfg.moe_ffn_hidden_size}")  # fmt: skip
-    print("| routed rows | SequentialMLP | grouped_mm | max difference (forward) |\n|---:|---:|---:|---:|")
+    print("| routed rows | SequentialMLP | GFLOP/s | grouped_mm | one Function | max difference: grouped_mm forward; "
+          "Function forward, input grad, weight grads, probs grad |\n|---:|---:|---:|---:|---:|---|")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for rows in rows_list:
         x = torch.randn(rows, cfg.hidden_size, generator=gen, requires_grad=True)
         per_expert = torch.full((cfg.num_experts,), rows // cfg.num_experts)
         per_expert[0] += rows - int(per_expert.sum())
-        probs = torch.rand(rows, generator=gen)
+        probs = torch.rand(rows, generator=gen, requires_grad=True)  # the router's gates: trained through
         grad = torch.randn(rows, cfg.hidden_size, generator=gen)
         diff = (sequential(x, per_expert, probs) - grouped(x, per_expert, probs)).abs().max().item()
+        grads = {}
+        for name, f in (("sequential", sequential), ("function", function)):
+            for t in (x, probs, *weights):
+                t.grad = None
+            y = f(x, per_expert, probs)
+            y.backward(grad)
+            grads[name] = [y.detach(), x.grad, torch.cat([w.grad.flatten() for w in weights]), probs.grad]
+        fn_diff = ", ".join(f"{(a - b).abs().max().item():.0e}" for a, b in zip(*grads.values(), strict=True))
         calls = {k: functools.partial(_forward_backward, f, (x, per_expert, probs), grad)
-                 for k, f in (("sequential", sequential), ("grouped", grouped))}  # fmt: skip
+                 for k, f in (("sequential", sequential), ("grouped", grouped), ("function", function))}  # fmt: skip
         secs = time_calls(calls, repeats)
-        print(f"| {rows} | {secs['sequential'] * 1e3:.3f} | {secs['grouped'] * 1e3:.3f} | {diff:.0e} |")
+        gflop = 3 * 2 * rows * 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size / 1e9
+        print(f"| {rows} | {secs['sequential'] * 1e3:.3f} | {gflop / secs['sequential']:.1f} | "
+              f"{secs['grouped'] * 1e3:.3f} | {secs['function'] * 1e3:.3f} | {diff:.0e}; {fn_diff} |")  # fmt: skip
 
 
 def main() -> None:
