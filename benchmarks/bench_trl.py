@@ -77,13 +77,18 @@ def step_work(cfg, n: int, lp: float, completion_tokens: float) -> dict[str, flo
     return {"rollout": prefill + decode, "pi_old": forward, "updates": 3 * forward}
 
 
-def _prompt_len(p: int, steps: int, vocab: int) -> float:
-    """Mean token length of the prompts both sides take in `steps` RL steps of `p` prompts."""
+def _task_inputs(vocab: int, prompts: int) -> tuple:
+    """The tokenizer and the first `prompts` task items that both sides use (what study.rl takes with
+    coldstart=scratch and seed 0)."""
     from study import tasks
     from study.tokenizer import build_tokenizer
 
-    tok = build_tokenizer(vocab, [TASK], n_per_task=400)  # what both sides use (study.rl, coldstart=scratch)
-    items = tasks.make_task(TASK, seed=0).take(p * steps, start=0)
+    return build_tokenizer(vocab, [TASK], n_per_task=400), tasks.make_task(TASK, seed=0).take(prompts, start=0)
+
+
+def _prompt_len(p: int, steps: int, vocab: int) -> float:
+    """Mean token length of the prompts both sides take in `steps` RL steps of `p` prompts."""
+    tok, items = _task_inputs(vocab, p * steps)
     return statistics.mean(len(tok.encode_prompt(it.prompt)) for it in items)
 
 
@@ -131,7 +136,6 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     from study.engines.hf import fuse_experts
     from study.model import build_policy
     from study.rl import derive_seed
-    from study.tokenizer import build_tokenizer
     from study.weights import hf_config, megatron_to_hf
 
     torch.set_num_threads(threads)
@@ -139,7 +143,7 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     mcfg = preset(preset_name)
     hp = algorithms.get(alg).check_hparams({})
     tmp = Path(tempfile.mkdtemp(prefix="bench_trl_"))
-    tok = build_tokenizer(mcfg.vocab_size, [TASK], n_per_task=400)  # what study.rl uses with coldstart=scratch
+    tok, items = _task_inputs(mcfg.vocab_size, p * steps)
     tok.save(tmp / "tok")
     hf_tok = AutoTokenizer.from_pretrained(tmp / "tok")
 
@@ -150,7 +154,6 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     del policy
     model.train()
 
-    items = tasks.make_task(TASK, seed=0).take(p * steps, start=0)
     data = Dataset.from_dict({"prompt": [it.prompt for it in items], "idx": list(range(len(items)))})
     completion_tokens: list[int] = []
 
