@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from study.config import ModelConfig
+from study.engines import native
 from study.engines.base import Rollout, RolloutEngine, check_generate_args, register_engine, routes_dtype
 from study.weights import TORCH_DTYPES, hf_config, hf_param_names
 
@@ -169,6 +170,11 @@ def _growing_layer():  # type: ignore[no-untyped-def]
             self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
             return self.keys, self.values
 
+        def repeat_rows(self, n: int) -> None:
+            """Each row (sequence) of the cache n times in a row: a shared prompt's prefill becomes its samples'."""
+            self._kbuf, self._vbuf = self._kbuf.repeat_interleave(n, dim=0), self._vbuf.repeat_interleave(n, dim=0)
+            self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
+
     return GrowingLayer
 
 
@@ -311,9 +317,12 @@ class HFEngine(RolloutEngine):
         device: str | torch.device = "cpu",
         experts_implementation: str | None = None,
         precision: str | None = None,
+        native_decode: bool = True,
     ) -> None:
-        """`precision` (study.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real."""
+        """`precision` (study.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real.
+        `native_decode`: decode steps in C where it runs (study/engines/native.py), else in torch ops."""
         super().__init__(cfg, dtype=dtype)
+        self.native_decode = native_decode
         self.device = torch.device(device)
         # precision hook (study/precision.py): emulated runs build in fp32 and round; the fp32 head is cast
         from study.precision import Precision, apply_precision
@@ -387,17 +396,20 @@ class HFEngine(RolloutEngine):
         prompt_index = [p for p in range(len(prompts)) for _ in range(n)]
         lens = torch.tensor([len(prompts[p]) for p in prompt_index])
         N, P = len(prompt_index), int(lens.max())
-        ids = torch.zeros(N, P, dtype=torch.long)  # (N, P) left-padded with token 0 (masked out)
-        for i, p in enumerate(prompt_index):
-            ids[i, P - len(prompts[p]) :] = torch.tensor(prompts[p])
-        mask = (torch.arange(P)[None, :] >= (P - lens)[:, None]).long()  # (N, P)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P) positions restart at 0 after the padding
+        # the prefill runs once per prompt (its n samples share the prompt's keys, values and first logits) and is
+        # then repeated per sample: n times less prefill work
+        ids = torch.zeros(len(prompts), P, dtype=torch.long)  # (prompts, P) left-padded with token 0 (masked out)
+        for p, prompt in enumerate(prompts):
+            ids[p, P - len(prompt) :] = torch.tensor(prompt)
+        prompt_lens = lens[::n]
+        mask = (torch.arange(P)[None, :] >= (P - prompt_lens)[:, None]).long()  # (prompts, P)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (prompts, P) positions restart at 0 after the padding
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
         stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=dev)
 
         gen = torch.Generator(device=dev).manual_seed(seed)
         store: list[list[torch.Tensor]] = [[] for _ in self._routers]
-        shape = [(N, P)]
+        shape = [(len(prompts), P)]
         use_fused = _FusedDecoder.eligible(self.model, self.precision)  # before the route hooks go on
         handles = self._hook_routes(store, shape) if return_routes else []
         try:
@@ -405,6 +417,13 @@ class HFEngine(RolloutEngine):
             cache.layers = [_growing_layer()(P + max_new_tokens) for _ in cache.layers]
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)  # fmt: skip
+            if n > 1:  # one row per sample from here on
+                out = _Logits(out.logits.repeat_interleave(n, dim=0))
+                mask, pos = mask.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
+                for layer in cache.layers:
+                    layer.repeat_rows(n)
+                for per_layer in store:
+                    per_layer[:] = [r.repeat_interleave(n, dim=0) for r in per_layer]
             toks, lps = [], []
             padded = bool((lens != P).any())  # left padding: decode steps need the key-padding mask
             fused = None
@@ -413,7 +432,11 @@ class HFEngine(RolloutEngine):
                 if padded:  # (N, 1, 1, capacity) False = a pad key
                     attend = torch.ones(N, 1, 1, P + max_new_tokens, dtype=torch.bool, device=dev)
                     attend[:, 0, 0, :P] = mask.bool()
-                fused = _FusedDecoder(self.model, N, attend, cache)
+                lib = native.library() if self.native_decode and native.NativeDecoder.eligible(self.model) else None
+                if lib is not None:
+                    fused = native.NativeDecoder(self.model, N, attend, cache, lib)
+                else:
+                    fused = _FusedDecoder(self.model, N, attend, cache)
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)

@@ -213,7 +213,7 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
     the default `grouped_mm` experts it computes them itself, with any other it calls the experts module."""
     from study.engines import hf
 
-    eng = get_engine("hf", CFG, dtype=dtype, experts_implementation=experts)
+    eng = get_engine("hf", CFG, dtype=dtype, experts_implementation=experts, native_decode=False)
     eng.load_weights(W.megatron_to_hf(megatron, CFG))
     assert hf._FusedDecoder.eligible(eng.model, eng.precision)
     assert (hf._FusedDecoder._grouped_mm(eng.model.model.layers[0].mlp.experts) is None) == (experts == "eager")
@@ -230,6 +230,84 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
         assert torch.equal(a, b)
     for a, b in zip(fused.routes, modules.routes, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("experts", [None, "eager"])
+def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
+    """The C decode step (study/engines/native.py) gives the fused torch step's logits to 1e-5, the same routes and
+    the same cache writes at every step of a left-padded rollout; whole rollouts sample the same tokens with the
+    same log-probs (1e-5) and routes. Its sums run in another order, so not bit for bit."""
+    from study.engines import hf, native
+
+    assert native.library() is not None, "the C step did not build (a C compiler is part of the test environment)"
+    eng = get_engine("hf", CFG, experts_implementation=experts)
+    eng.load_weights(W.megatron_to_hf(megatron, CFG))
+    assert native.NativeDecoder.eligible(eng.model)
+    seen = []
+    step = native.NativeDecoder.step
+
+    def both(self, tok, pos, routes):  # the native step, then the fused one on the cache as it was before
+        before = [(c._kbuf.clone(), c._vbuf.clone(), c.length) for c in self.cache.layers]
+        r_native, r_fused = [[] for _ in self.cache.layers], [[] for _ in self.cache.layers]
+        got = step(self, tok, pos, r_native)
+        written = [(c._kbuf.clone(), c._vbuf.clone()) for c in self.cache.layers]
+        for c, (k, v, length) in zip(self.cache.layers, before, strict=True):
+            c._kbuf.copy_(k), c._vbuf.copy_(v)
+            c.length = length
+        fused = hf._FusedDecoder(eng.model, self.n, None if self.attend is None else self.attend[:, None, None].bool(),
+                                 self.cache)  # fmt: skip
+        want = fused.step(tok, pos, r_fused)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        for (k, v), c in zip(written, self.cache.layers, strict=True):
+            torch.testing.assert_close(k, c._kbuf, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v, c._vbuf, atol=1e-5, rtol=0)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(r_native, r_fused, strict=True))
+        seen.append(tok.shape[0])
+        for per_layer, r in zip(routes, r_native, strict=True):
+            per_layer += r
+        return got
+
+    kw = dict(seed=5, max_new_tokens=10, stop_token_ids=STOPS, return_routes=True)
+    native.NativeDecoder.step = both
+    try:
+        checked = eng.generate(prompts, 3, **kw)
+    finally:
+        native.NativeDecoder.step = step
+    assert len(seen) >= 5 and set(seen) == {3 * len(prompts)}
+    fast = eng.generate(prompts, 3, **kw)
+    eng.native_decode = False
+    ref = eng.generate(prompts, 3, **kw)
+    for got in (checked, fast):
+        assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        for a, b in zip(got.routes, ref.routes, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_native_decode_falls_back_to_torch(megatron, prompts, monkeypatch):
+    """Turned off, or where the C step cannot be built, the engine decodes with torch ops (with a warning when the
+    build failed) and samples the same tokens."""
+    from study.engines import native
+
+    eng = get_engine("hf", CFG)
+    eng.load_weights(W.megatron_to_hf(megatron, CFG))
+    kw = dict(seed=7, max_new_tokens=6, stop_token_ids=STOPS)
+    want = eng.generate(prompts, 2, **kw).tokens
+    try:
+        native.library.cache_clear()
+        monkeypatch.setenv("STUDY_NATIVE_DECODE", "0")
+        assert native.library() is None
+        assert eng.generate(prompts, 2, **kw).tokens == want
+        native.library.cache_clear()
+        monkeypatch.setenv("STUDY_NATIVE_DECODE", "1")
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSTUDY_TEST_FAILING_BUILD"))  # not the cached build
+        with pytest.warns(UserWarning, match="failed"):
+            assert native.library() is None
+        assert eng.generate(prompts, 2, **kw).tokens == want
+    finally:
+        native.library.cache_clear()
 
 
 def test_fused_decode_step_only_where_it_is_exact():

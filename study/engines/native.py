@@ -1,0 +1,193 @@
+"""The hf engine's native decode step: csrc/qwen3_moe_decode.c, compiled on first use and called through ctypes.
+
+At the tiny preset's sizes a decode step is ~190 torch ops of a few microseconds' work each, and each op costs
+about as much again in dispatch (docs/performance.md section 6). The C step does the same arithmetic in one call.
+It runs where `_FusedDecoder` would (fp32 on the CPU, the engine's decode attention, the default RoPE, no hooks,
+SwiGLU experts) and a C compiler is there; its sums run in another order than torch's kernels, so its logits agree
+with the modules' to ~1e-6, not bit for bit (tests/engines), and a sampled token can differ where two candidates'
+cumulative probabilities tie to that precision. `STUDY_NATIVE_DECODE=0` turns it off (the fused torch step runs).
+
+The shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default
+`~/.cache`), named by a hash of the source, the flags and this CPU's model and flags, so a cluster's nodes of
+different CPU kinds never load each other's build; it is written to a temporary name and renamed, so concurrent
+runs never load a half-written file. No compiler, or a failed build: the fused torch step runs, with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "qwen3_moe_decode.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
+
+_P = ctypes.POINTER(ctypes.c_float)
+
+
+_INTS = ("n", "hidden", "hq", "hk", "d", "experts", "top_k", "ffn", "vocab", "layers", "capacity", "norm_topk")
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((f, ctypes.c_int64) for f in _INTS),
+        ("eps", ctypes.c_double),
+        ("scaling", ctypes.c_double),
+        *((f, _P) for f in ("embed", "final_norm", "head_t", "cos", "sin")),
+        ("attend", ctypes.POINTER(ctypes.c_uint8)),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(f, _P) for f in ("norm1", "qkv_t", "qk_norm", "o_t", "norm2", "router_t", "gate_up_t", "down_t",
+                                  "keys", "values")]  # fmt: skip
+
+
+def _cpu_id() -> str:
+    """This CPU's model name and feature flags (what -march=native compiles for)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled step (built once per source, flags and CPU kind), or None where it cannot be built/loaded."""
+    if os.environ.get("STUDY_NATIVE_DECODE", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("no C compiler (cc, gcc or $CC): the hf engine decodes with torch ops", stacklevel=2)
+        return None
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), _cpu_id()]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl-study"
+    target = cache / f"qwen3_moe_decode-{key}.so"
+    if not target.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                part = Path(tmp) / target.name
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], check=True, capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+                os.replace(part, target)  # atomic: a concurrent build or load sees all of it or nothing
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            warnings.warn(f"building {SOURCE.name} failed ({detail}); the hf engine decodes with torch ops",
+                          stacklevel=2)  # fmt: skip
+            return None
+    lib = ctypes.CDLL(str(target))
+    lib.qwen3_moe_decode_step.restype = ctypes.c_int
+    ptr = ctypes.c_void_p
+    lib.qwen3_moe_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, ctypes.c_int64,
+                                          ptr, ptr]  # fmt: skip
+    return lib
+
+
+def _ptr(t: torch.Tensor):  # type: ignore[no-untyped-def]
+    return ctypes.cast(t.data_ptr(), _P)
+
+
+class NativeDecoder:
+    """`_FusedDecoder`'s decode step in C (see the module doc); built per `generate` on the current weights.
+
+    Holds contiguous transposed copies of the weights ((in, out) for every projection) and the cache buffers the
+    prefill filled (study/engines/hf.py's growing cache layers), which each step appends to in place."""
+
+    def __init__(self, model, n: int, attend: torch.Tensor | None, cache, lib: ctypes.CDLL) -> None:  # type: ignore[no-untyped-def]
+        body, cfg = model.model, model.config
+        self.lib, self.cache, self.n = lib, cache, n
+        self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.k = cfg.num_experts_per_tok
+        capacity = cache.layers[0].capacity
+        weight = body.embed_tokens.weight
+        cos, sin = body.rotary_emb(weight, torch.arange(capacity, device=weight.device)[None])
+        d = self.d
+        keep = [weight, body.norm.weight]  # every tensor a pointer refers to lives as long as this object
+        head_t = model.lm_head.weight.t().contiguous()
+        cos = cos[0].contiguous()
+        sin = torch.cat((-sin[0, :, : d // 2], sin[0, :, d // 2 :]), dim=-1).contiguous()  # rotate_half's sign
+        self.attend = None if attend is None else attend.reshape(n, capacity).to(torch.uint8).contiguous()
+        keep += [head_t, cos, sin]
+        self.model = _Model(
+            n=n, hidden=cfg.hidden_size, hq=self.hq, hk=self.hk, d=d, experts=cfg.num_experts, top_k=self.k,
+            ffn=cfg.moe_intermediate_size, vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, capacity=capacity,
+            norm_topk=int(cfg.norm_topk_prob), eps=cfg.rms_norm_eps, scaling=d**-0.5, embed=_ptr(weight),
+            final_norm=_ptr(body.norm.weight), head_t=_ptr(head_t), cos=_ptr(cos), sin=_ptr(sin),
+            attend=None if self.attend is None else ctypes.cast(self.attend.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
+        )  # fmt: skip
+        self.layers = (_Layer * cfg.num_hidden_layers)()
+        for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
+            a, mlp, cl = layer.self_attn, layer.mlp, cache.layers[i]
+            t = {
+                "norm1": layer.input_layernorm.weight,
+                "qkv_t": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous(),
+                "qk_norm": torch.cat([a.q_norm.weight.expand(self.hq, d), a.k_norm.weight.expand(self.hk, d)]),
+                "o_t": a.o_proj.weight.t().contiguous(),
+                "norm2": layer.post_attention_layernorm.weight,
+                "router_t": mlp.gate.weight.t().contiguous(),
+                "gate_up_t": mlp.experts.gate_up_proj.transpose(-2, -1).contiguous(),  # (E, H, 2F)
+                "down_t": mlp.experts.down_proj.transpose(-2, -1).contiguous(),  # (E, F, H)
+                "keys": cl._kbuf,
+                "values": cl._vbuf,
+            }
+            for name, tensor in t.items():
+                if not (tensor.is_contiguous() and tensor.dtype == torch.float32):
+                    raise RuntimeError(f"native decode: {name} is not a contiguous fp32 tensor")
+                setattr(self.layers[i], name, _ptr(tensor))
+            keep += t.values()
+        self._keep = keep
+        self.vocab = cfg.vocab_size
+
+    @staticmethod
+    def eligible(model) -> bool:  # type: ignore[no-untyped-def]
+        """Given `_FusedDecoder.eligible`: what the C step also assumes (fp32 on the CPU, SiLU experts, one eps)."""
+        cfg, body = model.config, model.model
+        p = body.embed_tokens.weight
+        layer = body.layers[0]
+        eps = {cfg.rms_norm_eps, body.norm.variance_epsilon, layer.input_layernorm.variance_epsilon,
+               layer.self_attn.q_norm.variance_epsilon}  # fmt: skip
+        return (
+            p.device.type == "cpu"
+            and all(q.dtype == torch.float32 for q in model.parameters())
+            and cfg.hidden_act == "silu"
+            and len(eps) == 1
+            and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+            and getattr(layer.self_attn, "scaling", None) == cfg.head_dim**-0.5
+        )
+
+    def step(self, tok: torch.Tensor, position_ids: torch.Tensor, routes: list[list[torch.Tensor]] | None):
+        """Logits (N, V) of the next token after `tok` (N,) at `position_ids` (N, 1); appends each layer's (N, 1, k)
+        expert indices to routes[layer] if given."""
+        from study.engines.base import routes_dtype
+
+        tok = tok.contiguous()
+        pos = position_ids[:, 0].contiguous()
+        slot = self.cache.layers[0].length
+        logits = torch.empty(self.n, self.vocab)
+        r = torch.empty(len(self.layers), self.n, self.k, dtype=torch.long) if routes is not None else None
+        rc = self.lib.qwen3_moe_decode_step(ctypes.byref(self.model), self.layers, tok.data_ptr(), pos.data_ptr(),
+                                            slot, logits.data_ptr(), None if r is None else r.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native decode step: out of memory for its workspace")
+        for cl in self.cache.layers:  # the C step wrote position `slot` of every layer's buffers
+            cl.length = slot + 1
+            cl.keys, cl.values = cl._kbuf[:, :, : slot + 1], cl._vbuf[:, :, : slot + 1]
+        if r is not None:
+            dtype = routes_dtype(self.model.experts)
+            for i, per_layer in enumerate(routes):
+                per_layer.append(r[i, :, None].to(dtype))
+        return logits
