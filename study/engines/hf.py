@@ -442,10 +442,14 @@ class HFEngine(RolloutEngine):
             last_pos = pos[:, -1:]  # (N, 1)
             for step in range(max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
-                logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
-                tok = sample(logits, logp, temperature, gen)  # (N,)
+                if isinstance(fused, native.NativeDecoder):  # the same draw in C, on the same uniforms
+                    tok, lp = native.sample(fused.lib, logits, temperature, gen)
+                else:
+                    logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
+                    tok = sample(logits, logp, temperature, gen)  # (N,)
+                    lp = logp.gather(-1, tok[:, None]).squeeze(-1)
                 toks.append(tok)
-                lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+                lps.append(lp)
                 length += (~done).long()
                 done |= torch.isin(tok, stops)
                 if bool(done.all()) or step == max_new_tokens - 1:

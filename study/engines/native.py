@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL | None:
     ptr = ctypes.c_void_p
     lib.qwen3_moe_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, ctypes.c_int64,
                                           ptr, ptr]  # fmt: skip
+    lib.qwen3_moe_sample.restype = ctypes.c_int
+    lib.qwen3_moe_sample.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ptr, ctypes.c_double, ptr, ptr]
     return lib
 
 
@@ -191,3 +193,16 @@ class NativeDecoder:
             for i, per_layer in enumerate(routes):
                 per_layer.append(r[i, :, None].to(dtype))
         return logits
+
+
+def sample(lib: ctypes.CDLL, logits: torch.Tensor, temperature: float, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    """study/engines/hf.py `sample` and the sampled tokens' untempered log-probs, in C: the same uniforms from `gen`
+    (none at temperature 0), the same inverse-CDF rule; returns ((N,) tokens, (N,) fp32 log-probs)."""
+    logits = logits.contiguous()
+    n, vocab = logits.shape
+    f64 = torch.float64
+    u = torch.rand(n, generator=gen, dtype=f64) if temperature > 0 else torch.zeros(n, dtype=f64)
+    tok, lp = torch.empty(n, dtype=torch.long), torch.empty(n)
+    if lib.qwen3_moe_sample(logits.data_ptr(), n, vocab, u.data_ptr(), temperature, tok.data_ptr(), lp.data_ptr()):
+        raise MemoryError("native sampler: out of memory for its workspace")
+    return tok, lp

@@ -136,14 +136,25 @@ def test_bad_arguments_raise(engine):
         engine.generate([[CFG.vocab_size]], 1, seed=0, max_new_tokens=4)
 
 
+def _native_sample(logits, logp, temperature, gen):  # type: ignore[no-untyped-def]
+    from study.engines import native
+
+    tok, lp = native.sample(native.library(), logits, temperature, gen)
+    torch.testing.assert_close(lp, logp.gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)  # untempered log-probs
+    return tok
+
+
+@pytest.mark.parametrize("sampler", ["torch", "native"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_draws_from_the_tempered_distribution(temperature):
+def test_sampler_draws_from_the_tempered_distribution(temperature, sampler):
     # 3 rows with known distributions (one with near-zero and exactly-zero-probability tokens); 40k seeded draws per
-    # row; a chi-square goodness-of-fit test (deterministic: fixed seed) and no draw of a zero-probability token
+    # row; a chi-square goodness-of-fit test (deterministic: fixed seed) and no draw of a zero-probability token. The
+    # engine's C sampler (native decode) takes the same uniforms from the generator.
     from scipy.stats import chisquare
 
-    from study.engines.hf import sample
+    from study.engines import hf
 
+    sample = hf.sample if sampler == "torch" else _native_sample
     logits = torch.tensor(
         [[0.0, 1.0, 2.0, 3.0, -1.0], [5.0, 5.0, -30.0, 0.0, 1.0], [0.0, float("-inf"), 0.5, -0.5, 0.0]]
     )
@@ -161,6 +172,12 @@ def test_sampler_draws_from_the_tempered_distribution(temperature):
         p = chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue
         assert p > 1e-3, (row, counts.tolist(), (expected[row] * reps).tolist())
     assert torch.equal(sample(logits, logp, 0.0, gen), logits.argmax(-1))
+    if sampler == "native":  # on the same uniforms the same tokens as the torch sampler
+        wide = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 3
+        for t in (1.0, 0.7, 1.7):
+            g1, g2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+            want = hf.sample(wide, torch.log_softmax(wide, -1), t, g1)
+            assert torch.equal(sample(wide, torch.log_softmax(wide, -1), t, g2), want)
 
 
 @pytest.mark.parametrize("masked", [False, True])

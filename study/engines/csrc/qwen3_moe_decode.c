@@ -35,10 +35,11 @@ typedef struct {
     float *keys, *values;   /* (n, hk, capacity, d) */
 } Layer;
 
-/* e^x for x <= 88 (-inf gives 0), to ~2 ulp: x = k ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial of
+/* e^x for x <= 88, 0 below -87 (-inf included), to ~2 ulp: x = k ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial of
    e^r, times 2^k by the exponent bits. libm's expf is a call per element (the SiLU and the softmaxes spent most of
    a 256-row step in it); this one vectorises in the loops that use it. */
 static inline float fexp(float x) {
+    const float in = x;
     x = x < -87.0f ? -87.0f : x;
     const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f; /* ln2 split: exact k * hi */
@@ -50,7 +51,7 @@ static inline float fexp(float x) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     union { float f; int32_t i; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
+    return in < -87.0f ? 0.0f : p * scale.f; /* below e^-87 (and -inf): 0, so a masked weight is exactly 0 */
 }
 
 /* y (n, out) = x (n, in) @ wt (in, out). Blocks of 4 rows x 64 outputs stay in registers (16 AVX-512 vectors)
@@ -247,4 +248,48 @@ done:
     free(x), free(h), free(qkv), free(attn), free(tmp), free(scores), free(gu), free(act), free(eo), free(moe);
     free(roped), free(top_i), free(top_w), free(xe), free(sel);
     return rc;
+}
+
+/* One token per row of `logits` (n, vocab) and its untempered log-probability: the engine's `sample` (inverse CDF,
+   one uniform `u` per row from the engine's torch generator) on the same uniforms. At `temperature` 0 the first
+   maximum; otherwise the first index whose cumulative weight (fp64) exceeds u x the total, where the weights are
+   exp((x - max) / temperature): softmax's numerators, so the distribution is exactly softmax(logits / temperature).
+   Returns 0, or -1 if a workspace could not be allocated. */
+int qwen3_moe_sample(const float *logits, int64_t n, int64_t vocab, const double *u, double temperature,
+                     int64_t *tok, float *lp) {
+    float *w = malloc(sizeof(float) * vocab);
+    if (!w) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = logits + i * vocab;
+        float mx = -INFINITY;
+        int64_t arg = 0;
+        for (int64_t v = 0; v < vocab; v++)
+            if (x[v] > mx) mx = x[v], arg = v;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t v = 0; v < vocab; v++) total += fexp(x[v] - mx);
+        const float lse = mx + logf(total);
+        int64_t t = arg;
+        if (temperature > 0) {
+            const float inv = (float)(1.0 / temperature);
+#pragma omp simd
+            for (int64_t v = 0; v < vocab; v++) w[v] = fexp((x[v] - mx) * inv);
+            double sum = 0.0;
+            for (int64_t v = 0; v < vocab; v++) sum += w[v];
+            const double target = u[i] * sum;
+            double cdf = 0.0;
+            t = vocab - 1;
+            for (int64_t v = 0; v < vocab; v++) {
+                cdf += w[v];
+                if (cdf > target) {
+                    t = v;
+                    break;
+                }
+            }
+        }
+        tok[i] = t;
+        lp[i] = x[t] - lse;
+    }
+    free(w);
+    return 0;
 }
