@@ -434,7 +434,7 @@ class HFEngine(RolloutEngine):
                     attend[:, 0, 0, :P] = mask.bool()
                 lib = native.library() if self.native_decode and native.NativeDecoder.eligible(self.model) else None
                 if lib is not None:
-                    fused = native.NativeDecoder(self.model, N, attend, cache, lib)
+                    fused = native.NativeDecoder(self.model, N, attend, cache, lib, samples=n, prompt=P)
                 else:
                     fused = _FusedDecoder(self.model, N, attend, cache)
             done = torch.zeros(N, dtype=torch.bool, device=dev)

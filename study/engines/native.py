@@ -29,12 +29,15 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "qwen3_moe_decode.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp-simd", "-std=gnu11", "-shared",
+         "-fPIC")  # fmt: skip
+LIBS = ("-lmvec", "-lm")  # glibc's vector math (expf over 16 lanes), libm
 
 _P = ctypes.POINTER(ctypes.c_float)
 
 
-_INTS = ("n", "hidden", "hq", "hk", "d", "experts", "top_k", "ffn", "vocab", "layers", "capacity", "norm_topk")
+_INTS = ("n", "hidden", "hq", "hk", "d", "experts", "top_k", "ffn", "vocab", "layers", "capacity", "norm_topk",
+         "samples", "prompt")  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -72,7 +75,7 @@ def library() -> ctypes.CDLL | None:
         warnings.warn("no C compiler (cc, gcc or $CC): the hf engine decodes with torch ops", stacklevel=2)
         return None
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), _cpu_id()]).encode()
+        "\0".join([SOURCE.read_text(), cc, *FLAGS, *LIBS, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl-study"
     target = cache / f"qwen3_moe_decode-{key}.so"
@@ -81,8 +84,8 @@ def library() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 part = Path(tmp) / target.name
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], check=True, capture_output=True,
-                               text=True, timeout=120)  # fmt: skip
+                cmd = [cc, *FLAGS, str(SOURCE), "-o", str(part), *LIBS]
+                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
                 os.replace(part, target)  # atomic: a concurrent build or load sees all of it or nothing
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or e
@@ -109,7 +112,13 @@ class NativeDecoder:
     Holds contiguous transposed copies of the weights ((in, out) for every projection) and the cache buffers the
     prefill filled (study/engines/hf.py's growing cache layers), which each step appends to in place."""
 
-    def __init__(self, model, n: int, attend: torch.Tensor | None, cache, lib: ctypes.CDLL) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, n: int, attend: torch.Tensor | None, cache, lib: ctypes.CDLL, *, samples: int = 1,  # type: ignore[no-untyped-def]
+                 prompt: int = 0) -> None:  # fmt: skip
+        """`samples`, `prompt`: each run of `samples` rows holds the same keys and values at positions < `prompt`
+        (the engine's prefill runs once per prompt and copies it to the prompt's samples), so the step reads them
+        from the run's first row; 1, 0: nothing shared."""
+        if n % samples or not 0 <= prompt <= cache.layers[0].length:
+            raise ValueError(f"native decode: {n} rows cannot share a {prompt}-position prompt in runs of {samples}")
         body, cfg = model.model, model.config
         self.lib, self.cache, self.n = lib, cache, n
         self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -127,7 +136,8 @@ class NativeDecoder:
         self.model = _Model(
             n=n, hidden=cfg.hidden_size, hq=self.hq, hk=self.hk, d=d, experts=cfg.num_experts, top_k=self.k,
             ffn=cfg.moe_intermediate_size, vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, capacity=capacity,
-            norm_topk=int(cfg.norm_topk_prob), eps=cfg.rms_norm_eps, scaling=d**-0.5, embed=_ptr(weight),
+            norm_topk=int(cfg.norm_topk_prob), samples=samples, prompt=prompt, eps=cfg.rms_norm_eps,
+            scaling=d**-0.5, embed=_ptr(weight),
             final_norm=_ptr(body.norm.weight), head_t=_ptr(head_t), cos=_ptr(cos), sin=_ptr(sin),
             attend=None if self.attend is None else ctypes.cast(self.attend.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
         )  # fmt: skip

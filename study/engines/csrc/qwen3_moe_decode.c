@@ -15,6 +15,7 @@
 
 typedef struct {
     int64_t n, hidden, hq, hk, d, experts, top_k, ffn, vocab, layers, capacity, norm_topk;
+    int64_t samples, prompt; /* rows i and j with i / samples == j / samples share positions < prompt of the cache */
     double eps, scaling;
     const float *embed;      /* (vocab, hidden) */
     const float *final_norm; /* (hidden) */
@@ -35,24 +36,10 @@ typedef struct {
     float *keys, *values;   /* (n, hk, capacity, d) */
 } Layer;
 
-/* e^x for x <= 88, 0 below -87 (-inf included), to ~2 ulp: x = k ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial of
-   e^r, times 2^k by the exponent bits. libm's expf is a call per element (the SiLU and the softmaxes spent most of
-   a 256-row step in it); this one vectorises in the loops that use it. */
-static inline float fexp(float x) {
-    const float in = x;
-    x = x < -87.0f ? -87.0f : x;
-    const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f; /* ln2 split: exact k * hi */
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)k + 127) << 23};
-    return in < -87.0f ? 0.0f : p * scale.f; /* below e^-87 (and -inf): 0, so a masked weight is exactly 0 */
-}
+/* glibc's vector expf (libmvec, linked with -lmvec): declared SIMD-callable, so the loops over the softmaxes and
+   the SiLU vectorise instead of calling expf per element (most of a 256-row step before). */
+#pragma omp declare simd notinbranch
+float expf(float);
 
 /* y (n, out) = x (n, in) @ wt (in, out). Blocks of 4 rows x 64 outputs stay in registers (16 AVX-512 vectors)
    while k runs, so each loaded weight vector feeds 4 multiply-adds; the edges take the plain loop. */
@@ -97,6 +84,45 @@ static void linear(float *restrict y, const float *restrict x, const float *rest
             for (int64_t j = j0; j < out; j++) yi[j] += a * w[j];
         }
     }
+}
+
+/* One query head's attention over `len` cached positions: keys and values of positions < prompt from the rows'
+   shared prompt (ks, vs: its first sample's cache, which every sample of the prompt holds a copy of, so a group's
+   rows read it from the cache while it is hot), the rest from the row's own (ko, vo). fp32 scores and softmax, pad
+   keys (keep[t] == 0) weigh exactly 0. */
+static inline void head_attention(float *restrict o, const float *restrict q, const float *ks, const float *vs,
+                                  const float *ko, const float *vo, int64_t prompt, int64_t len,
+                                  const uint8_t *keep, float scaling, float *restrict scores, const int64_t d) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        const float *kt = (t < prompt ? ks : ko) + t * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t j = 0; j < d; j++) dot += q[j] * kt[j];
+        scores[t] = dot * scaling;
+        if ((!keep || keep[t]) && scores[t] > mx) mx = scores[t];
+    }
+    float total = 0.0f;
+    if (keep) {
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            const float p = keep[t] ? expf(scores[t] - mx) : 0.0f;
+            scores[t] = p;
+            total += p;
+        }
+    } else {
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - mx));
+    }
+    float acc[d];
+    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        if (scores[t] == 0.0f) continue; /* pad keys: their values may be anything */
+        const float p = scores[t] / total, *vt = (t < prompt ? vs : vo) + t * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; j++) acc[j] += p * vt[j];
+    }
+    memcpy(o, acc, sizeof(float) * d);
 }
 
 /* Qwen3MoeRMSNorm: x * rsqrt(mean(x^2) + eps) * weight, over rows of `width`; row i's weight is w + i * w_stride
@@ -159,33 +185,21 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
         }
         for (int64_t i = 0; i < n; i++) {
             const uint8_t *keep = m->attend ? m->attend + i * C : NULL;
+            const int64_t lead = i / m->samples * m->samples; /* the row whose prompt keys this row shares */
             for (int64_t head = 0; head < hq; head++) {
-                const int64_t g = head / group;
-                const float *q = qkv + i * QKV + head * d;
-                const float *kc = L->keys + (i * hk + g) * C * d, *vc = L->values + (i * hk + g) * C * d;
-                float mx = -INFINITY;
-                for (int64_t t = 0; t < len; t++) {
-                    const float *kt = kc + t * d;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t j = 0; j < d; j++) dot += q[j] * kt[j];
-                    scores[t] = dot * (float)m->scaling;
-                    if ((!keep || keep[t]) && scores[t] > mx) mx = scores[t];
-                }
-                float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-                for (int64_t t = 0; t < len; t++) {
-                    const float p = (!keep || keep[t]) ? fexp(scores[t] - mx) : 0.0f; /* a pad key weighs 0 */
-                    scores[t] = p;
-                    total += p;
-                }
+                const int64_t g = head / group, own = (i * hk + g) * C * d, shared = (lead * hk + g) * C * d;
                 float *o = attn + (i * hq + head) * d;
-                memset(o, 0, sizeof(float) * d);
-                for (int64_t t = 0; t < len; t++) {
-                    if (scores[t] == 0.0f) continue; /* pad keys (their values may be anything) */
-                    const float p = scores[t] / total, *vt = vc + t * d;
-                    for (int64_t j = 0; j < d; j++) o[j] += p * vt[j];
-                }
+                const float *q = qkv + i * QKV + head * d, sc = (float)m->scaling;
+                const float *ks = L->keys + shared, *vs = L->values + shared, *ko = L->keys + own;
+                const float *vo = L->values + own;
+                if (d == 32) /* the common head sizes get loops of a known length */
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 32);
+                else if (d == 64)
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 64);
+                else if (d == 128)
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 128);
+                else
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, d);
             }
         }
         linear(tmp, attn, L->o_t, n, hq * d, H);
@@ -197,7 +211,7 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
         for (int64_t i = 0; i < n; i++) {
             float *p = tmp + i * E, mx = -INFINITY, total = 0.0f, chosen = 0.0f;
             for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-            for (int64_t e = 0; e < E; e++) total += (p[e] = fexp(p[e] - mx));
+            for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - mx));
             for (int64_t e = 0; e < E; e++) p[e] /= total;
             for (int64_t k = 0; k < K; k++) { /* descending, the lower index first among equals (as torch.topk) */
                 int64_t best = -1;
@@ -228,7 +242,7 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
                 const float *g = gu + r * 2 * F;
                 float *a = act + r * F;
 #pragma omp simd
-                for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + fexp(-g[j])) * g[F + j];
+                for (int64_t j = 0; j < F; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * g[F + j];
             }
             linear(eo, act, L->down_t + e * F * H, rows, F, H);
             for (int64_t r = 0; r < rows; r++)
@@ -262,30 +276,42 @@ int qwen3_moe_sample(const float *logits, int64_t n, int64_t vocab, const double
     for (int64_t i = 0; i < n; i++) {
         const float *x = logits + i * vocab;
         float mx = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t v = 0; v < vocab; v++)
-            if (x[v] > mx) mx = x[v], arg = v;
+#pragma omp simd reduction(max : mx)
+        for (int64_t v = 0; v < vocab; v++) mx = x[v] > mx ? x[v] : mx;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t v = 0; v < vocab; v++) total += fexp(x[v] - mx);
+        for (int64_t v = 0; v < vocab; v++) total += expf(x[v] - mx);
         const float lse = mx + logf(total);
-        int64_t t = arg;
+        int64_t t = 0;
         if (temperature > 0) {
             const float inv = (float)(1.0 / temperature);
-#pragma omp simd
-            for (int64_t v = 0; v < vocab; v++) w[v] = fexp((x[v] - mx) * inv);
             double sum = 0.0;
-            for (int64_t v = 0; v < vocab; v++) sum += w[v];
+#pragma omp simd reduction(+ : sum)
+            for (int64_t v = 0; v < vocab; v++) sum += (w[v] = expf((x[v] - mx) * inv));
             const double target = u[i] * sum;
+            /* the first index whose cumulative weight exceeds target: skip whole blocks of 16, then scan one */
             double cdf = 0.0;
-            t = vocab - 1;
-            for (int64_t v = 0; v < vocab; v++) {
+            int64_t v = 0;
+            for (; v + 16 <= vocab; v += 16) {
+                double block = 0.0;
+#pragma omp simd reduction(+ : block)
+                for (int64_t j = v; j < v + 16; j++) block += w[j];
+                if (cdf + block > target) break;
+                cdf += block;
+            }
+            t = -1;
+            for (; v < vocab; v++) {
                 cdf += w[v];
                 if (cdf > target) {
                     t = v;
                     break;
                 }
             }
+            if (t < 0) /* target within rounding of the total: the last token with weight (as torch's clamp) */
+                for (t = vocab - 1; t > 0 && w[t] == 0.0f; t--) {
+                }
+        } else {
+            while (x[t] != mx) t++; /* the first maximum, as argmax */
         }
         tok[i] = t;
         lp[i] = x[t] - lse;
