@@ -440,16 +440,18 @@ class HFEngine(RolloutEngine):
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
-            for step in range(max_new_tokens):
+            if isinstance(fused, native.NativeDecoder):  # the loop below in one C call, on the same uniforms
+                tok_mat, lp_mat, length, done = fused.generate(
+                    out.logits[:, -1].float(), last_pos, temperature=temperature, gen=gen, stops=stops,
+                    max_new_tokens=max_new_tokens, routes=store if return_routes else None,
+                )  # fmt: skip
+                toks, lps = list(tok_mat.unbind(1)), list(lp_mat.unbind(1))
+            for step in range(0 if isinstance(fused, native.NativeDecoder) else max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
-                if isinstance(fused, native.NativeDecoder):  # the same draw in C, on the same uniforms
-                    tok, lp = native.sample(fused.lib, logits, temperature, gen)
-                else:
-                    logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
-                    tok = sample(logits, logp, temperature, gen)  # (N,)
-                    lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+                logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
+                tok = sample(logits, logp, temperature, gen)  # (N,)
                 toks.append(tok)
-                lps.append(lp)
+                lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
                 length += (~done).long()
                 done |= torch.isin(tok, stops)
                 if bool(done.all()) or step == max_new_tokens - 1:

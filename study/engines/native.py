@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from study.engines.base import routes_dtype
+
 SOURCE = Path(__file__).parent / "csrc" / "qwen3_moe_decode.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp-simd", "-std=gnu11", "-shared",
          "-fPIC")  # fmt: skip
@@ -97,6 +99,10 @@ def library() -> ctypes.CDLL | None:
     ptr = ctypes.c_void_p
     lib.qwen3_moe_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, ctypes.c_int64,
                                           ptr, ptr]  # fmt: skip
+    lib.qwen3_moe_generate.restype = ctypes.c_int64
+    i64, f64 = ctypes.c_int64, ctypes.c_double
+    lib.qwen3_moe_generate.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, i64, ptr, f64, ptr,
+                                       i64, i64, ptr, ptr, ptr, ptr, ptr]  # fmt: skip
     lib.qwen3_moe_sample.restype = ctypes.c_int
     lib.qwen3_moe_sample.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ptr, ctypes.c_double, ptr, ptr]
     return lib
@@ -181,11 +187,40 @@ class NativeDecoder:
             and getattr(layer.self_attn, "scaling", None) == cfg.head_dim**-0.5
         )
 
-    def step(self, tok: torch.Tensor, position_ids: torch.Tensor, routes: list[list[torch.Tensor]] | None):
-        """Logits (N, V) of the next token after `tok` (N,) at `position_ids` (N, 1); appends each layer's (N, 1, k)
-        expert indices to routes[layer] if given."""
-        from study.engines.base import routes_dtype
+    def generate(self, logits: torch.Tensor, position_ids: torch.Tensor, *, temperature: float, gen: torch.Generator,
+                 stops: torch.Tensor, max_new_tokens: int, routes: list[list[torch.Tensor]] | None):  # fmt: skip
+        """The engine's sampling loop from the prefill's `logits` (N, V) and last positions (N, 1), in one C call:
+        the torch loop's uniforms (`max_new_tokens` x N from `gen`, drawn up front), the same stopping rule. Returns
+        tokens and log-probs (N, steps), length (N,) and done (N,) as the torch loop leaves them; appends each decode
+        step's (N, 1, k) expert indices to routes[layer] if given."""
+        n, t = self.n, max_new_tokens
+        f64 = torch.float64
+        u = torch.rand(t, n, generator=gen, dtype=f64) if temperature > 0 else torch.zeros(t, n, dtype=f64)
+        logits, pos = logits.contiguous().clone(), position_ids[:, 0].contiguous().clone()
+        stops = stops.to(torch.long).contiguous()
+        tokens, lps = torch.empty(n, t, dtype=torch.long), torch.empty(n, t)
+        length, done = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.uint8)
+        r = torch.empty(max(t - 1, 0), len(self.layers), n, self.k, dtype=torch.long) if routes is not None else None
+        slot = self.cache.layers[0].length
+        steps = self.lib.qwen3_moe_generate(ctypes.byref(self.model), self.layers, logits.data_ptr(), pos.data_ptr(),
+                                            slot, u.data_ptr(), temperature, stops.data_ptr(), stops.numel(), t,
+                                            tokens.data_ptr(), lps.data_ptr(), length.data_ptr(), done.data_ptr(),
+                                            None if r is None else r.data_ptr())  # fmt: skip
+        if steps < 0:
+            raise MemoryError("native decode: out of memory for its workspace")
+        for cl in self.cache.layers:  # the decode steps wrote positions slot .. slot + steps - 2
+            cl.length = slot + steps - 1
+            cl.keys, cl.values = cl._kbuf[:, :, : cl.length], cl._vbuf[:, :, : cl.length]
+        if r is not None:
+            dtype = routes_dtype(self.model.experts)
+            for i, per_layer in enumerate(routes):
+                per_layer += list(r[: steps - 1, i, :, None].to(dtype).unbind(0))
+        return tokens[:, :steps], lps[:, :steps], length, done.bool()
 
+    def step(self, tok: torch.Tensor, position_ids: torch.Tensor, routes: list[list[torch.Tensor]] | None):
+        """One decode step (what `generate` runs each step; tests compare it with the torch step): logits (N, V) of
+        the next token after `tok` (N,) at `position_ids` (N, 1); appends each layer's (N, 1, k) expert indices to
+        routes[layer] if given."""
         tok = tok.contiguous()
         pos = position_ids[:, 0].contiguous()
         slot = self.cache.layers[0].length

@@ -252,8 +252,9 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
 @pytest.mark.parametrize("experts", [None, "eager"])
 def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
     """The C decode step (study/engines/native.py) gives the fused torch step's logits to 1e-5, the same routes and
-    the same cache writes at every step of a left-padded rollout; whole rollouts sample the same tokens with the
-    same log-probs (1e-5) and routes. Its sums run in another order, so not bit for bit."""
+    the same cache writes at every step of a left-padded rollout (run here by a Python loop over `step`); whole
+    rollouts of the C loop sample the same tokens with the same log-probs (1e-5) and routes as the torch steps. Its
+    sums run in another order, so not bit for bit."""
     from study.engines import hf, native
 
     assert native.library() is not None, "the C step did not build (a C compiler is part of the test environment)"
@@ -284,18 +285,38 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
             per_layer += r
         return got
 
+    def python_loop(self, logits, pos, *, temperature, gen, stops, max_new_tokens, routes):  # the C loop, step by step
+        toks, lps, length = [], [], torch.zeros(self.n, dtype=torch.long)
+        done = torch.zeros(self.n, dtype=torch.bool)
+        for k in range(max_new_tokens):
+            twin = torch.Generator().set_state(gen.get_state())  # the C sampler on the same uniforms
+            logp = torch.log_softmax(logits, -1)
+            tok = hf.sample(logits, logp, temperature, gen)
+            c_tok, c_lp = native.sample(self.lib, logits, temperature, twin)
+            assert torch.equal(c_tok, tok)
+            toks.append(tok), lps.append(c_lp)
+            length += (~done).long()
+            done |= torch.isin(tok, stops)
+            if bool(done.all()) or k == max_new_tokens - 1:
+                break
+            pos = pos + 1
+            logits = both(self, tok, pos, routes)
+        return torch.stack(toks, 1), torch.stack(lps, 1), length, done
+
     kw = dict(seed=5, max_new_tokens=10, stop_token_ids=STOPS, return_routes=True)
-    native.NativeDecoder.step = both
+    loop = native.NativeDecoder.generate
+    native.NativeDecoder.generate = python_loop
     try:
         checked = eng.generate(prompts, 3, **kw)
     finally:
-        native.NativeDecoder.step = step
+        native.NativeDecoder.generate = loop
     assert len(seen) >= 5 and set(seen) == {3 * len(prompts)}
     fast = eng.generate(prompts, 3, **kw)
     eng.native_decode = False
     ref = eng.generate(prompts, 3, **kw)
     for got in (checked, fast):
         assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+        assert [len(r) for r in got.routes] == [len(r) for r in ref.routes]
         for a, b in zip(got.logprobs, ref.logprobs, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         for a, b in zip(got.routes, ref.routes, strict=True):

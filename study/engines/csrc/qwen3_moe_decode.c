@@ -319,3 +319,43 @@ int qwen3_moe_sample(const float *logits, int64_t n, int64_t vocab, const double
     free(w);
     return 0;
 }
+
+/* The hf engine's whole sampling loop after the prefill, for its n rows: sample from `logits` (the prefill's, (n,
+   vocab)) with uniforms u[step] (max_new x n, drawn up front from the engine's generator: the same numbers the torch
+   loop draws one step at a time), record the token and its log-prob, stop a row at a stop token, and decode the next
+   step (positions pos + 1, cache slot `slot` + step) until every row has stopped or max_new tokens are out. Writes
+   tokens and lps (n, max_new; columns past the returned count are unset), length (response tokens per row, the
+   stop included), done (1 = stopped), routes ((max_new - 1, layers, n, top_k) of the decode steps, if not NULL);
+   `logits` is overwritten. Returns the number of tokens sampled per row, or -1 on a failed allocation. */
+int64_t qwen3_moe_generate(const Model *m, const Layer *layers, float *logits, int64_t *pos, int64_t slot,
+                           const double *u, double temperature, const int64_t *stops, int64_t n_stops,
+                           int64_t max_new, int64_t *tokens, float *lps, int64_t *length, uint8_t *done,
+                           int64_t *routes) {
+    const int64_t n = m->n;
+    int64_t *tok = malloc(sizeof(int64_t) * n);
+    float *lp = malloc(sizeof(float) * n);
+    int64_t steps = -1;
+    if (!tok || !lp) goto out;
+    for (int64_t i = 0; i < n; i++) length[i] = 0, done[i] = 0;
+    for (int64_t step = 0; step < max_new; step++) {
+        if (qwen3_moe_sample(logits, n, m->vocab, u + step * n, temperature, tok, lp)) goto out;
+        int all = 1;
+        for (int64_t i = 0; i < n; i++) {
+            tokens[i * max_new + step] = tok[i];
+            lps[i * max_new + step] = lp[i];
+            length[i] += !done[i];
+            for (int64_t s = 0; s < n_stops && !done[i]; s++) done[i] = tok[i] == stops[s];
+            all &= done[i];
+        }
+        if (all || step == max_new - 1) {
+            steps = step + 1;
+            break;
+        }
+        for (int64_t i = 0; i < n; i++) pos[i] += 1;
+        int64_t *r = routes ? routes + step * m->layers * n * m->top_k : NULL;
+        if (qwen3_moe_decode_step(m, layers, tok, pos, slot + step, logits, r)) goto out;
+    }
+out:
+    free(tok), free(lp);
+    return steps;
+}
