@@ -19,11 +19,12 @@ One torch thread, no autograd.
 
 `--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
 loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
-weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`, the
-same per-expert GEMMs in one autograd Function with a hand-written backward (no module calls, no per-op autograd
-nodes: the least Python the loop can have), on `--tokens` routed rows split over the experts. Rows: routed rows per
-layer (an 8-sequence minibatch of ~50 positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x
-the forward's 2 x rows x 3 x hidden x expert width.
+weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`
+(study/moe_experts.py, what the policy runs since it was measured here), the same per-expert GEMMs in one autograd
+Function with a hand-written backward (no module calls, no per-op autograd nodes: the least Python the loop can
+have), on `--tokens` routed rows split over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50
+positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x the forward's 2 x rows x 3 x hidden x
+expert width.
 """
 
 from __future__ import annotations
@@ -111,50 +112,6 @@ def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
         print(f"| {t} | {' | '.join(cells)} |")
 
 
-class ExpertsFunction(torch.autograd.Function):
-    """SequentialMLP's forward (per expert: fc1, SwiGLU, times the routing prob, fc2) and its backward, written out:
-    the same matmuls in the same order, so the output and the input and weight gradients equal megatron's bit for
-    bit in fp32; the probs' gradient sums in another order (differs by ~1e-8)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, counts, *weights):  # type: ignore[no-untyped-def]
-        fc1, fc2 = weights[: len(counts)], weights[len(counts) :]
-        out = x.new_empty(x.shape[0], fc2[0].shape[0])
-        saved, start = [], 0
-        for e, n in enumerate(counts):
-            rows = slice(start, start + n)
-            h = torch.matmul(x[rows], fc1[e].t())
-            gate, up = torch.chunk(h, 2, dim=-1)
-            act = F.silu(gate) * up * probs[rows, None]
-            torch.matmul(act, fc2[e].t(), out=out[rows])
-            saved += [h, act]
-            start += n
-        ctx.counts = counts
-        ctx.save_for_backward(x, probs, *saved, *weights)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        counts = ctx.counts
-        x, probs, *rest = ctx.saved_tensors
-        saved, fc1, fc2 = rest[: 2 * len(counts)], rest[2 * len(counts) : 3 * len(counts)], rest[3 * len(counts) :]
-        dx, dprobs, dfc1, dfc2, start = torch.empty_like(x), torch.empty_like(probs), [], [], 0
-        for e, n in enumerate(counts):
-            rows = slice(start, start + n)
-            h, act = saved[2 * e], saved[2 * e + 1]
-            dfc2.append(grad[rows].t().matmul(act))
-            dact = grad[rows].matmul(fc2[e])
-            gate, up = torch.chunk(h, 2, dim=-1)
-            silu = F.silu(gate)
-            torch.sum(dact * silu * up, dim=-1, out=dprobs[rows])
-            dact = dact * probs[rows, None]
-            dh = torch.cat((torch.ops.aten.silu_backward(dact * up, gate), dact * silu), dim=-1)
-            dfc1.append(dh.t().matmul(x[rows]))
-            torch.matmul(dh, fc1[e], out=dx[rows])
-            start += n
-        return dx, dprobs, None, *dfc1, *dfc2
-
-
 def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.Tensor) -> None:
     fn(*args).backward(grad)
 
@@ -162,9 +119,10 @@ def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.
 def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
     from study.config import preset
     from study.model import build_policy
+    from study.moe_experts import ExpertsFunction
 
     cfg = preset(preset_name)
-    experts = build_policy(cfg, seed=0).decoder.layers[0].mlp.experts
+    experts = build_policy(cfg, seed=0, experts="megatron").decoder.layers[0].mlp.experts
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
     def grouped(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -160,10 +160,17 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
 
 
 CORE_ATTENTIONS = ("sdpa", "megatron")
+EXPERTS = ("fused", "megatron")
 
 
 def build_policy(
-    cfg: ModelConfig, *, seed: int, dtype: str = "fp32", routing_replay: bool = True, core_attention: str = "sdpa"
+    cfg: ModelConfig,
+    *,
+    seed: int,
+    dtype: str = "fp32",
+    routing_replay: bool = True,
+    core_attention: str = "sdpa",
+    experts: str = "fused",
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
@@ -173,6 +180,8 @@ def build_policy(
     Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`, `...experts.local_experts.{e}...`);
     keep them stable, the HF weight map depends on them. `core_attention`: "sdpa" (torch's fused attention,
     `sdpa_core_attention`) or "megatron" (the local spec's own DotProductAttention; same function, slower on CPU).
+    `experts`: "fused" (megatron's SequentialMLP computed by one autograd Function where that is bit-identical,
+    study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -184,6 +193,8 @@ def build_policy(
         raise ValueError(f"seed = {seed!r}: must be a non-negative integer")
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"core_attention = {core_attention!r}; valid: {', '.join(CORE_ATTENTIONS)}")
+    if experts not in EXPERTS:
+        raise ValueError(f"experts = {experts!r}; valid: {', '.join(EXPERTS)}")
     tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay)
     init_distributed()
     spec = get_gpt_layer_local_spec(
@@ -191,6 +202,10 @@ def build_policy(
     )
     if core_attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    if experts == "fused":
+        from study.moe_experts import fused_sequential_mlp
+
+        spec.submodules.mlp.submodules.experts.module = fused_sequential_mlp()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

@@ -216,6 +216,8 @@ def test_bad_inputs(model):
         build_policy(TINY, seed=-1)
     with pytest.raises(ValueError, match="core_attention = 'flash'; valid: sdpa, megatron"):
         build_policy(TINY, seed=0, core_attention="flash")
+    with pytest.raises(ValueError, match="experts = 'grouped'; valid: fused, megatron"):
+        build_policy(TINY, seed=0, experts="grouped")
     with pytest.raises(TypeError):
         build_policy({"num_layers": 2}, seed=0)
     with pytest.raises(ValueError, match="moe_top_k"):
@@ -260,3 +262,53 @@ def test_sdpa_core_attention_equals_megatron_dot_product_attention(model, masked
         keep[:3, 1] = False  # pad queries: garbage on both sides, masked out of every loss
     assert (got - want)[keep].abs().max() <= 1e-5
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_experts_equal_megatrons_sequential_mlp(dtype):
+    """The policy's experts (SequentialMLP's per-expert MLPs as one autograd Function, study/moe_experts.py) give
+    megatron's SequentialMLP's log-probs and every gradient bit for bit, on a left-padded batch with every expert
+    routed to. In bf16 the routing probs stay fp32 (megatron casts the scaled activations back), and the experts run
+    megatron's own forward."""
+    from study.moe_experts import ExpertsFunction, fused_sequential_mlp
+
+    ids, grads, calls = _batch(4, 21, seed=3), {}, []
+    mask = torch.ones_like(ids)
+    mask[:2, :5] = 0
+    apply = ExpertsFunction.apply
+    ExpertsFunction.apply = lambda *a: calls.append(a[2]) or apply(*a)  # counts per expert of each call
+    try:
+        for experts in ("fused", "megatron"):
+            m = build_policy(TINY, seed=0, dtype=dtype, experts=experts)
+            assert isinstance(m.decoder.layers[0].mlp.experts, fused_sequential_mlp()) == (experts == "fused")
+            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
+            (-(lp * mask[:, 1:]).sum()).backward()
+            grads[experts] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
+    finally:
+        ExpertsFunction.apply = apply
+    if dtype == "fp32":  # the Function ran in every layer, with every expert busy
+        assert len(calls) == TINY.num_layers and all(min(c) > 0 for c in calls)
+    else:
+        assert not calls
+    (lp_f, g_f), (lp_m, g_m) = grads["fused"], grads["megatron"]
+    assert torch.equal(lp_f, lp_m)
+    assert g_f.keys() == g_m.keys()
+    for name, g in g_m.items():
+        assert torch.equal(g_f[name], g), name
+
+
+def test_fused_experts_step_aside_for_hooks():
+    """A hook on any expert submodule (emulated precision's rounding is one) sends the experts back to megatron's
+    own forward, which the hook then sees."""
+    from study.moe_experts import ExpertsFunction
+
+    m = build_policy(TINY.replace(num_layers=1), seed=0)
+    seen, calls = [], []
+    m.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.register_forward_hook(lambda *a: seen.append(1))
+    apply = ExpertsFunction.apply
+    ExpertsFunction.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        token_logp(m, _batch(2, 9)[:, :-1], _batch(2, 9)[:, 1:])
+    finally:
+        ExpertsFunction.apply = apply
+    assert seen and not calls
