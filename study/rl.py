@@ -79,6 +79,10 @@ def run(
     if not (run_dir / "manifest.json").exists():
         # precision hook: every result says which engine ran emulated (study/precision.py)
         manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
+        if cfg.rollout_engine == "hf":  # decode steps in C (built here) or torch ops: rollouts agree to ~1e-6
+            from study.engines import native
+
+            manifest["hf_native_decode"] = native.library() is not None
         rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:
