@@ -9,7 +9,7 @@ update (reload + CPU MoE re-pack + prefix-cache reset).
     .venv/bin/python benchmarks/bench_engines.py --engines hf --dtypes fp32 --batches 32x8 --max-new-tokens 64 \
         --ragged --hf-attention sdpa,study_decode,sdpa,study_decode     # the engine's decode attention vs sdpa
     .venv/bin/python benchmarks/bench_engines.py --engines hf --dtypes fp32 --batches 8x4,32x8 --ragged \
-        --hf-decode fused,layers,fused,layers                           # the fused decode step vs the layers
+        --hf-decode native,fused,layers,native,fused,layers             # C decode, the fused step, the layers
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def main() -> None:
     ap.add_argument("--hf-attention", default="study_decode",
                     help="hf: transformers attention implementations to time in turn, comma-separated (the engine's "
                     "own `study_decode`, or `sdpa`); the same weights and prompts for each")  # fmt: skip
-    ap.add_argument("--hf-decode", default="fused",
-                    help="hf: decode steps to time in turn, comma-separated: `fused` (the engine's fused step, its "
-                    "default) or `layers` (transformers' decoder layers called directly: a no-op hook on the final "
-                    "norm disables the fused step)")  # fmt: skip
+    ap.add_argument("--hf-decode", default="native",
+                    help="hf: decode steps to time in turn, comma-separated: `native` (the sampling loop and decode "
+                    "steps in C, study/engines/native.py: the engine's default), `fused` (the fused torch step) or "
+                    "`layers` (transformers' decoder layers called directly: a no-op hook on the final norm "
+                    "disables both)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (the best is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM on CPU uses 1 anyway); 0: default")
@@ -67,14 +68,14 @@ def main() -> None:
         prompt_sets[prompts_n] = [torch.randint(0, cfg.vocab_size, (k if args.ragged else args.prompt_len,),
                                                 generator=g).tolist() for k in lens]  # fmt: skip
     decodes = args.hf_decode.split(",")
-    if set(decodes) - {"fused", "layers"}:
-        ap.error(f"--hf-decode: {args.hf_decode!r}; valid: fused, layers")
+    if set(decodes) - {"native", "fused", "layers"}:
+        ap.error(f"--hf-decode: {args.hf_decode!r}; valid: native, fused, layers")
     runs = [(name, dtype, attn, decode) for name in args.engines.split(",") for dtype in args.dtypes.split(",")
             for attn in (args.hf_attention.split(",") if name == "hf" else [None])
             for decode in (decodes if name == "hf" else [None])]  # fmt: skip
     for name, dtype, attn, decode in runs:
         t0 = time.perf_counter()
-        kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {}
+        kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {"native_decode": decode == "native"}
         engine = get_engine(name, cfg, dtype=dtype, **kwargs)
         if name == "hf":
             engine.load_weights(state)

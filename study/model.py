@@ -161,6 +161,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
 
 CORE_ATTENTIONS = ("sdpa", "megatron")
 EXPERTS = ("fused", "megatron")
+NORMS = ("fused", "megatron")
 
 
 def build_policy(
@@ -171,6 +172,7 @@ def build_policy(
     routing_replay: bool = True,
     core_attention: str = "sdpa",
     experts: str = "fused",
+    norms: str = "fused",
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
@@ -181,7 +183,8 @@ def build_policy(
     keep them stable, the HF weight map depends on them. `core_attention`: "sdpa" (torch's fused attention,
     `sdpa_core_attention`) or "megatron" (the local spec's own DotProductAttention; same function, slower on CPU).
     `experts`: "fused" (megatron's SequentialMLP computed by one autograd Function where that is bit-identical,
-    study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward).
+    study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward). `norms`: "fused" (the
+    layers' RMSNorms in C where that runs, study/norms.py; ~1e-6 from torch's) or "megatron" (torch's RMSNorm).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -195,6 +198,8 @@ def build_policy(
         raise ValueError(f"core_attention = {core_attention!r}; valid: {', '.join(CORE_ATTENTIONS)}")
     if experts not in EXPERTS:
         raise ValueError(f"experts = {experts!r}; valid: {', '.join(EXPERTS)}")
+    if norms not in NORMS:
+        raise ValueError(f"norms = {norms!r}; valid: {', '.join(NORMS)}")
     tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay)
     init_distributed()
     spec = get_gpt_layer_local_spec(
@@ -206,6 +211,12 @@ def build_policy(
         from study.moe_experts import fused_sequential_mlp
 
         spec.submodules.mlp.submodules.experts.module = fused_sequential_mlp()
+    if norms == "fused":
+        from study.norms import FusedNormSpec
+
+        attn = spec.submodules.self_attention.submodules
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = FusedNormSpec
+        attn.q_layernorm = attn.k_layernorm = FusedNormSpec
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

@@ -36,8 +36,8 @@ import pandas as pd
 import torch
 
 import algorithms
+from study import native, rundir, tasks
 from study import precision as precision_mod
-from study import rundir, tasks
 from study.engines import get_engine
 from study.metrics import STEP_METRICS, forward_flops
 from study.model import DynamicLossScaler, build_optimizer, build_policy, token_logp
@@ -79,10 +79,9 @@ def run(
     if not (run_dir / "manifest.json").exists():
         # precision hook: every result says which engine ran emulated (study/precision.py)
         manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
-        if cfg.rollout_engine == "hf":  # decode steps in C (built here) or torch ops: rollouts agree to ~1e-6
-            from study.engines import native
-
-            manifest["hf_native_decode"] = native.library() is not None
+        # the C kernels (the hf engine's decode loop, the policy's norms; built here) or their torch paths: results
+        # agree to ~1e-6 (study/native.py)
+        manifest["native_kernels"] = native.available()
         rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:

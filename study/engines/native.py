@@ -1,39 +1,23 @@
-"""The hf engine's native decode step: csrc/qwen3_moe_decode.c, compiled on first use and called through ctypes.
+"""The hf engine's native decode step: study/csrc/qwen3_moe_decode.c, built and loaded by study/native.py.
 
 At the tiny preset's sizes a decode step is ~190 torch ops of a few microseconds' work each, and each op costs
-about as much again in dispatch (docs/performance.md section 6). The C step does the same arithmetic in one call.
-It runs where `_FusedDecoder` would (fp32 on the CPU, the engine's decode attention, the default RoPE, no hooks,
-SwiGLU experts) and a C compiler is there; its sums run in another order than torch's kernels, so its logits agree
-with the modules' to ~1e-6, not bit for bit (tests/engines), and a sampled token can differ where two candidates'
-cumulative probabilities tie to that precision. `STUDY_NATIVE_DECODE=0` turns it off (the fused torch step runs).
-
-The shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default
-`~/.cache`), named by a hash of the source, the flags and this CPU's model and flags, so a cluster's nodes of
-different CPU kinds never load each other's build; it is written to a temporary name and renamed, so concurrent
-runs never load a half-written file. No compiler, or a failed build: the fused torch step runs, with a warning.
+about as much again in dispatch (docs/performance.md section 6). The C step does the same arithmetic in one call,
+and the engine's whole sampling loop runs in C around it. It runs where `_FusedDecoder` would (fp32 on the CPU, the
+engine's decode attention, the default RoPE, no hooks, SwiGLU experts) and the kernel builds; its sums run in
+another order than torch's kernels, so its logits agree with the modules' to ~1e-6, not bit for bit
+(tests/engines), and a sampled token can differ where two candidates' cumulative probabilities tie to that
+precision. Elsewhere, or with `STUDY_NATIVE=0`, the fused torch step runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
+from study import native
 from study.engines.base import routes_dtype
-
-SOURCE = Path(__file__).parent / "csrc" / "qwen3_moe_decode.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp-simd", "-std=gnu11", "-shared",
-         "-fPIC")  # fmt: skip
-LIBS = ("-lmvec", "-lm")  # glibc's vector math (expf over 16 lanes), libm
 
 _P = ctypes.POINTER(ctypes.c_float)
 
@@ -57,44 +41,12 @@ class _Layer(ctypes.Structure):
                                   "keys", "values")]  # fmt: skip
 
 
-def _cpu_id() -> str:
-    """This CPU's model name and feature flags (what -march=native compiles for)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    return "\n".join(keep)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled step (built once per source, flags and CPU kind), or None where it cannot be built/loaded."""
-    if os.environ.get("STUDY_NATIVE_DECODE", "1") == "0":
+    """The compiled step with its signatures declared, or None where it cannot be built or the kernels are off."""
+    lib = native.load("qwen3_moe_decode")
+    if lib is None:
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        warnings.warn("no C compiler (cc, gcc or $CC): the hf engine decodes with torch ops", stacklevel=2)
-        return None
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, *FLAGS, *LIBS, platform.machine(), _cpu_id()]).encode()
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl-study"
-    target = cache / f"qwen3_moe_decode-{key}.so"
-    if not target.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                part = Path(tmp) / target.name
-                cmd = [cc, *FLAGS, str(SOURCE), "-o", str(part), *LIBS]
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-                os.replace(part, target)  # atomic: a concurrent build or load sees all of it or nothing
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            warnings.warn(f"building {SOURCE.name} failed ({detail}); the hf engine decodes with torch ops",
-                          stacklevel=2)  # fmt: skip
-            return None
-    lib = ctypes.CDLL(str(target))
     lib.qwen3_moe_decode_step.restype = ctypes.c_int
     ptr = ctypes.c_void_p
     lib.qwen3_moe_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, ctypes.c_int64,

@@ -326,26 +326,33 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
 def test_native_decode_falls_back_to_torch(megatron, prompts, monkeypatch):
     """Turned off, or where the C step cannot be built, the engine decodes with torch ops (with a warning when the
     build failed) and samples the same tokens."""
+    import study.native
     from study.engines import native
 
     eng = get_engine("hf", CFG)
     eng.load_weights(W.megatron_to_hf(megatron, CFG))
     kw = dict(seed=7, max_new_tokens=6, stop_token_ids=STOPS)
     want = eng.generate(prompts, 2, **kw).tokens
-    try:
+
+    def fresh() -> None:
+        study.native.load.cache_clear()
         native.library.cache_clear()
-        monkeypatch.setenv("STUDY_NATIVE_DECODE", "0")
+
+    try:
+        fresh()
+        monkeypatch.setenv("STUDY_NATIVE", "0")
         assert native.library() is None
         assert eng.generate(prompts, 2, **kw).tokens == want
-        native.library.cache_clear()
-        monkeypatch.setenv("STUDY_NATIVE_DECODE", "1")
+        fresh()
+        monkeypatch.setenv("STUDY_NATIVE", "1")
         monkeypatch.setenv("CC", "false")  # a compiler that fails
-        monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSTUDY_TEST_FAILING_BUILD"))  # not the cached build
+        monkeypatch.setattr(study.native, "FLAGS", (*study.native.FLAGS, "-DSTUDY_TEST_FAILING_BUILD"))  # not cached
         with pytest.warns(UserWarning, match="failed"):
             assert native.library() is None
         assert eng.generate(prompts, 2, **kw).tokens == want
     finally:
-        native.library.cache_clear()
+        monkeypatch.undo()
+        fresh()
 
 
 def test_fused_decode_step_only_where_it_is_exact():

@@ -312,3 +312,69 @@ def test_fused_experts_step_aside_for_hooks():
     finally:
         ExpertsFunction.apply = apply
     assert seen and not calls
+
+
+def test_fused_rms_norm_equals_torchs():
+    """The C RMSNorm (study/norms.py) gives torch's RMSNorm's output and gradients to ~1e-6 on the policy's shapes
+    (hidden rows, and (S, B, heads, d) for the q/k norms, non-contiguous too); bf16 inputs and hooked modules run
+    torch's own forward."""
+    from study.norms import FusedRMSNorm, RMSNormFunction, library
+
+    assert library() is not None, "the C kernels did not build (a C compiler is part of the test environment)"
+    g = torch.Generator().manual_seed(0)
+    for shape in [(37, 64), (9, 4, 2, 32), (3, 5, 0, 16)]:
+        d = shape[-1]
+        ref, fused = torch.nn.RMSNorm(d, eps=1e-6), FusedRMSNorm(d, eps=1e-6)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(d, generator=g))
+            fused.weight.copy_(ref.weight)
+        x = torch.randn(*shape[:-1], d * 2, generator=g)[..., ::2]  # a strided view, as megatron's q/k slices are
+        grad = torch.randn(shape, generator=g)
+        outs = []
+        for m in (ref, fused):
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            y.backward(grad)
+            outs.append((y.detach(), xi.grad, m.weight.grad))
+        for a, b in zip(*outs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    calls = []
+    apply = RMSNormFunction.apply
+    RMSNormFunction.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        x = torch.randn(4, 64, generator=g)
+        FusedRMSNorm(64)(x)
+        assert len(calls) == 1
+        low = FusedRMSNorm(64).to(torch.bfloat16)
+        assert torch.equal(low(x.bfloat16()), torch.nn.RMSNorm(64).to(torch.bfloat16)(x.bfloat16()))
+        hooked = FusedRMSNorm(64)
+        hooked.register_forward_pre_hook(lambda _m, args: None)
+        hooked(x)
+        assert len(calls) == 1  # neither the bf16 nor the hooked module called the C function
+    finally:
+        RMSNormFunction.apply = apply
+
+
+def test_fused_norms_policy_matches_torch_norms():
+    """The policy with the C norms gives the torch-norm policy's log-probs and gradients to ~1e-5 (same weights),
+    and its layers' norms are the C ones."""
+    from study.norms import FusedRMSNorm
+
+    ids = _batch(3, 19, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    out = {}
+    for norms in ("fused", "megatron"):
+        m = build_policy(TINY, seed=0, norms=norms)
+        layer = m.decoder.layers[0]
+        kinds = {type(layer.input_layernorm), type(layer.pre_mlp_layernorm), type(layer.self_attention.q_layernorm)}
+        assert kinds == ({FusedRMSNorm} if norms == "fused" else {torch.nn.RMSNorm})
+        lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
+        (-(lp * mask[:, 1:]).sum()).backward()
+        out[norms] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
+    (lp_f, g_f), (lp_t, g_t) = out["fused"], out["megatron"]
+    torch.testing.assert_close(lp_f, lp_t, atol=1e-5, rtol=0)
+    for name, g in g_t.items():
+        torch.testing.assert_close(g_f[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="norms = 'apex'; valid: fused, megatron"):
+        build_policy(TINY, seed=0, norms="apex")

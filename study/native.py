@@ -1,0 +1,83 @@
+"""Small C kernels of this package (study/csrc/*.c), compiled on first use and loaded with ctypes.
+
+At the tiny presets' sizes a torch op is a few microseconds of dispatch around a few of work, so the hot loops that
+are many small ops (the rollout's decode step, the policy's RMSNorms) run as one C call each where they can.
+Each kernel keeps a torch fallback that runs where it cannot: no C compiler, a failed build, `STUDY_NATIVE=0`, or
+inputs it does not handle (another dtype or device, hooks). A kernel's sums run in another order than torch's, so
+results agree to ~1e-6, not bit for bit; each use is tested against the torch path, and a run's manifest says
+whether the kernels ran (`native_kernels`).
+
+A shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default `~/.cache`),
+named by a hash of its source, the flags and this CPU's model and flags, so a cluster's nodes of different CPU kinds
+never load each other's build; it is written under a temporary name and renamed, so concurrent runs never load a
+half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp-simd", "-std=gnu11", "-shared",
+         "-fPIC")  # fmt: skip
+LIBS = ("-lmvec", "-lm")  # glibc's vector math (expf over 16 lanes), libm
+
+
+def enabled() -> bool:
+    """False where `STUDY_NATIVE=0` turns the kernels off (every use then runs its torch path)."""
+    return os.environ.get("STUDY_NATIVE", "1") != "0"
+
+
+def _cpu_id() -> str:
+    """This CPU's model name and feature flags (what -march=native compiles for)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """study/csrc/`name`.c compiled (once per source, flags and CPU kind) and loaded; None, with a warning, where it
+    cannot be built, and None where the kernels are turned off."""
+    if not enabled():
+        return None
+    source = CSRC / f"{name}.c"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn(f"no C compiler (cc, gcc or $CC): {name} runs as torch ops", stacklevel=2)
+        return None
+    key = hashlib.sha256(
+        "\0".join([source.read_text(), cc, *FLAGS, *LIBS, platform.machine(), _cpu_id()]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl-study"
+    target = cache / f"{name}-{key}.so"
+    if not target.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                part = Path(tmp) / target.name
+                cmd = [cc, *FLAGS, str(source), "-o", str(part), *LIBS]
+                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+                os.replace(part, target)  # atomic: a concurrent build or load sees all of it or nothing
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            warnings.warn(f"building {source.name} failed ({detail}); {name} runs as torch ops", stacklevel=2)
+            return None
+    return ctypes.CDLL(str(target))
+
+
+def available() -> bool:
+    """Whether every kernel of the package builds and loads here (what a run's manifest records)."""
+    return all(load(p.stem) is not None for p in sorted(CSRC.glob("*.c")))

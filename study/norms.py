@@ -1,0 +1,95 @@
+"""The policy's RMSNorms: torch's RMSNorm module, forward and backward in one C pass each where that runs.
+
+megatron's local layer spec builds its norms as `torch.nn.RMSNorm` (`WrappedTorchNorm`), which on the CPU is
+composite: six elementwise ops forward and about a dozen backward, each a pass over the activations. Nine norms
+per forward (two per layer, the q and k norms, the final one) made ~160 of the ~900 ops of a tiny update and ~10% of
+a 64-sequence one. `FusedRMSNorm` is the same module (class, parameter, state dict) whose forward calls
+`RMSNormFunction`, study/csrc/rms_norm.c, where it runs: fp32 on the CPU, no hooks on the module (emulated
+precision's rounding is one), the kernel built (study/native.py); elsewhere torch's forward. The C sums run in
+another order: outputs and gradients agree with torch's to ~1e-6 relative (tests/study/test_model.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from study import native
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
+    lib = native.load("rms_norm")
+    if lib is None:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rms_forward.argtypes = [ptr, ptr, i64, i64, ctypes.c_double, ptr, ptr]
+    lib.rms_forward.restype = None
+    lib.rms_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr]
+    lib.rms_backward.restype = None
+    return lib
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2, -1) + eps) * weight for fp32 CPU tensors, in C both ways."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[no-untyped-def]
+        lib = library()
+        x = x.contiguous()
+        d = x.shape[-1]
+        rows = x.numel() // d if d else 0
+        y, rstd = torch.empty_like(x), torch.empty(rows, dtype=x.dtype)
+        lib.rms_forward(x.data_ptr(), weight.data_ptr(), rows, d, eps, y.data_ptr(), rstd.data_ptr())
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, weight, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        d = x.shape[-1]
+        dx, dw = torch.empty_like(x), torch.empty_like(weight)
+        library().rms_backward(grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), rstd.numel(), d,
+                               dx.data_ptr(), dw.data_ptr())  # fmt: skip
+        return dx, dw, None
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm; its forward runs `RMSNormFunction` where that applies (see the module doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (
+            w is not None
+            and x.dtype == torch.float32
+            and w.dtype == torch.float32
+            and x.device.type == "cpu"
+            and w.device.type == "cpu"
+            and x.shape[-1] == w.numel()
+            and x.numel() > 0
+            and not (self._forward_hooks or self._forward_pre_hooks)
+            and library() is not None
+        ):
+            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+            return RMSNormFunction.apply(x, w, eps)
+        return super().forward(x)
+
+
+class FusedNormSpec:
+    """In megatron's layer spec where `WrappedTorchNorm` goes (same arguments): a `FusedRMSNorm` for RMSNorm,
+    megatron's own norm otherwise."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,  # type: ignore[no-untyped-def]
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):  # fmt: skip
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        norm = WrappedTorchNorm(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        if type(norm) is not torch.nn.RMSNorm:
+            return norm
+        fused = FusedRMSNorm(hidden_size, eps=eps)
+        fused.load_state_dict(norm.state_dict())
+        return fused.to(device=norm.weight.device, dtype=norm.weight.dtype)
