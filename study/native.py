@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -68,7 +69,7 @@ def load(name: str) -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 part = Path(tmp) / target.name
-                cmd = [cc, *FLAGS, str(source), "-o", str(part), *LIBS]
+                cmd = [*shlex.split(cc), *FLAGS, str(source), "-o", str(part), *LIBS]  # $CC may be "ccache gcc"
                 subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
                 os.replace(part, target)  # atomic: a concurrent build or load sees all of it or nothing
         except (OSError, subprocess.SubprocessError) as e:
