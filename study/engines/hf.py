@@ -170,14 +170,19 @@ def _growing_layer():  # type: ignore[no-untyped-def]
                 raise RuntimeError(f"KV cache of {self.capacity} positions cannot take position {end}")
             self._kbuf[:, :, self.length : end] = key_states
             self._vbuf[:, :, self.length : end] = value_states
-            self.length = end
-            self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+            self.set_length(end)
             return self.keys, self.values
+
+        def set_length(self, length: int) -> None:
+            """The first `length` positions of the buffers are the cache (a writer that filled them in place, such
+            as the native decode loop, says so here)."""
+            self.length = length
+            self.keys, self.values = self._kbuf[:, :, :length], self._vbuf[:, :, :length]
 
         def repeat_rows(self, n: int) -> None:
             """Each row (sequence) of the cache n times in a row: a shared prompt's prefill becomes its samples'."""
             self._kbuf, self._vbuf = self._kbuf.repeat_interleave(n, dim=0), self._vbuf.repeat_interleave(n, dim=0)
-            self.keys, self.values = self._kbuf[:, :, : self.length], self._vbuf[:, :, : self.length]
+            self.set_length(self.length)
 
     return GrowingLayer
 

@@ -161,8 +161,7 @@ class NativeDecoder:
         if steps < 0:
             raise MemoryError("native decode: out of memory for its workspace")
         for cl in self.cache.layers:  # the decode steps wrote positions slot .. slot + steps - 2
-            cl.length = slot + steps - 1
-            cl.keys, cl.values = cl._kbuf[:, :, : cl.length], cl._vbuf[:, :, : cl.length]
+            cl.set_length(slot + steps - 1)
         if r is not None:
             dtype = routes_dtype(self.model.experts)
             for i, per_layer in enumerate(routes):
@@ -183,8 +182,7 @@ class NativeDecoder:
         if rc != 0:
             raise MemoryError("native decode step: out of memory for its workspace")
         for cl in self.cache.layers:  # the C step wrote position `slot` of every layer's buffers
-            cl.length = slot + 1
-            cl.keys, cl.values = cl._kbuf[:, :, : slot + 1], cl._vbuf[:, :, : slot + 1]
+            cl.set_length(slot + 1)
         if r is not None:
             dtype = routes_dtype(self.model.experts)
             for i, per_layer in enumerate(routes):
