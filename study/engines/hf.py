@@ -221,19 +221,31 @@ class _FusedDecoder:
         self.model, self.body, self.cache, self.n, self.attend = model, body, cache, n, attend
         self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # RoPE for every position the cache can hold, from the model's rotary embedding (elementwise per position)
-        weight = body.embed_tokens.weight
-        cos, sin = body.rotary_emb(weight, torch.arange(cache.layers[0].capacity, device=weight.device)[None])
-        self.cos, sin = cos[0], sin[0]  # (capacity, d)
-        self.sin = torch.cat((-sin[:, : self.d // 2], sin[:, self.d // 2 :]), dim=-1)  # rotate_half's sign
+        self.cos, self.sin = self.rope_tables(model, cache.layers[0].capacity)
         self.layers = []
         self.grouped_mm = self._grouped_mm(body.layers[0].mlp.experts)
         for layer in body.layers[: cfg.num_hidden_layers]:
             a, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # one GEMM for the three
-            qk_norm = torch.cat([a.q_norm.weight.expand(self.hq, self.d), a.k_norm.weight.expand(self.hk, self.d)])
+            qkv, qk_norm = self.attention_weights(a, self.hq, self.hk)
             self.layers.append((layer.input_layernorm, qkv, qk_norm, a.q_norm.variance_epsilon, a.scaling,
                                 a.o_proj.weight, layer.post_attention_layernorm, mlp.gate, mlp.experts))  # fmt: skip
+
+    @staticmethod
+    def rope_tables(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        """RoPE's cos and sin for every position the cache can hold, (capacity, d) each, from the model's rotary
+        embedding (elementwise per position); sin carries rotate_half's sign, so rotate_half(x) * sin becomes
+        roll(x, d / 2) * sin."""
+        weight, d = model.model.embed_tokens.weight, model.config.head_dim
+        cos, sin = model.model.rotary_emb(weight, torch.arange(capacity, device=weight.device)[None])
+        return cos[0], torch.cat((-sin[0, :, : d // 2], sin[0, :, d // 2 :]), dim=-1)
+
+    @staticmethod
+    def attention_weights(attn, hq: int, hk: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        """One attention module's q/k/v weights stacked ((hq + 2 hk) d, H: one GEMM for the three) and its q and k
+        norm weights stacked per head ((hq + hk, d): one norm pass for both)."""
+        d = attn.head_dim
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        return qkv, torch.cat([attn.q_norm.weight.expand(hq, d), attn.k_norm.weight.expand(hk, d)])
 
     @staticmethod
     def eligible(model, precision) -> bool:  # type: ignore[no-untyped-def]

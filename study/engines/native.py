@@ -81,14 +81,14 @@ class NativeDecoder:
         self.lib, self.cache, self.n = lib, cache, n
         self.d, self.hq, self.hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.k = cfg.num_experts_per_tok
+        from study.engines.hf import _FusedDecoder  # the same tables and stacked weights as the fused step's
+
         capacity = cache.layers[0].capacity
         weight = body.embed_tokens.weight
-        cos, sin = body.rotary_emb(weight, torch.arange(capacity, device=weight.device)[None])
         d = self.d
         keep = [weight, body.norm.weight]  # every tensor a pointer refers to lives as long as this object
         head_t = model.lm_head.weight.t().contiguous()
-        cos = cos[0].contiguous()
-        sin = torch.cat((-sin[0, :, : d // 2], sin[0, :, d // 2 :]), dim=-1).contiguous()  # rotate_half's sign
+        cos, sin = (t.contiguous() for t in _FusedDecoder.rope_tables(model, capacity))
         self.attend = None if attend is None else attend.reshape(n, capacity).to(torch.uint8).contiguous()
         keep += [head_t, cos, sin]
         self.model = _Model(
@@ -102,10 +102,11 @@ class NativeDecoder:
         self.layers = (_Layer * cfg.num_hidden_layers)()
         for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
             a, mlp, cl = layer.self_attn, layer.mlp, cache.layers[i]
+            qkv, qk_norm = _FusedDecoder.attention_weights(a, self.hq, self.hk)
             t = {
                 "norm1": layer.input_layernorm.weight,
-                "qkv_t": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous(),
-                "qk_norm": torch.cat([a.q_norm.weight.expand(self.hq, d), a.k_norm.weight.expand(self.hk, d)]),
+                "qkv_t": qkv.t().contiguous(),
+                "qk_norm": qk_norm,
                 "o_t": a.o_proj.weight.t().contiguous(),
                 "norm2": layer.post_attention_layernorm.weight,
                 "router_t": mlp.gate.weight.t().contiguous(),
