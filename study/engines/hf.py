@@ -461,13 +461,13 @@ class HFEngine(RolloutEngine):
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
-            if isinstance(fused, native.NativeDecoder):  # the loop below in one C call, on the same uniforms
+            c_loop = isinstance(fused, native.NativeDecoder)
+            if c_loop:  # the loop below in one C call, on the same uniforms
                 tok_mat, lp_mat, length, done = fused.generate(
                     out.logits[:, -1].float(), last_pos, temperature=temperature, gen=gen, stops=stops,
                     max_new_tokens=max_new_tokens, routes=store if return_routes else None,
                 )  # fmt: skip
-                toks, lps = list(tok_mat.unbind(1)), list(lp_mat.unbind(1))
-            for step in range(0 if isinstance(fused, native.NativeDecoder) else max_new_tokens):
+            for step in range(0 if c_loop else max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
                 logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
                 tok = sample(logits, logp, temperature, gen)  # (N,)
@@ -488,8 +488,9 @@ class HFEngine(RolloutEngine):
             for h in handles:
                 h.remove()
 
-        tok_mat = torch.stack(toks, 1).cpu()  # (N, steps)
-        lp_mat = torch.stack(lps, 1).cpu()  # (N, steps) fp32
+        if not c_loop:
+            tok_mat, lp_mat = torch.stack(toks, 1), torch.stack(lps, 1)  # (N, steps); log-probs fp32
+        tok_mat, lp_mat = tok_mat.cpu(), lp_mat.cpu()
         length, done = length.cpu(), done.cpu()
         tokens = [tok_mat[i, : length[i]].tolist() for i in range(N)]
         logprobs = [lp_mat[i, : length[i]].clone() for i in range(N)]
