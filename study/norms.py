@@ -1,12 +1,12 @@
 """The policy's RMSNorms: torch's RMSNorm module, forward and backward in one C pass each where that runs.
 
 megatron's local layer spec builds its norms as `torch.nn.RMSNorm` (`WrappedTorchNorm`), which on the CPU is
-composite: six elementwise ops forward and about a dozen backward, each a pass over the activations. Nine norms
-per forward (two per layer, the q and k norms, the final one) made ~160 of the ~900 ops of a tiny update and ~10% of
-a 64-sequence one. `FusedRMSNorm` is the same module (class, parameter, state dict) whose forward calls
-`RMSNormFunction`, study/csrc/rms_norm.c, where it runs: fp32 on the CPU, no hooks on the module (emulated
-precision's rounding is one), the kernel built (study/native.py); elsewhere torch's forward. The C sums run in
-another order: outputs and gradients agree with torch's to ~1e-6 relative (tests/study/test_model.py).
+composite: six elementwise ops forward and about a dozen backward, each a pass over the activations. The layers'
+eight norms per forward (two per layer, the q and k norms; the final norm is built by megatron's block and stays
+torch's) made ~10% of a 64-sequence update. `FusedRMSNorm` is the same module (class, parameter, state dict)
+whose forward calls `RMSNormFunction`, study/csrc/rms_norm.c, where it runs: fp32 on the CPU, no hooks on the
+module (emulated precision's rounding is one), the kernel built (study/native.py); elsewhere torch's forward. The
+C sums run in another order: outputs and gradients agree with torch's to ~1e-6 relative (tests/study/test_model.py).
 """
 
 from __future__ import annotations
