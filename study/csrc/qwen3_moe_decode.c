@@ -15,6 +15,7 @@
 
 typedef struct {
     int64_t n, hidden, hq, hk, d, experts, top_k, ffn, vocab, layers, capacity, norm_topk;
+    int64_t stride_t;        /* the row length of the layers' keys_t: at least capacity + 15 (key_scores) */
     int64_t samples, prompt; /* rows i and j with i / samples == j / samples share positions < prompt of the cache */
     double eps, scaling;
     const float *embed;      /* (vocab, hidden) */
@@ -33,7 +34,8 @@ typedef struct {
     const float *router_t;  /* (hidden, experts) */
     const float *gate_up_t; /* (experts, hidden, 2 ffn): [gate | up] */
     const float *down_t;    /* (experts, ffn, hidden) */
-    float *keys, *values;   /* (n, hk, capacity, d) */
+    float *keys, *values;   /* (n, hk, capacity, d): the engine's cache, written each step */
+    float *keys_t;          /* (n, hk, d, stride_t): the same keys transposed, which the attention reads */
 } Layer;
 
 /* glibc's vector expf (libmvec, linked with -lmvec): declared SIMD-callable, so the loops over the softmaxes and
@@ -86,21 +88,64 @@ static void linear(float *restrict y, const float *restrict x, const float *rest
     }
 }
 
+/* scores[t] = scaling q . k_t for t in [t0, t1), keys transposed: kt[j * stride + t]. Blocks of 64 positions, then
+   of 16, accumulate in registers over the key dimension; a last block may read up to 15 positions past t1 (each
+   row of kt has room for them: stride_t >= capacity + 15, zero-filled) and writes only those before t1. */
+#define SB 64
+#define ST 16
+static inline void key_scores(float *restrict scores, const float *restrict q, const float *restrict kt,
+                              int64_t stride, int64_t t0, int64_t t1, float scaling, const int64_t d) {
+    int64_t t = t0;
+    for (; t + SB <= t1; t += SB) {
+        float acc[SB] = {0};
+        for (int64_t j = 0; j < d; j++) {
+            const float qj = q[j] * scaling, *restrict k = kt + j * stride + t;
+#pragma omp simd
+            for (int u = 0; u < SB; u++) acc[u] += qj * k[u];
+        }
+        memcpy(scores + t, acc, sizeof(acc));
+    }
+    for (; t < t1; t += ST) { /* four partial sums over the key dimension (j mod 4): four independent chains */
+        float acc[4][ST] = {{0}};
+        int64_t j = 0;
+        for (; j + 4 <= d; j += 4) {
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const float qj = q[j + r] * scaling, *restrict k = kt + (j + r) * stride + t;
+#pragma omp simd
+                for (int u = 0; u < ST; u++) acc[r][u] += qj * k[u];
+            }
+        }
+        for (j = d - d % 4; j < d; j++) {
+            const float qj = q[j] * scaling, *restrict k = kt + j * stride + t;
+#pragma omp simd
+            for (int u = 0; u < ST; u++) acc[0][u] += qj * k[u];
+        }
+#pragma omp simd
+        for (int u = 0; u < ST; u++) acc[0][u] = (acc[0][u] + acc[1][u]) + (acc[2][u] + acc[3][u]);
+        memcpy(scores + t, acc[0], sizeof(float) * (size_t)(t1 - t < ST ? t1 - t : ST));
+    }
+}
+
 /* One query head's attention over `len` cached positions: keys and values of positions < prompt from the rows'
-   shared prompt (ks, vs: its first sample's cache, which every sample of the prompt holds a copy of, so a group's
-   rows read it from the cache while it is hot), the rest from the row's own (ko, vo). fp32 scores and softmax, pad
-   keys (keep[t] == 0) weigh exactly 0. */
-static inline void head_attention(float *restrict o, const float *restrict q, const float *ks, const float *vs,
-                                  const float *ko, const float *vo, int64_t prompt, int64_t len,
+   shared prompt (kst, vs: its first sample's cache, which every sample of the prompt holds a copy of, so a group's
+   rows read it from the cache while it is hot), the rest from the row's own (kot, vo). Keys come transposed ((d,
+   stride) per head), so the scores accumulate one key dimension at a time over contiguous positions: vector
+   multiply-adds with no per-position horizontal sum. The value sum keeps four partial sums (positions mod 4) to
+   overlap the multiply-add latency. fp32 scores and softmax, pad keys (keep[t] == 0) weigh exactly 0. */
+static inline void head_attention(float *restrict o, const float *restrict q, const float *kst, const float *vs,
+                                  const float *kot, const float *vo, int64_t prompt, int64_t len, int64_t stride,
                                   const uint8_t *keep, float scaling, float *restrict scores, const int64_t d) {
+    const int64_t shared = prompt < len ? prompt : len;
+    key_scores(scores, q, kst, stride, 0, shared, scaling, d);
+    key_scores(scores, q, kot, stride, shared, len, scaling, d);
     float mx = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        const float *kt = (t < prompt ? ks : ko) + t * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < d; j++) dot += q[j] * kt[j];
-        scores[t] = dot * scaling;
-        if ((!keep || keep[t]) && scores[t] > mx) mx = scores[t];
+    if (keep) {
+        for (int64_t t = 0; t < len; t++)
+            if (keep[t] && scores[t] > mx) mx = scores[t];
+    } else {
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
     }
     float total = 0.0f;
     if (keep) {
@@ -114,15 +159,37 @@ static inline void head_attention(float *restrict o, const float *restrict q, co
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - mx));
     }
-    float acc[d];
-    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
-        if (scores[t] == 0.0f) continue; /* pad keys: their values may be anything */
-        const float p = scores[t] / total, *vt = (t < prompt ? vs : vo) + t * d;
+    const float inv = 1.0f / total;
+    /* o = sum_t p_t v_t: 16 dimensions at a time, four partial sums over the positions (t mod 4) in registers. Pad
+       keys weigh exactly 0 and their values are finite (the prefill's, for the pad token), as in torch's masked
+       attention, whose weights multiply every value. */
+#define VALUE_ROW(t) (((t) < prompt ? vs : vo) + (t) * d)
+    int64_t j0 = 0;
+    for (; j0 + ST <= d; j0 += ST) {
+        float acc[4][ST] = {{0}};
+        int64_t t = 0;
+        for (; t + 4 <= len; t += 4) {
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const float p = scores[t + r], *restrict v = VALUE_ROW(t + r) + j0;
 #pragma omp simd
-        for (int64_t j = 0; j < d; j++) acc[j] += p * vt[j];
+                for (int u = 0; u < ST; u++) acc[r][u] += p * v[u];
+            }
+        }
+        for (; t < len; t++) {
+            const float p = scores[t], *restrict v = VALUE_ROW(t) + j0;
+#pragma omp simd
+            for (int u = 0; u < ST; u++) acc[0][u] += p * v[u];
+        }
+#pragma omp simd
+        for (int u = 0; u < ST; u++) o[j0 + u] = ((acc[0][u] + acc[1][u]) + (acc[2][u] + acc[3][u])) * inv;
     }
-    memcpy(o, acc, sizeof(float) * d);
+    for (j0 = d - d % ST; j0 < d; j0++) { /* head sizes that are not a multiple of 16 */
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) sum += scores[t] * VALUE_ROW(t)[j0];
+        o[j0] = sum * inv;
+    }
+#undef VALUE_ROW
 }
 
 /* Qwen3MoeRMSNorm: x * rsqrt(mean(x^2) + eps) * weight, over rows of `width`; row i's weight is w + i * w_stride
@@ -145,7 +212,7 @@ static void rms(float *y, const float *x, const float *w, int64_t w_stride, int6
 int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *tok, const int64_t *pos, int64_t slot,
                           float *logits, int64_t *routes) {
     const int64_t n = m->n, H = m->hidden, d = m->d, hq = m->hq, hk = m->hk, E = m->experts, K = m->top_k;
-    const int64_t F = m->ffn, C = m->capacity, QKV = (hq + 2 * hk) * d, group = hq / hk;
+    const int64_t F = m->ffn, C = m->capacity, CT = m->stride_t, QKV = (hq + 2 * hk) * d, group = hq / hk;
     const int64_t len = slot + 1; /* cached positions after this step */
     float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * H);
     float *qkv = malloc(sizeof(float) * n * QKV), *attn = malloc(sizeof(float) * n * hq * d);
@@ -181,6 +248,8 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
                 const int64_t at = ((i * hk + g) * C + slot) * d;
                 memcpy(L->keys + at, row + (hq + g) * d, sizeof(float) * d);
                 memcpy(L->values + at, row + (hq + hk + g) * d, sizeof(float) * d);
+                float *kt = L->keys_t + (i * hk + g) * d * CT + slot;
+                for (int64_t j = 0; j < d; j++) kt[j * CT] = row[(hq + g) * d + j];
             }
         }
         for (int64_t i = 0; i < n; i++) {
@@ -188,18 +257,19 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
             const int64_t lead = i / m->samples * m->samples; /* the row whose prompt keys this row shares */
             for (int64_t head = 0; head < hq; head++) {
                 const int64_t g = head / group, own = (i * hk + g) * C * d, shared = (lead * hk + g) * C * d;
+                const int64_t own_t = (i * hk + g) * d * CT, shared_t = (lead * hk + g) * d * CT;
                 float *o = attn + (i * hq + head) * d;
                 const float *q = qkv + i * QKV + head * d, sc = (float)m->scaling;
-                const float *ks = L->keys + shared, *vs = L->values + shared, *ko = L->keys + own;
+                const float *ks = L->keys_t + shared_t, *vs = L->values + shared, *ko = L->keys_t + own_t;
                 const float *vo = L->values + own;
                 if (d == 32) /* the common head sizes get loops of a known length */
-                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 32);
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, CT, keep, sc, scores, 32);
                 else if (d == 64)
-                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 64);
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, CT, keep, sc, scores, 64);
                 else if (d == 128)
-                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, 128);
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, CT, keep, sc, scores, 128);
                 else
-                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, keep, sc, scores, d);
+                    head_attention(o, q, ks, vs, ko, vo, m->prompt, len, CT, keep, sc, scores, d);
             }
         }
         linear(tmp, attn, L->o_t, n, hq * d, H);

@@ -23,7 +23,7 @@ _P = ctypes.POINTER(ctypes.c_float)
 
 
 _INTS = ("n", "hidden", "hq", "hk", "d", "experts", "top_k", "ffn", "vocab", "layers", "capacity", "norm_topk",
-         "samples", "prompt")  # fmt: skip
+         "stride_t", "samples", "prompt")  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -38,7 +38,7 @@ class _Model(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [(f, _P) for f in ("norm1", "qkv_t", "qk_norm", "o_t", "norm2", "router_t", "gate_up_t", "down_t",
-                                  "keys", "values")]  # fmt: skip
+                                  "keys", "values", "keys_t")]  # fmt: skip
 
 
 @functools.cache
@@ -84,6 +84,7 @@ class NativeDecoder:
         from study.engines.hf import _FusedDecoder  # the same tables and stacked weights as the fused step's
 
         capacity = cache.layers[0].capacity
+        stride_t = (capacity + 15 + 15) // 16 * 16  # >= capacity + 15, a multiple of 16
         weight = body.embed_tokens.weight
         d = self.d
         keep = [weight, body.norm.weight]  # every tensor a pointer refers to lives as long as this object
@@ -94,7 +95,7 @@ class NativeDecoder:
         self.model = _Model(
             n=n, hidden=cfg.hidden_size, hq=self.hq, hk=self.hk, d=d, experts=cfg.num_experts, top_k=self.k,
             ffn=cfg.moe_intermediate_size, vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, capacity=capacity,
-            norm_topk=int(cfg.norm_topk_prob), samples=samples, prompt=prompt, eps=cfg.rms_norm_eps,
+            norm_topk=int(cfg.norm_topk_prob), stride_t=stride_t, samples=samples, prompt=prompt, eps=cfg.rms_norm_eps,
             scaling=d**-0.5, embed=_ptr(weight),
             final_norm=_ptr(body.norm.weight), head_t=_ptr(head_t), cos=_ptr(cos), sin=_ptr(sin),
             attend=None if self.attend is None else ctypes.cast(self.attend.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
@@ -114,6 +115,7 @@ class NativeDecoder:
                 "down_t": mlp.experts.down_proj.transpose(-2, -1).contiguous(),  # (E, F, H)
                 "keys": cl._kbuf,
                 "values": cl._vbuf,
+                "keys_t": self._transposed_keys(cl, stride_t),
             }
             for name, tensor in t.items():
                 if not (tensor.is_contiguous() and tensor.dtype == torch.float32):
@@ -122,6 +124,16 @@ class NativeDecoder:
             keep += t.values()
         self._keep = keep
         self.vocab = cfg.vocab_size
+
+    @staticmethod
+    def _transposed_keys(layer, stride: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """The cache layer's keys as (n, kv heads, d, stride), the layout the C attention reads (its scores then
+        accumulate over contiguous positions): the prefill's positions, zeros after them (the C code reads up to 15
+        positions past the last it uses); each step writes its keys to both."""
+        n, h, _, d = layer._kbuf.shape
+        keys_t = layer._kbuf.new_zeros(n, h, d, stride)
+        keys_t[..., : layer.length] = layer._kbuf[:, :, : layer.length].transpose(-2, -1)
+        return keys_t
 
     @staticmethod
     def eligible(model) -> bool:  # type: ignore[no-untyped-def]

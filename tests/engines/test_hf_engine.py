@@ -249,17 +249,26 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("experts", [None, "eager"])
-def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
+@pytest.mark.parametrize(
+    "experts, long",
+    [(None, False), ("eager", False), (None, True)],
+    ids=["grouped_mm", "eager", "long-cache"],
+)
+def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, long):
     """The C decode step (study/engines/native.py) gives the fused torch step's logits to 1e-5, the same routes and
     the same cache writes at every step of a left-padded rollout (run here by a Python loop over `step`); whole
     rollouts of the C loop sample the same tokens with the same log-probs (1e-5) and routes as the torch steps. Its
-    sums run in another order, so not bit for bit."""
+    sums run in another order, so not bit for bit. `long`: prompts of 60-75 tokens and 70 new tokens without stops,
+    so the C attention's 64-position blocks run over the shared prompt and over each row's own positions."""
     from study.engines import hf, native
 
+    cfg = CFG.replace(max_seq_len=256) if long else CFG  # room for the long rollout; the same weights
+    if long:
+        prompts = random_prompts(3, CFG.vocab_size, seed=12, lo=60, hi=76)
+
     assert native.library() is not None, "the C step did not build (a C compiler is part of the test environment)"
-    eng = get_engine("hf", CFG, experts_implementation=experts)
-    eng.load_weights(W.megatron_to_hf(megatron, CFG))
+    eng = get_engine("hf", cfg, experts_implementation=experts)
+    eng.load_weights(W.megatron_to_hf(megatron, cfg))
     assert native.NativeDecoder.eligible(eng.model)
     seen = []
     step = native.NativeDecoder.step
@@ -276,9 +285,9 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
                                  self.cache)  # fmt: skip
         want = fused.step(tok, pos, r_fused)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        for (k, v), c in zip(written, self.cache.layers, strict=True):
-            torch.testing.assert_close(k, c._kbuf, atol=1e-5, rtol=0)
-            torch.testing.assert_close(v, c._vbuf, atol=1e-5, rtol=0)
+        for (k, v), c in zip(written, self.cache.layers, strict=True):  # positions past the length are unset
+            torch.testing.assert_close(k[:, :, : c.length], c.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v[:, :, : c.length], c.values, atol=1e-5, rtol=0)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(r_native, r_fused, strict=True))
         seen.append(tok.shape[0])
         for per_layer, r in zip(routes, r_native, strict=True):
@@ -303,7 +312,7 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts):
             logits = both(self, tok, pos, routes)
         return torch.stack(toks, 1), torch.stack(lps, 1), length, done
 
-    kw = dict(seed=5, max_new_tokens=10, stop_token_ids=STOPS, return_routes=True)
+    kw = dict(seed=5, max_new_tokens=70 if long else 10, stop_token_ids=[] if long else STOPS, return_routes=True)
     loop = native.NativeDecoder.generate
     native.NativeDecoder.generate = python_loop
     try:
