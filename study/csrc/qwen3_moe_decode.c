@@ -255,6 +255,17 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
         for (int64_t i = 0; i < n; i++) {
             const uint8_t *keep = m->attend ? m->attend + i * C : NULL;
             const int64_t lead = i / m->samples * m->samples; /* the row whose prompt keys this row shares */
+            if (i + 1 < n) /* the next row's own keys and values towards L2 while this row computes: the cache
+                              outgrows L2 at a few hundred rows, and each row's few KB are too short a stream for
+                              the hardware prefetcher (generate at 256 rows x 64 tokens: -12%) */
+                for (int64_t g = 0; g < hk; g++) {
+                    const float *kn = L->keys_t + ((i + 1) * hk + g) * d * CT;
+                    const float *vn = L->values + ((i + 1) * hk + g) * C * d;
+                    const int64_t from = m->prompt < len ? m->prompt : len;
+                    for (int64_t j = 0; j < d; j++)
+                        for (int64_t t = from; t < len; t += 16) __builtin_prefetch(kn + j * CT + t, 0, 2);
+                    for (int64_t t = from * d; t < len * d; t += 16) __builtin_prefetch(vn + t, 0, 2);
+                }
             for (int64_t head = 0; head < hq; head++) {
                 const int64_t g = head / group, own = (i * hk + g) * C * d, shared = (lead * hk + g) * C * d;
                 const int64_t own_t = (i * hk + g) * d * CT, shared_t = (lead * hk + g) * d * CT;
