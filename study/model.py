@@ -159,7 +159,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
     )
 
 
-CORE_ATTENTIONS = ("sdpa", "megatron")
+CORE_ATTENTIONS = ("fused", "sdpa", "megatron")
 EXPERTS = ("fused", "megatron")
 NORMS = ("fused", "megatron")
 
@@ -170,7 +170,7 @@ def build_policy(
     seed: int,
     dtype: str = "fp32",
     routing_replay: bool = True,
-    core_attention: str = "sdpa",
+    core_attention: str = "fused",
     experts: str = "fused",
     norms: str = "fused",
 ) -> GPTModel:
@@ -180,7 +180,8 @@ def build_policy(
     runs inside `torch.random.fork_rng`). `routing_replay=True` gives every router a replay hook that
     study/routing.py drives (free routing until told otherwise). The module keeps `study_config` and `study_dtype`.
     Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`, `...experts.local_experts.{e}...`);
-    keep them stable, the HF weight map depends on them. `core_attention`: "sdpa" (torch's fused attention,
+    keep them stable, the HF weight map depends on them. `core_attention`: "fused" (the C kernel of study/attention.py
+    where it runs, else SDPA: `fused_core_attention`; ~1e-6 from SDPA's), "sdpa" (torch's fused attention,
     `sdpa_core_attention`) or "megatron" (the local spec's own DotProductAttention; same function, slower on CPU).
     `experts`: "fused" (megatron's SequentialMLP computed by one autograd Function where that is bit-identical,
     study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward). `norms`: "fused" (the
@@ -205,8 +206,9 @@ def build_policy(
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
-    if core_attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
+    if core_attention != "megatron":
+        core = fused_core_attention() if core_attention == "fused" else sdpa_core_attention()
+        spec.submodules.self_attention.submodules.core_attention = core
     if experts == "fused":
         from study.moe_experts import fused_sequential_mlp
 
@@ -254,15 +256,19 @@ def sdpa_core_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
 
     class SDPADotProductAttention(DotProductAttention):
+        def plain(self, attention_bias, packed_seq_params) -> bool:  # type: ignore[no-untyped-def]
+            """Whether this call is softmax(q k^T scale + mask) v, with nothing SDPA (or study/attention.py) lacks."""
+            dropout = self.config.attention_dropout if self.training else 0.0
+            return (
+                packed_seq_params is None
+                and attention_bias is None
+                and dropout == 0
+                and getattr(self.config, "softmax_type", "vanilla") == "vanilla"
+            )
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
-            dropout = self.config.attention_dropout if self.training else 0.0
-            if (
-                packed_seq_params is not None
-                or attention_bias is not None
-                or dropout > 0
-                or (getattr(self.config, "softmax_type", "vanilla") != "vanilla")
-            ):
+            if not self.plain(attention_bias, packed_seq_params):
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)  # fmt: skip
             sq, b = query.shape[:2]
@@ -280,6 +286,30 @@ def sdpa_core_attention() -> type:
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (S, B, h d)
 
     return SDPADotProductAttention
+
+
+@functools.cache
+def fused_core_attention() -> type:
+    """`sdpa_core_attention` whose forward runs study/attention.py's C kernel where it runs (fp32 on the CPU, the
+    kernel built, a plain softmax attention): over each query's visible span only, ~40% less time than SDPA forward
+    and backward at the tiny preset's ~80-token batches (docs/performance.md). Elsewhere SDPA's forward."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from study.attention import attention
+
+    class FusedDotProductAttention(sdpa_core_attention()):  # type: ignore[misc]
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
+            if self.plain(attention_bias, packed_seq_params):
+                mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+                out = attention(query, key, value, attention_mask, causal=mask_type == AttnMaskType.causal,
+                                scale=self.softmax_scale)  # fmt: skip
+                if out is not None:
+                    return out
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)  # fmt: skip
+
+    return FusedDotProductAttention
 
 
 def _device() -> torch.device:

@@ -214,7 +214,7 @@ def test_bad_inputs(model):
         build_policy(TINY, seed=0, dtype="fp8")
     with pytest.raises(ValueError, match="seed"):
         build_policy(TINY, seed=-1)
-    with pytest.raises(ValueError, match="core_attention = 'flash'; valid: sdpa, megatron"):
+    with pytest.raises(ValueError, match="core_attention = 'flash'; valid: fused, sdpa, megatron"):
         build_policy(TINY, seed=0, core_attention="flash")
     with pytest.raises(ValueError, match="experts = 'grouped'; valid: fused, megatron"):
         build_policy(TINY, seed=0, experts="grouped")
