@@ -5,8 +5,9 @@ and its backward is a third of an update's attention-free elementwise time again
 sequences, ~14% of an update (docs/performance.md). `attention` runs the same softmax(scale q k^T + mask) v in C over
 each query's visible span only (a causal, left-padded batch: about half the dense work), with register-blocked
 score loops over transposed keys and a backward that recomputes the probabilities from the saved log-sum-exp.
-It runs for fp32 CPU tensors with the kernel built (study/native.py); the caller (study/model.py
-`fused_core_attention`) falls back to SDPA elsewhere. The C sums run in another order: outputs and gradients agree
+It runs for fp32 CPU tensors with the kernel built (study/native.py) and no torch mode active (emulated precision
+rounds SDPA's operands); the caller (study/model.py `fused_core_attention`, which also steps aside for hooks on the
+module) falls back to SDPA elsewhere. The C sums run in another order: outputs and gradients agree
 with SDPA's to ~1e-6 relative, not bit for bit (tests/study/test_attention.py).
 """
 
@@ -79,8 +80,11 @@ def attention(
 ) -> torch.Tensor | None:
     """`AttentionFunction` on megatron's core-attention inputs (query (S, B, hq, d), key and value (S, B, hk, d),
     `mask` megatron's (B or 1, 1, S, S) bool, True = masked, or None), output (S, B, hq d); None where the kernel does
-    not run (not fp32 on the CPU, shapes it does not take, no kernel): the caller's own path then runs."""
+    not run (not fp32 on the CPU, shapes it does not take, a torch mode active, no kernel): the caller's own path
+    then runs."""
     tensors = (query, key, value)
+    if native.intercepted():  # a torch mode (emulated precision) must see SDPA's operands
+        return None
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 for t in tensors):
         return None
     s, b, hq, d = query.shape

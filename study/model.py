@@ -102,8 +102,11 @@ def norm_topk_prob(cfg: ModelConfig) -> bool:
     return cfg.moe_top_k > 1
 
 
-def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True) -> TransformerConfig:
-    """The megatron TransformerConfig of the policy described by `cfg`."""
+def transformer_config(
+    cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True, rope_fusion: bool = False
+) -> TransformerConfig:
+    """The megatron TransformerConfig of the policy described by `cfg`; `rope_fusion`: megatron's fused-RoPE slot
+    (study/rope.py `install` must have filled it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if dtype not in DTYPES:
@@ -152,7 +155,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,  # the fused kernel is an Apex/TE CUDA extension
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         **extra,
@@ -162,6 +165,7 @@ def transformer_config(cfg: ModelConfig, *, dtype: str = "fp32", routing_replay:
 CORE_ATTENTIONS = ("fused", "sdpa", "megatron")
 EXPERTS = ("fused", "megatron")
 NORMS = ("fused", "megatron")
+ROPES = ("fused", "megatron")
 
 
 def build_policy(
@@ -173,6 +177,7 @@ def build_policy(
     core_attention: str = "fused",
     experts: str = "fused",
     norms: str = "fused",
+    rope: str = "fused",
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
@@ -186,6 +191,8 @@ def build_policy(
     `experts`: "fused" (megatron's SequentialMLP computed by one autograd Function where that is bit-identical,
     study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward). `norms`: "fused" (the
     layers' RMSNorms in C where that runs, study/norms.py; ~1e-6 from torch's) or "megatron" (torch's RMSNorm).
+    `rope`: "fused" (RoPE in C through megatron's fused-RoPE slot where that runs, study/rope.py; bit for bit
+    megatron's) or "megatron" (megatron's unfused torch code).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -201,7 +208,14 @@ def build_policy(
         raise ValueError(f"experts = {experts!r}; valid: {', '.join(EXPERTS)}")
     if norms not in NORMS:
         raise ValueError(f"norms = {norms!r}; valid: {', '.join(NORMS)}")
-    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay)
+    if rope not in ROPES:
+        raise ValueError(f"rope = {rope!r}; valid: {', '.join(ROPES)}")
+    rope_fusion = False
+    if rope == "fused":
+        from study.rope import install
+
+        rope_fusion = install()
+    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion)
     init_distributed()
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
@@ -291,7 +305,8 @@ def sdpa_core_attention() -> type:
 @functools.cache
 def fused_core_attention() -> type:
     """`sdpa_core_attention` whose forward runs study/attention.py's C kernel where it runs (fp32 on the CPU, the
-    kernel built, a plain softmax attention): over each query's visible span only, ~40% less time than SDPA forward
+    kernel built, a plain softmax attention, no hooks on the module or torch mode: emulated precision's rounding must
+    see SDPA's operands): over each query's visible span only, ~40% less time than SDPA forward
     and backward at the tiny preset's ~80-token batches (docs/performance.md). Elsewhere SDPA's forward."""
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -300,7 +315,7 @@ def fused_core_attention() -> type:
     class FusedDotProductAttention(sdpa_core_attention()):  # type: ignore[misc]
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
-            if self.plain(attention_bias, packed_seq_params):
+            if self.plain(attention_bias, packed_seq_params) and not (self._forward_hooks or self._forward_pre_hooks):
                 mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
                 out = attention(query, key, value, attention_mask, causal=mask_type == AttnMaskType.causal,
                                 scale=self.softmax_scale)  # fmt: skip

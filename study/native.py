@@ -1,11 +1,12 @@
 """Small C kernels of this package (study/csrc/*.c), compiled on first use and loaded with ctypes.
 
 At the tiny presets' sizes a torch op is a few microseconds of dispatch around a few of work, so the hot loops that
-are many small ops (the rollout's decode step, the policy's RMSNorms) run as one C call each where they can.
-Each kernel keeps a torch fallback that runs where it cannot: no C compiler, a failed build, `STUDY_NATIVE=0`, or
-inputs it does not handle (another dtype or device, hooks). A kernel's sums run in another order than torch's, so
-results agree to ~1e-6, not bit for bit; each use is tested against the torch path, and a run's manifest says
-whether the kernels ran (`native_kernels`).
+are many small ops (the rollout's decode step, the policy's RMSNorms, RoPE and core attention) run as one C call
+each where they can. Each kernel keeps a torch fallback that runs where it cannot: no C compiler, a failed build,
+`STUDY_NATIVE=0`, inputs it does not handle (another dtype or device, hooks), or while a torch mode intercepts ops
+(`intercepted`). Most kernels' sums run in another order than torch's, so results agree to ~1e-6, not bit for bit
+(RoPE's are bit for bit); each use is tested against the torch path, and a run's manifest says whether the kernels
+ran (`native_kernels`).
 
 A shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default `~/.cache`),
 named by a hash of its source, the flags and this CPU's model and flags, so a cluster's nodes of different CPU kinds
@@ -46,6 +47,14 @@ def _cpu_id() -> str:
         return platform.processor()
     keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
     return "\n".join(keep)
+
+
+def intercepted() -> bool:
+    """Whether a torch function or dispatch mode is active (emulated precision's rounding is one): a C kernel would
+    hide its ops from the mode, so the callers' torch paths run instead."""
+    import torch
+
+    return bool(torch.overrides._get_current_function_mode_stack()) or torch._C._len_torch_dispatch_stack() > 0
 
 
 @functools.cache

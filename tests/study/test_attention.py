@@ -79,6 +79,33 @@ def test_inputs_the_kernel_does_not_take_return_none():
     assert attention(q, q, q, mask[:, :, :4], causal=False, scale=1.0) is None  # a mask of another shape
     assert attention(torch.randn(8, 2, 3, 32), q, q, None, causal=True, scale=1.0) is None  # 3 heads over 2
 
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with Watch():  # a mode that intercepts torch ops must see SDPA's (emulated precision's rounding is one)
+        assert attention(q, q, q, mask, causal=False, scale=1.0) is None
+
+
+def test_emulated_precision_keeps_sdpa():
+    """Emulated low precision rounds SDPA's operands and RoPE's elementwise results (study/precision.py): with it on,
+    the policy's C attention and C RoPE step aside."""
+    from study.precision import apply_precision
+    from study.rope import RopeFunction
+
+    cfg = preset("tiny")
+    m = build_policy(cfg, seed=0)
+    apply_precision(m, "bf16-emulated")
+    calls, applies = [], (AttentionFunction.apply, RopeFunction.apply)
+    AttentionFunction.apply = lambda *a: calls.append("attention") or applies[0](*a)
+    RopeFunction.apply = lambda *a: calls.append("rope") or applies[1](*a)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (2, 9))
+        token_logp(m, ids[:, :-1], ids[:, 1:]).sum().backward()
+    finally:
+        AttentionFunction.apply, RopeFunction.apply = applies
+    assert calls == []
+
 
 def test_policy_with_c_attention_matches_sdpa_policy():
     """The tiny policy with the C core attention gives the SDPA policy's log-probs and gradients to ~1e-5 (same

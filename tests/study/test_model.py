@@ -378,3 +378,42 @@ def test_fused_norms_policy_matches_torch_norms():
         torch.testing.assert_close(g_f[name], g, atol=1e-5, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="norms = 'apex'; valid: fused, megatron"):
         build_policy(TINY, seed=0, norms="apex")
+
+
+def test_fused_rope_is_megatrons_bit_for_bit():
+    """RoPE in C through megatron's fused-RoPE slot (study/rope.py) gives the unfused megatron policy's log-probs
+    and every gradient bit for bit on a left-padded batch; q and k of every layer went through the C function, and
+    inputs it does not take (bf16, interleaved) run megatron's unfused code."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from study.rope import RopeFunction, fused_rope, library
+
+    assert library() is not None, "the C kernels did not build (a C compiler is part of the test environment)"
+    ids = _batch(3, 19, seed=6)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    calls, apply, out = [], RopeFunction.apply, {}
+    RopeFunction.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        for rope in ("fused", "megatron"):
+            m = build_policy(TINY, seed=0, rope=rope)
+            assert m.config.apply_rope_fusion == (rope == "fused")
+            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
+            (-(lp * mask[:, 1:]).sum()).backward()
+            out[rope] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
+        assert len(calls) == 2 * TINY.num_layers  # q and k of each layer, in the fused policy only
+        g = torch.Generator().manual_seed(1)
+        freqs = torch.rand(5, 1, 1, 8, generator=g)
+        t = torch.randn(5, 2, 3, 8, generator=g)
+        for x, interleaved in ((t.bfloat16(), False), (t, True)):
+            want = _apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
+            assert torch.equal(fused_rope(x, freqs, interleaved), want)
+        assert len(calls) == 2 * TINY.num_layers
+    finally:
+        RopeFunction.apply = apply
+    (lp_f, g_f), (lp_m, g_m) = out["fused"], out["megatron"]
+    assert torch.equal(lp_f, lp_m)
+    for name, grad in g_m.items():
+        assert torch.equal(g_f[name], grad), name
+    with pytest.raises(ValueError, match="rope = 'yarn'; valid: fused, megatron"):
+        build_policy(TINY, seed=0, rope="yarn")
