@@ -20,6 +20,7 @@ fixed thread count.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import random
@@ -231,6 +232,9 @@ def _train(
     bar = _progress(cfg.steps, start, progress)
     step = start
     last_write = time.monotonic()
+    # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
+    # stops re-walking them in each of its passes over the steps' short-lived objects (a 8-sequence update: -4%).
+    gc.freeze()
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -379,6 +383,7 @@ def _train(
         _write_metrics(run_dir, rows, layer_rows, token_frames)
         raise
     finally:
+        gc.unfreeze()  # what the run leaves behind is collectable again (several runs may share a process)
         if bar is not None:
             bar.close()
         engine.close()
