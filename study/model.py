@@ -166,6 +166,7 @@ CORE_ATTENTIONS = ("fused", "sdpa", "megatron")
 EXPERTS = ("fused", "megatron")
 NORMS = ("fused", "megatron")
 ROPES = ("fused", "megatron")
+CROSS_ENTROPIES = ("fused", "megatron")
 
 
 def build_policy(
@@ -178,6 +179,7 @@ def build_policy(
     experts: str = "fused",
     norms: str = "fused",
     rope: str = "fused",
+    cross_entropy: str = "fused",
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
@@ -192,7 +194,9 @@ def build_policy(
     study/moe_experts.py) or "megatron" (SequentialMLP's own module-per-expert forward). `norms`: "fused" (the
     layers' RMSNorms in C where that runs, study/norms.py; ~1e-6 from torch's) or "megatron" (torch's RMSNorm).
     `rope`: "fused" (RoPE in C through megatron's fused-RoPE slot where that runs, study/rope.py; bit for bit
-    megatron's) or "megatron" (megatron's unfused torch code).
+    megatron's) or "megatron" (megatron's unfused torch code). `cross_entropy`: "fused" (the language-model loss in
+    C where that runs, `fused_loss_gpt_model`; ~1e-6 from megatron's) or "megatron" (its vocab-parallel cross
+    entropy).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -210,6 +214,8 @@ def build_policy(
         raise ValueError(f"norms = {norms!r}; valid: {', '.join(NORMS)}")
     if rope not in ROPES:
         raise ValueError(f"rope = {rope!r}; valid: {', '.join(ROPES)}")
+    if cross_entropy not in CROSS_ENTROPIES:
+        raise ValueError(f"cross_entropy = {cross_entropy!r}; valid: {', '.join(CROSS_ENTROPIES)}")
     rope_fusion = False
     if rope == "fused":
         from study.rope import install
@@ -237,7 +243,8 @@ def build_policy(
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-        model = GPTModel(
+        model_class = fused_loss_gpt_model() if cross_entropy == "fused" else GPTModel
+        model = model_class(
             config=tconfig,
             transformer_layer_spec=spec,
             vocab_size=cfg.vocab_size,
@@ -254,6 +261,27 @@ def build_policy(
     model.study_config = cfg
     model.study_dtype = dtype
     return model
+
+
+@functools.cache
+def fused_loss_gpt_model() -> type:
+    """megatron's GPTModel whose language-model loss runs study/cross_entropy.py's C kernel where it runs (fp32 CPU
+    logits, one tensor-parallel rank, no loss fusion configured, no torch mode active): one pass over the logits
+    each way instead of megatron's ~20 ops and three all-reduces. Elsewhere megatron's own loss."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from study.cross_entropy import cross_entropy
+
+    class FusedLossGPTModel(GPTModel):
+        def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            if not self.config.cross_entropy_loss_fusion and parallel_state.get_tensor_model_parallel_world_size() == 1:
+                loss = cross_entropy(logits, labels.transpose(0, 1).contiguous())  # [b s] -> [s b], as megatron's
+                if loss is not None:
+                    return loss.transpose(0, 1).contiguous()
+            return super().compute_language_model_loss(labels, logits)
+
+    return FusedLossGPTModel
 
 
 @functools.cache

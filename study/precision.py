@@ -214,7 +214,7 @@ class PrecisionHandle:
 
 
 def _model_kind(model: torch.nn.Module) -> str:
-    return "megatron" if type(model).__name__ == "GPTModel" else "hf"
+    return "megatron" if any(c.__name__ == "GPTModel" for c in type(model).__mro__) else "hf"
 
 
 def _head(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
