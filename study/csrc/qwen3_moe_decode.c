@@ -239,22 +239,29 @@ int qwen3_moe_decode_step(const Model *m, const Layer *layers, const int64_t *to
             float *row = qkv + i * QKV;
             rms(row, row, L->qk_norm, d, hq + hk, d, m->eps); /* q heads, then k heads: each its row of qk_norm */
             const float *c = m->cos + pos[i] * d, *s = m->sin + pos[i] * d;
+            const int64_t half = d / 2; /* rotate_half: the first half reads the second, negated by sin's sign */
             for (int64_t head = 0; head < hq + hk; head++) {
                 float *v = row + head * d;
-                for (int64_t j = 0; j < d; j++) roped[j] = v[j] * c[j] + v[(j + d / 2) % d] * s[j];
+#pragma omp simd
+                for (int64_t j = 0; j < half; j++) roped[j] = v[j] * c[j] + v[j + half] * s[j];
+#pragma omp simd
+                for (int64_t j = half; j < d; j++) roped[j] = v[j] * c[j] + v[j - half] * s[j];
                 memcpy(v, roped, sizeof(float) * d);
             }
             for (int64_t g = 0; g < hk; g++) {
                 const int64_t at = ((i * hk + g) * C + slot) * d;
                 memcpy(L->keys + at, row + (hq + g) * d, sizeof(float) * d);
                 memcpy(L->values + at, row + (hq + hk + g) * d, sizeof(float) * d);
-                float *kt = L->keys_t + (i * hk + g) * d * CT + slot;
-                for (int64_t j = 0; j < d; j++) kt[j * CT] = row[(hq + g) * d + j];
             }
         }
         for (int64_t i = 0; i < n; i++) {
             const uint8_t *keep = m->attend ? m->attend + i * C : NULL;
             const int64_t lead = i / m->samples * m->samples; /* the row whose prompt keys this row shares */
+            for (int64_t g = 0; g < hk; g++) { /* this step's keys, transposed, just before the row reads them */
+                float *kt = L->keys_t + (i * hk + g) * d * CT + slot;
+                const float *k = qkv + i * QKV + (hq + g) * d;
+                for (int64_t j = 0; j < d; j++) kt[j * CT] = k[j];
+            }
             if (i + 1 < n) /* the next row's own keys and values towards L2 while this row computes: the cache
                               outgrows L2 at a few hundred rows, and each row's few KB are too short a stream for
                               the hardware prefetcher (generate at 256 rows x 64 tokens: -12%) */
