@@ -24,16 +24,11 @@ from study import native
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    lib = native.load("attention")
-    if lib is None:
-        return None
-    ptr, i64, f64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
-    shape = [ptr, i64, c_int, i64, i64, i64, i64, i64, f64]  # mask, its batch stride, causal, S, B, hq, hk, d, scale
-    lib.attention_forward.argtypes = [ptr, ptr, ptr, *shape, ptr, ptr]
-    lib.attention_forward.restype = c_int
-    lib.attention_backward.argtypes = [ptr, ptr, ptr, *shape, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.attention_backward.restype = c_int
-    return lib
+    p, i64, rc = native.PTR, native.I64, native.INT
+    shape = [p, i64, rc, i64, i64, i64, i64, i64, native.F64]  # mask, its stride, causal, S, B, hq, hk, d, scale
+    forward = [p, p, p, *shape, p, p]  # q, k, v, ..., out, lse
+    backward = [p, p, p, *shape, p, p, p, p, p, p]  # q, k, v, ..., out, dout, lse, dq, dk, dv
+    return native.bind("attention", {"attention_forward": (forward, rc), "attention_backward": (backward, rc)})
 
 
 def _shape_args(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> list:

@@ -22,15 +22,9 @@ from study import native
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    lib = native.load("cross_entropy")
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.ce_forward.argtypes = [ptr, ptr, i64, i64, ptr, ptr]
-    lib.ce_forward.restype = None
-    lib.ce_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr]
-    lib.ce_backward.restype = None
-    return lib
+    p, i64 = native.PTR, native.I64
+    return native.bind("cross_entropy", {"ce_forward": ([p, p, i64, i64, p, p], None),
+                                         "ce_backward": ([p, p, p, p, i64, i64, p], None)})  # fmt: skip
 
 
 class CrossEntropyFunction(torch.autograd.Function):

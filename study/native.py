@@ -88,6 +88,22 @@ def load(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
+PTR, I64, F64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+"""ctypes argument types of the kernels' signatures: pointers, int64_t, double, int."""
+
+
+def bind(name: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """`load(name)` with each function's (argtypes, restype) from `signatures` declared; None where it does not
+    load. Callers cache it (`functools.cache` on their `library()`)."""
+    lib = load(name)
+    if lib is None:
+        return None
+    for fn, (argtypes, restype) in signatures.items():
+        getattr(lib, fn).argtypes = argtypes
+        getattr(lib, fn).restype = restype
+    return lib
+
+
 def available() -> bool:
     """Whether every kernel of the package builds and loads here (what a run's manifest records)."""
     return all(load(p.stem) is not None for p in sorted(CSRC.glob("*.c")))

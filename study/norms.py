@@ -22,15 +22,9 @@ from study import native
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    lib = native.load("rms_norm")
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rms_forward.argtypes = [ptr, ptr, i64, i64, ctypes.c_double, ptr, ptr]
-    lib.rms_forward.restype = None
-    lib.rms_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr]
-    lib.rms_backward.restype = None
-    return lib
+    p, i64 = native.PTR, native.I64
+    return native.bind("rms_norm", {"rms_forward": ([p, p, i64, i64, native.F64, p, p], None),
+                                    "rms_backward": ([p, p, p, p, i64, i64, p, p], None)})  # fmt: skip
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -23,14 +23,9 @@ from study import native
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    lib = native.load("rope")
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.rope_forward, lib.rope_backward):
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
-        fn.restype = None
-    return lib
+    p, i64 = native.PTR, native.I64
+    both = ([p, p, p, i64, i64, i64, p], None)  # x or dy, cos, sin, S, rows per position, d, out
+    return native.bind("rope", {"rope_forward": both, "rope_backward": both})
 
 
 class RopeFunction(torch.autograd.Function):

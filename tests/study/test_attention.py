@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from study.attention import AttentionFunction, attention, library
 from study.config import preset
-from study.model import build_policy, fused_core_attention, token_logp
+from study.model import build_policy, fused_core_attention
+from tests.study.conftest import assert_same_policy, counting, logp_and_grads
 
 
 def _sdpa(q, k, v, mask, *, causal, scale):  # type: ignore[no-untyped-def]
@@ -96,15 +97,10 @@ def test_emulated_precision_keeps_sdpa():
     cfg = preset("tiny")
     m = build_policy(cfg, seed=0)
     apply_precision(m, "bf16-emulated")
-    calls, applies = [], (AttentionFunction.apply, RopeFunction.apply)
-    AttentionFunction.apply = lambda *a: calls.append("attention") or applies[0](*a)
-    RopeFunction.apply = lambda *a: calls.append("rope") or applies[1](*a)
-    try:
-        ids = torch.randint(0, cfg.vocab_size, (2, 9))
-        token_logp(m, ids[:, :-1], ids[:, 1:]).sum().backward()
-    finally:
-        AttentionFunction.apply, RopeFunction.apply = applies
-    assert calls == []
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with counting(AttentionFunction) as attention_calls, counting(RopeFunction) as rope_calls:
+        logp_and_grads(m, ids, torch.ones_like(ids))
+    assert attention_calls == rope_calls == []
 
 
 def test_policy_with_c_attention_matches_sdpa_policy():
@@ -115,21 +111,12 @@ def test_policy_with_c_attention_matches_sdpa_policy():
     ids = torch.randint(0, cfg.vocab_size, (3, 23), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :6] = mask[2, :2] = 0
-    calls, apply, out = [], AttentionFunction.apply, {}
-    AttentionFunction.apply = lambda *a: calls.append(1) or apply(*a)
-    try:
+    out = {}
+    with counting(AttentionFunction) as calls:
         for core in ("fused", "sdpa"):
             m = build_policy(cfg, seed=0, core_attention=core)
-            assert isinstance(m.decoder.layers[0].self_attention.core_attention, fused_core_attention()) == (
-                core == "fused"
-            )
-            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
-            (-(lp * mask[:, 1:]).sum()).backward()
-            out[core] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
-    finally:
-        AttentionFunction.apply = apply
+            fused = isinstance(m.decoder.layers[0].self_attention.core_attention, fused_core_attention())
+            assert fused == (core == "fused")
+            out[core] = logp_and_grads(m, ids, mask)
     assert len(calls) == cfg.num_layers  # the fused policy's layers, not the SDPA policy's
-    (lp_f, g_f), (lp_s, g_s) = out["fused"], out["sdpa"]
-    torch.testing.assert_close(lp_f, lp_s, atol=1e-5, rtol=0)
-    for name, g in g_s.items():
-        torch.testing.assert_close(g_f[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_policy(out["fused"], out["sdpa"], exact=False)

@@ -13,6 +13,7 @@ from study.model import (
     norm_topk_prob,
     token_logp,
 )
+from tests.study.conftest import assert_same_policy, counting, logp_and_grads
 
 TINY = preset("tiny")
 
@@ -272,29 +273,24 @@ def test_fused_experts_equal_megatrons_sequential_mlp(dtype):
     megatron's own forward."""
     from study.moe_experts import ExpertsFunction, fused_sequential_mlp
 
-    ids, grads, calls = _batch(4, 21, seed=3), {}, []
+    ids = _batch(4, 21, seed=3)
     mask = torch.ones_like(ids)
     mask[:2, :5] = 0
+    out, counts = {}, []
     apply = ExpertsFunction.apply
-    ExpertsFunction.apply = lambda *a: calls.append(a[2]) or apply(*a)  # counts per expert of each call
+    ExpertsFunction.apply = lambda *a: counts.append(a[2]) or apply(*a)  # tokens per expert of each call
     try:
         for experts in ("fused", "megatron"):
             m = build_policy(TINY, seed=0, dtype=dtype, experts=experts)
             assert isinstance(m.decoder.layers[0].mlp.experts, fused_sequential_mlp()) == (experts == "fused")
-            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
-            (-(lp * mask[:, 1:]).sum()).backward()
-            grads[experts] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
+            out[experts] = logp_and_grads(m, ids, mask)
     finally:
         ExpertsFunction.apply = apply
     if dtype == "fp32":  # the Function ran in every layer, with every expert busy
-        assert len(calls) == TINY.num_layers and all(min(c) > 0 for c in calls)
+        assert len(counts) == TINY.num_layers and all(min(c) > 0 for c in counts)
     else:
-        assert not calls
-    (lp_f, g_f), (lp_m, g_m) = grads["fused"], grads["megatron"]
-    assert torch.equal(lp_f, lp_m)
-    assert g_f.keys() == g_m.keys()
-    for name, g in g_m.items():
-        assert torch.equal(g_f[name], g), name
+        assert not counts
+    assert_same_policy(out["fused"], out["megatron"], exact=True)
 
 
 def test_fused_experts_step_aside_for_hooks():
@@ -369,13 +365,8 @@ def test_fused_norms_policy_matches_torch_norms():
         layer = m.decoder.layers[0]
         kinds = {type(layer.input_layernorm), type(layer.pre_mlp_layernorm), type(layer.self_attention.q_layernorm)}
         assert kinds == ({FusedRMSNorm} if norms == "fused" else {torch.nn.RMSNorm})
-        lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
-        (-(lp * mask[:, 1:]).sum()).backward()
-        out[norms] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
-    (lp_f, g_f), (lp_t, g_t) = out["fused"], out["megatron"]
-    torch.testing.assert_close(lp_f, lp_t, atol=1e-5, rtol=0)
-    for name, g in g_t.items():
-        torch.testing.assert_close(g_f[name], g, atol=1e-5, rtol=1e-4, msg=name)
+        out[norms] = logp_and_grads(m, ids, mask)
+    assert_same_policy(out["fused"], out["megatron"], exact=False)
     with pytest.raises(ValueError, match="norms = 'apex'; valid: fused, megatron"):
         build_policy(TINY, seed=0, norms="apex")
 
@@ -392,15 +383,12 @@ def test_fused_rope_is_megatrons_bit_for_bit():
     ids = _batch(3, 19, seed=6)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    calls, apply, out = [], RopeFunction.apply, {}
-    RopeFunction.apply = lambda *a: calls.append(1) or apply(*a)
-    try:
+    out = {}
+    with counting(RopeFunction) as calls:
         for rope in ("fused", "megatron"):
             m = build_policy(TINY, seed=0, rope=rope)
             assert m.config.apply_rope_fusion == (rope == "fused")
-            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
-            (-(lp * mask[:, 1:]).sum()).backward()
-            out[rope] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
+            out[rope] = logp_and_grads(m, ids, mask)
         assert len(calls) == 2 * TINY.num_layers  # q and k of each layer, in the fused policy only
         g = torch.Generator().manual_seed(1)
         freqs = torch.rand(5, 1, 1, 8, generator=g)
@@ -409,12 +397,7 @@ def test_fused_rope_is_megatrons_bit_for_bit():
             want = _apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
             assert torch.equal(fused_rope(x, freqs, interleaved), want)
         assert len(calls) == 2 * TINY.num_layers
-    finally:
-        RopeFunction.apply = apply
-    (lp_f, g_f), (lp_m, g_m) = out["fused"], out["megatron"]
-    assert torch.equal(lp_f, lp_m)
-    for name, grad in g_m.items():
-        assert torch.equal(g_f[name], grad), name
+    assert_same_policy(out["fused"], out["megatron"], exact=True)
     with pytest.raises(ValueError, match="rope = 'yarn'; valid: fused, megatron"):
         build_policy(TINY, seed=0, rope="yarn")
 
@@ -448,21 +431,13 @@ def test_fused_cross_entropy_matches_megatrons():
     ids = _batch(3, 17, seed=8)
     mask = torch.ones_like(ids)
     mask[2, :3] = 0
-    calls, apply, out = [], CrossEntropyFunction.apply, {}
-    CrossEntropyFunction.apply = lambda *a: calls.append(1) or apply(*a)
-    try:
+    out = {}
+    with counting(CrossEntropyFunction) as calls:
         for kind in ("fused", "megatron"):
             m = build_policy(TINY, seed=0, cross_entropy=kind)
             assert isinstance(m, fused_loss_gpt_model()) == (kind == "fused")
-            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
-            (-(lp * mask[:, 1:]).sum()).backward()
-            out[kind] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()})
-    finally:
-        CrossEntropyFunction.apply = apply
+            out[kind] = logp_and_grads(m, ids, mask)
     assert len(calls) == 1  # the fused policy's loss; megatron's policy ran its own
-    (lp_f, g_f), (lp_m, g_m) = out["fused"], out["megatron"]
-    torch.testing.assert_close(lp_f, lp_m, atol=1e-5, rtol=0)
-    for name, grad_m in g_m.items():
-        torch.testing.assert_close(g_f[name], grad_m, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_policy(out["fused"], out["megatron"], exact=False)
     with pytest.raises(ValueError, match="cross_entropy = 'te'; valid: fused, megatron"):
         build_policy(TINY, seed=0, cross_entropy="te")
