@@ -1,14 +1,14 @@
 """The policy's core attention in C where that runs: study/csrc/attention.c, forward and backward.
 
-torch's SDPA on the CPU (its flash kernel) computes every query against every key and applies the mask afterwards,
-and its backward is a third of an update's attention-free elementwise time again: at the tiny preset's ~80-token
-sequences, ~14% of an update (docs/performance.md). `attention` runs the same softmax(scale q k^T + mask) v in C over
-each query's visible span only (a causal, left-padded batch: about half the dense work), with register-blocked
-score loops over transposed keys and a backward that recomputes the probabilities from the saved log-sum-exp.
-It runs for fp32 CPU tensors with the kernel built (study/native.py) and no torch mode active (emulated precision
-rounds SDPA's operands); the caller (study/model.py `fused_core_attention`, which also steps aside for hooks on the
-module) falls back to SDPA elsewhere. The C sums run in another order: outputs and gradients agree
-with SDPA's to ~1e-6 relative, not bit for bit (tests/study/test_attention.py).
+torch's SDPA on the CPU (its flash kernel) scores every query against every key and applies the mask afterwards;
+its forward and backward were ~14% of an update at the tiny preset's ~80-token sequences (docs/performance.md).
+`attention` computes the same softmax(scale q k^T + mask) v in C over each query's visible span only (a causal,
+left-padded batch: about half the dense work), with register-blocked score loops over transposed keys and a backward
+that recomputes the probabilities from the saved log-sum-exp. It runs for fp32 CPU tensors with the kernel built
+(study/native.py) and no torch mode active (emulated precision rounds SDPA's operands); the caller (study/model.py
+`fused_core_attention`, which also steps aside for hooks on the module) falls back to SDPA elsewhere. The C sums run
+in another order: outputs and gradients agree with SDPA's to ~1e-6 relative, not bit for bit
+(tests/study/test_attention.py). The kernel is single-threaded, like the package's others (study/native.py).
 """
 
 from __future__ import annotations

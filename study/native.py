@@ -6,7 +6,8 @@ each where they can. Each kernel keeps a torch fallback that runs where it canno
 `STUDY_NATIVE=0`, inputs it does not handle (another dtype or device, hooks), or while a torch mode intercepts ops
 (`intercepted`). Most kernels' sums run in another order than torch's, so results agree to ~1e-6, not bit for bit
 (RoPE's are bit for bit); each use is tested against the torch path, and a run's manifest says whether the kernels
-ran (`native_kernels`).
+ran (`native_kernels`). The kernels are single-threaded: they win at one or two torch threads (this harness's runs
+and cold starts); with many threads torch's own ops may be faster, and `STUDY_NATIVE=0` compares the two.
 
 A shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default `~/.cache`),
 named by a hash of its source, the flags and this CPU's model and flags, so a cluster's nodes of different CPU kinds
