@@ -50,7 +50,7 @@ class AttentionFunction(torch.autograd.Function):
         if library().attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), *args, out.data_ptr(), lse.data_ptr()):
             raise MemoryError("native attention: out of memory for its workspace")
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.args = mask, args
+        ctx.mask, ctx.args = mask, args  # args holds the mask's pointer: keep the mask alive with it
         return out
 
     @staticmethod
@@ -77,10 +77,8 @@ def attention(
     `mask` megatron's (B or 1, 1, S, S) bool, True = masked, or None), output (S, B, hq d); None where the kernel does
     not run (not fp32 on the CPU, shapes it does not take, a torch mode active, no kernel): the caller's own path
     then runs."""
-    tensors = (query, key, value)
-    if native.intercepted():  # a torch mode (emulated precision) must see SDPA's operands
-        return None
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4 for t in tensors):
+    # a torch mode (emulated precision) must see SDPA's operands: native.runs_on says no then
+    if not native.runs_on(query, key, value) or not all(t.dim() == 4 for t in (query, key, value)):
         return None
     s, b, hq, d = query.shape
     if key.shape != value.shape or key.shape[:2] != (s, b) or key.shape[3] != d or hq % key.shape[2] or s == 0:

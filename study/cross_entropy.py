@@ -53,7 +53,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | 
     """The per-token loss of `logits` (S, B, V) against `target` (S, B) as megatron's `vocab_parallel_cross_entropy`
     computes it at one tensor-parallel rank, in C; None where the kernel does not run (not fp32 on the CPU, targets
     outside the vocabulary, a torch mode active, no kernel): the caller's own path then runs."""
-    if native.intercepted() or logits.dtype != torch.float32 or logits.device.type != "cpu":
+    if not native.runs_on(logits):
         return None
     if target.shape != logits.shape[:-1] or target.dtype != torch.int64 or target.device.type != "cpu":
         return None

@@ -50,6 +50,13 @@ def _cpu_id() -> str:
     return "\n".join(keep)
 
 
+def runs_on(*tensors) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the C kernels may run on `tensors`: fp32 on the CPU, and no torch mode active (`intercepted`)."""
+    import torch
+
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and not intercepted()
+
+
 def intercepted() -> bool:
     """Whether a torch function or dispatch mode is active (emulated precision's rounding is one): a C kernel would
     hide its ops from the mode, so the callers' torch paths run instead."""

@@ -34,10 +34,10 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):  # type: ignore[no-untyped-def]
         s, d = x.shape[0], x.shape[-1]
+        ctx.shape = (s, x.numel() // (s * d), d)  # positions, rows per position, head size
         y = torch.empty_like(x)
-        library().rope_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), s, x.numel() // (s * d), d, y.data_ptr())
+        library().rope_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *ctx.shape, y.data_ptr())
         ctx.save_for_backward(cos, sin)
-        ctx.shape = (s, x.numel() // (s * d), d)
         return y
 
     @staticmethod
@@ -61,11 +61,8 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
         or t.dim() != 4
         or t.numel() == 0
         or d % 2
-        or t.dtype != torch.float32
-        or freqs.dtype != torch.float32
-        or t.device.type != "cpu"
         or freqs.shape != (s, 1, 1, d)
-        or native.intercepted()  # emulated precision rounds each of the unfused code's ops
+        or not native.runs_on(t, freqs)  # also no torch mode: emulated precision rounds each unfused op
         or library() is None
     ):
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)

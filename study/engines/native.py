@@ -44,20 +44,13 @@ class _Layer(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled step with its signatures declared, or None where it cannot be built or the kernels are off."""
-    lib = native.load("qwen3_moe_decode")
-    if lib is None:
-        return None
-    lib.qwen3_moe_decode_step.restype = ctypes.c_int
-    ptr = ctypes.c_void_p
-    lib.qwen3_moe_decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, ctypes.c_int64,
-                                          ptr, ptr]  # fmt: skip
-    lib.qwen3_moe_generate.restype = ctypes.c_int64
-    i64, f64 = ctypes.c_int64, ctypes.c_double
-    lib.qwen3_moe_generate.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ptr, ptr, i64, ptr, f64, ptr,
-                                       i64, i64, ptr, ptr, ptr, ptr, ptr]  # fmt: skip
-    lib.qwen3_moe_sample.restype = ctypes.c_int
-    lib.qwen3_moe_sample.argtypes = [ptr, ctypes.c_int64, ctypes.c_int64, ptr, ctypes.c_double, ptr, ptr]
-    return lib
+    p, i64, f64, rc = native.PTR, native.I64, native.F64, native.INT
+    model, layers = ctypes.POINTER(_Model), ctypes.POINTER(_Layer)
+    return native.bind("qwen3_moe_decode", {
+        "qwen3_moe_decode_step": ([model, layers, p, p, i64, p, p], rc),
+        "qwen3_moe_generate": ([model, layers, p, p, i64, p, f64, p, i64, i64, p, p, p, p, p], i64),
+        "qwen3_moe_sample": ([p, i64, i64, p, f64, p, p], rc),
+    })  # fmt: skip
 
 
 def _ptr(t: torch.Tensor):  # type: ignore[no-untyped-def]
