@@ -11,33 +11,34 @@ Replay partner of an algorithm is found through the registry (same loss function
 Two-group quantities (differences, ratios) are bootstrapped by resampling the seeds of each group independently
 (seeded, so a report is reproducible). Failed runs (infrastructure) are excluded; collapsed runs count.
 
-Stratification: runs that differ in another swept axis (dtype, generation length, ...) are never pooled into one
-sample. Each claim's comparison is made within every stratum = combination of the swept axes other than the claim's
-own axis (seeds are the samples, never a stratum), and the per-stratum verdicts are combined by STRATA_RULE:
-contradicted if any stratum with data is contradicted, supported if every stratum with data is supported, else
-inconclusive. A stratum "has data" when every compared group has a usable run in it. Two kinds of swept axes are not
-stratified, and the rule text names them: axes whose values the compared groups do not share (e.g. a per-algorithm
-`hparams.*`: no stratum could hold both groups, so each group is pooled over its own values), and axes fully
-determined by the stratified ones (train_dtype given train_precision). With several strata, each stratum's
-evidence is listed with its own verdict, plus the pooled estimate for reference (not used in the verdict).
+Stratification (analysis.strata): each claim's comparison is made within every stratum of the other swept axes,
+never pooled across them, and the per-stratum verdicts are combined by STRATA_RULE.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from analysis import stats, style, vocab
 from analysis.fit import A_NOISE
+from analysis.strata import (
+    STRATA_RULE,
+    Evaluate,
+    Stratification,
+    Stratum,
+    combine,
+    outcome,
+    run_strata,
+    stratify,
+    usable,
+)
 from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
+from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence
 
-SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
-NO_DATA = "no data"
-"""A stratum in which some compared group has no usable run (not counted in the combined verdict)."""
 NOT_IN_STUDY = "not in this study"
 GSPO, GRPO = "gspo", "grpo"
 CLIP_RATIO = 10.0
@@ -48,11 +49,6 @@ FINAL_FRAC = 0.1
 """Final window: the last 10% of the (common) compute grid."""
 N_GRID = 100
 N_RESAMPLES = 4000
-STRATA_RULE = (
-    "contradicted if the comparison is contradicted in any stratum with data; supported if it is supported in every "
-    "stratum with data; otherwise inconclusive (also when no stratum has data)"
-)
-"""How per-stratum verdicts combine into the claim's verdict (quoted in every stratified rule)."""
 CLAIMS = {
     "C1": "GSPO trains more efficiently than GRPO at equal compute.",
     "C2": "GSPO's clipped-token fraction is >= 10x GRPO's.",
@@ -61,45 +57,6 @@ CLAIMS = {
     "C5": "GSPO tolerates inference-engine log-probs as pi_old (precision mismatch) better than GRPO.",
     "C6": "Performance keeps improving with more compute and longer generation length.",
 }
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """One number behind a verdict: estimate, bootstrap interval over seeds, sample sizes."""
-
-    name: str
-    estimate: float
-    low: float
-    high: float
-    n: str
-    """Sample sizes, e.g. "3 vs 3" (runs of each group)."""
-    stratum: str = ""
-    """The stratum this number is computed in ("max_new_tokens=256, rollout_dtype=bf16"); "" = the whole study."""
-    verdict: str = ""
-    """The stratum's verdict, on the first evidence line of each stratum of a stratified claim."""
-
-    def __str__(self) -> str:
-        head = f"[{self.stratum}] " if self.stratum else ""
-        if self.verdict == NO_DATA:
-            return f"{head}{NO_DATA}: {self.name}"
-        tail = f" -> {self.verdict}" if self.verdict else ""
-        return f"{head}{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n}){tail}"
-
-
-@dataclass
-class Stratum:
-    """One stratum of a claim: its axis values, its verdict (or NO_DATA) and its evidence."""
-
-    key: dict[str, Any]
-    verdict: str
-    evidence: list[Evidence] = field(default_factory=list)
-    part: str = ""
-    """For claims with several parts (C6): which part this stratum belongs to."""
-
-    @property
-    def label(self) -> str:
-        key = ", ".join(f"{k}={v}" for k, v in self.key.items()) or "all runs"
-        return f"{self.part}: {key}" if self.part else key
 
 
 @dataclass
@@ -211,7 +168,7 @@ def _absent(claim: str, rule: str, what: str) -> ClaimResult:
 
 def _usable_runs(study: Study) -> pd.DataFrame:
     """Runs that carry evidence: everything but failed (infrastructure) and unknown-state runs."""
-    return study.runs[~study.runs["state"].isin(["failed", "unknown"])]
+    return study.runs[usable(study.runs)]
 
 
 def _final_reward_at_common_compute(
@@ -258,137 +215,6 @@ def _alg_mask(study: Study, name: str) -> pd.Series:
     return study.runs[ALGORITHM].astype(str) == name
 
 
-# --- stratification ---------------------------------------------------------------------------------------------------
-@dataclass
-class Stratification:
-    """How a claim's runs are split: the stratified axes, the swept axes left pooled (and why), the strata."""
-
-    axes: list[str]
-    """Axes stratified on."""
-    unshared: list[str]
-    """Swept axes whose values the compared groups do not share (pooled within each group)."""
-    determined: list[str]
-    """Swept axes fully determined by the stratified ones (adding them splits nothing)."""
-    strata: list[tuple[dict[str, Any], pd.Series]]
-    """(axis values, boolean mask over study.runs) per stratum; one ({}, all True) when nothing is stratified."""
-
-    def text(self, own: Sequence[str] = ()) -> str:
-        """The sentence appended to a claim's rule."""
-        if not self.axes and not self.unshared:
-            out = " No other swept axis varies among the compared runs: one comparison over all of them."
-        elif not self.axes:
-            out = " Nothing to stratify on: one comparison over all the compared runs."
-        else:
-            out = (
-                f" Stratified: the comparison is made separately in each of the {len(self.strata)} combinations of "
-                f"{', '.join(self.axes)} (seeds are the samples); combined verdict: {STRATA_RULE}. Each stratum is "
-                "decided at 95%, so with many strata a spurious contradiction somewhere is likelier; the per-stratum "
-                "evidence is listed so another rule can be applied."
-            )
-        if own:
-            out += f" Not stratified on the claim's own axis {', '.join(own)}."
-        if self.unshared:
-            out += (
-                " CONFOUNDED, not stratified: the compared groups share no value of "
-                f"{', '.join(self.unshared)}, so the comparison includes the effect of those axes (each group is "
-                "pooled over its own values)."
-            )
-        if self.determined:
-            out += f" Determined by the stratified axes: {', '.join(self.determined)}."
-        return out
-
-
-def _stratify(study: Study, groups: Mapping[str, pd.Series], *, exclude: Sequence[str] = ()) -> Stratification:
-    """Strata of the usable runs of `groups` (name -> mask over study.runs) over every swept axis except `exclude`."""
-    runs = study.runs
-    usable = ~runs["state"].isin(["failed", "unknown"])
-    members = usable.copy() & False
-    for m in groups.values():
-        members |= m & usable
-    # axis values as strings, unset (None / NaN) as "unset", so that grouping and matching agree
-    text = {a: runs[a].map(lambda v: "unset" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
-            for a in study.axes if a not in exclude}  # fmt: skip
-    sub = pd.DataFrame({a: t[members] for a, t in text.items()})
-    strat: list[str] = []
-    unshared: list[str] = []
-    determined: list[str] = []
-
-    def n_combos(cols: list[str]) -> int:
-        return len(sub[cols].drop_duplicates()) if cols else 1
-
-    for a in text:
-        if sub[a].nunique() <= 1:
-            continue
-        shared = set.intersection(*(set(text[a][m & usable]) for m in groups.values()))
-        if not shared:
-            unshared.append(a)
-        elif n_combos([*strat, a]) > n_combos(strat):
-            strat.append(a)
-        else:
-            determined.append(a)
-    if not strat:
-        return Stratification([], unshared, determined, [({}, pd.Series(True, index=runs.index))])
-
-    def natural(v: str) -> tuple[int, float, str]:  # numbers in numeric order, then strings
-        try:
-            return (0, float(v), "")
-        except ValueError:
-            return (1, 0.0, v)
-
-    keys = sorted(set(sub[strat].itertuples(index=False, name=None)), key=lambda k: tuple(natural(v) for v in k))
-    out = []
-    for key in keys:
-        mask = pd.Series(True, index=runs.index)
-        for a, v in zip(strat, key, strict=True):
-            mask &= text[a] == v
-        first = runs.loc[mask & members].iloc[0]  # the axis values as the runs table holds them (numbers as numbers)
-        out.append(({a: first[a] for a in strat}, mask))
-    return Stratification(strat, unshared, determined, out)
-
-
-Evaluate = Callable[[pd.Series], tuple[str, list[Evidence]] | None]
-"""A claim's comparison within a stratum (mask over study.runs) -> (verdict, evidence), None when there is no data."""
-
-
-def _has_data(study: Study, groups: Mapping[str, pd.Series], mask: pd.Series) -> bool:
-    usable = ~study.runs["state"].isin(["failed", "unknown"])
-    return all(bool((m & mask & usable).any()) for m in groups.values())
-
-
-def _run_strata(
-    study: Study, strat: Stratification, groups: Mapping[str, pd.Series] | None, evaluate: Evaluate, part: str = ""
-) -> list[Stratum]:
-    out = []
-    for key, mask in strat.strata:
-        res = None if groups is not None and not _has_data(study, groups, mask) else evaluate(mask)
-        out.append(Stratum(key, NO_DATA, [], part) if res is None else Stratum(key, res[0], res[1], part))
-    return out
-
-
-def combine(verdicts: Sequence[str]) -> str:
-    """STRATA_RULE: contradicted if any stratum with data is, supported if all with data are, else inconclusive."""
-    with_data = [v for v in verdicts if v != NO_DATA]
-    if CONTRADICTED in with_data:
-        return CONTRADICTED
-    if with_data and all(v == SUPPORTED for v in with_data):
-        return SUPPORTED
-    return INCONCLUSIVE
-
-
-def _combined_reason(strata: Sequence[Stratum]) -> str:
-    with_data = [s for s in strata if s.verdict != NO_DATA]
-    if not with_data:
-        return "no stratum has usable runs of every compared group"
-    counts = {v: [s.label for s in with_data if s.verdict == v] for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE)}
-    parts = [f"{v} in {len(c)}" for v, c in counts.items() if c]
-    out = f"{', '.join(parts)} of {len(with_data)} strata with data"
-    if len(with_data) < len(strata):
-        out += f" ({len(strata) - len(with_data)} without)"
-    if counts[CONTRADICTED]:
-        out += "; contradicted in: " + "; ".join(counts[CONTRADICTED])
-    return out
-
-
 def _finish(
     claim: str,
     rule: str,
@@ -398,33 +224,9 @@ def _finish(
     *,
     own: Sequence[str] = (),
 ) -> ClaimResult:
-    """The claim's result: a single stratum reads as before; several are combined by STRATA_RULE."""
-    rule = rule + strat.text(own)
-    if len(strata) == 1:
-        s = strata[0]
-        if s.verdict == NO_DATA:
-            return ClaimResult(
-                claim, CLAIMS[claim], INCONCLUSIVE, rule, [], "no usable runs of every compared group", strata
-            )
-        return ClaimResult(
-            claim, CLAIMS[claim], s.verdict, rule, s.evidence, _reason(s.verdict, *s.evidence[:1]), strata
-        )
-    verdict = combine([s.verdict for s in strata])
-    evidence = []
-    for s in strata:
-        if s.verdict == NO_DATA:
-            evidence.append(
-                Evidence("some compared group has no usable run", np.nan, np.nan, np.nan, "0", s.label, NO_DATA)
-            )
-            continue
-        for k, e in enumerate(s.evidence):
-            evidence.append(Evidence(e.name, e.estimate, e.low, e.high, e.n, s.label, s.verdict if k == 0 else ""))
-    if pooled is not None:
-        res = pooled(pd.Series(True, index=next(iter(strat.strata))[1].index))
-        if res is not None and res[1]:
-            e = res[1][0]
-            evidence.append(Evidence(e.name, e.estimate, e.low, e.high, e.n, "pooled over strata, reference only"))
-    return ClaimResult(claim, CLAIMS[claim], verdict, rule, evidence, _combined_reason(strata), strata)
+    """The claim's result from its per-stratum verdicts (strata.outcome); the rule says how it was stratified."""
+    verdict, evidence, reason = outcome(strat, strata, pooled)
+    return ClaimResult(claim, CLAIMS[claim], verdict, rule + strat.text(own), evidence, reason, strata)
 
 
 def _grpo_baseline(present: Sequence[str]) -> str | None:
@@ -464,8 +266,8 @@ def claim_c1(study: Study) -> ClaimResult:
         ]
         return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
 
-    strat = _stratify(study, groups)
-    return _finish("C1", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
+    strat = stratify(study, groups)
+    return _finish("C1", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c2(study: Study) -> ClaimResult:
@@ -499,14 +301,14 @@ def claim_c2(study: Study) -> ClaimResult:
         ]
         return _decide(lo, hi, up=CLIP_RATIO, down=CLIP_RATIO), ev
 
-    strat = _stratify(study, groups)
-    return _finish("C2", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
+    strat = stratify(study, groups)
+    return _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def _collapsed(study: Study) -> pd.DataFrame:
     """Per usable run: 1.0 when it collapsed (reported in status.json or detected in the reward), else 0.0."""
     coll = stats.collapse_table(study.long, study.runs, vocab.REWARD)
-    coll = coll[~coll["state"].isin(["failed", "unknown"])]
+    coll = coll[usable(coll)]
     return pd.DataFrame(
         {
             RUN_ID: coll[RUN_ID].astype(str).to_numpy(),
@@ -554,8 +356,8 @@ def claim_c3(study: Study) -> ClaimResult:
         ]
         return verdict, ev
 
-    strat = _stratify(study, groups)
-    return _finish("C3", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
+    strat = stratify(study, groups)
+    return _finish("C3", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c4(study: Study) -> ClaimResult:
@@ -594,8 +396,8 @@ def claim_c4(study: Study) -> ClaimResult:
         ]
         return verdict, ev
 
-    strat = _stratify(study, groups)
-    return _finish("C4", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate)
+    strat = stratify(study, groups)
+    return _finish("C4", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
 
 
 def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
@@ -627,8 +429,8 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         ]
         return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
 
-    strat = _stratify(study, groups, exclude=[axis])
-    return _finish("C5", rule, strat, _run_strata(study, strat, groups, evaluate), evaluate, own=[axis])
+    strat = stratify(study, groups, exclude=[axis])
+    return _finish("C5", rule, strat, run_strata(study, strat, groups, evaluate), evaluate, own=[axis])
 
 
 def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
@@ -677,15 +479,15 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         ev = [Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"]))]
         return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
 
-    s_compute = _stratify(study, gspo)
-    strata = _run_strata(study, s_compute, gspo, compute_part, part="compute")
+    s_compute = stratify(study, gspo)
+    strata = run_strata(study, s_compute, gspo, compute_part, part="compute")
     part_verdicts = [combine([s.verdict for s in strata])]
     no_compute = strata[0].verdict == NO_DATA and len(s_compute.strata) == 1
     compute_note = "no data (no GSPO run with at least 4 logged steps)" if no_compute else part_verdicts[0]
     swept = axis in study.axes and study.runs.loc[gspo[GSPO], axis].nunique() > 1
     if swept:
-        s_length = _stratify(study, gspo, exclude=[axis])
-        length = _run_strata(study, s_length, gspo, length_part, part="length")
+        s_length = stratify(study, gspo, exclude=[axis])
+        length = run_strata(study, s_length, gspo, length_part, part="length")
         strata += length
         part_verdicts.append(combine([s.verdict for s in length]))
         text = f" (a) {s_compute.text().strip()} (b) {s_length.text([axis]).strip()}"
@@ -716,12 +518,6 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
 def _mean_ev(name: str, x: np.ndarray) -> Evidence:
     ci = stats.bootstrap_ci(x, n_resamples=N_RESAMPLES)
     return Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n))
-
-
-def _reason(verdict: str, *ev: Evidence) -> str:
-    if verdict == INCONCLUSIVE and any(not np.isfinite(e.low) for e in ev):
-        return "no interval (fewer than two usable runs per group)"
-    return "; ".join(str(e) for e in ev)
 
 
 CLAIM_FUNCTIONS = {"C1": claim_c1, "C2": claim_c2, "C3": claim_c3, "C4": claim_c4, "C5": claim_c5, "C6": claim_c6}

@@ -191,11 +191,3 @@ def test_c5_stratifies_on_the_other_axes_but_not_its_own(tmp_path) -> None:
     r = scorecard.claim_c5(tidy.load_study(tmp_path))
     assert [s.key for s in r.strata] == [{"rollout_dtype": "bf16"}, {"rollout_dtype": "fp16"}]
     assert "Not stratified on the claim's own axis old_logp_source" in r.rule
-
-
-def test_combine_rule() -> None:
-    nd = scorecard.NO_DATA
-    assert scorecard.combine([SUPPORTED, SUPPORTED, nd]) == SUPPORTED
-    assert scorecard.combine([SUPPORTED, CONTRADICTED]) == CONTRADICTED
-    assert scorecard.combine([SUPPORTED, INCONCLUSIVE]) == INCONCLUSIVE
-    assert scorecard.combine([nd, nd]) == INCONCLUSIVE
