@@ -2,8 +2,10 @@
 
 Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale) and comes with the numbers it
 was decided on (point estimate, 95% percentile bootstrap interval over seeds, n) and the rule as a sentence, so a
-reader can disagree with the rule rather than with a hidden threshold. A claim whose algorithms or axis are absent
-from the study is "inconclusive" with a reason starting "not in this study".
+reader can disagree with the rule rather than with a hidden threshold. The verdict is read off the interval by the
+claim's `Decision`s (DECISIONS, analysis.verdicts) and the rule quotes their own sentences, so prose and code
+agree. A claim whose algorithms or axis are absent from the study is "inconclusive" with a reason starting "not in
+this study".
 
 The claims are about the paper's algorithms, so this module names them (gspo, grpo, grpo_rr, gspo_rr); the Routing
 Replay partner of an algorithm is found through the registry (same loss function, routing "replay"), never by name.
@@ -37,7 +39,17 @@ from analysis.strata import (
     usable,
 )
 from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence
+from analysis.verdicts import (
+    CONJUNCTION_RULE,
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NO_DATA,
+    SUPPORTED,
+    Bound,
+    Decision,
+    Evidence,
+    conjunction,
+)
 
 NOT_IN_STUDY = "not in this study"
 GSPO, GRPO = "gspo", "grpo"
@@ -49,6 +61,29 @@ FINAL_FRAC = 0.1
 """Final window: the last 10% of the (common) compute grid."""
 N_GRID = 100
 N_RESAMPLES = 4000
+POSITIVE = Decision(Bound("lower", ">", 0.0), Bound("upper", "<", 0.0))
+"""C1, C5 and each gain of C6: a difference the claim says is positive."""
+CLIP_DECISION = Decision(Bound("lower", ">=", CLIP_RATIO), Bound("upper", "<", CLIP_RATIO))
+"""C2: the ratio of clip fractions against CLIP_RATIO."""
+COLLAPSE_DECISION = Decision(Bound("lower", ">", 0.0), Bound("upper", "<=", 0.0, "free GRPO collapses no more often"))
+"""C3: collapse rate of GRPO without Routing Replay minus with it."""
+REPLAY_GAIN_DECISION = Decision(
+    Bound("upper", "<", EQUIV_MARGIN, "replay gains less than seed noise"), Bound("lower", ">", EQUIV_MARGIN)
+)
+"""C4: reward of GSPO with Routing Replay minus without it, against the noise margin."""
+FREE_COLLAPSE_DECISION = Decision(
+    Bound("upper", "<=", 0.0, "no free-routing GSPO run collapsed"), Bound("lower", ">", 0.0)
+)
+"""C4: collapse rate of GSPO without Routing Replay."""
+DECISIONS = {
+    "C1": (POSITIVE,),
+    "C2": (CLIP_DECISION,),
+    "C3": (COLLAPSE_DECISION,),
+    "C4": (REPLAY_GAIN_DECISION, FREE_COLLAPSE_DECISION),
+    "C5": (POSITIVE,),
+    "C6": (POSITIVE,),
+}
+"""The decisions each claim's verdict is read from (their sentences are quoted in the claim's rule)."""
 CLAIMS = {
     "C1": "GSPO trains more efficiently than GRPO at equal compute.",
     "C2": "GSPO's clipped-token fraction is >= 10x GRPO's.",
@@ -134,15 +169,6 @@ def _boot_four(
     return est, float(lo), float(hi)
 
 
-def _decide(low: float, high: float, *, up: float, down: float) -> str:
-    """supported when low >= up, contradicted when high < down, else inconclusive (NaN bounds: inconclusive)."""
-    if np.isfinite(low) and low >= up:
-        return SUPPORTED
-    if np.isfinite(high) and high < down:
-        return CONTRADICTED
-    return INCONCLUSIVE
-
-
 def replay_partner(name: str, present: Sequence[str]) -> str | None:
     """The algorithm of `present` with the same loss function as `name` and routing "replay" (via the registry)."""
     reg = style._registry()
@@ -166,9 +192,9 @@ def _absent(claim: str, rule: str, what: str) -> ClaimResult:
     return ClaimResult(claim, CLAIMS[claim], INCONCLUSIVE, rule, [], f"{NOT_IN_STUDY} ({what})")
 
 
-def _usable_runs(study: Study) -> pd.DataFrame:
-    """Runs that carry evidence: everything but failed (infrastructure) and unknown-state runs."""
-    return study.runs[usable(study.runs)]
+def _usable_ids(study: Study) -> set[str]:
+    """Ids of the runs that carry evidence: everything but failed (infrastructure) and unknown-state runs."""
+    return set(study.runs.loc[usable(study.runs), RUN_ID].astype(str))
 
 
 def _final_reward_at_common_compute(
@@ -177,8 +203,8 @@ def _final_reward_at_common_compute(
     """Per group (a boolean mask over study.runs): each run's mean `metric` over the last FINAL_FRAC of a compute grid
     that ends where the shortest-running group's longest run ends ("equal compute"). A collapsed run is held at its
     last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded."""
-    usable = set(_usable_runs(study)[RUN_ID].astype(str))
-    ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable for g, m in groups.items()}
+    usable_ids = _usable_ids(study)
+    ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable_ids for g, m in groups.items()}
     rows = stats.metric_rows(study.long, metric)
     rows = rows[rows[RUN_ID].astype(str).isin(set().union(*ids.values()))]
     if rows.empty:
@@ -248,7 +274,7 @@ def claim_c1(study: Study) -> ClaimResult:
     rule = (
         "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over the last "
         f"{FINAL_FRAC:.0%} of the compute both reached (collapsed runs held at their last value, failed runs "
-        "excluded); 95% CI lower bound > 0 -> supported; upper bound < 0 -> contradicted; else inconclusive."
+        f"excluded); {POSITIVE}."
     )
     if GSPO not in present or base is None:
         return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -264,7 +290,7 @@ def claim_c1(study: Study) -> ClaimResult:
             _mean_ev(f"reward({GSPO})", vals[GSPO]),
             _mean_ev(f"reward({base})", vals[base]),
         ]
-        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+        return POSITIVE(lo, hi), ev
 
     strat = stratify(study, groups)
     return _finish("C1", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
@@ -276,16 +302,15 @@ def claim_c2(study: Study) -> ClaimResult:
     base = _grpo_baseline(present)
     rule = (
         f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
-        f"per run then over seeds; 95% CI lower bound >= {CLIP_RATIO:g} -> supported; upper bound < {CLIP_RATIO:g} "
-        "-> contradicted; else inconclusive."
+        f"per run then over seeds; {CLIP_DECISION}."
     )
     if GSPO not in present or base is None:
         return _absent("C2", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
     if vocab.CLIP not in study.metrics:
         return _absent("C2", rule, f"metric {vocab.CLIP} not logged")
     per_run = stats.run_mean(study.long, vocab.CLIP)
-    usable = set(_usable_runs(study)[RUN_ID].astype(str))
-    per_run = per_run[per_run[RUN_ID].astype(str).isin(usable)]
+    usable_ids = _usable_ids(study)
+    per_run = per_run[per_run[RUN_ID].astype(str).isin(usable_ids)]
     alg, rid = per_run[ALGORITHM].astype(str), per_run[RUN_ID].astype(str)
     groups = {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)}
 
@@ -299,7 +324,7 @@ def claim_c2(study: Study) -> ClaimResult:
             _mean_ev(f"clip_frac({GSPO})", x),
             _mean_ev(f"clip_frac({base})", y),
         ]
-        return _decide(lo, hi, up=CLIP_RATIO, down=CLIP_RATIO), ev
+        return CLIP_DECISION(lo, hi), ev
 
     strat = stratify(study, groups)
     return _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
@@ -330,8 +355,7 @@ def claim_c3(study: Study) -> ClaimResult:
     rr = replay_partner(GRPO, present) if GRPO in present else None
     rule = (
         "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
-        "(the registry's replay partner: same loss, routing=replay); 95% CI lower bound > 0 -> supported; upper "
-        "bound <= 0 (free GRPO collapses no more often) -> contradicted; else inconclusive."
+        f"(the registry's replay partner: same loss, routing=replay); {COLLAPSE_DECISION}."
     )
     if free is None or rr is None:
         return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
@@ -343,18 +367,12 @@ def claim_c3(study: Study) -> ClaimResult:
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         a, b = _rates(coll, study, mask, free), _rates(coll, study, mask, rr)
         est, lo, hi = _boot_two(a, b, lambda x, y: x - y)
-        if np.isfinite(lo) and lo > 0:
-            verdict = SUPPORTED
-        elif np.isfinite(hi) and hi <= 0:
-            verdict = CONTRADICTED
-        else:
-            verdict = INCONCLUSIVE
         ev = [
             Evidence(f"collapse_rate({free}) - collapse_rate({rr})", est, lo, hi, _n(a, b)),
             _mean_ev(f"collapse_rate({free})", a),
             _mean_ev(f"collapse_rate({rr})", b),
         ]
-        return verdict, ev
+        return COLLAPSE_DECISION(lo, hi), ev
 
     strat = stratify(study, groups)
     return _finish("C3", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
@@ -365,12 +383,11 @@ def claim_c4(study: Study) -> ClaimResult:
     present = _present(study)
     free = _free_of(GSPO, present)
     rr = replay_partner(GSPO, present) if GSPO in present else None
-    m = EQUIV_MARGIN
     rule = (
         "g = reward of GSPO with Routing Replay minus without it, over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached; supported when no free-routing GSPO run collapsed and g's "
-        f"95% CI upper bound < {m:g} (replay gains less than seed noise); contradicted when g's CI lower bound > {m:g} "
-        "or free GSPO's collapse-rate CI lower bound > 0; else inconclusive."
+        f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
+        f"GSPO without Routing Replay. g: {REPLAY_GAIN_DECISION}. c: {FREE_COLLAPSE_DECISION}. The claim: "
+        f"{CONJUNCTION_RULE}."
     )
     if free is None or rr is None:
         return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
@@ -384,12 +401,7 @@ def claim_c4(study: Study) -> ClaimResult:
         est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
         rates = _rates(coll, study, mask, free)
         rci = stats.bootstrap_ci(rates, n_resamples=N_RESAMPLES)
-        if (np.isfinite(lo) and lo > m) or (np.isfinite(rci.low) and rci.low > 0):
-            verdict = CONTRADICTED
-        elif np.isfinite(hi) and hi < m and rates.size and not rates.any():
-            verdict = SUPPORTED
-        else:
-            verdict = INCONCLUSIVE
+        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), FREE_COLLAPSE_DECISION(rci.low, rci.high)])
         ev = [
             Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
             Evidence(f"collapse_rate({free})", rci.estimate, rci.low, rci.high, str(rci.n)),
@@ -407,7 +419,7 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
-        "recompute); 95% CI lower bound > 0 -> supported; upper bound < 0 -> contradicted; else inconclusive."
+        f"recompute); {POSITIVE}."
     )
     if GSPO not in present or GRPO not in present:
         return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -427,7 +439,7 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
             Evidence("drop(grpo)", *_boot_two(g[0], g[1], lambda a, b: a - b), _n(g[0], g[1])),
             Evidence("drop(gspo)", *_boot_two(g[2], g[3], lambda a, b: a - b), _n(g[2], g[3])),
         ]
-        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+        return POSITIVE(lo, hi), ev
 
     strat = stratify(study, groups, exclude=[axis])
     return _finish("C5", rule, strat, run_strata(study, strat, groups, evaluate), evaluate, own=[axis])
@@ -439,17 +451,16 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     present = _present(study)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
-        f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. "
-        "Supported when both 95% CI lower bounds > 0; contradicted when either CI upper bound < 0; else inconclusive "
-        f"(also when {axis} is not swept)."
+        f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. Each "
+        f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
     )
     if GSPO not in present:
         return _absent("C6", rule, f"{GSPO} absent")
     if vocab.REWARD not in study.metrics:
         return _absent("C6", rule, f"metric {vocab.REWARD} not logged")
-    usable = set(_usable_runs(study)[RUN_ID].astype(str))
+    usable_ids = _usable_ids(study)
     rows = stats.metric_rows(study.long, vocab.REWARD)
-    rows = rows[(rows[ALGORITHM].astype(str) == GSPO) & rows[RUN_ID].astype(str).isin(usable)]
+    rows = rows[(rows[ALGORITHM].astype(str) == GSPO) & rows[RUN_ID].astype(str).isin(usable_ids)]
     gains: dict[str, float] = {}
     for rid, r in rows.groupby(RUN_ID, observed=True, sort=False):
         v = r["value"].to_numpy(np.float64)
@@ -464,10 +475,10 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         if ci.n == 0:
             return None
         ev = [Evidence("compute gain (last vs third quarter)", ci.estimate, ci.low, ci.high, str(ci.n))]
-        return _decide(ci.low, ci.high, up=np.nextafter(0, 1), down=0.0), ev
+        return POSITIVE(ci.low, ci.high), ev
 
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
-        m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable)
+        m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable_ids)
         lens = study.runs.loc[m, axis]
         if lens.nunique() < 2:
             return None
@@ -477,7 +488,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         )
         est, lo, hi = _boot_two(vals["long"], vals["short"], lambda a, b: a - b)
         ev = [Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"]))]
-        return _decide(lo, hi, up=np.nextafter(0, 1), down=0.0), ev
+        return POSITIVE(lo, hi), ev
 
     s_compute = stratify(study, gspo)
     strata = run_strata(study, s_compute, gspo, compute_part, part="compute")
@@ -496,12 +507,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         part_verdicts.append(INCONCLUSIVE)
         reason = f"{NOT_IN_STUDY} (axis {axis} not swept for {GSPO}); compute part: {compute_note}"
         text = f" (a) {s_compute.text().strip()}"
-    if CONTRADICTED in part_verdicts:
-        verdict = CONTRADICTED
-    elif all(p == SUPPORTED for p in part_verdicts):
-        verdict = SUPPORTED
-    else:
-        verdict = INCONCLUSIVE
+    verdict = conjunction(part_verdicts)
     evidence = []
     for s in strata:
         label = s.label if (len(s_compute.strata) > 1 or s.part == "length") else ""

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.tidy import Study
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence
+from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence, conjunction
 
 UNUSABLE_STATES = ("failed", "unknown")
 """Run states that carry no evidence: failed (infrastructure) and unknown (no readable status.json)."""
@@ -163,12 +163,7 @@ def run_strata(
 
 def combine(verdicts: Sequence[str]) -> str:
     """STRATA_RULE: contradicted if any stratum with data is, supported if all with data are, else inconclusive."""
-    with_data = [v for v in verdicts if v != NO_DATA]
-    if CONTRADICTED in with_data:
-        return CONTRADICTED
-    if with_data and all(v == SUPPORTED for v in with_data):
-        return SUPPORTED
-    return INCONCLUSIVE
+    return conjunction([v for v in verdicts if v != NO_DATA])
 
 
 def _combined_reason(strata: Sequence[Stratum]) -> str:

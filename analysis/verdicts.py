@@ -1,12 +1,22 @@
-"""A scorecard verdict and the evidence line it is decided on.
+"""A scorecard verdict: the three verdicts, the evidence line, the decision rule that reads a verdict off an interval.
 
 Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale); a stratum in which some
 compared group has no usable run has "no data" instead, and is not counted when strata are combined.
+
+A claim's comparison is decided by a `Decision` on the 95% interval of its quantity: two `Bound`s, one that supports
+the claim and one that contradicts it. The same object decides and, as `str(decision)`, writes the sentence the
+claim's rule quotes, so the rule the report prints is the rule the code applies. A claim made of several parts (or
+strata) combines their verdicts with `conjunction` (contradicted if any part is, supported if every part is).
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
 
 SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
 NO_DATA = "no data"
@@ -36,4 +46,79 @@ class Evidence:
         return f"{head}{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n}){tail}"
 
 
-__all__ = ["CONTRADICTED", "INCONCLUSIVE", "NO_DATA", "SUPPORTED", "Evidence"]
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A condition on one end of an interval, e.g. "lower bound > 0"; a bound that is not finite (no interval) never
+    satisfies it."""
+
+    side: Literal["lower", "upper"]
+    op: Literal[">", ">=", "<", "<="]
+    value: float
+    note: str = ""
+    """What the condition means, printed after it in parentheses."""
+
+    def __post_init__(self) -> None:
+        if self.side not in ("lower", "upper") or self.op not in _OPS:
+            raise ValueError(f"Bound({self.side!r}, {self.op!r}): side is lower or upper, op one of {', '.join(_OPS)}")
+
+    def holds(self, low: float, high: float) -> bool:
+        """Whether the interval [low, high] satisfies the condition."""
+        x = low if self.side == "lower" else high
+        return bool(np.isfinite(x) and _OPS[self.op](x, self.value))
+
+    def __str__(self) -> str:
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.side} bound {self.op} {self.value:g}{note}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict of a 95% interval: supported when `supported` holds, else contradicted when `contradicted` holds,
+    else inconclusive (also when there is no interval)."""
+
+    supported: Bound
+    contradicted: Bound
+
+    def __call__(self, low: float, high: float) -> str:
+        if self.supported.holds(low, high):
+            return SUPPORTED
+        if self.contradicted.holds(low, high):
+            return CONTRADICTED
+        return INCONCLUSIVE
+
+    def __str__(self) -> str:
+        return f"95% CI {self.supported} -> supported; {self.contradicted} -> contradicted; else inconclusive"
+
+
+CONJUNCTION_RULE = "contradicted if any part is contradicted, supported if every part is supported, else inconclusive"
+"""How `conjunction` combines the verdicts of a claim's parts."""
+
+
+def conjunction(verdicts: Sequence[str]) -> str:
+    """CONJUNCTION_RULE; no verdict at all is inconclusive."""
+    if CONTRADICTED in verdicts:
+        return CONTRADICTED
+    if verdicts and all(v == SUPPORTED for v in verdicts):
+        return SUPPORTED
+    return INCONCLUSIVE
+
+
+__all__ = [
+    "CONJUNCTION_RULE",
+    "CONTRADICTED",
+    "INCONCLUSIVE",
+    "NO_DATA",
+    "SUPPORTED",
+    "Bound",
+    "Decision",
+    "Evidence",
+    "conjunction",
+]

@@ -191,3 +191,12 @@ def test_c5_stratifies_on_the_other_axes_but_not_its_own(tmp_path) -> None:
     r = scorecard.claim_c5(tidy.load_study(tmp_path))
     assert [s.key for s in r.strata] == [{"rollout_dtype": "bf16"}, {"rollout_dtype": "fp16"}]
     assert "Not stratified on the claim's own axis old_logp_source" in r.rule
+
+
+def test_every_rule_quotes_the_decisions_its_verdict_is_read_from(tmp_path) -> None:
+    curves = {"grpo": C(a=0.5), "grpo_rr": C(a=0.6), "gspo": C(a=0.8), "gspo_rr": C(a=0.8)}
+    st = _load(tmp_path, curves, seeds=(0, 1), n_steps=20)
+    for r in [*scorecard.scorecard(st), *scorecard.scorecard(_load(tmp_path / "empty", {"sapo": C()}, seeds=(0,)))]:
+        for decision in scorecard.DECISIONS[r.claim]:
+            assert str(decision) in r.rule, (r.claim, r.rule)
+    assert set(scorecard.DECISIONS) == set(scorecard.CLAIMS)
