@@ -1,5 +1,7 @@
 """The study report: `results/<study>/report/index.html` (one self-contained page, figures embedded as base64 PNG)
-and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun).
+and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun). Both are written from one
+list of blocks (headings, paragraphs, tables, figures, the scorecard), each of which writes itself as HTML and as
+Markdown, so the two cannot list different contents.
 
 Contents: the study and its provenance (git sha, package versions, machine from the manifests; the config common to
 every run, the swept axes, and every run with its axis values and state), the scorecard (analysis.scorecard; stratified
@@ -175,6 +177,212 @@ vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 
 .supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}"""
 
 
+# --- the page: one list of blocks, each written both as HTML and as Markdown ------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """A link inside a heading or paragraph: `<a href>` in HTML, `[label](href)` in Markdown."""
+
+    label: str
+    href: str
+
+
+Inline = str | Link
+
+
+def _inline_html(parts: Sequence[Inline]) -> str:
+    return "".join(
+        f"<a href='{p.href}'>{html.escape(p.label)}</a>" if isinstance(p, Link) else html.escape(p) for p in parts
+    )
+
+
+def _inline_md(parts: Sequence[Inline]) -> str:
+    return "".join(f"[{p.label}]({p.href})" if isinstance(p, Link) else p for p in parts)
+
+
+@dataclass(frozen=True)
+class Heading:
+    """A section heading; `anchor` is its HTML id."""
+
+    level: int
+    parts: tuple[Inline, ...]
+    anchor: str = ""
+
+    def html(self) -> str:
+        anchor = f" id='{self.anchor}'" if self.anchor else ""
+        return f"<h{self.level}{anchor}>{_inline_html(self.parts)}</h{self.level}>"
+
+    def markdown(self) -> str:
+        return f"{'#' * self.level} {_inline_md(self.parts)}\n"
+
+
+@dataclass(frozen=True)
+class Para:
+    """A paragraph (text escaped in HTML, verbatim in Markdown)."""
+
+    parts: tuple[Inline, ...]
+
+    def html(self) -> str:
+        return f"<p>{_inline_html(self.parts)}</p>"
+
+    def markdown(self) -> str:
+        return _inline_md(self.parts) + "\n"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table printed in full."""
+
+    df: pd.DataFrame
+
+    def html(self) -> str:
+        return _html_table(self.df)
+
+    def markdown(self) -> str:
+        return _md_table(self.df)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure: its PNG embedded in HTML (linked in Markdown), its caption and links to its other formats."""
+
+    name: str
+    png: Path
+    """The PNG file, embedded in the HTML page."""
+    png_href: str
+    """Its path relative to the report, linked from the Markdown."""
+    caption: str
+    links: tuple[Link, ...]
+
+    def html(self) -> str:
+        b64 = base64.b64encode(self.png.read_bytes()).decode("ascii")
+        links = " ".join(_inline_html([lk]) for lk in self.links)
+        return (
+            f"<figure id='{self.name}'><img alt='{html.escape(self.name)}' src='data:image/png;base64,{b64}'>"
+            f"<figcaption>{html.escape(self.caption)} {links}</figcaption></figure>"
+        )
+
+    def markdown(self) -> str:
+        links = " ".join(_inline_md([lk]) for lk in self.links)
+        return f"![{self.name}]({self.png_href})\n\n{self.caption} {links}\n"
+
+
+@dataclass(frozen=True)
+class ScorecardTable:
+    """The scorecard: in HTML one row per claim coloured by verdict, its evidence one line each; in Markdown the
+    scorecard table."""
+
+    cards: tuple[scorecard.ClaimResult, ...]
+    table: pd.DataFrame
+    """scorecard.scorecard_table(cards)."""
+
+    def html(self) -> str:
+        out = [
+            '<table class="scorecard"><thead><tr><th>claim</th><th>statement</th><th>verdict</th><th>evidence</th>'
+            "<th>rule</th></tr></thead><tbody>"
+        ]
+        for r, row in zip(self.cards, self.table.itertuples(index=False), strict=True):
+            ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
+            strata = f"<br><small>{html.escape(row.strata)}</small>" if row.strata else ""
+            out.append(
+                f'<tr class="{r.verdict}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
+                f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
+            )
+        out.append("</tbody></table>")
+        return "\n".join(out)
+
+    def markdown(self) -> str:
+        return _md_table(self.table)
+
+
+Block = Heading | Para | Table | Figure | ScorecardTable
+
+
+def _h(level: int, *parts: Inline, anchor: str = "") -> Heading:
+    return Heading(level, parts, anchor)
+
+
+def _p(*parts: Inline) -> Para:
+    return Para(parts)
+
+
+def _table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path) -> Block:
+    """The table inline when short, else a line linking its CSV."""
+    if len(df) <= MAX_INLINE_ROWS or csv is None:
+        return Table(df)
+    return _p(f"{len(df)} runs: see ", Link("the CSV", csv.relative_to(out_dir).as_posix()), ".")
+
+
+def _study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
+    """The study (runs, states, algorithms, swept axes) and its provenance: manifests, packages, common config, runs."""
+    prov = provenance(study)
+    summary = {
+        "runs": len(study.runs),
+        "states": study.runs["state"].value_counts().to_dict(),
+        "missing": len(study.missing),
+        "missing run ids": list(study.missing),
+        "algorithms": sorted(study.runs[ALGORITHM].dropna().astype(str).unique()),
+        "swept axes": {a: sorted(map(str, study.runs[a].dropna().unique())) for a in study.axes},
+    }
+    if EMULATED in study.runs.columns and study.runs[EMULATED].notna().any():
+        summary["runs with emulated precision"] = int(study.runs[EMULATED].fillna(False).sum())
+    packages = pd.DataFrame(
+        {"package": list(prov["packages"]), "versions (runs)": [json.dumps(v) for v in prov["packages"].values()]}
+    )
+    return [
+        _h(2, "Study", anchor="study"),
+        Table(_kv(summary)),
+        _h(2, "Provenance", anchor="provenance"),
+        Table(_kv({k: v for k, v in prov.items() if k != "packages"})),
+        _h(3, "Packages"),
+        Table(packages),
+        _h(3, "Configuration common to every run"),
+        Table(_kv(_common_config(study.configs, study.axes))),
+        _h(3, "Runs"),
+        _table_or_link(runs_table(study), table_files.get("runs"), out_dir),
+    ]
+
+
+def _scorecard_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
+    """The scorecard with its note on intervals and strata, then the per-stratum verdicts when any claim has strata."""
+    out: list[Block] = [
+        _h(2, "Scorecard", anchor="scorecard"),
+        _p(SCORECARD_NOTE),
+        ScorecardTable(tuple(cards), scorecard.scorecard_table(cards)),
+    ]
+    strata_df = scorecard.strata_table(cards)
+    if not strata_df.empty:
+        out += [_h(3, "Per-stratum verdicts"), Table(strata_df)]
+    return out
+
+
+def _figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
+    """Every figure with its caption and its other formats, then its tables (short ones inline, every one linked as
+    CSV), then the figures not drawn and why."""
+    out: list[Block] = [_h(2, "Figures", anchor="figures")]
+    for name, paths in rendered.paths.items():
+        png = next(p for p in paths if p.suffix == ".png")
+        rel = {p: p.relative_to(out_dir).as_posix() for p in paths}
+        links = tuple(Link(p.suffix[1:].upper(), rel[p]) for p in paths if p.suffix != ".png")
+        out.append(Figure(name, png, rel[png], rendered.captions[name], links))
+        for tname, df in rendered.tables.get(name, {}).items():
+            key = f"{name}.{tname}"
+            out.append(_h(4, key, " (", Link("CSV", table_files[key].relative_to(out_dir).as_posix()), ")"))
+            out.append(Table(df) if len(df) <= MAX_INLINE_ROWS else _p(f"{len(df)} rows: see the CSV."))
+    if rendered.skipped:
+        sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
+        out += [_h(3, "Figures not drawn"), Table(sk)]
+    return out
+
+
+def _problems_section(problems: pd.DataFrame) -> list[Block]:
+    """The failed, collapsed and missing runs (problem_runs), or a line saying there are none."""
+    none = "None: every run completed and none was detected as collapsed; no run is missing."
+    return [
+        _h(2, "Failed, collapsed and missing runs", anchor="problems"),
+        Table(problems) if len(problems) else _p(none),
+    ]
+
+
 def render(
     title: str,
     study: Study,
@@ -184,111 +392,21 @@ def render(
     table_files: Mapping[str, Path],
     out_dir: Path,
 ) -> tuple[str, str]:
-    """The HTML page and its Markdown twin."""
-    prov = provenance(study)
-    common = _common_config(study.configs, study.axes)
-    states = study.runs["state"].value_counts().to_dict()
-    algs = sorted(study.runs[ALGORITHM].dropna().astype(str).unique())
-    axes_vals = {a: sorted(map(str, study.runs[a].dropna().unique())) for a in study.axes}
-    summary = {
-        "runs": len(study.runs),
-        "states": states,
-        "missing": len(study.missing),
-        "missing run ids": list(study.missing),
-        "algorithms": algs,
-        "swept axes": axes_vals,
-    }
-    if EMULATED in study.runs.columns and study.runs[EMULATED].notna().any():
-        summary["runs with emulated precision"] = int(study.runs[EMULATED].fillna(False).sum())
-    prov_rows = {k: v for k, v in prov.items() if k != "packages"}
-    pk = pd.DataFrame(
-        {"package": list(prov["packages"]), "versions (runs)": [json.dumps(v) for v in prov["packages"].values()]}
-    )
-    card_df = scorecard.scorecard_table(cards)
-    strata_df = scorecard.strata_table(cards)
-    runs_df = runs_table(study)
-
-    h: list[str] = [
+    """The HTML page and its Markdown twin, both written from one list of blocks."""
+    blocks = [
+        *_study_section(study, table_files, out_dir),
+        *_scorecard_section(cards),
+        *_figures_section(rendered, table_files, out_dir),
+        *_problems_section(problems),
+    ]
+    page = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-        "<h2 id='study'>Study</h2>",
-        _html_table(_kv(summary)),
-        "<h2 id='provenance'>Provenance</h2>",
-        _html_table(_kv(prov_rows)),
-        "<h3>Packages</h3>",
-        _html_table(pk),
-        "<h3>Configuration common to every run</h3>",
-        _html_table(_kv(common)),
-        "<h3>Runs</h3>",
-        _table_or_link(runs_df, table_files.get("runs"), out_dir, html_out=True),
-        "<h2 id='scorecard'>Scorecard</h2>",
-        f"<p>{html.escape(SCORECARD_NOTE)}</p>",
-        '<table class="scorecard"><thead><tr><th>claim</th><th>statement</th><th>verdict</th><th>evidence</th>'
-        "<th>rule</th></tr></thead><tbody>",
+        *(b.html() for b in blocks),
+        "</body></html>",
     ]
-    for r, row in zip(cards, card_df.itertuples(index=False), strict=True):
-        ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
-        strata = f"<br><small>{html.escape(row.strata)}</small>" if row.strata else ""
-        h.append(
-            f'<tr class="{r.verdict}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
-            f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
-        )
-    h.append("</tbody></table>")
-    if not strata_df.empty:
-        h += ["<h3>Per-stratum verdicts</h3>", _html_table(strata_df)]
-    m: list[str] = [
-        f"# {title}\n",
-        "## Study\n",
-        _md_table(_kv(summary)),
-        "## Provenance\n",
-        _md_table(_kv(prov_rows)),
-        "### Packages\n",
-        _md_table(pk),
-        "### Configuration common to every run\n",
-        _md_table(_kv(common)),
-        "### Runs\n",
-        _table_or_link(runs_df, table_files.get("runs"), out_dir, html_out=False),
-        "## Scorecard\n",
-        SCORECARD_NOTE + "\n",
-        _md_table(card_df),
-    ]
-    if not strata_df.empty:
-        m += ["### Per-stratum verdicts\n", _md_table(strata_df)]
-
-    h.append("<h2 id='figures'>Figures</h2>")
-    m.append("## Figures\n")
-    for name, paths in rendered.paths.items():
-        png = next(p for p in paths if p.suffix == ".png")
-        b64 = base64.b64encode(png.read_bytes()).decode("ascii")
-        cap = rendered.captions[name]
-        others = [p for p in paths if p.suffix != ".png"]
-        links_h = " ".join(f"<a href='{p.relative_to(out_dir).as_posix()}'>{p.suffix[1:].upper()}</a>" for p in others)
-        links_m = " ".join(f"[{p.suffix[1:].upper()}]({p.relative_to(out_dir).as_posix()})" for p in others)
-        h.append(
-            f"<figure id='{name}'><img alt='{html.escape(name)}' src='data:image/png;base64,{b64}'>"
-            f"<figcaption>{html.escape(cap)} {links_h}</figcaption></figure>"
-        )
-        m.append(f"![{name}]({png.relative_to(out_dir).as_posix()})\n\n{cap} {links_m}\n")
-        for tname, df in rendered.tables.get(name, {}).items():
-            key = f"{name}.{tname}"
-            link = table_files[key].relative_to(out_dir).as_posix()
-            h.append(f"<h4>{html.escape(key)} (<a href='{link}'>CSV</a>)</h4>")
-            m.append(f"#### {key} ([CSV]({link}))\n")
-            if len(df) <= MAX_INLINE_ROWS:
-                h.append(_html_table(df))
-                m.append(_md_table(df))
-            else:
-                h.append(f"<p>{len(df)} rows: see the CSV.</p>")
-                m.append(f"{len(df)} rows: see the CSV.\n")
-    if rendered.skipped:
-        sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
-        h += ["<h3>Figures not drawn</h3>", _html_table(sk)]
-        m += ["### Figures not drawn\n", _md_table(sk)]
-    none = "<p>None: every run completed and none was detected as collapsed; no run is missing.</p>"
-    h += ["<h2 id='problems'>Failed, collapsed and missing runs</h2>", _html_table(problems) if len(problems) else none]
-    m += ["## Failed, collapsed and missing runs\n", _md_table(problems) if len(problems) else none[3:-4] + "\n"]
-    h.append("</body></html>")
-    return "\n".join(h), "\n".join(m)
+    md = [f"# {title}\n", *(b.markdown() for b in blocks)]
+    return "\n".join(page), "\n".join(md)
 
 
 SCORECARD_NOTE = (
@@ -297,18 +415,6 @@ SCORECARD_NOTE = (
     + scorecard.STRATA_RULE
     + " (each claim's rule says what it was stratified on)."
 )
-
-
-def _table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path, *, html_out: bool) -> str:
-    """The table inline when short, else a line linking its CSV."""
-    if len(df) <= MAX_INLINE_ROWS or csv is None:
-        return _html_table(df) if html_out else _md_table(df)
-    link = csv.relative_to(out_dir).as_posix()
-    return (
-        f"<p>{len(df)} runs: see <a href='{link}'>the CSV</a>.</p>"
-        if html_out
-        else f"{len(df)} runs: see [the CSV]({link}).\n"
-    )
 
 
 def reuse_figures(

@@ -154,3 +154,39 @@ def test_report_reuses_the_figures_output_of_the_same_runs(built, tmp_path) -> N
     shutil.rmtree(gone)
     again = report.report_from_results(other, study="mystudy", out_dir=tmp_path / "rep2", figures_dir=figs)
     assert again.figures[name].read_bytes() != marked
+
+
+def test_html_and_markdown_are_one_list_of_blocks(built) -> None:
+    # the same headings, figures and tables in the same order in both files
+    _, rep = built
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    heads_html = [
+        (int(level), re.sub(r"<[^>]+>", "", text).replace("&#x27;", "'"))
+        for level, text in re.findall(r"<h(\d)[^>]*>(.*?)</h\d>", page)
+    ]
+    heads_md = [
+        (len(m.group(1)), re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(2)))
+        for m in re.finditer(r"^(#+) (.*)$", md, flags=re.MULTILINE)
+    ]
+    assert heads_html == heads_md and len(heads_html) > 10
+    assert re.findall(r"<figure id='([^']+)'", page) == re.findall(r"^!\[([^\]]+)\]", md, flags=re.MULTILINE)
+    assert page.count("<table") == md.count("\n|---") + md.count("(none)\n")
+
+
+def test_blocks_write_themselves_in_both_formats(tmp_path) -> None:
+    head = report.Heading(4, ("fig.t", " (", report.Link("CSV", "tables/fig.t.csv"), ")"))
+    assert head.html() == "<h4>fig.t (<a href='tables/fig.t.csv'>CSV</a>)</h4>"
+    assert head.markdown() == "#### fig.t ([CSV](tables/fig.t.csv))\n"
+    assert report.Heading(2, ("Study",), "study").html() == "<h2 id='study'>Study</h2>"
+    para = report.Para(("a < b: see ", report.Link("the CSV", "t.csv"), "."))
+    assert para.html() == "<p>a &lt; b: see <a href='t.csv'>the CSV</a>.</p>"
+    assert para.markdown() == "a < b: see [the CSV](t.csv).\n"
+    png = tmp_path / "f.png"
+    png.write_bytes(b"\x89PNG")
+    b64 = base64.b64encode(b"\x89PNG").decode()
+    fig = report.Figure("f", png, "figures/f.png", "Figure 1.", (report.Link("PDF", "figures/f.pdf"),))
+    assert fig.html() == (
+        f"<figure id='f'><img alt='f' src='data:image/png;base64,{b64}'>"
+        "<figcaption>Figure 1. <a href='figures/f.pdf'>PDF</a></figcaption></figure>"
+    )
+    assert fig.markdown() == "![f](figures/f.png)\n\nFigure 1. [PDF](figures/f.pdf)\n"
