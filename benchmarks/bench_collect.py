@@ -36,8 +36,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
 
-    from study import rl, tasks
-    from study.runconfig import PRESET_RUNS, RunConfig
+    from study import rl
+    from study.data import tasks
+    from study.run.config import PRESET_RUNS, RunConfig
 
     cfg = RunConfig.from_dict({**PRESET_RUNS["tiny"], "coldstart": "scratch"})
     tok, _ = rl.initial_policy(cfg, results=None)  # the scratch cold start's tokenizer (nothing is written)

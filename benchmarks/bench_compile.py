@@ -7,7 +7,7 @@
 
 Neither is used by the harness; this measures whether it would pay, with the compile time it costs every process.
 
-- rollout: the hf engine's `generate` with its fused decode step (study/engines/hf.py `_FusedDecoder.step`) eager,
+- rollout: the hf engine's `generate` with its fused decode step (study/rollout/hf.py `_FusedDecoder.step`) eager,
   then compiled with `dynamic=True` (one graph for every cache length), alternating eager and compiled rounds in one
   process, best of `--repeats` `generate` calls per round. torch's fp32 `grouped_mm` has no fake-tensor kernel on CPU
   (its meta function asks for bf16), so in both modes it is wrapped in an opaque custom op: the compiled graph calls
@@ -52,9 +52,9 @@ def _opaque(grouped_mm):  # type: ignore[no-untyped-def]
 
 
 def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
-    from study.config import preset
-    from study.engines import get_engine
-    from study.engines.hf import _FusedDecoder, build_hf_model, unfuse_experts
+    from study.model_config import preset
+    from study.rollout import get_engine
+    from study.rollout.hf import _FusedDecoder, build_hf_model, unfuse_experts
 
     p, g, t = (int(x) for x in batch.split("x"))
     cfg = preset(preset_name)
@@ -94,8 +94,9 @@ def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
 
 
 def update(preset_name: str, mode: str, shape: str, repeats: int, rounds: int) -> None:
-    from study.config import preset
-    from study.model import build_optimizer, build_policy, token_logp
+    from study.model_config import preset
+    from study.policy.model import build_policy, token_logp
+    from study.policy.optim import build_optimizer
 
     b, s0, t = (int(x) for x in shape.split("x"))
     cfg = preset(preset_name)
@@ -166,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from study.config import preset
+    from study.model_config import preset
 
     try:
         preset(args.preset)

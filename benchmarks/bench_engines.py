@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from study.config import preset
-from study.engines import get_engine
-from study.engines.hf import build_hf_model, unfuse_experts
+from study.model_config import preset
+from study.rollout import get_engine
+from study.rollout.hf import build_hf_model, unfuse_experts
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
                     "own `study_decode`, or `sdpa`); the same weights and prompts for each")  # fmt: skip
     ap.add_argument("--hf-decode", default="native",
                     help="hf: decode steps to time in turn, comma-separated: `native` (the sampling loop and decode "
-                    "steps in C, study/engines/native.py: the engine's default), `fused` (the fused torch step) or "
+                    "steps in C, study/kernels/decode.py: the engine's default), `fused` (the fused torch step) or "
                     "`layers` (transformers' decoder layers called directly: a no-op hook on the final norm "
                     "disables both)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=32)

@@ -20,7 +20,7 @@ One torch thread, no autograd.
 `--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
 loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
 weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`
-(study/moe_experts.py, what the policy runs since it was measured here), the same per-expert GEMMs in one autograd
+(study/policy/experts.py, what the policy runs since it was measured here), the same per-expert GEMMs in one autograd
 Function with a hand-written backward (no module calls, no per-op autograd nodes: the least Python the loop can
 have), on `--tokens` routed rows split over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50
 positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x the forward's 2 x rows x 3 x hidden x
@@ -88,8 +88,8 @@ def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s
 
 
 def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
-    from study.config import preset
-    from study.engines.hf import build_hf_model
+    from study.model_config import preset
+    from study.rollout.hf import build_hf_model
 
     cfg = preset(preset_name)
     experts = build_hf_model(cfg).model.layers[0].mlp.experts
@@ -117,12 +117,12 @@ def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.
 
 
 def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
-    from study.config import preset
-    from study.model import build_policy
-    from study.moe_experts import ExpertsFunction
+    from study.model_config import preset
+    from study.policy.experts import ExpertsFunction
+    from study.policy.model import build_policy
 
     cfg = preset(preset_name)
-    experts = build_policy(cfg, seed=0, experts="megatron").decoder.layers[0].mlp.experts
+    experts = build_policy(cfg, seed=0, layers="megatron").decoder.layers[0].mlp.experts
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
     def grouped(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--policy", action="store_true", help="the megatron policy's experts, forward + backward")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    from study.config import preset
+    from study.model_config import preset
 
     try:
         for name in args.preset:

@@ -16,9 +16,10 @@ import warnings
 
 import torch
 
-from study.config import preset
-from study.model import build_optimizer, build_policy, count_parameters, token_logp
-from study.routing import RoutingController
+from study.model_config import preset
+from study.policy.model import build_policy, count_parameters, token_logp
+from study.policy.optim import build_optimizer
+from study.policy.routing import RoutingController
 
 ROWS: tuple[tuple[str, str, bool], ...] = (
     ("tiny", "fp32", False),

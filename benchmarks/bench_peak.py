@@ -6,7 +6,7 @@
    per thread count.
 2. Update: one minibatch update exactly as study/rl.py does it - `token_logp` forward over a right-padded (B, S)
    batch, a scalar loss, backward, global-norm clip, AdamW step - timed per step (median of `--iters` after
-   `--warmup`). FLOPs = 3 x study.metrics.forward_flops (6 x active parameters x tokens plus attention, the same
+   `--warmup`). FLOPs = 3 x study.run.metrics.forward_flops (6 x active parameters x tokens plus attention, the same
    estimate the run's `compute_flops` uses). Share of peak = achieved GFLOP/s / GEMM peak at the same thread
    count. Also reports the time of the AdamW step alone (it touches every parameter, all experts, not only the
    active ones, and is memory-bound) and the wall and CPU seconds (CPU seconds are robust to other jobs on the box).
@@ -24,9 +24,10 @@ import warnings
 import torch
 from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
 
-from study.config import preset
-from study.metrics import forward_flops
-from study.model import build_optimizer, build_policy, count_parameters
+from study.model_config import preset
+from study.policy.model import build_policy, count_parameters
+from study.policy.optim import build_optimizer
+from study.run.metrics import forward_flops
 
 
 def gemm_peak(

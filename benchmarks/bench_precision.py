@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from study.precision import PRECISION_NAMES, ks_statistic, logp_deltas, summarize
+from study.parity import ks_statistic, logp_deltas, summarize
+from study.precision import PRECISION_NAMES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

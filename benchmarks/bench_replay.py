@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_replay.py [--presets tiny,default] [--reps 5] [--warmup 1]
 
 Each (preset, algorithm) runs study.rl.run in its own subprocess (coldstart=scratch, no evaluation, no checkpoints,
-one thread) with the preset's run shape (study.runconfig.PRESET_RUNS). Both algorithms do the same work but for
+one thread) with the preset's run shape (study.run.config.PRESET_RUNS). Both algorithms do the same work but for
 the routing mode of the minibatch forwards: grpo records the free routes (for the volatility metrics), grpo_rr
 replays the pi_old recompute's routes (and still computes the free top-k beside them). Timed per step, after
 `--warmup` steps: wall from the end of one step's bookkeeping to the next (rundir.set_status is wrapped), process
@@ -29,8 +29,8 @@ def _side(preset: str, alg: str, steps: int) -> dict:
     import pandas as pd
     from steptimer import timed_run
 
-    from study.routing import index_dtype
-    from study.runconfig import PRESET_RUNS, RunConfig
+    from study.model_config import route_index_dtype
+    from study.run.config import PRESET_RUNS, RunConfig
 
     cfg = RunConfig.from_dict({**PRESET_RUNS[preset], "algorithm": alg, "coldstart": "scratch", "steps": steps,
                                "eval_every": 0, "checkpoint_every": 0, "threads": 1})  # fmt: skip
@@ -38,7 +38,7 @@ def _side(preset: str, alg: str, steps: int) -> dict:
         run_dir, wall, cpu = timed_run(cfg, tmp)
         m = pd.read_parquet(run_dir / "metrics.parquet")
     mcfg = cfg.model_config()
-    kept = mcfg.num_layers * mcfg.moe_top_k * torch_itemsize(index_dtype(mcfg.num_experts))
+    kept = mcfg.num_layers * mcfg.moe_top_k * torch_itemsize(route_index_dtype(mcfg.num_experts))
     return {"wall": wall, "cpu": cpu,
             "update": m["time_update_s"].tolist(), "old": m["time_old_logp_s"].tolist(),
             "tokens_total": m["tokens_total"].tolist(),

@@ -6,10 +6,10 @@
 
 Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
 process group and accelerate's state stay apart), one torch thread, fp32:
-- the same network: a preset's Qwen3-MoE (study.config; `--preset`, default `tiny`), built for TRL as transformers'
-  Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy starts from;
+- the same network: a preset's Qwen3-MoE (study.model_config; `--preset`, default `tiny`), built for TRL as
+  transformers' Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy starts from;
 - the same prompts (the chain_sum task stream, seed 0), tokenizer (the task BPE, saved as a PreTrainedTokenizerFast)
-  and reward: the chain_sum verifier (study.tasks.score) on the decoded response. A random-init model never solves
+  and reward: the chain_sum verifier (study.data.tasks.score) on the decoded response. A random-init model never solves
   a problem, so every reward is 0: no model quality is involved and both sides do the full work anyway;
 - the same algorithm and update structure: one rollout batch of P x G completions (temperature 1, stop at <eos>),
   the pi_old log-prob recompute, then M = 4 minibatch AdamW updates (lr 1e-4, clip 1.0, no KL, beta = 0). GRPO is
@@ -28,7 +28,7 @@ Reported: median wall s/step, median CPU s/step (process CPU time; robust to oth
 completion tokens/s (the step's generated tokens, <eos> included, / median wall), and TRL / ours. Then, per batch,
 the step's work in FLOPs and each side's rate against the machine's fp32 GEMM peak (1 thread, measured at the
 start): the rollout (prefill + decode steps), one pi_old forward and 4 minibatch updates (3 forwards' worth) over
-the teacher-forcing batch, each by study.metrics.forward_flops (2 x active parameters + attention, per token) on
+the teacher-forcing batch, each by study.run.metrics.forward_flops (2 x active parameters + attention, per token) on
 the prompts' token lengths and the completions both sides generated. Both sides do this work (ours reuses the first
 minibatch's forward for a quarter of pi_old, so it does a little less); the line shows what share of the GEMM peak
 each side runs at over the whole step, and what share 2x TRL's throughput would need.
@@ -68,7 +68,7 @@ def _parse_batch(text: str) -> tuple[int, int, int]:
 def step_work(cfg, n: int, lp: float, completion_tokens: float) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """FLOPs of one RL step's rollout, pi_old and 4 updates over `n` sequences whose prompts are `lp` tokens long
     on average, with `completion_tokens` generated in all (module docstring)."""
-    from study.metrics import forward_flops
+    from study.run.metrics import forward_flops
 
     tc = completion_tokens / n
     prefill = forward_flops(cfg, round(n * lp), lp / 2)  # causal: a prompt token attends to half the prompt
@@ -80,8 +80,8 @@ def step_work(cfg, n: int, lp: float, completion_tokens: float) -> dict[str, flo
 def _task_inputs(vocab: int, prompts: int) -> tuple:
     """The tokenizer and the first `prompts` task items that both sides use (what study.rl takes with
     coldstart=scratch and seed 0)."""
-    from study import tasks
-    from study.tokenizer import build_tokenizer
+    from study.data import tasks
+    from study.data.tokenizer import build_tokenizer
 
     return build_tokenizer(vocab, [TASK], n_per_task=400), tasks.make_task(TASK, seed=0).take(prompts, start=0)
 
@@ -96,8 +96,8 @@ def _side_ours(preset: str, alg: str, batch: str, steps: int, threads: int, wrap
     import torch
     from steptimer import timed_run
 
-    from study.engines.hf import HFEngine
-    from study.runconfig import RunConfig
+    from study.rollout.hf import HFEngine
+    from study.run.config import RunConfig
 
     if wrapped:  # the hf engine before its direct decode path: a no-op hook forces the full transformers call
         init = HFEngine.__init__
@@ -131,11 +131,11 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     from trl import GRPOConfig, GRPOTrainer
 
     import algorithms
-    from study import tasks
-    from study.config import preset
-    from study.engines.hf import fuse_experts
-    from study.model import build_policy
+    from study.data import tasks
+    from study.model_config import preset
+    from study.policy.model import build_policy
     from study.rl import derive_seed
+    from study.rollout.hf import fuse_experts
     from study.weights import hf_config, megatron_to_hf
 
     torch.set_num_threads(threads)
@@ -247,7 +247,7 @@ def _run_concurrent(preset: str, sides: list[str], alg: str, batch: str, warmup:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", help="the model preset both sides build (study.config)")
+    ap.add_argument("--preset", default="tiny", help="the model preset both sides build (study.model_config)")
     ap.add_argument("--batches", default="8x4x32,32x8x64", help="prompts x samples x new tokens, comma-separated")
     ap.add_argument("--algorithms", default="grpo,gspo")
     ap.add_argument("--reps", type=int, default=5, help="timed RL steps per side")
@@ -287,7 +287,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from study.config import preset
+    from study.model_config import preset
 
     try:
         preset(args.preset)  # an unknown name fails here, before either side starts

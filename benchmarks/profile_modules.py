@@ -7,7 +7,7 @@ section 6, fourth round), so this measures with wall-clock hooks instead:
 - rollout: the hf engine's `generate` of P x G samples of T new tokens (ragged prompts of 8-16 tokens, every sample
   runs to T), with forward pre/post hooks on the transformers modules of each decoder layer and timers around the
   engine's decode attention, the RoPE, the KV-cache append and the sampler; the fastest of `--repeats` calls. The
-  hooks make the engine decode through those modules, not its fused step (study/engines/hf.py `_FusedDecoder`,
+  hooks make the engine decode through those modules, not its fused step (study/rollout/hf.py `_FusedDecoder`,
   which calls none of them): this breaks down the module path; `bench_engines.py --hf-decode` times the two;
 - update: one minibatch update as study/rl.py does it (`token_logp` over B x S positions, log-probs on the last T,
   backward, grad-norm clip, AdamW), forward time per megatron module (hooks; backward hooks do not work on megatron's
@@ -61,8 +61,8 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
     from transformers import AttentionInterface
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    import study.engines.hf as hf
-    from study.config import preset
+    import study.rollout.hf as hf
+    from study.model_config import preset
 
     cfg = preset(preset_name)
     engine = hf.HFEngine(cfg, dtype="fp32")
@@ -104,8 +104,9 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
 def update(preset_name: str, b: int, s: int, t: int, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
 
-    from study.config import preset
-    from study.model import build_optimizer, build_policy
+    from study.model_config import preset
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
 
     cfg = preset(preset_name)
     model = build_policy(cfg, seed=0)
@@ -146,7 +147,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=24, help="rows per table")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    from study.config import preset
+    from study.model_config import preset
 
     try:
         preset(args.preset)

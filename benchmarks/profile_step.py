@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/profile_step.py [--preset tiny] [--algorithm grpo] [--steps 6] [--set key=value ...]
 
 Runs study.rl.run (coldstart=scratch, no evaluation, no checkpoints, one thread) with the preset's run shape
-(study.runconfig.PRESET_RUNS, then `--set` overrides) and profiles steps 2..N (step 1 and the setup are left out:
+(study.run.config.PRESET_RUNS, then `--set` overrides) and profiles steps 2..N (step 1 and the setup are left out:
 rundir.set_status is wrapped to switch the profiler on). The clock is `time.thread_time`, so other jobs on a shared
 machine do not inflate it (cProfile's own overhead does, most for Python-heavy code). Prints CPU ms per step by phase
 (cumulative time of the functions that make each phase) and by library (self time), then the top functions.
@@ -22,18 +22,18 @@ import warnings
 
 PHASES: dict[str, tuple[str, str]] = {
     # phase: (file suffix, function name), cumulative time
-    "rollout: engine.generate": ("study/engines/hf.py", "generate"),
+    "rollout: engine.generate": ("study/rollout/hf.py", "generate"),
     "rollout, all of it: _collect (generate + prompts, rewards, padding)": ("study/rl.py", "_collect"),
-    "forward (pi_old + minibatches): token_logp": ("study/model.py", "token_logp"),
+    "forward (pi_old + minibatches): token_logp": ("study/policy/model.py", "token_logp"),
     "backward": ("torch/_tensor.py", "backward"),
     "AdamW step": ("torch/optim/adam.py", "step"),
     "grad-norm clip": ("torch/nn/utils/clip_grad.py", "clip_grad_norm_"),
     "loss (algorithm)": ("algorithms/registry.py", "loss"),
-    "routing metrics": ("study/routing.py", "routing_volatility"),
+    "routing metrics": ("study/policy/routing.py", "routing_volatility"),
     "weight sync: megatron_to_hf": ("study/weights.py", "megatron_to_hf"),
-    "weight sync: engine.load_weights": ("study/engines/hf.py", "load_weights"),
+    "weight sync: engine.load_weights": ("study/rollout/hf.py", "load_weights"),
     "metrics.parquet write": ("study/rl.py", "_write_metrics"),
-    "status.json write": ("study/rundir.py", "set_status"),
+    "status.json write": ("study/run/rundir.py", "set_status"),
 }
 
 
@@ -47,8 +47,9 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
 
-    from study import rl, rundir
-    from study.runconfig import PRESET_RUNS, RunConfig, parse_set
+    from study import rl
+    from study.run import rundir
+    from study.run.config import PRESET_RUNS, RunConfig, parse_set
 
     data = {**PRESET_RUNS[args.preset], "algorithm": args.algorithm, "coldstart": "scratch", "steps": args.steps,
             "eval_every": 0, "checkpoint_every": 0, "threads": 1, **parse_set(args.set)}  # fmt: skip

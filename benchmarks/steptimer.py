@@ -62,7 +62,8 @@ def timed_run(cfg: Any, results: str | Path) -> tuple[Path, list[float], list[fl
     The clocks are read at every `rundir.set_status(..., "running")`: once before step 1 (run() marks the run as
     running) and once after each step's bookkeeping, so step i is the time between stamps i - 1 and i. In lock-step
     (`Lockstep`) the run may end before `cfg.steps`."""
-    from study import rl, rundir
+    from study import rl
+    from study.run import rundir
 
     stamps: list[tuple[float, float]] = []
     set_status = rundir.set_status
@@ -94,7 +95,7 @@ def minibatch_update(model: Any, opt: Any, ids: Any, *, positions: Any = None) -
     wall seconds of each phase: forward, backward, clip, adam."""
     import torch
 
-    from study.model import token_logp
+    from study.policy.model import token_logp
 
     t0 = time.perf_counter()
     logp = token_logp(model, ids[:, :-1], ids[:, 1:], positions=positions)

@@ -1,0 +1,14 @@
+"""The harness's engine room: an RL run of one algorithm on a Megatron-core MoE policy with an inference engine.
+
+Rooms (each subpackage's `__init__` says its job; tests/test_imports.py keeps the walls):
+    run/        what a run is, where it lives and what it logs (config, run directory, metric vocabulary)
+    data/       text in, rewards out, no models (tasks, user data, tokenizer)
+    policy/     the training engine: Megatron-core MoE policy, fast layers, optimiser, routing record/replay, shims
+    rollout/    the rollout engines behind one interface (hf, vllm)
+    coldstart/  a run's first weights (SFT cold start, its store and lock, a local HF checkpoint)
+    kernels/    optional C kernels over plain tensors (an accelerator the science never depends on)
+Shared modules at the top, importing no subpackage: model_config.py (the policy's shape, presets, dtypes),
+precision.py (precision as a study axis), weights.py (the weight mapping where policy and rollout meet).
+Orchestrators at the top, importing any room: rl.py (the RL loop), parity.py (cross-engine parity measurement),
+launch.py (in-process, local or SLURM through submitit), __main__.py (the CLI).
+"""

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
 
-    from study import rl, rundir
-    from study.runconfig import load_config
+    from study import rl
+    from study.run import rundir
+    from study.run.config import load_config
 
     if args.command == "run":
         try:

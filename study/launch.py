@@ -78,8 +78,9 @@ class Run:
         self.results = results
 
     def __call__(self) -> dict[str, Any]:
-        from study import rl, rundir
-        from study.runconfig import RunConfig
+        from study import rl
+        from study.run import rundir
+        from study.run.config import RunConfig
 
         _in_job()
         cfg = RunConfig.from_dict(self.config, where="launch")
@@ -157,7 +158,7 @@ def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Reso
     """Run `config` through `launcher` and block until it ends; returns the run's status (plus "run_dir").
 
     Raises FailedJobError (remote traceback in its message) or UncompletedJobError (e.g. timed out too often)."""
-    from study.runconfig import RunConfig
+    from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict(config, where="launch")
     call = Run(cfg.to_dict(), str(results))
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.config is None) == (args.coldstart is None):
         parser.error("give either CONFIG (a run) or --coldstart MODEL TASK")
 
-    from study.runconfig import load_config
+    from study.run.config import load_config
 
     try:
         cfg = None if args.coldstart else load_config(args.config)

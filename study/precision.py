@@ -19,7 +19,7 @@ ISA. `emulated` computes in fp32 and rounds to the target dtype at the points wh
    stays fp32 too). Log-probs are fp32 in both modes (megatron's cross entropy and the engines upcast the logits).
 5. Backward: parameter gradients are rounded (tensor hooks); activation gradients are rounded wherever the forward
    rounding is an autograd-visible cast (module boundaries, matmuls outside custom autograd Functions), not inside
-   megatron's linear Function. fp16 (real or emulated) trains with `study.model.DynamicLossScaler`.
+   megatron's linear Function. fp16 (real or emulated) trains with `study.policy.model.DynamicLossScaler`.
 
 Not modelled: the accumulation order of a particular kernel (sums of k > 2 terms in the target dtype are rounded
 once here, not per add), the AdamW moments' dtype (fp32 here), and kernels that keep scores in fp32 differ from
@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from study.model_config import TORCH_DTYPES
+
 PRECISION_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16_fp32head")
 """Numeric formats of one engine: parameters and compute in fp32, bf16, fp16, or bf16 with an fp32 LM head."""
 MODES: tuple[str, ...] = ("real", "emulated")
 """real: the engine computes in the dtype; emulated: fp32 compute rounded where a GPU rounds (module docstring)."""
 PRECISIONS: tuple[str, ...] = PRECISION_NAMES + tuple(f"{n}-emulated" for n in PRECISION_NAMES)
 """Canonical labels (`Precision.label`): the valid values of RunConfig.train_precision / rollout_precision."""
-
-_TORCH: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,12 @@ class Precision:
 
     @property
     def dtype(self) -> str:
-        """The format the engine's bulk computes in (study.config.DTYPES): bf16 for bf16_fp32head."""
+        """The format the engine's bulk computes in (study.model_config.DTYPES): bf16 for bf16_fp32head."""
         return "bf16" if self.fp32_head else self.name
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def storage_dtype(self) -> str:
@@ -239,7 +239,7 @@ def _islands(model: torch.nn.Module, precision: Precision) -> dict[str, torch.nn
 
 
 def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] | Precision) -> PrecisionHandle:
-    """Make `model` (a megatron GPTModel from study.model.build_policy, or a transformers Qwen3-MoE) compute in
+    """Make `model` (a megatron GPTModel from study.policy.model.build_policy, or a transformers Qwen3-MoE) compute in
     `precision`. The model must have been built in `precision.storage_dtype`; call before building the optimizer.
 
     real + plain dtype: nothing to do. real bf16_fp32head: the LM head is cast to fp32 and its input upcast.
@@ -247,7 +247,7 @@ def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] |
     """
     precision = Precision.parse(precision)
     handle = PrecisionHandle(model, precision)
-    want = _TORCH[precision.storage_dtype]
+    want = TORCH_DTYPES[precision.storage_dtype]
     bulk = [p.dtype for n, p in model.named_parameters() if not n.startswith(("output_layer", "lm_head"))]
     if any(d != want for d in bulk):
         raise ValueError(f"precision {precision.label}: build the model in {precision.storage_dtype}, got {set(bulk)}")
@@ -331,7 +331,7 @@ def engine_kwargs(precision: Precision) -> dict[str, str]:
 
 
 def adam_eps(precision: Precision) -> float | None:
-    """AdamW eps for the trainer: 1e-6 for emulated fp16 (what study.model.build_optimizer picks for real fp16
+    """AdamW eps for the trainer: 1e-6 for emulated fp16 (what study.policy.model.build_optimizer picks for real fp16
     parameters), else None (build_optimizer's default)."""
     return 1e-6 if precision.emulated and precision.dtype == "fp16" else None
 
@@ -358,73 +358,3 @@ __all__ = [
     "resolve",
     "round_to",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Validation: emulated vs real low-precision log-probs (tests/study/test_precision.py, benchmarks/bench_precision.py)
-# ---------------------------------------------------------------------------------------------------------------------
-def ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic sup_x |F_a(x) - F_b(x)| of two 1-D samples."""
-    a, b = a.flatten().double().sort().values, b.flatten().double().sort().values
-    grid = torch.cat([a, b])
-    fa = torch.searchsorted(a, grid, right=True).double() / a.numel()
-    fb = torch.searchsorted(b, grid, right=True).double() / b.numel()
-    return float((fa - fb).abs().max())
-
-
-def summarize(x: torch.Tensor) -> dict[str, float]:
-    """mean, median, p99 and max of a 1-D sample (|delta| of token log-probs)."""
-    x = x.flatten().double()
-    return {"mean": float(x.mean()), "median": float(x.median()), "p99": float(x.quantile(0.99)),
-            "max": float(x.max())}  # fmt: skip
-
-
-def logp_deltas(
-    specs: list[str], *, n_seqs: int = 16, prompt_len: int = 16, response_len: int = 48, seed: int = 0,
-    init_std: float = 0.1,
-) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
-    """Token log-probs of the tiny model in each precision of `specs`, for the trainer (megatron token_logp) and the
-    hf engine (teacher-forced score), on the same random weights and tokens.
-
-    Returns {"trainer" | "engine" | "mismatch": {label: (N,) tensor}}: |logp_prec - logp_fp32| for the trainer and
-    the engine (N = n_seqs x response_len response tokens), and the cross-engine mismatch |logp_trainer -
-    logp_engine| of each precision (the run's mismatch_mean_abs at fixed weights). `init_std` 0.1 (not the
-    preset's 0.02) gives a random model peaked log-probs, as a trained one has.
-    """
-    from study.config import PRESETS
-    from study.engines.hf import HFEngine
-    from study.model import build_policy, token_logp
-    from study.weights import megatron_to_hf
-
-    cfg = PRESETS["tiny"].replace(init_std=init_std)
-    ref = build_policy(cfg, seed=seed, dtype="fp32")
-    state, hf_state = ref.state_dict(), megatron_to_hf(ref, cfg)
-    gen = torch.Generator().manual_seed(seed)
-    seqs = torch.randint(1, cfg.vocab_size, (n_seqs, prompt_len + response_len), generator=gen)  # (N, P + T)
-    prompts = [s[:prompt_len].tolist() for s in seqs]
-    responses = [s[prompt_len:].tolist() for s in seqs]
-
-    def trainer(spec: str) -> torch.Tensor:
-        prec = Precision.parse(spec)
-        model = build_policy(cfg, seed=seed, dtype=prec.storage_dtype)
-        model.load_state_dict(state, strict=False)
-        apply_precision(model, prec)
-        with torch.no_grad():
-            lp = token_logp(model, seqs[:, :-1], seqs[:, 1:])  # (N, P + T - 1)
-        return lp[:, prompt_len - 1 :].flatten()  # response tokens, (N * T,)
-
-    def engine(spec: str) -> torch.Tensor:
-        prec = Precision.parse(spec)
-        eng = HFEngine(cfg, dtype=prec.dtype, precision=prec.label)
-        eng.load_weights(hf_state)
-        return torch.cat(eng.score(prompts, responses)[0])  # (N * T,)
-
-    base_t, base_e = trainer("fp32"), engine("fp32")
-    out: dict[str, dict[str, torch.Tensor]] = {"trainer": {}, "engine": {}, "mismatch": {}}
-    for spec in specs:
-        label = Precision.parse(spec).label
-        t, e = trainer(spec), engine(spec)
-        out["trainer"][label] = (t - base_t).abs()
-        out["engine"][label] = (e - base_e).abs()
-        out["mismatch"][label] = (t - e).abs()
-    return out

@@ -12,8 +12,8 @@ Per step (GSPO paper, section 5.1; the three places where the algorithm matters 
     every N steps.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
-aggregates its own tokens (`aggregation_weights`). task = "user" trains on a user's rows (study.tasks.UserTask) and
-coldstart may name a local HF checkpoint (study/hfinit.py).
+aggregates its own tokens (`aggregation_weights`). task = "user" trains on a user's rows (study.data.tasks.UserTask) and
+coldstart may name a local HF checkpoint (study/coldstart/hf_import.py).
 All randomness is derived from (seed, step), so a resumed run is bit-identical to an uninterrupted one on CPU at a
 fixed thread count.
 """
@@ -37,14 +37,16 @@ import pandas as pd
 import torch
 
 import algorithms
-from study import native, rundir, tasks
 from study import precision as precision_mod
-from study.engines import get_engine
-from study.metrics import STEP_METRICS, forward_flops
-from study.model import DynamicLossScaler, build_optimizer, build_policy, token_logp
-from study.routing import Routes, RoutingController, routing_volatility
-from study.runconfig import RunConfig
-from study.tokenizer import TaskTokenizer
+from study.data import tasks
+from study.data.tokenizer import TaskTokenizer
+from study.policy.model import build_policy, token_logp
+from study.policy.optim import DynamicLossScaler, build_optimizer
+from study.policy.routing import Routes, RoutingController, routing_volatility
+from study.rollout import get_engine
+from study.run import rundir
+from study.run.config import RunConfig
+from study.run.metrics import STEP_METRICS, forward_flops
 from study.weights import megatron_to_hf
 
 TOKEN_SAMPLES = "token_samples.parquet"
@@ -80,9 +82,7 @@ def run(
     if not (run_dir / "manifest.json").exists():
         # precision hook: every result says which engine ran emulated (study/precision.py)
         manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
-        # the C kernels (the hf engine's decode loop, the policy's norms; built here) or their torch paths: results
-        # agree to ~1e-6 (study/native.py)
-        manifest["native_kernels"] = native.available()
+        manifest["native_kernels"] = _kernels_available()
         rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:
@@ -108,7 +108,7 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
     """Tokenizer and Megatron state dict of the cold start (None: random init from the cold-start seed)."""
     mcfg = cfg.model_config()
     if cfg.coldstart == "scratch":
-        from study.tokenizer import build_tokenizer, train_tokenizer
+        from study.data.tokenizer import build_tokenizer, train_tokenizer
 
         if cfg.task == "user":  # user data hook: a tokenizer of the user's training text
             train, _ = cfg.user_split()
@@ -121,11 +121,11 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
     else:
         directory = Path(cfg.coldstart)
     if not (directory / "policy.pt").is_file():
-        from study import hfinit
+        from study.coldstart import hf_import
 
-        if hfinit.is_hf_checkpoint(directory):  # HF hook: a local Qwen3-MoE checkpoint (study/hfinit.py)
-            hfinit.check_checkpoint(directory, cfg.model)
-            return hfinit.load_checkpoint(directory, mcfg)
+        if hf_import.is_hf_checkpoint(directory):  # HF hook: a local Qwen3-MoE checkpoint
+            hf_import.check_checkpoint(directory, cfg.model)
+            return hf_import.load_checkpoint(directory, mcfg)
         raise FileNotFoundError(
             f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`) and no HF checkpoint "
             "(config.json + *.safetensors)"
@@ -601,6 +601,16 @@ def _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wal
         "wall": wall,
     }
     rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+def _kernels_available() -> bool:
+    """Whether the optional C kernels are on and built here (study/kernels/; results agree with the torch paths to
+    ~1e-6): the manifest's `native_kernels`."""
+    try:
+        from study import kernels
+    except ImportError:
+        return False
+    return kernels.available()
 
 
 def _peak_rss_gb() -> float:

@@ -39,12 +39,12 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from study.config import ModelConfig
+from study.model_config import PRESETS, TORCH_DTYPES, ModelConfig
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 _MG_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -257,7 +257,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "fp32") -> dict:
         "mlp_only_layers": [],
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.moe_top_k,
-        "norm_topk_prob": cfg.moe_top_k > 1,  # = study.model.norm_topk_prob: megatron pre-softmaxes for top-1
+        "norm_topk_prob": cfg.moe_top_k > 1,  # = study.policy.model.norm_topk_prob: megatron pre-softmaxes for top-1
         "initializer_range": cfg.init_std,
         "dtype": _HF_DTYPE_NAMES[dtype],
         "torch_dtype": _HF_DTYPE_NAMES[dtype],
@@ -290,3 +290,71 @@ def export_hf(
               metadata={"format": "pt"})  # fmt: skip
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A local HF checkpoint against a model preset (its config.json only: no weights loaded)
+# ---------------------------------------------------------------------------------------------------------------------
+def is_hf_checkpoint(directory: str | Path) -> bool:
+    """True when `directory` has a config.json and at least one *.safetensors file."""
+    directory = Path(directory)
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def _rope_theta(hf: dict[str, Any]) -> Any:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return hf.get("rope_theta", params.get("rope_theta"))
+
+
+def config_mismatches(hf: dict[str, Any], cfg: ModelConfig) -> list[str]:
+    """'key: checkpoint X, preset Y' for every HF config.json field that disagrees with `cfg` (empty: they match)."""
+    heads = hf.get("num_attention_heads")
+    expected: dict[str, tuple[Any, Any]] = {
+        "model_type": (hf.get("model_type"), "qwen3_moe"),
+        "vocab_size": (hf.get("vocab_size"), cfg.vocab_size),
+        "hidden_size": (hf.get("hidden_size"), cfg.hidden_size),
+        "num_hidden_layers": (hf.get("num_hidden_layers"), cfg.num_layers),
+        "num_attention_heads": (heads, cfg.num_attention_heads),
+        "num_key_value_heads": (hf.get("num_key_value_heads", heads), cfg.num_query_groups),
+        "head_dim": (hf.get("head_dim", (hf.get("hidden_size") or 0) // (heads or 1)), cfg.head_dim),
+        "num_experts": (hf.get("num_experts"), cfg.num_experts),
+        "num_experts_per_tok": (hf.get("num_experts_per_tok"), cfg.moe_top_k),
+        "moe_intermediate_size": (hf.get("moe_intermediate_size"), cfg.moe_ffn_hidden_size),
+        "norm_topk_prob": (bool(hf.get("norm_topk_prob", False)), cfg.moe_top_k > 1),
+        "tie_word_embeddings": (bool(hf.get("tie_word_embeddings", False)), False),
+        "decoder_sparse_step": (hf.get("decoder_sparse_step", 1), 1),
+        "mlp_only_layers": (list(hf.get("mlp_only_layers") or []), []),
+        "rope_theta": (_rope_theta(hf), cfg.rotary_base),
+        "rms_norm_eps": (hf.get("rms_norm_eps"), cfg.norm_eps),
+    }
+    out = [f"{key}: checkpoint {got!r}, preset {want!r}" for key, (got, want) in expected.items() if got != want]
+    max_pos = hf.get("max_position_embeddings")
+    if not isinstance(max_pos, int) or max_pos < cfg.max_seq_len:
+        out.append(f"max_position_embeddings: checkpoint {max_pos!r}, preset needs >= {cfg.max_seq_len}")
+    return out
+
+
+def check_checkpoint(directory: str | Path, model: str) -> None:
+    """Raise ValueError naming `coldstart` and `model` unless the HF checkpoint in `directory` can initialise the
+    preset `model` (config fields, tokenizer file). Reads config.json only: no weights are loaded."""
+    directory = Path(directory)
+    try:
+        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"coldstart = {str(directory)!r}: cannot read config.json ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"coldstart = {str(directory)!r}: config.json must hold an object")
+    diffs = config_mismatches(hf, PRESETS[model])
+    if diffs:
+        matching = [name for name, mcfg in PRESETS.items() if not config_mismatches(hf, mcfg)]
+        hint = f"set model = {matching[0]!r}" if matching else f"valid presets: {', '.join(PRESETS)}"
+        raise ValueError(
+            f"coldstart = {str(directory)!r}: the HF checkpoint does not match model = {model!r} ("
+            + "; ".join(diffs)
+            + f"); {hint}"
+        )
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(
+            f"coldstart = {str(directory)!r}: the HF checkpoint has no tokenizer.json (save one with "
+            "TaskTokenizer.save or the model's tokenizer.save_pretrained)"
+        )

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.runconfig import PRESET_RUNS, RunConfig
+from study.run.config import PRESET_RUNS, RunConfig
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
 
 

@@ -4,7 +4,7 @@ preset is valid in every sweep without edits here.
 A sweep file:
 
     name: default              # the study's name: results/<name>/
-    preset: default            # optional: start every run from study.runconfig.PRESET_RUNS[preset]
+    preset: default            # optional: start every run from study.run.config.PRESET_RUNS[preset]
     base: {steps: 40, ...}     # RunConfig fields shared by every run
     axes:                      # RunConfig field -> list of values (algorithm also takes `all`)
       algorithm: all
@@ -26,9 +26,9 @@ from typing import Any
 import jsonschema
 
 import algorithms
-from study import tasks
-from study.config import DTYPES, PRESETS
-from study.runconfig import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
+from study.data import tasks
+from study.model_config import DTYPES, PRESETS
+from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
 TOP_LEVEL = ("name", "preset", "base", "axes", "mode", "description", "tuned", "tune")

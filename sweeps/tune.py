@@ -74,7 +74,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.runconfig import RunConfig
+from study.run.config import RunConfig
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import TUNABLE_FIELDS, TUNED_FORMAT, SweepError, validate_tuned_file
 
@@ -434,7 +434,7 @@ def _evals(run_dir: Path, objective: str) -> list[tuple[int, float]]:
     """(step, value) of the held-out evals a run directory already holds, up to its recorded step."""
     import pandas as pd
 
-    from study import rundir
+    from study.run import rundir
 
     status = rundir.read_status(run_dir)
     if status is None or not (run_dir / "metrics.parquet").exists():
@@ -448,7 +448,8 @@ def _run_trial(p: Plan, algorithm: str, study: Any, trial: Any) -> str:
     """Run one claimed trial to its end; returns its outcome: complete, pruned or collapsed."""
     from optuna.trial import TrialState
 
-    from study import rl, rundir
+    from study import rl
+    from study.run import rundir
 
     cfg = p.config(algorithm, trial.params)
     run_dir = p.results / "runs" / cfg.run_id
@@ -549,7 +550,7 @@ def summary(p: Plan, algorithms_: list[str] | None = None, storage: Any = None) 
 
 
 def _git_sha() -> str:
-    from study.rundir import git_sha
+    from study.run.rundir import git_sha
 
     return git_sha()
 
@@ -613,7 +614,7 @@ def write_best(p: Plan, out: Path | None = None, algorithms_: list[str] | None =
     """Write the tuned file (and trials.csv, every trial of the written algorithms) atomically."""
     import pandas as pd
 
-    from study.rundir import atomic_write, write_text
+    from study.run.rundir import atomic_write, write_text
 
     storage = open_storage(p)
     doc = best_document(p, algorithms_, storage)

@@ -90,6 +90,24 @@ def test_names_are_in_registration_order() -> None:
         algorithms.unregister("test_last")
 
 
+def test_routing_variants_and_replay_partner_follow_the_loss_not_the_name() -> None:
+    assert algorithms.routing_variants("grpo") == ["grpo", "grpo_r3", "grpo_rr"]
+    assert algorithms.routing_variants("grpo_rr") == algorithms.routing_variants("grpo")
+    assert algorithms.routing_variants("gspo") == ["gspo", "gspo_rr"]
+    assert algorithms.routing_variants("grpo_tis") == ["grpo_tis"]  # a wrapped loss is another loss
+    assert algorithms.replay_partner("grpo") == "grpo_rr" and algorithms.replay_partner("grpo_r3") == "grpo_rr"
+    assert algorithms.replay_partner("gspo") == "gspo_rr"
+    assert algorithms.replay_partner("grpo_rr") is None and algorithms.replay_partner("sapo") is None
+    with pytest.raises(algorithms.UnknownAlgorithmError):
+        algorithms.replay_partner("gpso")
+    try:  # a replay variant registered under any name is found
+        algorithms.register("test_sapo_replayed", label="x", routing="replay")(algorithms.get("sapo").loss_fn)
+        assert algorithms.replay_partner("sapo") == "test_sapo_replayed"
+        assert algorithms.routing_variants("test_sapo_replayed") == ["sapo", "test_sapo_replayed"]
+    finally:
+        algorithms.unregister("test_sapo_replayed")
+
+
 def test_check_hparams_names_field_value_and_valid_choices() -> None:
     alg = algorithms.get("grpo")
     with pytest.raises(ValueError, match=r"grpo.eps_low = -0.1: valid range is \[0.0, 1.0\)"):

@@ -95,9 +95,12 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     assert c6.evidence[0].low > 0  # the sigmoid still rises over the last half of 60 steps
 
 
-def test_replay_partner_uses_registry() -> None:
-    assert scorecard.replay_partner("grpo", ["grpo", "gspo_rr", "grpo_rr"]) == "grpo_rr"
-    assert scorecard.replay_partner("gspo", ["grpo_rr", "gspo"]) is None
+def test_replay_partner_comes_from_the_registry_and_must_be_in_the_study(tmp_path) -> None:
+    # grpo_r3 shares GRPO's loss but replays the engine's routes: not the Routing Replay partner C3 compares with
+    st = _load(tmp_path, {"grpo": C(collapse_step=20), "grpo_r3": C(), "gspo": C()}, seeds=(0, 1), n_steps=30)
+    cards = {r.claim: r for r in scorecard.scorecard(st)}
+    assert cards["C3"].reason.startswith(NOT_IN_STUDY) and "Routing Replay partner" in cards["C3"].reason
+    assert "reward(grpo)" in cards["C1"].evidence[0].name  # no grpo_rr: the baseline is plain GRPO
 
 
 # --- stratification: runs that differ in another swept axis are compared within their stratum, never pooled --------

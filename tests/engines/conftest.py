@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from study.config import ModelConfig
+from study.model_config import ModelConfig
 
 _HERE = Path(__file__).parent
 _QUIET = (
@@ -41,7 +41,7 @@ def perturb_(model: torch.nn.Module, seed: int, *, scale: float = 0.1) -> torch.
 
 def build_megatron(cfg: ModelConfig = CFG, seed: int = 0) -> torch.nn.Module:
     """The Megatron policy with perturbed weights, in eval mode."""
-    from study.model import build_policy
+    from study.policy.model import build_policy
 
     return perturb_(build_policy(cfg, seed=seed), seed + 1000).eval()
 
@@ -54,7 +54,7 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 9) -> l
 
 def megatron_logp(model: torch.nn.Module, prompts, responses) -> list[torch.Tensor]:
     """Teacher-forced log-probs of each response under the Megatron model, (T_i,) fp32, one sequence at a time."""
-    from study.model import token_logp
+    from study.policy.model import token_logp
 
     out = []
     with torch.no_grad():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from study import weights as W
-from study.engines import Rollout, engine_names, get_engine, register_engine
-from study.engines.hf import HFEngine
+from study.rollout import Rollout, engine_names, get_engine, register_engine
+from study.rollout.hf import HFEngine
 from tests.engines.conftest import CFG, build_megatron, megatron_logp, random_prompts
 
 STOPS = list(range(0, 512, 17))  # ~1 in 17 tokens stops: both finish reasons occur in a small batch
@@ -92,8 +92,8 @@ def test_logprobs_are_untempered_and_greedy_is_argmax(engine, rollout, prompts):
 
 
 def test_routes_shape_and_equal_to_megatron_routing(engine, megatron, rollout, prompts):
-    from study.model import token_logp
-    from study.routing import RoutingController
+    from study.policy.model import token_logp
+    from study.policy.routing import RoutingController
 
     ctl = RoutingController(megatron)
     assert engine.routes_supported and rollout.routes is not None
@@ -137,9 +137,9 @@ def test_bad_arguments_raise(engine):
 
 
 def _native_sample(logits, logp, temperature, gen):  # type: ignore[no-untyped-def]
-    from study.engines import native
+    from study.kernels import decode
 
-    tok, lp = native.sample(native.library(), logits, temperature, gen)
+    tok, lp = decode.sample(logits, temperature, gen)
     torch.testing.assert_close(lp, logp.gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)  # untempered log-probs
     return tok
 
@@ -152,7 +152,7 @@ def test_sampler_draws_from_the_tempered_distribution(temperature, sampler):
     # engine's C sampler (native decode) takes the same uniforms from the generator.
     from scipy.stats import chisquare
 
-    from study.engines import hf
+    from study.rollout import hf
 
     sample = hf.sample if sampler == "torch" else _native_sample
     logits = torch.tensor(
@@ -186,7 +186,7 @@ def test_decode_attention_equals_sdpa(masked, dtype):
     """The engine's decode-step attention (grouped query heads, no KV copy) computes transformers' sdpa attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from study.engines.hf import decode_attention
+    from study.rollout.hf import decode_attention
 
     class Attn:  # what the attention functions read from the module
         num_key_value_groups, is_causal = 2, True
@@ -228,7 +228,7 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
     """The engine's fused decode step (one GEMM for q/k/v, ops on the modules' parameters) samples the same tokens
     with the same log-probs and routes as transformers' decoder layers, bit for bit, on left-padded prompts; with
     the default `grouped_mm` experts it computes them itself, with any other it calls the experts module."""
-    from study.engines import hf
+    from study.rollout import hf
 
     eng = get_engine("hf", CFG, dtype=dtype, experts_implementation=experts, native_decode=False)
     eng.load_weights(W.megatron_to_hf(megatron, CFG))
@@ -255,23 +255,24 @@ def test_fused_decode_step_equals_the_modules(megatron, prompts, dtype, experts,
     ids=["grouped_mm", "eager", "long-cache"],
 )
 def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, long):
-    """The C decode step (study/engines/native.py) gives the fused torch step's logits to 1e-5, the same routes and
+    """The C decode step (study/kernels/decode.py) gives the fused torch step's logits to 1e-5, the same routes and
     the same cache writes at every step of a left-padded rollout (run here by a Python loop over `step`); whole
     rollouts of the C loop sample the same tokens with the same log-probs (1e-5) and routes as the torch steps. Its
     sums run in another order, so not bit for bit. `long`: prompts of 60-75 tokens and 70 new tokens without stops,
     so the C attention's 64-position blocks run over the shared prompt and over each row's own positions."""
-    from study.engines import hf, native
+    from study.kernels import decode
+    from study.rollout import hf
 
     cfg = CFG.replace(max_seq_len=256) if long else CFG  # room for the long rollout; the same weights
     if long:
         prompts = random_prompts(3, CFG.vocab_size, seed=12, lo=60, hi=76)
 
-    assert native.library() is not None, "the C step did not build (a C compiler is part of the test environment)"
+    assert decode.library() is not None, "the C step did not build (a C compiler is part of the test environment)"
     eng = get_engine("hf", cfg, experts_implementation=experts)
     eng.load_weights(W.megatron_to_hf(megatron, cfg))
-    assert native.NativeDecoder.eligible(eng.model)
+    assert hf._NativeStep.eligible(eng.model)
     seen = []
-    step = native.NativeDecoder.step
+    step = hf._NativeStep.step
 
     def both(self, tok, pos, routes):  # the native step, then the fused one on the cache as it was before
         before = [(c._kbuf.clone(), c._vbuf.clone(), c.length) for c in self.cache.layers]
@@ -281,8 +282,8 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, l
         for c, (k, v, length) in zip(self.cache.layers, before, strict=True):
             c._kbuf.copy_(k), c._vbuf.copy_(v)
             c.length = length
-        fused = hf._FusedDecoder(eng.model, self.n, None if self.attend is None else self.attend[:, None, None].bool(),
-                                 self.cache)  # fmt: skip
+        attend = None if self.decoder.attend is None else self.decoder.attend[:, None, None].bool()
+        fused = hf._FusedDecoder(eng.model, self.decoder.shape.n, attend, self.cache)
         want = fused.step(tok, pos, r_fused)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         for (k, v), c in zip(written, self.cache.layers, strict=True):  # positions past the length are unset
@@ -295,13 +296,14 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, l
         return got
 
     def python_loop(self, logits, pos, *, temperature, gen, stops, max_new_tokens, routes):  # the C loop, step by step
-        toks, lps, length = [], [], torch.zeros(self.n, dtype=torch.long)
-        done = torch.zeros(self.n, dtype=torch.bool)
+        n = self.decoder.shape.n
+        toks, lps, length = [], [], torch.zeros(n, dtype=torch.long)
+        done = torch.zeros(n, dtype=torch.bool)
         for k in range(max_new_tokens):
             twin = torch.Generator().set_state(gen.get_state())  # the C sampler on the same uniforms
             logp = torch.log_softmax(logits, -1)
             tok = hf.sample(logits, logp, temperature, gen)
-            c_tok, c_lp = native.sample(self.lib, logits, temperature, twin)
+            c_tok, c_lp = decode.sample(logits, temperature, twin)
             assert torch.equal(c_tok, tok)
             toks.append(tok), lps.append(c_lp)
             length += (~done).long()
@@ -313,12 +315,12 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, l
         return torch.stack(toks, 1), torch.stack(lps, 1), length, done
 
     kw = dict(seed=5, max_new_tokens=70 if long else 10, stop_token_ids=[] if long else STOPS, return_routes=True)
-    loop = native.NativeDecoder.generate
-    native.NativeDecoder.generate = python_loop
+    loop = hf._NativeStep.generate
+    hf._NativeStep.generate = python_loop
     try:
         checked = eng.generate(prompts, 3, **kw)
     finally:
-        native.NativeDecoder.generate = loop
+        hf._NativeStep.generate = loop
     assert len(seen) >= 5 and set(seen) == {3 * len(prompts)}
     fast = eng.generate(prompts, 3, **kw)
     eng.native_decode = False
@@ -335,8 +337,8 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, l
 def test_native_decode_falls_back_to_torch(megatron, prompts, monkeypatch):
     """Turned off, or where the C step cannot be built, the engine decodes with torch ops (with a warning when the
     build failed) and samples the same tokens."""
-    import study.native
-    from study.engines import native
+    import study.kernels.build
+    from study.kernels import decode
 
     eng = get_engine("hf", CFG)
     eng.load_weights(W.megatron_to_hf(megatron, CFG))
@@ -344,20 +346,22 @@ def test_native_decode_falls_back_to_torch(megatron, prompts, monkeypatch):
     want = eng.generate(prompts, 2, **kw).tokens
 
     def fresh() -> None:
-        study.native.load.cache_clear()
-        native.library.cache_clear()
+        study.kernels.build.load.cache_clear()
+        decode._library.cache_clear()
 
     try:
         fresh()
         monkeypatch.setenv("STUDY_NATIVE", "0")
-        assert native.library() is None
+        assert decode.library() is None
         assert eng.generate(prompts, 2, **kw).tokens == want
         fresh()
         monkeypatch.setenv("STUDY_NATIVE", "1")
         monkeypatch.setenv("CC", "false")  # a compiler that fails
-        monkeypatch.setattr(study.native, "FLAGS", (*study.native.FLAGS, "-DSTUDY_TEST_FAILING_BUILD"))  # not cached
+        monkeypatch.setattr(
+            study.kernels.build, "FLAGS", (*study.kernels.build.FLAGS, "-DSTUDY_TEST_FAILING_BUILD")
+        )  # not cached
         with pytest.warns(UserWarning, match="failed"):
-            assert native.library() is None
+            assert decode.library() is None
         assert eng.generate(prompts, 2, **kw).tokens == want
     finally:
         monkeypatch.undo()
@@ -367,7 +371,7 @@ def test_native_decode_falls_back_to_torch(megatron, prompts, monkeypatch):
 def test_fused_decode_step_only_where_it_is_exact():
     """Emulated precisions (rounding hooks inside the modules), another attention or a hook on a layer keep the
     modules' decode step."""
-    from study.engines import hf
+    from study.rollout import hf
 
     emulated = get_engine("hf", CFG, dtype="bf16", precision="bf16-emulated")
     assert emulated.precision.emulated and not hf._FusedDecoder.eligible(emulated.model, emulated.precision)

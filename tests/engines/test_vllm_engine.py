@@ -28,7 +28,7 @@ def megatron():
 
 @pytest.fixture(scope="module")
 def hf_engine(megatron):
-    from study.engines import get_engine
+    from study.rollout import get_engine
 
     eng = get_engine("hf", CFG)
     eng.load_weights(W.megatron_to_hf(megatron, CFG))
@@ -37,7 +37,7 @@ def hf_engine(megatron):
 
 @pytest.fixture(scope="module")
 def vllm_engine(megatron):
-    from study.engines import get_engine
+    from study.rollout import get_engine
 
     eng = get_engine("vllm", CFG, hf_state=W.megatron_to_hf(megatron, CFG), seed=0, max_num_seqs=64)
     yield eng
@@ -118,7 +118,7 @@ def test_missing_or_unrepacked_update_is_caught(vllm_engine, hf_engine, megatron
 
 
 def test_bf16_engine_shows_a_measurable_mismatch(vllm_engine, megatron, prompts):
-    from study.engines import get_engine
+    from study.rollout import get_engine
 
     _push(megatron, vllm_engine)
     bf16 = get_engine("vllm", CFG, dtype="bf16", hf_state=W.megatron_to_hf(megatron, CFG), seed=0, max_num_seqs=64)

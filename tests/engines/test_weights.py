@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from study import weights as W
-from study.config import ModelConfig
+from study.model_config import ModelConfig
 from tests.engines.conftest import CFG, build_megatron, random_prompts
 
 
@@ -44,7 +44,7 @@ def test_round_trip_hf_megatron_hf_exact(megatron):
 
 
 def test_loaded_back_into_megatron_is_the_same_model(megatron):
-    from study.model import build_policy
+    from study.policy.model import build_policy
 
     other = build_policy(CFG, seed=7).eval()
     missing, unexpected = other.load_state_dict(W.hf_to_megatron(W.megatron_to_hf(megatron, CFG), CFG), strict=False)
@@ -84,7 +84,7 @@ def test_unknown_or_missing_names_raise(megatron):
 
 
 def _hf_model_from(state: dict[str, torch.Tensor], cfg: ModelConfig):
-    from study.engines.hf import HFEngine
+    from study.rollout.hf import HFEngine
 
     engine = HFEngine(cfg)
     engine.load_weights(state)
@@ -93,7 +93,7 @@ def _hf_model_from(state: dict[str, torch.Tensor], cfg: ModelConfig):
 
 @pytest.mark.parametrize("top_k", [2, 1])
 def test_hf_logits_equal_megatron_logits(top_k):
-    from study.model import logits as mg_logits
+    from study.policy.model import logits as mg_logits
 
     cfg = CFG.replace(moe_top_k=top_k)
     megatron = build_megatron(cfg, seed=1)
@@ -110,7 +110,7 @@ def test_hf_logits_equal_megatron_logits(top_k):
 def test_export_opens_in_transformers(megatron, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from study.model import logits as mg_logits
+    from study.policy.model import logits as mg_logits
 
     W.export_hf(megatron, CFG, tmp_path)
     assert AutoConfig.from_pretrained(tmp_path).model_type == "qwen3_moe"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from study.runconfig import RunConfig
+from study.run.config import RunConfig
 from sweeps.expand import load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]

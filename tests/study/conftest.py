@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from study.model import token_logp
+from study.policy.model import token_logp
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Cold start (study/coldstart.py): the SFT loss falls, only response tokens carry loss, the content-addressed
+"""Cold start (study/coldstart/): the SFT loss falls, only response tokens carry loss, the content-addressed
 directory is reused without training, policy.pt reproduces the trained weights' log-probs, coldstart.json is
 complete; slow tier: the tiny preset on chain_sum reaches the pass@1 band."""
 
@@ -15,16 +15,15 @@ from study.coldstart import (
     ColdStartError,
     ColdStartSettings,
     coldstart_main,
-    collate,
     ensure_coldstart,
     read_record,
     resolve_settings,
-    sft_loss,
 )
-from study.config import PRESETS
-from study.model import build_policy, token_logp
-from study.tasks import eval_set, make_task
-from study.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
+from study.coldstart.sft import collate, sft_loss
+from study.data.tasks import eval_set, make_task
+from study.data.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
+from study.model_config import PRESETS
+from study.policy.model import build_policy, token_logp
 
 # A reduced budget: two checks, far from the band, so the run ends with status "budget" in a few seconds.
 FAST = dict(max_steps=40, eval_every=20, eval_size=8, eval_samples=2, batch_size=16, max_new_tokens=48)

@@ -7,9 +7,9 @@ import importlib
 import pytest
 import torch
 
-from study import megatron_compat
-from study.config import preset
-from study.model import build_policy, token_logp
+from study.model_config import preset
+from study.policy import compat as megatron_compat
+from study.policy.model import build_policy, token_logp
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are CPU-only")
 
@@ -27,7 +27,7 @@ def model():
     # megatron's own core attention: its masked softmax needs the causal-mask shim and its attention dropout the RNG
     # tracker's; the policy's default SDPA attention needs neither, and megatron falls back to it for what SDPA
     # cannot express (packed sequences, dropout in training)
-    return build_policy(preset("tiny"), seed=0, core_attention="megatron")
+    return build_policy(preset("tiny"), seed=0, layers="megatron")
 
 
 def _forward(model) -> torch.Tensor:

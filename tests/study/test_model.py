@@ -1,18 +1,13 @@
 """The Megatron-core MoE policy on CPU: log-probs, training step, determinism, dtypes, padding, bad inputs."""
 
+import contextlib
+
 import pytest
 import torch
 
-from study.config import preset
-from study.model import (
-    DynamicLossScaler,
-    build_optimizer,
-    build_policy,
-    init_distributed,
-    logits,
-    norm_topk_prob,
-    token_logp,
-)
+from study.model_config import preset
+from study.policy.model import build_policy, init_distributed, logits, norm_topk_prob, token_logp
+from study.policy.optim import DynamicLossScaler, build_optimizer
 from tests.study.conftest import assert_same_policy, counting, logp_and_grads
 
 TINY = preset("tiny")
@@ -215,10 +210,6 @@ def test_bad_inputs(model):
         build_policy(TINY, seed=0, dtype="fp8")
     with pytest.raises(ValueError, match="seed"):
         build_policy(TINY, seed=-1)
-    with pytest.raises(ValueError, match="core_attention = 'flash'; valid: fused, sdpa, megatron"):
-        build_policy(TINY, seed=0, core_attention="flash")
-    with pytest.raises(ValueError, match="experts = 'grouped'; valid: fused, megatron"):
-        build_policy(TINY, seed=0, experts="grouped")
     with pytest.raises(TypeError):
         build_policy({"num_layers": 2}, seed=0)
     with pytest.raises(ValueError, match="moe_top_k"):
@@ -243,7 +234,8 @@ def test_sdpa_core_attention_equals_megatron_dot_product_attention(model, masked
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from study.model import positions_and_mask, sdpa_core_attention
+    from study.policy.layers import sdpa_core_attention
+    from study.policy.model import positions_and_mask
 
     core = model.decoder.layers[0].self_attention.core_attention
     assert isinstance(core, sdpa_core_attention())
@@ -267,177 +259,96 @@ def test_sdpa_core_attention_equals_megatron_dot_product_attention(model, masked
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_experts_equal_megatrons_sequential_mlp(dtype):
-    """The policy's experts (SequentialMLP's per-expert MLPs as one autograd Function, study/moe_experts.py) give
-    megatron's SequentialMLP's log-probs and every gradient bit for bit, on a left-padded batch with every expert
+    """The fast layers' experts (SequentialMLP's per-expert MLPs as one autograd Function, study/policy/experts.py)
+    give megatron's SequentialMLP's log-probs and every gradient bit for bit, on a left-padded batch with every expert
     routed to. In bf16 the routing probs stay fp32 (megatron casts the scaled activations back), and the experts run
     megatron's own forward."""
-    from study.moe_experts import ExpertsFunction, fused_sequential_mlp
+    from study.policy.experts import ExpertsFunction, fused_sequential_mlp
 
     ids = _batch(4, 21, seed=3)
     mask = torch.ones_like(ids)
     mask[:2, :5] = 0
-    out, counts = {}, []
-    apply = ExpertsFunction.apply
-    ExpertsFunction.apply = lambda *a: counts.append(a[2]) or apply(*a)  # tokens per expert of each call
-    try:
+    out = {}
+    with counting(ExpertsFunction) as counts:
         for experts in ("fused", "megatron"):
-            m = build_policy(TINY, seed=0, dtype=dtype, experts=experts)
-            assert isinstance(m.decoder.layers[0].mlp.experts, fused_sequential_mlp()) == (experts == "fused")
+            m = build_policy(TINY, seed=0, dtype=dtype, layers="megatron")
+            if experts == "fused":  # the same module, its forward the fast layers' (nothing else changes)
+                for layer in m.decoder.layers:
+                    layer.mlp.experts.__class__ = fused_sequential_mlp()
             out[experts] = logp_and_grads(m, ids, mask)
-    finally:
-        ExpertsFunction.apply = apply
-    if dtype == "fp32":  # the Function ran in every layer, with every expert busy
-        assert len(counts) == TINY.num_layers and all(min(c) > 0 for c in counts)
-    else:
-        assert not counts
+    assert len(counts) == (TINY.num_layers if dtype == "fp32" else 0)  # the Function ran in every fp32 layer
     assert_same_policy(out["fused"], out["megatron"], exact=True)
+    assert isinstance(build_policy(TINY, seed=0).decoder.layers[0].mlp.experts, fused_sequential_mlp())
 
 
 def test_fused_experts_step_aside_for_hooks():
     """A hook on any expert submodule (emulated precision's rounding is one) sends the experts back to megatron's
     own forward, which the hook then sees."""
-    from study.moe_experts import ExpertsFunction
+    from study.policy.experts import ExpertsFunction
 
     m = build_policy(TINY.replace(num_layers=1), seed=0)
-    seen, calls = [], []
+    seen = []
     m.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.register_forward_hook(lambda *a: seen.append(1))
-    apply = ExpertsFunction.apply
-    ExpertsFunction.apply = lambda *a: calls.append(1) or apply(*a)
-    try:
+    with counting(ExpertsFunction) as calls:
         token_logp(m, _batch(2, 9)[:, :-1], _batch(2, 9)[:, 1:])
-    finally:
-        ExpertsFunction.apply = apply
     assert seen and not calls
 
 
-def test_fused_rms_norm_equals_torchs():
-    """The C RMSNorm (study/norms.py) gives torch's RMSNorm's output and gradients to ~1e-6 on the policy's shapes
-    (hidden rows, and (S, B, heads, d) for the q/k norms, non-contiguous too); bf16 inputs and hooked modules run
-    torch's own forward."""
-    from study.norms import FusedRMSNorm, RMSNormFunction, library
+def _kernel_calls() -> dict[str, type]:
+    from study.kernels.attention import AttentionFunction
+    from study.kernels.cross_entropy import CrossEntropyFunction
+    from study.kernels.rms_norm import RMSNormFunction
+    from study.kernels.rope import RopeFunction
 
-    assert library() is not None, "the C kernels did not build (a C compiler is part of the test environment)"
-    g = torch.Generator().manual_seed(0)
-    for shape in [(37, 64), (9, 4, 2, 32), (3, 5, 0, 16)]:
-        d = shape[-1]
-        ref, fused = torch.nn.RMSNorm(d, eps=1e-6), FusedRMSNorm(d, eps=1e-6)
-        with torch.no_grad():
-            ref.weight.copy_(torch.randn(d, generator=g))
-            fused.weight.copy_(ref.weight)
-        x = torch.randn(*shape[:-1], d * 2, generator=g)[..., ::2]  # a strided view, as megatron's q/k slices are
-        grad = torch.randn(shape, generator=g)
-        outs = []
-        for m in (ref, fused):
-            xi = x.clone().requires_grad_()
-            y = m(xi)
-            y.backward(grad)
-            outs.append((y.detach(), xi.grad, m.weight.grad))
-        for a, b in zip(*outs, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    calls = []
-    apply = RMSNormFunction.apply
-    RMSNormFunction.apply = lambda *a: calls.append(1) or apply(*a)
-    try:
-        x = torch.randn(4, 64, generator=g)
-        FusedRMSNorm(64)(x)
-        assert len(calls) == 1
-        low = FusedRMSNorm(64).to(torch.bfloat16)
-        assert torch.equal(low(x.bfloat16()), torch.nn.RMSNorm(64).to(torch.bfloat16)(x.bfloat16()))
-        hooked = FusedRMSNorm(64)
-        hooked.register_forward_pre_hook(lambda _m, args: None)
-        hooked(x)
-        assert len(calls) == 1  # neither the bf16 nor the hooked module called the C function
-    finally:
-        RMSNormFunction.apply = apply
+    return {"attention": AttentionFunction, "rope": RopeFunction, "rms_norm": RMSNormFunction,
+            "cross_entropy": CrossEntropyFunction}  # fmt: skip
 
 
-def test_fused_norms_policy_matches_torch_norms():
-    """The policy with the C norms gives the torch-norm policy's log-probs and gradients to ~1e-5 (same weights),
-    and its layers' norms are the C ones."""
-    from study.norms import FusedRMSNorm
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_fast_layers_match_megatrons(switch, monkeypatch):
+    """The fast layers (study/policy/layers.py) give megatron's local spec's log-probs and every gradient to ~1e-5 on
+    a left-padded batch, with the C kernels (each called where the layers use it: attention once a layer, RoPE on q
+    and k, the four layer norms, the loss once) and with `STUDY_NATIVE=0` (none called: the torch paths)."""
+    from study.kernels.rms_norm import FusedRMSNorm
+    from study.policy.layers import fused_core_attention, gpt_model
 
+    monkeypatch.setenv("STUDY_NATIVE", switch)
     ids = _batch(3, 19, seed=5)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     out = {}
-    for norms in ("fused", "megatron"):
-        m = build_policy(TINY, seed=0, norms=norms)
-        layer = m.decoder.layers[0]
-        kinds = {type(layer.input_layernorm), type(layer.pre_mlp_layernorm), type(layer.self_attention.q_layernorm)}
-        assert kinds == ({FusedRMSNorm} if norms == "fused" else {torch.nn.RMSNorm})
-        out[norms] = logp_and_grads(m, ids, mask)
-    assert_same_policy(out["fused"], out["megatron"], exact=False)
-    with pytest.raises(ValueError, match="norms = 'apex'; valid: fused, megatron"):
-        build_policy(TINY, seed=0, norms="apex")
+    with contextlib.ExitStack() as stack:
+        calls = {name: stack.enter_context(counting(fn)) for name, fn in _kernel_calls().items()}
+        for layers in ("fast", "megatron"):
+            m = build_policy(TINY, seed=0, layers=layers)
+            layer = m.decoder.layers[0]
+            assert isinstance(m, gpt_model()) == (layers == "fast")
+            assert isinstance(layer.self_attention.core_attention, fused_core_attention()) == (layers == "fast")
+            assert isinstance(layer.self_attention.q_layernorm, FusedRMSNorm) == (layers == "fast")
+            assert m.config.apply_rope_fusion == (layers == "fast")
+            # predictions from real inputs only: a pad query's output is garbage that differs by attention
+            keep = mask[:, :-1] * mask[:, 1:]
+            lp = token_logp(m, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1])
+            (-(lp * keep).sum()).backward()
+            out[layers] = (lp.detach() * keep, {n: p.grad for n, p in m.named_parameters()})
+    on = switch == "1"
+    n = TINY.num_layers
+    assert {k: len(v) for k, v in calls.items()} == {"attention": n * on, "rope": 2 * n * on,
+                                                     "rms_norm": 4 * n * on, "cross_entropy": on}  # fmt: skip
+    assert_same_policy(out["fast"], out["megatron"], exact=False)
+    with pytest.raises(ValueError, match="layers = 'apex'; valid: fast, megatron"):
+        build_policy(TINY, seed=0, layers="apex")
 
 
-def test_fused_rope_is_megatrons_bit_for_bit():
-    """RoPE in C through megatron's fused-RoPE slot (study/rope.py) gives the unfused megatron policy's log-probs
-    and every gradient bit for bit on a left-padded batch; q and k of every layer went through the C function, and
-    inputs it does not take (bf16, interleaved) run megatron's unfused code."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+def test_emulated_precision_keeps_the_torch_paths():
+    """Emulated low precision rounds the torch ops the kernels would hide (study/precision.py): with it on, no C
+    kernel runs in the policy's forward and backward."""
+    from study.precision import apply_precision
 
-    from study.rope import RopeFunction, fused_rope, library
-
-    assert library() is not None, "the C kernels did not build (a C compiler is part of the test environment)"
-    ids = _batch(3, 19, seed=6)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    out = {}
-    with counting(RopeFunction) as calls:
-        for rope in ("fused", "megatron"):
-            m = build_policy(TINY, seed=0, rope=rope)
-            assert m.config.apply_rope_fusion == (rope == "fused")
-            out[rope] = logp_and_grads(m, ids, mask)
-        assert len(calls) == 2 * TINY.num_layers  # q and k of each layer, in the fused policy only
-        g = torch.Generator().manual_seed(1)
-        freqs = torch.rand(5, 1, 1, 8, generator=g)
-        t = torch.randn(5, 2, 3, 8, generator=g)
-        for x, interleaved in ((t.bfloat16(), False), (t, True)):
-            want = _apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
-            assert torch.equal(fused_rope(x, freqs, interleaved), want)
-        assert len(calls) == 2 * TINY.num_layers
-    assert_same_policy(out["fused"], out["megatron"], exact=True)
-    with pytest.raises(ValueError, match="rope = 'yarn'; valid: fused, megatron"):
-        build_policy(TINY, seed=0, rope="yarn")
-
-
-def test_fused_cross_entropy_matches_megatrons():
-    """The language-model loss in C (study/cross_entropy.py) gives megatron's vocab-parallel cross entropy's losses
-    and logit gradients to ~1e-6, and the policy with it the megatron-loss policy's log-probs and gradients to ~1e-5;
-    inputs it does not take (bf16, targets outside the vocabulary) return None, the caller then runs megatron's."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from study.cross_entropy import CrossEntropyFunction, cross_entropy, library
-    from study.model import fused_loss_gpt_model
-
-    assert library() is not None, "the C kernels did not build (a C compiler is part of the test environment)"
-    init_distributed()  # megatron's loss reduces over the (one-rank) tensor-parallel group
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(7, 3, 300, generator=g) * 4
-    target = torch.randint(0, 300, (7, 3), generator=g)
-    grad = torch.randn(7, 3, generator=g)
-    results = []
-    for fn in (cross_entropy, vocab_parallel_cross_entropy):
-        x = logits.clone().requires_grad_()
-        loss = fn(x, target)
-        loss.backward(grad)
-        results.append((loss.detach(), x.grad))
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert cross_entropy(logits.bfloat16(), target) is None
-    assert cross_entropy(logits, target + 300) is None
-
-    ids = _batch(3, 17, seed=8)
-    mask = torch.ones_like(ids)
-    mask[2, :3] = 0
-    out = {}
-    with counting(CrossEntropyFunction) as calls:
-        for kind in ("fused", "megatron"):
-            m = build_policy(TINY, seed=0, cross_entropy=kind)
-            assert isinstance(m, fused_loss_gpt_model()) == (kind == "fused")
-            out[kind] = logp_and_grads(m, ids, mask)
-    assert len(calls) == 1  # the fused policy's loss; megatron's policy ran its own
-    assert_same_policy(out["fused"], out["megatron"], exact=False)
-    with pytest.raises(ValueError, match="cross_entropy = 'te'; valid: fused, megatron"):
-        build_policy(TINY, seed=0, cross_entropy="te")
+    m = build_policy(TINY, seed=0)
+    apply_precision(m, "bf16-emulated")
+    ids = _batch(2, 9)
+    with contextlib.ExitStack() as stack:
+        calls = [stack.enter_context(counting(fn)) for fn in _kernel_calls().values()]
+        logp_and_grads(m, ids, torch.ones_like(ids))
+    assert calls == [[], [], [], []]

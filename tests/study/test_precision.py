@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from study.precision import PRECISIONS, Precision, apply_precision, ks_statistic, logp_deltas, round_to
-from study.runconfig import RunConfig
+from study.parity import ks_statistic, logp_deltas
+from study.precision import PRECISIONS, Precision, apply_precision, round_to
+from study.run.config import RunConfig
 
 
 # -- spelling and validation ------------------------------------------------------------------------------------------
@@ -46,8 +47,9 @@ def test_round_to_is_the_dtype_cast() -> None:
 
 
 def test_emulated_parameters_and_fp32_head() -> None:
-    from study.config import PRESETS
-    from study.model import build_optimizer, build_policy, token_logp
+    from study.model_config import PRESETS
+    from study.policy.model import build_policy, token_logp
+    from study.policy.optim import build_optimizer
 
     cfg = PRESETS["tiny"]
     model = build_policy(cfg, seed=0, dtype="fp32")

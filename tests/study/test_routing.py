@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from study.config import preset
-from study.model import build_policy, token_logp
-from study.routing import Routes, RoutingController, index_dtype, routing_volatility
+from study.model_config import preset, route_index_dtype
+from study.policy.model import build_policy, token_logp
+from study.policy.routing import Routes, RoutingController, routing_volatility
 
 TINY = preset("tiny")
 
@@ -166,8 +166,8 @@ def test_replay_errors(model):
 
 
 def test_routes_container():
-    assert index_dtype(4) == torch.uint8 and index_dtype(256) == torch.uint8
-    assert index_dtype(257) == torch.int16 and index_dtype(2**16) == torch.int32
+    assert route_index_dtype(4) == torch.uint8 and route_index_dtype(256) == torch.uint8
+    assert route_index_dtype(257) == torch.int16 and route_index_dtype(2**16) == torch.int32
     r = Routes(torch.arange(2 * 3 * 2 * 2, dtype=torch.uint8).reshape(2, 3, 2, 2))
     assert r[1].shape == (1, 3, 2, 2) and r[:, 1].shape == (2, 1, 2, 2) and len(r) == 2
     assert torch.equal(Routes.cat([r[1], r[0]]).experts, r.experts[[1, 0]])

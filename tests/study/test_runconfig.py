@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import algorithms
-from study.runconfig import PRESET_RUNS, RunConfig, load_config, parse_set
+from study.run.config import PRESET_RUNS, RunConfig, load_config, parse_set
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_RUNS))

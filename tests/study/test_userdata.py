@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import algorithms
-from study import rl, tasks
-from study.config import PRESETS
-from study.model import build_policy
-from study.runconfig import RunConfig, load_config
-from study.tokenizer import TaskTokenizer
+from study import rl
+from study.data import tasks
+from study.data.tokenizer import TaskTokenizer
+from study.model_config import PRESETS
+from study.policy.model import build_policy
+from study.run.config import RunConfig, load_config
 from study.weights import export_hf
 
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")

@@ -427,7 +427,7 @@ def test_snakemake_tune_rules(tmp_path: Path) -> None:
 def test_on_eval_hook_sees_every_held_out_eval(tmp_path: Path) -> None:
     """The RL loop's tuning hook: called once per eval step, after the step is recorded, with the eval columns."""
     from study import rl
-    from study.runconfig import RunConfig
+    from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict({**FAST, "steps": 5, "model": "tiny", "prompts_per_step": 2, "group_size": 2,
                                "minibatches": 1, "max_new_tokens": 16})  # fmt: skip

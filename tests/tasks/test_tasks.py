@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from study import tasks
-from study.tasks import (
+from study.data import tasks
+from study.data.tasks import (
     EVAL_SPLITS,
     TASKS,
     TaskItem,

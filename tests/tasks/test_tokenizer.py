@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from study.config import preset
-from study.tasks import EVAL_SPLITS, TASKS, eval_set, make_task
-from study.tokenizer import (
+from study.data.tasks import EVAL_SPLITS, TASKS, eval_set, make_task
+from study.data.tokenizer import (
     BOS_ID,
     EOS_ID,
     MIN_VOCAB_SIZE,
@@ -21,6 +20,7 @@ from study.tokenizer import (
     task_corpus,
     train_tokenizer,
 )
+from study.model_config import preset
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])

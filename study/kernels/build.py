@@ -1,13 +1,8 @@
-"""Small C kernels of this package (study/csrc/*.c), compiled on first use and loaded with ctypes.
+"""Building and loading the kernels: study/kernels/csrc/*.c compiled on first use, loaded with ctypes.
 
 At the tiny presets' sizes a torch op is a few microseconds of dispatch around a few of work, so the hot loops that
-are many small ops (the rollout's decode step, the policy's RMSNorms, RoPE and core attention) run as one C call
-each where they can. Each kernel keeps a torch fallback that runs where it cannot: no C compiler, a failed build,
-`STUDY_NATIVE=0`, inputs it does not handle (another dtype or device, hooks), or while a torch mode intercepts ops
-(`intercepted`). Most kernels' sums run in another order than torch's, so results agree to ~1e-6, not bit for bit
-(RoPE's are bit for bit); each use is tested against the torch path, and a run's manifest says whether the kernels
-ran (`native_kernels`). The kernels are single-threaded: they win at one or two torch threads (this harness's runs
-and cold starts); with many threads torch's own ops may be faster, and `STUDY_NATIVE=0` compares the two.
+are many small ops (the rollout's decode step, the policy's RMSNorms, RoPE, core attention and loss) run as one C
+call each where they can (study/kernels/__init__.py says when).
 
 A shared object is built with the system's `cc` (`$CC`) into `$XDG_CACHE_HOME/moe-rl-study/` (default `~/.cache`),
 named by a hash of its source, the flags and this CPU's model and flags, so a cluster's nodes of different CPU kinds
@@ -35,11 +30,6 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fope
 LIBS = ("-lmvec", "-lm")  # glibc's vector math (expf over 16 lanes), libm
 
 
-def enabled() -> bool:
-    """False where `STUDY_NATIVE=0` turns the kernels off (every use then runs its torch path)."""
-    return os.environ.get("STUDY_NATIVE", "1") != "0"
-
-
 def _cpu_id() -> str:
     """This CPU's model name and feature flags (what -march=native compiles for)."""
     try:
@@ -50,27 +40,10 @@ def _cpu_id() -> str:
     return "\n".join(keep)
 
 
-def runs_on(*tensors) -> bool:  # type: ignore[no-untyped-def]
-    """Whether the C kernels may run on `tensors`: fp32 on the CPU, and no torch mode active (`intercepted`)."""
-    import torch
-
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and not intercepted()
-
-
-def intercepted() -> bool:
-    """Whether a torch function or dispatch mode is active (emulated precision's rounding is one): a C kernel would
-    hide its ops from the mode, so the callers' torch paths run instead."""
-    import torch
-
-    return bool(torch.overrides._get_current_function_mode_stack()) or torch._C._len_torch_dispatch_stack() > 0
-
-
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
-    """study/csrc/`name`.c compiled (once per source, flags and CPU kind) and loaded; None, with a warning, where it
-    cannot be built, and None where the kernels are turned off."""
-    if not enabled():
-        return None
+    """study/kernels/csrc/`name`.c compiled (once per source, flags and CPU kind) and loaded; None, with a warning,
+    where it cannot be built."""
     source = CSRC / f"{name}.c"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

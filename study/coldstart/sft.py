@@ -24,21 +24,17 @@ Directory contents:
     config.json, model.safetensors    HF Qwen3-MoE export: AutoModelForCausalLM / AutoTokenizer.from_pretrained
     coldstart.json        status, achieved pass@1, steps, settings, timings, the check trajectory, the loss curve
 
-`ensure_coldstart(model_preset, task, results)` is what the RL loop calls; `coldstart_main(argv)` is the CLI.
+The directory, its lock and the CLI live in study/coldstart/store.py (`ensure_coldstart`, what the RL loop calls).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,10 +44,10 @@ from typing import Any
 
 import torch
 
-from study import tasks
-from study.config import ModelConfig, preset
-from study.rundir import atomic_write, manifest, write_json
-from study.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
+from study.data import tasks
+from study.data.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
+from study.model_config import ModelConfig, preset
+from study.run.rundir import atomic_write, manifest, write_json
 
 FORMAT_VERSION = 1
 """Bumped when the directory layout or the training recipe changes meaning (it is part of the hash)."""
@@ -68,9 +64,9 @@ class ColdStartSettings:
     """Everything that determines a cold-start checkpoint; all of it (but `threads`) is hashed into its directory."""
 
     model: str = "tiny"
-    """Model preset (study.config.PRESETS)."""
+    """Model preset (study.model_config.PRESETS)."""
     task: str = "chain_sum"
-    """Task whose solutions are imitated and whose in_dist eval set is scored (study.tasks.TASKS)."""
+    """Task whose solutions are imitated and whose in_dist eval set is scored (study.data.tasks.TASKS)."""
     band: tuple[float, float] = (0.1, 0.5)
     """Target mean pass@1 band [low, high]; training stops as soon as a check lands inside it."""
     seed: int = 0
@@ -232,7 +228,7 @@ def sft_loss(
     """Token-mean negative log-likelihood of the masked-in targets: (loss, metrics).
 
     input_ids, targets, loss_mask: (B, S). Targets where loss_mask is 0 do not enter the loss (nor its gradient)."""
-    from study.model import token_logp
+    from study.policy.model import token_logp
 
     logp = token_logp(model, input_ids, targets)  # (B, S) fp32
     n = loss_mask.sum().clamp_min(1.0)
@@ -273,7 +269,7 @@ def eval_pass_at_1(
 
 def probe_logp(model: torch.nn.Module, tok: TaskTokenizer, item: tasks.TaskItem) -> float:
     """Teacher-forced log-prob of `item`'s reference response under `model` (a fingerprint of the weights)."""
-    from study.model import token_logp
+    from study.policy.model import token_logp
 
     input_ids, targets, mask = collate(tok, [item], max_len=model.study_config.max_seq_len)  # (1, S) each
     with torch.no_grad():
@@ -297,12 +293,58 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class Check:
+    """One check of the policy during SFT: its pass@1 against the band, and what that decides."""
+
+    step: int
+    """SFT steps trained when checked."""
+    pass_at_1: float
+    """Mean pass@1 on the in-distribution eval set (k samples at temperature 1)."""
+    truncation_rate: float
+    """Fraction of those samples cut at max_new_tokens."""
+    loss: float
+    """Mean SFT loss over the steps since the previous check (NaN at step 0)."""
+    distance: float
+    """Distance of pass@1 to the band (0 inside)."""
+    outcome: str
+    """"in_band" or "overshoot" (stop here), or "budget" (below the band: train on)."""
+    wall_s: float
+    """Seconds since the cold start began."""
+    eval_s: float
+    """Seconds this check took."""
+
+    def row(self) -> dict[str, float]:
+        """The check as coldstart.json's trajectory keeps it."""
+        return {"step": self.step, "pass_at_1": self.pass_at_1, "truncation_rate": self.truncation_rate,
+                "loss": self.loss, "wall_s": self.wall_s}  # fmt: skip
+
+
+def check_policy(engine: Any, model: torch.nn.Module, tok: TaskTokenizer, items: Sequence[tasks.TaskItem],
+                 settings: ColdStartSettings, step: int, *, loss: float, since: float) -> Check:  # fmt: skip
+    """Score the policy's pass@1 at SFT `step` (the sampling seed derived from the settings' seed and the step) and
+    place it against the band. `since`: the cold start's perf_counter start."""
+    t = time.perf_counter()
+    model.eval()
+    seed = settings.seed * 1_000_003 + step
+    score, truncated = eval_pass_at_1(engine, model, tok, items, k=settings.eval_samples, seed=seed,
+                                      max_new_tokens=settings.max_new_tokens)  # fmt: skip
+    model.train()
+    lo, hi = settings.band
+    outcome = "in_band" if lo <= score <= hi else "overshoot" if score > hi else "budget"
+    now = time.perf_counter()
+    distance = _band_distance(score, settings.band)
+    return Check(step=step, pass_at_1=score, truncation_rate=truncated, loss=loss, distance=distance,
+                 outcome=outcome, wall_s=now - since, eval_s=now - t)  # fmt: skip
+
+
 def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: bool = False) -> dict[str, Any]:
     """Train per `settings` and write the directory's files into `out_dir` (coldstart.json last); its record."""
     from tqdm import tqdm
 
-    from study.engines import get_engine
-    from study.model import build_optimizer, build_policy
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
+    from study.rollout import get_engine
     from study.weights import export_hf
 
     cfg = settings.model_config
@@ -337,45 +379,28 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
             raise ValueError(f"eval prompt + max_new_tokens = {longest} > model.max_seq_len = {cfg.max_seq_len}")
 
         # -- SFT until the band ------------------------------------------------------------------------------------
-        lo, hi = settings.band
         losses: list[float] = []
-        checks: list[dict[str, float]] = []
-        best: dict[str, Any] | None = None  # the check nearest the band and its weights
-        status = "budget"
-        train_s = eval_s = 0.0
-
-        def check(step: int) -> bool:
-            """Score pass@1 at `step`, keep the weights if nearest the band so far; True = stop."""
-            nonlocal best, status, eval_s
-            t = time.perf_counter()
-            model.eval()
-            score, truncated = eval_pass_at_1(engine, model, tok, eval_items, k=settings.eval_samples,
-                                              seed=settings.seed * 1_000_003 + step,
-                                              max_new_tokens=settings.max_new_tokens)  # fmt: skip
-            model.train()
-            eval_s += time.perf_counter() - t
-            window = losses[-settings.eval_every :]
-            checks.append({"step": step, "pass_at_1": score, "truncation_rate": truncated,
-                           "loss": sum(window) / len(window) if window else float("nan"),
-                           "wall_s": time.perf_counter() - t_all})  # fmt: skip
-            distance = _band_distance(score, settings.band)
-            if best is None or distance < best["distance"]:
-                best = {"distance": distance, "step": step, "pass_at_1": score, "truncation_rate": truncated,
-                        "state": copy.deepcopy(model.state_dict())}  # fmt: skip
-            bar.set_postfix(loss=f"{checks[-1]['loss']:.3f}", pass_at_1=f"{score:.3f}")
-            if lo <= score <= hi:
-                status = "in_band"
-                return True
-            if score > hi:
-                status = "overshoot"
-                return True
-            return False
+        checks: list[Check] = []
+        best: tuple[Check, dict[str, torch.Tensor]] | None = None  # the check nearest the band and its weights
+        train_s = 0.0
 
         bar = tqdm(total=settings.max_steps, desc=f"coldstart {settings.model}/{settings.task}", disable=not progress,
                    file=sys.stderr)  # fmt: skip
-        stopped = settings.init is not None and check(0)  # a given checkpoint may already be in the band
         step = 0
-        while not stopped and step < settings.max_steps:
+        while True:
+            # a check every eval_every steps and at the budget's end; at step 0 only a given checkpoint is checked
+            if (step % settings.eval_every == 0 or step == settings.max_steps) and (step or settings.init is not None):
+                window = losses[-settings.eval_every :]
+                record = check_policy(engine, model, tok, eval_items, settings, step,
+                                      loss=sum(window) / len(window) if window else math.nan, since=t_all)  # fmt: skip
+                checks.append(record)
+                if best is None or record.distance < best[0].distance:
+                    best = (record, copy.deepcopy(model.state_dict()))
+                bar.set_postfix(loss=f"{record.loss:.3f}", pass_at_1=f"{record.pass_at_1:.3f}")
+                if record.outcome != "budget":
+                    break
+            if step >= settings.max_steps:
+                break
             t = time.perf_counter()
             items = stream.take(settings.batch_size, start=step * settings.batch_size)
             input_ids, targets, loss_mask = collate(tok, items, max_len=cfg.max_seq_len)  # (B, S) each
@@ -392,12 +417,11 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
             step += 1
             train_s += time.perf_counter() - t
             bar.update(1)
-            if step % settings.eval_every == 0 or step == settings.max_steps:
-                stopped = check(step)
         bar.close()
-        times["train_s"], times["eval_s"] = train_s, eval_s
+        times["train_s"], times["eval_s"] = train_s, sum(c.eval_s for c in checks)
         assert best is not None  # at least one check ran: max_steps >= 1
-        model.load_state_dict(best["state"])
+        chosen, weights = best
+        model.load_state_dict(weights)
 
         # -- write: policy, HF export, the record last -----------------------------------------------------------
         t0 = time.perf_counter()
@@ -408,11 +432,11 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
         times["write_s"] = time.perf_counter() - t0
         times["total_s"] = time.perf_counter() - t_all
         record = {
-            "status": status,
+            "status": checks[-1].outcome,  # how it ended; the weights kept are the check nearest the band
             "band": list(settings.band),
-            "pass_at_1": best["pass_at_1"],
-            "truncation_rate": best["truncation_rate"],
-            "step": best["step"],
+            "pass_at_1": chosen.pass_at_1,
+            "truncation_rate": chosen.truncation_rate,
+            "step": chosen.step,
             "steps_trained": step,
             "examples_seen": step * settings.batch_size,
             "probe_logp": probe_logp(model, tok, eval_items[0]),
@@ -422,7 +446,7 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
             "model_config": dataclasses.asdict(cfg),
             "tokenizer_vocab_size": tok.vocab_size,
             "timings": times,
-            "checks": checks,
+            "checks": [c.row() for c in checks],
             "loss_curve": losses,
             "manifest": manifest(settings.seed, settings.threads),
         }
@@ -437,155 +461,3 @@ def _load_policy(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, w
     if missing or result.unexpected_keys:
         raise KeyError(f"{where}: state dict does not fit the model: missing {missing[:4]}, "
                        f"unexpected {result.unexpected_keys[:4]}")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The content-addressed directory
-# ---------------------------------------------------------------------------------------------------------------------
-class ColdStartError(RuntimeError):
-    """The cold start ended outside its band (the directory is complete; its coldstart.json says how it ended)."""
-
-
-def is_complete(directory: Path) -> bool:
-    """Whether `directory` is a finished cold start (coldstart.json, written last, is there)."""
-    return (directory / "coldstart.json").is_file()
-
-
-def read_record(directory: str | Path) -> dict[str, Any]:
-    """The coldstart.json of a finished cold-start directory."""
-    path = Path(directory) / "coldstart.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
-    return json.loads(path.read_text())
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An exclusive advisory lock (released by the kernel if the holder dies)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def ensure_coldstart(
-    model_preset: str,
-    task: str,
-    results: str | Path,
-    *,
-    band: tuple[float, float] = (0.1, 0.5),
-    seed: int = 0,
-    threads: int = 1,
-    init: str | Path | None = None,
-    strict: bool = True,
-    progress: bool = False,
-    **overrides: Any,
-) -> Path:
-    """The directory `results/coldstart/{model_preset}-{task}-{hash}/` of a finished cold start, trained now unless
-    a complete one with the same settings exists (then it is returned untouched, without training).
-
-    `overrides` are further ColdStartSettings fields (batch_size, lr, max_steps, eval_every, ...; see
-    PRESET_DEFAULTS for each preset's recipe). Racing callers serialise on a lock file next to the directory; the
-    directory appears under its final name only when complete. With `strict` (default), a cold start that ended
-    outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or not.
-    """
-    settings = resolve_settings(model_preset, task, band=band, seed=seed, threads=threads,
-                                init=None if init is None else str(init), **overrides)  # fmt: skip
-    root = Path(results) / "coldstart"
-    directory = root / settings.dirname
-    if not is_complete(directory):
-        with _exclusive(root / f".{settings.dirname}.lock"):
-            if not is_complete(directory):  # another process may have finished it while we waited
-                _build(settings, directory, progress=progress)
-    record = read_record(directory)
-    if strict and record["status"] != "in_band":
-        lo, hi = record["band"]
-        raise ColdStartError(
-            f"cold start {directory} ended with status {record['status']!r}: pass@1 {record['pass_at_1']:.3f} after "
-            f"{record['steps_trained']} SFT steps, band [{lo}, {hi}]. Change lr / eval_every (overshoot) or "
-            "max_steps (budget), or pass strict=False to use the closest checkpoint."
-        )
-    return directory
-
-
-def _build(settings: ColdStartSettings, directory: Path, *, progress: bool) -> None:
-    """Train into a temporary sibling directory and rename it to `directory` (called under the lock)."""
-    for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by a killed builder
-        shutil.rmtree(stale, ignore_errors=True)
-    if directory.exists():  # incomplete (cannot normally happen: only complete directories are renamed in)
-        shutil.rmtree(directory)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    try:
-        train_coldstart(settings, tmp, progress=progress)
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    """The `python -m study coldstart` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="python -m study coldstart",
-        description="SFT the MoE policy on task solutions until its in-distribution pass@1 enters a band; writes "
-        "(or reuses) results/coldstart/{model}-{task}-{hash}/.",
-    )
-    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
-    p.add_argument("--task", default="chain_sum", help=f"task: {', '.join(tasks.TASKS)} (default: chain_sum)")
-    p.add_argument("--results", default="results", help="results root (default: results)")
-    p.add_argument("--band", type=float, nargs=2, default=(0.1, 0.5), metavar=("LOW", "HIGH"),
-                   help="target pass@1 band (default: 0.1 0.5)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    p.add_argument("--max-steps", type=int, default=None, help="SFT step budget (default: the preset's)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    p.add_argument("--batch-size", type=int, default=None, help="examples per step (default: the preset's)")
-    p.add_argument("--eval-every", type=int, default=None, help="SFT steps between checks (default: the preset's)")
-    p.add_argument("--init", default=None, help="start from this checkpoint (directory with policy.pt, or a .pt)")
-    p.add_argument("--no-strict", action="store_true", help="exit 0 even when the band was missed")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def coldstart_main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: make or reuse the cold start, print its directory and outcome; exit status 1 when it ended
-    outside the band (unless --no-strict), 2 on a settings error."""
-    args = build_parser().parse_args(argv)
-    try:
-        directory = ensure_coldstart(
-            args.model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
-            init=args.init, strict=False, progress=not args.quiet, max_steps=args.max_steps, lr=args.lr,
-            batch_size=args.batch_size, eval_every=args.eval_every,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"coldstart: {exc}", file=sys.stderr)
-        return 2
-    record = read_record(directory)
-    print(f"{directory}\nstatus {record['status']}: pass@1 {record['pass_at_1']:.3f} (band {record['band']}) at "
-          f"step {record['step']} of {record['steps_trained']}, {record['timings']['total_s']:.1f} s")  # fmt: skip
-    return 0 if record["status"] == "in_band" or args.no_strict else 1
-
-
-__all__ = [
-    "PRESET_DEFAULTS",
-    "STATUSES",
-    "ColdStartError",
-    "ColdStartSettings",
-    "coldstart_main",
-    "collate",
-    "ensure_coldstart",
-    "eval_pass_at_1",
-    "is_complete",
-    "read_record",
-    "resolve_settings",
-    "sft_loss",
-    "train_coldstart",
-]
-
-if __name__ == "__main__":
-    raise SystemExit(coldstart_main())

@@ -16,10 +16,12 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.config import DTYPES, PRESETS, ModelConfig
+from study.model_config import DTYPES, PRESETS, ModelConfig
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
+"""Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
 ENGINES = ("hf", "vllm")
+"""The rollout engines a run may name: the one list of engine names (study/rollout registers a class under each)."""
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,11 @@ class RunConfig:
     seed: int = 0
     """Seed of the run: prompt order, rollout sampling, minibatch split. The cold start has its own seed."""
     model: str = "tiny"
-    """Model preset (study.config.PRESETS); must match the cold-start checkpoint's."""
+    """Model preset (study.model_config.PRESETS); must match the cold-start checkpoint's."""
     task: str = "chain_sum"
-    """Training task (study.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
+    """Training task (study.data.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
     task_knobs: dict[str, Any] = field(default_factory=dict)
-    """Difficulty/length knobs of the task (study.tasks.make_task)."""
+    """Difficulty/length knobs of the task (study.data.tasks.make_task)."""
     coldstart: str = "auto"
     """Cold-start checkpoint directory, or "auto" (make or reuse the preset's own under the results dir), or
     "scratch" (random initialisation, for tests of the machinery only)."""
@@ -95,7 +97,7 @@ class RunConfig:
     """task = "user": the scorer of the rows: exact, numeric, or a reasoning-gym task name."""
     eval_data: str = ""
     """task = "user": held-out rows (same format and verifier), logged as eval_in_dist; "" = `eval_size` rows of
-    `data` held out with a fixed seed (study.tasks.split_user_data)."""
+    `data` held out with a fixed seed (study.data.tasks.split_user_data)."""
     kl_coef: float = 0.0
     """Coefficient of a k3 KL(pi_theta || pi_ref) penalty to the frozen initial policy, added to the loss
     (0 = off, as in the paper)."""
@@ -132,7 +134,7 @@ class RunConfig:
     # -- validation --------------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Every error names the field, the value and the valid choices, before any compute is spent."""
-        from study import tasks
+        from study.data import tasks
 
         alg = algorithms.get(self.algorithm) if self.algorithm in algorithms.names() else None
         if alg is None:
@@ -182,7 +184,7 @@ class RunConfig:
     def _validate_user_data(self) -> None:
         """User data hook: task = "user" needs `data` and `verifier`; the files load (every row checked by the
         verifier) and split before any compute. Errors name the field."""
-        from study import tasks
+        from study.data import tasks
 
         if self.task != "user":
             for name in ("data", "verifier", "eval_data"):
@@ -204,8 +206,9 @@ class RunConfig:
         self.user_split()
 
     def user_split(self) -> tuple[list[Any], list[Any]]:
-        """(training items, held-out items) of task = "user" (study.tasks.split_user_data); errors name the field."""
-        from study import tasks
+        """(training items, held-out items) of task = "user" (study.data.tasks.split_user_data); errors name the
+        field."""
+        from study.data import tasks
 
         loaded = {}
         for name in ("data", "eval_data"):
@@ -224,13 +227,13 @@ class RunConfig:
     def _validate_coldstart(self) -> None:
         """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model preset; other
         paths are checked when the run starts (a sweep may name a cold start that is still being made)."""
-        from study import hfinit
+        from study import weights
 
         if self.coldstart in ("auto", "scratch"):
             return
         directory = Path(self.coldstart)
-        if not (directory / "policy.pt").is_file() and hfinit.is_hf_checkpoint(directory):
-            hfinit.check_checkpoint(directory, self.model)
+        if not (directory / "policy.pt").is_file() and weights.is_hf_checkpoint(directory):
+            weights.check_checkpoint(directory, self.model)
 
     def _validate_precision(self) -> None:
         """Precision hook (study/precision.py): valid labels, consistent with the dtype fields, supported by the
@@ -315,8 +318,8 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _load_user_data(path: str, verifier: str, digest: str) -> tuple[Any, ...]:
-    """study.tasks.load_user_data, cached by content (validation runs on every from_dict / replace)."""
-    from study import tasks
+    """study.data.tasks.load_user_data, cached by content (validation runs on every from_dict / replace)."""
+    from study.data import tasks
 
     return tuple(tasks.load_user_data(path, verifier=verifier))
 

@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from study.config import ModelConfig
+from study.model_config import ModelConfig
+from study.run.config import ENGINES
 
 FINISH_REASONS: tuple[str, ...] = ("stop", "length")
 
@@ -93,6 +94,9 @@ def register_engine(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEn
     """Class decorator: register a rollout engine under `name`; a duplicate name raises."""
 
     def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
+        if name not in ENGINES:
+            raise ValueError(f"rollout engine {name!r} is not one of study.run.config.ENGINES ({', '.join(ENGINES)}); "
+                             "add it there, the one list of engine names a run config may use")  # fmt: skip
         if name in _ENGINES:
             raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name].__qualname__})")
         cls.name = name
@@ -136,8 +140,3 @@ def check_generate_args(prompts: Sequence[Sequence[int]], n: int, temperature: f
             )
         if min(p) < 0 or max(p) >= cfg.vocab_size:
             raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
-
-
-def routes_dtype(num_experts: int) -> torch.dtype:
-    """uint8 where expert ids fit, else int16."""
-    return torch.uint8 if num_experts <= 256 else torch.int16

@@ -1,12 +1,12 @@
-"""The policy's RMSNorms: torch's RMSNorm module, forward and backward in one C pass each where that runs.
+"""RMSNorm in C: torch's RMSNorm module whose forward and backward are one C pass each where the kernels apply.
 
 megatron's local layer spec builds its norms as `torch.nn.RMSNorm` (`WrappedTorchNorm`), which on the CPU is
 composite: six elementwise ops forward and about a dozen backward, each a pass over the activations. The layers'
 eight norms per forward (two per layer, the q and k norms; the final norm is built by megatron's block and stays
 torch's) made ~10% of a 64-sequence update. `FusedRMSNorm` is the same module (class, parameter, state dict)
-whose forward calls `RMSNormFunction`, study/csrc/rms_norm.c, where it runs: fp32 on the CPU, no hooks on the
-module (emulated precision's rounding is one), the kernel built (study/native.py); elsewhere torch's forward. The
-C sums run in another order: outputs and gradients agree with torch's to ~1e-6 relative (tests/study/test_model.py).
+whose forward calls `RMSNormFunction`, csrc/rms_norm.c, where the package's rule applies (study/kernels/__init__.py)
+and no hooks sit on the module; elsewhere torch's forward. The C sums run in another order: outputs and gradients
+agree with torch's to ~1e-6 relative (tests/kernels).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import functools
 
 import torch
 
-from study import native
+from study import kernels
+from study.kernels import build
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    p, i64 = native.PTR, native.I64
-    return native.bind("rms_norm", {"rms_forward": ([p, p, i64, i64, native.F64, p, p], None),
+    p, i64 = build.PTR, build.I64
+    return build.bind("rms_norm", {"rms_forward": ([p, p, i64, i64, build.F64, p, p], None),
                                     "rms_backward": ([p, p, p, p, i64, i64, p, p], None)})  # fmt: skip
 
 
@@ -59,10 +60,7 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         w = self.weight
         if (
             w is not None
-            and x.dtype == torch.float32
-            and w.dtype == torch.float32
-            and x.device.type == "cpu"
-            and w.device.type == "cpu"
+            and kernels.applies(x, w)
             and x.shape[-1] == w.numel()
             and x.numel() > 0
             and not (self._forward_hooks or self._forward_pre_hooks)
@@ -71,19 +69,3 @@ class FusedRMSNorm(torch.nn.RMSNorm):
             eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
             return RMSNormFunction.apply(x, w, eps)
         return super().forward(x)
-
-
-class FusedNormSpec:
-    """In megatron's layer spec where `WrappedTorchNorm` goes (same arguments): a `FusedRMSNorm` for RMSNorm,
-    megatron's own norm otherwise."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,  # type: ignore[no-untyped-def]
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):  # fmt: skip
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        norm = WrappedTorchNorm(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
-        if type(norm) is not torch.nn.RMSNorm:
-            return norm
-        fused = FusedRMSNorm(hidden_size, eps=eps)
-        fused.load_state_dict(norm.state_dict())
-        return fused.to(device=norm.weight.device, dtype=norm.weight.dtype)

@@ -1,14 +1,12 @@
-"""The policy's core attention in C where that runs: study/csrc/attention.c, forward and backward.
+"""Core attention in C: softmax(scale q k^T + mask) v over each query's visible span, forward and backward.
 
 torch's SDPA on the CPU (its flash kernel) scores every query against every key and applies the mask afterwards;
 its forward and backward were ~14% of an update at the tiny preset's ~80-token sequences (docs/performance.md).
-`attention` computes the same softmax(scale q k^T + mask) v in C over each query's visible span only (a causal,
+`attention` computes the same function from csrc/attention.c over each query's visible span only (a causal,
 left-padded batch: about half the dense work), with register-blocked score loops over transposed keys and a backward
-that recomputes the probabilities from the saved log-sum-exp. It runs for fp32 CPU tensors with the kernel built
-(study/native.py) and no torch mode active (emulated precision rounds SDPA's operands); the caller (study/model.py
-`fused_core_attention`, which also steps aside for hooks on the module) falls back to SDPA elsewhere. The C sums run
-in another order: outputs and gradients agree with SDPA's to ~1e-6 relative, not bit for bit
-(tests/study/test_attention.py). The kernel is single-threaded, like the package's others (study/native.py).
+that recomputes the probabilities from the saved log-sum-exp. It returns None where the package's rule says no
+(study/kernels/__init__.py) or the shapes are not ones it takes; its caller (study/policy/layers.py) then runs SDPA.
+The C sums run in another order: outputs and gradients agree with SDPA's to ~1e-6 relative (tests/kernels).
 """
 
 from __future__ import annotations
@@ -18,17 +16,18 @@ import functools
 
 import torch
 
-from study import native
+from study import kernels
+from study.kernels import build
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
-    p, i64, rc = native.PTR, native.I64, native.INT
-    shape = [p, i64, rc, i64, i64, i64, i64, i64, native.F64]  # mask, its stride, causal, S, B, hq, hk, d, scale
+    p, i64, rc = build.PTR, build.I64, build.INT
+    shape = [p, i64, rc, i64, i64, i64, i64, i64, build.F64]  # mask, its stride, causal, S, B, hq, hk, d, scale
     forward = [p, p, p, *shape, p, p]  # q, k, v, ..., out, lse
     backward = [p, p, p, *shape, p, p, p, p, p, p]  # q, k, v, ..., out, dout, lse, dq, dk, dv
-    return native.bind("attention", {"attention_forward": (forward, rc), "attention_backward": (backward, rc)})
+    return build.bind("attention", {"attention_forward": (forward, rc), "attention_backward": (backward, rc)})
 
 
 def _shape_args(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> list:
@@ -77,8 +76,7 @@ def attention(
     `mask` megatron's (B or 1, 1, S, S) bool, True = masked, or None), output (S, B, hq d); None where the kernel does
     not run (not fp32 on the CPU, shapes it does not take, a torch mode active, no kernel): the caller's own path
     then runs."""
-    # a torch mode (emulated precision) must see SDPA's operands: native.runs_on says no then
-    if not native.runs_on(query, key, value) or not all(t.dim() == 4 for t in (query, key, value)):
+    if not kernels.applies(query, key, value) or not all(t.dim() == 4 for t in (query, key, value)):
         return None
     s, b, hq, d = query.shape
     if key.shape != value.shape or key.shape[:2] != (s, b) or key.shape[3] != d or hq % key.shape[2] or s == 0:

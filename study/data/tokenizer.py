@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from study.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
+from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -12,8 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 DType = Literal["fp32", "bf16", "fp16"]
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""The numeric formats an engine computes in (the dtype fields of a run)."""
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Each of DTYPES as a torch dtype: the one map every module uses."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,16 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, head_dim=64,
                          num_experts=16, moe_top_k=4, moe_ffn_hidden_size=512, vocab_size=4096, max_seq_len=1024),
 }  # fmt: skip
+
+
+def route_index_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, int16 up to 2^15,
+    int32 beyond): the dtype of every stored route, trainer's and engine's."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 2**15:
+        return torch.int16
+    return torch.int32
 
 
 def preset(name: str) -> ModelConfig:

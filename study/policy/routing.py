@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import torch
 
+from study.model_config import route_index_dtype
+
 Mode = Literal["free", "record", "replay"]
 MODES: tuple[str, ...] = ("free", "record", "replay")
 
@@ -45,15 +47,6 @@ ROUTING_METRICS: dict[str, str] = {
     "token_flip_rate": "token any-layer flip rate, fraction of tokens whose top-k set changed in at least one layer",
     "tokens": "number of tokens compared (mask sum)",
 }
-
-
-def index_dtype(num_experts: int) -> torch.dtype:
-    """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts)."""
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 2**15:
-        return torch.int16
-    return torch.int32
 
 
 @dataclass(frozen=True)
@@ -111,7 +104,7 @@ class Routes:
     def from_layers(per_layer: Sequence[torch.Tensor], batch: int, seq: int, num_experts: int) -> Routes:
         """From megatron's per-layer (S*B, k) indices (sequence-major) to (B, S, L, k)."""
         layers = [t.detach().reshape(seq, batch, -1).transpose(0, 1) for t in per_layer]  # (B, S, k) each
-        return Routes(torch.stack(layers, dim=2).to(index_dtype(num_experts)).cpu())  # (B, S, L, k)
+        return Routes(torch.stack(layers, dim=2).to(route_index_dtype(num_experts)).cpu())  # (B, S, L, k)
 
     def layer_tokens(self, layer: int, device: torch.device) -> torch.Tensor:
         """Layer `layer` in megatron's token order: (S*B, k) int64."""
@@ -402,4 +395,4 @@ def routing_volatility(
     return out
 
 
-__all__ = ["MODES", "ROUTING_METRICS", "Routes", "RoutingController", "index_dtype", "routing_volatility"]
+__all__ = ["MODES", "ROUTING_METRICS", "Routes", "RoutingController", "routing_volatility"]

@@ -1,7 +1,7 @@
-"""The policy's C core attention (study/attention.py): outputs and gradients against torch's SDPA on the masks the
+"""The C core attention (study/kernels/attention.py): outputs and gradients against torch's SDPA on the masks the
 policy builds (causal, causal with left padding, and arbitrary holes), grouped-query heads and head sizes with and
-without a specialised loop; inputs it does not take return None (the caller's SDPA runs); the policy with it
-against the policy with SDPA."""
+without a specialised loop; inputs it does not take, a torch mode or the switch off return None (the caller's SDPA
+runs)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from study.attention import AttentionFunction, attention, library
-from study.config import preset
-from study.model import build_policy, fused_core_attention
-from tests.study.conftest import assert_same_policy, counting, logp_and_grads
+from study.kernels.attention import attention, library
 
 
 def _sdpa(q, k, v, mask, *, causal, scale):  # type: ignore[no-untyped-def]
-    """The reference: study/model.py's SDPA path on megatron's (S, B, h, d) inputs."""
+    """The reference: study/policy/layers.py's SDPA path on megatron's (S, B, h, d) inputs."""
     s, b, hq, d = q.shape
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if mask is not None:  # megatron's (B, 1, S, S): True = masked; a query always sees itself
@@ -88,35 +85,9 @@ def test_inputs_the_kernel_does_not_take_return_none():
         assert attention(q, q, q, mask, causal=False, scale=1.0) is None
 
 
-def test_emulated_precision_keeps_sdpa():
-    """Emulated low precision rounds SDPA's operands and RoPE's elementwise results (study/precision.py): with it on,
-    the policy's C attention and C RoPE step aside."""
-    from study.precision import apply_precision
-    from study.rope import RopeFunction
-
-    cfg = preset("tiny")
-    m = build_policy(cfg, seed=0)
-    apply_precision(m, "bf16-emulated")
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    with counting(AttentionFunction) as attention_calls, counting(RopeFunction) as rope_calls:
-        logp_and_grads(m, ids, torch.ones_like(ids))
-    assert attention_calls == rope_calls == []
-
-
-def test_policy_with_c_attention_matches_sdpa_policy():
-    """The tiny policy with the C core attention gives the SDPA policy's log-probs and gradients to ~1e-5 (same
-    weights) on a left-padded batch, and its layers called the C function."""
-    cfg = preset("tiny")
-    gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, cfg.vocab_size, (3, 23), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :6] = mask[2, :2] = 0
-    out = {}
-    with counting(AttentionFunction) as calls:
-        for core in ("fused", "sdpa"):
-            m = build_policy(cfg, seed=0, core_attention=core)
-            fused = isinstance(m.decoder.layers[0].self_attention.core_attention, fused_core_attention())
-            assert fused == (core == "fused")
-            out[core] = logp_and_grads(m, ids, mask)
-    assert len(calls) == cfg.num_layers  # the fused policy's layers, not the SDPA policy's
-    assert_same_policy(out["fused"], out["sdpa"], exact=False)
+def test_the_switch_turns_it_off(monkeypatch):
+    q = torch.randn(8, 2, 2, 32)
+    monkeypatch.setenv("STUDY_NATIVE", "0")
+    assert attention(q, q, q, None, causal=True, scale=1.0) is None
+    monkeypatch.setenv("STUDY_NATIVE", "1")
+    assert attention(q, q, q, None, causal=True, scale=1.0) is not None

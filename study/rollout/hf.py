@@ -11,9 +11,10 @@ from the decode step itself.
 
 The prefill runs transformers' model once per prompt; its samples start from copies of that cache. The decode steps
 after it run, in order of preference:
-- `native.NativeDecoder` (study/engines/native.py): the sampling loop and every decode step in C, fp32 on the CPU,
-  where the fused step below runs and a C compiler is there. Logits agree with the modules' to ~1e-6 and the same
-  tokens are sampled (tests/engines); 3x faster than the fused step on a tiny 8 x 4 x 32 rollout;
+- `_NativeStep`: the sampling loop and every decode step in C (study/kernels/decode.py), fp32 on the CPU, where
+  the fused step below runs and the optional kernels apply (study/kernels/__init__.py). Logits agree with the
+  modules' to ~1e-6 and the same tokens are sampled (tests/engines); 3x faster than the fused step on a tiny
+  8 x 4 x 32 rollout;
 - `_FusedDecoder`: the same arithmetic as the model's decoder layers written out on their parameters with fewer
   ops (bit-identical; 25-40% off a tiny 8 x 4 x 32 rollout, docs/performance.md section 6);
 - the decoder layers themselves where neither would be exact (emulated precisions, hooks, another attention).
@@ -26,10 +27,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from study.config import ModelConfig
-from study.engines import native
-from study.engines.base import Rollout, RolloutEngine, check_generate_args, register_engine, routes_dtype
-from study.weights import TORCH_DTYPES, hf_config, hf_param_names
+from study.model_config import TORCH_DTYPES, ModelConfig, route_index_dtype
+from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
+from study.weights import hf_config, hf_param_names
+
+try:  # the optional C kernels: without study/kernels/ the fused torch step runs
+    from study import kernels
+    from study.kernels import decode as c_decode
+except ImportError:
+    kernels = c_decode = None
 
 
 def build_hf_model(cfg: ModelConfig, dtype: str = "fp32", *, experts_implementation: str | None = None):
@@ -319,9 +325,90 @@ class _FusedDecoder:
             if self.norm_topk:
                 top_w /= top_w.sum(dim=-1, keepdim=True)
             if routes is not None:
-                routes[i].append(top_i.reshape(n, 1, -1).to("cpu", routes_dtype(experts.num_experts)))
+                routes[i].append(top_i.reshape(n, 1, -1).to("cpu", route_index_dtype(experts.num_experts)))
             x = x + self._experts(experts, h, top_i, top_w.to(logits.dtype))
         return self.model.lm_head(_rms(x, self.body.norm.weight, self.body.norm.variance_epsilon))
+
+
+class _NativeStep:
+    """`_FusedDecoder`'s step and the engine's whole sampling loop in C (study/kernels/decode.py): the model's
+    weights and the growing cache's buffers handed over as plain tensors, the cache lengths and routes kept here."""
+
+    def __init__(self, model, n: int, attend: torch.Tensor | None, cache, *, samples: int, prompt: int) -> None:  # type: ignore[no-untyped-def]
+        body, cfg = model.model, model.config
+        capacity = cache.layers[0].capacity
+        self.cache, self.experts = cache, cfg.num_experts
+        shape = c_decode.DecodeShape(
+            n=n, hidden=cfg.hidden_size, hq=cfg.num_attention_heads, hk=cfg.num_key_value_heads, d=cfg.head_dim,
+            experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, ffn=cfg.moe_intermediate_size,
+            vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, capacity=capacity, norm_topk=cfg.norm_topk_prob,
+            eps=cfg.rms_norm_eps,
+        )  # fmt: skip
+        cos, sin = _FusedDecoder.rope_tables(model, capacity)
+        head_t = model.lm_head.weight.t().contiguous()
+        tensors = {"embed": body.embed_tokens.weight, "final_norm": body.norm.weight, "head_t": head_t,
+                   "cos": cos.contiguous(), "sin": sin.contiguous()}  # fmt: skip
+        layers = []
+        for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
+            a, mlp, cl = layer.self_attn, layer.mlp, cache.layers[i]
+            qkv, qk_norm = _FusedDecoder.attention_weights(a, shape.hq, shape.hk)
+            layers.append({
+                "norm1": layer.input_layernorm.weight,
+                "qkv_t": qkv.t().contiguous(),
+                "qk_norm": qk_norm,
+                "o_t": a.o_proj.weight.t().contiguous(),
+                "norm2": layer.post_attention_layernorm.weight,
+                "router_t": mlp.gate.weight.t().contiguous(),
+                "gate_up_t": mlp.experts.gate_up_proj.transpose(-2, -1).contiguous(),  # (E, H, 2F)
+                "down_t": mlp.experts.down_proj.transpose(-2, -1).contiguous(),  # (E, F, H)
+                "keys": cl._kbuf,
+                "values": cl._vbuf,
+            })  # fmt: skip
+        self.decoder = c_decode.NativeDecoder(shape, tensors, layers, attend, length=cache.layers[0].length,
+                                                   samples=samples, prompt=prompt)  # fmt: skip
+
+    @staticmethod
+    def eligible(model) -> bool:  # type: ignore[no-untyped-def]
+        """Given `_FusedDecoder.eligible`: the kernels apply and what the C step also assumes holds (fp32 on the CPU,
+        SiLU experts, one eps, whole query groups, the default scaling)."""
+        if c_decode is None or c_decode.library() is None:
+            return False
+        cfg, body = model.config, model.model
+        layer = body.layers[0]
+        eps = {cfg.rms_norm_eps, body.norm.variance_epsilon, layer.input_layernorm.variance_epsilon,
+               layer.self_attn.q_norm.variance_epsilon}  # fmt: skip
+        return (
+            kernels.applies(*model.parameters())
+            and cfg.hidden_act == "silu"
+            and len(eps) == 1
+            and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+            and getattr(layer.self_attn, "scaling", None) == cfg.head_dim**-0.5
+        )
+
+    def _sync(self, routes_out, routes: list[list[torch.Tensor]] | None, per_step: bool) -> None:  # type: ignore[no-untyped-def]
+        for cl in self.cache.layers:  # the C code wrote the buffers up to the decoder's length
+            cl.set_length(self.decoder.length)
+        if routes is not None:
+            dtype = route_index_dtype(self.experts)
+            for i, per_layer in enumerate(routes):
+                if per_step:
+                    per_layer.append(routes_out[i, :, None].to(dtype))
+                else:
+                    per_layer += list(routes_out[:, i, :, None].to(dtype).unbind(0))
+
+    def generate(self, logits, position_ids, *, temperature, gen, stops, max_new_tokens, routes):  # type: ignore[no-untyped-def]
+        """The engine's sampling loop in one C call; appends each decode step's (N, 1, k) routes to routes[layer]."""
+        tok, lps, length, done, r = self.decoder.generate(logits, position_ids, temperature=temperature, gen=gen,
+                                                          stops=stops, max_new_tokens=max_new_tokens,
+                                                          routes=routes is not None)  # fmt: skip
+        self._sync(r, routes, per_step=False)
+        return tok, lps, length, done
+
+    def step(self, tok: torch.Tensor, position_ids: torch.Tensor, routes: list[list[torch.Tensor]] | None):
+        """`_FusedDecoder.step` in C (what `generate` runs each step; tests compare the two)."""
+        logits, r = self.decoder.step(tok, position_ids, routes=routes is not None)
+        self._sync(r, routes, per_step=True)
+        return logits
 
 
 @register_engine("hf")
@@ -341,7 +428,7 @@ class HFEngine(RolloutEngine):
         native_decode: bool = True,
     ) -> None:
         """`precision` (study.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real.
-        `native_decode`: decode steps in C where it runs (study/engines/native.py), else in torch ops."""
+        `native_decode`: decode steps in C where it runs (study/kernels/decode.py), else in torch ops."""
         super().__init__(cfg, dtype=dtype)
         self.native_decode = native_decode
         self.device = torch.device(device)
@@ -390,7 +477,7 @@ class HFEngine(RolloutEngine):
 
             def hook(_mod, _inp, out, layer=layer):
                 n, s = shape[0]
-                store[layer].append(out[2].reshape(n, s, -1).to("cpu", routes_dtype(self.cfg.num_experts)))
+                store[layer].append(out[2].reshape(n, s, -1).to("cpu", route_index_dtype(self.cfg.num_experts)))
 
             handles.append(router.register_forward_hook(hook))
         return handles
@@ -409,7 +496,7 @@ class HFEngine(RolloutEngine):
         stop_token_ids: Sequence[int] = (),
         return_routes: bool = False,
     ) -> Rollout:
-        """Sample `n` responses per prompt; see study.engines.base for the semantics."""
+        """Sample `n` responses per prompt; see study.rollout.base for the semantics."""
         from transformers import DynamicCache
 
         check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
@@ -453,15 +540,14 @@ class HFEngine(RolloutEngine):
                 if padded:  # (N, 1, 1, capacity) False = a pad key
                     attend = torch.ones(N, 1, 1, P + max_new_tokens, dtype=torch.bool, device=dev)
                     attend[:, 0, 0, :P] = mask.bool()
-                lib = native.library() if self.native_decode and native.NativeDecoder.eligible(self.model) else None
-                if lib is not None:
-                    fused = native.NativeDecoder(self.model, N, attend, cache, lib, samples=n, prompt=P)
+                if self.native_decode and _NativeStep.eligible(self.model):
+                    fused = _NativeStep(self.model, N, attend, cache, samples=n, prompt=P)
                 else:
                     fused = _FusedDecoder(self.model, N, attend, cache)
             done = torch.zeros(N, dtype=torch.bool, device=dev)
             length = torch.zeros(N, dtype=torch.long, device=dev)  # response tokens so far (stop included)
             last_pos = pos[:, -1:]  # (N, 1)
-            c_loop = isinstance(fused, native.NativeDecoder)
+            c_loop = isinstance(fused, _NativeStep)
             if c_loop:  # the loop below in one C call, on the same uniforms
                 tok_mat, lp_mat, length, done = fused.generate(
                     out.logits[:, -1].float(), last_pos, temperature=temperature, gen=gen, stops=stops,

@@ -4,7 +4,7 @@
     manifest.json      git sha, package versions, seed, host, threads, job id, start time
     status.json        {"state": running | completed | collapsed | failed | stopped, "step": ..., "reason"/"error": ...}
                        (stopped: halted on purpose before its last step, e.g. a pruned tuning trial; resumable)
-    metrics.parquet    one row per step (study.metrics.STEP_METRICS)
+    metrics.parquet    one row per step (study.run.metrics.STEP_METRICS)
     routing_layers.parquet   per-layer routing volatility, one row per (step, layer)
     token_samples.parquet    trainer (pi_old recompute) vs engine log-probs of the response tokens of up to 64
                        sequences at step 1, every eval step and the last step (step, sample, pos, trainer_logp,

@@ -1,0 +1,160 @@
+"""The cold-start store: `results/coldstart/{model}-{task}-{hash}/`, built once under a lock, and its CLI.
+
+A directory is trained (study/coldstart/sft.py) into a temporary sibling and renamed into place under an exclusive
+lock, so a killed or racing builder never leaves a partial directory under the final name; `coldstart.json` is
+written last and marks it complete, so a complete directory is simply reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from study.coldstart.sft import ColdStartSettings, resolve_settings, train_coldstart
+from study.data import tasks
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The content-addressed directory
+# ---------------------------------------------------------------------------------------------------------------------
+class ColdStartError(RuntimeError):
+    """The cold start ended outside its band (the directory is complete; its coldstart.json says how it ended)."""
+
+
+def is_complete(directory: Path) -> bool:
+    """Whether `directory` is a finished cold start (coldstart.json, written last, is there)."""
+    return (directory / "coldstart.json").is_file()
+
+
+def read_record(directory: str | Path) -> dict[str, Any]:
+    """The coldstart.json of a finished cold-start directory."""
+    path = Path(directory) / "coldstart.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
+    return json.loads(path.read_text())
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (released by the kernel if the holder dies)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_coldstart(
+    model_preset: str,
+    task: str,
+    results: str | Path,
+    *,
+    band: tuple[float, float] = (0.1, 0.5),
+    seed: int = 0,
+    threads: int = 1,
+    init: str | Path | None = None,
+    strict: bool = True,
+    progress: bool = False,
+    **overrides: Any,
+) -> Path:
+    """The directory `results/coldstart/{model_preset}-{task}-{hash}/` of a finished cold start, trained now unless
+    a complete one with the same settings exists (then it is returned untouched, without training).
+
+    `overrides` are further ColdStartSettings fields (batch_size, lr, max_steps, eval_every, ...; see
+    PRESET_DEFAULTS for each preset's recipe). Racing callers serialise on a lock file next to the directory; the
+    directory appears under its final name only when complete. With `strict` (default), a cold start that ended
+    outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or not.
+    """
+    settings = resolve_settings(model_preset, task, band=band, seed=seed, threads=threads,
+                                init=None if init is None else str(init), **overrides)  # fmt: skip
+    root = Path(results) / "coldstart"
+    directory = root / settings.dirname
+    if not is_complete(directory):
+        with _exclusive(root / f".{settings.dirname}.lock"):
+            if not is_complete(directory):  # another process may have finished it while we waited
+                _build(settings, directory, progress=progress)
+    record = read_record(directory)
+    if strict and record["status"] != "in_band":
+        lo, hi = record["band"]
+        raise ColdStartError(
+            f"cold start {directory} ended with status {record['status']!r}: pass@1 {record['pass_at_1']:.3f} after "
+            f"{record['steps_trained']} SFT steps, band [{lo}, {hi}]. Change lr / eval_every (overshoot) or "
+            "max_steps (budget), or pass strict=False to use the closest checkpoint."
+        )
+    return directory
+
+
+def _build(settings: ColdStartSettings, directory: Path, *, progress: bool) -> None:
+    """Train into a temporary sibling directory and rename it to `directory` (called under the lock)."""
+    for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by a killed builder
+        shutil.rmtree(stale, ignore_errors=True)
+    if directory.exists():  # incomplete (cannot normally happen: only complete directories are renamed in)
+        shutil.rmtree(directory)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    try:
+        train_coldstart(settings, tmp, progress=progress)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m study coldstart` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="python -m study coldstart",
+        description="SFT the MoE policy on task solutions until its in-distribution pass@1 enters a band; writes "
+        "(or reuses) results/coldstart/{model}-{task}-{hash}/.",
+    )
+    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--task", default="chain_sum", help=f"task: {', '.join(tasks.TASKS)} (default: chain_sum)")
+    p.add_argument("--results", default="results", help="results root (default: results)")
+    p.add_argument("--band", type=float, nargs=2, default=(0.1, 0.5), metavar=("LOW", "HIGH"),
+                   help="target pass@1 band (default: 0.1 0.5)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--max-steps", type=int, default=None, help="SFT step budget (default: the preset's)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per step (default: the preset's)")
+    p.add_argument("--eval-every", type=int, default=None, help="SFT steps between checks (default: the preset's)")
+    p.add_argument("--init", default=None, help="start from this checkpoint (directory with policy.pt, or a .pt)")
+    p.add_argument("--no-strict", action="store_true", help="exit 0 even when the band was missed")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def coldstart_main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: make or reuse the cold start, print its directory and outcome; exit status 1 when it ended
+    outside the band (unless --no-strict), 2 on a settings error."""
+    args = build_parser().parse_args(argv)
+    try:
+        directory = ensure_coldstart(
+            args.model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
+            init=args.init, strict=False, progress=not args.quiet, max_steps=args.max_steps, lr=args.lr,
+            batch_size=args.batch_size, eval_every=args.eval_every,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"coldstart: {exc}", file=sys.stderr)
+        return 2
+    record = read_record(directory)
+    print(f"{directory}\nstatus {record['status']}: pass@1 {record['pass_at_1']:.3f} (band {record['band']}) at "
+          f"step {record['step']} of {record['steps_trained']}, {record['timings']['total_s']:.1f} s")  # fmt: skip
+    return 0 if record["status"] == "in_band" or args.no_strict else 1
+
+
+__all__ = ["ColdStartError", "build_parser", "coldstart_main", "ensure_coldstart", "is_complete", "read_record"]
+
+if __name__ == "__main__":
+    raise SystemExit(coldstart_main())

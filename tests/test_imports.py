@@ -1,0 +1,127 @@
+"""The walls between the packages, read from the source: every import statement (module level and inside
+functions) of study/, algorithms/ and analysis/, checked against the rules study/__init__.py states, and no import
+circle anywhere."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("study", "algorithms", "analysis", "sweeps")
+SHARED = ("study.model_config", "study.precision", "study.weights")
+"""study's shared top modules: they import no subpackage of study."""
+ROOMS = ("study.run", "study.data", "study.policy", "study.rollout", "study.coldstart", "study.kernels")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """Every module `path` imports, by absolute name: `from a import b` counts a.b where that is a module, else a."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            subs = {f"{base}.{alias.name}" for alias in node.names} & modules
+            out.update(subs if len(subs) == len(node.names) else {base, *subs})
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, plus any megatron or transformers import (kept by top name)."""
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        targets = _imports(path, name, set(files))
+        graph[name] = {t for t in targets if t in files} | {
+            t.split(".")[0] for t in targets if t.split(".")[0] in ("megatron", "transformers")
+        }
+    return graph
+
+
+GRAPH = _graph()
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
+    return sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _in(m, source) for t in targets
+                  if any(_in(t, f) for f in forbidden) and not any(_in(t, a) for a in allowed))  # fmt: skip
+
+
+def test_the_graph_sees_the_packages() -> None:
+    """A walker that found nothing would pass every wall: it finds the rooms and known edges."""
+    assert all(any(_in(m, room) for m in GRAPH) for room in ROOMS)
+    assert "study.policy.model" in GRAPH["study.rl"] and "study.rollout" in GRAPH["study.rl"]
+    assert "megatron" in GRAPH["study.policy.layers"] and "transformers" in GRAPH["study.rollout.hf"]
+
+
+@pytest.mark.parametrize(
+    ("source", "forbidden", "allowed"),
+    [
+        ("study.kernels", ("study", "megatron", "transformers"), ("study.kernels",)),
+        ("study.policy", ("study.rollout",), ()),
+        ("study.rollout", ("study.policy",), ()),
+        (
+            "study.data",
+            ("study.policy", "study.rollout", "study.coldstart", "study.kernels", "megatron", "transformers"),
+            (),
+        ),
+        ("study.run", ("study.policy", "study.rollout", "study.coldstart", "study.kernels"), ()),
+        ("algorithms", ("study",), ()),
+        ("analysis", ("study",), ()),
+    ],
+)
+def test_walls(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    assert _violations(source, forbidden, allowed) == []
+
+
+@pytest.mark.parametrize("module", SHARED)
+def test_shared_top_modules_import_no_room(module: str) -> None:
+    assert sorted(t for t in GRAPH[module] if any(_in(t, room) for room in ROOMS)) == []
+
+
+def test_science_modules_name_no_kernel() -> None:
+    """Only the two places that choose the speed paths name a kernel module (study/kernels/__init__.py)."""
+    choosers = {"study.policy.layers", "study.rollout.hf", "study.rl"}  # rl only asks whether they built
+    users = {m for m, targets in GRAPH.items() if not _in(m, "study.kernels") and any(_in(t, "study.kernels")
+                                                                                     for t in targets)}  # fmt: skip
+    assert users <= choosers, sorted(users - choosers)
+
+
+def test_no_import_circles() -> None:
+    """No cycle among the project's own modules (package parents an import runs implicitly are not edges)."""
+    # a module importing itself is `python -m study.launch` re-entering through its import name (so pickles name
+    # study.launch.Run): not a circle between modules
+    own = {m: {t for t in targets if t in GRAPH and t != m} for m, targets in GRAPH.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(own[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(own):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
