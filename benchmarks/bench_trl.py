@@ -7,7 +7,8 @@
 Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
 process group and accelerate's state stay apart), one torch thread, fp32:
 - the same network: a preset's Qwen3-MoE (study.model_config; `--preset`, default `tiny`), built for TRL as
-  transformers' Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy starts from;
+  transformers' Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy
+  starts from;
 - the same prompts (the chain_sum task stream, seed 0), tokenizer (the task BPE, saved as a PreTrainedTokenizerFast)
   and reward: the chain_sum verifier (study.data.tasks.score) on the decoded response. A random-init model never solves
   a problem, so every reward is 0: no model quality is involved and both sides do the full work anyway;
