@@ -21,6 +21,8 @@ from algorithms.registry import (
     get,
     names,
     register,
+    replay_partner,
+    routing_variants,
     unregister,
 )
 
@@ -47,6 +49,8 @@ __all__ = [
     "group_normalized_advantages",
     "names",
     "register",
+    "replay_partner",
+    "routing_variants",
     "unregister",
     "with_icepop",
     "with_mis",

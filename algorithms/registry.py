@@ -228,6 +228,19 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def routing_variants(name: str) -> list[str]:
+    """`name` and every registered variant with the same loss function, in registration order: the same algorithm
+    under each routing mode it is registered with (e.g. grpo, grpo_rr, grpo_r3), its Routing Replay ablations."""
+    loss_fn = get(name).loss_fn
+    return [n for n, alg in _REGISTRY.items() if alg.loss_fn is loss_fn]
+
+
+def replay_partner(name: str) -> str | None:
+    """The Routing Replay variant of `name`: the first registered algorithm other than `name` with the same loss
+    function and routing "replay" (grpo -> grpo_rr, gspo -> gspo_rr); None when there is none."""
+    return next((n for n in routing_variants(name) if n != name and _REGISTRY[n].routing == "replay"), None)
+
+
 def unregister(name: str) -> None:
     """Remove `name` (tests that register throw-away variants clean up with this)."""
     _REGISTRY.pop(name, None)

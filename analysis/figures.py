@@ -262,19 +262,23 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
 
 # --- Figure 3 ---------------------------------------------------------------------------------------------------------
 def routing_families(names: Sequence[str]) -> list[list[str]]:
-    """Groups of algorithms that share a loss function but differ in routing mode, registry order, free first.
+    """Groups of algorithms that share a loss function but differ in routing mode (the registry's `routing_variants`),
+    registry order, free first.
 
     Only groups with at least two routing modes present are returned (these are the Routing Replay ablations).
     """
-    reg = style._registry()
-    by_loss: dict[int, list[str]] = {}
-    for n in style.order(names):
-        by_loss.setdefault(id(reg.get(n).loss_fn), []).append(n)
+    reg = style.registry()
+    ordered = style.order(names)
     modes = {m: i for i, m in enumerate(reg.ROUTING_MODES)}
-    out = []
-    for members in by_loss.values():
-        if len({reg.get(n).routing for n in members}) > 1:
-            out.append(sorted(members, key=lambda n: modes[reg.get(n).routing]))
+    out, seen = [], set()
+    for n in ordered:
+        if n in seen:
+            continue
+        variants = set(reg.routing_variants(n))
+        members = [m for m in ordered if m in variants]
+        seen.update(members)
+        if len({reg.get(m).routing for m in members}) > 1:
+            out.append(sorted(members, key=lambda m: modes[reg.get(m).routing]))
     return out
 
 
@@ -295,7 +299,7 @@ def figure3_routing_replay(
     info, mat = stats.interpolate_runs(rows, grid, smooth=smooth)
     coll = stats.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
     coll_by = coll.set_index(RUN_ID)
-    reg = style._registry()
+    reg = style.registry()
     for ax, fam in zip(axs, fams, strict=True):
         for alg in fam:
             idx = np.flatnonzero(info[ALGORITHM].astype(str).to_numpy() == alg)

@@ -8,7 +8,8 @@ agree. A claim whose algorithms or axis are absent from the study is "inconclusi
 this study".
 
 The claims are about the paper's algorithms, so this module names them (gspo, grpo, grpo_rr, gspo_rr); the Routing
-Replay partner of an algorithm is found through the registry (same loss function, routing "replay"), never by name.
+Replay partner of an algorithm is the registry's (`algorithms.replay_partner`: same loss function, routing "replay"),
+never found by name.
 
 Two-group quantities (differences, ratios) are bootstrapped by resampling the seeds of each group independently
 (seeded, so a report is reproducible). Failed runs (infrastructure) are excluded; collapsed runs count.
@@ -169,23 +170,15 @@ def _boot_four(
     return est, float(lo), float(hi)
 
 
-def replay_partner(name: str, present: Sequence[str]) -> str | None:
-    """The algorithm of `present` with the same loss function as `name` and routing "replay" (via the registry)."""
-    reg = style._registry()
-    base = reg.get(name)
-    for other in present:
-        try:
-            spec = reg.get(other)
-        except (KeyError, ValueError):
-            continue
-        if other != name and spec.loss_fn is base.loss_fn and spec.routing == "replay":
-            return other
-    return None
+def _replay_partner_in(name: str, present: Sequence[str]) -> str | None:
+    """The registry's Routing Replay partner of `name` (algorithms.replay_partner) when the study ran it."""
+    partner = style.registry().replay_partner(name)
+    return partner if partner in present else None
 
 
 def _free_of(name: str, present: Sequence[str]) -> str | None:
     """`name` itself when present and its routing is free (checked in the registry)."""
-    return name if name in present and style._registry().get(name).routing == "free" else None
+    return name if name in present and style.registry().get(name).routing == "free" else None
 
 
 def _absent(claim: str, rule: str, what: str) -> ClaimResult:
@@ -259,7 +252,7 @@ def _grpo_baseline(present: Sequence[str]) -> str | None:
     """The paper's GRPO baseline of Figures 1-2: GRPO with Routing Replay (registry partner), else plain GRPO."""
     if GRPO not in present:
         return None
-    return replay_partner(GRPO, present) or GRPO
+    return _replay_partner_in(GRPO, present) or GRPO
 
 
 def _present(study: Study) -> list[str]:
@@ -352,7 +345,7 @@ def claim_c3(study: Study) -> ClaimResult:
     """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum."""
     present = _present(study)
     free = _free_of(GRPO, present)
-    rr = replay_partner(GRPO, present) if GRPO in present else None
+    rr = _replay_partner_in(GRPO, present) if GRPO in present else None
     rule = (
         "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
         f"(the registry's replay partner: same loss, routing=replay); {COLLAPSE_DECISION}."
@@ -382,7 +375,7 @@ def claim_c4(study: Study) -> ClaimResult:
     """C4: GSPO without Routing Replay neither collapses nor trails GSPO with it by more than the noise margin."""
     present = _present(study)
     free = _free_of(GSPO, present)
-    rr = replay_partner(GSPO, present) if GSPO in present else None
+    rr = _replay_partner_in(GSPO, present) if GSPO in present else None
     rule = (
         "g = reward of GSPO with Routing Replay minus without it, over the last "
         f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
@@ -592,7 +585,6 @@ __all__ = [
     "claim_c5",
     "claim_c6",
     "combine",
-    "replay_partner",
     "scorecard",
     "scorecard_table",
     "strata_table",

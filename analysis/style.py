@@ -2,7 +2,7 @@
 
 Figures are built on `matplotlib.figure.Figure` directly (no pyplot state, no backend needed) and saved as PNG (for
 the HTML report) and PDF + SVG (for papers) with fixed metadata, so that re-rendering unchanged data gives the same
-files. Labels and colours come from the algorithm registry: no figure code names an algorithm.
+files. Labels and colours come from the algorithm registry (`registry()`): no figure code names an algorithm.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
@@ -76,7 +77,10 @@ def save(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = FOR
     return out
 
 
-def _registry():  # imported lazily: the registry imports torch
+def registry() -> ModuleType:
+    """The algorithm registry (the `algorithms` package), imported on first use because it imports torch: colours,
+    labels and order here, routing modes and Routing Replay partners (`replay_partner`, `routing_variants`) for the
+    figures and the scorecard."""
     import algorithms
 
     return algorithms
@@ -84,21 +88,21 @@ def _registry():  # imported lazily: the registry imports torch
 
 def color(name: str) -> str:
     """The registry colour of algorithm `name` (unknown names raise, listing the valid ones)."""
-    return _registry().get(name).color
+    return registry().get(name).color
 
 
 def label(name: str) -> str:
     """The registry label of algorithm `name`."""
-    return _registry().get(name).label
+    return registry().get(name).label
 
 
 def order(names: Iterable[str]) -> list[str]:
     """`names` in registry order (the legend and bar order of every figure)."""
-    reg = {n: i for i, n in enumerate(_registry().names())}
+    reg = {n: i for i, n in enumerate(registry().names())}
     names = list(dict.fromkeys(names))
     unknown = [n for n in names if n not in reg]
     if unknown:
-        _registry().get(unknown[0])  # raises with the valid names
+        registry().get(unknown[0])  # raises with the valid names
     return sorted(names, key=reg.__getitem__)
 
 
