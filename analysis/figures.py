@@ -360,7 +360,7 @@ def figure4_precision(
     study: Study,
     *,
     axes: Sequence[str] = (vocab.TRAIN_DTYPE_AXIS, vocab.ROLLOUT_DTYPE_AXIS, vocab.OLD_LOGP_AXIS),
-    mismatch: Sequence[str] = ("mismatch_mean_abs", "mismatch_k3"),
+    mismatch: Sequence[str] = (vocab.MISMATCH_MEAN_ABS, vocab.MISMATCH_K3),
     frac: float = 0.1,
 ) -> Made:
     """Final reward and training-inference mismatch per precision configuration (the axes among `axes` that the
@@ -418,7 +418,7 @@ def token_logprob_tables(
     cols = [a for a in axes if a in tok.columns]
     tok_cfg, seq_cfg = _precision_label(tok, cols), _precision_label(seq, cols)
     configs = sorted(seq_cfg.unique())
-    diff = tok["trainer_logp"].to_numpy(np.float64) - tok["engine_logp"].to_numpy(np.float64)
+    diff = tok[vocab.TRAINER_LOGP].to_numpy(np.float64) - tok[vocab.ENGINE_LOGP].to_numpy(np.float64)
     emulated = seq[EMULATED].astype(object) if EMULATED in seq.columns else pd.Series(None, index=seq.index)
     tok_rows, seq_rows, hist_rows = [], [], []
     r_all = seq["seq_log_ratio"].to_numpy(np.float64)
@@ -431,7 +431,8 @@ def token_logprob_tables(
     for cfg in configs:
         tm = (tok_cfg == cfg).to_numpy()
         sm = (seq_cfg == cfg).to_numpy()
-        x, y, d = tok["trainer_logp"].to_numpy(np.float64)[tm], tok["engine_logp"].to_numpy(np.float64)[tm], diff[tm]
+        x = tok[vocab.TRAINER_LOGP].to_numpy(np.float64)[tm]
+        y, d = tok[vocab.ENGINE_LOGP].to_numpy(np.float64)[tm], diff[tm]
         r = r_all[sm]
         em = emulated[sm]
         tok_rows.append(
@@ -501,8 +502,8 @@ def figure4b_token_logprobs(
     nrows = -(-len(shown) // ncols)
     fig = style.new_figure(ncols=max(2, ncols), width=style.WIDTH_DOUBLE, height=2.0 * nrows + 2.2)
     gs = fig.add_gridspec(nrows + 1, ncols, height_ratios=[1.0] * nrows + [1.1])
-    x_all = tok["trainer_logp"].to_numpy(np.float64)
-    y_all = tok["engine_logp"].to_numpy(np.float64)
+    x_all = tok[vocab.TRAINER_LOGP].to_numpy(np.float64)
+    y_all = tok[vocab.ENGINE_LOGP].to_numpy(np.float64)
     both = np.concatenate([x_all[np.isfinite(x_all)], y_all[np.isfinite(y_all)]])
     lo, hi = (float(np.quantile(both, 0.001)), float(both.max())) if both.size else (-1.0, 0.0)
     pad = 0.05 * max(hi - lo, 1e-3)
@@ -642,12 +643,12 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
     ax_t.set_title("over training")
     if vocab.CLIP in st.metrics:
         rs = stats.run_mean(st.long, vocab.ROUTING_SLOT).rename(columns={"value": "slot_mismatch"})
-        cf = stats.run_mean(st.long, vocab.CLIP)[[RUN_ID, "value"]].rename(columns={"value": "clip_frac"})
+        cf = stats.run_mean(st.long, vocab.CLIP)[[RUN_ID, "value"]].rename(columns={"value": vocab.CLIP})
         both = rs.merge(cf, on=RUN_ID)
         tables["vs_clip"] = both
         for alg in style.order(both[ALGORITHM].astype(str)):
             t = both[both[ALGORITHM].astype(str) == alg]
-            ax_c.scatter(t["slot_mismatch"], t["clip_frac"], s=12, color=style.color(alg), label=style.label(alg))
+            ax_c.scatter(t["slot_mismatch"], t[vocab.CLIP], s=12, color=style.color(alg), label=style.label(alg))
         ax_c.set_yscale("log")
         ax_c.set_xlabel("avg. expert-slot mismatch")
         ax_c.set_ylabel("avg. clipped-token fraction")

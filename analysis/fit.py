@@ -32,7 +32,7 @@ import pandas as pd
 from scipy import optimize
 from scipy import stats as sps
 
-from analysis import stats
+from analysis import stats, vocab
 from analysis.tidy import ALGORITHM, COMPUTE
 
 A_NOISE = 0.02
@@ -353,7 +353,7 @@ def _identify(f: ScalingFit) -> None:
 
 def fit_study(
     long: pd.DataFrame,
-    metric: str = "reward_mean",
+    metric: str = vocab.REWARD,
     *,
     by: Sequence[str] = (ALGORITHM,),
     runs: pd.DataFrame | None = None,

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
+from analysis import vocab
 from analysis.tidy import ALGORITHM, COMPUTE, METRIC, RUN_ID, SEED, STEP, VALUE, WALL
 
 NON_GROUP = frozenset({RUN_ID, SEED, STEP, COMPUTE, WALL, METRIC, VALUE, "layer"})
@@ -335,7 +336,7 @@ def detect_collapse(
 def collapse_table(
     long: pd.DataFrame,
     runs: pd.DataFrame,
-    metric: str = "reward_mean",
+    metric: str = vocab.REWARD,
     **rules: float | int | None,
 ) -> pd.DataFrame:
     """Per run: the collapse the run reported (status.json) and the one `detect_collapse` finds in `metric`.

@@ -74,10 +74,10 @@ def synthetic_metrics(
         vocab.CLIP: low + high,
         vocab.CLIP_LOW: low,
         vocab.CLIP_HIGH: high,
-        "mismatch_mean_abs": 0.01 + 0.001 * rng.random(n_steps),
-        "mismatch_max_abs": 0.5 + 0.1 * rng.random(n_steps),
-        "mismatch_k3": 1e-4 * (1 + rng.random(n_steps)),
-        "mismatch_frac_gt2": 1e-3 * rng.random(n_steps),
+        vocab.MISMATCH_MEAN_ABS: 0.01 + 0.001 * rng.random(n_steps),
+        vocab.MISMATCH_MAX_ABS: 0.5 + 0.1 * rng.random(n_steps),
+        vocab.MISMATCH_K3: 1e-4 * (1 + rng.random(n_steps)),
+        vocab.MISMATCH_FRAC_GT2: 1e-3 * rng.random(n_steps),
         vocab.ROUTING_SLOT: 0.1 + 0.02 * frac + 0.005 * rng.standard_normal(n_steps),
         vocab.ROUTING_FLIP: 0.2 + 0.01 * rng.standard_normal(n_steps),
         vocab.ROUTING_ENGINE: 0.03 + 0.005 * rng.random(n_steps),
@@ -128,8 +128,8 @@ def synthetic_token_samples(
         "step": np.repeat(np.repeat(steps, n_seq), lens),
         "sample": np.repeat(np.tile(np.arange(n_seq, dtype=np.int64), len(steps)), lens),
         "pos": np.arange(seq.size, dtype=np.int64) - starts[seq],
-        "trainer_logp": (engine + delta[seq] + e).astype(np.float32),
-        "engine_logp": engine.astype(np.float32),
+        vocab.TRAINER_LOGP: (engine + delta[seq] + e).astype(np.float32),
+        vocab.ENGINE_LOGP: engine.astype(np.float32),
     }
     return cols, delta
 

@@ -56,6 +56,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from analysis import vocab
+
 # --- the contract's names, in one place -------------------------------------------------------------------------------
 RUNS_SUBDIR = "runs"
 STATUS_FILE = "status.json"
@@ -63,7 +65,7 @@ MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.parquet"
 LAYERS_FILE = "routing_layers.parquet"
 TOKENS_FILE = "token_samples.parquet"
-TOKEN_COLUMNS = ("step", "sample", "pos", "trainer_logp", "engine_logp")
+TOKEN_COLUMNS = ("step", "sample", "pos", *vocab.TOKEN_LOGPS)
 MAX_TOKEN_ROWS = 20_000
 """Token rows kept per run in `Study.tokens` (a seeded random subset beyond this; sequences use every row)."""
 TOKEN_BUDGET = 2_000_000
@@ -265,8 +267,8 @@ def read_token_samples(
         raise ValueError(f"missing column(s) {', '.join(absent)}; present: {', '.join(t.column_names)}")
     step = t.column("step").to_numpy().astype(np.int64)
     sample = t.column("sample").to_numpy().astype(np.int64)
-    trainer = t.column("trainer_logp").cast(pa.float32()).to_numpy(zero_copy_only=False)
-    engine = t.column("engine_logp").cast(pa.float32()).to_numpy(zero_copy_only=False)
+    trainer = t.column(vocab.TRAINER_LOGP).cast(pa.float32()).to_numpy(zero_copy_only=False)
+    engine = t.column(vocab.ENGINE_LOGP).cast(pa.float32()).to_numpy(zero_copy_only=False)
     # sequences: group rows by (step, sample) with one stable sort (files are written grouped, but do not rely on it)
     diff = trainer.astype(np.float64) - engine.astype(np.float64)
     order = np.lexsort((sample, step))
@@ -288,8 +290,8 @@ def read_token_samples(
         "step": step[keep].astype(np.int32),
         "sample": sample[keep].astype(np.int32),
         "pos": pos[keep].astype(np.int32),
-        "trainer_logp": trainer[keep],
-        "engine_logp": engine[keep],
+        vocab.TRAINER_LOGP: trainer[keep],
+        vocab.ENGINE_LOGP: engine[keep],
     }
     return tokens, sequences
 
