@@ -65,7 +65,7 @@ def main() -> None:
     fit.fit_study(study.long, runs=study.runs, n_boot=200)
     timings["fit (4 algorithms, 200 bootstrap)"] = time.perf_counter() - t
 
-    print(f"{len(study.long):,} long rows, {len(study.run.metrics)} metrics, axes {study.axes}")
+    print(f"{len(study.long):,} long rows, {len(study.metrics)} metrics, axes {study.axes}")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     for name, sec in timings.items():
         print(f"  {name:<36s} {sec:6.2f} s")
