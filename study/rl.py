@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,17 +179,77 @@ def kl_to_reference(
     return (weights * (r.exp() - 1.0 - r)).sum()
 
 
-def _train(
-    cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool, on_eval: Callable[..., None] | None = None
-) -> None:
-    torch.set_num_threads(cfg.threads)
+@dataclass
+class Batch:
+    """The step's kept samples as right-padded teacher-forcing tensors (prompt + response, S = longest - 1)."""
+
+    input_ids: torch.Tensor  # (B, S) long: sequence[:-1], 0 after its end
+    targets: torch.Tensor  # (B, S) long: sequence[1:], 0 after its end
+    attn_mask: torch.Tensor  # (B, S) long: 1 on real inputs
+    pos: torch.Tensor  # (B, T) long: index into targets of response token t (T = max_new_tokens)
+    mask: torch.Tensor  # (B, T) float: 1 on response tokens
+    rollout_logp: torch.Tensor  # (B, T) fp32: the engine's log-probs of the sampled tokens, 0 after the end
+    advantages: torch.Tensor  # (B,) the algorithm's advantages
+    engine_routes: Routes | None = None  # (B, S, L, k) the engine's routes of input_ids, where it returned them
+
+    @property
+    def n(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class Collected:
+    """What `_collect` gathered and measured for one step."""
+
+    batch: Batch | None  # None: every group had zero variance and dynamic sampling dropped them all
+    data_pos: int  # the task stream's position after the prompts taken
+    metrics: dict[str, float]  # reward, length, truncation and zero-variance statistics, rollout seconds
+    flops: float  # the rollout's forward FLOPs estimate
+
+
+@dataclass
+class Parts:
+    """What a run is made of, built once at its start (`_setup`)."""
+
+    alg: Any
+    hparams: dict[str, Any]
+    mcfg: Any
+    tok: TaskTokenizer
+    policy: torch.nn.Module
+    prec: Any  # the trainer's precision handle (study/precision.py): re-rounds emulated parameters after a step
+    optimizer: torch.optim.Optimizer
+    scaler: DynamicLossScaler | None  # fp16 loss scaling
+    params: list[torch.nn.Parameter]  # walked after every backward: listed once here, not a module walk each time
+    routing: RoutingController
+    engine: Any
+    stream: Any
+    evals: dict[str, list[tasks.TaskItem]]
+    ref: torch.nn.Module | None  # KL hook: the frozen initial policy
+    ref_prec: Any  # keep alive with `ref`: it owns the reference's emulation hooks
+    emulated: bool  # precision hook: whether either engine runs emulated (a label on every row)
+
+
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint saves and a resume restores, and the rows written so far."""
+
+    step: int = 0
+    data_pos: int = 0
+    compute: float = 0.0  # cumulative FLOPs estimate
+    wall: float = 0.0  # cumulative seconds of the steps
+    rows: list[dict[str, float]] = field(default_factory=list)
+    layer_rows: list[dict[str, float]] = field(default_factory=list)
+    token_frames: list[pd.DataFrame] = field(default_factory=list)  # trainer vs engine log-probs of sampled tokens
+
+
+def _setup(cfg: RunConfig, results: Path) -> Parts:
+    """Build the run's parts: tokenizer and cold-start weights, policy, optimiser, routing controller, rollout
+    engine, task data and (KL hook) the reference policy."""
     alg = algorithms.get(cfg.algorithm)
-    hparams = alg.check_hparams(cfg.hparams)
     mcfg = cfg.model_config()
     tok, init_state = initial_policy(cfg, results)
     if tok.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
-
     train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/precision.py)
     policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
     if init_state is not None:
@@ -197,105 +258,117 @@ def _train(
     optimizer = build_optimizer(
         policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=precision_mod.adam_eps(train_prec)
     )
-    scaler = DynamicLossScaler() if cfg.train_dtype == "fp16" else None
-    all_params = list(policy.parameters())  # walked after every backward: once here, not a module walk each time
-    routing = RoutingController(policy)
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
     stream, evals = task_data(cfg)
-    ref, _ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
+    ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
+    return Parts(
+        alg=alg, hparams=alg.check_hparams(cfg.hparams), mcfg=mcfg, tok=tok, policy=policy, prec=prec,
+        optimizer=optimizer, scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
+        params=list(policy.parameters()), routing=RoutingController(policy), engine=engine, stream=stream,
+        evals=evals, ref=ref, ref_prec=ref_prec, emulated=train_prec.emulated or rollout_prec.emulated,
+    )  # fmt: skip
 
-    rows: list[dict[str, float]] = []
-    layer_rows: list[dict[str, float]] = []
-    token_frames: list[pd.DataFrame] = []  # trainer vs engine log-probs of sampled tokens (token_samples.parquet)
-    start, data_pos, compute, wall = 0, 0, 0.0, 0.0
-    ckpt_path = run_dir / "checkpoint" / "state.pt"
-    if ckpt_path.exists():  # resume: everything after the checkpoint is recomputed
-        state = torch.load(ckpt_path, weights_only=False)
-        policy.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        start, data_pos, compute, wall = state["step"], state["data_pos"], state["compute"], state["wall"]
-        rows = [r for r in pd.read_parquet(run_dir / "metrics.parquet").to_dict("records") if r["step"] <= start]
-        if (run_dir / "routing_layers.parquet").exists():
-            layer_rows = [
-                r for r in pd.read_parquet(run_dir / "routing_layers.parquet").to_dict("records") if r["step"] <= start
-            ]
-        if (run_dir / TOKEN_SAMPLES).exists():
-            kept = pd.read_parquet(run_dir / TOKEN_SAMPLES)
-            token_frames = [kept[kept["step"] <= start]]
+
+def _resume(run_dir: Path, parts: Parts) -> Progress:
+    """The run's progress: fresh, or restored from its checkpoint (model, optimiser, scaler, RNG states, position)
+    with the metric rows up to it; everything after the checkpoint is recomputed."""
+    path = run_dir / "checkpoint" / "state.pt"
+    if not path.exists():
+        return Progress()
+    state = torch.load(path, weights_only=False)
+    parts.policy.load_state_dict(state["model"])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scaler is not None:
+        parts.scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    done = state["step"]
+
+    def upto(name: str) -> pd.DataFrame | None:
+        return pd.read_parquet(run_dir / name).query(f"step <= {done}") if (run_dir / name).exists() else None
+
+    rows = upto("metrics.parquet")
+    layers, tokens = upto("routing_layers.parquet"), upto(TOKEN_SAMPLES)
+    return Progress(
+        step=done, data_pos=state["data_pos"], compute=state["compute"], wall=state["wall"],
+        rows=[] if rows is None else rows.to_dict("records"),
+        layer_rows=[] if layers is None else layers.to_dict("records"), token_frames=[] if tokens is None else [tokens],
+    )  # fmt: skip
+
+
+def _train(
+    cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool, on_eval: Callable[..., None] | None = None
+) -> None:
+    torch.set_num_threads(cfg.threads)
+    parts = _setup(cfg, results)
+    alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
+    log = _resume(run_dir, parts)
     engine.load_weights(megatron_to_hf(policy, mcfg))
 
-    bar = _progress(cfg.steps, start, progress)
-    step = start
+    bar = _progress(cfg.steps, log.step, progress)
+    step = log.step
     last_write = time.monotonic()
     # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
     # stops re-walking them in each of its passes over the steps' short-lived objects (a 8-sequence update: -4%).
     gc.freeze()
     try:
-        for step in range(start + 1, cfg.steps + 1):
+        for step in range(log.step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             eval_step = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
             row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
-            row.update(step=step, lr=cfg.lr)
-            row["precision_emulated"] = float(train_prec.emulated or rollout_prec.emulated)  # precision hook: label
+            row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
 
             # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
-            batch, data_pos, t_rollout = _collect(cfg, alg, engine, stream, tok, data_pos, step, row)
-            row["time_rollout_s"] = t_rollout
-            compute += batch["rollout_flops"]
-            if batch["n"] == 0:  # every group had zero variance: nothing to learn from this step
-                row["wall_s"] = wall = wall + time.perf_counter() - t0
-                rows.append(row)
-                last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
+            collected = _collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step)
+            log.data_pos = collected.data_pos
+            log.compute += collected.flops
+            row.update(collected.metrics)
+            batch = collected.batch
+            if batch is None:  # every group had zero variance: nothing to learn from this step
+                row["wall_s"] = log.wall = log.wall + time.perf_counter() - t0
+                log.rows.append(row)
+                last_write = _maybe_write(cfg, step, last_write, run_dir, log)
                 continue
 
             # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed). The first
             # minibatch is not recomputed: its first update forward runs on the same tokens with the same weights
             # (nothing has been updated yet), so that forward's detached log-probs and routes are pi_old's.
             t1 = time.perf_counter()
-            ids, tgt, am, pos = batch["input_ids"], batch["targets"], batch["attn_mask"], batch["pos"]
-            engine_routes = batch.get("engine_routes")
+            ids, tgt, am, pos = batch.input_ids, batch.targets, batch.attn_mask, batch.pos
             r3 = alg.routing == "rollout_replay"
-            perm = torch.randperm(
-                batch["n"], generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step))
-            )
-            chunks = torch.tensor_split(perm, min(cfg.minibatches, batch["n"]))
+            perm = torch.randperm(batch.n, generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step)))
+            chunks = torch.tensor_split(perm, min(cfg.minibatches, batch.n))
             first, rest = chunks[0], perm[len(chunks[0]) :]
-            parts = []
+            old_parts = []
             if len(rest):
                 with torch.no_grad():
-                    parts.append(_old_pass(policy, routing, batch, rest, r3))
+                    old_parts.append(_old_pass(policy, routing, batch, rest, r3))
             t_old = time.perf_counter() - t1
             t2 = time.perf_counter()
             logp_first, free_first = _old_pass(policy, routing, batch, first, r3)  # the first update's, with grad
             t_first = time.perf_counter() - t2
-            parts.insert(0, (logp_first.detach(), free_first))
-            unperm = perm.argsort()  # parts are in perm order (first, then rest)
-            train_old = torch.cat([lp for lp, _ in parts])[unperm]  # (B, T)
-            free_old = Routes(Routes.cat([r for _, r in parts]).experts[unperm])  # free routing of pi_old's forward
-            old_routes = engine_routes if r3 else free_old
+            old_parts.insert(0, (logp_first.detach(), free_first))
+            unperm = perm.argsort()  # the parts are in perm order (first, then rest)
+            train_old = torch.cat([lp for lp, _ in old_parts])[unperm]  # (B, T)
+            free_old = Routes(Routes.cat([r for _, r in old_parts]).experts[unperm])  # pi_old's free routing
+            old_routes = batch.engine_routes if r3 else free_old
             ref_logp = None
             t1 = time.perf_counter()
-            if ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
+            if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
                 with torch.no_grad():
-                    ref_logp = token_logp(ref, ids, tgt, attention_mask=am, positions=pos)
-                compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
+                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos)  # (B, T)
+                log.compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
             row["time_old_logp_s"] = t_old + time.perf_counter() - t1
-            mask, rollout_logp = batch["mask"], batch["rollout_logp"]
-            row.update(_mismatch(train_old, rollout_logp, mask))
+            row.update(_mismatch(train_old, batch.rollout_logp, batch.mask))
             if step in (1, cfg.steps) or eval_step:
-                token_frames.append(_token_samples(step, train_old, rollout_logp, mask))
-            if engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
-                vol = routing_volatility(engine_routes, free_old, am, per_layer=False)
+                log.token_frames.append(_token_samples(step, train_old, batch.rollout_logp, batch.mask))
+            if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
+                vol = routing_volatility(batch.engine_routes, free_old, am, per_layer=False)
                 row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
-            old_logp = train_old if cfg.old_logp_source == "recompute" else rollout_logp
-            n_tokens_total = int(am.sum())
+            old_logp = train_old if cfg.old_logp_source == "recompute" else batch.rollout_logp  # (B, T)
             if cfg.old_logp_source == "recompute":
-                compute += forward_flops(mcfg, int(am[rest].sum()), ids.shape[1] / 2)
+                log.compute += forward_flops(mcfg, int(am[rest].sum()), ids.shape[1] / 2)
 
             # 5. minibatch updates (the first one's forward ran above)
             t2 = time.perf_counter()
@@ -309,78 +382,42 @@ def _train(
                         logp = token_logp(policy, ids[idx], tgt[idx], attention_mask=am[idx], positions=pos[idx])
                     new_free = routing.free_routes() if alg.routing != "free" else routing.routes()
                 vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
-                mb_mask = mask[idx]
-                with torch.no_grad():
-                    d = torch.where(mb_mask.bool(), old_logp[idx] - logp.detach(), 0.0)
-                    if float(d.abs().max()) > cfg.max_log_ratio:
-                        raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
-                # ALGO: the loss
-                extra = {"rollout_logp": rollout_logp[idx]} if alg.needs_rollout_logp else {}
-                loss, metrics = alg.loss(logp, old_logp[idx], batch["advantages"][idx], mb_mask, **hparams, **extra)
-                if ref_logp is not None:  # KL hook: + kl_coef x k3 KL(pi_theta || pi_ref), the algorithm's averaging
-                    kl = kl_to_reference(logp, ref_logp[idx], mb_mask, aggregation_weights(alg, mb_mask, hparams))
-                    loss = loss + cfg.kl_coef * kl
-                    metrics = {**metrics, "kl_ref": float(kl.detach())}
-                if not torch.isfinite(loss):
-                    raise Collapse(f"non-finite loss at step {step}")
-                optimizer.zero_grad(set_to_none=True)
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                params = [p for p in all_params if p.grad is not None]
-                if scaler is not None:
-                    scaler.unscale_(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-                if not torch.isfinite(grad_norm) and scaler is None:
-                    raise Collapse(f"non-finite gradient norm at step {step}")
-                if scaler is not None:
-                    scaler.step(optimizer, [])  # already unscaled; skips the step on overflow
-                else:
-                    optimizer.step()
-                prec.round_parameters_()  # precision hook: emulated parameters are stored rounded
-                n_mb = float(mb_mask.sum().clamp_min(1))
-                with torch.no_grad():
-                    k3 = float(torch.where(mb_mask.bool(), d.exp() - 1 - d, 0.0).sum() / n_mb)
-                    ent = float(-torch.where(mb_mask.bool(), logp.detach(), 0.0).sum() / n_mb)
-                for key, value in {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": ent,
-                                   "grad_norm": float(grad_norm)}.items():  # fmt: skip
+                mb = _update(cfg, parts, logp, old_logp[idx], batch, idx,
+                             None if ref_logp is None else ref_logp[idx], step)  # fmt: skip
+                for key, value in mb.items():
                     sums[key] = sums.get(key, 0.0) + value
-                compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
-            n_updates = len(vols)
-            row.update({k: v / n_updates for k, v in sums.items()})
-            row["routing_slot_mismatch"] = float(np.mean([v["slot_mismatch"] for v in vols]))
-            row["routing_set_flip_rate"] = float(np.mean([v["set_flip_rate"] for v in vols]))
-            row["routing_token_flip_rate"] = float(np.mean([v["token_flip_rate"] for v in vols]))
-            for layer in range(routing.num_layers):
-                per_layer = {
-                    m: float(np.mean([v[f"{m}_l{layer}"] for v in vols])) for m in ("slot_mismatch", "set_flip_rate")
-                }
-                layer_rows.append({"step": step, "layer": layer, **per_layer})
+                log.compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
+            row.update({k: v / len(chunks) for k, v in sums.items()})
+            row.update(_mean_volatility(vols))
+            log.layer_rows += _layer_rows(step, vols, routing.num_layers)
             row["time_update_s"] = t_first + time.perf_counter() - t2
 
             # 6. weights to the rollout engine
             t3 = time.perf_counter()
             engine.load_weights(megatron_to_hf(policy, mcfg))
             row["time_sync_s"] = time.perf_counter() - t3
-            wall += time.perf_counter() - t0
-            row.update(compute_flops=compute, wall_s=wall, peak_rss_gb=_peak_rss_gb())
-            row["tokens_total"] = n_tokens_total
+            log.wall += time.perf_counter() - t0
+            row.update(compute_flops=log.compute, wall_s=log.wall, peak_rss_gb=_peak_rss_gb())
+            row["tokens_total"] = int(am.sum())
 
             if eval_step:
-                row.update(_evaluate(cfg, engine, tok, evals, step))
-            rows.append(row)
-            last_write = _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames)
-            _check_reward_floor(cfg, rows)
+                row.update(_evaluate(cfg, engine, parts.tok, parts.evals, step))
+            log.rows.append(row)
+            log.step = step
+            last_write = _maybe_write(cfg, step, last_write, run_dir, log)
+            _check_reward_floor(cfg, log.rows)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall)
+                _checkpoint(run_dir, parts, log)
             rundir.set_status(run_dir, "running", step=step)
             _tick(bar, row)
             if on_eval is not None and eval_step:
                 on_eval(step, row)  # tuning hook (sweeps/tune.py): may stop the run by raising
     except Collapse as why:
-        _write_metrics(run_dir, rows, layer_rows, token_frames)
+        _write_metrics(run_dir, log)
         rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
     except BaseException:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
-        _write_metrics(run_dir, rows, layer_rows, token_frames)
+        _write_metrics(run_dir, log)
         raise
     finally:
         gc.unfreeze()  # what the run leaves behind is collectable again (several runs may share a process)
@@ -390,19 +427,81 @@ def _train(
     rundir.set_status(run_dir, "completed", step=cfg.steps)
 
 
+def _update(
+    cfg: RunConfig,
+    parts: Parts,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    batch: Batch,
+    idx: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    step: int,
+) -> dict[str, float]:
+    """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
+    (+ the KL hook), backward, global-norm clip, optimiser step. Returns the minibatch's metrics; raises Collapse
+    on an exploding ratio or a non-finite loss or gradient."""
+    alg, hparams, scaler = parts.alg, parts.hparams, parts.scaler
+    mask = batch.mask[idx]  # (b, T)
+    with torch.no_grad():
+        d = torch.where(mask.bool(), old_logp - logp.detach(), 0.0)  # (b, T) log pi_old - log pi_theta
+        if float(d.abs().max()) > cfg.max_log_ratio:
+            raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
+    # ALGO: the loss
+    extra = {"rollout_logp": batch.rollout_logp[idx]} if alg.needs_rollout_logp else {}
+    loss, metrics = alg.loss(logp, old_logp, batch.advantages[idx], mask, **hparams, **extra)
+    if ref_logp is not None:  # KL hook: + kl_coef x k3 KL(pi_theta || pi_ref), with the algorithm's averaging
+        kl = kl_to_reference(logp, ref_logp, mask, aggregation_weights(alg, mask, hparams))
+        loss = loss + cfg.kl_coef * kl
+        metrics = {**metrics, "kl_ref": float(kl.detach())}
+    if not torch.isfinite(loss):
+        raise Collapse(f"non-finite loss at step {step}")
+    parts.optimizer.zero_grad(set_to_none=True)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    params = [p for p in parts.params if p.grad is not None]
+    if scaler is not None:
+        scaler.unscale_(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if not torch.isfinite(grad_norm) and scaler is None:
+        raise Collapse(f"non-finite gradient norm at step {step}")
+    if scaler is not None:
+        scaler.step(parts.optimizer, [])  # already unscaled; skips the step on overflow
+    else:
+        parts.optimizer.step()
+    parts.prec.round_parameters_()  # precision hook: emulated parameters are stored rounded
+    n = float(mask.sum().clamp_min(1))
+    with torch.no_grad():
+        k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
+        entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
+    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm)}
+
+
+def _mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
+    """The step's routing volatility: each update's (old vs new policy) mean over the step's minibatches."""
+    return {f"routing_{m}": float(np.mean([v[m] for v in vols])) for m in ("slot_mismatch", "set_flip_rate",
+                                                                           "token_flip_rate")}  # fmt: skip
+
+
+def _layer_rows(step: int, vols: list[dict[str, float]], num_layers: int) -> list[dict[str, float]]:
+    """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate."""
+    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
+                                               for m in ("slot_mismatch", "set_flip_rate")}}
+            for layer in range(num_layers)]  # fmt: skip
+
+
 def _old_pass(
-    policy: torch.nn.Module, routing: RoutingController, batch: dict[str, Any], idx: torch.Tensor, r3: bool
+    policy: torch.nn.Module, routing: RoutingController, batch: Batch, idx: torch.Tensor, r3: bool
 ) -> tuple[torch.Tensor, Routes]:
     """pi_old's forward of the rows idx, the engine's routes replayed (R3) or free routing recorded: response
     log-probs (b, T) and the routes free routing chose."""
-    with routing.replaying(batch["engine_routes"][idx]) if r3 else routing.recording():
-        logp = token_logp(policy, batch["input_ids"][idx], batch["targets"][idx],
-                          attention_mask=batch["attn_mask"][idx], positions=batch["pos"][idx])  # fmt: skip
+    with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
+        logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
+                          positions=batch.pos[idx])  # fmt: skip
     return logp, routing.free_routes() if r3 else routing.routes()
 
 
-def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignore[no-untyped-def]
-    """Rollouts for one step as padded tensors. Returns (batch, new data position, seconds)."""
+def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int,
+             step: int) -> Collected:  # fmt: skip
+    """Rollouts for one step as a padded batch, with what was measured on them."""
     t0 = time.perf_counter()
     want = cfg.prompts_per_step
     kept: list[dict[str, Any]] = []
@@ -451,27 +550,25 @@ def _collect(cfg, alg, engine, stream, tok, data_pos, step, row):  # type: ignor
                 routes = rollout.routes[i] if rollout.routes is not None else None
                 kept.append({"prompt": prompts[p], "response": rollout.tokens[i], "logp": rollout.logprobs[i],
                              "adv": float(adv[i]), "routes": routes})  # fmt: skip
-    row["reward_mean"] = float(np.mean(all_rewards))
-    row["reward_std"] = float(np.std(all_rewards))
-    row["response_len_mean"] = float(np.mean(lengths_all))
-    row["response_len_max"] = float(np.max(lengths_all))
-    row["truncation_rate"] = truncated / len(lengths_all)
-    row["zero_var_group_frac"] = n_zero / n_groups
-    row["tokens"] = float(sum(lengths_all))
-    batch = _pad(kept, cfg.max_new_tokens)
-    batch["rollout_flops"] = flops
-    return batch, data_pos, time.perf_counter() - t0
+    metrics = {
+        "reward_mean": float(np.mean(all_rewards)),
+        "reward_std": float(np.std(all_rewards)),
+        "response_len_mean": float(np.mean(lengths_all)),
+        "response_len_max": float(np.max(lengths_all)),
+        "truncation_rate": truncated / len(lengths_all),
+        "zero_var_group_frac": n_zero / n_groups,
+        "tokens": float(sum(lengths_all)),
+        "time_rollout_s": time.perf_counter() - t0,
+    }
+    return Collected(_pad(kept, cfg.max_new_tokens), data_pos, metrics, flops)
 
 
-def _pad(samples: list[dict[str, Any]], max_new: int) -> dict[str, Any]:
-    """Right-padded teacher-forcing tensors: input_ids/targets/attn_mask (B, S); response-aligned pos/mask/
-    rollout_logp (B, T = max_new); advantages (B,); engine routes (B, S, L, k) when the engine returned them.
-
-    Each filled by one scatter over all samples (a per-sample loop of slice writes was ~2% of a step at 8x4x32 and
-    32x8x64 on `tiny`)."""
+def _pad(samples: list[dict[str, Any]], max_new: int) -> Batch | None:
+    """The samples as a right-padded `Batch` (None for none): each tensor filled by one scatter over all samples (a
+    per-sample loop of slice writes was ~2% of a step at 8x4x32 and 32x8x64 on `tiny`)."""
     n = len(samples)
     if n == 0:
-        return {"n": 0}
+        return None
     p_len = torch.tensor([len(s["prompt"]) for s in samples])
     r_len = torch.tensor([len(s["response"]) for s in samples])
     seq_len = p_len + r_len
@@ -482,22 +579,23 @@ def _pad(samples: list[dict[str, Any]], max_new: int) -> dict[str, Any]:
     full = torch.zeros(n, width + 1, dtype=torch.long)
     full[rows, cols] = flat
     am = (torch.arange(width) < (seq_len - 1)[:, None]).long()
-    ids, tgt = full[:, :-1] * am, full[:, 1:] * am
     steps = torch.arange(max_new)
-    pos = (p_len[:, None] - 1 + steps).clamp(max=width - 1)  # target index of response token t
     in_resp = steps < r_len[:, None]
-    mask = in_resp.float()
     roll = torch.zeros(n, max_new)
     roll[in_resp] = torch.cat([torch.as_tensor(s["logp"], dtype=roll.dtype) for s in samples])
-    batch: dict[str, Any] = {"n": n, "input_ids": ids, "targets": tgt, "attn_mask": am, "pos": pos, "mask": mask,
-                             "rollout_logp": roll, "advantages": torch.tensor([s["adv"] for s in samples])}  # fmt: skip
+    engine_routes = None
     if samples[0]["routes"] is not None:
         r0 = samples[0]["routes"]
         r_rows = torch.tensor([s["routes"].shape[0] for s in samples])
         routes = torch.zeros(n, width, *r0.shape[1:], dtype=r0.dtype)
         routes[torch.arange(width) < r_rows[:, None]] = torch.cat([s["routes"] for s in samples])
-        batch["engine_routes"] = Routes(routes)
-    return batch
+        engine_routes = Routes(routes)
+    return Batch(
+        input_ids=full[:, :-1] * am, targets=full[:, 1:] * am, attn_mask=am,
+        pos=(p_len[:, None] - 1 + steps).clamp(max=width - 1),  # target index of response token t
+        mask=in_resp.float(), rollout_logp=roll, advantages=torch.tensor([s["adv"] for s in samples]),
+        engine_routes=engine_routes,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -544,30 +642,29 @@ def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
         )
 
 
-def _maybe_write(cfg, step, last_write, run_dir, rows, layer_rows, token_frames) -> float:  # type: ignore[no-untyped-def]
+def _maybe_write(cfg: RunConfig, step: int, last_write: float, run_dir: Path, log: Progress) -> float:
     """Write the metric files at every checkpoint step (before the checkpoint: resume keeps the rows up to it), at
     the last step, and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole table
     every step cost 9% of a tiny step. Returns the time of the last write."""
     due = step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
     if due or time.monotonic() - last_write >= METRICS_EVERY_S:
-        _write_metrics(run_dir, rows, layer_rows, token_frames)
+        _write_metrics(run_dir, log)
         return time.monotonic()
     return last_write
 
 
-def _write_metrics(
-    run_dir: Path, rows: list[dict[str, float]], layer_rows: list[dict[str, float]], token_frames: list[pd.DataFrame]
-) -> None:
-    if not rows:
+def _write_metrics(run_dir: Path, log: Progress) -> None:
+    if not log.rows:
         return
-    frame = pd.DataFrame(rows, columns=list(STEP_METRICS) + sorted({k for r in rows for k in r} - set(STEP_METRICS)))
+    frame = pd.DataFrame(log.rows, columns=list(STEP_METRICS) + sorted({k for r in log.rows for k in r} -
+                                                                       set(STEP_METRICS)))  # fmt: skip
     frame["step"] = frame["step"].astype("int64")
     rundir.atomic_write(run_dir / "metrics.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
-    if layer_rows:
-        layers = pd.DataFrame(layer_rows)
+    if log.layer_rows:
+        layers = pd.DataFrame(log.layer_rows)
         rundir.atomic_write(run_dir / "routing_layers.parquet", lambda tmp: layers.to_parquet(tmp, index=False))
-    if token_frames:
-        tokens = pd.concat(token_frames, ignore_index=True)
+    if log.token_frames:
+        tokens = pd.concat(log.token_frames, ignore_index=True)
         rundir.atomic_write(run_dir / TOKEN_SAMPLES, lambda tmp: tokens.to_parquet(tmp, index=False))
 
 
@@ -587,18 +684,18 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
     )
 
 
-def _checkpoint(run_dir, policy, optimizer, scaler, step, data_pos, compute, wall) -> None:  # type: ignore[no-untyped-def]
+def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
     state = {
-        "model": policy.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
+        "model": parts.policy.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state(),
-        "step": step,
-        "data_pos": data_pos,
-        "compute": compute,
-        "wall": wall,
+        "step": log.step,
+        "data_pos": log.data_pos,
+        "compute": log.compute,
+        "wall": log.wall,
     }
     rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
 

@@ -40,19 +40,19 @@ def test_pad_lays_out_teacher_forcing_tensors() -> None:
         {"prompt": [1, 2, 3], "response": [4], "logp": torch.tensor([-0.5]), "adv": -0.5, "routes": r1},
     ]
     b = rl._pad(samples, 3)
-    assert b["n"] == 2
-    assert b["input_ids"].tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
-    assert b["targets"].tolist() == [[6, 7, 8, 9], [2, 3, 4, 0]]
-    assert b["attn_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
-    assert b["pos"].tolist() == [[1, 2, 3], [2, 3, 3]]  # targets[i, pos[i, t]] is response token t
-    assert b["mask"].tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
-    assert torch.equal(b["rollout_logp"], torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
-    assert torch.equal(b["advantages"], torch.tensor([0.5, -0.5]))
-    assert b["input_ids"].dtype == b["targets"].dtype == b["attn_mask"].dtype == torch.long
-    routes = b["engine_routes"].experts
+    assert b.n == 2
+    assert b.input_ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
+    assert b.targets.tolist() == [[6, 7, 8, 9], [2, 3, 4, 0]]
+    assert b.attn_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert b.pos.tolist() == [[1, 2, 3], [2, 3, 3]]  # targets[i, pos[i, t]] is response token t
+    assert b.mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert torch.equal(b.rollout_logp, torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+    assert torch.equal(b.advantages, torch.tensor([0.5, -0.5]))
+    assert b.input_ids.dtype == b.targets.dtype == b.attn_mask.dtype == torch.long
+    routes = b.engine_routes.experts
     assert routes.shape == (2, 4, 1, 2) and routes.dtype == torch.uint8
     assert torch.equal(routes[0], r0) and torch.equal(routes[1, :3], r1) and not routes[1, 3].any()
-    assert rl._pad([], 3) == {"n": 0}
+    assert rl._pad([], 3) is None
 
 
 def test_reward_collapse_is_a_result_not_a_crash(tmp_path: Path) -> None:
