@@ -19,15 +19,14 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from analysis import files
+
 CAPTIONS = "captions"
 """Subdirectory of a `figures` output holding one reStructuredText caption per figure (NAME.rst)."""
 
 
 def _atomic_write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    files.write_text(path, text)
     return path
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import figures, scorecard, stats, style, vocab
+from analysis import figures, files, scorecard, stats, style, vocab
 from analysis.tidy import ALGORITHM, EMULATED, RUN_ID, Study, load_study
 
 MAX_INLINE_ROWS = 40
@@ -44,14 +44,7 @@ class Report:
 
 
 def _atomic_write(path: Path, data: str | bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    if isinstance(data, str):
-        tmp.write_text(data, encoding="utf-8")
-    else:
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path
+    return files.write_text(path, data) if isinstance(data, str) else files.write_bytes(path, data)
 
 
 def _common_config(configs: Mapping[str, Mapping[str, Any]], axes: Sequence[str]) -> dict[str, Any]:

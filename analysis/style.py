@@ -16,6 +16,8 @@ from types import ModuleType
 import matplotlib as mpl
 from matplotlib.figure import Figure
 
+from analysis import files
+
 FORMATS = ("png", "pdf", "svg")
 DPI = 200
 WIDTH_SINGLE = 3.4  # inches: one column of a two-column paper
@@ -70,9 +72,7 @@ def save(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = FOR
     with context():
         for fmt in formats:
             path = stem.with_name(f"{stem.name}.{fmt}")
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            fig.savefig(tmp, format=fmt, metadata=_METADATA.get(fmt))
-            os.replace(tmp, path)
+            files.atomic_write(path, lambda tmp, fmt=fmt: fig.savefig(tmp, format=fmt, metadata=_METADATA.get(fmt)))
             out.append(path)
     return out
 

@@ -56,7 +56,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from analysis import vocab
+from analysis import files, vocab
 
 # --- the contract's names, in one place -------------------------------------------------------------------------------
 RUNS_SUBDIR = "runs"
@@ -649,14 +649,9 @@ def _axis_value(value: Any) -> Any:
 
 # --- atomic writes ----------------------------------------------------------------------------------------------------
 def _atomic_parquet(df: pd.DataFrame, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-    return path
+    return files.atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def _atomic_text(text: str, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    files.write_text(path, text)
     return path

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 import algorithms
+from study.run import rundir
 from study.run.config import PRESET_RUNS, RunConfig
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
 
@@ -151,20 +152,14 @@ def expand(path: str | Path) -> dict[str, RunConfig]:
 def write_config(cfg: RunConfig, out: str | Path) -> Path:
     """The resolved config as YAML (what `python -m study run` reads)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    tmp.replace(out)
+    rundir.write_yaml(out, cfg.to_dict())
     return out
 
 
 def write_run_ids(study: str, runs: dict[str, RunConfig], out: str | Path, *, source: str = "") -> Path:
     """The study's run ids, one a line (what `python -m analysis report --study` reads)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(f"# study {study} from {source}\n" + "".join(f"{run_id}\n" for run_id in runs))
-    tmp.replace(out)
+    rundir.write_text(out, f"# study {study} from {source}\n" + "".join(f"{run_id}\n" for run_id in runs))
     print(f"{len(runs)} run id(s) of study {study} -> {out}")
     return out
 

