@@ -47,7 +47,7 @@ from study.policy.routing import Routes, RoutingController, routing_volatility
 from study.rollout import get_engine
 from study.run import rundir
 from study.run.config import RunConfig
-from study.run.metrics import STEP_METRICS, forward_flops
+from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
 from study.weights import megatron_to_hf
 
 TOKEN_SAMPLES = "token_samples.parquet"
@@ -484,7 +484,7 @@ def _mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
 def _layer_rows(step: int, vols: list[dict[str, float]], num_layers: int) -> list[dict[str, float]]:
     """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate."""
     return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
-                                               for m in ("slot_mismatch", "set_flip_rate")}}
+                                               for m in LAYER_METRICS}}
             for layer in range(num_layers)]  # fmt: skip
 
 
@@ -673,7 +673,7 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
     """The first TOKEN_SAMPLE_SEQS sequences' response tokens: trainer (pi_old recompute) vs engine log-probs."""
     m = mask[:TOKEN_SAMPLE_SEQS].bool()
     sample, pos = m.nonzero(as_tuple=True)
-    return pd.DataFrame(
+    frame = pd.DataFrame(
         {
             "step": np.full(len(sample), step, dtype=np.int64),
             "sample": sample.numpy().astype(np.int64),
@@ -682,6 +682,7 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
             "engine_logp": rollout_logp[:TOKEN_SAMPLE_SEQS][m].float().numpy().astype(np.float32),
         }
     )
+    return frame[list(TOKEN_SAMPLE_COLUMNS)]
 
 
 def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:

@@ -53,6 +53,23 @@ STEP_METRICS: dict[str, str] = {
 }
 
 
+LAYER_METRICS: dict[str, str] = {
+    "slot_mismatch": "old vs new policy: expert-slot mismatch of one layer (routing_layers.parquet, one row per step "
+    "and layer), mean over the step's minibatches",
+    "set_flip_rate": "old vs new policy: router set-flip rate of one layer",
+}
+"""The per-layer routing table's metrics (routing_layers.parquet: step, layer, then these)."""
+
+TOKEN_SAMPLE_COLUMNS: dict[str, str] = {
+    "step": "RL step",
+    "sample": "index of the sequence in the step's batch",
+    "pos": "response token index",
+    "trainer_logp": "the training engine's log-prob of the sampled token (pi_old recompute)",
+    "engine_logp": "the rollout engine's log-prob of the same token",
+}
+"""token_samples.parquet's columns."""
+
+
 def forward_flops(cfg: ModelConfig, tokens: int, context: float) -> float:
     """Forward FLOPs for `tokens` tokens attending over `context` positions on average: 2 N per token (N active
     parameters) plus attention scores and values (2 x 2 x context x heads x head_dim per layer per token)."""
