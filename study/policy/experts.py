@@ -2,7 +2,7 @@
 
 SequentialMLP runs each expert as its own MLP module: two linear autograd Functions, a chunk, SiLU and two
 multiplies per expert, forward and backward, each a module call or an autograd node. On the tiny preset's 64-wide
-experts that plumbing is a quarter of the experts' time at an 8-sequence minibatch (docs/performance.md section 6).
+experts that plumbing is a quarter of the experts' time at an 8-sequence minibatch (docs/performance.md).
 `ExpertsFunction` computes the same matmuls and elementwise ops in the same order in one Function with a written-out
 backward, so the output and every gradient (the input's, the weights', the routing probs') equal SequentialMLP's
 bit for bit (tests/study/test_model.py). The module, its parameters, their names and its place in

@@ -16,7 +16,7 @@ after it run, in order of preference:
   modules' to ~1e-6 and the same tokens are sampled (tests/engines); 3x faster than the fused step on a tiny
   8 x 4 x 32 rollout;
 - `_FusedDecoder`: the same arithmetic as the model's decoder layers written out on their parameters with fewer
-  ops (bit-identical; 25-40% off a tiny 8 x 4 x 32 rollout, docs/performance.md section 6);
+  ops (bit-identical; 25-40% off a tiny 8 x 4 x 32 rollout, docs/performance.md);
 - the decoder layers themselves where neither would be exact (emulated precisions, hooks, another attention).
 """
 

@@ -1,9 +1,9 @@
 /* Softmax attention over whole sequences, forward and backward (fp32, CPU), for the policy's core attention:
-   study/attention.py builds and calls it.
+   study/kernels/attention.py builds and calls it.
 
    out_i = sum_j p_ij v_j with p_i = softmax_j(scale q_i . k_j) over the keys query i may see: key j is visible
    unless mask[b, i, j] (megatron's boolean mask, True = masked), and a query always sees itself (as the SDPA path
-   of study/model.py); with no mask, keys j <= i (causal) or every key. Each query row runs only over the span
+   of study/policy/model.py); with no mask, keys j <= i (causal) or every key. Each query row runs only over the span
    between its first and last visible key, so a causal, left-padded batch does about half of the dense work.
 
    Layouts: q (B, hq, S, d), k and v (B, hk, S, d), out (B, hq, S, d), contiguous (the caller permutes megatron's

@@ -1,5 +1,5 @@
 /* Cross entropy over the vocabulary, forward and backward (fp32, CPU), for the policy's language-model loss:
-   study/cross_entropy.py builds and calls it.
+   study/kernels/cross_entropy.py builds and calls it.
 
    loss_r = log(sum_v exp(x_rv - max_r)) - (x_r,t_r - max_r) for each row r of logits x (rows, V) and its target
    t_r, the terms of megatron's vocab-parallel cross entropy in one pass over the row (megatron's makes five: max,

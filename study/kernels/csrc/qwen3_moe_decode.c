@@ -1,7 +1,7 @@
-/* One decode step of a Qwen3-MoE decoder (fp32, CPU) for the hf engine: study/engines/native.py builds and calls it.
+/* One decode step of a Qwen3-MoE decoder (fp32, CPU) for the hf engine: study/kernels/decode.py builds and calls it.
 
    The same arithmetic as transformers' Qwen3MoeForCausalLM decode step with the engine's grouped decode attention
-   and the `grouped_mm` experts (study/engines/hf.py `_FusedDecoder`), in one call instead of ~190 torch ops: at the
+   and the `grouped_mm` experts (study/rollout/hf.py `_FusedDecoder`), in one call instead of ~190 torch ops: at the
    tiny preset's sizes each of those ops is a few microseconds of dispatch around a few of work. Sums run in another
    order than torch's vectorised kernels, so logits agree to ~1e-6 relative, not bit for bit (tests/engines).
 

@@ -1,8 +1,8 @@
-/* RMSNorm forward and backward over rows (fp32, CPU) for the policy's norms: study/norms.py builds and calls them.
+/* RMSNorm forward and backward over rows (fp32, CPU) for the policy's norms: study/kernels/rms_norm.py calls them.
 
    torch's CPU RMSNorm is composite: pow, mean, add, rsqrt and two multiplies forward, about twice as many ops
    backward, each a pass over the activations; here each direction is one pass per row. Sums run in another order
-   than torch's, so results agree to ~1e-6 relative, not bit for bit (tests/study/test_model.py). */
+   than torch's, so results agree to ~1e-6 relative, not bit for bit (tests/kernels). */
 
 #include <math.h>
 #include <stdint.h>

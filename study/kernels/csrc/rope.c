@@ -1,5 +1,5 @@
 /* Rotary position embedding (non-interleaved, rotate_half), forward and backward (fp32, CPU), for megatron's fused-RoPE
-   slot: study/rope.py builds and calls it.
+   slot: study/kernels/rope.py builds and calls it.
 
    y = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] over the two halves of the head dimension, for
    x (S, R, d): R rows (batch x heads) per position s, whose cos and sin rows (d) are cos[s] and sin[s]. Each element
