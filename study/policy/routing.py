@@ -14,7 +14,8 @@ model:
    softmax of `topk_routing_with_score_function` runs over them), so the router keeps learning: PAPER.md's
    requirement, checked in tests/study/test_routing.py.
 3. In record and replay modes every router also keeps the top-k it would have chosen freely (`free_routes()`),
-   so routing volatility can be measured on the very forward pass that was replayed.
+   so routing volatility can be measured on the very forward pass that was replayed, and a reference to the scores
+   it ranked (`router_entropy()`: the entropy of its softmax over all experts, computed only when asked).
 4. Replay without routes, or with routes of another batch shape, layer count or top-k, raises. There is no silent
    fallback to free routing.
 
@@ -29,6 +30,7 @@ capacity factor, no token dropping), which is what makes the re-split valid.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +48,15 @@ ROUTING_METRICS: dict[str, str] = {
     "set_flip_rate": "router set-flip rate, fraction of (token, MoE layer) pairs whose top-k set changed",
     "token_flip_rate": "token any-layer flip rate, fraction of tokens whose top-k set changed in at least one layer",
     "tokens": "number of tokens compared (mask sum)",
+}
+
+# The expert-load vocabulary (`expert_load`; per-layer keys add a suffix `_l{layer}`).
+LOAD_METRICS: dict[str, str] = {
+    "expert_load_imbalance": "max over experts of the tokens routed to an expert, over its mean over all E experts "
+    "(N k / E), counting every top-k slot of the masked tokens, per MoE layer: 1 = perfectly balanced, E / k = every "
+    "token on the same k experts",
+    "router_entropy": "mean over the masked tokens of the entropy (nats) of the router's softmax over all E experts, "
+    "per MoE layer: log E = uniform, 0 = certain of one expert",
 }
 
 
@@ -132,6 +143,8 @@ def _make_layer_replay_class() -> type:
             self.target_topk_idx: torch.Tensor | None = None  # (S*B, k) int64, forced experts
             self.recorded_topk_idx: torch.Tensor | None = None  # (S*B, k), experts used by the last forward
             self.free_topk_idx: torch.Tensor | None = None  # (S*B, k), experts free routing would have chosen
+            self.router_scores: torch.Tensor | None = None  # (S*B, E) detached, the scores top-k ranked
+            self.scores_kind: str | None = None  # "logits" / "probs" (pre-softmax) / None (no softmax router)
             self.router_replay_action = None
             self.replay_backward_list: list[torch.Tensor] = []
             self.layer = -1
@@ -148,6 +161,7 @@ def _make_layer_replay_class() -> type:
             if action == Action.RECORD:
                 probs, top = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 self.recorded_topk_idx = self.free_topk_idx = top.detach()
+                self.router_scores = scores.detach()  # a reference, no copy: the entropy is computed on request
                 return probs, top
             if action == Action.REPLAY_FORWARD:
                 target = self.target_topk_idx
@@ -161,6 +175,7 @@ def _make_layer_replay_class() -> type:
                 with torch.no_grad():
                     _, free = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
                 self.free_topk_idx = free
+                self.router_scores = scores.detach()
                 # megatron: probs = scores.gather(1, target); the caller then softmaxes over the k gathered logits.
                 probs, top = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
                 self.recorded_topk_idx = top
@@ -220,6 +235,7 @@ class RoutingController:
                         del instances[j]
                 router.router_replay = layer_cls()
             router.router_replay.layer = i
+            router.router_replay.scores_kind = _scores_kind(router)
         self.num_experts: int = int(self.routers[0].config.num_moe_experts)
         self.top_k: int = int(self.routers[0].topk)
         if not hasattr(model, "_study_routing"):
@@ -271,7 +287,7 @@ class RoutingController:
     def _set(self, action: Any, replay_shape: tuple[int, int] | None) -> None:
         for replay in self._replays:
             replay.router_replay_action = action
-            replay.recorded_topk_idx = replay.free_topk_idx = None
+            replay.recorded_topk_idx = replay.free_topk_idx = replay.router_scores = None
             if replay_shape is None:
                 replay.target_topk_idx = None
         self._state.active = action is not None
@@ -322,6 +338,40 @@ class RoutingController:
         if any(t.shape[0] != b * s for t in per_layer):
             raise RuntimeError(f"{what}: routers saw a different token count than the last input {shape}")
         return Routes.from_layers(per_layer, b, s, self.num_experts)
+
+    def router_entropy(self) -> torch.Tensor:
+        """Entropy (nats) of each token's router softmax over all experts in the last forward in record or replay
+        mode: (B, S, L) fp32 on the CPU, sample-major like `routes()`. NaN for routers without a softmax score
+        function (sigmoid)."""
+        scores = [r.router_scores for r in self._replays]
+        shape = self._state.result_shape
+        if any(t is None for t in scores) or shape is None:
+            raise RuntimeError("router_entropy(): no forward ran in record or replay mode since the mode was set")
+        b, s = shape
+        if any(t.shape[0] != b * s for t in scores):
+            raise RuntimeError(f"router_entropy(): routers saw a different token count than the last input {shape}")
+        with torch.no_grad():
+            per_layer = [_entropy(t, r.scores_kind).reshape(s, b).transpose(0, 1) for t, r in
+                         zip(scores, self._replays, strict=True)]  # fmt: skip
+        return torch.stack(per_layer, dim=2).cpu()  # (B, S, L)
+
+
+def _scores_kind(router: Any) -> str | None:
+    """What megatron hands the top-k (and so the replay hook) as scores: the logits, or with
+    `moe_router_pre_softmax` the softmax itself; None when the score function is not a softmax."""
+    if getattr(router, "score_function", "softmax") != "softmax":
+        return None
+    return "probs" if router.config.moe_router_pre_softmax else "logits"
+
+
+def _entropy(scores: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """(N, E) router scores -> (N,) fp32 entropy of the softmax over the E experts."""
+    if kind == "logits":
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    if kind == "probs":
+        return torch.special.entr(scores.float()).sum(-1)
+    return torch.full(scores.shape[:1], math.nan, device=scores.device)
 
 
 @dataclass
@@ -395,4 +445,69 @@ def routing_volatility(
     return out
 
 
-__all__ = ["MODES", "ROUTING_METRICS", "Routes", "RoutingController", "routing_volatility"]
+# ---------------------------------------------------------------------------------------------------------------------
+# Expert load (LOAD_METRICS)
+# ---------------------------------------------------------------------------------------------------------------------
+def _selected(x: Routes | torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The (B, S, ...) rows of x where mask (B, S) is true: (N, ...)."""
+    if mask is None:
+        return x.reshape(-1, *x.shape[2:])
+    if tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"mask shape {tuple(mask.shape)} != (B, S) = {tuple(x.shape[:2])}")
+    return x[mask.to(x.device).bool()]
+
+
+def load_imbalance(routes: Routes | torch.Tensor, num_experts: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per MoE layer, max over experts of the tokens routed to it over the mean over all `num_experts` experts
+    (N k / E), over the tokens where `mask` (B, S) is true and every one of their k slots: (L,) float64, NaN with
+    no tokens. 1 when every expert gets the same count; E / k when every token goes to the same k experts."""
+    sel = _selected(_as_tensor(routes), mask).long()  # (N, L, k)
+    n, n_layers, k = sel.shape
+    if n == 0:
+        return torch.full((n_layers,), math.nan, dtype=torch.float64)
+    lo, hi = (int(v) for v in torch.aminmax(sel))
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"routes name experts {lo}..{hi}; there are {num_experts}")
+    flat = (sel + num_experts * torch.arange(n_layers, device=sel.device)[:, None]).reshape(-1)
+    counts = torch.bincount(flat, minlength=n_layers * num_experts).view(n_layers, num_experts)
+    return counts.amax(1).double().cpu() / (n * k / num_experts)
+
+
+def mean_router_entropy(entropy: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per MoE layer, the mean over the tokens where `mask` (B, S) is true of the (B, S, L) per-token router
+    entropies (`RoutingController.router_entropy()`): (L,) float64, NaN with no tokens."""
+    sel = _selected(entropy, mask).double()  # (N, L)
+    if sel.shape[0] == 0:
+        return torch.full(sel.shape[1:], math.nan, dtype=torch.float64)
+    return sel.mean(0).cpu()
+
+
+def expert_load(
+    routes: Routes | torch.Tensor,
+    num_experts: int,
+    mask: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """LOAD_METRICS of one routing over the tokens where `mask` (B, S) is true: each the mean over layers, and per
+    layer as `{name}_l{layer}`; `router_entropy` only when the per-token `entropy` (B, S, L) is given."""
+    values = {"expert_load_imbalance": load_imbalance(routes, num_experts, mask)}
+    if entropy is not None:
+        values["router_entropy"] = mean_router_entropy(entropy, mask)
+    out: dict[str, float] = {}
+    for name, per_layer in values.items():
+        out[name] = float(per_layer.mean())
+        out.update({f"{name}_l{layer}": float(v) for layer, v in enumerate(per_layer.tolist())})
+    return out
+
+
+__all__ = [
+    "LOAD_METRICS",
+    "MODES",
+    "ROUTING_METRICS",
+    "Routes",
+    "RoutingController",
+    "expert_load",
+    "load_imbalance",
+    "mean_router_entropy",
+    "routing_volatility",
+]

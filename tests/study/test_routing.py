@@ -1,11 +1,21 @@
-"""Routing record/replay on the Megatron policy, and the routing-volatility metrics (PAPER.md)."""
+"""Routing record/replay on the Megatron policy, the routing-volatility metrics (PAPER.md), and expert load: load
+imbalance and router entropy."""
+
+import math
 
 import pytest
 import torch
 
 from study.model_config import preset, route_index_dtype
 from study.policy.model import build_policy, token_logp
-from study.policy.routing import Routes, RoutingController, routing_volatility
+from study.policy.routing import (
+    Routes,
+    RoutingController,
+    expert_load,
+    load_imbalance,
+    mean_router_entropy,
+    routing_volatility,
+)
 
 TINY = preset("tiny")
 
@@ -217,3 +227,96 @@ def test_replay_in_bf16():
         _logp(model, ids).mean().backward()
     assert torch.equal(ctl.routes().experts, routes.experts)
     assert ctl.routers[0].weight.grad.abs().sum() > 0
+
+
+def test_load_imbalance_hand_made():
+    # 1 sample, 4 tokens, 2 layers, k = 2, E = 4. Layer 0: every expert gets 2 of the 8 slots (balanced). Layer 1:
+    # every token on experts {0, 1}: 4 slots each against a mean of 8 / 4 = 2, i.e. E / k.
+    x = torch.tensor([[[[0, 1], [0, 1]], [[2, 3], [1, 0]], [[1, 0], [0, 1]], [[3, 2], [1, 0]]]], dtype=torch.uint8)
+    assert load_imbalance(x, 4).tolist() == [1.0, 2.0]
+    assert load_imbalance(Routes(x), 8).tolist() == [2.0, 4.0]  # 4 idle experts more: mean 1, max 2 and 4
+    # Pad tokens are left out: a fifth token (masked) sends both layers onto expert 3 and 2 and changes nothing ...
+    pad = torch.cat([x, torch.tensor([[[[3, 2], [3, 2]]]], dtype=torch.uint8)], dim=1)  # (1, 5, 2, 2)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    assert load_imbalance(pad, 4, mask).tolist() == [1.0, 2.0]
+    # ... while counted it would: layer 0 expert 2 and 3 get 3 of 10 slots (mean 2.5), layer 1 experts 0, 1 get 4.
+    assert load_imbalance(pad, 4).tolist() == pytest.approx([3 / 2.5, 4 / 2.5])
+    # top-1, every token on one expert: E.
+    assert load_imbalance(torch.full((2, 3, 1, 1), 5), 8).tolist() == [8.0]
+    assert math.isnan(load_imbalance(x, 4, torch.zeros(1, 4)).tolist()[0])  # no tokens
+    with pytest.raises(ValueError, match="experts"):
+        load_imbalance(x, 3)
+    with pytest.raises(ValueError, match="mask"):
+        load_imbalance(x, 4, torch.ones(1, 3))
+    m = expert_load(x, 4)
+    assert m == {"expert_load_imbalance": 1.5, "expert_load_imbalance_l0": 1.0, "expert_load_imbalance_l1": 2.0}
+
+
+def test_mean_router_entropy_hand_made():
+    ent = torch.tensor([[[1.0, 0.0], [3.0, 2.0], [9.0, 9.0]]])  # (1, 3, 2): per token and layer
+    assert mean_router_entropy(ent).tolist() == pytest.approx([13 / 3, 11 / 3])
+    assert mean_router_entropy(ent, torch.tensor([[True, True, False]])).tolist() == [2.0, 1.0]  # pad left out
+    x = torch.zeros(1, 3, 2, 1, dtype=torch.long)
+    m = expert_load(x, 2, torch.tensor([[1, 1, 0]]), ent)
+    assert m["router_entropy"] == 1.5 and m["router_entropy_l0"] == 2.0 and m["router_entropy_l1"] == 1.0
+    assert m["expert_load_imbalance"] == 2.0  # top-1 on one of two experts
+
+
+def _router_logits(ctl: RoutingController, seen: list) -> list[torch.Tensor]:
+    return [
+        hidden.reshape(-1, router.weight.shape[1]) @ router.weight.T
+        for router, hidden in zip(ctl.routers, seen, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("top_k", [TINY.moe_top_k, 1])  # top-1: megatron's top-k ranks the softmax, not the logits
+def test_router_entropy_of_the_recorded_forward(top_k: int):
+    model = build_policy(TINY.replace(moe_top_k=top_k), seed=0)
+    ctl = RoutingController(model)
+    ids = _batch(3, 11)
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(i[0].detach())) for r in ctl.routers]
+    with pytest.raises(RuntimeError, match="no forward"):
+        ctl.router_entropy()
+    with torch.no_grad():
+        free = _logp(model, ids)
+    seen.clear()
+    with torch.no_grad(), ctl.recording():
+        recorded = _logp(model, ids)
+    assert torch.equal(recorded, free)  # recording computes the same values
+    ent = ctl.router_entropy()
+    assert ent.shape == (3, 10, TINY.num_layers) and ent.dtype == torch.float32
+    for layer, logits in enumerate(_router_logits(ctl, seen)):  # (S*B, E), megatron's sequence-major order
+        want = torch.distributions.Categorical(logits=logits).entropy().reshape(10, 3).T  # (B, S)
+        assert torch.allclose(ent[:, :, layer], want, atol=1e-5)
+    assert bool((ent >= 0).all()) and bool((ent <= math.log(TINY.num_experts) + 1e-6).all())
+    # Under replay the router still scores every expert: the same weights give the same entropies.
+    routes = ctl.routes()
+    with torch.no_grad(), ctl.replaying(routes):
+        _logp(model, ids)
+    assert torch.allclose(ctl.router_entropy(), ent, atol=1e-6)
+    for h in hooks:
+        h.remove()
+    ctl.record()
+    with pytest.raises(RuntimeError, match="no forward"):
+        ctl.router_entropy()  # setting a mode forgets the last forward's scores
+    ctl.free()
+
+
+def test_router_entropy_of_uniform_and_certain_routers(model):
+    ctl = RoutingController(model)
+    ids = _batch(2, 9)
+    with torch.no_grad():
+        for router in ctl.routers:
+            router.weight.zero_()  # every logit 0: the uniform softmax
+    with torch.no_grad(), ctl.recording():
+        _logp(model, ids)
+    assert torch.allclose(ctl.router_entropy(), torch.full((2, 8, TINY.num_layers), math.log(TINY.num_experts)))
+    with torch.no_grad():
+        for router in ctl.routers:
+            router.weight[0] = 1e4  # expert 0's logit 1e4 x (sum of the hidden state), the others' still 0
+    with torch.no_grad(), ctl.recording():
+        _logp(model, ids)
+    ent = ctl.router_entropy()  # a positive sum: certain of expert 0; a negative one: uniform over the other E - 1
+    certain, rest = ent.abs() < 1e-6, (ent - math.log(TINY.num_experts - 1)).abs() < 1e-6
+    assert bool((certain | rest).all()) and bool(certain.any()) and bool(rest.any())
