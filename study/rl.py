@@ -43,7 +43,7 @@ from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
 from study.policy.model import build_policy, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
-from study.policy.routing import Routes, RoutingController, routing_volatility
+from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
 from study.rollout import get_engine
 from study.run import rundir
 from study.run.config import RunConfig
@@ -346,12 +346,12 @@ def _train(
                     old_parts.append(_old_pass(policy, routing, batch, rest, r3))
             t_old = time.perf_counter() - t1
             t2 = time.perf_counter()
-            logp_first, free_first = _old_pass(policy, routing, batch, first, r3)  # the first update's, with grad
+            logp_first, free_first, entropy_first = _old_pass(policy, routing, batch, first, r3)  # the first update's
             t_first = time.perf_counter() - t2
-            old_parts.insert(0, (logp_first.detach(), free_first))
+            old_parts.insert(0, (logp_first.detach(), free_first, entropy_first))
             unperm = perm.argsort()  # the parts are in perm order (first, then rest)
-            train_old = torch.cat([lp for lp, _ in old_parts])[unperm]  # (B, T)
-            free_old = Routes(Routes.cat([r for _, r in old_parts]).experts[unperm])  # pi_old's free routing
+            train_old = torch.cat([lp for lp, _, _ in old_parts])[unperm]  # (B, T)
+            free_old = Routes(Routes.cat([r for _, r, _ in old_parts]).experts[unperm])  # pi_old's free routing
             old_routes = batch.engine_routes if r3 else free_old
             ref_logp = None
             t1 = time.perf_counter()
@@ -363,9 +363,14 @@ def _train(
             row.update(_mismatch(train_old, batch.rollout_logp, batch.mask))
             if step in (1, cfg.steps) or eval_step:
                 log.token_frames.append(_token_samples(step, train_old, batch.rollout_logp, batch.mask))
+            # expert load of pi_old's free routing and its routers' entropy over the real tokens (per layer: load)
+            load = expert_load(free_old, routing.num_experts, am, torch.cat([e for _, _, e in old_parts])[unperm])
             if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
                 vol = routing_volatility(batch.engine_routes, free_old, am, per_layer=False)
                 row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
+                load.update({f"engine_{k}": v for k, v in expert_load(batch.engine_routes, routing.num_experts,
+                                                                      am).items()})  # fmt: skip
+            row.update({k: v for k, v in load.items() if k in STEP_METRICS})  # the means over layers
             old_logp = train_old if cfg.old_logp_source == "recompute" else batch.rollout_logp  # (B, T)
             if cfg.old_logp_source == "recompute":
                 log.compute += forward_flops(mcfg, int(am[rest].sum()), ids.shape[1] / 2)
@@ -389,7 +394,7 @@ def _train(
                 log.compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
             row.update({k: v / len(chunks) for k, v in sums.items()})
             row.update(_mean_volatility(vols))
-            log.layer_rows += _layer_rows(step, vols, routing.num_layers)
+            log.layer_rows += _layer_rows(step, vols, load, routing.num_layers)
             row["time_update_s"] = t_first + time.perf_counter() - t2
 
             # 6. weights to the rollout engine
@@ -481,22 +486,26 @@ def _mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
                                                                            "token_flip_rate")}  # fmt: skip
 
 
-def _layer_rows(step: int, vols: list[dict[str, float]], num_layers: int) -> list[dict[str, float]]:
-    """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate."""
+def _layer_rows(
+    step: int, vols: list[dict[str, float]], load: dict[str, float], num_layers: int
+) -> list[dict[str, float]]:
+    """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
+    then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
     return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
+                                               if f"{m}_l{layer}" in vols[0] else load.get(f"{m}_l{layer}", math.nan)
                                                for m in LAYER_METRICS}}
             for layer in range(num_layers)]  # fmt: skip
 
 
 def _old_pass(
     policy: torch.nn.Module, routing: RoutingController, batch: Batch, idx: torch.Tensor, r3: bool
-) -> tuple[torch.Tensor, Routes]:
+) -> tuple[torch.Tensor, Routes, torch.Tensor]:
     """pi_old's forward of the rows idx, the engine's routes replayed (R3) or free routing recorded: response
-    log-probs (b, T) and the routes free routing chose."""
+    log-probs (b, T), the routes free routing chose and each token's router entropy (b, S, L)."""
     with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
         logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
                           positions=batch.pos[idx])  # fmt: skip
-    return logp, routing.free_routes() if r3 else routing.routes()
+    return logp, routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
 
 
 def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int,

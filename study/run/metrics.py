@@ -40,6 +40,13 @@ STEP_METRICS: dict[str, str] = {
     "routing_token_flip_rate": "old vs new policy: token any-layer flip rate",
     "engine_routing_slot_mismatch": "rollout engine vs trainer routing of the same tokens (NaN when the engine "
     "returns no routes)",
+    "expert_load_imbalance": "trainer expert load: per MoE layer, the most tokens any expert got over the mean per "
+    "expert (N k / E), counting every top-k slot of the step's real (attention-masked) prompt and response tokens in "
+    "the pi_old recompute's free routing; mean over layers. 1 = balanced, E / k = every token on the same k experts",
+    "router_entropy": "trainer router entropy: per MoE layer, the mean over the same tokens of the entropy (nats) of "
+    "the router's softmax over all E experts in the pi_old recompute; mean over layers. log E = uniform, 0 = certain",
+    "engine_expert_load_imbalance": "expert_load_imbalance of the rollout engine's routes of the same tokens (NaN "
+    "when the engine returns no routes)",
     "tokens": "response tokens of the step",
     "tokens_total": "prompt + response tokens of the step",
     "compute_flops": "cumulative training compute (FLOPs estimate: rollout 2N, pi_old recompute 2N, update 6N per "
@@ -57,6 +64,11 @@ LAYER_METRICS: dict[str, str] = {
     "slot_mismatch": "old vs new policy: expert-slot mismatch of one layer (routing_layers.parquet, one row per step "
     "and layer), mean over the step's minibatches",
     "set_flip_rate": "old vs new policy: router set-flip rate of one layer",
+    "expert_load_imbalance": "trainer expert load of one layer: max over mean tokens per expert (the step metric's "
+    "definition, before its mean over layers)",
+    "router_entropy": "trainer router entropy of one layer, nats (the step metric's definition, one layer)",
+    "engine_expert_load_imbalance": "the rollout engine's expert load imbalance of one layer (NaN when the engine "
+    "returns no routes)",
 }
 """The per-layer routing table's metrics (routing_layers.parquet: step, layer, then these)."""
 
