@@ -322,13 +322,28 @@ def figure3_routing_replay(
         ax.set_xlabel("training compute (PFLOP)")
         ax.legend(loc="best")
     axs[0].set_ylabel("training reward")
-    n_coll = _counts(coll[coll["collapsed"]].groupby(ALGORITHM, observed=True).size())
     caption = (
         "Figure 3. With vs without Routing Replay: algorithms sharing a loss function, differing only in routing "
-        "mode. Thin lines are individual seeds, thick lines their mean; x marks where a run collapsed (status or "
-        f"reward-drop rule). Collapsed runs per algorithm: {n_coll or 'none'}."
+        "mode. Thin lines are individual seeds, thick lines their mean; x marks where a run collapsed: reported by "
+        "the run itself (status.json: the trainer's guard) or flagged by analysis. "
+        + stats.collapse_rule(**collapse_rules)
+        + " Collapsed runs: "
+        + collapse_counts(coll)
+        + "."
     )
     return Made(fig, "figure3_routing_replay", caption, {"collapses": coll})
+
+
+def collapse_counts(coll: pd.DataFrame) -> str:
+    """ "GRPO 2 (status.json 1, reward drop 1), GSPO 1 (reward drop 1)" from a `stats.collapse_table`; "none"."""
+    c = coll[coll["collapsed"]]
+    if c.empty:
+        return "none"
+    parts = []
+    for alg in style.order(c[ALGORITHM].astype(str)):
+        by = c[c[ALGORITHM].astype(str) == alg]["flagged_by"].value_counts()
+        parts.append(f"{style.label(alg)} {int(by.sum())} (" + ", ".join(f"{k} {int(v)}" for k, v in by.items()) + ")")
+    return ", ".join(parts)
 
 
 # --- Figure 4 ---------------------------------------------------------------------------------------------------------
@@ -796,6 +811,7 @@ __all__ = [
     "MissingData",
     "Rendered",
     "clip_table",
+    "collapse_counts",
     "data_fingerprint",
     "figure1_reward",
     "figure2_clipping",

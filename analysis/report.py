@@ -84,35 +84,53 @@ def provenance(study: Study) -> dict[str, Any]:
 
 
 def problem_runs(study: Study) -> pd.DataFrame:
-    """Failed, collapsed (reported or detected in the reward) and unknown-state runs, plus missing run ids."""
+    """Failed, collapsed (reported in status.json or flagged by analysis's rules on the reward) and unknown-state
+    runs, plus missing run ids; `flagged_by` says which: "error", "status.json" (the trainer's own guard: non-finite
+    loss, exploding ratio, reward floor), or the analysis rule (stats.NON_FINITE, FLOOR, DROP)."""
     runs = study.runs
-    cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step", "collapse_step", "reason"]
-    detected: dict[str, Any] = {}
+    cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step", "flagged_by", "collapse_step", "reason"]
+    detected: dict[str, tuple[Any, Any, Any]] = {}
     if vocab.REWARD in study.metrics:
         coll = stats.collapse_table(study.long, runs, vocab.REWARD)
         detected = {
-            str(r): (s, why)
-            for r, s, why, c in zip(
-                coll[RUN_ID], coll["detected_step"], coll["detected_reason"], coll["collapsed"], strict=True
+            str(r): (s, why, rule)
+            for r, s, why, rule in zip(
+                coll[RUN_ID], coll["detected_step"], coll["detected_reason"], coll["detected_rule"], strict=True
             )
-            if c
+            if rule
         }
     records = []
     for _, r in runs.iterrows():
         rid = str(r[RUN_ID])
-        bad = r["state"] in ("failed", "collapsed", "unknown") or rid in detected
-        if not bad:
+        if r["state"] in ("failed", "unknown"):
+            flagged, step, reason = "error", r["collapse_step"], r["error"]
+        elif r["state"] == "collapsed":
+            flagged, step, reason = "status.json", r["collapse_step"], r["collapse_reason"]
+        elif rid in detected:
+            step, reason, rule = detected[rid]
+            flagged = f"analysis: {rule}"
+        else:
             continue
-        reason = r["error"] if r["state"] in ("failed", "unknown") else r["collapse_reason"]
-        step = r["collapse_step"]
-        if r["state"] not in ("failed", "collapsed", "unknown") and rid in detected:
-            step, reason = detected[rid][0], f"detected: {detected[rid][1]}"
         rec = {c: r.get(c) for c in cols if c in runs.columns}
-        rec.update(collapse_step=step, reason=reason)
+        rec.update(flagged_by=flagged, collapse_step=step, reason=reason)
         records.append(rec)
     for rid in study.missing:
         records.append({RUN_ID: rid, "state": "missing", "reason": "no run directory"})
     return pd.DataFrame.from_records(records, columns=cols)
+
+
+def cleared_runs(study: Study) -> pd.DataFrame:
+    """Runs whose reward fell by the per-run drop rule but which the seed-band check did not flag (stats.COLLAPSE_RULE):
+    run_id, algorithm, the swept axes, seed, why (the band and the run's last-window mean)."""
+    cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "why not flagged"]
+    if vocab.REWARD not in study.metrics:
+        return pd.DataFrame(columns=cols)
+    coll = stats.collapse_table(study.long, study.runs, vocab.REWARD)
+    coll = coll[coll["in_band"].astype(bool)]
+    keep = [c for c in [RUN_ID, *study.axes, "seed"] if c in study.runs.columns]
+    out = coll[[RUN_ID, ALGORITHM, "in_band"]].merge(study.runs[keep], on=RUN_ID, how="left")
+    out = out.rename(columns={"in_band": "why not flagged"})
+    return out[[c for c in cols if c in out.columns]].reset_index(drop=True)
 
 
 def runs_table(study: Study) -> pd.DataFrame:
@@ -367,13 +385,22 @@ def _figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path]
     return out
 
 
-def _problems_section(problems: pd.DataFrame) -> list[Block]:
-    """The failed, collapsed and missing runs (problem_runs), or a line saying there are none."""
+def _problems_section(problems: pd.DataFrame, cleared: pd.DataFrame) -> list[Block]:
+    """The failed, collapsed and missing runs (problem_runs) with the rule that flagged each, or a line saying there
+    are none; the collapse rule; the runs whose reward fell but stayed inside their seed band (cleared_runs)."""
     none = "None: every run completed and none was detected as collapsed; no run is missing."
-    return [
+    out: list[Block] = [
         _h(2, "Failed, collapsed and missing runs", anchor="problems"),
         Table(problems) if len(problems) else _p(none),
+        _p(
+            "flagged_by: status.json = the run's own guard (non-finite loss, exploding ratio, reward floor; always a "
+            f"collapse); analysis: {stats.DROP} = {stats.collapse_rule()} analysis: {stats.NON_FINITE} = a NaN or "
+            "infinite reward."
+        ),
     ]
+    if len(cleared):
+        out += [_h(3, "Reward fell, inside the seed band: not flagged"), Table(cleared)]
+    return out
 
 
 def render(
@@ -390,7 +417,7 @@ def render(
         *_study_section(study, table_files, out_dir),
         *_scorecard_section(cards),
         *_figures_section(rendered, table_files, out_dir),
-        *_problems_section(problems),
+        *_problems_section(problems, cleared_runs(study)),
     ]
     page = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
@@ -514,6 +541,7 @@ def report_from_results(
 __all__ = [
     "Report",
     "build_report",
+    "cleared_runs",
     "problem_runs",
     "provenance",
     "report_from_results",
