@@ -4,6 +4,7 @@
     python -m study.launch CONFIG.yaml --results results --launcher local             # a child process
     python -m study.launch CONFIG.yaml --results results --launcher slurm --partition gpu --gpus 1 --time-min 240
     python -m study.launch --coldstart tiny chain_sum --results results --launcher slurm    # a cold start, likewise
+    python -m study.launch --coldstart '{preset: default, num_experts: 32}' chain_sum    # a shape's cold start
 
 1. The launcher is always named: submitit's AutoExecutor picks SLURM wherever `srun` is on PATH, cluster or not.
 2. The same callable, `Run`, runs in every launcher: `study.rl.run` on the config, which skips a finished run and
@@ -96,7 +97,7 @@ class ColdStart:
     """The submitted callable of a cold start (`study.coldstart.ensure_coldstart`, not strict: an out-of-band result
     is kept and the runs stop on it with the reason), so that on a cluster it trains on a compute node too."""
 
-    def __init__(self, model: str, task: str, results: str, threads: int = 1) -> None:
+    def __init__(self, model: str | dict[str, Any], task: str, results: str, threads: int = 1) -> None:
         self.model, self.task, self.results, self.threads = model, task, results, threads
 
     def __call__(self) -> dict[str, Any]:
@@ -165,12 +166,16 @@ def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Reso
     return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
 
 
-def launch_coldstart(model: str, task: str, results: str | Path, launcher: str, res: Resources) -> dict[str, Any]:
-    """Make (or reuse) the cold start of (model preset, task) through `launcher`, blocking; returns its status."""
+def launch_coldstart(
+    model: str | dict[str, Any], task: str, results: str | Path, launcher: str, res: Resources
+) -> dict[str, Any]:
+    """Make (or reuse) the cold start of (model, task) through `launcher`, blocking; returns its status. `model`: a
+    preset name or a model mapping {preset: NAME, FIELD: VALUE, ...}."""
     from study.coldstart import resolve_settings
 
-    name = resolve_settings(model, task, threads=res.cpus).dirname  # raises on an unknown preset or task
-    call = ColdStart(model, task, str(results), threads=res.cpus)
+    settings = resolve_settings(model, task, threads=res.cpus)  # raises on an unknown preset, field or task
+    name = settings.dirname
+    call = ColdStart(settings.model, task, str(results), threads=res.cpus)
     return _submit_and_wait(call, launcher, Path(results) / "coldstart" / "submitit" / name, res, f"coldstart-{name}")
 
 
@@ -205,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?",
                         help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)")  # fmt: skip
     parser.add_argument("--coldstart", nargs=2, metavar=("MODEL", "TASK"),
-                        help="launch the cold start of a model preset and task instead of a run")  # fmt: skip
+                        help="launch the cold start of a model and task instead of a run; MODEL: a preset "
+                             "name or a YAML/JSON mapping '{preset: NAME, FIELD: VALUE, ...}'")  # fmt: skip
     parser.add_argument("--results", default="results", help="results directory (the run goes to RESULTS/runs/RUN_ID)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
     parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from study.run.config import load_config
 
+    coldstart = None
     try:
         cfg = None if args.coldstart else load_config(args.config)
         res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
@@ -231,14 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                         max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
         if args.coldstart:
             from study.coldstart import resolve_settings
+            from study.coldstart.store import parse_model
 
-            resolve_settings(*args.coldstart, threads=res.cpus)  # settings errors: before any job
-    except (ValueError, FileNotFoundError) as err:  # config errors: before any job, no traceback
+            coldstart = (parse_model(args.coldstart[0]), args.coldstart[1])
+            resolve_settings(*coldstart, threads=res.cpus)  # settings errors: before any job
+    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as err:  # before any job, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        if cfg is None:
-            status = launch_coldstart(*args.coldstart, args.results, args.launcher, res)
+        if coldstart is not None:
+            status = launch_coldstart(*coldstart, args.results, args.launcher, res)
         else:
             status = launch(cfg.to_dict(), args.results, args.launcher, res)
     except FailedJobError as err:  # the remote traceback, verbatim

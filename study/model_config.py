@@ -8,7 +8,10 @@ Qwen3-MoE and vLLM build the same network for rollouts, so weights map one to on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +73,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
+        for name in ("rotary_base", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+                raise ValueError(f"model.{name} = {value!r}: must be a positive finite number")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"model.num_query_groups = {self.num_query_groups} must divide "
@@ -118,5 +125,93 @@ def preset(name: str) -> ModelConfig:
     """The model preset `name`; an unknown name lists the valid ones."""
     try:
         return PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model shape as data: a preset name, or a preset plus field overrides
+# ---------------------------------------------------------------------------------------------------------------------
+ModelSpec = str | Mapping[str, Any]
+"""A run's `model`: a preset name ("default"), or a mapping {"preset": NAME, FIELD: VALUE, ...} of a preset and
+overrides of its SHAPE_FIELDS ({"preset": "default", "num_experts": 32, "moe_top_k": 8})."""
+
+SHAPE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra")
+"""The ModelConfig fields a model mapping may override (`extra`, the engines' pass-through, is not one)."""
+FLOAT_FIELDS: tuple[str, ...] = ("rotary_base", "norm_eps", "init_std")
+"""The SHAPE_FIELDS that hold numbers; the others hold positive integers."""
+SHAPE_CODES: dict[str, str] = {
+    "num_layers": "l", "hidden_size": "h", "num_attention_heads": "a", "num_query_groups": "g", "head_dim": "d",
+    "num_experts": "e", "moe_top_k": "k", "moe_ffn_hidden_size": "f", "vocab_size": "v", "max_seq_len": "s",
+    "rotary_base": "rope", "norm_eps": "eps", "init_std": "std",
+}  # fmt: skip
+"""Short name of each SHAPE_FIELD in a shape's label (`default_e32_k8`: the default preset, 32 experts, top-8)."""
+
+_MAPPING_HELP = "or a mapping {preset: NAME, FIELD: VALUE, ...}"
+
+
+def model_spec(spec: Any, *, default_preset: str = "tiny") -> str | dict[str, Any]:
+    """The canonical form of a model spec, validated: the preset's name when the overrides change nothing (so a run
+    naming a plain preset keeps its id), else {"preset": NAME, FIELD: VALUE, ...} with only the fields that differ
+    from the preset's, in SHAPE_FIELDS order. A mapping without `preset` overrides `default_preset`. Errors name the
+    field (`model.moe_top_k = 9: valid range is [1, 8]`) and the valid values."""
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"model = {spec!r}: unknown model preset; valid: {', '.join(PRESETS)}, {_MAPPING_HELP}")
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"model = {spec!r}: must be a preset name ({', '.join(PRESETS)}) {_MAPPING_HELP}")
+    unknown = sorted(str(k) for k in set(spec) - {"preset", *SHAPE_FIELDS})
+    if unknown:
+        raise ValueError(f"model: unknown field(s) {unknown}; valid: preset, {', '.join(SHAPE_FIELDS)}")
+    name = spec.get("preset", default_preset)
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"model.preset = {name!r}: unknown model preset; valid: {', '.join(PRESETS)}")
+    overrides = {key: _shape_value(key, spec[key]) for key in SHAPE_FIELDS if key in spec}
+    base = PRESETS[name]
+    base.replace(**overrides)  # validates the combination (top-k against the experts, query groups against heads)
+    changed = {key: value for key, value in overrides.items() if value != getattr(base, key)}
+    return {"preset": name, **changed} if changed else name
+
+
+def _shape_value(key: str, value: Any) -> Any:
+    """One override, type-checked: an int for the integer fields; a number for FLOAT_FIELDS (YAML 1.1 reads 1e-2 as
+    a string, so a numeric string is read as a float)."""
+    if key in FLOAT_FIELDS:
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"model.{key} = {value!r}: must be a positive finite number")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{key} = {value!r}: must be a positive integer")
+    return value
+
+
+def base_preset(spec: ModelSpec) -> str:
+    """The preset a model spec starts from (its name, or its mapping's `preset`)."""
+    canonical = model_spec(spec)
+    return canonical if isinstance(canonical, str) else canonical["preset"]
+
+
+def resolve_model(spec: ModelSpec) -> ModelConfig:
+    """The ModelConfig of a model spec: the preset with the overrides applied."""
+    canonical = model_spec(spec)
+    if isinstance(canonical, str):
+        return PRESETS[canonical]
+    return PRESETS[canonical["preset"]].replace(**{k: v for k, v in canonical.items() if k != "preset"})
+
+
+def model_label(spec: ModelSpec) -> str:
+    """A readable name of a shape, for directory names: the preset, then `_{code}{value}` per override in
+    SHAPE_FIELDS order (`default_e32_k8`); letters, digits and underscores only (a float's `.` reads `p`, `-` `m`)."""
+    canonical = model_spec(spec)
+    if isinstance(canonical, str):
+        return canonical
+    parts = [canonical["preset"]]
+    for key, value in canonical.items():
+        if key != "preset":
+            text = str(value) if isinstance(value, int) else f"{value:g}".replace(".", "p").replace("-", "m")
+            parts.append(f"{SHAPE_CODES[key]}{text.replace('+', '')}")
+    return "_".join(parts)

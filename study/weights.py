@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from study.model_config import PRESETS, TORCH_DTYPES, ModelConfig
+from study.model_config import PRESETS, SHAPE_FIELDS, TORCH_DTYPES, ModelConfig, ModelSpec, model_spec, resolve_model
 
 _HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -293,7 +293,7 @@ def export_hf(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A local HF checkpoint against a model preset (its config.json only: no weights loaded)
+# A local HF checkpoint against a model shape (its config.json only: no weights loaded)
 # ---------------------------------------------------------------------------------------------------------------------
 def is_hf_checkpoint(directory: str | Path) -> bool:
     """True when `directory` has a config.json and at least one *.safetensors file."""
@@ -307,7 +307,7 @@ def _rope_theta(hf: dict[str, Any]) -> Any:
 
 
 def config_mismatches(hf: dict[str, Any], cfg: ModelConfig) -> list[str]:
-    """'key: checkpoint X, preset Y' for every HF config.json field that disagrees with `cfg` (empty: they match)."""
+    """'key: checkpoint X, model Y' for every HF config.json field that disagrees with `cfg` (empty: they match)."""
     heads = hf.get("num_attention_heads")
     expected: dict[str, tuple[Any, Any]] = {
         "model_type": (hf.get("model_type"), "qwen3_moe"),
@@ -327,16 +327,47 @@ def config_mismatches(hf: dict[str, Any], cfg: ModelConfig) -> list[str]:
         "rope_theta": (_rope_theta(hf), cfg.rotary_base),
         "rms_norm_eps": (hf.get("rms_norm_eps"), cfg.norm_eps),
     }
-    out = [f"{key}: checkpoint {got!r}, preset {want!r}" for key, (got, want) in expected.items() if got != want]
+    out = [f"{key}: checkpoint {got!r}, model {want!r}" for key, (got, want) in expected.items() if got != want]
     max_pos = hf.get("max_position_embeddings")
     if not isinstance(max_pos, int) or max_pos < cfg.max_seq_len:
-        out.append(f"max_position_embeddings: checkpoint {max_pos!r}, preset needs >= {cfg.max_seq_len}")
+        out.append(f"max_position_embeddings: checkpoint {max_pos!r}, model needs >= {cfg.max_seq_len}")
     return out
 
 
-def check_checkpoint(directory: str | Path, model: str) -> None:
+def _checkpoint_spec(hf: dict[str, Any]) -> ModelSpec | None:
+    """The model spec (a preset, or the preset with the fewest overrides) whose shape the HF config matches; None
+    when none does (another architecture, tied embeddings, ...)."""
+    heads = hf.get("num_attention_heads")
+    shape = {
+        "num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"), "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads), "head_dim": hf.get("head_dim"),
+        "num_experts": hf.get("num_experts"), "moe_top_k": hf.get("num_experts_per_tok"),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size"), "vocab_size": hf.get("vocab_size"),
+        "rotary_base": _rope_theta(hf), "norm_eps": hf.get("rms_norm_eps"),
+    }  # fmt: skip
+    shape = {k: v for k, v in shape.items() if v is not None and k in SHAPE_FIELDS}
+    found: list[tuple[int, ModelSpec]] = []
+    for name in PRESETS:
+        try:
+            spec = model_spec({"preset": name, **shape})
+        except ValueError:
+            continue
+        if not config_mismatches(hf, resolve_model(spec)):
+            found.append((0 if isinstance(spec, str) else len(spec), spec))
+    return min(found, key=lambda pair: pair[0])[1] if found else None
+
+
+def _flow(spec: ModelSpec) -> str:
+    """A model spec as a config spells it: 'tiny', or {preset: tiny, num_experts: 8}."""
+    if isinstance(spec, str):
+        return repr(spec)
+    return "{" + ", ".join(f"{key}: {value}" for key, value in spec.items()) + "}"
+
+
+def check_checkpoint(directory: str | Path, model: ModelSpec | ModelConfig) -> None:
     """Raise ValueError naming `coldstart` and `model` unless the HF checkpoint in `directory` can initialise the
-    preset `model` (config fields, tokenizer file). Reads config.json only: no weights are loaded."""
+    model shape `model` (a preset name, a model mapping, or a ModelConfig: config fields, tokenizer file). Reads
+    config.json only: no weights are loaded."""
     directory = Path(directory)
     try:
         hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
@@ -344,12 +375,14 @@ def check_checkpoint(directory: str | Path, model: str) -> None:
         raise ValueError(f"coldstart = {str(directory)!r}: cannot read config.json ({e})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"coldstart = {str(directory)!r}: config.json must hold an object")
-    diffs = config_mismatches(hf, PRESETS[model])
+    cfg = model if isinstance(model, ModelConfig) else resolve_model(model)
+    diffs = config_mismatches(hf, cfg)
     if diffs:
-        matching = [name for name, mcfg in PRESETS.items() if not config_mismatches(hf, mcfg)]
-        hint = f"set model = {matching[0]!r}" if matching else f"valid presets: {', '.join(PRESETS)}"
+        spec = _checkpoint_spec(hf)
+        hint = f"set model = {_flow(spec)}" if spec else f"valid presets: {', '.join(PRESETS)}"
+        named = "the given shape" if isinstance(model, ModelConfig) else _flow(model_spec(model))
         raise ValueError(
-            f"coldstart = {str(directory)!r}: the HF checkpoint does not match model = {model!r} ("
+            f"coldstart = {str(directory)!r}: the HF checkpoint does not match model = {named} ("
             + "; ".join(diffs)
             + f"); {hint}"
         )

@@ -12,9 +12,11 @@ temperature 1 from the hf rollout engine) is inside a configured band (default 0
    `overshoot`) and keep the closest checkpoint seen. Budget spent below it: status `budget`, closest checkpoint
    kept. The policy saved is always the checked checkpoint nearest to the band (distance 0 inside it).
 4. Directory: `results/coldstart/{model}-{task}-{hash}/`, the hash over the resolved settings (`ColdStartSettings`,
-   the init checkpoint's content included, the thread count not). Built in a temporary sibling directory and renamed
-   into place, under an exclusive lock, so a killed or racing builder never leaves a partial directory under the
-   final name; `coldstart.json` is written last and marks it complete, so a complete directory is simply reused.
+   the model's shape and the init checkpoint's content included, the thread count not); `{model}` is the shape's
+   label (`default`, or `default_e32_k8` for the default preset with 32 experts, top-8); a shape takes its base
+   preset's recipe (PRESET_DEFAULTS). Built in a temporary sibling directory and renamed into place, under an
+   exclusive lock, so a killed or racing builder never leaves a partial directory under the final name;
+   `coldstart.json` is written last and marks it complete, so a complete directory is simply reused.
 
 Directory contents:
 
@@ -45,8 +47,8 @@ from typing import Any
 import torch
 
 from study.data import tasks
-from study.data.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
-from study.model_config import ModelConfig, preset
+from study.data.tokenizer import EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TaskTokenizer, build_tokenizer
+from study.model_config import ModelConfig, ModelSpec, base_preset, model_label, model_spec, resolve_model
 from study.run.rundir import atomic_write, manifest, write_json
 
 FORMAT_VERSION = 1
@@ -63,8 +65,9 @@ STATUSES = ("in_band", "overshoot", "budget")
 class ColdStartSettings:
     """Everything that determines a cold-start checkpoint; all of it (but `threads`) is hashed into its directory."""
 
-    model: str = "tiny"
-    """Model preset (study.model_config.PRESETS)."""
+    model: str | dict[str, Any] = "tiny"
+    """Model shape: a preset name (study.model_config.PRESETS) or a preset plus overrides, {preset: default,
+    num_experts: 32} (study.model_config.model_spec; kept canonical, so a plain preset hashes as before)."""
     task: str = "chain_sum"
     """Task whose solutions are imitated and whose in_dist eval set is scored (study.data.tasks.TASKS)."""
     band: tuple[float, float] = (0.1, 0.5)
@@ -100,7 +103,10 @@ class ColdStartSettings:
     """torch threads while training (not hashed: it changes speed, and float summation order only)."""
 
     def __post_init__(self) -> None:
-        preset(self.model)
+        object.__setattr__(self, "model", model_spec(self.model))
+        if self.model_config.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"model.vocab_size = {self.model_config.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the "
+                             "tokenizer's 256 bytes and special tokens)")  # fmt: skip
         if self.task not in tasks.TASKS:
             raise ValueError(f"coldstart.task = {self.task!r}; valid: {', '.join(tasks.TASKS)}")
         lo, hi = _pair(self.band)
@@ -129,8 +135,13 @@ class ColdStartSettings:
 
     @property
     def model_config(self) -> ModelConfig:
-        """The model preset's ModelConfig."""
-        return preset(self.model)
+        """The model's resolved shape (the preset with the overrides)."""
+        return resolve_model(self.model)
+
+    @property
+    def label(self) -> str:
+        """The shape's readable name (study.model_config.model_label): `default`, `default_e32_k8`."""
+        return model_label(self.model)
 
     def hashed(self) -> dict[str, Any]:
         """The fields that name the directory (init replaced by its content hash)."""
@@ -150,8 +161,9 @@ class ColdStartSettings:
 
     @property
     def dirname(self) -> str:
-        """`{model}-{task}-{digest}`."""
-        return f"{self.model}-{self.task}-{self.digest}"
+        """`{label}-{task}-{digest}`: the shape's label (`default`, `default_e32_k8`), the task, the settings' hash
+        (which holds the whole shape, so two shapes never share a directory)."""
+        return f"{self.label}-{self.task}-{self.digest}"
 
 
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -162,19 +174,21 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "default": dict(batch_size=32, lr=2e-3, warmup_steps=30, max_steps=1500, eval_every=25),
     "small": dict(batch_size=32, lr=5e-4, warmup_steps=50, max_steps=3000, eval_every=50),
 }
-"""Recipe per model preset (the SFT batch, lr and budget that reach the band quickly); explicit arguments win."""
+"""Recipe per model preset (the SFT batch, lr and budget that reach the band quickly); explicit arguments win. A
+shape with overrides takes its base preset's recipe."""
 
 
-def resolve_settings(model_preset: str, task: str, **overrides: Any) -> ColdStartSettings:
-    """The preset's recipe (PRESET_DEFAULTS) with `overrides` (ColdStartSettings fields; None = keep) on top."""
-    preset(model_preset)
+def resolve_settings(model: ModelSpec, task: str, **overrides: Any) -> ColdStartSettings:
+    """The recipe of the model's base preset (PRESET_DEFAULTS) with `overrides` (ColdStartSettings fields; None =
+    keep) on top. `model`: a preset name or a model mapping {preset: NAME, FIELD: VALUE, ...}."""
+    spec = model_spec(model)
     valid = {f.name for f in dataclasses.fields(ColdStartSettings)} - {"model", "task"}
     unknown = set(overrides) - valid
     if unknown:
         raise ValueError(f"unknown coldstart setting(s) {sorted(unknown)}; valid: {', '.join(sorted(valid))}")
-    fields = dict(PRESET_DEFAULTS.get(model_preset, {}))
+    fields = dict(PRESET_DEFAULTS.get(base_preset(spec), {}))
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    return ColdStartSettings(model=model_preset, task=task, **fields)
+    return ColdStartSettings(model=spec, task=task, **fields)
 
 
 def _pair(band: Any) -> tuple[float, float]:
@@ -384,7 +398,7 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
         best: tuple[Check, dict[str, torch.Tensor]] | None = None  # the check nearest the band and its weights
         train_s = 0.0
 
-        bar = tqdm(total=settings.max_steps, desc=f"coldstart {settings.model}/{settings.task}", disable=not progress,
+        bar = tqdm(total=settings.max_steps, desc=f"coldstart {settings.label}/{settings.task}", disable=not progress,
                    file=sys.stderr)  # fmt: skip
         step = 0
         while True:

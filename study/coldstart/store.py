@@ -1,5 +1,8 @@
 """The cold-start store: `results/coldstart/{model}-{task}-{hash}/`, built once under a lock, and its CLI.
 
+`{model}` is the label of the model's shape (`default`, `default_e32_k8`) and the hash covers the whole shape, so runs
+of two shapes never share a cold start (study/coldstart/sft.py, point 4).
+
 A directory is trained (study/coldstart/sft.py) into a temporary sibling and renamed into place under an exclusive
 lock, so a killed or racing builder never leaves a partial directory under the final name; `coldstart.json` is
 written last and marks it complete, so a complete directory is simply reused.
@@ -18,8 +21,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from study.coldstart.sft import ColdStartSettings, resolve_settings, train_coldstart
 from study.data import tasks
+from study.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -55,7 +61,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def ensure_coldstart(
-    model_preset: str,
+    model: ModelSpec,
     task: str,
     results: str | Path,
     *,
@@ -67,15 +73,17 @@ def ensure_coldstart(
     progress: bool = False,
     **overrides: Any,
 ) -> Path:
-    """The directory `results/coldstart/{model_preset}-{task}-{hash}/` of a finished cold start, trained now unless
-    a complete one with the same settings exists (then it is returned untouched, without training).
+    """The directory `results/coldstart/{label}-{task}-{hash}/` of a finished cold start, trained now unless a
+    complete one with the same settings exists (then it is returned untouched, without training).
 
-    `overrides` are further ColdStartSettings fields (batch_size, lr, max_steps, eval_every, ...; see
-    PRESET_DEFAULTS for each preset's recipe). Racing callers serialise on a lock file next to the directory; the
-    directory appears under its final name only when complete. With `strict` (default), a cold start that ended
-    outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or not.
+    `model` is a preset name or a model mapping {preset: NAME, FIELD: VALUE, ...} (a run's `model`). `overrides`
+    are further ColdStartSettings fields (batch_size, lr, max_steps, eval_every, ...; see PRESET_DEFAULTS for each
+    preset's recipe, which a shape takes from its base preset). Racing callers serialise on a lock file next to the
+    directory; the directory appears under its final name only when complete. With `strict` (default), a cold start
+    that ended outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or
+    not.
     """
-    settings = resolve_settings(model_preset, task, band=band, seed=seed, threads=threads,
+    settings = resolve_settings(model, task, band=band, seed=seed, threads=threads,
                                 init=None if init is None else str(init), **overrides)  # fmt: skip
     root = Path(results) / "coldstart"
     directory = root / settings.dirname
@@ -116,9 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m study coldstart",
         description="SFT the MoE policy on task solutions until its in-distribution pass@1 enters a band; writes "
-        "(or reuses) results/coldstart/{model}-{task}-{hash}/.",
+        "(or reuses) results/coldstart/{model}-{task}-{hash}/. The model is a preset or a preset plus field "
+        "overrides: `--model default --set num_experts=32 --set moe_top_k=8`, or the same as one YAML/JSON mapping, "
+        "`--model '{preset: default, num_experts: 32, moe_top_k: 8}'` (a run config's `model`).",
     )
-    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--model", default="tiny", type=parse_model,
+                   help=f"model preset ({', '.join(PRESETS)}) or a YAML/JSON mapping {{preset: NAME, FIELD: VALUE, "
+                        "...}} (default: tiny)")  # fmt: skip
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
+                   help=f"override a field of the model's shape (repeatable; `model.FIELD=VALUE` too): "
+                        f"{', '.join(SHAPE_FIELDS)}")  # fmt: skip
     p.add_argument("--task", default="chain_sum", help=f"task: {', '.join(tasks.TASKS)} (default: chain_sum)")
     p.add_argument("--results", default="results", help="results root (default: results)")
     p.add_argument("--band", type=float, nargs=2, default=(0.1, 0.5), metavar=("LOW", "HIGH"),
@@ -135,13 +150,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_model(text: str) -> ModelSpec:
+    """A model on the command line: a preset name, or a YAML (or JSON) mapping {preset: NAME, FIELD: VALUE, ...}.
+    Validated where it is used (study.model_config.model_spec), so errors name the field."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", err)
+        raise argparse.ArgumentTypeError(f"model = {text!r}: not a YAML mapping ({problem})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"model = {text!r}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
+    return value
+
+
+def with_sets(model: ModelSpec, sets: Sequence[str]) -> ModelSpec:
+    """`model` with `FIELD=VALUE` (or `model.FIELD=VALUE`) overrides of its shape on top, in order."""
+    if not sets:
+        return model
+    spec = {"preset": model} if isinstance(model, str) else dict(model)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, FIELD one of {', '.join(SHAPE_FIELDS)}")
+        key = key.removeprefix("model.")
+        spec[key] = yaml.safe_load(raw) if raw else ""
+    return spec
+
+
 def coldstart_main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: make or reuse the cold start, print its directory and outcome; exit status 1 when it ended
     outside the band (unless --no-strict), 2 on a settings error."""
     args = build_parser().parse_args(argv)
     try:
+        model = with_sets(args.model, args.sets)
         directory = ensure_coldstart(
-            args.model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
+            model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
             init=args.init, strict=False, progress=not args.quiet, max_steps=args.max_steps, lr=args.lr,
             batch_size=args.batch_size, eval_every=args.eval_every,
         )  # fmt: skip
@@ -154,7 +200,16 @@ def coldstart_main(argv: Sequence[str] | None = None) -> int:
     return 0 if record["status"] == "in_band" or args.no_strict else 1
 
 
-__all__ = ["ColdStartError", "build_parser", "coldstart_main", "ensure_coldstart", "is_complete", "read_record"]
+__all__ = [
+    "ColdStartError",
+    "build_parser",
+    "coldstart_main",
+    "ensure_coldstart",
+    "is_complete",
+    "parse_model",
+    "read_record",
+    "with_sets",
+]
 
 if __name__ == "__main__":
     raise SystemExit(coldstart_main())

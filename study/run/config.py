@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.model_config import DTYPES, PRESETS, ModelConfig
+from study.model_config import DTYPES, ModelConfig, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
@@ -34,8 +35,11 @@ class RunConfig:
     """Overrides of the algorithm's loss hyper-parameters (e.g. eps_low); the rest take the registry's defaults."""
     seed: int = 0
     """Seed of the run: prompt order, rollout sampling, minibatch split. The cold start has its own seed."""
-    model: str = "tiny"
-    """Model preset (study.model_config.PRESETS); must match the cold-start checkpoint's."""
+    model: str | dict[str, Any] = "tiny"
+    """Model shape: a preset name (study.model_config.PRESETS), or a preset plus overrides of its fields,
+    {preset: default, num_experts: 32, moe_top_k: 8} (study.model_config.SHAPE_FIELDS; `--set model.num_experts=32`).
+    Kept canonical: overrides equal to the preset's values are dropped, and no override left is the plain name (the
+    same run id). The auto cold start is keyed by the shape; a given checkpoint must match it."""
     task: str = "chain_sum"
     """Training task (study.data.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
     task_knobs: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +106,10 @@ class RunConfig:
     """Coefficient of a k3 KL(pi_theta || pi_ref) penalty to the frozen initial policy, added to the loss
     (0 = off, as in the paper)."""
 
+    def __post_init__(self) -> None:
+        # The shape in its canonical form, so that spellings of one shape are one run (and one run id).
+        object.__setattr__(self, "model", model_spec(self.model, default_preset=_DEFAULT_MODEL))
+
     # -- construction ------------------------------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
@@ -140,7 +148,7 @@ class RunConfig:
         if alg is None:
             raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
         alg.check_hparams(self.hparams)
-        _choice("model", self.model, tuple(PRESETS))
+        self._validate_model()
         _choice("task", self.task, (*tasks.TASKS, "user"))
         self._validate_user_data()
         if self.task != "user":
@@ -180,6 +188,15 @@ class RunConfig:
                 f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
                 "'rollout' skips that recompute; valid: old_logp_source = 'recompute', or a rollout_replay variant"
             )
+
+    def _validate_model(self) -> None:
+        """The shape (canonical since construction), and what the tokenizer needs of it."""
+        from study.data.tokenizer import MIN_VOCAB_SIZE
+
+        model = self.model_config()
+        if model.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"model.vocab_size = {model.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the tokenizer's "
+                             "256 bytes and special tokens)")  # fmt: skip
 
     def _validate_user_data(self) -> None:
         """User data hook: task = "user" needs `data` and `verifier`; the files load (every row checked by the
@@ -225,7 +242,7 @@ class RunConfig:
             raise ValueError(f"data = {self.data!r}: {e}") from None
 
     def _validate_coldstart(self) -> None:
-        """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model preset; other
+        """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model's shape; other
         paths are checked when the run starts (a sweep may name a cold start that is still being made)."""
         from study import weights
 
@@ -265,7 +282,8 @@ class RunConfig:
         return resolve(self.train_dtype, self.train_precision), resolve(self.rollout_dtype, self.rollout_precision)
 
     def model_config(self) -> ModelConfig:
-        return PRESETS[self.model]
+        """The resolved shape: the preset with the run's overrides (study.model_config.resolve_model)."""
+        return resolve_model(self.model)
 
     @property
     def run_id(self) -> str:
@@ -295,6 +313,23 @@ HASHED_IF_SET: dict[str, Any] = {
     "eval_data": "",
     "kl_coef": 0.0,
 }
+
+
+_DEFAULT_MODEL: str = RunConfig.model  # the preset a model mapping without `preset` overrides
+
+
+def merge_field(key: str, old: Any, new: Any) -> Any:
+    """A field's value after a later layer (preset run, config file, `--set`, sweep base, tuned values, axis) sets
+    it to `new` over `old` (None: unset). Mappings such as hparams merge key by key. `model`: a name or a mapping
+    with `preset` is a whole shape and replaces; a mapping without `preset` changes fields of the shape so far."""
+    if key == "model":
+        if isinstance(new, Mapping) and "preset" not in new:
+            shape = {"preset": old} if isinstance(old, str) else dict(old) if isinstance(old, Mapping) else {}
+            return {**shape, **new}
+        return new
+    if isinstance(new, Mapping) and isinstance(old, Mapping):
+        return {**old, **new}
+    return new
 
 
 def _file_digest(path: str) -> str:
@@ -377,7 +412,9 @@ PRESET_RUNS: dict[str, dict[str, Any]] = {
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
-    """`key=value` strings to a dict; values parsed as YAML scalars; `hparams.eps_low=0.1` nests."""
+    """`key=value` strings to a dict; values parsed as YAML scalars; `hparams.eps_low=0.1` and
+    `model.num_experts=16` nest. Applied in order (merge_field): `model=default` then `model.num_experts=16` is
+    {preset: default, num_experts: 16}."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -385,10 +422,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         value = _scalar(raw)
         if "." in key:
-            head, sub = key.split(".", 1)
-            out.setdefault(head, {})[sub] = value
-        else:
-            out[key] = value
+            key, sub = key.split(".", 1)
+            value = {sub: value}
+        out[key] = merge_field(key, out.get(key), value)
     return out
 
 
@@ -415,8 +451,5 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None, se
             raise ValueError(f"{path}: must hold a mapping of config fields")
         data.update(loaded)
     for key, value in parse_set(list(sets)).items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
+        data[key] = merge_field(key, data.get(key), value)
     return RunConfig.from_dict(data, where=str(path or "config"))

@@ -85,6 +85,33 @@ def test_checkpoint_requeues_the_same_run() -> None:
     assert delayed.function.config == run.config and delayed.function.results == run.results
 
 
+def test_the_coldstart_takes_a_model_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--coldstart MODEL TASK`: MODEL a preset or a YAML/JSON shape mapping, validated before any job (errors name
+    the field); the job gets the canonical shape and is named by its cold-start directory."""
+    cmd = [*LAUNCH, "--coldstart", "{preset: tiny, moe_top_k: 9}", "chain_sum", "--results", str(tmp_path)]
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "error: model.moe_top_k = 9: valid range is [1, 4]" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "coldstart").exists()
+    calls = []
+
+    def submit(call, launcher, folder, res, job_name):
+        calls.append((call, folder, job_name))
+        return {"state": "completed", "run_dir": str(folder)}
+
+    monkeypatch.setattr(launch, "_submit_and_wait", submit)
+    shape = '{"preset": "tiny", "num_layers": 2, "num_experts": 8, "moe_top_k": 4}'  # num_layers: tiny's own
+    assert launch.main(["--coldstart", shape, "chain_sum", "--results", str(tmp_path)]) == 0
+    assert launch.main(["--coldstart", "tiny", "chain_sum", "--results", str(tmp_path)]) == 0
+    (call, folder, job_name), (plain, _, plain_name) = calls
+    assert call.model == {"preset": "tiny", "num_experts": 8, "moe_top_k": 4} and plain.model == "tiny"
+    from study.coldstart import resolve_settings
+
+    name = resolve_settings(call.model, "chain_sum").dirname
+    assert name.startswith("tiny_e8_k4-chain_sum-") and job_name == f"coldstart-{name}" and folder.name == name
+    assert plain_name == f"coldstart-{resolve_settings('tiny', 'chain_sum').dirname}" != job_name
+    assert call.checkpoint().function.model == call.model  # a requeued cold start keeps its shape
+
+
 @pytest.mark.parametrize("launcher", ["in-process", "local"])
 def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> None:
     proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", launcher, timeout=300)

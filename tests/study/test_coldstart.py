@@ -1,6 +1,7 @@
 """Cold start (study/coldstart/): the SFT loss falls, only response tokens carry loss, the content-addressed
 directory is reused without training, policy.pt reproduces the trained weights' log-probs, coldstart.json is
-complete; slow tier: the tiny preset on chain_sum reaches the pass@1 band."""
+complete; a model shape (a preset plus overrides) has its own directory, trained in that shape; slow tier: the tiny
+preset on chain_sum reaches the pass@1 band."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from study.coldstart import (
+    PRESET_DEFAULTS,
     ColdStartError,
     ColdStartSettings,
     coldstart_main,
@@ -20,6 +22,7 @@ from study.coldstart import (
     resolve_settings,
 )
 from study.coldstart.sft import collate, sft_loss
+from study.coldstart.store import build_parser, parse_model, with_sets
 from study.data.tasks import eval_set, make_task
 from study.data.tokenizer import EOS_ID, PAD_ID, TaskTokenizer, build_tokenizer
 from study.model_config import PRESETS
@@ -148,6 +151,12 @@ def test_settings_errors() -> None:
         ColdStartSettings(band=(0.5, 0.1))
     with pytest.raises(ValueError, match="unknown model preset"):
         resolve_settings("huge", "chain_sum")
+    with pytest.raises(ValueError, match=r"model.moe_top_k = 9: valid range is \[1, 4\]"):
+        resolve_settings({"preset": "tiny", "moe_top_k": 9}, "chain_sum")
+    with pytest.raises(ValueError, match=r"model: unknown field\(s\) \['experts'\]; valid: preset, num_layers"):
+        resolve_settings({"preset": "tiny", "experts": 8}, "chain_sum")
+    with pytest.raises(ValueError, match=r"model\.vocab_size = 100: must be >= 259"):
+        resolve_settings({"preset": "tiny", "vocab_size": 100}, "chain_sum")
     with pytest.raises(ValueError, match="task"):
         ColdStartSettings(task="sudoku")
     with pytest.raises(ValueError, match="unknown coldstart setting"):
@@ -155,6 +164,53 @@ def test_settings_errors() -> None:
     with pytest.raises(FileNotFoundError, match="init"):
         ColdStartSettings(init="/nonexistent/coldstart")
     assert coldstart_main(["--model", "huge", "--quiet"]) == 2
+    assert coldstart_main(["--model", "tiny", "--set", "moe_top_k=9", "--quiet"]) == 2
+    assert coldstart_main(["--model", "{preset: tiny, experts: 8}", "--quiet"]) == 2
+
+
+# --- model shapes ----------------------------------------------------------------------------------------------------
+def test_the_directory_is_keyed_by_the_shape() -> None:
+    """A plain preset, however spelled, names the directory it always did; every other shape has its own directory,
+    labelled readably, and takes its base preset's recipe."""
+    plain = resolve_settings("default", "chain_sum")
+    assert plain.hashed()["model"] == "default" and plain.dirname.startswith("default-chain_sum-")
+    assert resolve_settings({"preset": "default"}, "chain_sum").dirname == plain.dirname
+    assert resolve_settings({"preset": "default", "num_experts": 8}, "chain_sum").dirname == plain.dirname
+    shapes = [{"preset": "default", "num_experts": 16}, {"preset": "default", "num_experts": 32, "moe_top_k": 8},
+              {"preset": "default", "num_layers": 8}, {"preset": "default", "init_std": 0.01}, "tiny"]  # fmt: skip
+    names = [resolve_settings(shape, "chain_sum").dirname for shape in shapes]
+    assert len({plain.dirname, *names}) == len(shapes) + 1
+    assert [name.rsplit("-", 2)[0] for name in names] == ["default_e16", "default_e32_k8", "default_l8",
+                                                          "default_std0p01", "tiny"]  # fmt: skip
+    shaped = resolve_settings(shapes[1], "chain_sum")
+    recipe = PRESET_DEFAULTS["default"]
+    assert (shaped.lr, shaped.batch_size, shaped.max_steps) == (recipe["lr"], recipe["batch_size"], recipe["max_steps"])
+    assert shaped.model_config == PRESETS["default"].replace(num_experts=32, moe_top_k=8)
+
+
+def test_the_cli_spells_a_shape_two_ways() -> None:
+    args = build_parser().parse_args(["--model", "default", "--set", "num_experts=32", "--set", "model.moe_top_k=8"])
+    assert with_sets(args.model, args.sets) == {"preset": "default", "num_experts": 32, "moe_top_k": 8}
+    as_yaml = parse_model("{preset: default, num_experts: 32, moe_top_k: 8}")
+    as_json = parse_model('{"preset": "default", "num_experts": 32, "moe_top_k": 8}')
+    assert as_yaml == as_json == with_sets(args.model, args.sets)
+    assert parse_model("tiny") == "tiny" and with_sets("tiny", []) == "tiny"
+    assert with_sets(as_yaml, ["num_experts=16"])["num_experts"] == 16
+
+
+def test_a_shape_trains_in_its_own_shape(tmp_path: Path) -> None:
+    """A two-step cold start of the tiny preset with 8 experts, top-3: its own directory, its record and its weights
+    in that shape."""
+    shape = {"preset": "tiny", "num_experts": 8, "moe_top_k": 3}
+    tiny = dict(max_steps=2, eval_every=2, eval_size=4, eval_samples=1, batch_size=4, max_new_tokens=48)
+    directory = ensure_coldstart(shape, "chain_sum", tmp_path, strict=False, **tiny)
+    assert directory.name.startswith("tiny_e8_k3-chain_sum-")
+    record = read_record(directory)
+    assert record["settings"]["model"] == shape and record["model_config"]["num_experts"] == 8
+    state = torch.load(directory / "policy.pt", weights_only=True)
+    router = next(v for k, v in state.items() if k.endswith("mlp.router.weight"))
+    assert router.shape == (8, PRESETS["tiny"].hidden_size)
+    assert json.loads((directory / "config.json").read_text())["num_experts_per_tok"] == 3
 
 
 @pytest.mark.slow

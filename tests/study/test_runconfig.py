@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import algorithms
-from study.run.config import PRESET_RUNS, RunConfig, load_config, parse_set
+from study.model_config import PRESETS, model_label, resolve_model
+from study.run.config import PRESET_RUNS, RunConfig, load_config, merge_field, parse_set
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_RUNS))
@@ -45,6 +46,18 @@ def test_run_id_is_a_content_hash() -> None:
         (["steps=zero"], "steps = 'zero': must be int"),
         (["stepz=3"], r"unknown field\(s\) \['stepz'\]; valid: algorithm, "),
         (["max_new_tokens=4096"], "max_new_tokens = 4096: must be < model.max_seq_len 256"),
+        (["model=huge"], "model = 'huge': unknown model preset; valid: tiny, default, small, or a mapping"),
+        (["model.preset=huge"], "model.preset = 'huge': unknown model preset; valid: tiny, default, small"),
+        (["model.moe_top_k=9"], r"model.moe_top_k = 9: valid range is \[1, 4\]"),
+        (["model.num_experts=16", "model.moe_top_k=17"], r"model.moe_top_k = 17: valid range is \[1, 16\]"),
+        (["model.experts=8"], r"model: unknown field\(s\) \['experts'\]; valid: preset, num_layers, hidden_size"),
+        (["model.num_layers=0"], "model.num_layers = 0: must be a positive integer"),
+        (["model.num_experts=eight"], "model.num_experts = 'eight': must be a positive integer"),
+        (["model.init_std=-1"], "model.init_std = -1: must be a positive finite number"),
+        (["model.num_query_groups=3"], "model.num_query_groups = 3 must divide model.num_attention_heads = 2"),
+        (["model.vocab_size=100"], "model.vocab_size = 100: must be >= 259"),
+        (["model.max_seq_len=40"], "max_new_tokens = 48: must be < model.max_seq_len 40"),
+        (["model=[1, 2]"], r"model = \[1, 2\]: must be a preset name \(tiny, default, small\) or a mapping"),
     ],
 )
 def test_bad_config_names_the_field(sets: list[str], message: str) -> None:
@@ -88,4 +101,85 @@ def test_cli_rejects_bad_config_before_any_compute(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "error: algorithm = 'gpso'; valid: " in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# --- model shape as data -------------------------------------------------------------------------------------------
+def test_plain_preset_run_ids_are_unchanged() -> None:
+    """Run directories are content-addressed: a run naming a plain preset keeps the id it had before shapes were
+    data (these ids are those of the code before), however the plain shape is spelled."""
+    pinned = {
+        ("tiny", ()): "grpo-80bae6fd1421",
+        ("default", ()): "grpo-aad4bb460ce8",
+        ("tiny", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-d56bd676cb4e",
+        ("default", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-48dc9407efd9",
+    }
+    for (preset, sets), run_id in pinned.items():
+        assert load_config(preset=preset, sets=list(sets)).run_id == run_id
+        spelled = [f"model={{preset: {preset}}}", f"model.num_experts={PRESETS[preset].num_experts}"]
+        cfg = load_config(preset=preset, sets=[*sets, *spelled])  # the preset's own values: the same shape
+        assert cfg.model == preset and cfg.run_id == run_id
+
+
+def test_a_shape_is_a_preset_plus_overrides() -> None:
+    cfg = load_config(preset="default", sets=["model.num_experts=32", "model.moe_top_k=8"])
+    assert cfg.model == {"preset": "default", "num_experts": 32, "moe_top_k": 8}
+    assert cfg.model_config() == PRESETS["default"].replace(num_experts=32, moe_top_k=8)
+    assert cfg.model_config() == resolve_model(cfg.model)
+    assert model_label(cfg.model) == "default_e32_k8"
+    plain = load_config(preset="default")
+    assert cfg.run_id != plain.run_id and cfg.run_id.startswith("grpo-")
+    # canonical: key order, spelled-out preset values and the route (from_dict / replace / YAML) do not matter
+    same = RunConfig.from_dict({**plain.to_dict(), "model": {"moe_top_k": 8, "num_layers": 4, "num_experts": 32,
+                                                            "preset": "default"}})  # fmt: skip
+    assert same.model == cfg.model and same.run_id == cfg.run_id
+    assert RunConfig.from_dict(cfg.to_dict()).run_id == cfg.run_id  # resume reads config.yaml back
+    assert plain.replace(model={"preset": "default", "num_experts": 32, "moe_top_k": 8}).run_id == cfg.run_id
+    # every distinct shape is a distinct run
+    ids = {load_config(preset="default", sets=sets).run_id for sets in (
+        [], ["model.num_experts=16"], ["model.num_experts=32"], ["model.num_experts=32", "model.moe_top_k=8"],
+        ["model.num_layers=8"], ["model.hidden_size=256"], ["model.moe_ffn_hidden_size=128"],
+        ["model.init_std=0.01"], ["model=tiny"])}  # fmt: skip
+    assert len(ids) == 9
+
+
+def test_model_in_config_files_and_set(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny\n  num_experts: 8\n  init_std: 1e-2\n")  # YAML 1.1: 1e-2 is a string
+    cfg = load_config(path)
+    assert cfg.model == {"preset": "tiny", "num_experts": 8, "init_std": 0.01}
+    # --set on top of a file's shape changes one field; a name (or a mapping with preset) replaces the shape
+    assert load_config(path, sets=["model.moe_top_k=4"]).model == {**cfg.model, "moe_top_k": 4}
+    assert load_config(path, sets=["model=default"]).model == "default"
+    assert load_config(path, sets=["model={preset: default, num_layers: 2}"]).model == {"preset": "default",
+                                                                                        "num_layers": 2}  # fmt: skip
+    # a mapping without preset overrides the preset the config has so far (the field's default: tiny)
+    assert load_config(sets=["model.num_experts=8"]).model == {"preset": "tiny", "num_experts": 8}
+    assert load_config(preset="default", sets=["model.num_experts=16"]).model == {"preset": "default",
+                                                                                  "num_experts": 16}  # fmt: skip
+
+
+def test_parse_set_and_merge_field_for_the_model() -> None:
+    assert parse_set(["model.num_experts=16"]) == {"model": {"num_experts": 16}}
+    assert parse_set(["model=default", "model.num_experts=16", "model.moe_top_k=4"]) == {
+        "model": {"preset": "default", "num_experts": 16, "moe_top_k": 4}
+    }
+    assert parse_set(["model.num_experts=16", "model=default"]) == {"model": "default"}  # in order
+    assert merge_field("model", "default", {"num_experts": 16}) == {"preset": "default", "num_experts": 16}
+    assert merge_field("model", {"preset": "default", "num_layers": 8}, {"num_experts": 16}) == {
+        "preset": "default", "num_layers": 8, "num_experts": 16}  # fmt: skip
+    assert merge_field("model", {"preset": "default", "num_layers": 8}, {"preset": "tiny"}) == {"preset": "tiny"}
+    assert merge_field("model", {"preset": "default", "num_layers": 8}, "small") == "small"
+    assert merge_field("hparams", {"eps_low": 0.1}, {"eps_high": 0.2}) == {"eps_low": 0.1, "eps_high": 0.2}
+    assert merge_field("seed", 1, 2) == 2
+
+
+def test_cli_takes_a_shape_and_rejects_a_bad_one_before_any_compute(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "study", "run", "--preset", "tiny", "--set", "model.num_experts=2", "--set",
+         "model.moe_top_k=3", "--results", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "error: model.moe_top_k = 3: valid range is [1, 2]" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()

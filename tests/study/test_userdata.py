@@ -183,5 +183,10 @@ def test_errors_name_the_field(data: dict[str, Path], hf_dir: Path, tmp_path: Pa
     config = json.loads((edited / "config.json").read_text())
     (edited / "config.json").write_text(json.dumps({**config, "num_experts": 8}))
     msg = _error([*base, f"data={data['jsonl']}", f"coldstart={edited}"])
-    assert "num_experts: checkpoint 8, preset 4" in msg and "valid presets" in msg
+    assert "num_experts: checkpoint 8, model 4" in msg and "set model = {preset: tiny, num_experts: 8}" in msg
+    # checked against the resolved shape: the checkpoint fits the shape it names
+    assert load_config(preset="tiny", sets=[*base, f"data={data['jsonl']}", f"coldstart={edited}",
+                                            "model.num_experts=8"]).model_config().num_experts == 8  # fmt: skip
+    (edited / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert "valid presets" in _error([*base, f"data={data['jsonl']}", f"coldstart={edited}"])  # no shape fits
     assert isinstance(load_config(preset="tiny", sets=[*base, f"data={data['jsonl']}"]), RunConfig)
