@@ -4,6 +4,10 @@
 config (what the Snakemake `resolve` rule calls). Identical runs (in one study or across studies) share a run id,
 the content hash of the resolved config, so they are listed and run once.
 
+An axis may vary the model's shape, as whole shapes (`model: [default, {preset: default, num_experts: 32}]`) or one
+field at a time (`model.num_experts: [8, 32]`, a dotted axis, applied after the whole-field axes); each distinct shape
+has its own run ids and its own cold start, so a sweep crosses MoE granularity with algorithms.
+
 A sweep with `tuned: FILE` (a tuned file, written by `python -m sweeps.tune`) runs every algorithm with its tuned
 values: each run's config is the preset, then `base`, then the tuned RunConfig fields and hyper-parameters of the run's
 algorithm, then the axis values. The file must exist and hold every algorithm the sweep runs, before any job starts.
@@ -23,7 +27,7 @@ import yaml
 
 import algorithms
 from study.run import rundir
-from study.run.config import PRESET_RUNS, RunConfig
+from study.run.config import PRESET_RUNS, RunConfig, merge_field
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
 
 
@@ -66,8 +70,10 @@ class Sweep:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def run_data(self, combo: dict[str, Any]) -> dict[str, Any]:
-        """Preset, then base, then the tuned values of the run's algorithm, then the axis values (mappings such as
-        hparams are merged, not replaced)."""
+        """Preset, then base, then the tuned values of the run's algorithm, then the axis values, whole fields before
+        dotted ones (`model.num_experts`, `hparams.eps_low`). Each layer sets a field by study.run.config.merge_field:
+        mappings such as hparams merge key by key; a model name or a mapping with `preset` replaces the shape, a
+        mapping without `preset` changes fields of it."""
         data: dict[str, Any] = dict(PRESET_RUNS[self.preset]) if self.preset else {}
         layers = [self.base, combo]
         if self.tuned_values is not None:
@@ -82,9 +88,11 @@ class Sweep:
             entry = self.tuned_values[algorithm]
             layers.insert(1, {**entry["config"], "hparams": dict(entry["hparams"])})
         for layer in layers:
-            for key, value in layer.items():
-                merge = isinstance(value, dict) and isinstance(data.get(key), dict)
-                data[key] = {**data[key], **value} if merge else value
+            for key, value in sorted(layer.items(), key=lambda item: "." in item[0]):  # stable: file order kept
+                if "." in key:
+                    key, sub = key.split(".", 1)
+                    value = {sub: value}
+                data[key] = merge_field(key, data.get(key), value)
         return data
 
     def expand(self) -> dict[str, RunConfig]:

@@ -9,9 +9,15 @@ A sweep file:
     axes:                      # RunConfig field -> list of values (algorithm also takes `all`)
       algorithm: all
       seed: [0, 1, 2]
+      model: [default, {preset: default, num_experts: 32, moe_top_k: 8}]   # shapes: a preset, or one with overrides
+      model.num_experts: [8, 32]   # a dotted axis: one key of a mapping field (model, hparams, task_knobs)
     mode: grid                 # grid: the cross product of the axes; zip: the i-th value of every axis together
     tuned: results/tune/tune/best.yaml   # optional: tuned lr/hparams per algorithm (python -m sweeps.tune writes it)
     tune: {trials: 4, ...}     # optional: makes this a tuning sweep (sweeps/tune.py documents the section)
+
+A run's `model` is a preset name or a mapping {preset: NAME, FIELD: VALUE, ...} of a preset and overrides of its
+shape (study.model_config.SHAPE_FIELDS); a mapping without `preset` (and a dotted `model.FIELD` axis) changes fields
+of the shape so far (study.run.config.merge_field). A dotted axis applies after the whole-field axes.
 
 Errors name the field (as a dotted path: `axes.algorithm[2]`) and the valid values, before any job starts.
 Cross-field rules (minibatches divides the batch, ...) are RunConfig.validate's, run on every expanded run.
@@ -20,6 +26,7 @@ The tuned file (what `tuned:` names) has its own schema, `tuned_file_schema()`.
 
 from __future__ import annotations
 
+import re
 import typing
 from typing import Any
 
@@ -27,7 +34,7 @@ import jsonschema
 
 import algorithms
 from study.data import tasks
-from study.model_config import DTYPES, PRESETS
+from study.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
@@ -43,10 +50,16 @@ class SweepError(ValueError):
     """A sweep file that does not validate; the message names the file, the field and the valid values."""
 
 
+MAPPING_FIELDS = tuple(
+    name for name, hint in typing.get_type_hints(RunConfig).items() if (typing.get_origin(hint) or hint) is dict
+)
+"""RunConfig fields holding a mapping of named keys (hparams, task_knobs): an axis may vary one, `hparams.eps_low`."""
+_MODEL_MAPPING = "or a mapping {preset: NAME, FIELD: VALUE, ...}"
+
+
 def _enums() -> dict[str, list[str]]:
     return {
         "algorithm": list(algorithms.names()),
-        "model": list(PRESETS),
         "task": list(tasks.TASKS),
         "rollout_engine": list(ENGINES),
         "train_dtype": list(DTYPES),
@@ -55,8 +68,27 @@ def _enums() -> dict[str, list[str]]:
     }
 
 
+def shape_field_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of one model shape field's value (ranges across fields are study.model_config's)."""
+    if name in FLOAT_FIELDS:  # YAML 1.1 reads 1e-6 as a string; model_spec coerces it
+        return {"type": ["number", "string"]}
+    return {"type": "integer", "minimum": 1}
+
+
+def model_schema() -> dict[str, Any]:
+    """The JSON Schema of a run's `model`: a preset name, or a mapping of a preset and shape overrides."""
+    shape = {"preset": {"enum": list(PRESETS)}, **{name: shape_field_schema(name) for name in SHAPE_FIELDS}}
+    return {
+        "if": {"type": "string"},
+        "then": {"enum": list(PRESETS)},
+        "else": {"type": "object", "properties": shape, "additionalProperties": False},
+    }
+
+
 def field_schema(name: str) -> dict[str, Any]:
     """The JSON Schema of one RunConfig field's value."""
+    if name == "model":
+        return model_schema()
     enums = _enums()
     if name in enums:
         return {"enum": enums[name]}
@@ -85,6 +117,9 @@ def sweep_schema() -> dict[str, Any]:
     for name in fields:
         values = {"type": "array", "items": field_schema(name), "minItems": 1}
         axes[name] = {"oneOf": [{"const": "all"}, values]} if name == "algorithm" else values
+    for name in SHAPE_FIELDS:  # dotted axes: one field of the model's shape
+        axes[f"model.{name}"] = {"type": "array", "items": shape_field_schema(name), "minItems": 1}
+    dotted = {rf"^({'|'.join(MAPPING_FIELDS)})\.[A-Za-z_][A-Za-z0-9_]*$": {"type": "array", "minItems": 1}}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "sweep",
@@ -95,7 +130,7 @@ def sweep_schema() -> dict[str, Any]:
             "description": {"type": "string"},
             "preset": {"enum": list(PRESET_RUNS)},
             "base": base,
-            "axes": {"type": "object", "properties": axes, "additionalProperties": False},
+            "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
             "mode": {"enum": list(MODES)},
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
             "tune": tune_schema(),
@@ -201,11 +236,19 @@ def _message(error: jsonschema.ValidationError) -> str:
     where = _path(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
     if error.validator == "additionalProperties":
-        extra = sorted(set(error.instance) - set(schema.get("properties", {})))
+        patterns = [re.compile(p) for p in schema.get("patternProperties", {})]
+        known = set(schema.get("properties", {}))
+        extra = sorted(k for k in error.instance if k not in known and not any(p.search(k) for p in patterns))
         valid = ", ".join(schema.get("properties", {}))
+        if patterns:
+            valid += "".join(f", {name}.NAME" for name in MAPPING_FIELDS)
         return f"{where}: unknown field(s) {extra}; valid: {valid}"
+    is_model = re.search(r"(^|\.)model(\[\d+\])?$", where) is not None
     if error.validator == "enum":
-        return f"{where} = {error.instance!r}; valid: {', '.join(map(str, error.validator_value))}"
+        valid = ", ".join(map(str, error.validator_value))
+        return f"{where} = {error.instance!r}; valid: {valid}" + (f", {_MODEL_MAPPING}" if is_model else "")
+    if error.validator == "type" and is_model:
+        return f"{where} = {error.instance!r}: must be a preset name ({', '.join(PRESETS)}) {_MODEL_MAPPING}"
     if error.validator == "oneOf" and where.startswith("axes.algorithm"):
         return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(algorithms.names())}"
     if error.validator == "oneOf" and where.startswith("tune.space."):

@@ -1,4 +1,5 @@
 # Helpers: config validation, the sweep's runs and the cold starts they need, paths. Used by the other rule files.
+import json
 import os
 import sys
 
@@ -37,7 +38,7 @@ def coldstart_name(cfg):
 
 
 RUN_COLDSTART = {run_id: coldstart_name(cfg) for run_id, cfg in RUNS.items()}  # run id -> cold start (or None)
-COLDSTARTS = {  # cold-start directory name -> (model preset, task), one `coldstart` job each
+COLDSTARTS = {  # cold-start directory name -> (model shape, task), one `coldstart` job per distinct shape x task
     name: (cfg.model, cfg.task) for cfg, name in zip(RUNS.values(), RUN_COLDSTART.values()) if name is not None
 }
 
@@ -63,7 +64,10 @@ def coldstart_of_run(wildcards):
 
 
 def coldstart_model(wildcards):
-    return COLDSTARTS[wildcards.coldstart][0]
+    """The cold start's model as `python -m study.launch --coldstart` reads it: a preset name, or the shape as a
+    compact JSON mapping (the rule quotes it for the shell)."""
+    model = COLDSTARTS[wildcards.coldstart][0]
+    return model if isinstance(model, str) else json.dumps(model, separators=(",", ":"))
 
 
 def coldstart_task(wildcards):

@@ -1,7 +1,8 @@
 # Resolve the study's configs; make each cold start the runs need (one job per distinct checkpoint); then one job per
 # run id: `python -m study.launch` runs it (in-process, submitit's local executor or SLURM, blocking until it ends), and
 # the run skips itself if finished and resumes if interrupted. Runs live under results/runs/{run_id}/ and cold starts
-# under results/coldstart/{model}-{task}-{hash}/, both shared by every study that contains them.
+# under results/coldstart/{model}-{task}-{hash}/ ({model}: the shape's label, `default` or `default_e32_k8`; the hash
+# holds the whole shape), both shared by every study that contains them.
 
 
 rule resolve:
@@ -27,7 +28,8 @@ rule coldstart:
     # the one the runs reuse. Two torch threads (Snakemake caps them at --cores): nothing else can run until the cold
     # start is done, so one thread would leave the second core of a 2-core machine idle. Not strict: a cold start
     # that missed its pass@1 band is kept, not deleted as a failed job's output; the runs then stop on it with the
-    # reason (ensure_coldstart is strict there).
+    # reason (ensure_coldstart is strict there). One job per distinct model shape x task: the model is passed as a
+    # preset name or, for a shape with overrides, as a JSON mapping (`:q` quotes it for the shell).
     output:
         f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json",
     log:
@@ -48,7 +50,7 @@ rule coldstart:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study.launch --coldstart {params.model} {params.task} --results {params.results} "
+        "{params.python} -m study.launch --coldstart {params.model:q} {params.task} --results {params.results} "
         "--launcher {resources.launcher} --partition '{resources.slurm_partition}' "
         "--account '{resources.slurm_account}' --gpus {resources.gpus} --time-min {resources.runtime} "
         "--mem-gb {resources.mem_gb} --cpus {threads} > {log} 2>&1"

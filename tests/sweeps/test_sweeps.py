@@ -107,6 +107,70 @@ def test_default_and_smoke_studies():
     assert len(smoke) == 2 and all(c.model == "tiny" for c in smoke.values())
 
 
+# --- model shapes as an axis ----------------------------------------------------------------------------------------
+SHAPES = [{"preset": "tiny", "num_experts": 8, "moe_top_k": 4}, "tiny"]
+
+
+def test_model_shapes_validate_with_the_field_named():
+    validate_sweep(sweep(base={"model": {"preset": "tiny", "num_layers": 3}}, axes={"model": SHAPES}))
+    validate_sweep(sweep(axes={"model.num_experts": [4, 8], "hparams.eps_high": [0.3], "task_knobs.terms": [3]}))
+    with pytest.raises(SweepError, match=r"axes.model\[1\] = 'huge'; valid: tiny, default, small, or a mapping"):
+        validate_sweep(sweep(axes={"model": ["tiny", "huge"]}))
+    with pytest.raises(SweepError, match=r"base.model: unknown field\(s\) \['experts'\]; valid: preset, num_layers"):
+        validate_sweep(sweep(base={"model": {"preset": "tiny", "experts": 8}}))
+    with pytest.raises(SweepError, match=r"axes.model\[0\].preset = 'huge'; valid: tiny, default, small"):
+        validate_sweep(sweep(axes={"model": [{"preset": "huge"}]}))
+    with pytest.raises(SweepError, match=r"axes.model.num_experts\[1\] = 0: minimum is 1"):
+        validate_sweep(sweep(axes={"model.num_experts": [4, 0]}))
+    with pytest.raises(SweepError, match=r"base.model = 3: must be a preset name \(tiny, default, small\) or a"):
+        validate_sweep(sweep(base={"model": 3}))
+    with pytest.raises(SweepError, match=r"axes: unknown field\(s\) \['model.experts'\]; valid: .*model.num_experts"):
+        validate_sweep(sweep(axes={"model.experts": [8]}))
+    # the ranges across fields are the model's own, named per run before any job
+    with pytest.raises(SweepError, match=r"run \{'model.moe_top_k': 8\}.*model.moe_top_k = 8: valid range is \[1, 4\]"):
+        Sweep.from_dict(sweep(axes={"model.moe_top_k": [8]})).expand()
+
+
+def test_a_sweep_crosses_shapes_with_algorithms():
+    """Two shapes x two algorithms: four runs, each shape its own run ids and its own cold start; the plain preset's
+    runs keep the ids they have without any shape axis; a dotted axis spells the same shapes."""
+    runs = Sweep.from_dict(sweep(axes={"model": SHAPES, "algorithm": ["grpo", "gspo"]})).expand()
+    assert len(runs) == 4
+    assert [(c.model, c.algorithm) for c in runs.values()] == [(m, a) for m in SHAPES for a in ("grpo", "gspo")]
+    assert {c.model_config().num_experts for c in runs.values()} == {4, 8}
+    plain = Sweep.from_dict(sweep(axes={"algorithm": ["grpo", "gspo"]})).expand()
+    assert set(plain) < set(runs)
+    names = {c.model_config().num_experts: resolve_settings(c.model, c.task).dirname for c in runs.values()}
+    assert names[8].startswith("tiny_e8_k4-chain_sum-") and names[4].startswith("tiny-chain_sum-")
+    dotted = Sweep.from_dict(sweep(axes={"model.num_experts": [8, 4], "model.moe_top_k": [4, 2]}, mode="zip"))
+    assert [c.model for c in dotted.expand().values()] == SHAPES
+    # a whole shape (a name) replaces base's shape, then the dotted axis changes one field of it, whatever the order
+    axes = {"model.num_experts": [16], "model": ["tiny", "default"]}
+    layered = Sweep.from_dict(sweep(base={"steps": 2, "model": {"num_layers": 3}}, axes=axes)).expand()
+    assert [c.model for c in layered.values()] == [{"preset": "tiny", "num_experts": 16},
+                                                   {"preset": "default", "num_experts": 16}]  # fmt: skip
+    base_only = Sweep.from_dict(sweep(base={"steps": 2, "model": {"num_layers": 3}})).expand()
+    assert [c.model for c in base_only.values()] == [{"preset": "tiny", "num_layers": 3}]
+
+
+def test_snakemake_dry_run_crosses_shapes_with_algorithms(tmp_path):
+    """One cold-start job per distinct shape x task, each run waiting on its own shape's cold start, the shape passed
+    to `python -m study.launch --coldstart` as a JSON mapping."""
+    sweep_file = tmp_path / "shapes.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep(name="shapes", axes={"model": SHAPES, "algorithm": ["grpo", "gspo"]})))
+    proc = _snakemake("-n", "-p", "--cores", "2", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = job_counts(proc.stdout)
+    assert counts["coldstart"] == 2 and counts["run"] == 4, proc.stdout
+    runs = load_sweep(sweep_file).expand()
+    for run_id, cfg in runs.items():
+        name = resolve_settings(cfg.model, cfg.task).dirname
+        inputs = [line for line in proc.stdout.splitlines() if f"configs/{run_id}.yaml" in line and "input:" in line]
+        assert inputs and f"coldstart/{name}/coldstart.json" in inputs[0], (run_id, inputs)
+    assert """--coldstart '{"preset":"tiny","num_experts":8,"moe_top_k":4}' chain_sum""" in proc.stdout
+    assert "--coldstart tiny chain_sum" in proc.stdout
+
+
 def test_expand_cli_error_is_clear(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(sweep(axes={"algorithm": ["nope"]})))
