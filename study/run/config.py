@@ -130,7 +130,11 @@ class RunConfig:
         return cfg
 
     def replace(self, **changes: Any) -> RunConfig:
+        """This config with `changes` (field -> value), validated. A field is set to its new value, but for `model`,
+        which changes as a layer does (merge_field): `model={"num_experts": 32}` changes one field of this shape."""
         data = {**self.to_dict(), **changes}
+        if "model" in changes:
+            data["model"] = merge_field("model", self.model, changes["model"])
         for side in ("train", "rollout"):  # a changed precision re-derives its dtype unless that is changed too
             if f"{side}_precision" in changes and f"{side}_dtype" not in changes:
                 data.pop(f"{side}_dtype")

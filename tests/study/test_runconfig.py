@@ -135,6 +135,8 @@ def test_a_shape_is_a_preset_plus_overrides() -> None:
     assert same.model == cfg.model and same.run_id == cfg.run_id
     assert RunConfig.from_dict(cfg.to_dict()).run_id == cfg.run_id  # resume reads config.yaml back
     assert plain.replace(model={"preset": "default", "num_experts": 32, "moe_top_k": 8}).run_id == cfg.run_id
+    assert plain.replace(model={"num_experts": 32, "moe_top_k": 8}).run_id == cfg.run_id  # this shape, changed
+    assert cfg.replace(model="default").run_id == plain.run_id
     # every distinct shape is a distinct run
     ids = {load_config(preset="default", sets=sets).run_id for sets in (
         [], ["model.num_experts=16"], ["model.num_experts=32"], ["model.num_experts=32", "model.moe_top_k=8"],
