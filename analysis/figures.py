@@ -685,28 +685,38 @@ def figure7_fits(
     extrapolate: float = 10.0,
     n_boot: int = 200,
 ) -> Made:
-    """Compute-scaling fits per algorithm: fitted points, the curve over the data (solid), its extrapolation to
-    `extrapolate` x the largest compute (dashed), the asymptote A (dotted), and the table of A, B, C_mid."""
+    """Compute-scaling fits per algorithm: fitted points, and for a fit the data identify (`ScalingFit.identified`)
+    the curve over the data (solid), its extrapolation to `extrapolate` x the largest compute (dashed) and the
+    asymptote A (dotted); below, the table of A, B, C_mid, or what the data do not identify."""
     st = select(study, where)
     if fits is None:
         fits = fitting.fit_study(st.long, vocab.REWARD, runs=st.runs, n_boot=n_boot)
     table = fitting.fits_table(fits)
-    fig = style.new_figure(ncols=2, height=3.0)
-    ax, ax_t = fig.subplots(1, 2, width_ratios=[1.3, 1])
     algs = style.order(str(k[0]) for k in fits)
+    rows_h = 0.2 * (len(algs) + 1)
+    leg_h = 0.2 * -(-len(algs) // style.legend_ncols([f"{style.label(a)} (not identified)" for a in algs]))
+    fig = style.new_figure(ncols=1, width=style.WIDTH_DOUBLE, height=2.6 + leg_h + rows_h)
+    ax, ax_l, ax_t = fig.subplots(3, 1, height_ratios=[2.6, leg_h, rows_h])
     for alg in algs:
         f = fits[(alg,)]
         col = style.color(alg)
-        ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, color=col, alpha=0.7)
-        xs = np.geomspace(f.x.min(), f.c_max, 100)
-        xe = np.geomspace(f.c_max, f.c_max * extrapolate, 50)
-        ax.plot(xs / PFLOP, f.predict(xs), color=col, label=style.label(alg))
-        ax.plot(xe / PFLOP, f.predict(xe), color=col, ls="--")
-        ax.axhline(f.params.a, color=col, ls=":", lw=0.8)
+        if f.identified:
+            ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, color=col, alpha=0.7, gid=f"fit-points-{alg}")
+            xs = np.geomspace(f.x.min(), f.c_max, 100)
+            xe = np.geomspace(f.c_max, f.c_max * extrapolate, 50)
+            ax.plot(xs / PFLOP, f.predict(xs), color=col, label=style.label(alg), gid=f"fit-curve-{alg}")
+            ax.plot(xe / PFLOP, f.predict(xe), color=col, ls="--", gid=f"fit-extrapolation-{alg}")
+            ax.axhline(f.params.a, color=col, ls=":", lw=0.8, gid=f"fit-asymptote-{alg}")
+        else:  # the points only: a curve through parameters at their bounds would read as a prediction
+            label = f"{style.label(alg)} (not identified)"
+            ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, mfc="none", color=col, label=label, gid=f"fit-points-{alg}")
     ax.set_xscale("log")
     ax.set_xlabel("training compute (PFLOP)")
     ax.set_ylabel("training reward")
-    ax.legend(loc="upper left")
+    ax_l.axis("off")  # the legend has a row of its own, between the data and the table
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax_l.legend(handles, labels, loc="center", ncols=style.legend_ncols(labels), borderaxespad=0)
     ax_t.axis("off")
 
     def ci(v: float, lo: float, hi: float, fmt: str) -> str:
@@ -715,29 +725,47 @@ def figure7_fits(
     cells = []
     for alg in algs:
         r = table[table[ALGORITHM] == alg].iloc[0]
-        cells.append(
-            [
-                style.label(alg),
-                ci(r["A"], r["A_low"], r["A_high"], ".3f") + ("" if r["A_identified"] else " *"),
-                ci(r["B"], r["B_low"], r["B_high"], ".2f"),
-                ci(r["C_mid"] / PFLOP, r["C_mid_low"] / PFLOP, r["C_mid_high"] / PFLOP, ".3g"),
-            ]
+        f = fits[(alg,)]
+        if f.identified:
+            cells.append(
+                [
+                    style.label(alg),
+                    ci(r["A"], r["A_low"], r["A_high"], ".3f"),
+                    ci(r["B"], r["B_low"], r["B_high"], ".2f"),
+                    ci(r["C_mid"] / PFLOP, r["C_mid_low"] / PFLOP, r["C_mid_high"] / PFLOP, ".3g"),
+                    "yes",
+                ]
+            )
+        else:
+            cells.append([style.label(alg), "not identified", "-", "-", "no: " + f.why_not_identified])
+    if cells:
+        tab = ax_t.table(
+            cellText=cells,
+            colLabels=["", "A", "B", "C_mid (PFLOP)", "identified"],
+            bbox=(0.0, 0.0, 1.0, 1.0),
+            cellLoc="left",
+            edges="horizontal",
         )
-    tab = ax_t.table(cellText=cells, colLabels=["", "A", "B", "C_mid (PFLOP)"], loc="center", cellLoc="left")
-    tab.auto_set_font_size(False)
-    tab.set_fontsize(6)
-    tab.auto_set_column_width(list(range(4)))
-    unidentified = [style.label(str(k[0])) for k, f in fits.items() if not f.a_identified]
+        tab.auto_set_font_size(False)
+        tab.set_fontsize(6.5)
+        tab.auto_set_column_width(list(range(5)))
+    unidentified = [f"{style.label(str(k[0]))} ({f.why_not_identified})" for k, f in fits.items() if not f.identified]
     caption = (
         "Figure 7. ScaleRL fits R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) per algorithm (R0 fixed to the initial "
         "reward, early phase dropped): fitted points, the curve (solid), its extrapolation (dashed) and the "
         "asymptote A (dotted); intervals are "
         + (next(iter(fits.values())).ci_method if fits else "n/a")
-        + ". "
+        + ". A curve is drawn only where the data identify it: no parameter at a bound of the fit and no interval "
+        "reaching one, and C_mid inside the observed compute. "
         + (
-            f"* A not identified (the run is too short): {', '.join(unidentified)}."
+            "Not identified, points only and no numbers: " + ", ".join(unidentified) + "."
             if unidentified
-            else "A is identified for every algorithm."
+            else "Every fit is identified."
+        )
+        + (
+            " Not fitted: " + ", ".join(f"{style.label(str(k[0]))} ({why})" for k, why in fits.skipped.items()) + "."
+            if getattr(fits, "skipped", None)
+            else ""
         )
     )
     return Made(fig, "figure7_fits", caption, {"fits": table})

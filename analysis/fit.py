@@ -15,8 +15,14 @@ Procedure (`fit_curves`):
 4. Uncertainty: a bootstrap over seeds (resample runs, refit the mean curve) when there are at least 2 seeds, and
    always a profile interval for A (the A values whose best error is within an F-test threshold of the minimum; the
    grid points are correlated, so this interval is optimistic and is used only when there is one seed).
-5. A is "identified" only when the fitted C_mid lies inside the observed compute (the curve passed its half-gain
-   point) and A's interval does not reach the upper bound `a_max` (rewards live in [0, 1]). Otherwise the fit says so.
+5. Identification. Each parameter has bounds: A in [R0 + 0.1% of (a_max - R0), a_max] (rewards live in [0, 1]; the
+   curve rises from R0), B in `Grid.b_range`, C_mid in `Grid.c_mid_span` x the fitted compute. A is "identified" only
+   when the fitted C_mid lies inside the observed compute (the curve passed its half-gain point), A is not at a
+   bound, and A's interval does not reach one. The fit as a whole is identified only when, in addition, no parameter
+   sits at a bound and no parameter's interval reaches one (at least (1 - confidence) / 2 of the bootstrap draws at
+   it, so the bound lies inside the percentile interval). Otherwise the notes say which parameter, and Figure 7
+   draws the points but no curve: flat or falling data fit a step (B at its bound) to an arbitrary A, which is no
+   prediction.
 
 Comparison (`compare_fits`): A first (a difference within `a_noise` = 0.02 is noise across seeds); when the A's
 tie, both are refitted with A held at their mean and compared by B.
@@ -85,6 +91,12 @@ class ScalingFit:
     """(n_boot, 3) bootstrap draws of (A, B, C_mid)."""
     notes: list[str] = field(default_factory=list)
     a_fixed: bool = False
+    bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Each parameter's (lower, upper) bound in the fit: "A", "B", "C_mid"."""
+    boot_at_bound: dict[str, float] = field(default_factory=dict)
+    """Fraction of the bootstrap draws at each bound ("A lower", "B upper", ...)."""
+    problems: list[str] = field(default_factory=list)
+    """What the data do not identify, in short ("B at its upper bound"); the notes say it in full."""
 
     @property
     def n_seeds(self) -> int:
@@ -92,8 +104,30 @@ class ScalingFit:
 
     @property
     def a_identified(self) -> bool:
-        """False when the run is too short for A to be identified (see the module docstring, step 5)."""
+        """False when the data do not identify A (see the module docstring, step 5)."""
         return not any(n.startswith("A not identified") for n in self.notes)
+
+    @property
+    def identified(self) -> bool:
+        """False when the data do not identify the curve: A is not identified, or a parameter or its interval sits
+        at a bound (module docstring, step 5). Such a fit is reported, not drawn."""
+        return self.a_identified and not any(n.startswith("not identified") for n in self.notes)
+
+    @property
+    def why_not_identified(self) -> str:
+        """`problems` in one short line ("C_mid beyond the data; at a bound: A, B; interval at a bound: B"); "" when
+        the fit is identified."""
+        if self.identified:
+            return ""
+        parts = [p for p in self.problems if " bound" not in p]
+        for kind, test in (
+            ("at a bound", lambda p: " at its " in p and "interval" not in p),
+            ("interval at a bound", lambda p: "interval" in p),
+        ):
+            names = list(dict.fromkeys(p.split()[0].removesuffix("'s") for p in self.problems if test(p)))
+            if names:
+                parts.append(f"{kind}: {', '.join(names)}")
+        return "; ".join(parts)
 
     def predict(self, c: np.ndarray | float) -> np.ndarray:
         return self.params(c)
@@ -116,6 +150,7 @@ class ScalingFit:
             "n_seeds": self.n_seeds,
             "n_points": len(self.x),
             "A_identified": self.a_identified,
+            "identified": self.identified,
             "ci": self.ci_method,
             "notes": "; ".join(self.notes),
         }
@@ -230,6 +265,34 @@ def _polish(
     return (a, float(np.exp(res.x[-2])), float(res.x[-1])), sse
 
 
+PARAMS = ("A", "B", "C_mid")
+
+
+def param_bounds(x: np.ndarray, r0: float, a_max: float, grid: Grid) -> dict[str, tuple[float, float]]:
+    """The bounds `fit_points` fits A, B and C_mid within, for compute points `x` and initial reward `r0`."""
+    x = np.asarray(x, np.float64)
+    return {
+        "A": (r0 + 1e-3 * (a_max - r0), a_max),
+        "B": grid.b_range,
+        "C_mid": (float(x.min()) * grid.c_mid_span[0], float(x.max()) * grid.c_mid_span[1]),
+    }
+
+
+def at_bounds(p: Params, bounds: dict[str, tuple[float, float]], *, rtol: float = 1e-3) -> dict[str, bool]:
+    """Which bounds `p` sits at ("A lower", "B upper", ...): A within rtol of its range, B and C_mid within rtol in
+    log (their scale in the fit)."""
+    out = {}
+    for name, value in zip(PARAMS, (p.a, p.b, p.c_mid), strict=True):
+        lo, hi = bounds[name]
+        if name == "A":
+            tol = rtol * max(hi - lo, 1e-12)
+            out["A lower"], out["A upper"] = value <= lo + tol, value >= hi - tol
+        else:
+            out[f"{name} lower"] = np.log(value) <= np.log(lo) + rtol
+            out[f"{name} upper"] = np.log(value) >= np.log(hi) - rtol
+    return out
+
+
 def fit_points(
     x: np.ndarray,
     y: np.ndarray,
@@ -249,7 +312,7 @@ def fit_points(
     x, y = np.asarray(x, np.float64)[ok], np.asarray(y, np.float64)[ok]
     if x.size < 4:
         raise ValueError(f"{x.size} usable points: the sigmoid fit needs at least 4")
-    a_lo = r0 + 1e-3 * (a_max - r0)
+    a_lo = param_bounds(x, r0, a_max, grid)["A"][0]
     best, sse, a_vals, prof = _grid_search(x, y, r0, a_lo, a_max, grid, a_fixed, profile=polish)
     if polish:
         cand, cand_sse = _polish(x, y, r0, best, a_lo, a_max, grid, a_fixed)
@@ -302,6 +365,7 @@ def fit_curves(
         a_max=a_max,
         confidence=confidence,
         a_fixed=a_fixed is not None,
+        bounds=param_bounds(xs, r0, a_max, grid),
     )
     alpha = (1 - confidence) / 2
     if a_fixed is None:
@@ -314,13 +378,17 @@ def fit_curves(
     if runs.shape[0] >= 2 and n_boot > 0:
         rng = np.random.default_rng(seed)
         draws = np.empty((n_boot, 3))
+        at: dict[str, int] = {}
         for k in range(n_boot):
             idx = rng.integers(0, rs.shape[0], rs.shape[0])
             yb = np.nanmean(rs[idx], axis=0)
             r0b = r0 if r0_given else float(np.nanmean(first[idx]))
             pb, _, _, _ = fit_points(xs, yb, r0=r0b, a_max=a_max, a_fixed=a_fixed, grid=boot_grid, polish=False)
             draws[k] = (pb.a, pb.b, pb.c_mid)
+            for name, hit in at_bounds(pb, param_bounds(xs, r0b, a_max, boot_grid)).items():
+                at[name] = at.get(name, 0) + int(hit)
         out.boot = draws
+        out.boot_at_bound = {name: n / n_boot for name, n in at.items()}
         q = np.quantile(draws, [alpha, 1 - alpha], axis=0)
         out.a_ci, out.b_ci = (float(q[0, 0]), float(q[1, 0])), (float(q[0, 1]), float(q[1, 1]))
         out.c_mid_ci = (float(np.exp(np.quantile(np.log(draws[:, 2]), alpha))), float(q[1, 2]))
@@ -333,7 +401,7 @@ def fit_curves(
 
 
 def _identify(f: ScalingFit) -> None:
-    """Append the notes that say when A is not identified by the data."""
+    """Append the notes that say what the data do not identify (module docstring, step 5)."""
     if f.a_fixed:
         f.notes.append(f"A held at {f.params.a:.4g}")
         return
@@ -342,10 +410,32 @@ def _identify(f: ScalingFit) -> None:
             f"A not identified: C_mid {f.params.c_mid:.3g} is beyond the largest compute {f.c_max:.3g} "
             "(the curve has not passed its half-gain point; the run is too short)"
         )
+        f.problems.append("C_mid beyond the data")
+    values = {"A": f.params.a, "B": f.params.b, "C_mid": f.params.c_mid}
+    for name, hit in at_bounds(f.params, f.bounds).items():
+        if hit:
+            par, side = name.split()
+            bound = f.bounds[par][0 if side == "lower" else 1]
+            prefix = "A not identified" if par == "A" else "not identified"
+            what = " (no gain over R0)" if name == "A lower" else ""
+            f.notes.append(f"{prefix}: {par} = {values[par]:.3g} sits at its {side} bound {bound:.3g}{what}")
+            f.problems.append(f"{par} at its {side} bound")
+    alpha = (1 - f.confidence) / 2
+    for name, frac in f.boot_at_bound.items():
+        if frac >= alpha and frac > 0:
+            par, side = name.split()
+            bound = f.bounds[par][0 if side == "lower" else 1]
+            prefix = "A not identified" if par == "A" else "not identified"
+            f.notes.append(
+                f"{prefix}: {par}'s interval reaches its {side} bound {bound:.3g} "
+                f"({frac:.0%} of the bootstrap fits sit there)"
+            )
+            f.problems.append(f"{par}'s interval at its {side} bound")
     tol = 1e-3 * max(f.a_max - f.params.r0, 1e-9)
     for name, (_lo, hi) in (("interval", f.a_ci), ("profile interval", f.a_profile)):
-        if np.isfinite(hi) and hi >= f.a_max - tol:
+        if np.isfinite(hi) and hi >= f.a_max - tol and not any(n.startswith("A not identified: A's") for n in f.notes):
             f.notes.append(f"A not identified: its {name} reaches the bound a_max = {f.a_max:g}")
+            f.problems.append(f"A's {name} at its upper bound")
             break
     if np.isfinite(f.c_mid_ci[1]) and f.c_mid_ci[1] > f.c_max and f.params.c_mid <= f.c_max:
         f.notes.append("C_mid interval extends beyond the observed compute")
@@ -410,7 +500,7 @@ def fits_table(fits: dict[tuple[object, ...], ScalingFit], by: Sequence[str] = (
     configurations `fit_study` could not fit are rows too (NaN numbers, the reason in `notes`)."""
     rows = [{**dict(zip(by, key, strict=True)), **f.row()} for key, f in fits.items()]
     for key, reason in getattr(fits, "skipped", {}).items():
-        rows.append({**dict(zip(by, key, strict=True)), "A_identified": False, "notes": reason})
+        rows.append({**dict(zip(by, key, strict=True)), "A_identified": False, "identified": False, "notes": reason})
     return pd.DataFrame(rows)
 
 
@@ -444,13 +534,14 @@ def compare_fits(
 ) -> Comparison:
     """Compare two recipes ScaleRL's way: by A first, then by B with A held at the mean of the two.
 
-    Rule: if either A is not identified -> inconclusive. If |dA| > a_noise and the bootstrap interval of dA (when
-    both have seed bootstraps) excludes 0 -> the higher A wins. Otherwise refit both with A fixed at the mean A and
-    compare B: the higher B wins when the B intervals do not overlap, else inconclusive.
+    Rule: if either fit is not identified (`ScalingFit.identified`) -> inconclusive. If |dA| > a_noise and the
+    bootstrap interval of dA (when both have seed bootstraps) excludes 0 -> the higher A wins. Otherwise refit both
+    with A fixed at the mean A and compare B: the higher B wins when the B intervals do not overlap, else
+    inconclusive.
     """
     rule = (
         f"A first (|dA| > {a_noise:g} and its interval excludes 0), then B with A held at the mean A "
-        "(non-overlapping B intervals); any unidentified A -> inconclusive"
+        "(non-overlapping B intervals); any unidentified fit -> inconclusive"
     )
     da = first.params.a - second.params.a
     n = min(len(first.boot), len(second.boot))
@@ -458,8 +549,8 @@ def compare_fits(
     if n:
         d = first.boot[:n, 0] - second.boot[:n, 0]
         da_ci = (float(np.quantile(d, 0.025)), float(np.quantile(d, 0.975)))
-    if not (first.a_identified and second.a_identified):
-        return Comparison(da, da_ci, None, "inconclusive", rule=rule + " [A not identified]")
+    if not (first.identified and second.identified):
+        return Comparison(da, da_ci, None, "inconclusive", rule=rule + " [a fit is not identified]")
     excludes_zero = not n or not (da_ci[0] <= 0 <= da_ci[1])
     if abs(da) > a_noise and excludes_zero:
         return Comparison(da, da_ci, 0 if da > 0 else 1, "A", rule=rule)

@@ -77,6 +77,15 @@ def save(fig: Figure, stem: str | os.PathLike[str], formats: Sequence[str] = FOR
     return out
 
 
+def legend_ncols(labels: Sequence[str], width: float = WIDTH_DOUBLE, max_cols: int = 4) -> int:
+    """Columns for a legend of `labels` across `width` inches, so that it never needs more room than the figure has
+    (at legend.fontsize 7: about 0.055 in per character plus 0.45 in of handle and padding per entry)."""
+    if not labels:
+        return 1
+    per = 0.055 * max(len(lb) for lb in labels) + 0.45
+    return max(1, min(max_cols, len(labels), int(width // per)))
+
+
 def registry() -> ModuleType:
     """The algorithm registry (the `algorithms` package), imported on first use because it imports torch: colours,
     labels and order here, routing modes and Routing Replay partners (`replay_partner`, `routing_variants`) for the

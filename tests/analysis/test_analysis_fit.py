@@ -70,3 +70,36 @@ def test_fit_study_on_tidy_data(study):
     # 200 steps of 1e11 FLOPs end at 2e13, past gspo's C_mid of 1.5e13: A is identified, near 0.8.
     assert table.loc["gspo", "A_identified"]
     assert table.loc["gspo", "A_low"] <= 0.8 <= table.loc["gspo", "A_high"] + 0.02
+
+
+def test_flat_data_are_not_identified():
+    # issue 22: on flat data GSPO's fit rose to A = 1 with B at its bound of 20 and A's interval [0.078, 1.000]
+    rng = np.random.default_rng(11)
+    flat = 0.1 + 0.035 * rng.standard_normal((3, GRID.size))
+    f = fit.fit_curves(GRID, flat, n_boot=100)
+    assert not f.identified and f.why_not_identified
+    assert any("bound" in n for n in f.notes)
+    assert not fit.fits_table({("flat",): f}).iloc[0]["identified"]
+    # the constrained curve of the same shape of data is identified, parameters and intervals inside the bounds
+    truth = {"r0": 0.1, "a": 0.6, "b": 1.2, "c_mid": 1e13}
+    g = fit.fit_curves(GRID, _runs(truth, seeds=3, noise=0.035, rng=rng), n_boot=100)
+    assert g.identified and g.why_not_identified == "" and not any(g.boot_at_bound.values())
+    assert fit.compare_fits(f, g).decided_by == "inconclusive"
+
+
+def test_figure7_draws_identified_fits_only(tmp_path):
+    from analysis import figures, synthetic, tidy
+
+    C = synthetic.Curve
+    curves = {"gspo": C(a=0.8, b=2.0, c_mid=1e13), "grpo": C(a=0.1, r0=0.1, noise=0.035)}  # a sigmoid, flat data
+    synthetic.make_study(tmp_path, curves, seeds=(0, 1, 2), n_steps=200, flops_per_step=1e11)
+    study = tidy.load_study(tmp_path)
+    fits = fit.fit_study(study.long, runs=study.runs, n_boot=100)
+    assert fits[("gspo",)].identified and not fits[("grpo",)].identified
+    made = figures.figure7_fits(study, fits=fits)
+    gids = {line.get_gid() for ax in made.fig.axes for line in ax.get_lines()}
+    assert {"fit-curve-gspo", "fit-extrapolation-gspo", "fit-asymptote-gspo", "fit-points-gspo"} <= gids
+    assert "fit-points-grpo" in gids and not {g for g in gids if g and g.startswith("fit-") and "grpo" in g} - {
+        "fit-points-grpo"
+    }
+    assert "Not identified, points only and no numbers: GRPO (" in made.caption
