@@ -25,7 +25,7 @@ from algorithms.common import (
 from algorithms.registry import Range, register
 
 
-@register("cispo", label="CISPO")
+@register("cispo", label="CISPO", color="#56B4E9")
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

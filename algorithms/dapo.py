@@ -30,7 +30,7 @@ def shape_rewards(rewards: torch.Tensor, lengths: torch.Tensor, max_len: int) ->
     return rewards.float() + overlong_penalty(lengths, max_len)
 
 
-@register("dapo", label="DAPO", dynamic_sampling=True, reward_shaping=shape_rewards)
+@register("dapo", label="DAPO", color="#000000", dynamic_sampling=True, reward_shaping=shape_rewards)
 def dapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

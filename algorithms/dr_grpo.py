@@ -17,7 +17,7 @@ from algorithms.grpo import clipped_token_objective
 from algorithms.registry import Range, register
 
 
-@register("dr_grpo", label="Dr. GRPO", advantages=group_centered_advantages)
+@register("dr_grpo", label="Dr. GRPO", color="#332288", advantages=group_centered_advantages)
 def dr_grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

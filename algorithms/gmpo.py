@@ -24,7 +24,7 @@ from algorithms.common import (
 from algorithms.registry import Range, register
 
 
-@register("gmpo", label="GMPO", ratio_level="sequence")
+@register("gmpo", label="GMPO", color="#999933", ratio_level="sequence")
 def gmpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -45,7 +45,7 @@ def clipped_token_objective(
     return obj, {**clip_metrics(low, high, mask), **ratio_metrics(w, mask)}
 
 
-@register("grpo", label="GRPO")
+@register("grpo", label="GRPO", color="#D55E00")
 def grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

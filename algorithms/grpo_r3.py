@@ -8,4 +8,4 @@ Differences from grpo_rr:
 from algorithms.grpo import grpo_loss
 from algorithms.registry import register
 
-register("grpo_r3", label="GRPO + R3", routing="rollout_replay")(grpo_loss)
+register("grpo_r3", label="GRPO + R3", color="#882255", routing="rollout_replay")(grpo_loss)

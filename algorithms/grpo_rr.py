@@ -9,4 +9,4 @@ The loss is grpo's, unchanged.
 from algorithms.grpo import grpo_loss
 from algorithms.registry import register
 
-register("grpo_rr", label="GRPO + Routing Replay", routing="replay")(grpo_loss)
+register("grpo_rr", label="GRPO + Routing Replay", color="#0072B2", routing="replay")(grpo_loss)

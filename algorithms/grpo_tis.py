@@ -9,4 +9,4 @@ from algorithms.corrections import with_tis
 from algorithms.grpo import grpo_loss
 from algorithms.registry import register
 
-register("grpo_tis", label="GRPO + TIS")(with_tis(grpo_loss))
+register("grpo_tis", label="GRPO + TIS", color="#777777")(with_tis(grpo_loss))

@@ -25,7 +25,7 @@ from algorithms.common import (
 from algorithms.registry import Range, register
 
 
-@register("gspo", label="GSPO", ratio_level="sequence")
+@register("gspo", label="GSPO", color="#009E73", ratio_level="sequence")
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

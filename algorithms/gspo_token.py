@@ -23,7 +23,7 @@ from algorithms.common import (
 from algorithms.registry import Range, register
 
 
-@register("gspo_token", label="GSPO-token")
+@register("gspo_token", label="GSPO-token", color="#44AA99")
 def gspo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -25,7 +25,7 @@ from algorithms.common import (
 from algorithms.registry import Range, register
 
 
-@register("sapo", label="SAPO")
+@register("sapo", label="SAPO", color="#E69F00")
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

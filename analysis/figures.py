@@ -121,64 +121,126 @@ def _group_label(alg: str, extra: Mapping[str, Any]) -> str:
 
 
 def _curves(study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True) -> pd.DataFrame:
+    """Seed-mean curves per configuration: aligned (each begins where all its seeds have a value) and, with
+    `smooth`, a centred rolling mean (the first point averages the first steps, it is not one step's reward)."""
     by = [ALGORITHM, *_varying(study)]
-    return stats.aggregate_curves(study.long, metric, by=by, smooth=smooth, n_grid=n_grid, log=log)
+    return stats.aggregate_curves(
+        study.long, metric, by=by, smooth=smooth, center=True, aligned=True, n_grid=n_grid, log=log
+    )
 
 
-def _legend(fig: Figure, ax: Axes, *, loc: str = "best", max_inside: int = 5) -> None:
-    """A legend inside `ax` when it is short, else one legend below the whole figure."""
-    handles, labels = ax.get_legend_handles_labels()
-    if len(handles) <= max_inside:
-        ax.legend(handles, labels, loc=loc)
-    else:  # below the figure, which grows by the legend's height
-        ncols = min(2, len(handles))
-        fig.set_figheight(fig.get_figheight() + 0.16 * -(-len(handles) // ncols) + 0.1)
-        fig.legend(handles, labels, loc="outside lower center", ncols=ncols)
+def _unit(study: Study) -> tuple[float, str]:
+    """The compute unit of the study's axes (style.compute_unit of its largest compute)."""
+    c = study.long[COMPUTE].to_numpy(dtype=np.float64) if len(study.long) else np.array([np.nan])
+    return style.compute_unit(float(np.nanmax(c)) if np.isfinite(c).any() else np.nan)
 
 
-def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, x: str = COMPUTE) -> None:
-    """Mean line and band per configuration, registry order; line style cycles over extra axes' values."""
-    dashes = ["-", "--", ":", "-."]
+def _compute_axis(ax: Axes, unit: str) -> None:
+    style.log_scale(ax, "x")
+    ax.set_xlabel(f"training compute ({unit})")
+
+
+def _legend(fig: Figure, axes: Sequence[Axes] = (), *, extra: Sequence[tuple[Any, str]] = ()) -> None:
+    """One legend for the whole figure, below its panels (never over data): the labelled artists of `axes` in order,
+    each label once, then `extra` (handle, label) pairs."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, lb in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lb not in labels:
+                handles.append(h)
+                labels.append(lb)
+    for h, lb in extra:
+        handles.append(h)
+        labels.append(lb)
+    if not handles:
+        return
+    ncols = style.legend_ncols(labels, width=fig.get_figwidth())
+    fig.set_figheight(fig.get_figheight() + 0.17 * -(-len(handles) // ncols) + 0.1)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols)
+
+
+DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 3)), (0, (3, 1, 3, 4)))
+"""Line styles of the configurations of the other swept axes within one algorithm (colour = algorithm)."""
+
+
+def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, ...]]:
+    """The value combinations of `extra_axes` in `curves`, sorted: their index picks the line style."""
+    if not extra_axes:
+        return [()]
+    keys = curves[list(extra_axes)].drop_duplicates()
+
+    def natural(v: Any) -> tuple[int, float, str]:  # numbers by value (256 before 1024), then text
+        try:
+            return (0, float(v), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(v))
+
+    return sorted(keys.itertuples(index=False, name=None), key=lambda t: tuple(natural(v) for v in t))
+
+
+def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, str]]:
+    """Legend entries for `_plot_curves`: one per algorithm (its colour), then, with other swept axes, one per value
+    combination (its line style, in grey), so a legend of 5 algorithms x 4 configurations has 9 entries, not 20."""
+    from matplotlib.lines import Line2D
+
+    algs = style.order(curves[ALGORITHM].astype(str).unique())
+    out = [(Line2D([], [], color=style.color(a)), style.label(a)) for a in algs]
+    if extra_axes:
+        for k, combo in enumerate(_combos(curves, extra_axes)):
+            tail = ", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(extra_axes, combo, strict=True))
+            out.append((Line2D([], [], color=style.NEUTRAL, ls=DASHES[k % len(DASHES)]), tail))
+    return out
+
+
+def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, scale: float, x: str = COMPUTE) -> None:
+    """Mean line and band per configuration, registry order: colour = algorithm, line style = the combination of the
+    other swept axes' values (`_curve_legend` writes the legend)."""
+    combos = {c: k for k, c in enumerate(_combos(curves, extra_axes))}
     keys = curves[[ALGORITHM, *extra_axes]].drop_duplicates()
     algs = style.order(keys[ALGORITHM].astype(str))
     for alg in algs:
         sub = keys[keys[ALGORITHM].astype(str) == alg]
-        for k, (_, key) in enumerate(sub.iterrows()):
+        for _, key in sub.iterrows():
             mask = np.ones(len(curves), dtype=bool)
             for col in [ALGORITHM, *extra_axes]:
                 mask &= (curves[col] == key[col]).to_numpy()
             c = curves[mask]
-            extra = {a: key[a] for a in extra_axes}
-            ax.plot(c[x] / PFLOP, c["mean"], color=style.color(alg), ls=dashes[k % 4], label=_group_label(alg, extra))
-            ax.fill_between(c[x] / PFLOP, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
+            ls = DASHES[combos[tuple(key[a] for a in extra_axes)] % len(DASHES)]
+            label = _group_label(alg, {a: key[a] for a in extra_axes})
+            ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
+            ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
 
 
 # --- Figure 1 ---------------------------------------------------------------------------------------------------------
+@style.styled
 def figure1_reward(
     study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10, n_grid: int = 100
 ) -> Made:
-    """Training reward and each held-out eval vs training compute (log x), seed mean with a 95% bootstrap band."""
+    """Training reward and each held-out eval vs training compute (log x, shared), seed mean with a 95% bootstrap
+    band."""
     st = select(study, where)
     _need_metric(st, vocab.REWARD)
     metrics = [vocab.REWARD, *vocab.eval_metrics(st.metrics)]
-    fig = style.new_figure(ncols=len(metrics), width=min(style.WIDTH_DOUBLE, 2.4 * len(metrics)) or None)
-    axs = fig.subplots(1, len(metrics), squeeze=False)[0]
+    fig = style.new_figure(ncols=len(metrics), width=min(style.WIDTH_DOUBLE, 2.6 * len(metrics)) or None)
+    axs = fig.subplots(1, len(metrics), squeeze=False, sharex=True)[0]
     extra = _varying(st)
+    scale, unit = _unit(st)
     tables = {}
     for ax, metric in zip(axs, metrics, strict=True):
         curves = _curves(st, metric, smooth=smooth if metric == vocab.REWARD else None, n_grid=n_grid)
         tables[metric] = curves
-        _plot_curves(ax, curves, extra)
-        ax.set_xscale("log")
-        ax.set_xlabel("training compute (PFLOP)")
+        _plot_curves(ax, curves, extra, scale=scale)
+        _compute_axis(ax, unit)
         ax.set_title("training reward" if metric == vocab.REWARD else metric)
     axs[0].set_ylabel("mean reward / pass@1")
-    _legend(fig, axs[-1], loc="lower right")
+    _legend(fig, extra=_curve_legend(tables[vocab.REWARD], extra))
     n = st.runs.groupby(ALGORITHM, observed=True).size()
     caption = (
         "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
         f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
-        f"with a trailing {smooth}-step mean. Where fewer seeds reach a compute, the band is over those that do."
+        f"with a centred {smooth}-step mean (over the steps there are at the ends). Each curve begins where all its "
+        "seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute (a run "
+        "stopped early), the band is over those that do."
     )
     return Made(fig, "figure1_reward", caption, tables)
 
@@ -204,9 +266,12 @@ def clip_table(study: Study, *, confidence: float = 0.95, seed: int = 0) -> pd.D
     return out.sort_values(["_o", "_p"]).drop(columns=["_o", "_p"]).reset_index(drop=True)
 
 
+@style.styled
 def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10) -> Made:
     """Left: average clipped-token fraction per algorithm (log y; total, low, high bars with 95% CIs).
     Right: clip fraction over training compute."""
+    from matplotlib.patches import Patch
+
     st = select(study, where)
     table = clip_table(st)
     fig = style.new_figure(ncols=2)
@@ -230,25 +295,27 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
             alpha=shades[part],
             hatch=hatches[part],
             edgecolor="white",
-            label=part,
             gid=f"clip-{part}",
             error_kw={"lw": 0.7, "capsize": 1.5},
         )
         for xi, h in zip(xs, heights, strict=True):
             if h == 0:
                 ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=6)
-    ax.set_yscale("log")
+    style.log_scale(ax, "y")
     ax.set_xticks(np.arange(len(algs)), [style.label(a) for a in algs], rotation=30, ha="right")
     ax.set_ylabel("avg. fraction of clipped tokens")
-    ax.legend(title=None, loc="upper left")
     ax.grid(axis="x", visible=False)
     curves = _curves(st, vocab.CLIP, smooth=smooth, n_grid=100)
-    _plot_curves(ax2, curves, _varying(st))
-    ax2.set_xscale("log")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("training compute (PFLOP)")
+    scale, unit = _unit(st)
+    _plot_curves(ax2, curves, _varying(st), scale=scale)
+    _compute_axis(ax2, unit)
+    style.log_scale(ax2, "y")
     ax2.set_ylabel("clipped-token fraction")
-    _legend(fig, ax2)
+    parts = [
+        (Patch(facecolor=style.NEUTRAL, alpha=shades[p], hatch=hatches[p], edgecolor="white"), f"bars: {p}")
+        for p in shades
+    ]
+    _legend(fig, extra=[*_curve_legend(curves, _varying(st)), *parts])
     tot = table[table["part"] == "total"].set_index(ALGORITHM)["mean"]
     caption = (
         "Figure 2. Average fraction of clipped tokens (token-weighted, clipped branch active) per algorithm, split "
@@ -282,6 +349,7 @@ def routing_families(names: Sequence[str]) -> list[list[str]]:
     return out
 
 
+@style.styled
 def figure3_routing_replay(
     study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10, **collapse_rules: Any
 ) -> Made:
@@ -293,10 +361,12 @@ def figure3_routing_replay(
     if not fams:
         raise MissingData("no pair of algorithms with the same loss and different routing in this study")
     fig = style.new_figure(ncols=len(fams), width=min(style.WIDTH_DOUBLE, 3.5 * len(fams)))
-    axs = fig.subplots(1, len(fams), squeeze=False)[0]
+    axs = fig.subplots(1, len(fams), squeeze=False, sharey=True)[0]
     rows = stats.metric_rows(st.long, vocab.REWARD)
     grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=100)
-    info, mat = stats.interpolate_runs(rows, grid, smooth=smooth)
+    info, mat = stats.interpolate_runs(rows, grid, smooth=smooth, center=True)
+    starts = stats.run_starts(rows)
+    scale, unit = _unit(st)
     coll = stats.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
     coll_by = coll.set_index(RUN_ID)
     reg = style.registry()
@@ -305,26 +375,30 @@ def figure3_routing_replay(
             idx = np.flatnonzero(info[ALGORITHM].astype(str).to_numpy() == alg)
             col = style.color(alg)
             for i in idx:
-                ax.plot(grid / PFLOP, mat[i], color=col, lw=0.5, alpha=0.35)
+                ax.plot(grid / scale, mat[i], color=col, lw=0.5, alpha=0.35)
                 rid = str(info[RUN_ID].iloc[i])
                 if rid in coll_by.index and bool(coll_by.loc[rid, "collapsed"]):
                     cx = coll_by.loc[rid, "collapse_compute"]
                     last = np.flatnonzero(np.isfinite(mat[i]))
                     if np.isfinite(cx) and last.size:
                         yv = np.interp(np.log(cx), np.log(grid[last]), mat[i][last])
-                        ax.plot([cx / PFLOP], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none", gid="collapse")
-            if idx.size:
-                mean = stats.bootstrap_mean_band(mat[idx], n_resamples=0)[0]
-                ax.plot(grid / PFLOP, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
-        ax.plot([], [], marker="x", ls="none", color=style.NEUTRAL, label="collapsed")
-        ax.set_xscale("log")
+                        ax.plot([cx / scale], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none", gid="collapse")
+            if idx.size:  # the mean begins where every seed has logged (its first point is a mean over all)
+                m = mat[idx].copy()
+                m[:, grid < np.nanmax(starts[idx]) * (1 - 1e-12)] = np.nan
+                mean = stats.bootstrap_mean_band(m, n_resamples=0)[0]
+                ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
+        _compute_axis(ax, unit)
         ax.set_title(style.label(fam[0]))
-        ax.set_xlabel("training compute (PFLOP)")
-        ax.legend(loc="best")
     axs[0].set_ylabel("training reward")
+    from matplotlib.lines import Line2D
+
+    mark = Line2D([], [], marker="x", ls="none", color=style.NEUTRAL, mew=1.5)
+    _legend(fig, axs, extra=[(mark, "collapsed (x)")])
     caption = (
         "Figure 3. With vs without Routing Replay: algorithms sharing a loss function, differing only in routing "
-        "mode. Thin lines are individual seeds, thick lines their mean; x marks where a run collapsed: reported by "
+        f"mode. Thin lines are individual seeds, thick lines their mean (a centred {smooth}-step mean of the reward); "
+        "x marks where a run collapsed: reported by "
         "the run itself (status.json: the trainer's guard) or flagged by analysis. "
         + stats.collapse_rule(**collapse_rules)
         + " Collapsed runs: "
@@ -366,11 +440,12 @@ def _config_bars(
     ax.set_xticks(np.arange(len(cfgs)), cfgs, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     if log:
-        ax.set_yscale("log")
+        style.log_scale(ax, "y")
     ax.grid(axis="x", visible=False)
     return cfgs
 
 
+@style.styled
 def figure4_precision(
     study: Study,
     *,
@@ -394,7 +469,7 @@ def figure4_precision(
         tables[metric] = s
         _config_bars(ax, s, present, ylabel=metric, log=metric != vocab.REWARD)
         ax.set_title("final reward" if metric == vocab.REWARD else metric)
-    axs[0].legend(loc="best")
+    _legend(fig, axs[:1])
     caption = (
         f"Figure 4. Precision: final reward (mean of the last {frac:.0%} of steps) and training-inference mismatch "
         f"per configuration ({' / '.join(present)}); bars are seed means with 95% bootstrap intervals."
@@ -493,6 +568,7 @@ def token_logprob_tables(
     }
 
 
+@style.styled
 def figure4b_token_logprobs(
     study: Study,
     *,
@@ -557,7 +633,7 @@ def figure4b_token_logprobs(
     ax_h.axvline(0.0, color="black", lw=0.6, ls=":")
     ax_h.set_xlabel("sequence log-ratio mean_t(log pi_trainer - log pi_engine) = log s_i")
     ax_h.set_ylabel("fraction of sequences")
-    ax_h.legend(loc="upper right", fontsize=6)
+    _legend(fig, [ax_h])
     runs = st.runs[st.runs[RUN_ID].astype(str).isin(set(tok[RUN_ID].astype(str)))]
     steps = sorted(int(v) for v in st.sequences["step"].unique())
     caption = (
@@ -582,22 +658,28 @@ def figure4b_token_logprobs(
 
 
 # --- Figure 5 ---------------------------------------------------------------------------------------------------------
+@style.styled
 def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float = 0.1) -> Made:
     """Final reward and efficiency vs maximum generation length, per algorithm (seed mean, 95% CI).
 
-    Efficiency = (final-window reward - first logged reward) / total training compute, in reward per PFLOP.
+    Efficiency = (final-window reward - first logged reward) / total training compute, in reward per unit of compute
+    (the study's compute unit, style.compute_unit).
     """
+    from matplotlib import ticker
+
     _need_axis(study, axis)
     _need_metric(study, vocab.REWARD)
+    scale, unit = _unit(study)
     fw = stats.final_window(study.long, vocab.REWARD, frac=frac)
     first = stats.metric_rows(study.long, vocab.REWARD).groupby(RUN_ID, observed=True)[VALUE].first()
     fw["efficiency"] = (fw["value"].to_numpy() - first.reindex(fw[RUN_ID].astype(str)).to_numpy()) / (
-        fw["compute_to"].to_numpy() / PFLOP
+        fw["compute_to"].to_numpy() / scale
     )
     fig = style.new_figure(ncols=2)
-    axs = fig.subplots(1, 2)
+    axs = fig.subplots(1, 2, sharex=True)
     tables = {}
-    for ax, col, ylabel in ((axs[0], "value", "final reward"), (axs[1], "efficiency", "reward gain per PFLOP")):
+    lengths = sorted(float(v) for v in study.runs[axis].dropna().unique())
+    for ax, col, ylabel in ((axs[0], "value", "final reward"), (axs[1], "efficiency", f"reward gain per {unit}")):
         s = stats.summarize(fw, value=col, by=[ALGORITHM, axis])
         tables[col] = s
         for alg in style.order(s[ALGORITHM].astype(str)):
@@ -606,20 +688,25 @@ def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float =
             ax.plot(xs, t["mean"], marker="o", color=style.color(alg), label=style.label(alg))
             ax.fill_between(xs, t["low"].to_numpy(float), t["high"].to_numpy(float), color=style.color(alg), alpha=0.2)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{v:g}" for v in lengths], rotation=0 if len(lengths) <= 5 else 45)
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlabel(f"max generation length ({axis})")
         ax.set_ylabel(ylabel)
-    axs[0].legend(loc="best")
+    _legend(fig, axs[:1])
     caption = (
-        f"Figure 5. Final reward (mean of the last {frac:.0%} of steps) and efficiency (reward gained per PFLOP of "
+        f"Figure 5. Final reward (mean of the last {frac:.0%} of steps) and efficiency (reward gained per {unit} of "
         "training compute) against the maximum generation length; seed means with 95% bootstrap intervals."
     )
     return Made(fig, "figure5_length", caption, tables)
 
 
 # --- Figure 6 ---------------------------------------------------------------------------------------------------------
+@style.styled
 def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10) -> Made:
     """Routing volatility: expert-slot mismatch per layer (left), over training (middle), and per run against the
     average clip fraction (right)."""
+    from matplotlib import ticker
+
     st = select(study, where)
     _need_metric(st, vocab.ROUTING_SLOT)
     fig = style.new_figure(ncols=3, height=2.8)
@@ -639,22 +726,19 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
                 marker="o",
                 ms=3,
                 color=style.color(alg),
-                label=style.label(alg),
                 capsize=1.5,
             )
         ax_l.set_xlabel("MoE layer")
-        ax_l.set_xticks(sorted(s["layer"].unique()))
-        ax_l.legend(loc="best")
+        ax_l.xaxis.set_major_locator(ticker.MaxNLocator(nbins=6, integer=True))
     else:
         ax_l.text(0.5, 0.5, "no per-layer routing table", ha="center", va="center", transform=ax_l.transAxes)
     ax_l.set_ylabel("expert-slot mismatch")
     ax_l.set_title("per layer")
     curves = _curves(st, vocab.ROUTING_SLOT, smooth=smooth, n_grid=100)
     tables["over_training"] = curves
-    _plot_curves(ax_t, curves, _varying(st))
-    _legend(fig, ax_t)
-    ax_t.set_xscale("log")
-    ax_t.set_xlabel("training compute (PFLOP)")
+    scale, unit = _unit(st)
+    _plot_curves(ax_t, curves, _varying(st), scale=scale)
+    _compute_axis(ax_t, unit)
     ax_t.set_title("over training")
     if vocab.CLIP in st.metrics:
         rs = stats.run_mean(st.long, vocab.ROUTING_SLOT).rename(columns={"value": "slot_mismatch"})
@@ -663,11 +747,13 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
         tables["vs_clip"] = both
         for alg in style.order(both[ALGORITHM].astype(str)):
             t = both[both[ALGORITHM].astype(str) == alg]
-            ax_c.scatter(t["slot_mismatch"], t[vocab.CLIP], s=12, color=style.color(alg), label=style.label(alg))
-        ax_c.set_yscale("log")
+            ax_c.scatter(t["slot_mismatch"], t[vocab.CLIP], s=12, color=style.color(alg))
+        style.log_scale(ax_c, "y")
+        ax_c.xaxis.set_major_locator(ticker.MaxNLocator(nbins=4))
         ax_c.set_xlabel("avg. expert-slot mismatch")
         ax_c.set_ylabel("avg. clipped-token fraction")
         ax_c.set_title("vs clipping (per run)")
+    _legend(fig, extra=_curve_legend(curves, _varying(st)))
     caption = (
         "Figure 6. Routing volatility: the expert-slot mismatch mean(1 - |S_old & S_new| / k) between the routing "
         "before and after an update, per MoE layer (mean over steps and seeds, 95% CI), over training, and per run "
@@ -677,6 +763,7 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
 
 
 # --- Figure 7 ---------------------------------------------------------------------------------------------------------
+@style.styled
 def figure7_fits(
     study: Study,
     *,
@@ -693,6 +780,7 @@ def figure7_fits(
         fits = fitting.fit_study(st.long, vocab.REWARD, runs=st.runs, n_boot=n_boot)
     table = fitting.fits_table(fits)
     algs = style.order(str(k[0]) for k in fits)
+    scale, unit = _unit(st)
     rows_h = 0.2 * (len(algs) + 1)
     leg_h = 0.2 * -(-len(algs) // style.legend_ncols([f"{style.label(a)} (not identified)" for a in algs]))
     fig = style.new_figure(ncols=1, width=style.WIDTH_DOUBLE, height=2.6 + leg_h + rows_h)
@@ -701,17 +789,16 @@ def figure7_fits(
         f = fits[(alg,)]
         col = style.color(alg)
         if f.identified:
-            ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, color=col, alpha=0.7, gid=f"fit-points-{alg}")
+            ax.plot(f.x / scale, f.y, "o", ms=2.5, color=col, alpha=0.7, gid=f"fit-points-{alg}")
             xs = np.geomspace(f.x.min(), f.c_max, 100)
             xe = np.geomspace(f.c_max, f.c_max * extrapolate, 50)
-            ax.plot(xs / PFLOP, f.predict(xs), color=col, label=style.label(alg), gid=f"fit-curve-{alg}")
-            ax.plot(xe / PFLOP, f.predict(xe), color=col, ls="--", gid=f"fit-extrapolation-{alg}")
+            ax.plot(xs / scale, f.predict(xs), color=col, label=style.label(alg), gid=f"fit-curve-{alg}")
+            ax.plot(xe / scale, f.predict(xe), color=col, ls="--", gid=f"fit-extrapolation-{alg}")
             ax.axhline(f.params.a, color=col, ls=":", lw=0.8, gid=f"fit-asymptote-{alg}")
         else:  # the points only: a curve through parameters at their bounds would read as a prediction
             label = f"{style.label(alg)} (not identified)"
-            ax.plot(f.x / PFLOP, f.y, "o", ms=2.5, mfc="none", color=col, label=label, gid=f"fit-points-{alg}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training compute (PFLOP)")
+            ax.plot(f.x / scale, f.y, "o", ms=2.5, mfc="none", color=col, label=label, gid=f"fit-points-{alg}")
+    _compute_axis(ax, unit)
     ax.set_ylabel("training reward")
     ax_l.axis("off")  # the legend has a row of its own, between the data and the table
     handles, labels = ax.get_legend_handles_labels()
@@ -732,23 +819,30 @@ def figure7_fits(
                     style.label(alg),
                     ci(r["A"], r["A_low"], r["A_high"], ".3f"),
                     ci(r["B"], r["B_low"], r["B_high"], ".2f"),
-                    ci(r["C_mid"] / PFLOP, r["C_mid_low"] / PFLOP, r["C_mid_high"] / PFLOP, ".3g"),
+                    ci(r["C_mid"] / scale, r["C_mid_low"] / scale, r["C_mid_high"] / scale, ".3g"),
                     "yes",
                 ]
             )
-        else:
-            cells.append([style.label(alg), "not identified", "-", "-", "no: " + f.why_not_identified])
-    if cells:
-        tab = ax_t.table(
-            cellText=cells,
-            colLabels=["", "A", "B", "C_mid (PFLOP)", "identified"],
-            bbox=(0.0, 0.0, 1.0, 1.0),
-            cellLoc="left",
-            edges="horizontal",
+        else:  # no numbers: what the data do not identify, across the columns
+            cells.append([style.label(alg), "not identified: " + f.why_not_identified, "", "", ""])
+    if cells:  # monospaced text rather than a matplotlib table, whose cells do not grow with their text
+        head = ["", "A", "B", f"C_mid ({unit})", "identified"]
+        widths = [max(len(row[k]) for row in [head, *cells] if k == 0 or row[2]) for k in range(len(head))]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+        for row in cells:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        rule = "-" * max(len(line) for line in lines)
+        ax_t.text(
+            0.0,
+            1.0,
+            "\n".join([lines[0], rule, *lines[1:]]),
+            transform=ax_t.transAxes,
+            va="top",
+            ha="left",
+            family="monospace",
+            fontsize=6.5,
+            gid="fit-table",
         )
-        tab.auto_set_font_size(False)
-        tab.set_fontsize(6.5)
-        tab.auto_set_column_width(list(range(5)))
     unidentified = [f"{style.label(str(k[0]))} ({f.why_not_identified})" for k, f in fits.items() if not f.identified]
     caption = (
         "Figure 7. ScaleRL fits R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) per algorithm (R0 fixed to the initial "

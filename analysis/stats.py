@@ -487,13 +487,15 @@ def _seed_band(c: Collapse, peers: Sequence[tuple[np.ndarray, np.ndarray]]) -> s
 
 
 # --- curves on a common compute grid ---------------------------------------------------------------------------------
-def compute_grid(x: np.ndarray, *, n: int = 100, log: bool = True) -> np.ndarray:
-    """`n` points spanning the positive range of `x` (geometric when `log`)."""
+def compute_grid(x: np.ndarray, *, n: int = 100, log: bool = True, start: float | None = None) -> np.ndarray:
+    """`n` points spanning the positive range of `x` (geometric when `log`), from `start` when given."""
     x = np.asarray(x, dtype=np.float64)
     x = x[np.isfinite(x) & ((x > 0) if log else True)]
     if x.size == 0:
         raise ValueError("no finite (positive, for a log grid) x values to build a grid from")
     lo, hi = float(x.min()), float(x.max())
+    if start is not None and lo < start <= hi:
+        lo = float(start)
     if lo == hi:
         return np.array([lo])
     return np.geomspace(lo, hi, n) if log else np.linspace(lo, hi, n)
@@ -506,11 +508,14 @@ def interpolate_runs(
     x: str = COMPUTE,
     log: bool = True,
     smooth: int | None = None,
+    center: bool = False,
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """Each run's curve (one metric's rows) interpolated onto `grid`: (run info, (runs, len(grid)) matrix).
 
     Interpolation is linear in log x when `log`; a run has NaN outside its own x range (no extrapolation), so a
-    collapsed run stops where it stopped. `smooth` applies a trailing rolling mean over that many steps first.
+    collapsed run stops where it stopped. `smooth` applies a rolling mean over that many steps first: trailing, or
+    centred when `center` (at the ends, over the steps there are: the first point is then a mean of about smooth / 2
+    steps, not one step's value).
     """
     slices = _run_slices(rows)
     xs, v = rows[x].to_numpy(dtype=np.float64), rows[VALUE].to_numpy(dtype=np.float64)
@@ -519,7 +524,7 @@ def interpolate_runs(
     for i, (start, stop) in enumerate(slices):
         xi, vi = xs[start:stop], v[start:stop]
         if smooth and smooth > 1:
-            vi = pd.Series(vi).rolling(smooth, min_periods=1).mean().to_numpy()
+            vi = pd.Series(vi).rolling(smooth, min_periods=1, center=center).mean().to_numpy()
         ok = np.isfinite(xi) & np.isfinite(vi) & ((xi > 0) if log else True)
         if not ok.any():
             continue
@@ -527,6 +532,17 @@ def interpolate_runs(
         mat[i] = np.interp(g, xi, vi, left=np.nan, right=np.nan)
     info = _run_info(rows, slices, [c for c in group_columns(rows) if c in rows.columns] + [SEED])
     return info, mat
+
+
+def run_starts(rows: pd.DataFrame, *, x: str = COMPUTE, log: bool = True) -> np.ndarray:
+    """Each run's first x (one metric's rows, sorted by run and step; `_run_slices` order), NaN for a run with none."""
+    xs = rows[x].to_numpy(dtype=np.float64)
+    out = []
+    for start, stop in _run_slices(rows):
+        xi = xs[start:stop]
+        xi = xi[np.isfinite(xi) & ((xi > 0) if log else True)]
+        out.append(float(xi.min()) if xi.size else np.nan)
+    return np.asarray(out, dtype=np.float64)
 
 
 def aggregate_curves(
@@ -539,22 +555,38 @@ def aggregate_curves(
     n_grid: int = 100,
     log: bool = True,
     smooth: int | None = None,
+    center: bool = False,
+    aligned: bool = False,
     confidence: float = 0.95,
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> pd.DataFrame:
     """Mean curve and bootstrap band over seeds per configuration, on one grid shared by every configuration.
 
+    `aligned`: each configuration's curve begins at the last of its runs' first x (`run_starts`), so its first point
+    is a mean over all its seeds, not over the one or two that started earliest; the grid begins at the earliest
+    such point. `smooth`, `center`: see `interpolate_runs`.
     Columns: the `by` columns, x (named as `x`), mean, low, high, n (runs with a value at that x).
     """
     rows = metric_rows(long, metric)
     by = list(by) if by is not None else group_columns(long)
-    grid = compute_grid(rows[x].to_numpy(), n=n_grid, log=log) if grid is None else np.asarray(grid, np.float64)
-    info, mat = interpolate_runs(rows, grid, x=x, log=log, smooth=smooth)
+    slices = _run_slices(rows)
+    groups = _run_info(rows, slices, by).groupby(by, sort=True, dropna=False).indices
+    starts = run_starts(rows, x=x, log=log)
+    # where each configuration's curve begins: at the last of its runs' first points when aligned
+    begin = {k: (float(np.nanmax(starts[idx])) if aligned and np.isfinite(starts[idx]).any() else -np.inf)
+             for k, idx in groups.items()}  # fmt: skip
+    if grid is None:
+        first = min(begin.values()) if begin and aligned else None
+        grid = compute_grid(rows[x].to_numpy(), n=n_grid, log=log, start=first)
+    grid = np.asarray(grid, np.float64)
+    _, mat = interpolate_runs(rows, grid, x=x, log=log, smooth=smooth, center=center)
     frames = []
-    for key, idx in info.groupby(by, sort=True, dropna=False).indices.items():
+    for key, idx in groups.items():
+        m = mat[idx]
+        m[:, grid < begin[key] * (1 - 1e-12)] = np.nan
+        mean, low, high, n = bootstrap_mean_band(m, confidence=confidence, n_resamples=n_resamples, seed=seed)
         key = key if isinstance(key, tuple) else (key,)
-        mean, low, high, n = bootstrap_mean_band(mat[idx], confidence=confidence, n_resamples=n_resamples, seed=seed)
         frame = pd.DataFrame({x: grid, "mean": mean, "low": low, "high": high, "n": n})
         for col, val in zip(by, key, strict=True):
             frame[col] = val

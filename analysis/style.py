@@ -7,13 +7,20 @@ files. Labels and colours come from the algorithm registry (`registry()`): no fi
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any, TypeVar
 
 import matplotlib as mpl
+import numpy as np
+from matplotlib import ticker
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from analysis import files
@@ -54,6 +61,21 @@ def context() -> Iterator[None]:
     """Apply the project's rcParams inside a `with` block."""
     with mpl.rc_context(RC):
         yield
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def styled(fn: F) -> F:
+    """Build a figure inside `context()`: the rcParams apply to every artist the function creates (fonts, lines,
+    legends), not only to the Figure object."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def new_figure(ncols: int = 1, nrows: int = 1, *, width: float | None = None, height: float | None = None) -> Figure:
@@ -115,7 +137,97 @@ def order(names: Iterable[str]) -> list[str]:
     return sorted(names, key=reg.__getitem__)
 
 
+CATEGORICAL = (
+    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",  # Okabe-Ito, less its yellow
+    "#332288", "#882255", "#44AA99", "#999933", "#AA4499", "#117733", "#88CCEE", "#CC6677", "#777777",  # Paul Tol
+)  # fmt: skip
+"""Colour-blind-safe colours with no yellow on white, for what is not an algorithm (algorithms: the registry's)."""
+
+
 def config_colors(n: int) -> list[str]:
-    """n distinct colours for what is not an algorithm (e.g. precision configurations): tab10, tab20 beyond 10."""
-    cmap = mpl.colormaps["tab10" if n <= 10 else "tab20"]
-    return [mpl.colors.to_hex(cmap(i % cmap.N)) for i in range(n)]
+    """n colours for what is not an algorithm (e.g. precision configurations): CATEGORICAL, cycled beyond 16."""
+    return [CATEGORICAL[i % len(CATEGORICAL)] for i in range(n)]
+
+
+# --- axes ---------------------------------------------------------------------------------------------------------
+COMPUTE_UNITS = ((1e21, "ZFLOP"), (1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1.0, "FLOP"))
+
+
+def compute_unit(largest: float) -> tuple[float, str]:
+    """(scale, name) of the FLOP unit in which `largest` compute reads as 1 to 999 (GFLOP, TFLOP, PFLOP, ...), so
+    compute axes carry plain numbers."""
+    for scale, name in COMPUTE_UNITS:
+        if np.isfinite(largest) and largest >= scale:
+            return scale, name
+    return COMPUTE_UNITS[-1]
+
+
+def _tick_label(v: float, _pos: object = None) -> str:
+    """A log-axis tick label: plain (0.02, 500) between 1e-4 and 1e5, else 2e-06."""
+    if v == 0:
+        return "0"
+    return f"{v:g}" if 1e-4 <= abs(v) < 1e5 else f"{v:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+class LogTicks(ticker.Locator):
+    """Major ticks of a log axis at 1-2-5 x 10^k, thinned to 1-2-3-5-7, 1-3, 1 x 10^k (then every n-th decade) until
+    the labels of neighbouring ticks cannot overlap at the axis' drawn length; decided at draw time."""
+
+    SUBS = ((1, 2, 5), (1, 3), (1,))
+
+    def __call__(self) -> list[float]:
+        lo, hi = self.axis.get_view_interval()
+        return self.tick_values(lo, hi)
+
+    def tick_values(self, vmin: float, vmax: float) -> list[float]:
+        lo, hi = sorted((float(vmin), float(vmax)))
+        if not (lo > 0 and np.isfinite(hi) and hi > lo):
+            return []
+        axes = self.axis.axes
+        horizontal = self.axis.axis_name == "x"
+        length = (axes.bbox.width if horizontal else axes.bbox.height) / axes.figure.dpi  # inches
+        size = mpl.font_manager.FontProperties(size=mpl.rcParams[f"{self.axis.axis_name}tick.labelsize"])
+        pt = size.get_size_in_points()
+        span = math.log10(hi / lo)
+
+        def fits(ticks: list[float]) -> bool:
+            if len(ticks) < 2:
+                return True
+            pos = [(math.log10(t / lo) / span) * length for t in ticks]
+            gaps = [b - a for a, b in itertools.pairwise(pos)]
+            if horizontal:  # half of each neighbour's label width, plus a gap of one character
+                widths = [len(_tick_label(t)) * 0.6 * pt / 72 for t in ticks]
+                need = [0.5 * (a + b) + pt * 0.6 / 72 for a, b in itertools.pairwise(widths)]
+            else:
+                need = [1.6 * pt / 72] * len(gaps)
+            return all(g >= n for g, n in zip(gaps, need, strict=True))
+
+        k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        eps = 1e-9 * (hi - lo)
+        candidates = []
+        for subs in self.SUBS:
+            candidates.append([m * 10.0**k for k in range(k0, k1 + 1) for m in subs])
+        for stride in range(2, max(2, k1 - k0) + 1):
+            candidates.append([10.0**k for k in range(k0, k1 + 1) if k % stride == 0])
+        chosen: list[float] = []
+        for cand in candidates:
+            ticks = [t for t in cand if lo - eps <= t <= hi + eps]
+            if len(ticks) <= 8 and fits(ticks):
+                chosen = ticks
+                break
+        if len(chosen) < 2:  # a range narrower than 1-2-5 steps: evenly spaced round numbers inside it
+            for nbins in (4, 3, 2, 1):
+                ticks = [float(t) for t in ticker.MaxNLocator(nbins=nbins).tick_values(lo, hi) if lo <= t <= hi]
+                if len(ticks) >= len(chosen) and fits(ticks):
+                    return ticks
+        return chosen
+
+
+def log_scale(ax: Axes, which: str = "x") -> None:
+    """A log scale on `ax`'s x or y axis whose ticks never overlap and read as plain numbers (LogTicks), with unlabelled
+    minor ticks."""
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(LogTicks())
+    axis.set_major_formatter(ticker.FuncFormatter(_tick_label))
+    axis.set_minor_formatter(ticker.NullFormatter())

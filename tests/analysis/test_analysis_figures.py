@@ -62,3 +62,79 @@ def test_figure3_marks_collapsed_runs(study):
 def test_missing_axis_is_a_clear_error(study):
     with pytest.raises(MissingData, match="not swept"):
         figures.figure5_length(study, axis="no.such.axis")
+
+
+def _layout_problems(fig):
+    """Overlapping tick labels (unrotated) on any axis, and legends over any panel that shows data."""
+    import itertools
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    problems = []
+    for k, ax in enumerate(fig.axes):
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            ticks = [*axis.get_ticklabels(), *axis.get_ticklabels(minor=True)]
+            labels = [t for t in ticks if t.get_visible() and t.get_text() and t.get_rotation() == 0]
+            for a, b in itertools.combinations(labels, 2):
+                if a.get_window_extent(r).overlaps(b.get_window_extent(r)):
+                    problems.append(f"axes {k} {name} ticks {a.get_text()!r} and {b.get_text()!r} overlap")
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    for leg in legends:
+        box = leg.get_window_extent(r)
+        for k, ax in enumerate(fig.axes):
+            if ax.has_data() and box.overlaps(ax.get_window_extent(r)):
+                problems.append(f"a legend covers axes {k} ({ax.get_title()!r})")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def small_study(tmp_path_factory):
+    # issue 22's default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
+    # noisy rewards: the eval panels' ticks overlapped ("3x10^-4 4x10^-4 6x10^-4") and legends covered data
+    from analysis import synthetic, tidy
+
+    C = synthetic.Curve
+    curves = {a: C(a=0.075, b=1.0, c_mid=1e11, r0=0.15, noise=0.035) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")}
+    root = tmp_path_factory.mktemp("small")
+    synthetic.make_study(root, curves, seeds=(0, 1, 2), n_steps=40, flops_per_step=1.5e10, eval_every=10)
+    return tidy.load_study(root)
+
+
+@pytest.mark.parametrize("which", ["study", "small_study"])
+def test_every_figure_reads_at_a_glance(which, request):
+    st = request.getfixturevalue(which)
+    for name, fn in figures.FIGURES.items():
+        try:
+            made = fn(st, n_boot=20) if name == "figure7_fits" else fn(st)
+        except MissingData:
+            continue
+        assert _layout_problems(made.fig) == [], name
+        # one legend per figure, outside every panel that holds data
+        assert not [ax for ax in made.fig.axes if ax.get_legend() is not None and ax.has_data()], name
+
+
+def test_algorithm_colours_are_colour_blind_safe_and_visible_on_white():
+    from matplotlib.colors import to_rgb
+
+    def luminance(hex_colour):
+        c = np.array(to_rgb(hex_colour))
+        c = np.where(c <= 0.03928, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+        return float(c @ [0.2126, 0.7152, 0.0722])
+
+    reg = style.registry()
+    colours = [style.color(n) for n in reg.names()]
+    assert len(set(colours)) == len(colours)  # every algorithm its own colour
+    for name, c in zip(reg.names(), colours, strict=True):
+        assert 1.05 / (luminance(c) + 0.05) >= 2.0, f"{name}: {c} is too light on white (yellow?)"
+    okabe_ito = {"#D55E00", "#0072B2", "#009E73", "#CC79A7"}
+    assert {style.color(a) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")} == okabe_ito
+
+
+def test_curves_begin_where_every_seed_has_logged(study):
+    made = figures.figure1_reward(study)
+    curves = made.tables["reward_mean"]
+    first = curves.dropna(subset=["mean"]).groupby(["algorithm", "max_new_tokens", "rollout_dtype"], observed=True)
+    assert (first["n"].first() == 3).all()  # every configuration's first point is a mean over its 3 seeds
