@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -97,21 +98,28 @@ class ColdStart:
     """The submitted callable of a cold start (`study.coldstart.ensure_coldstart`, not strict: an out-of-band result
     is kept and the runs stop on it with the reason), so that on a cluster it trains on a compute node too."""
 
-    def __init__(self, model: str | dict[str, Any], task: str, results: str, threads: int = 1) -> None:
+    def __init__(self, model: str | dict[str, Any], task: str, results: str, threads: int = 1,
+                 settings: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """`settings`: further ColdStartSettings fields (a run's band and task knobs, study.coldstart.store's
+        `run_coldstart`)."""
         self.model, self.task, self.results, self.threads = model, task, results, threads
+        self.settings = dict(settings or {})
 
     def __call__(self) -> dict[str, Any]:
         from study.coldstart import ensure_coldstart, read_record
 
         _in_job()
-        directory = ensure_coldstart(self.model, self.task, self.results, threads=self.threads, strict=False)
+        directory = ensure_coldstart(self.model, self.task, self.results, threads=self.threads, strict=False,
+                                     **self.settings)  # fmt: skip
         record = read_record(directory)
         return {"run_dir": str(directory), "state": "completed", "coldstart": record["status"],
                 "pass_at_1": record["pass_at_1"]}  # fmt: skip
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Time-out/preemption: requeue; an unfinished cold start is trained again (it has no mid-way checkpoint)."""
-        return submitit.helpers.DelayedSubmission(ColdStart(self.model, self.task, self.results, self.threads))
+        return submitit.helpers.DelayedSubmission(
+            ColdStart(self.model, self.task, self.results, self.threads, self.settings)
+        )
 
 
 @dataclass(frozen=True)
@@ -167,15 +175,22 @@ def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Reso
 
 
 def launch_coldstart(
-    model: str | dict[str, Any], task: str, results: str | Path, launcher: str, res: Resources
+    model: str | dict[str, Any],
+    task: str,
+    results: str | Path,
+    launcher: str,
+    res: Resources,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Make (or reuse) the cold start of (model, task) through `launcher`, blocking; returns its status. `model`: a
-    preset name or a model mapping {preset: NAME, FIELD: VALUE, ...}."""
+    preset name or a model mapping {preset: NAME, FIELD: VALUE, ...}; `extra`: further ColdStartSettings fields (a
+    run's band and task knobs)."""
     from study.coldstart import resolve_settings
 
-    settings = resolve_settings(model, task, threads=res.cpus)  # raises on an unknown preset, field or task
+    extra = dict(extra or {})
+    settings = resolve_settings(model, task, threads=res.cpus, **extra)  # raises on an unknown preset, field or task
     name = settings.dirname
-    call = ColdStart(settings.model, task, str(results), threads=res.cpus)
+    call = ColdStart(settings.model, task, str(results), threads=res.cpus, settings=extra)
     return _submit_and_wait(call, launcher, Path(results) / "coldstart" / "submitit" / name, res, f"coldstart-{name}")
 
 
@@ -212,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coldstart", nargs=2, metavar=("MODEL", "TASK"),
                         help="launch the cold start of a model and task instead of a run; MODEL: a preset "
                              "name or a YAML/JSON mapping '{preset: NAME, FIELD: VALUE, ...}'")  # fmt: skip
+    parser.add_argument("--coldstart-settings", default="{}", metavar="JSON",
+                        help="with --coldstart: further cold-start settings as a JSON mapping, e.g. "
+                             "'{\"band\": [0.3, 0.7], \"knobs\": {\"terms\": [2, 3]}}'")  # fmt: skip
     parser.add_argument("--results", default="results", help="results directory (the run goes to RESULTS/runs/RUN_ID)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
     parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
@@ -240,14 +258,17 @@ def main(argv: list[str] | None = None) -> int:
             from study.coldstart import resolve_settings
             from study.coldstart.store import parse_model
 
+            extra = json.loads(args.coldstart_settings)
+            if not isinstance(extra, dict):
+                raise ValueError(f"--coldstart-settings = {args.coldstart_settings!r}; valid: a JSON mapping")
             coldstart = (parse_model(args.coldstart[0]), args.coldstart[1])
-            resolve_settings(*coldstart, threads=res.cpus)  # settings errors: before any job
-    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as err:  # before any job, no traceback
+            resolve_settings(*coldstart, threads=res.cpus, **extra)  # settings errors: before any job
+    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError, json.JSONDecodeError) as err:  # no job yet
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         if coldstart is not None:
-            status = launch_coldstart(*coldstart, args.results, args.launcher, res)
+            status = launch_coldstart(*coldstart, args.results, args.launcher, res, extra)
         else:
             status = launch(cfg.to_dict(), args.results, args.launcher, res)
     except FailedJobError as err:  # the remote traceback, verbatim

@@ -117,8 +117,9 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
         return build_tokenizer(mcfg.vocab_size, [cfg.task], n_per_task=400), None
     if cfg.coldstart == "auto":
         from study.coldstart import ensure_coldstart
+        from study.coldstart.store import run_coldstart
 
-        directory = ensure_coldstart(cfg.model, cfg.task, results)
+        directory = ensure_coldstart(cfg.model, cfg.task, results, **run_coldstart(cfg))
     else:
         directory = Path(cfg.coldstart)
     if not (directory / "policy.pt").is_file():
@@ -135,13 +136,17 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[s
 
 
 def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
-    """(training stream with `take(n, start)`, held-out sets by split). task = "user": the user's training rows
-    cycled in a seed-dependent order per epoch, and their held-out split (or eval_data) as `in_dist`."""
+    """(training stream with `take(n, start)`, held-out sets by split: `in_dist` drawn with the training knobs,
+    `hard` with HARD_KNOBS). task = "user": the user's training rows cycled in a seed-dependent order per epoch, and
+    their held-out split (or eval_data) as `in_dist`."""
     if cfg.task == "user":
         train, held = cfg.user_split()
         return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
     stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
-    return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size) for split in tasks.EVAL_SPLITS}
+    # in_dist follows the training knobs (the task's defaults when none are set); hard keeps HARD_KNOBS
+    return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size,
+                                          knobs=cfg.task_knobs if split == "in_dist" else None)
+                    for split in tasks.EVAL_SPLITS}  # fmt: skip
 
 
 def reference_policy(
@@ -255,9 +260,9 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     if init_state is not None:
         policy.load_state_dict(init_state, strict=False)
     prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
-    optimizer = build_optimizer(
-        policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=precision_mod.adam_eps(train_prec)
-    )
+    eps = precision_mod.adam_eps(train_prec)
+    optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
+                                router_lr_scale=cfg.router_lr_scale)  # fmt: skip
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
     stream, evals = task_data(cfg)
     ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)

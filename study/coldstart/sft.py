@@ -70,6 +70,9 @@ class ColdStartSettings:
     num_experts: 32} (study.model_config.model_spec; kept canonical, so a plain preset hashes as before)."""
     task: str = "chain_sum"
     """Task whose solutions are imitated and whose in_dist eval set is scored (study.data.tasks.TASKS)."""
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Task knobs of the SFT stream and of the in_dist set it is checked on (study.data.tasks.make_task; {} = the
+    task's defaults): a run's cold start trains on the run's `task_knobs`."""
     band: tuple[float, float] = (0.1, 0.5)
     """Target mean pass@1 band [low, high]; training stops as soon as a check lands inside it."""
     seed: int = 0
@@ -109,6 +112,10 @@ class ColdStartSettings:
                              "tokenizer's 256 bytes and special tokens)")  # fmt: skip
         if self.task not in tasks.TASKS:
             raise ValueError(f"coldstart.task = {self.task!r}; valid: {', '.join(tasks.TASKS)}")
+        if not isinstance(self.knobs, dict):
+            raise ValueError(f"coldstart.knobs = {self.knobs!r}; valid: a mapping of task knobs")
+        tasks.make_task(self.task, **self.knobs)  # errors name the knob and its valid values
+        object.__setattr__(self, "knobs", dict(sorted(self.knobs.items())))
         lo, hi = _pair(self.band)
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"coldstart.band = {self.band!r}; valid: (low, high) with 0 <= low < high <= 1")
@@ -148,6 +155,8 @@ class ColdStartSettings:
         fields = dataclasses.asdict(self)
         fields.pop("threads")
         fields["band"] = list(self.band)
+        if not self.knobs:  # the task's defaults: directories of cold starts made before knobs existed stay valid
+            fields.pop("knobs")
         if self.init is not None:
             fields["init"] = _file_sha256(_init_policy_path(self.init))
         fields["format_version"] = FORMAT_VERSION
@@ -386,8 +395,8 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
         warmup = max(settings.warmup_steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         engine = get_engine("hf", cfg, dtype="fp32")
-        stream = tasks.make_task(settings.task, seed=settings.seed)
-        eval_items = tasks.eval_set(settings.task, "in_dist", size=settings.eval_size)
+        stream = tasks.make_task(settings.task, seed=settings.seed, **settings.knobs)
+        eval_items = tasks.eval_set(settings.task, "in_dist", size=settings.eval_size, knobs=settings.knobs)
         longest = max(len(tok.encode_prompt(i.prompt)) for i in eval_items) + settings.max_new_tokens
         if longest > cfg.max_seq_len:
             raise ValueError(f"eval prompt + max_new_tokens = {longest} > model.max_seq_len = {cfg.max_seq_len}")

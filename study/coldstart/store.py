@@ -60,6 +60,13 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def run_coldstart(cfg: Any) -> dict[str, Any]:
+    """The cold-start arguments of a run with coldstart = "auto" (a study.run.config.RunConfig), as keywords of
+    `ensure_coldstart` and `resolve_settings` besides the model and task: its band and its task knobs. The one place
+    that says which cold start a run starts from (the RL loop and the Snakemake workflow both ask here)."""
+    return {"band": tuple(cfg.coldstart_band), "knobs": dict(cfg.task_knobs)}
+
+
 def ensure_coldstart(
     model: ModelSpec,
     task: str,

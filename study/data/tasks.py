@@ -322,6 +322,14 @@ def _knob_key(knobs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(knobs.items()))
 
 
+def _knobs_key(task: str, knobs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """The resolved `knobs` as a cache key; () when they are the task's defaults (or none are given)."""
+    if not knobs:
+        return ()
+    resolved = resolve_knobs(task, **knobs)
+    return () if resolved == resolve_knobs(task) else _knob_key(resolved)
+
+
 @dataclass(frozen=True)
 class Task:
     """An endless, deterministic training stream of one task: `task[i]` is the same item for the same seed and
@@ -338,7 +346,7 @@ class Task:
             self.name,
             self.knobs,
             ("train", self.name, _knob_key(self.knobs), self.seed, index),
-            _held_out_prompts(self.name),
+            _held_out_prompts(self.name, _knobs_key(self.name, self.knobs)),
         )
 
     def take(self, n: int, start: int = 0) -> list[TaskItem]:
@@ -379,14 +387,18 @@ def make_task(
 
 
 @cache
-def _eval_items(task: str, split: str) -> tuple[TaskItem, ...]:
+def _eval_items(task: str, split: str, knobs_key: tuple[tuple[str, Any], ...] = ()) -> tuple[TaskItem, ...]:
+    """The held-out set (task, split); `knobs_key` (in_dist only): the training knobs it follows, () = the defaults.
+    A set of other knobs is drawn from its own seed and excludes the default sets' prompts."""
     spec = EVAL_SPECS[(task, split)]
-    knobs = resolve_knobs(task, **spec.knobs)
+    knobs = resolve_knobs(task, **(dict(knobs_key) or spec.knobs))
+    default = knobs == resolve_knobs(task, **spec.knobs)
+    seen: set[str] = set() if default else set(_held_out_prompts(task))
+    parts = ("eval", task, split, spec.seed) if default else ("eval", task, split, spec.seed, _knob_key(knobs))
     items: list[TaskItem] = []
-    seen: set[str] = set()
     index = 0
     while len(items) < spec.size:  # distinct problems: each counts once in pass@1
-        item = _draw(task, knobs, ("eval", task, split, spec.seed, index), frozenset(seen))
+        item = _draw(task, knobs, (*parts, index), frozenset(seen))
         seen.add(item.prompt)
         items.append(item)
         index += 1
@@ -394,18 +406,29 @@ def _eval_items(task: str, split: str) -> tuple[TaskItem, ...]:
 
 
 @cache
-def _held_out_prompts(task: str) -> frozenset[str]:
-    return frozenset(item.prompt for split in EVAL_SPLITS for item in _eval_items(task, split))
+def _held_out_prompts(task: str, knobs_key: tuple[tuple[str, Any], ...] = ()) -> frozenset[str]:
+    """Every prompt of the task's default held-out sets, and of the in_dist set of `knobs_key` when given."""
+    prompts = {item.prompt for split in EVAL_SPLITS for item in _eval_items(task, split)}
+    if knobs_key:
+        prompts |= {item.prompt for item in _eval_items(task, "in_dist", knobs_key)}
+    return frozenset(prompts)
 
 
-def eval_set(task: str, split: Literal["in_dist", "hard"] = "in_dist", *, size: int | None = None) -> list[TaskItem]:
+def eval_set(task: str, split: Literal["in_dist", "hard"] = "in_dist", *, size: int | None = None,
+             knobs: Mapping[str, Any] | None = None) -> list[TaskItem]:  # fmt: skip
     """The held-out set (task, split): fixed seed, distinct prompts, disjoint from every training stream of the
-    task. `size` takes a prefix (so smaller sets nest in larger ones); at most EVAL_SPECS[...].size."""
+    task. `knobs` (in_dist only): the training knobs the set follows (the task's defaults when None or empty: the
+    in-distribution set is the training distribution's). `size` takes a prefix (so smaller sets nest in larger
+    ones); at most EVAL_SPECS[...].size."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     if split not in EVAL_SPLITS:
         raise ValueError(f"eval split = {split!r}; valid: {', '.join(EVAL_SPLITS)}")
-    items = _eval_items(task, split)
+    if knobs and split != "in_dist":
+        raise ValueError(
+            f"eval split = {split!r} has fixed knobs (HARD_KNOBS); only in_dist follows the training knobs"
+        )
+    items = _eval_items(task, split, _knobs_key(task, knobs))
     if size is None:
         return list(items)
     if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= len(items):

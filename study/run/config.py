@@ -47,6 +47,10 @@ class RunConfig:
     coldstart: str = "auto"
     """Cold-start checkpoint directory, or "auto" (make or reuse the preset's own under the results dir), or
     "scratch" (random initialisation, for tests of the machinery only)."""
+    coldstart_band: list[float] = field(default_factory=lambda: [0.1, 0.5])
+    """With coldstart = "auto": the held-out pass@1 band [low, high] at which the cold start's SFT stops (its
+    recipe checks every few steps and keeps the check nearest the band). The RL signal needs a start that solves
+    some problems some of the time: too low and most groups have zero variance."""
     steps: int = 20
     """RL steps (rollout batches)."""
     prompts_per_step: int = 8
@@ -65,6 +69,9 @@ class RunConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
+    router_lr_scale: float = 1.0
+    """The MoE routers' learning rate as a multiple of `lr` (their own AdamW group; 1 = one lr for every weight):
+    the routing-volatility knob, moving the routing while the rest trains at `lr`."""
     rollout_engine: str = "hf"
     """Inference engine for rollouts: hf (transformers, the fast CPU default) or vllm."""
     train_dtype: str = "fp32"
@@ -160,6 +167,18 @@ class RunConfig:
         self._validate_coldstart()
         if not (self.kl_coef >= 0.0 and self.kl_coef < float("inf")):
             raise ValueError(f"kl_coef = {self.kl_coef}: must be a finite number >= 0 (0 = no KL penalty)")
+        if not (isinstance(self.router_lr_scale, float) and 0.0 < self.router_lr_scale < float("inf")):
+            raise ValueError(
+                f"router_lr_scale = {self.router_lr_scale}: must be a finite number > 0 (1 = routers at lr)"
+            )
+        band = self.coldstart_band
+        if not (
+            isinstance(band, list)
+            and len(band) == 2
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in band)
+            and 0.0 <= band[0] < band[1] <= 1.0
+        ):
+            raise ValueError(f"coldstart_band = {band!r}; valid: [low, high] with 0 <= low < high <= 1")  # fmt: skip
         _choice("rollout_engine", self.rollout_engine, ENGINES)
         _choice("train_dtype", self.train_dtype, DTYPES)
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
@@ -316,6 +335,8 @@ HASHED_IF_SET: dict[str, Any] = {
     "verifier": "",
     "eval_data": "",
     "kl_coef": 0.0,
+    "coldstart_band": [0.1, 0.5],
+    "router_lr_scale": 1.0,
 }
 
 

@@ -9,6 +9,7 @@ from snakemake.utils import validate
 sys.path.insert(0, workflow.basedir)  # the repository root: study, sweeps, analysis
 
 from study.coldstart import resolve_settings  # noqa: E402
+from study.coldstart.store import run_coldstart  # noqa: E402
 from sweeps.expand import load_sweep, write_config  # noqa: E402
 from sweeps.schema import SweepError  # noqa: E402
 
@@ -34,12 +35,14 @@ def coldstart_name(cfg):
     ensure_coldstart(model, task, results) with its defaults; None for a run given a checkpoint (or "scratch")."""
     if cfg.coldstart != "auto":
         return None
-    return resolve_settings(cfg.model, cfg.task, band=(0.1, 0.5), seed=0, threads=1, init=None).dirname
+    return resolve_settings(cfg.model, cfg.task, seed=0, threads=1, init=None, **run_coldstart(cfg)).dirname
 
 
 RUN_COLDSTART = {run_id: coldstart_name(cfg) for run_id, cfg in RUNS.items()}  # run id -> cold start (or None)
-COLDSTARTS = {  # cold-start directory name -> (model shape, task), one `coldstart` job per distinct shape x task
-    name: (cfg.model, cfg.task) for cfg, name in zip(RUNS.values(), RUN_COLDSTART.values()) if name is not None
+COLDSTARTS = {  # cold-start directory name -> (model shape, task, band and knobs), one job per distinct cold start
+    name: (cfg.model, cfg.task, run_coldstart(cfg))
+    for cfg, name in zip(RUNS.values(), RUN_COLDSTART.values())
+    if name is not None
 }
 
 
@@ -72,6 +75,12 @@ def coldstart_model(wildcards):
 
 def coldstart_task(wildcards):
     return COLDSTARTS[wildcards.coldstart][1]
+
+
+def coldstart_settings(wildcards):
+    """The cold start's band and task knobs as `python -m study.launch --coldstart-settings` reads them (JSON)."""
+    extra = COLDSTARTS[wildcards.coldstart][2]
+    return json.dumps({"band": list(extra["band"]), "knobs": extra["knobs"]}, separators=(",", ":"))
 
 
 def configs_dir(wildcards, output):

@@ -39,6 +39,7 @@ rule coldstart:
         results=results_of_run,
         model=coldstart_model,
         task=coldstart_task,
+        settings=coldstart_settings,
     threads: 2
     resources:
         launcher="in-process",
@@ -50,7 +51,8 @@ rule coldstart:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study.launch --coldstart {params.model:q} {params.task} --results {params.results} "
+        "{params.python} -m study.launch --coldstart {params.model:q} {params.task} "
+        "--coldstart-settings {params.settings:q} --results {params.results} "
         "--launcher {resources.launcher} --partition '{resources.slurm_partition}' "
         "--account '{resources.slurm_account}' --gpus {resources.gpus} --time-min {resources.runtime} "
         "--mem-gb {resources.mem_gb} --cpus {threads} > {log} 2>&1"

@@ -225,3 +225,15 @@ def test_tiny_chain_sum_reaches_band(tmp_path: Path) -> None:
     assert record["status"] == "in_band"
     lo, hi = record["band"]
     assert lo <= record["pass_at_1"] <= hi
+
+
+def test_knobs_name_their_own_cold_start() -> None:
+    """A run's task knobs train its cold start (and pick its in_dist check set): other knobs, another directory;
+    the task's defaults keep the directory of a cold start made before knobs existed."""
+    plain = resolve_settings("tiny", "chain_sum")
+    assert resolve_settings("tiny", "chain_sum", knobs={}).dirname == plain.dirname
+    assert "knobs" not in plain.hashed()
+    easy = resolve_settings("tiny", "chain_sum", knobs={"terms": [2, 3], "digits": 1})
+    assert easy.dirname != plain.dirname and easy.hashed()["knobs"] == {"digits": 1, "terms": [2, 3]}
+    with pytest.raises(ValueError, match="unknown knob 'depth'"):
+        resolve_settings("tiny", "chain_sum", knobs={"depth": 2})

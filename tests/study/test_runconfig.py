@@ -1,5 +1,6 @@
 """Run configuration: presets, content-addressed run ids, and errors that name the field before any compute."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,23 @@ def test_cli_takes_a_shape_and_rejects_a_bad_one_before_any_compute(tmp_path: Pa
     assert out.returncode == 2, out.stderr
     assert "error: model.moe_top_k = 3: valid range is [1, 2]" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_router_lr_scale_and_coldstart_band() -> None:
+    """Both are validated with the field and the valid values, and hashed only when set (older run ids hold)."""
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
+
+    base = load_config(preset="tiny")
+    assert load_config(preset="tiny", sets=["router_lr_scale=1", "coldstart_band=[0.1, 0.5]"]).run_id == base.run_id
+    assert load_config(preset="tiny", sets=["router_lr_scale=30"]).run_id != base.run_id
+    assert load_config(preset="tiny", sets=["coldstart_band=[0.3, 0.7]"]).run_id != base.run_id
+    for bad, msg in (("router_lr_scale=-1", "router_lr_scale = -1.0: must be a finite number > 0"),
+                     ("coldstart_band=[0.6, 0.4]", "coldstart_band = [0.6, 0.4]; valid: [low, high]"),
+                     ("coldstart_band=0.5", "coldstart_band = 0.5; valid")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            load_config(preset="tiny", sets=[bad])
+    opt = build_optimizer(build_policy(base.model_config(), seed=0), lr=1e-4, router_lr_scale=30.0)
+    (rest, routers) = opt.param_groups
+    assert rest["lr"] == 1e-4 and routers["lr"] == pytest.approx(3e-3)
+    assert len(routers["params"]) == base.model_config().num_layers  # one router weight per MoE layer

@@ -161,12 +161,16 @@ def test_eval_sets_are_disjoint_from_training(name: str) -> None:
 
 
 def test_held_out_problems_are_skipped_even_in_a_small_problem_space() -> None:
-    # 2 one-digit terms: 200 problems, some of which are in the in_dist set
+    # 2 one-digit terms: 200 problems, some of which are in the default in_dist set; the in_dist set of these knobs
+    # (the run's held-out set when it trains on them) is held out of their stream too
     small = {i.prompt for i in eval_set("chain_sum", "in_dist") if i.metadata["num_terms"] == 2}
     small = {p for p in small if all(len(n) == 1 for n in p[4:-1].replace("-", "+").split("+"))}
     assert small, "the in_dist set should hold some 2-term one-digit problems"
+    own = {i.prompt for i in eval_set("chain_sum", "in_dist", knobs={"terms": 2, "digits": 1})}  # these knobs' set
     train = {i.prompt for i in make_task("chain_sum", terms=2, digits=1).take(400)}
-    assert len(train) > 100 and not train & small
+    # 200 problems: 128 in the knobs' own in_dist set, a few in the default sets; the stream yields the rest
+    assert len(own) == 128 and not own & small
+    assert len(train) > 40 and not train & small and not train & own
 
 
 def test_hard_sets_have_longer_solutions() -> None:
@@ -331,3 +335,17 @@ def test_verifiers_never_raise_on_arbitrary_responses(name: str, text: str) -> N
     for response in (text, f"#### {text}"):
         assert score(_first_item(name), response) in (0.0, 1.0)
         assert 0.0 <= score(_first_item(name), response, partial_credit=True) <= 1.0
+
+
+def test_in_dist_follows_the_training_knobs() -> None:
+    """A run training on other knobs is evaluated in distribution: its in_dist set has those knobs (and the task's
+    defaults give the default set exactly); `hard` keeps HARD_KNOBS and refuses knobs."""
+    easy = {"terms": (2, 3), "digits": 1}
+    items = eval_set("chain_sum", "in_dist", knobs=easy)
+    assert len(items) == 128 and all(2 <= i.metadata["num_terms"] <= 3 for i in items)
+    assert eval_set("chain_sum", "in_dist", knobs=tasks.DEFAULT_KNOBS["chain_sum"]) == eval_set("chain_sum", "in_dist")
+    assert eval_set("chain_sum", "in_dist", size=8, knobs=easy) == items[:8]
+    train = {i.prompt for i in make_task("chain_sum", **easy).take(300)}
+    assert not train & {i.prompt for i in items}
+    with pytest.raises(ValueError, match="only in_dist follows the training knobs"):
+        eval_set("chain_sum", "hard", knobs=easy)
