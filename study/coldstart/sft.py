@@ -114,7 +114,7 @@ class ColdStartSettings:
             raise ValueError(f"coldstart.task = {self.task!r}; valid: {', '.join(tasks.TASKS)}")
         if not isinstance(self.knobs, dict):
             raise ValueError(f"coldstart.knobs = {self.knobs!r}; valid: a mapping of task knobs")
-        tasks.make_task(self.task, **self.knobs)  # errors name the knob and its valid values
+        tasks.resolve_knobs(self.task, **self.knobs)  # errors name the knob and its valid values
         object.__setattr__(self, "knobs", dict(sorted(self.knobs.items())))
         lo, hi = _pair(self.band)
         if not 0.0 <= lo < hi <= 1.0:
