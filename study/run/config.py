@@ -163,7 +163,7 @@ class RunConfig:
         _choice("task", self.task, (*tasks.TASKS, "user"))
         self._validate_user_data()
         if self.task != "user":
-            tasks.make_task(self.task, **self.task_knobs)  # validates the knobs
+            tasks.resolve_knobs(self.task, **self.task_knobs)  # validates the knobs: errors name the knob
         self._validate_coldstart()
         if not (self.kl_coef >= 0.0 and self.kl_coef < float("inf")):
             raise ValueError(f"kl_coef = {self.kl_coef}: must be a finite number >= 0 (0 = no KL penalty)")
