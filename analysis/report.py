@@ -3,11 +3,14 @@ and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is
 list of blocks (headings, paragraphs, tables, figures, the scorecard), each of which writes itself as HTML and as
 Markdown, so the two cannot list different contents.
 
-Contents: the study and its provenance (git sha, package versions, machine from the manifests; the config common to
-every run, the swept axes, and every run with its axis values and state), the scorecard (analysis.scorecard; stratified
-claims with their per-stratum verdicts), every figure with its caption and links to its PDF and SVG (analysis.figures;
-skipped figures say why), the figures' tables (small ones inline, every one as CSV under `tables/`), and the
-failed, collapsed and missing runs. Every file is written atomically (temporary file, then rename).
+Contents, in the order a reader needs them: a line on the study; the headline (one line per claim C1-C6: its
+verdict and the number it was decided on); Figures 1-3; the scorecard (analysis.scorecard; rules, evidence with
+intervals, per-stratum verdicts); the other figures (analysis.figures; each with its caption and links to its PDF and
+SVG; skipped figures say why); the figures' tables (small ones inline, every one as CSV under `tables/`); the failed,
+collapsed and missing runs with the rule that flagged each; and at the end the study and its provenance (git sha,
+package versions, machine from the manifests; the config common to every run, the swept axes, and every run with its
+axis values and state). Values are written as text ("completed 12"), never as JSON. Every file is written atomically
+(temporary file, then rename).
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ def problem_runs(study: Study) -> pd.DataFrame:
         rec = {c: r.get(c) for c in cols if c in runs.columns}
         rec.update(flagged_by=flagged, collapse_step=step, reason=reason)
         records.append(rec)
+    order = {a: i for i, a in enumerate(style_order({str(r.get(ALGORITHM)) for r in records}))}
+    records.sort(key=lambda r: (str(r["state"]), order.get(str(r.get(ALGORITHM)), 0), *(str(r.get(c)) for c in cols)))
     for rid in study.missing:
         records.append({RUN_ID: rid, "state": "missing", "reason": "no run directory"})
     return pd.DataFrame.from_records(records, columns=cols)
@@ -153,17 +158,27 @@ def runs_table(study: Study) -> pd.DataFrame:
 # --- rendering --------------------------------------------------------------------------------------------------------
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
+        return "" if pd.isna(v) else f"{v:.4g}"
+    if v is None or v is pd.NA:
+        return ""
+    return _text(v)
+
+
+LONG_CELL = 60
+"""Cells with more characters than this get a minimum width (class "long"), so that a wide table scrolls sideways
+rather than squeezing its text columns to one word per line."""
 
 
 def _html_table(df: pd.DataFrame, cls: str = "") -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
-        for row in df.itertuples(index=False, name=None)
-    )
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+    def cell(v: Any) -> str:
+        text = _fmt(v)
+        long = " class='long'" if len(text) > LONG_CELL else ""
+        return f"<td{long}>{html.escape(text)}</td>"
+
+    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in df.itertuples(index=False, name=None))
+    return f'<div class="wrap"><table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _md_cell(v: Any) -> str:
@@ -178,14 +193,42 @@ def _md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _text(v: Any) -> str:
+    """A value as a reader writes it: {"completed": 12} -> "completed 12", lists comma-separated, a mapping of lists
+    as "axis: a, b; other: c", booleans yes/no, floats to 4 significant digits, None as ""."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return "" if pd.isna(v) else f"{v:.4g}"
+    if isinstance(v, Mapping):
+        if not v:
+            return "none"
+        if any(isinstance(x, (Mapping, list, tuple)) for x in v.values()):
+            return "; ".join(f"{k}: {_text(x)}" for k, x in v.items())
+        return ", ".join(f"{k} {_text(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple, set)):
+        return ", ".join(_text(x) for x in v) if v else "none"
+    return str(v)
+
+
 def _kv(d: Mapping[str, Any]) -> pd.DataFrame:
-    return pd.DataFrame({"key": list(d), "value": [json.dumps(v, default=str) for v in d.values()]})
+    return pd.DataFrame({"key": list(d), "value": [_text(v) for v in d.values()]})
+
+
+def _counted(d: Mapping[str, int]) -> str:
+    """{"2.13.0": 12} -> "2.13.0 (12 runs)"."""
+    return ", ".join(f"{k} ({n} run{'s' if n != 1 else ''})" for k, n in d.items()) if d else "none recorded"
 
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:.85em}td,th{border:1px solid #ccc;padding:.2em .5em;
 vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:.9em}
-.supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}"""
+.supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}
+ul.headline{list-style:none;padding:0}ul.headline li{margin:.3em 0;padding:.3em .6em;border-left:.4em solid #bbb}
+ul.headline li.supported{border-color:#009E73}ul.headline li.contradicted{border-color:#D55E00}
+.wrap{overflow-x:auto}td.long{min-width:24em}"""
 
 
 # --- the page: one list of blocks, each written both as HTML and as Markdown ------------------------------------------
@@ -305,7 +348,25 @@ class ScorecardTable:
         return _md_table(self.table)
 
 
-Block = Heading | Para | Table | Figure | ScorecardTable
+@dataclass(frozen=True)
+class Bullets:
+    """A list, one item per line: (css class, text) pairs; in Markdown "- **head** text" lines."""
+
+    items: tuple[tuple[str, str, str], ...]
+    """(css class, bold head, text)."""
+    cls: str = ""
+
+    def html(self) -> str:
+        lis = "".join(
+            f'<li class="{c}"><b>{html.escape(head)}</b> {html.escape(text)}</li>' for c, head, text in self.items
+        )
+        return f'<ul class="{self.cls}">{lis}</ul>'
+
+    def markdown(self) -> str:
+        return "\n".join(f"- **{head}** {text}" for _, head, text in self.items) + "\n"
+
+
+Block = Heading | Para | Table | Figure | ScorecardTable | Bullets
 
 
 def _h(level: int, *parts: Inline, anchor: str = "") -> Heading:
@@ -323,27 +384,79 @@ def _table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path) -> Block:
     return _p(f"{len(df)} runs: see ", Link("the CSV", csv.relative_to(out_dir).as_posix()), ".")
 
 
-def _study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
-    """The study (runs, states, algorithms, swept axes) and its provenance: manifests, packages, common config, runs."""
-    prov = provenance(study)
-    summary = {
+def _study_summary(study: Study) -> dict[str, Any]:
+    summary: dict[str, Any] = {
         "runs": len(study.runs),
         "states": study.runs["state"].value_counts().to_dict(),
         "missing": len(study.missing),
         "missing run ids": list(study.missing),
-        "algorithms": sorted(study.runs[ALGORITHM].dropna().astype(str).unique()),
-        "swept axes": {a: sorted(map(str, study.runs[a].dropna().unique())) for a in study.axes},
+        "algorithms": [_label(a) for a in style_order(study.runs[ALGORITHM].dropna().astype(str).unique())],
+        "seeds": _natural(study.runs["seed"].dropna().unique()) if "seed" in study.runs else [],
+        "swept axes": {a: _natural(study.runs[a].dropna().unique()) for a in study.axes},
     }
     if EMULATED in study.runs.columns and study.runs[EMULATED].notna().any():
         summary["runs with emulated precision"] = int(study.runs[EMULATED].fillna(False).sum())
+    return summary
+
+
+def _natural(values: Iterable[Any]) -> list[str]:
+    """Values as text, numbers by value (256 before 1024), then the rest alphabetically."""
+
+    def key(v: Any) -> tuple[int, float, str]:
+        try:
+            return (0, float(v), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(v))
+
+    return [str(v) for v in sorted(values, key=key)]
+
+
+def _label(name: str) -> str:
+    try:
+        return style.label(name)
+    except (KeyError, ValueError, LookupError):  # an algorithm the registry does not know (an old run): its name
+        return name
+
+
+def style_order(names: Iterable[str]) -> list[str]:
+    """`names` in registry order, unknown names (old runs) last."""
+    names = list(names)
+    try:
+        return style.order(names)
+    except (KeyError, ValueError, LookupError):
+        return sorted(names)
+
+
+def _lead(study: Study) -> Para:
+    """One line on the study under the title: runs and their states, algorithms, seeds, swept axes, missing runs."""
+    sm = _study_summary(study)
+    swept = _text(sm["swept axes"]) if study.axes else "none"
+    missing = f"{sm['missing']} missing" if sm["missing"] else "none missing"
+    return _p(
+        f"{sm['runs']} runs ({_text(sm['states'])}; {missing}) of {_text(sm['algorithms'])}; "
+        f"seeds {_text(sm['seeds'])}; swept axes: {swept}."
+    )
+
+
+def _study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
+    """The study (runs, states, algorithms, swept axes) and its provenance: manifests, packages, common config, runs
+    (the end of the report: what a reader checks, not what they came for)."""
+    prov = provenance(study)
     packages = pd.DataFrame(
-        {"package": list(prov["packages"]), "versions (runs)": [json.dumps(v) for v in prov["packages"].values()]}
+        {"package": list(prov["packages"]), "versions (runs)": [_counted(v) for v in prov["packages"].values()]}
     )
     return [
-        _h(2, "Study", anchor="study"),
-        Table(_kv(summary)),
-        _h(2, "Provenance", anchor="provenance"),
-        Table(_kv({k: v for k, v in prov.items() if k != "packages"})),
+        _h(2, "Study and provenance", anchor="study"),
+        Table(_kv(_study_summary(study))),
+        _h(3, "Provenance", anchor="provenance"),
+        Table(
+            pd.DataFrame(
+                {
+                    "key": [k for k in prov if k != "packages"],
+                    "value": [_counted(v) for k, v in prov.items() if k != "packages"],
+                }
+            )
+        ),
         _h(3, "Packages"),
         Table(packages),
         _h(3, "Configuration common to every run"),
@@ -351,6 +464,31 @@ def _study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path)
         _h(3, "Runs"),
         _table_or_link(runs_table(study), table_files.get("runs"), out_dir),
     ]
+
+
+def headline(cards: Sequence[scorecard.ClaimResult]) -> list[tuple[str, str, str]]:
+    """One line per claim: (verdict, "C1 supported:", "statement number"), where the number is the quantity the verdict
+    was read off (estimate [95% interval] (n)), or its range over the strata, or why there is none."""
+    out = []
+    for c in cards:
+        stratified = len(c.strata) > 1
+        firsts = [e for e in c.evidence if e.verdict and e.verdict != scorecard.NO_DATA] if stratified else []
+        if stratified and firsts:
+            parts = []
+            for name in dict.fromkeys(e.name for e in firsts):
+                est = [e.estimate for e in firsts if e.name == name]
+                parts.append(
+                    f"{name} = {min(est):.3g}" + (f" to {max(est):.3g}" if len(est) > 1 else "") + f" over {len(est)}"
+                    f" strat{'a' if len(est) > 1 else 'um'}"
+                )
+            number = "; ".join(parts) + f" ({c.strata_summary})"
+        elif c.evidence and not stratified:
+            number = str(c.evidence[0])
+        else:
+            number = c.reason
+        why = f" ({c.reason})" if c.verdict == scorecard.INCONCLUSIVE and c.reason and number != c.reason else ""
+        out.append((c.verdict, f"{c.claim} {c.verdict}:", f"{c.statement} \u2014 {number}{why}"))
+    return out
 
 
 def _scorecard_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
@@ -366,22 +504,40 @@ def _scorecard_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
     return out
 
 
-def _figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
-    """Every figure with its caption and its other formats, then its tables (short ones inline, every one linked as
-    CSV), then the figures not drawn and why."""
-    out: list[Block] = [_h(2, "Figures", anchor="figures")]
-    for name, paths in rendered.paths.items():
+MAIN_FIGURES = ("figure1_reward", "figure2_clipping", "figure3_routing_replay")
+"""The figures the report shows right after its headline; the others follow the scorecard."""
+
+
+def _figure_blocks(rendered: figures.Rendered, names: Sequence[str], out_dir: Path) -> list[Block]:
+    """Each figure of `names` that was drawn: its PNG, caption and links to its other formats."""
+    out: list[Block] = []
+    for name in names:
+        paths = rendered.paths.get(name)
+        if not paths:
+            continue
         png = next(p for p in paths if p.suffix == ".png")
         rel = {p: p.relative_to(out_dir).as_posix() for p in paths}
         links = tuple(Link(p.suffix[1:].upper(), rel[p]) for p in paths if p.suffix != ".png")
         out.append(Figure(name, png, rel[png], rendered.captions[name], links))
+    return out
+
+
+def _figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
+    """The figures after the main ones, then every figure's tables (short ones inline, every one linked as CSV),
+    then the figures not drawn and why."""
+    rest = [n for n in rendered.paths if n not in MAIN_FIGURES]
+    out: list[Block] = []
+    if rest:
+        out += [_h(2, "More figures", anchor="figures"), *_figure_blocks(rendered, rest, out_dir)]
+    if rendered.skipped:
+        sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
+        out += [_h(3, "Figures not drawn"), Table(sk)]
+    out.append(_h(2, "Figure tables", anchor="tables"))
+    for name in rendered.paths:
         for tname, df in rendered.tables.get(name, {}).items():
             key = f"{name}.{tname}"
             out.append(_h(4, key, " (", Link("CSV", table_files[key].relative_to(out_dir).as_posix()), ")"))
             out.append(Table(df) if len(df) <= MAX_INLINE_ROWS else _p(f"{len(df)} rows: see the CSV."))
-    if rendered.skipped:
-        sk = pd.DataFrame({"figure": list(rendered.skipped), "why skipped": list(rendered.skipped.values())})
-        out += [_h(3, "Figures not drawn"), Table(sk)]
     return out
 
 
@@ -412,12 +568,18 @@ def render(
     table_files: Mapping[str, Path],
     out_dir: Path,
 ) -> tuple[str, str]:
-    """The HTML page and its Markdown twin, both written from one list of blocks."""
+    """The HTML page and its Markdown twin, both written from one list of blocks: a line on the study, the headline
+    and Figures 1-3 first, the provenance, configuration and runs last."""
+    main = _figure_blocks(rendered, MAIN_FIGURES, out_dir)
     blocks = [
-        *_study_section(study, table_files, out_dir),
+        _lead(study),
+        _h(2, "Headline", anchor="headline"),
+        Bullets(tuple(headline(cards)), "headline"),
+        *([_h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
         *_scorecard_section(cards),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),
+        *_study_section(study, table_files, out_dir),
     ]
     page = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
@@ -542,6 +704,7 @@ __all__ = [
     "Report",
     "build_report",
     "cleared_runs",
+    "headline",
     "problem_runs",
     "provenance",
     "report_from_results",

@@ -190,3 +190,23 @@ def test_blocks_write_themselves_in_both_formats(tmp_path) -> None:
         "<figcaption>Figure 1. <a href='figures/f.pdf'>PDF</a></figcaption></figure>"
     )
     assert fig.markdown() == "![f](figures/f.png)\n\nFigure 1. [PDF](figures/f.pdf)\n"
+
+
+def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
+    # issue 22: the first screen was the study table, provenance, packages, the configuration and the runs, values
+    # as JSON; the reader came for the verdicts and Figures 1-3
+    _, rep = built
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    order = ["id='headline'", "<figure id='figure1_reward'", "<figure id='figure3_routing_replay'", "id='scorecard'",
+             "id='problems'", "id='provenance'", "<h3>Runs</h3>"]  # fmt: skip
+    pos = [page.index(marker) for marker in order]
+    assert pos == sorted(pos)
+    headline = re.search(r'<ul class="headline">(.*?)</ul>', page).group(1)
+    lines = re.findall(r'<li class="(\w+)"><b>(C\d) (\w+):</b> ([^<]*)</li>', headline)
+    assert [c for _, c, _, _ in lines] == ["C1", "C2", "C3", "C4", "C5", "C6"]
+    for cls, _, verdict, text in lines:
+        assert cls == verdict and verdict in ("supported", "contradicted", "inconclusive") and " \u2014 " in text
+    assert any(re.search(r"= -?[\d.]+(e[-+]\d+)? to -?[\d.]+", t) for *_, t in lines)  # the numbers, over strata
+    assert "- **C2 " in md and md.index("## Headline") < md.index("## Scorecard") < md.index("## Study and provenance")
+    assert '{"' not in page and '{"' not in md  # values as text, not JSON
+    assert "<p>24 runs (completed 12, " in page  # under the title: 24 runs, their states as text
