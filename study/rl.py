@@ -310,6 +310,10 @@ def _train(
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
     log = _resume(run_dir, parts)
     engine.load_weights(megatron_to_hf(policy, mcfg))
+    if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
+        row = dict.fromkeys(STEP_METRICS, math.nan)
+        row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
+        log.rows.append({**row, **_evaluate(cfg, engine, parts.tok, parts.evals, 0)})
 
     bar = _progress(cfg.steps, log.step, progress)
     step = log.step

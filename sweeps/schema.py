@@ -96,6 +96,8 @@ def field_schema(name: str) -> dict[str, Any]:
     origin = typing.get_origin(hint) or hint
     if origin is dict:
         return {"type": "object"}
+    if origin is list:  # e.g. coldstart_band: [low, high]; RunConfig checks the values
+        return {"type": "array"}
     if hint is bool:
         return {"type": "boolean"}
     if hint is int:

@@ -11,7 +11,8 @@ from algorithms import LOSS_METRICS
 from study.model_config import ModelConfig
 
 STEP_METRICS: dict[str, str] = {
-    "step": "RL step (rollout batch) index, from 1",
+    "step": "RL step (rollout batch) index, from 1; with eval_every > 0 a row at step 0 holds only the held-out "
+    "evaluation of the starting policy (the cold start), what RL is measured from",
     "reward_mean": "mean task reward of the step's responses (before any reward shaping)",
     "reward_std": "standard deviation of that reward",
     "eval_in_dist": "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)",
