@@ -18,6 +18,7 @@ import algorithms
 from analysis.__main__ import main as analysis_main
 from analysis.__main__ import rst_escape
 from study.coldstart import resolve_settings
+from study.coldstart.store import run_coldstart
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import SweepError, validate_sweep
 
@@ -140,7 +141,7 @@ def test_a_sweep_crosses_shapes_with_algorithms():
     assert {c.model_config().num_experts for c in runs.values()} == {4, 8}
     plain = Sweep.from_dict(sweep(axes={"algorithm": ["grpo", "gspo"]})).expand()
     assert set(plain) < set(runs)
-    names = {c.model_config().num_experts: resolve_settings(c.model, c.task).dirname for c in runs.values()}
+    names = {c.model_config().num_experts: coldstart_dir(c) for c in runs.values()}
     assert names[8].startswith("tiny_e8_k4-chain_sum-") and names[4].startswith("tiny-chain_sum-")
     dotted = Sweep.from_dict(sweep(axes={"model.num_experts": [8, 4], "model.moe_top_k": [4, 2]}, mode="zip"))
     assert [c.model for c in dotted.expand().values()] == SHAPES
@@ -164,7 +165,7 @@ def test_snakemake_dry_run_crosses_shapes_with_algorithms(tmp_path):
     assert counts["coldstart"] == 2 and counts["run"] == 4, proc.stdout
     runs = load_sweep(sweep_file).expand()
     for run_id, cfg in runs.items():
-        name = resolve_settings(cfg.model, cfg.task).dirname
+        name = coldstart_dir(cfg)
         inputs = [line for line in proc.stdout.splitlines() if f"configs/{run_id}.yaml" in line and "input:" in line]
         assert inputs and f"coldstart/{name}/coldstart.json" in inputs[0], (run_id, inputs)
     assert """--coldstart '{"preset":"tiny","num_experts":8,"moe_top_k":4}' chain_sum""" in proc.stdout
@@ -191,7 +192,12 @@ def job_counts(stdout: str) -> dict[str, int]:
 def expected_coldstarts(path: Path) -> set[str]:
     """results/coldstart/<name> of the sweep's runs with coldstart = "auto" (what study.rl makes them use)."""
     runs = load_sweep(path).expand().values()
-    return {resolve_settings(c.model, c.task).dirname for c in runs if c.coldstart == "auto"}
+    return {coldstart_dir(c) for c in runs if c.coldstart == "auto"}
+
+
+def coldstart_dir(cfg) -> str:
+    """results/coldstart/<name> of a run with coldstart = "auto": its shape, task, band and task knobs."""
+    return resolve_settings(cfg.model, cfg.task, **run_coldstart(cfg)).dirname
 
 
 @pytest.mark.parametrize("sweep_file", [None, "sweeps/smoke.yaml"], ids=["default", "smoke"])
