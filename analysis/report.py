@@ -31,6 +31,9 @@ from analysis import figures, files, scorecard, stats, style, vocab
 from analysis.tidy import ALGORITHM, EMULATED, RUN_ID, Study, load_study
 
 MAX_INLINE_ROWS = 40
+CSV_EXACT: dict[str, Any] = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+"""read_csv arguments that read back exactly the floats `to_csv` wrote: pandas 3's default parser does (and warns
+that float_precision is deprecated, Pandas4Warning); pandas 2's needs float_precision="round_trip"."""
 """Tables longer than this are linked as CSV instead of printed."""
 
 
@@ -631,7 +634,7 @@ def reuse_figures(
         rendered.tables[name] = {}
         for tname, rel in entry.get("tables", {}).items():
             sources[f"{name}.{tname}"] = src / rel
-            rendered.tables[name][tname] = pd.read_csv(src / rel, float_precision="round_trip")
+            rendered.tables[name][tname] = pd.read_csv(src / rel, **CSV_EXACT)
     return rendered, sources
 
 

@@ -210,3 +210,33 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     assert "- **C2 " in md and md.index("## Headline") < md.index("## Scorecard") < md.index("## Study and provenance")
     assert '{"' not in page and '{"' not in md  # values as text, not JSON
     assert "<p>24 runs (completed 12, " in page  # under the title: 24 runs, their states as text
+
+
+def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp_path) -> None:
+    # read_csv's float_precision is deprecated in pandas 3 (Pandas4Warning); its default parser reads back exactly
+    # the floats to_csv wrote, which is what the reused tables must hold
+    import json
+    import warnings
+
+    import numpy as np
+    import pandas as pd
+
+    from analysis import tidy
+
+    root, _ = built
+    st = tidy.load_study(root, warn_missing=False)
+    src = tmp_path / "figs"
+    (src / figures.TABLES).mkdir(parents=True)
+    values = np.array([0.1 + 0.2, 1 / 3, 2.0 / 7e-300, 5e-324, np.pi * 1e17, -np.e, 1.0000000000000002])
+    pd.DataFrame({"x": values, "n": np.arange(len(values))}).to_csv(src / figures.TABLES / "f.t.csv", index=False)
+    (src / "f.png").write_bytes(b"png")
+    entry = {"files": ["f.png"], "caption": "Figure f.", "tables": {"t": f"{figures.TABLES}/f.t.csv"}}
+    index = {"data": figures.data_fingerprint(st), "figures": {"f": entry}, "skipped": {}}
+    (src / figures.INDEX).write_text(json.dumps(index))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
+        reused = report.reuse_figures(st, src, tmp_path / "out")
+    assert reused is not None
+    table = reused[0].tables["f"]["t"]
+    assert table["x"].to_numpy().tobytes() == values.tobytes()  # bit for bit
