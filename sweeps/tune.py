@@ -440,7 +440,8 @@ def _evals(run_dir: Path, objective: str) -> list[tuple[int, float]]:
     if status is None or not (run_dir / "metrics.parquet").exists():
         return []
     frame = pd.read_parquet(run_dir / "metrics.parquet", columns=["step", objective])
-    frame = frame[frame["step"] <= status.get("step", 0)].dropna()
+    # training evals only: step 0 is the start's evaluation, not a step a pruner judges
+    frame = frame[(frame["step"] > 0) & (frame["step"] <= status.get("step", 0))].dropna()
     return [(int(s), float(v)) for s, v in zip(frame["step"], frame[objective], strict=True)]
 
 

@@ -53,8 +53,11 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory, data: dict[str, Path]) -> P
 
 
 def _metrics(run_dir: Path) -> pd.DataFrame:
+    """The training steps' rows (step 0 holds the start's held-out evaluation alone: checked here, left out)."""
     assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
-    return pd.read_parquet(run_dir / "metrics.parquet")
+    m = pd.read_parquet(run_dir / "metrics.parquet")
+    assert m["step"].iloc[0] == 0 and m["reward_mean"].isna().iloc[0] and 0 <= m["eval_in_dist"].iloc[0] <= 1
+    return m[m["step"] > 0].reset_index(drop=True)
 
 
 def test_stream_is_deterministic_cycles_and_holds_out(data: dict[str, Path]) -> None:

@@ -121,7 +121,7 @@ def test_equal_budget_and_trials_are_ordinary_runs(tuned: tuple[tune.Plan, Path]
             assert status(run_dir)["state"] == "completed"
             cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
             assert cfg["lr"] == t.params["lr"] and cfg["hparams"]["eps_high"] == t.params["eps_high"]
-            evals = pd.read_parquet(run_dir / "metrics.parquet").dropna(subset=["eval_in_dist"])
+            evals = pd.read_parquet(run_dir / "metrics.parquet").dropna(subset=["eval_in_dist"]).query("step > 0")
             assert t.intermediate_values == dict(zip(evals["step"], evals["eval_in_dist"], strict=True))  # steps 2, 4
             assert t.value == evals["eval_in_dist"].iloc[-1] and list(t.intermediate_values) == [2, 4]
     # parameters differ between trials (per-trial sampler seeds), so every trial is its own run
@@ -209,7 +209,7 @@ def test_a_pruned_trial_is_recorded_pruned_and_its_run_is_resumable(tmp_path: Pa
         st = status(run_dir)
         assert st["state"] == "stopped" and st["step"] == 2, st  # stopped on purpose, not failed nor running
         assert st["reason"] == f"pruned by ThresholdPruner at step 2 (tuning trial {t.number})"
-        assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+        assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [0, 1, 2]  # 0: the start's evaluation
         assert (run_dir / "checkpoint" / "state.pt").exists()
     with pytest.raises(tune.TuneError, match=r"prune.gspo: no trial completed \(2 pruned or collapsed\)"):
         tune.best_document(p)
