@@ -66,16 +66,41 @@ POSITIVE = Decision(Bound("lower", ">", 0.0), Bound("upper", "<", 0.0))
 """C1, C5 and each gain of C6: a difference the claim says is positive."""
 CLIP_DECISION = Decision(Bound("lower", ">=", CLIP_RATIO), Bound("upper", "<", CLIP_RATIO))
 """C2: the ratio of clip fractions against CLIP_RATIO."""
-COLLAPSE_DECISION = Decision(Bound("lower", ">", 0.0), Bound("upper", "<=", 0.0, "free GRPO collapses no more often"))
-"""C3: collapse rate of GRPO without Routing Replay minus with it."""
+COLLAPSE_MARGIN = 0.5
+"""C3, C4: the excess collapse rate (without Routing Replay minus with it) that "unstable" means here. The paper's GRPO
+without Routing Replay does not converge at all (its Figure 3); an excess below half of the runs is not that claim."""
+RATE_INTERVAL = (
+    "Newcombe's hybrid score interval for a difference of proportions (Wilson intervals per group; a bootstrap over "
+    "seeds would be [0, 0] whenever no run collapsed, whatever the number of runs)"
+)
+"""How the 95% interval of a collapse-rate difference is computed (stats.rate_difference), as the rules say it."""
+COLLAPSE_DECISION = Decision(
+    Bound("lower", ">", 0.0, "GRPO without Routing Replay collapses more often"),
+    Bound("upper", "<", COLLAPSE_MARGIN, f"the data exclude an excess collapse rate of {COLLAPSE_MARGIN:g} or more"),
+)
+"""C3: collapse rate of GRPO without Routing Replay minus with it (interval: RATE_INTERVAL)."""
 REPLAY_GAIN_DECISION = Decision(
     Bound("upper", "<", EQUIV_MARGIN, "replay gains less than seed noise"), Bound("lower", ">", EQUIV_MARGIN)
 )
 """C4: reward of GSPO with Routing Replay minus without it, against the noise margin."""
 FREE_COLLAPSE_DECISION = Decision(
-    Bound("upper", "<=", 0.0, "no free-routing GSPO run collapsed"), Bound("lower", ">", 0.0)
+    Bound("upper", "<", COLLAPSE_MARGIN, f"the data exclude an excess collapse rate of {COLLAPSE_MARGIN:g} or more"),
+    Bound("lower", ">", 0.0, "GSPO without Routing Replay collapses more often"),
 )
-"""C4: collapse rate of GSPO without Routing Replay."""
+"""C4: collapse rate of GSPO without Routing Replay minus with it (interval: RATE_INTERVAL)."""
+
+
+def runs_to_exclude(margin: float = COLLAPSE_MARGIN) -> int:
+    """The fewest runs without Routing Replay, none of them collapsed, from which the 95% interval of the collapse-rate
+    difference ends below `margin` (when the replay partner had no collapse either, whatever its number of runs: the
+    upper bound is then the Wilson bound z^2 / (n + z^2)). Fewer runs cannot decide C3 against the claim, nor C4 for
+    it."""
+    n = 1
+    while stats.rate_difference(0, n, 0, 1).high >= margin:
+        n += 1
+    return n
+
+
 DECISIONS = {
     "C1": (POSITIVE,),
     "C2": (CLIP_DECISION,),
@@ -341,6 +366,49 @@ def _rates(coll: pd.DataFrame, study: Study, mask: pd.Series, name: str) -> np.n
     return coll.loc[inside & (coll[ALGORITHM] == name), "collapsed"].to_numpy()
 
 
+Counts = tuple[int, int, int, int]
+"""(collapsed, runs) without Routing Replay, then (collapsed, runs) with it, in one stratum."""
+
+
+def _rate_evidence(
+    coll: pd.DataFrame, study: Study, mask: pd.Series, free: str, rr: str
+) -> tuple[stats.CI, list[Evidence], Counts]:
+    """The collapse-rate difference free - rr in one stratum (stats.rate_difference), its evidence lines (the
+    difference, then each group's rate with its Wilson interval) and the counts."""
+    a, b = _rates(coll, study, mask, free), _rates(coll, study, mask, rr)
+    k1, n1, k2, n2 = int(a.sum()), a.size, int(b.sum()), b.size
+    d = stats.rate_difference(k1, n1, k2, n2)
+    ev = [Evidence(f"collapse_rate({free}) - collapse_rate({rr})", d.estimate, d.low, d.high, f"{n1} vs {n2}")]
+    for name, k, n in ((free, k1, n1), (rr, k2, n2)):
+        lo, hi = stats.wilson_interval(k, n)
+        ev.append(Evidence(f"collapse_rate({name}), {k} of {n}", k / n if n else np.nan, lo, hi, str(n)))
+    return d, ev, (k1, n1, k2, n2)
+
+
+def _too_few(res: ClaimResult, free: str, counts: Sequence[Counts], *, direction: str, lead: str = "") -> ClaimResult:
+    """An inconclusive collapse comparison says why: the runs per undecided stratum (`counts`), and how many runs
+    without a collapse it would take to decide `direction`; unstratified, the reason is `lead` then that."""
+    if not counts or res.reason.startswith(NOT_IN_STUDY):
+        return res
+    sizes = " or ".join(str(n) for n in sorted({n1 for _, n1, _, _ in counts}))
+    fell = sum(k1 + k2 for k1, _, k2, _ in counts)
+    collapsed = "no compared run collapsed" if not fell else f"{fell} of the compared runs collapsed"
+    strata = "" if len(res.strata) <= 1 else f" in each of the {len(counts)} undecided strata"
+    n_min = runs_to_exclude()
+    if all(n1 < n_min for _, n1, _, _ in counts):
+        why = (
+            f"too few runs: {sizes} run(s) of {free}{strata}, {collapsed}; with no collapse it takes at least {n_min} "
+            f"runs of {free} for the interval to exclude an excess collapse rate of {COLLAPSE_MARGIN:g} ({direction})"
+        )
+    else:
+        why = (
+            f"{sizes} run(s) of {free}{strata}, {collapsed}: the interval neither excludes 0 nor an excess collapse "
+            f"rate of {COLLAPSE_MARGIN:g}"
+        )
+    res.reason = f"{lead}{why}" if len(res.strata) <= 1 else f"{res.reason}; {why}"
+    return res
+
+
 def claim_c3(study: Study) -> ClaimResult:
     """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum."""
     present = _present(study)
@@ -348,7 +416,10 @@ def claim_c3(study: Study) -> ClaimResult:
     rr = _replay_partner_in(GRPO, present) if GRPO in present else None
     rule = (
         "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
-        f"(the registry's replay partner: same loss, routing=replay); {COLLAPSE_DECISION}."
+        f"(the registry's replay partner: same loss, routing=replay), its 95% interval {RATE_INTERVAL}; "
+        f"{COLLAPSE_DECISION}. Unstable means an excess collapse rate of {COLLAPSE_MARGIN:g} or more; with no "
+        f"collapse in either group the interval ends below {COLLAPSE_MARGIN:g} only from {runs_to_exclude()} runs "
+        "without Routing Replay, so fewer runs without a collapse are inconclusive, not a contradiction."
     )
     if free is None or rr is None:
         return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
@@ -356,31 +427,34 @@ def claim_c3(study: Study) -> ClaimResult:
         return _absent("C3", rule, f"metric {vocab.REWARD} not logged")
     coll = _collapsed(study)
     groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
+    undecided: list[Counts] = []
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
-        a, b = _rates(coll, study, mask, free), _rates(coll, study, mask, rr)
-        est, lo, hi = _boot_two(a, b, lambda x, y: x - y)
-        ev = [
-            Evidence(f"collapse_rate({free}) - collapse_rate({rr})", est, lo, hi, _n(a, b)),
-            _mean_ev(f"collapse_rate({free})", a),
-            _mean_ev(f"collapse_rate({rr})", b),
-        ]
-        return COLLAPSE_DECISION(lo, hi), ev
+        d, ev, counts = _rate_evidence(coll, study, mask, free, rr)
+        verdict = COLLAPSE_DECISION(d.low, d.high)
+        if verdict == INCONCLUSIVE:
+            undecided.append(counts)
+        return verdict, ev
 
     strat = stratify(study, groups)
-    return _finish("C3", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    strata = run_strata(study, strat, groups, evaluate)
+    per_stratum = list(undecided)  # outcome() below evaluates the pooled reference too, which is not a stratum
+    res = _finish("C3", rule, strat, strata, evaluate)
+    return _too_few(res, free, per_stratum if res.verdict == INCONCLUSIVE else [], direction="against the claim")
 
 
 def claim_c4(study: Study) -> ClaimResult:
-    """C4: GSPO without Routing Replay neither collapses nor trails GSPO with it by more than the noise margin."""
+    """C4: GSPO without Routing Replay neither collapses more often nor trails GSPO with it by more than the noise
+    margin."""
     present = _present(study)
     free = _free_of(GSPO, present)
     rr = _replay_partner_in(GSPO, present) if GSPO in present else None
     rule = (
         "g = reward of GSPO with Routing Replay minus without it, over the last "
         f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
-        f"GSPO without Routing Replay. g: {REPLAY_GAIN_DECISION}. c: {FREE_COLLAPSE_DECISION}. The claim: "
-        f"{CONJUNCTION_RULE}."
+        f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
+        f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
+        f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}."
     )
     if free is None or rr is None:
         return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
@@ -388,21 +462,30 @@ def claim_c4(study: Study) -> ClaimResult:
         return _absent("C4", rule, f"metric {vocab.REWARD} not logged")
     coll = _collapsed(study)
     groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
+    undecided: list[Counts] = []
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
         est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
-        rates = _rates(coll, study, mask, free)
-        rci = stats.bootstrap_ci(rates, n_resamples=N_RESAMPLES)
-        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), FREE_COLLAPSE_DECISION(rci.low, rci.high)])
+        d, rate_ev, counts = _rate_evidence(coll, study, mask, free, rr)
+        collapse_verdict = FREE_COLLAPSE_DECISION(d.low, d.high)
+        if collapse_verdict == INCONCLUSIVE:
+            undecided.append(counts)
+        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), collapse_verdict])
         ev = [
             Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
-            Evidence(f"collapse_rate({free})", rci.estimate, rci.low, rci.high, str(rci.n)),
+            *rate_ev,
         ]
         return verdict, ev
 
     strat = stratify(study, groups)
-    return _finish("C4", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    strata = run_strata(study, strat, groups, evaluate)
+    per_stratum = list(undecided)  # outcome() below evaluates the pooled reference too, which is not a stratum
+    res = _finish("C4", rule, strat, strata, evaluate)
+    if res.verdict != INCONCLUSIVE:
+        return res
+    lead = f"{res.evidence[1]}: " if len(res.strata) <= 1 and len(res.evidence) > 1 else ""  # the collapse line
+    return _too_few(res, free, per_stratum, direction="for the claim", lead=lead)
 
 
 def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:

@@ -127,6 +127,38 @@ def bootstrap_mean_band(
     return mean, low, high, n
 
 
+# --- proportions (collapse rates) -------------------------------------------------------------------------------------
+def wilson_interval(k: int, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a proportion k / n ((nan, nan) when n = 0). Unlike a bootstrap over the n runs it
+    does not shrink to [0, 0] when k = 0: with no collapse in n runs its upper bound is z^2 / (n + z^2), 0.56 for 3
+    runs, 0.28 for 10 (95%)."""
+    if n <= 0:
+        return np.nan, np.nan
+    z = float(sps.norm.ppf(0.5 + confidence / 2))
+    p, z2 = k / n, z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    low = 0.0 if k <= 0 else max(0.0, center - half)  # exact at the ends, not 1e-17 off
+    high = 1.0 if k >= n else min(1.0, center + half)
+    return float(low), float(high)
+
+
+def rate_difference(k1: int, n1: int, k2: int, n2: int, *, confidence: float = 0.95) -> CI:
+    """k1 / n1 - k2 / n2 with Newcombe's hybrid score interval (his method 10: Wilson intervals of each proportion
+    combined), which keeps its width at 0 of n1 vs 0 of n2 (a bootstrap over runs gives [0, 0] whatever n is).
+    `n` of the result is n1 + n2; NaN without runs in either group."""
+    if n1 <= 0 or n2 <= 0:
+        return CI(np.nan, np.nan, np.nan, max(0, n1) + max(0, n2), confidence)
+    p1, p2 = k1 / n1, k2 / n2
+    l1, u1 = wilson_interval(k1, n1, confidence=confidence)
+    l2, u2 = wilson_interval(k2, n2, confidence=confidence)
+    d = p1 - p2
+    low = d - float(np.hypot(p1 - l1, u2 - p2))
+    high = d + float(np.hypot(u1 - p1, p2 - l2))
+    return CI(d, low, high, n1 + n2, confidence)
+
+
 # --- per-run reductions -----------------------------------------------------------------------------------------------
 def metric_rows(long: pd.DataFrame, metric: str) -> pd.DataFrame:
     """The rows of one metric, sorted by run then step (raises listing the metrics present)."""

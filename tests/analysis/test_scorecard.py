@@ -80,6 +80,44 @@ def test_c1_contradicted_and_c3_contradicted_when_reversed(tmp_path) -> None:
     assert cards["C4"].reason.startswith(NOT_IN_STUDY)  # no gspo_rr
 
 
+def test_c3_no_collapse_in_either_arm_is_inconclusive_with_three_seeds_not_contradicted(tmp_path) -> None:
+    # 0 of 3 vs 0 of 3: a free-GRPO collapse rate of up to 56% is compatible with that (Wilson), so "free GRPO
+    # collapses no more often" would read a bootstrap's [0, 0] as evidence; with 5 seeds an excess collapse rate of
+    # 0.5 is excluded and the claim is contradicted
+    same = {a: C(a=0.8, c_mid=2e12) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")}
+    three = {r.claim: r for r in scorecard.scorecard(_load(tmp_path / "3", same, seeds=(0, 1, 2)))}
+    c3 = three["C3"]
+    assert c3.verdict == INCONCLUSIVE, c3
+    assert c3.evidence[0].estimate == 0 and c3.evidence[0].high == pytest.approx(1.96**2 / (3 + 1.96**2), abs=1e-3)
+    assert c3.reason.startswith("too few runs: 3 run(s) of grpo, no compared run collapsed")
+    assert f"at least {scorecard.runs_to_exclude()} runs of grpo" in c3.reason and scorecard.runs_to_exclude() == 4
+    c4 = three["C4"]  # the same reading for GSPO's collapse part: 3 runs without a collapse do not show it is stable
+    assert (
+        c4.verdict == INCONCLUSIVE and "too few runs: 3 run(s) of gspo" in c4.reason and "(for the claim)" in c4.reason
+    )
+    c3_5 = scorecard.claim_c3(_load(tmp_path / "5", same, seeds=(0, 1, 2, 3, 4)))
+    assert c3_5.verdict == CONTRADICTED and c3_5.evidence[0].high < scorecard.COLLAPSE_MARGIN
+    # the rule says so, in the numbers the code uses
+    for text in (str(scorecard.COLLAPSE_DECISION), "Newcombe", f"only from {scorecard.runs_to_exclude()} runs"):
+        assert text in c3.rule
+
+
+def test_rate_difference_matches_newcombe_1998_and_wilson_bounds() -> None:
+    from analysis import stats
+
+    # Newcombe (1998), Statistics in Medicine 17:873, Table II, method 10
+    for (k1, n1, k2, n2), (lo, hi) in {
+        (56, 70, 48, 80): (0.0524, 0.3339),
+        (9, 10, 3, 10): (0.1705, 0.8090),
+        (6, 7, 2, 7): (0.0582, 0.8062),
+        (5, 56, 0, 29): (-0.0381, 0.1926),
+    }.items():
+        d = stats.rate_difference(k1, n1, k2, n2)
+        assert (round(d.low, 4), round(d.high, 4)) == (lo, hi)
+    assert stats.wilson_interval(0, 10) == (0.0, pytest.approx(1.96**2 / (10 + 1.96**2), abs=1e-4))
+    assert stats.wilson_interval(4, 4)[1] == 1.0 and np.isnan(stats.rate_difference(0, 0, 1, 2).low)
+
+
 def test_c4_contradicted_when_gspo_needs_replay(tmp_path) -> None:
     curves = {"gspo": C(a=0.8, c_mid=2e12, collapse_step=30), "gspo_rr": C(a=0.8, c_mid=2e12)}
     assert scorecard.claim_c4(_load(tmp_path, curves)).verdict == CONTRADICTED
