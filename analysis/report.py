@@ -595,8 +595,9 @@ def render(
 
 
 SCORECARD_NOTE = (
-    "Intervals: 95% percentile bootstrap over seeds (independent per group); n = runs per group. Claims are "
-    "compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
+    "Intervals: 95% percentile bootstrap over seeds (independent per group), except collapse rates (C3, C4): "
+    "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
+    "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
     + scorecard.STRATA_RULE
     + " (each claim's rule says what it was stratified on)."
 )
