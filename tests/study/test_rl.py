@@ -62,7 +62,7 @@ def test_reward_collapse_is_a_result_not_a_crash(tmp_path: Path) -> None:
     st = status(run_dir)
     assert st["state"] == "collapsed" and st["step"] == 2 and "reward collapse" in st["reason"]
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
-    assert metrics["step"].tolist() == [1, 2]
+    assert metrics["step"].tolist() == [0, 1, 2]  # 0: the start's held-out evaluation; the collapsing step is kept
     assert {"reward_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "compute_flops", "wall_s"} <= set(metrics)
     assert not [p.name for p in run_dir.rglob(".*.tmp")], "a temporary file was left behind"
 
@@ -131,7 +131,9 @@ def test_every_algorithm_trains_and_moves_its_parameters(name: str, results: Pat
     run_dir = rl.run(cfg, results, progress=False)
     assert status(run_dir)["state"] == "completed", status(run_dir)
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
-    assert metrics["step"].tolist() == [1, 2, 3]
+    assert metrics["step"].tolist() == [0, 1, 2, 3]  # 0: the start's held-out evaluation alone
+    assert metrics.iloc[0]["eval_in_dist"] >= 0 and metrics.iloc[0][["reward_mean", "grad_norm"]].isna().all()
+    metrics = metrics.iloc[1:]
     assert metrics[["reward_mean", "clip_frac", "compute_flops"]].notna().all().all()
     assert metrics["compute_flops"].is_monotonic_increasing
     assert metrics["grad_norm"].gt(0).any(), "no gradient signal: the cold start is outside the pass@1 band"
