@@ -290,7 +290,7 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
             xs,
             heights,
             width,
-            yerr=err,
+            yerr=err.tolist(),  # an array warns in matplotlib 3.11 when there is one bar (NumPy scalar conversion)
             color=[style.color(a) for a in algs],
             alpha=shades[part],
             hatch=hatches[part],
@@ -436,7 +436,7 @@ def _config_bars(
         h = s["mean"].to_numpy(float)
         err = np.vstack([h - s["low"].to_numpy(float), s["high"].to_numpy(float) - h])
         err = np.where(np.isfinite(err), np.maximum(err, 0), 0)
-        ax.bar(xs, h, width, yerr=err, color=style.color(alg), label=style.label(alg), error_kw={"lw": 0.7})
+        ax.bar(xs, h, width, yerr=err.tolist(), color=style.color(alg), label=style.label(alg), error_kw={"lw": 0.7})
     ax.set_xticks(np.arange(len(cfgs)), cfgs, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     if log:
