@@ -69,7 +69,7 @@ def synthetic_metrics(
         "wall_s": 2.0 * step + rng.random(n_steps),
         vocab.REWARD: reward,
         "reward_std": 0.3 + 0.01 * rng.standard_normal(n_steps),
-        "eval_in_dist": evals * (0.9 * reward + 0.01 * rng.standard_normal(n_steps)),
+        vocab.EVAL_IN_DIST: evals * (0.9 * reward + 0.01 * rng.standard_normal(n_steps)),
         "eval_hard": evals * (0.5 * reward + 0.01 * rng.standard_normal(n_steps)),
         vocab.CLIP: low + high,
         vocab.CLIP_LOW: low,

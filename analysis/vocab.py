@@ -6,8 +6,11 @@ Per-step metrics (columns of `metrics.parquet`):
 
 | name | meaning |
 |---|---|
+| step | RL step from 1; with eval_every > 0 a row at step 0 holds only the evaluation of the starting policy |
+| | (the cold start: eval metrics, lr, compute_flops = wall_s = 0, every other metric NaN): what RL starts from |
 | reward_mean | mean training reward of the step's rollouts, in [0, 1] |
-| eval_<set> (or eval/<set>) | held-out mean pass@1 of eval set <set>, logged every N steps (NaN elsewhere) |
+| eval_<set> (or eval/<set>) | held-out mean pass@1 of eval set <set>, at step 0 and every N steps (NaN elsewhere) |
+| eval_in_dist | the in-distribution held-out set: the held-out gain is its last evaluation minus its step-0 one |
 | clip_frac, clip_frac_low, clip_frac_high | token-weighted active clip fraction, total and its low/high parts |
 | mismatch_mean_abs, mismatch_max_abs | mean / max abs(logp_train_old - logp_rollout) over response tokens |
 | mismatch_k3 | k3 KL estimate mean(e^d - 1 - d) of that difference |
@@ -15,23 +18,32 @@ Per-step metrics (columns of `metrics.parquet`):
 | routing_slot_mismatch | old vs new policy after an update: mean(1 - abs(S_X & S_Y) / k) (the paper's "10%") |
 | routing_set_flip_rate | old vs new: fraction of (token, layer) whose top-k set changed |
 | engine_routing_slot_mismatch | rollout engine vs trainer, same definition |
+| expert_load_imbalance | trainer expert load: per MoE layer, the most tokens any expert got over the mean per |
+| | expert (1 = balanced, E / k = all on the same k experts), mean over layers |
+| router_entropy | trainer router entropy: per layer, mean over tokens of the entropy (nats) of the router softmax |
+| | over all E experts (log E = uniform), mean over layers |
+| engine_expert_load_imbalance | expert_load_imbalance of the rollout engine's routes (NaN when it returns none) |
 | response_len_mean, truncation_rate | mean response length (tokens), fraction truncated at the length limit |
 | tokens | response tokens trained on in the step |
 
-Per-layer routing table (`routing_layers.parquet`): step, layer, slot_mismatch, set_flip_rate (same definitions,
-one layer). Token samples (`token_samples.parquet`): step, sample, pos, trainer_logp (the training engine's pi_old
-recompute), engine_logp (the rollout engine's log-prob).
+Per-layer routing table (`routing_layers.parquet`): step, layer, slot_mismatch, set_flip_rate, expert_load_imbalance,
+router_entropy, engine_expert_load_imbalance (the step metrics' definitions, one layer: the last three share their
+step metric's name). Token samples (`token_samples.parquet`): step, sample, pos, trainer_logp (the training engine's
+pi_old recompute), engine_logp (the rollout engine's log-prob).
 
 These names follow `study.run.metrics.STEP_METRICS` (the run's documented vocabulary); this module only names the ones
 analysis reads (METRICS, LAYER_METRICS, TOKEN_LOGPS). Swept axes are `study.run.config.RunConfig` fields (the
 defaults below; each figure takes the name as an argument): `train_dtype`, `rollout_dtype`, `old_logp_source`
-(Figure 4), `max_new_tokens` (Figure 5).
+(Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads no axis name: its configurations are
+the combinations of whatever non-algorithm axes the study sweeps (`router_lr_scale`, the model shape, ...).
 """
 
 from __future__ import annotations
 
 REWARD = "reward_mean"
 EVAL_PREFIXES = ("eval_", "eval/")
+EVAL_IN_DIST = "eval_in_dist"
+"""The in-distribution held-out set: the held-out gain (last evaluation minus the step-0 one) is measured on it."""
 CLIP, CLIP_LOW, CLIP_HIGH = "clip_frac", "clip_frac_low", "clip_frac_high"
 MISMATCH_MEAN_ABS, MISMATCH_MAX_ABS = "mismatch_mean_abs", "mismatch_max_abs"
 MISMATCH_K3, MISMATCH_FRAC_GT2 = "mismatch_k3", "mismatch_frac_gt2"
@@ -39,15 +51,19 @@ MISMATCH = (MISMATCH_MEAN_ABS, MISMATCH_MAX_ABS, MISMATCH_K3, MISMATCH_FRAC_GT2)
 ROUTING_SLOT = "routing_slot_mismatch"
 ROUTING_FLIP = "routing_set_flip_rate"
 ROUTING_ENGINE = "engine_routing_slot_mismatch"
-LAYER_SLOT = "slot_mismatch"  # column of routing_layers.parquet
+EXPERT_LOAD = "expert_load_imbalance"
+ROUTER_ENTROPY = "router_entropy"
+ENGINE_EXPERT_LOAD = "engine_expert_load_imbalance"
+LAYER_SLOT = "slot_mismatch"  # columns of routing_layers.parquet
+LAYER_FLIP = "set_flip_rate"
 RESPONSE_LEN = "response_len_mean"
 TRUNCATION = "truncation_rate"
 TOKENS = "tokens"
-METRICS = (REWARD, CLIP, CLIP_LOW, CLIP_HIGH, *MISMATCH, ROUTING_SLOT, ROUTING_FLIP, ROUTING_ENGINE, RESPONSE_LEN,
-           TRUNCATION, TOKENS)  # fmt: skip
-"""Every per-step metric named here (the eval metrics are matched by EVAL_PREFIXES instead)."""
-LAYER_METRICS = (LAYER_SLOT,)
-"""Per-layer metrics (columns of routing_layers.parquet) named here."""
+METRICS = (REWARD, CLIP, CLIP_LOW, CLIP_HIGH, *MISMATCH, ROUTING_SLOT, ROUTING_FLIP, ROUTING_ENGINE, EXPERT_LOAD,
+           ROUTER_ENTROPY, ENGINE_EXPERT_LOAD, RESPONSE_LEN, TRUNCATION, TOKENS)  # fmt: skip
+"""Every per-step metric named here (the eval metrics are matched by EVAL_PREFIXES instead; EVAL_IN_DIST is one)."""
+LAYER_METRICS = (LAYER_SLOT, LAYER_FLIP, EXPERT_LOAD, ROUTER_ENTROPY, ENGINE_EXPERT_LOAD)
+"""Per-layer metrics (columns of routing_layers.parquet) named here; the last three are also step metrics' names."""
 TRAINER_LOGP, ENGINE_LOGP = "trainer_logp", "engine_logp"
 TOKEN_LOGPS = (TRAINER_LOGP, ENGINE_LOGP)
 """The log-prob columns of token_samples.parquet (Figure 4b)."""
