@@ -120,13 +120,31 @@ def _group_label(alg: str, extra: Mapping[str, Any]) -> str:
     return f"{style.label(alg)} ({tail})" if tail else style.label(alg)
 
 
-def _curves(study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True) -> pd.DataFrame:
+def _curves(
+    study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True, start: bool = False
+) -> pd.DataFrame:
     """Seed-mean curves per configuration: aligned (each begins where all its seeds have a value) and, with
-    `smooth`, a centred rolling mean (the first point averages the first steps, it is not one step's reward)."""
+    `smooth`, a centred rolling mean (the first point averages the first steps, it is not one step's reward). With
+    `start`, a configuration whose runs evaluated their start (the step-0 row) begins at compute 0 with that value
+    (`stats.start_points`), then follows its curve."""
     by = [ALGORITHM, *_varying(study)]
-    return stats.aggregate_curves(
+    curves = stats.aggregate_curves(
         study.long, metric, by=by, smooth=smooth, center=True, aligned=True, n_grid=n_grid, log=log
     )
+    if not start:
+        return curves
+    first = stats.start_points(study.long, metric, by=by)
+    if first.empty:
+        return curves
+    both = pd.concat([first, curves.dropna(subset=["mean"])], ignore_index=True)  # no gap between 0 and the curve
+    return both.sort_values([*by, COMPUTE], kind="stable").reset_index(drop=True)
+
+
+def _first_step_compute(study: Study) -> float | None:
+    """The compute of the first RL step (the smallest positive compute logged); None when there is none."""
+    c = study.long[COMPUTE].to_numpy(dtype=np.float64) if len(study.long) else np.array([])
+    c = c[np.isfinite(c) & (c > 0)]
+    return float(c.min()) if c.size else None
 
 
 def _unit(study: Study) -> tuple[float, str]:
@@ -135,8 +153,10 @@ def _unit(study: Study) -> tuple[float, str]:
     return style.compute_unit(float(np.nanmax(c)) if np.isfinite(c).any() else np.nan)
 
 
-def _compute_axis(ax: Axes, unit: str) -> None:
-    style.log_scale(ax, "x")
+def _compute_axis(ax: Axes, unit: str, *, zero: float | None = None) -> None:
+    """A log compute axis; with `zero` (the first step's compute, in the axis unit) drawn from 0: linear up to
+    `zero`, logarithmic beyond (style.log_scale), so that the start's evaluation at compute 0 has a place."""
+    style.log_scale(ax, "x", zero=zero)
     ax.set_xlabel(f"training compute ({unit})")
 
 
@@ -209,6 +229,9 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
             label = _group_label(alg, {a: key[a] for a in extra_axes})
             ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
             ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
+            at0 = c[c[x] == 0]
+            if len(at0):  # the starting policy's evaluation (step 0): a measured point, not an interpolation
+                ax.plot(at0[x], at0["mean"], "o", ms=3, color=style.color(alg), gid="start")
 
 
 # --- Figure 1 ---------------------------------------------------------------------------------------------------------
@@ -226,21 +249,41 @@ def figure1_reward(
     extra = _varying(st)
     scale, unit = _unit(st)
     tables = {}
+    for metric in metrics:
+        smooth_m = smooth if metric == vocab.REWARD else None
+        tables[metric] = _curves(st, metric, smooth=smooth_m, n_grid=n_grid, start=metric != vocab.REWARD)
+    started = [m for m in metrics if (tables[m][COMPUTE] == 0).any()]
+    c1 = _first_step_compute(st)
+    zero = c1 / scale if started and c1 else None
     for ax, metric in zip(axs, metrics, strict=True):
-        curves = _curves(st, metric, smooth=smooth if metric == vocab.REWARD else None, n_grid=n_grid)
-        tables[metric] = curves
-        _plot_curves(ax, curves, extra, scale=scale)
-        _compute_axis(ax, unit)
+        _plot_curves(ax, tables[metric], extra, scale=scale)
+        _compute_axis(ax, unit, zero=zero)
         ax.set_title("training reward" if metric == vocab.REWARD else metric)
     axs[0].set_ylabel("mean reward / pass@1")
     _legend(fig, extra=_curve_legend(tables[vocab.REWARD], extra))
     n = st.runs.groupby(ALGORITHM, observed=True).size()
+    if zero:
+        n_start = int(st.runs["start_eval"].sum()) if "start_eval" in st.runs else len(st.runs)
+        start_note = (
+            " The training reward begins at the first RL step; the held-out panels begin at compute 0 (dot) with the "
+            "evaluation of the starting policy (step 0, the cold start"
+            + (f"; {n_start} of {len(st.runs)} runs have one" if n_start < len(st.runs) else "")
+            + f"): the compute axis is linear from 0 to the first step's {c1 / scale:.3g} {unit} and logarithmic "
+            "beyond."
+        )
+    else:
+        start_note = (
+            " No run has an evaluation of its starting policy (a step-0 row; runs written before the loop evaluated "
+            "its start): the held-out panels begin at the first evaluation during training."
+            if len(metrics) > 1
+            else ""
+        )
     caption = (
         "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
         f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
         f"with a centred {smooth}-step mean (over the steps there are at the ends). Each curve begins where all its "
         "seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute (a run "
-        "stopped early), the band is over those that do."
+        "stopped early), the band is over those that do." + start_note
     )
     return Made(fig, "figure1_reward", caption, tables)
 

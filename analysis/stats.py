@@ -20,7 +20,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from analysis import vocab
-from analysis.tidy import ALGORITHM, COMPUTE, METRIC, RUN_ID, SEED, STEP, VALUE, WALL
+from analysis.tidy import ALGORITHM, COMPUTE, METRIC, RUN_ID, SEED, START_STEP, STEP, VALUE, WALL
 
 NON_GROUP = frozenset({RUN_ID, SEED, STEP, COMPUTE, WALL, METRIC, VALUE, "layer"})
 
@@ -200,15 +200,22 @@ def _run_info(rows: pd.DataFrame, slices: list[tuple[int, int]], cols: Sequence[
     return info
 
 
+def training_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` without the step-0 row (START_STEP: the starting policy's evaluation, before any RL step)."""
+    st = rows[STEP].to_numpy()
+    return rows[st > START_STEP] if (st <= START_STEP).any() else rows
+
+
 def final_window(long: pd.DataFrame, metric: str, *, frac: float = 0.1, min_points: int = 1) -> pd.DataFrame:
-    """Per run: the mean of `metric` over the last `frac` of its logged points (at least `min_points`).
+    """Per run: the mean of `metric` over the last `frac` of its logged points during training (at least
+    `min_points`; the step-0 evaluation of the start is not one of them).
 
     Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_to.
     A collapsed or failed run's window is the last stretch it logged before stopping.
     """
     if not 0 < frac <= 1:
         raise ValueError(f"frac = {frac}: valid range is (0, 1]")
-    rows = metric_rows(long, metric)
+    rows = training_rows(metric_rows(long, metric))
     slices = _run_slices(rows)
     v = rows[VALUE].to_numpy()
     st = rows[STEP].to_numpy()
@@ -233,8 +240,34 @@ def final_window(long: pd.DataFrame, metric: str, *, frac: float = 0.1, min_poin
 
 
 def run_mean(long: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Per run: the mean of `metric` over all its logged steps (e.g. the paper's average clip fraction)."""
+    """Per run: the mean of `metric` over all its logged RL steps (e.g. the paper's average clip fraction)."""
     return final_window(long, metric, frac=1.0)
+
+
+def heldout_gain(long: pd.DataFrame, metric: str = vocab.EVAL_IN_DIST) -> pd.DataFrame:
+    """Per run: its last evaluation of `metric` during training minus its step-0 evaluation (the starting policy's),
+    what RL did to held-out pass@1. Runs without a step-0 row (written before runs evaluated their start) or without
+    an evaluation after it have none (no row).
+
+    Columns: run_id, the grouping columns, seed, start, final, final_step, value (= final - start).
+    """
+    rows = metric_rows(long, metric)
+    cols = [*group_columns(long), SEED]
+    slices = _run_slices(rows)
+    st, v = rows[STEP].to_numpy(), rows[VALUE].to_numpy(np.float64)
+    keep, start, final, final_step = [], [], [], []
+    for i, (a, b) in enumerate(slices):
+        at0 = np.flatnonzero(st[a:b] == START_STEP)
+        later = np.flatnonzero(st[a:b] > START_STEP)
+        if at0.size and later.size:
+            keep.append(i)
+            start.append(float(v[a + at0[0]]))
+            final.append(float(v[a + later[-1]]))
+            final_step.append(int(st[a + later[-1]]))
+    info = _run_info(rows, slices, cols).iloc[keep].reset_index(drop=True)
+    info["start"], info["final"], info["final_step"] = start, final, final_step
+    info["value"] = info["final"] - info["start"]
+    return info
 
 
 def summarize(
@@ -430,7 +463,7 @@ def collapse_table(
     that step), flagged_by ("status.json" or the rule that detected it, "" when not collapsed), in_band (a DROP the
     seed-band check cleared, with the band, or "").
     """
-    rows = metric_rows(long, metric)
+    rows = training_rows(metric_rows(long, metric))
     detected: dict[str, Collapse | None] = {}
     compute_at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -575,6 +608,39 @@ def run_starts(rows: pd.DataFrame, *, x: str = COMPUTE, log: bool = True) -> np.
         xi = xi[np.isfinite(xi) & ((xi > 0) if log else True)]
         out.append(float(xi.min()) if xi.size else np.nan)
     return np.asarray(out, dtype=np.float64)
+
+
+def start_points(
+    long: pd.DataFrame,
+    metric: str,
+    *,
+    by: Sequence[str] | None = None,
+    x: str = COMPUTE,
+    confidence: float = 0.95,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Per configuration: `metric` at step 0 (START_STEP, the starting policy's evaluation, at compute 0), mean and
+    bootstrap band over the seeds that have it (`bootstrap_mean_band`, as the curves' bands). Columns as
+    `aggregate_curves`' (x = 0); empty when no run of the metric has a step-0 row (older runs)."""
+    by = list(by) if by is not None else group_columns(long)
+    cols = [*by, x, "mean", "low", "high", "n"]
+    rows = metric_rows(long, metric)
+    rows = rows[rows[STEP].to_numpy() == START_STEP]
+    if rows.empty:
+        return pd.DataFrame(columns=cols)
+    slices = _run_slices(rows)
+    info = _run_info(rows, slices, by)
+    v = rows[VALUE].to_numpy(np.float64)[[a for a, _ in slices]]
+    frames = []
+    for key, idx in info.groupby(by, sort=True, dropna=False).indices.items():
+        mean, low, high, n = bootstrap_mean_band(v[idx], confidence=confidence, n_resamples=n_resamples, seed=seed)
+        key = key if isinstance(key, tuple) else (key,)
+        frame = pd.DataFrame({x: [0.0], "mean": mean, "low": low, "high": high, "n": n})
+        for col, val in zip(by, key, strict=True):
+            frame[col] = val
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)[cols]
 
 
 def aggregate_curves(

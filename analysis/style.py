@@ -171,7 +171,8 @@ def _tick_label(v: float, _pos: object = None) -> str:
 
 class LogTicks(ticker.Locator):
     """Major ticks of a log axis at 1-2-5 x 10^k, thinned to 1-2-3-5-7, 1-3, 1 x 10^k (then every n-th decade) until
-    the labels of neighbouring ticks cannot overlap at the axis' drawn length; decided at draw time."""
+    the labels of neighbouring ticks cannot overlap at the axis' drawn length; decided at draw time. On an axis drawn
+    from zero (`log_scale(..., zero=...)`: linear from 0 to its first value, logarithmic beyond) 0 is a tick too."""
 
     SUBS = ((1, 2, 5), (1, 3), (1,))
 
@@ -181,19 +182,25 @@ class LogTicks(ticker.Locator):
 
     def tick_values(self, vmin: float, vmax: float) -> list[float]:
         lo, hi = sorted((float(vmin), float(vmax)))
+        transform = self.axis.get_transform()
+        linthresh = getattr(transform, "linthresh", None)  # symlog: linear below linthresh
+        zero = linthresh is not None and lo <= 0 < hi
+        if zero:
+            lo = max(lo, float(linthresh))
         if not (lo > 0 and np.isfinite(hi) and hi > lo):
-            return []
+            return [0.0] if zero else []
         axes = self.axis.axes
         horizontal = self.axis.axis_name == "x"
         length = (axes.bbox.width if horizontal else axes.bbox.height) / axes.figure.dpi  # inches
         size = mpl.font_manager.FontProperties(size=mpl.rcParams[f"{self.axis.axis_name}tick.labelsize"])
         pt = size.get_size_in_points()
-        span = math.log10(hi / lo)
+        view = sorted(float(v) for v in self.axis.get_view_interval())
+        t_lo, t_hi = (float(v) for v in transform.transform(np.array(view)))
 
         def fits(ticks: list[float]) -> bool:
             if len(ticks) < 2:
                 return True
-            pos = [(math.log10(t / lo) / span) * length for t in ticks]
+            pos = [(float(t) - t_lo) / (t_hi - t_lo) * length for t in transform.transform(np.array(ticks))]
             gaps = [b - a for a, b in itertools.pairwise(pos)]
             if horizontal:  # half of each neighbour's label width, plus a gap of one character
                 widths = [len(_tick_label(t)) * 0.6 * pt / 72 for t in ticks]
@@ -202,6 +209,7 @@ class LogTicks(ticker.Locator):
                 need = [1.6 * pt / 72] * len(gaps)
             return all(g >= n for g, n in zip(gaps, need, strict=True))
 
+        head = [0.0] if zero else []
         k0, k1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
         eps = 1e-9 * (hi - lo)
         candidates = []
@@ -211,22 +219,27 @@ class LogTicks(ticker.Locator):
             candidates.append([10.0**k for k in range(k0, k1 + 1) if k % stride == 0])
         chosen: list[float] = []
         for cand in candidates:
-            ticks = [t for t in cand if lo - eps <= t <= hi + eps]
-            if len(ticks) <= 8 and fits(ticks):
+            ticks = head + [t for t in cand if lo - eps <= t <= hi + eps]
+            if len(ticks) <= 8 + len(head) and fits(ticks):
                 chosen = ticks
                 break
-        if len(chosen) < 2:  # a range narrower than 1-2-5 steps: evenly spaced round numbers inside it
+        if len(chosen) < 2 + len(head):  # a range narrower than 1-2-5 steps: evenly spaced round numbers inside it
             for nbins in (4, 3, 2, 1):
-                ticks = [float(t) for t in ticker.MaxNLocator(nbins=nbins).tick_values(lo, hi) if lo <= t <= hi]
+                ticks = head + [float(t) for t in ticker.MaxNLocator(nbins=nbins).tick_values(lo, hi) if lo <= t <= hi]
                 if len(ticks) >= len(chosen) and fits(ticks):
                     return ticks
-        return chosen
+        return chosen or head
 
 
-def log_scale(ax: Axes, which: str = "x") -> None:
+def log_scale(ax: Axes, which: str = "x", *, zero: float | None = None) -> None:
     """A log scale on `ax`'s x or y axis whose ticks never overlap and read as plain numbers (LogTicks), with unlabelled
-    minor ticks."""
-    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    minor ticks. `zero`: the axis starts at 0, linear from 0 to `zero` (drawn half a decade wide) and logarithmic
+    beyond (matplotlib's symlog), so that a value at 0 (the starting policy's evaluation, at compute 0) has a place."""
+    if zero is not None and zero > 0:
+        (ax.set_xscale if which == "x" else ax.set_yscale)("symlog", linthresh=zero, linscale=0.5)
+        (ax.set_xlim if which == "x" else ax.set_ylim)(0, None)
+    else:
+        (ax.set_xscale if which == "x" else ax.set_yscale)("log")
     axis = ax.xaxis if which == "x" else ax.yaxis
     axis.set_major_locator(LogTicks())
     axis.set_major_formatter(ticker.FuncFormatter(_tick_label))

@@ -41,6 +41,12 @@ class Curve:
     clip_high: float = 0.02
     collapse_step: int | None = None
     """Reward falls to ~0 from this step and the run stops there with status collapsed."""
+    slot_mismatch: float = 0.1
+    """Routing volatility: routing_slot_mismatch starts here and rises by 20% of it over the run (noise 5% of it)."""
+    load_imbalance: float = 1.3
+    """expert_load_imbalance (mean over the run; engine: 0.05 above)."""
+    router_entropy: float = 0.7
+    """router_entropy, nats (mean over the run)."""
 
 
 def synthetic_metrics(
@@ -78,7 +84,7 @@ def synthetic_metrics(
         vocab.MISMATCH_MAX_ABS: 0.5 + 0.1 * rng.random(n_steps),
         vocab.MISMATCH_K3: 1e-4 * (1 + rng.random(n_steps)),
         vocab.MISMATCH_FRAC_GT2: 1e-3 * rng.random(n_steps),
-        vocab.ROUTING_SLOT: 0.1 + 0.02 * frac + 0.005 * rng.standard_normal(n_steps),
+        vocab.ROUTING_SLOT: curve.slot_mismatch * (1 + 0.2 * frac + 0.05 * rng.standard_normal(n_steps)),
         vocab.ROUTING_FLIP: 0.2 + 0.01 * rng.standard_normal(n_steps),
         vocab.ROUTING_ENGINE: 0.03 + 0.005 * rng.random(n_steps),
         vocab.RESPONSE_LEN: 100 + 50 * frac,
@@ -87,7 +93,25 @@ def synthetic_metrics(
     }
     for i in range(n_extra):
         cols[f"extra_{i}"] = rng.standard_normal(n_steps)
+    aux = rng.spawn(1)[0]  # metrics added later draw from a child: the ones above keep their values
+    cols["lr"] = np.full(n_steps, 1e-6)
+    cols[vocab.EXPERT_LOAD] = curve.load_imbalance + 0.02 * aux.standard_normal(n_steps)
+    cols[vocab.ENGINE_EXPERT_LOAD] = cols[vocab.EXPERT_LOAD] + 0.05
+    cols[vocab.ROUTER_ENTROPY] = curve.router_entropy + 0.01 * aux.standard_normal(n_steps)
     return cols
+
+
+def with_start_row(cols: Mapping[str, np.ndarray], curve: Curve, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """`cols` with the row the run loop writes at step 0 when it evaluates (eval_every > 0): the starting policy's
+    evaluation (eval metrics at the curve's R0, as at the eval steps), lr, compute_flops = wall_s = 0, every other
+    metric NaN."""
+    start = dict.fromkeys(cols, np.nan)
+    start.update(step=0, compute_flops=0.0, wall_s=0.0)
+    start[vocab.EVAL_IN_DIST] = 0.9 * curve.r0 + 0.01 * rng.standard_normal()
+    start["eval_hard"] = 0.5 * curve.r0 + 0.01 * rng.standard_normal()
+    if "lr" in cols:
+        start["lr"] = float(cols["lr"][0])
+    return {k: np.concatenate([np.asarray([start[k]], dtype=np.asarray(v).dtype), v]) for k, v in cols.items()}
 
 
 TOKEN_SEQS = 64
@@ -185,13 +209,16 @@ def make_study(
     config_format: str = "json",
     token_mismatch: Callable[[Mapping[str, Any]], tuple[float, float]] | None = None,
     eval_every: int = 10,
+    start_eval: bool = True,
 ) -> list[str]:
     """Write runs algorithm x grid x seed under `root/runs`; returns the run ids in write order.
 
     `grid` maps dotted config keys to the values swept (the cartesian product is written). Algorithms listed in
     `fail` get status failed after a third of their steps (metrics up to there kept). `token_mismatch(config)` ->
     (mu, sigma), when given, writes token_samples.parquet (64 sequences at step 1, every eval step and the last
-    logged step) whose per-sequence log-ratios are N(mu, sigma) draws.
+    logged step) whose per-sequence log-ratios are N(mu, sigma) draws. `start_eval` (with eval_every > 0) writes the
+    step-0 row of the starting policy's evaluation, as the run loop does (`with_start_row`); False writes runs as they
+    were before the loop evaluated its start.
     """
     runs = Path(root) / "runs"
     grid = dict(grid or {})
@@ -228,17 +255,23 @@ def make_study(
                     cols = {k: v[:stop] for k, v in cols.items()}
                     status = {"state": "failed", "step": stop, "error": "RuntimeError: synthetic failure"}
                 steps = cols["step"]
+                rows = len(steps) * n_layers
                 layers = {
                     "step": np.repeat(steps, n_layers),
                     "layer": np.tile(np.arange(n_layers), len(steps)),
                     vocab.LAYER_SLOT: np.tile(0.05 * (1 + np.arange(n_layers)), len(steps))
-                    + 0.002 * rng.standard_normal(len(steps) * n_layers),
+                    + 0.002 * rng.standard_normal(rows),
                 }
+                aux = rng.spawn(1)[0]  # what was added later draws from a child: the draws above keep their values
+                layers[vocab.EXPERT_LOAD] = curve.load_imbalance + 0.03 * aux.standard_normal(rows)
+                layers[vocab.ROUTER_ENTROPY] = curve.router_entropy + 0.02 * aux.standard_normal(rows)
                 tokens = None
                 if token_mismatch is not None:
                     mu, sigma = token_mismatch(config)
                     at = token_steps(int(steps[-1]), eval_every)
                     tokens = synthetic_token_samples(at, mu=mu, sigma=sigma, rng=rng)[0]
+                if start_eval and eval_every:
+                    cols = with_start_row(cols, curve, aux)
                 write_run(
                     runs,
                     run_id,

@@ -10,7 +10,9 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
   reason or the error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`,
   `error`/`message`);
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
-  metric columns (`reward_mean`, `clip_frac`, ...);
+  metric columns (`reward_mean`, `clip_frac`, ...); runs that evaluate (eval_every > 0) start with a row at step 0
+  (START_STEP) holding only the starting policy's evaluation (eval metrics, lr; compute_flops = wall_s = 0, every
+  other metric NaN, so it adds rows to the long table for those metrics only); older runs have none;
 - optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns);
 - optionally `token_samples.parquet` (one row per response token of a subset of rollouts: `step`, `sample`, `pos`,
   `trainer_logp` (the training engine's pi_old recompute), `engine_logp` (the rollout engine's log-prob)); runs
@@ -22,7 +24,8 @@ Tables (pandas; `Study.write` stores each as parquet):
   (run, step, metric) that was logged: a metric not logged at a step (evals every N steps) has no row; inf is kept.
   String-like columns are categorical so that 1,000 runs x 1,000 steps x 30 metrics stays in memory and is fast.
 - `runs`: one row per run directory found: run_id, algorithm, <axes>, seed, state, collapse_step, collapse_reason,
-  error, n_steps, last_step, last_compute, path. Failed and collapsed runs are kept and labelled, never dropped.
+  error, n_steps (RL steps logged: rows at step >= 1), start_eval (whether the run has the step-0 row), last_step,
+  last_compute, path. Failed and collapsed runs are kept and labelled, never dropped.
 - `layers`: the per-layer routing tables in long form (run_id, algorithm, <axes>, seed, step, layer, metric, value).
 - `tokens`: token samples (run_id, algorithm, <axes>, seed, <precision keys>, precision_emulated, step, sample, pos,
   trainer_logp, engine_logp), at most min(`max_token_rows`, `token_budget` / runs) rows per run (a seeded random
@@ -82,6 +85,8 @@ CONFIG_FILES = (
     "resolved_config.json",
 )
 STEP, COMPUTE, WALL, LAYER = "step", "compute_flops", "wall_s", "layer"
+START_STEP = 0
+"""The step of the row that holds only the starting policy's evaluation (before any RL step; compute 0)."""
 RUN_ID, ALGORITHM, SEED, METRIC, VALUE = "run_id", "algorithm", "seed", "metric", "value"
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
 UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
@@ -438,7 +443,8 @@ def build_study(
             "collapse_step": pd.array([_collapse_step(r) for r in records], dtype="Int64"),
             "collapse_reason": [_collapse_reason(r) for r in records],
             "error": [_error_of(r) for r in records],
-            "n_steps": [0 if r.metrics is None else r.metrics.num_rows for r in records],
+            "n_steps": [_rl_steps(r.metrics) for r in records],
+            "start_eval": [_has_start(r.metrics) for r in records],
             "last_step": pd.array([_last(r.metrics, STEP) for r in records], dtype="Int64"),
             "last_compute": [_last(r.metrics, COMPUTE) for r in records],
             EMULATED: pd.array([r.precision_emulated for r in records], dtype="boolean"),
@@ -622,6 +628,18 @@ def _error_of(r: RunRecord) -> str | None:
     no_metrics_yet = r.state in ("failed", "running")  # no metrics file is expected there, not an error
     parts.extend(e for e in r.read_errors if not (no_metrics_yet and e == f"{METRICS_FILE}: missing"))
     return "; ".join(parts) if parts else None
+
+
+def _rl_steps(t: pa.Table | None) -> int:
+    """Rows of RL steps (step >= 1): the step-0 evaluation row is not a step."""
+    if t is None:
+        return 0
+    return int((t.column(STEP).to_numpy(zero_copy_only=False) > START_STEP).sum())
+
+
+def _has_start(t: pa.Table | None) -> bool:
+    """Whether metrics.parquet has the step-0 row (the starting policy's evaluation)."""
+    return t is not None and bool((t.column(STEP).to_numpy(zero_copy_only=False) == START_STEP).any())
 
 
 def _last(t: pa.Table | None, col: str) -> Any:

@@ -138,3 +138,30 @@ def test_curves_begin_where_every_seed_has_logged(study):
     curves = made.tables["reward_mean"]
     first = curves.dropna(subset=["mean"]).groupby(["algorithm", "max_new_tokens", "rollout_dtype"], observed=True)
     assert (first["n"].first() == 3).all()  # every configuration's first point is a mean over its 3 seeds
+
+
+# --- the step-0 row and the routing-volatility figure -----------------------------------------------------------------
+def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, tmp_path):
+    made = figures.figure1_reward(study)
+    for metric, table in made.tables.items():
+        at0 = table[table["compute_flops"] == 0]
+        if metric == "reward_mean":
+            assert at0.empty  # the training reward begins at the first RL step
+        else:  # one point per configuration at compute 0: the mean of its 3 seeds' step-0 evaluations
+            assert len(at0) == len(table.drop_duplicates(["algorithm", "max_new_tokens", "rollout_dtype"]))
+            assert (at0["n"] == 3).all() and at0["mean"].notna().all()
+    for ax in made.fig.axes:
+        assert ax.get_xscale() == "symlog" and ax.get_xlim()[0] == 0
+    assert [line for line in made.fig.axes[1].get_lines() if line.get_gid() == "start"]
+    assert "held-out panels begin at compute 0" in made.caption
+    assert _layout_problems(made.fig) == []
+    assert made.fig.axes[1].xaxis.get_major_locator()()[0] == 0.0  # "0" is the first tick
+
+    # older runs (no step-0 row): a plain log axis from the first evaluation, and the caption says why
+    from analysis import synthetic, tidy
+
+    synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=30, start_eval=False)
+    old = figures.figure1_reward(tidy.load_study(tmp_path))
+    assert all(ax.get_xscale() == "log" for ax in old.fig.axes)
+    assert all((t["compute_flops"] > 0).all() for t in old.tables.values())
+    assert "No run has an evaluation of its starting policy" in old.caption

@@ -172,3 +172,57 @@ def test_a_drop_inside_the_seed_band_is_not_flagged():
     ct = stats.collapse_table(long, runs).set_index("run_id")
     assert ct.loc["x0", "collapsed"] and not ct.loc["x1", "collapsed"]
     assert "10-step mean" in stats.collapse_rule() and "seeds of its configuration" in stats.collapse_rule()
+
+
+# --- the step-0 row: the starting policy's evaluation, before any RL step ------------------------------------------
+def _with_and_without_start(tmp_path):
+    from analysis import synthetic, tidy
+
+    C = synthetic.Curve
+    curves = {"grpo": C(a=0.5, c_mid=2e12, collapse_step=30), "grpo_rr": C(a=0.6, c_mid=2e12), "gspo": C(a=0.8)}
+    out = []
+    for start in (True, False):
+        synthetic.make_study(tmp_path / str(start), curves, seeds=(0, 1, 2), n_steps=40, start_eval=start)
+        out.append(tidy.load_study(tmp_path / str(start)))
+    return out
+
+
+def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(tmp_path):
+    from analysis import fit, scorecard
+
+    new, old = _with_and_without_start(tmp_path)
+    assert new.runs["start_eval"].all() and not old.runs["start_eval"].any()
+    assert new.runs["n_steps"].tolist() == old.runs["n_steps"].tolist()  # RL steps, the step-0 row is none
+    assert (new.runs.loc[new.runs["state"] == "completed", "n_steps"] == 40).all()
+    at0 = new.long[new.long["step"] == 0]
+    assert set(at0["metric"].astype(str)) == {"eval_in_dist", "eval_hard", "lr"} and (at0["compute_flops"] == 0).all()
+    for metric in ("reward_mean", "eval_in_dist", "lr"):  # final windows and run means are over RL steps only
+        for frac in (0.1, 1.0):
+            a, b = (stats.final_window(st.long, metric, frac=frac) for st in (new, old))
+            pd.testing.assert_frame_equal(a, b)
+    pd.testing.assert_frame_equal(*(stats.collapse_table(st.long, st.runs) for st in (new, old)))
+    fits = [fit.fit_study(st.long, runs=st.runs, n_boot=10) for st in (new, old)]
+    pd.testing.assert_frame_equal(*(fit.fits_table(f) for f in fits))
+    for a, b in zip(*(scorecard.scorecard(st) for st in (new, old)), strict=True):
+        assert (a.verdict, [str(e) for e in a.evidence]) == (b.verdict, [str(e) for e in b.evidence]), a.claim
+    # curves on a log compute grid never see compute 0; the start points are the step-0 values
+    pd.testing.assert_frame_equal(*(stats.aggregate_curves(st.long, "eval_in_dist") for st in (new, old)))
+    sp = stats.start_points(new.long, "eval_in_dist")
+    assert (sp["compute_flops"] == 0).all() and (sp["n"] == 3).all() and len(sp) == 3
+    assert stats.start_points(old.long, "eval_in_dist").empty
+
+
+def test_heldout_gain_is_the_last_evaluation_minus_the_step0_one(tmp_path):
+    import pyarrow.parquet as pq
+
+    new, old = _with_and_without_start(tmp_path)
+    gain = stats.heldout_gain(new.long).set_index("run_id")
+    assert len(gain) == len(new.runs) and stats.heldout_gain(old.long).empty  # older runs: no gain, no row
+    for rid, row in gain.iterrows():
+        m = pq.read_table(tmp_path / "True" / "runs" / rid / "metrics.parquet").to_pandas()
+        ev = m.dropna(subset=["eval_in_dist"])
+        assert ev["step"].iloc[0] == 0 and row["start"] == ev["eval_in_dist"].iloc[0]
+        assert row["final_step"] == ev["step"].iloc[-1] > 0 and row["final"] == ev["eval_in_dist"].iloc[-1]
+        assert row["value"] == row["final"] - row["start"]
+    collapsed = new.runs.loc[new.runs["state"] == "collapsed", "run_id"]
+    assert (gain.loc[collapsed, "final_step"] == 30).all()  # its last evaluation before it stopped (step 32)
