@@ -231,6 +231,7 @@ vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 
 .supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}
 ul.headline{list-style:none;padding:0}ul.headline li{margin:.3em 0;padding:.3em .6em;border-left:.4em solid #bbb}
 ul.headline li.supported{border-color:#009E73}ul.headline li.contradicted{border-color:#D55E00}
+ul.headline li.up{border-color:#009E73}
 .wrap{overflow-x:auto}td.long{min-width:24em}"""
 
 
@@ -494,12 +495,41 @@ def headline(cards: Sequence[scorecard.ClaimResult]) -> list[tuple[str, str, str
     return out
 
 
-def _scorecard_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
-    """The scorecard with its note on intervals and strata, then the per-stratum verdicts when any claim has strata."""
+def gain_headline(gain: scorecard.HeldOutGain) -> list[tuple[str, str, str]]:
+    """The headline's held-out gain lines: per algorithm, what RL did to held-out pass@1 (HeldOutGain.lines), the
+    line green when its interval is above 0 in every configuration; or one line saying why it is not available."""
+    out = []
+    t = gain.table
+    for head, text in gain.lines():
+        rows = t[t["label"].astype(str) == head.removeprefix("Held-out gain, ").removesuffix(":")] if len(t) else t
+        up = len(rows) > 0 and bool((rows["low"].astype(float) > 0).all())
+        out.append(("up" if up else "", head, text))
+    return out
+
+
+def gain_table(gain: scorecard.HeldOutGain) -> pd.DataFrame:
+    """The held-out gain table as the report prints it (numbers to 3 decimals: pass@1 values)."""
+    t = gain.table.copy()
+    for c in ("start", "final", "gain", "low", "high"):
+        t[c] = [f"{v:.3f}" if pd.notna(v) else "" for v in t[c]]
+    return t.drop(columns=[ALGORITHM]).rename(columns={"label": "algorithm", "n": "n (with a gain)"})
+
+
+def _gain_section(gain: scorecard.HeldOutGain) -> list[Block]:
+    """The held-out gain (what RL did to held-out pass@1): its rule and its table, or why it is not available."""
+    out: list[Block] = [_h(3, "Held-out gain", anchor="heldout-gain"), _p(gain.rule[0].upper() + gain.rule[1:] + ".")]
+    out.append(Table(gain_table(gain)) if gain.available else _p(f"Not available: {gain.reason}."))
+    return out
+
+
+def _scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: scorecard.HeldOutGain) -> list[Block]:
+    """The scorecard with its note on intervals and strata, the held-out gain, then the per-stratum verdicts when any
+    claim has strata."""
     out: list[Block] = [
         _h(2, "Scorecard", anchor="scorecard"),
         _p(SCORECARD_NOTE),
         ScorecardTable(tuple(cards), scorecard.scorecard_table(cards)),
+        *_gain_section(gain),
     ]
     strata_df = scorecard.strata_table(cards)
     if not strata_df.empty:
@@ -570,16 +600,18 @@ def render(
     problems: pd.DataFrame,
     table_files: Mapping[str, Path],
     out_dir: Path,
+    gain: scorecard.HeldOutGain | None = None,
 ) -> tuple[str, str]:
     """The HTML page and its Markdown twin, both written from one list of blocks: a line on the study, the headline
     and Figures 1-3 first, the provenance, configuration and runs last."""
     main = _figure_blocks(rendered, MAIN_FIGURES, out_dir)
+    gain = gain if gain is not None else scorecard.heldout_gain(study)
     blocks = [
         _lead(study),
         _h(2, "Headline", anchor="headline"),
-        Bullets(tuple(headline(cards)), "headline"),
+        Bullets(tuple(headline(cards)) + tuple(gain_headline(gain)), "headline"),
         *([_h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
-        *_scorecard_section(cards),
+        *_scorecard_section(cards, gain),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),
         *_study_section(study, table_files, out_dir),
@@ -663,11 +695,13 @@ def build_report(
             table_files[key] = _atomic_write(out / "tables" / f"{key}.csv", data)
     table_files["runs"] = _atomic_write(out / "tables" / "runs.csv", runs_table(study).to_csv(index=False))
     cards = scorecard.scorecard(study)
+    gain = scorecard.heldout_gain(study)
     _atomic_write(out / "tables" / "scorecard.csv", scorecard.scorecard_table(cards).to_csv(index=False))
+    _atomic_write(out / "tables" / "heldout_gain.csv", gain.table.to_csv(index=False))
     _atomic_write(out / "tables" / "scorecard_strata.csv", scorecard.strata_table(cards).to_csv(index=False))
     problems = problem_runs(study)
     _atomic_write(out / "tables" / "problem_runs.csv", problems.to_csv(index=False))
-    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out)
+    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out, gain)
     html_path = _atomic_write(out / "index.html", page)
     md_path = _atomic_write(out / "index.md", md)
     pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in rendered.paths.items()}

@@ -610,6 +610,117 @@ def scorecard(study: Study) -> list[ClaimResult]:
     return [fn(study) for fn in CLAIM_FUNCTIONS.values()]
 
 
+# --- held-out gain: what RL did to held-out pass@1 -------------------------------------------------------------------
+GAIN_RULE = (
+    "held-out gain = a run's last evaluation of {metric} during training minus its evaluation at step 0 (the starting "
+    "policy, before any RL step, on the same held-out set); per configuration (algorithm and the swept axes) the mean "
+    "over its seeds with a 95% percentile bootstrap interval; failed runs excluded, a collapsed run counts with its "
+    "last evaluation before it stopped"
+)
+"""How the held-out gain is computed (formatted with the metric), as the report prints it."""
+
+
+@dataclass
+class HeldOutGain:
+    """The held-out gain per configuration (GAIN_RULE), or why there is none."""
+
+    metric: str
+    table: pd.DataFrame
+    """One row per configuration: algorithm, label, the swept axes, start, final, final_step (range over seeds),
+    gain, low, high, n (runs with a gain), runs (usable runs of the configuration)."""
+    axes: list[str]
+    reason: str = ""
+    """Why the gain is not available ("" when it is)."""
+
+    @property
+    def rule(self) -> str:
+        return GAIN_RULE.format(metric=self.metric)
+
+    @property
+    def available(self) -> bool:
+        return not self.reason
+
+    def lines(self) -> list[tuple[str, str]]:
+        """One (head, text) per algorithm for the headline, e.g. ("Held-out gain, GSPO:", "RL raised held-out pass@1
+        (eval_in_dist) by 0.14 [0.12, 0.16] (n=3): 0.307 at step 0 -> 0.447 at step 150"); one line saying why when
+        the gain is not available."""
+        if not self.available:
+            return [("Held-out gain:", f"not available: {self.reason}")]
+        out = []
+        t = self.table.dropna(subset=["gain"])
+        for alg in _registry_order(t[ALGORITHM].astype(str).unique()):
+            rows = t[t[ALGORITHM].astype(str) == alg]
+            head = f"Held-out gain, {rows['label'].iloc[0]}:"
+            if len(rows) == 1:
+                r = rows.iloc[0]
+                g = float(r["gain"])
+                verb = "raised" if g >= 0 else "lowered"
+                interval = f"[{r['low']:.3f}, {r['high']:.3f}]" if np.isfinite(r["low"]) else "(no interval)"
+                size = f"{interval} (n={int(r['n'])})"
+                text = (
+                    f"RL {verb} held-out pass@1 ({self.metric}) by "
+                    + (f"{g:.3f} {size}" if g >= 0 else f"{-g:.3f}: gain {g:.3f} {size}")
+                    + f": {r['start']:.3f} at step 0 -> {r['final']:.3f} at step {r['final_step']}"
+                )
+            else:
+                lo, hi = float(rows["gain"].min()), float(rows["gain"].max())
+                up = int((rows["low"] > 0).sum())
+                text = (
+                    f"RL changed held-out pass@1 ({self.metric}) by {lo:+.3f} to {hi:+.3f} over {len(rows)} "
+                    f"configurations of {', '.join(self.axes)} (interval above 0 in {up}; each in the table "
+                    "'Held-out gain')"
+                )
+            out.append((head, text))
+        return out
+
+
+def _registry_order(names: Sequence[str]) -> list[str]:
+    try:
+        return style.order(names)
+    except (KeyError, ValueError, LookupError):  # an algorithm the registry does not know (an old run)
+        return sorted(names)
+
+
+def _label_of(name: str) -> str:
+    try:
+        return style.label(name)
+    except (KeyError, ValueError, LookupError):
+        return name
+
+
+def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
+    """The held-out gain (GAIN_RULE) per configuration of the usable runs; `reason` says why when no run has one
+    (the metric not logged, runs written before the loop evaluated its start, no evaluation after it)."""
+    axes = list(study.axes)
+    cols = [ALGORITHM, "label", *axes, "start", "final", "final_step", "gain", "low", "high", "n", "runs"]
+    empty = pd.DataFrame(columns=cols)
+    if metric not in study.metrics:
+        return HeldOutGain(metric, empty, axes, f"{metric} not logged")
+    per_run = stats.heldout_gain(study.long, metric)
+    per_run = per_run[per_run[RUN_ID].astype(str).isin(_usable_ids(study))]
+    if per_run.empty:
+        started = int(study.runs["start_eval"].sum()) if "start_eval" in study.runs else 0
+        why = (
+            f"no run has an evaluation of {metric} after its step-0 one"
+            if started
+            else f"no run has an evaluation of its starting policy (a step-0 row of {metric} in metrics.parquet; runs "
+            "written before the loop evaluated its start), so RL's gain on the runs' own held-out set is unknown"
+        )
+        return HeldOutGain(metric, empty, axes, why)
+    by = [ALGORITHM, *axes]
+    summary = stats.summarize(per_run, value="value", by=by, n_resamples=N_RESAMPLES)
+    means = per_run.groupby(by, observed=True, dropna=False)[["start", "final"]].mean().reset_index()
+    steps = per_run.groupby(by, observed=True, dropna=False)["final_step"].agg(["min", "max"]).reset_index()
+    steps["final_step"] = [str(a) if a == b else f"{a}-{b}" for a, b in zip(steps["min"], steps["max"], strict=True)]
+    counts = study.runs[usable(study.runs)].groupby(by, observed=True, dropna=False).size().rename("runs").reset_index()
+    out = summary.merge(means, on=by).merge(steps[[*by, "final_step"]], on=by).merge(counts, on=by, how="left")
+    out = out.rename(columns={"mean": "gain"})
+    out["label"] = [_label_of(str(a)) for a in out[ALGORITHM]]
+    order = {a: i for i, a in enumerate(_registry_order(out[ALGORITHM].astype(str).unique()))}
+    out = out.sort_values(by, key=lambda c: c.astype(str).map(order) if c.name == ALGORITHM else c, kind="stable")
+    return HeldOutGain(metric, out[cols].reset_index(drop=True), axes)
+
+
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
     """One row per claim: claim, statement, verdict (with reason when inconclusive), strata (per-stratum verdict
     counts; "" when not stratified), evidence, rule."""
@@ -652,6 +763,7 @@ def strata_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
 __all__ = [
     "CLAIMS",
     "CONTRADICTED",
+    "GAIN_RULE",
     "INCONCLUSIVE",
     "NOT_IN_STUDY",
     "NO_DATA",
@@ -659,6 +771,7 @@ __all__ = [
     "SUPPORTED",
     "ClaimResult",
     "Evidence",
+    "HeldOutGain",
     "Stratification",
     "Stratum",
     "claim_c1",
@@ -668,6 +781,7 @@ __all__ = [
     "claim_c5",
     "claim_c6",
     "combine",
+    "heldout_gain",
     "scorecard",
     "scorecard_table",
     "strata_table",

@@ -240,3 +240,22 @@ def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp
     assert reused is not None
     table = reused[0].tables["f"]["t"]
     assert table["x"].to_numpy().tobytes() == values.tobytes()  # bit for bit
+
+
+def test_headline_has_the_heldout_gain_and_the_scorecard_its_table(built) -> None:
+    _, rep = built
+    md = rep.markdown.read_text()
+    headline = md.split("## Headline")[1].split("\n## ")[0]
+    for alg in ("grpo", "grpo_rr", "gspo"):  # sapo failed: no gain
+        assert f"**Held-out gain, {style.label(alg)}:** RL " in headline
+    assert "over 2 configurations of max_new_tokens" in headline
+    assert "### Held-out gain" in md and (rep.html.parent / "tables" / "heldout_gain.csv").is_file()
+    assert report.scorecard.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
+
+
+def test_older_runs_without_a_step0_row_still_report_and_say_the_gain_is_unknown(tmp_path) -> None:
+    synthetic.make_study(tmp_path, {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1), n_steps=20, start_eval=False)
+    rep = report.report_from_results(tmp_path)
+    md = rep.markdown.read_text()
+    assert "**Held-out gain:** not available: no run has an evaluation of its starting policy" in md
+    assert "Not available: no run has an evaluation of its starting policy" in md

@@ -241,3 +241,28 @@ def test_every_rule_quotes_the_decisions_its_verdict_is_read_from(tmp_path) -> N
         for decision in scorecard.DECISIONS[r.claim]:
             assert str(decision) in r.rule, (r.claim, r.rule)
     assert set(scorecard.DECISIONS) == set(scorecard.CLAIMS)
+
+
+def test_heldout_gain_per_configuration_and_why_not_for_older_runs(tmp_path) -> None:
+    # synthetic eval_in_dist: 0.9 x R0 at step 0, 0.9 x the reward at the eval steps: the gain is known
+    curves = {"gspo": C(a=0.8, c_mid=2e12, noise=0.0), "grpo": C(a=0.5, c_mid=2e12, noise=0.0)}
+    st = _load(tmp_path / "new", curves, seeds=(0, 1, 2), grid={"max_new_tokens": [256, 1024]})
+    g = scorecard.heldout_gain(st)
+    assert g.available and g.axes == ["max_new_tokens"] and len(g.table) == 4
+    t = g.table.set_index(["algorithm", "max_new_tokens"])
+    truth = {a: 0.9 * (synthetic.sigmoid(6e12, r0=0.1, a=c.a, b=c.b, c_mid=c.c_mid) - 0.1) for a, c in curves.items()}
+    for (alg, _), row in t.iterrows():
+        assert row["gain"] == pytest.approx(truth[alg], abs=0.02) and row["low"] > 0 and row["n"] == row["runs"] == 3
+        assert row["final_step"] == "60" and row["label"] == scorecard.style.label(alg)
+    heads = [h for h, _ in g.lines()]
+    assert heads == [f"Held-out gain, {scorecard.style.label(a)}:" for a in ("grpo", "gspo")]
+    assert "over 2 configurations of max_new_tokens" in g.lines()[0][1]
+    one = scorecard.heldout_gain(_load(tmp_path / "one", {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2)))
+    ((_, text),) = one.lines()
+    assert text.startswith("RL raised held-out pass@1 (eval_in_dist) by 0.") and "(n=3): 0.0" in text, text
+    assert "at step 0 -> " in text and text.endswith("at step 60")
+    synthetic.make_study(tmp_path / "old", {"gspo": C()}, seeds=(0, 1), n_steps=20, start_eval=False)
+    old = scorecard.heldout_gain(tidy.load_study(tmp_path / "old"))
+    assert not old.available and old.table.empty
+    assert old.lines() == [("Held-out gain:", f"not available: {old.reason}")]
+    assert "no run has an evaluation of its starting policy" in old.reason
