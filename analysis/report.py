@@ -539,6 +539,50 @@ def _scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: scorecard.H
 
 MAIN_FIGURES = ("figure1_reward", "figure2_clipping", "figure3_routing_replay")
 """The figures the report shows right after its headline; the others follow the scorecard."""
+ROUTING_FIGURE = "figure8_routing_volatility"
+"""Shown after Figures 1-3 when drawn (a study sweeping an axis besides algorithm), with the Routing Replay claims'
+verdicts per configuration beside it."""
+ROUTING_CLAIMS = ("C3", "C4")
+"""The claims whose per-configuration verdicts sit next to the routing-volatility figure."""
+
+
+def routing_verdicts(cards: Sequence[scorecard.ClaimResult], claims: Sequence[str] = ROUTING_CLAIMS) -> pd.DataFrame:
+    """One row per stratum (configuration) of `claims`: for each claim its verdict there and its evidence (the first
+    two lines: the comparison, then for C4 the collapse part); empty when none of them is stratified."""
+    by_claim = {c.claim: c for c in cards if c.claim in claims and len(c.strata) > 1}
+    labels: list[str] = []
+    for c in by_claim.values():
+        labels += [s.label for s in c.strata if s.label not in labels]
+    rows = []
+    for label in labels:
+        row: dict[str, str] = {"configuration": label}
+        for claim, c in by_claim.items():
+            s = next((s for s in c.strata if s.label == label), None)
+            row[claim] = s.verdict if s else ""
+            ev = [e for e in (s.evidence if s else []) if not e.name.startswith("collapse_rate(") or " - " in e.name]
+            row[f"{claim} evidence"] = "; ".join(
+                f"{e.name} = {e.estimate:.3g} [{e.low:.3g}, {e.high:.3g}] (n={e.n})" for e in ev[:2]
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _routing_section(rendered: figures.Rendered, cards: Sequence[scorecard.ClaimResult], out_dir: Path) -> list[Block]:
+    """The routing-volatility figure, when drawn, with C3 and C4 per configuration beside it."""
+    fig = _figure_blocks(rendered, [ROUTING_FIGURE], out_dir)
+    if not fig:
+        return []
+    out: list[Block] = [_h(2, "Routing volatility", anchor="routing-volatility"), *fig]
+    verdicts = routing_verdicts(cards)
+    if not verdicts.empty:
+        out += [
+            _p(
+                "C3 (GRPO without Routing Replay is unstable; with it, it converges) and C4 (GSPO needs no Routing "
+                "Replay) in each configuration, decided by the rules of the scorecard below:"
+            ),
+            Table(verdicts),
+        ]
+    return out
 
 
 def _figure_blocks(rendered: figures.Rendered, names: Sequence[str], out_dir: Path) -> list[Block]:
@@ -558,7 +602,7 @@ def _figure_blocks(rendered: figures.Rendered, names: Sequence[str], out_dir: Pa
 def _figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path], out_dir: Path) -> list[Block]:
     """The figures after the main ones, then every figure's tables (short ones inline, every one linked as CSV),
     then the figures not drawn and why."""
-    rest = [n for n in rendered.paths if n not in MAIN_FIGURES]
+    rest = [n for n in rendered.paths if n not in (*MAIN_FIGURES, ROUTING_FIGURE)]
     out: list[Block] = []
     if rest:
         out += [_h(2, "More figures", anchor="figures"), *_figure_blocks(rendered, rest, out_dir)]
@@ -611,6 +655,7 @@ def render(
         _h(2, "Headline", anchor="headline"),
         Bullets(tuple(headline(cards)) + tuple(gain_headline(gain)), "headline"),
         *([_h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
+        *_routing_section(rendered, cards, out_dir),
         *_scorecard_section(cards, gain),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),

@@ -273,6 +273,23 @@ def _finish(
     return ClaimResult(claim, CLAIMS[claim], verdict, rule + strat.text(own), evidence, reason, strata)
 
 
+def comparison_pairs(present: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(minuend, subtrahend, claim) of the algorithm comparisons the claims make that `present` allows, in claim
+    order: C1 GSPO minus the GRPO baseline (with Routing Replay when present); C3 and C4 each algorithm's Routing
+    Replay partner (the registry's) minus the algorithm, for GRPO and GSPO. The routing-volatility figure draws these
+    gaps, so it compares what the claims compare."""
+    out = []
+    base = _grpo_baseline(present)
+    if GSPO in present and base is not None:
+        out.append((GSPO, base, "C1"))
+    for name, claim in ((GRPO, "C3"), (GSPO, "C4")):
+        free = _free_of(name, present)
+        rr = _replay_partner_in(name, present) if free else None
+        if free and rr:
+            out.append((rr, free, claim))
+    return out
+
+
 def _grpo_baseline(present: Sequence[str]) -> str | None:
     """The paper's GRPO baseline of Figures 1-2: GRPO with Routing Replay (registry partner), else plain GRPO."""
     if GRPO not in present:
@@ -781,6 +798,7 @@ __all__ = [
     "claim_c5",
     "claim_c6",
     "combine",
+    "comparison_pairs",
     "heldout_gain",
     "scorecard",
     "scorecard_table",

@@ -127,6 +127,33 @@ def bootstrap_mean_band(
     return mean, low, high, n
 
 
+def mean_difference(
+    x: Sequence[float] | np.ndarray,
+    y: Sequence[float] | np.ndarray,
+    *,
+    confidence: float = 0.95,
+    n_resamples: int = 4000,
+    seed: int = 0,
+) -> CI:
+    """mean(x) - mean(y) with a percentile bootstrap interval, x and y (the seeds of two configurations) resampled
+    independently (seeded); NaN samples are ignored; no interval (NaN) when either has fewer than two. `n` is the
+    smaller sample size."""
+    a = np.asarray(x, np.float64)
+    b = np.asarray(y, np.float64)
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if a.size == 0 or b.size == 0:
+        return CI(np.nan, np.nan, np.nan, int(min(a.size, b.size)), confidence)
+    est = float(a.mean() - b.mean())
+    if a.size < 2 or b.size < 2:
+        return CI(est, np.nan, np.nan, int(min(a.size, b.size)), confidence)
+    rng = np.random.default_rng(seed)
+    d = a[rng.integers(0, a.size, (n_resamples, a.size))].mean(axis=1)
+    d = d - b[rng.integers(0, b.size, (n_resamples, b.size))].mean(axis=1)
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(d, [alpha, 1 - alpha], method="inverted_cdf")
+    return CI(est, float(lo), float(hi), int(min(a.size, b.size)), confidence)
+
+
 # --- proportions (collapse rates) -------------------------------------------------------------------------------------
 def wilson_interval(k: int, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a proportion k / n ((nan, nan) when n = 0). Unlike a bootstrap over the n runs it

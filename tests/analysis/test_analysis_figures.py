@@ -74,13 +74,18 @@ def _layout_problems(fig):
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
     problems = []
-    for k, ax in enumerate(fig.axes):
+    every = [*fig.axes, *(c for ax in fig.axes for c in ax.child_axes)]  # secondary axes are children
+    for k, ax in enumerate(every):
         for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
             ticks = [*axis.get_ticklabels(), *axis.get_ticklabels(minor=True)]
             labels = [t for t in ticks if t.get_visible() and t.get_text() and t.get_rotation() == 0]
             for a, b in itertools.combinations(labels, 2):
                 if a.get_window_extent(r).overlaps(b.get_window_extent(r)):
                     problems.append(f"axes {k} {name} ticks {a.get_text()!r} and {b.get_text()!r} overlap")
+    texts = [(k, t) for k, ax in enumerate(every) for t in (ax.xaxis.label, ax.yaxis.label, ax.title) if t.get_text()]
+    for (i, a), (j, b) in itertools.combinations(texts, 2):  # axis labels and titles of different panels
+        if i != j and a.get_window_extent(r).overlaps(b.get_window_extent(r)):
+            problems.append(f"axes {i} {a.get_text()!r} and axes {j} {b.get_text()!r} overlap")
     legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
     for leg in legends:
         box = leg.get_window_extent(r)
@@ -165,3 +170,48 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert all(ax.get_xscale() == "log" for ax in old.fig.axes)
     assert all((t["compute_flops"] > 0).all() for t in old.tables.values())
     assert "No run has an evaluation of its starting policy" in old.caption
+
+
+@pytest.fixture(scope="module")
+def routing_study(tmp_path_factory):
+    from analysis import synthetic, tidy
+
+    root = tmp_path_factory.mktemp("routing")
+    synthetic.make_routing_study(root, seeds=(0, 1, 2), n_steps=60)
+    return tidy.load_study(root)
+
+
+def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_study):
+    from analysis import synthetic
+
+    made = figures.figure8_routing_volatility(routing_study)
+    vol, gaps, load = made.tables["volatility"], made.tables["gaps"], made.tables["routing_load"]
+    # x: the measured volatility per configuration rises with the router learning-rate scale, as constructed
+    assert vol["router_lr_scale"].tolist() == list(synthetic.ROUTER_LR_SCALES)
+    assert vol["mean"].is_monotonic_increasing and (vol["n"] == 12).all() and (vol["low"] < vol["high"]).all()
+    truth = [synthetic.routing_truth(s)["grpo"].slot_mismatch for s in synthetic.ROUTER_LR_SCALES]
+    np.testing.assert_allclose(vol["mean"], np.array(truth) * 1.1, rtol=0.05)  # +20% drift over the run: x 1.1
+    # the pairs are the claims' (registry replay partners, the GRPO baseline), never picked by name here
+    assert list(dict.fromkeys(gaps["claim"])) == ["C1", "C3", "C4"]
+    c3 = gaps[(gaps["claim"] == "C3") & (gaps["quantity"] == "final reward")]
+    assert c3["estimate"].is_monotonic_increasing and (c3["low"] > 0).all()  # replay's gain opens with volatility
+    c4 = gaps[(gaps["claim"] == "C4") & (gaps["quantity"] == "final reward")]
+    assert (c4["low"] < 0.02).all() and (c4["estimate"].abs() < 0.02).all()  # GSPO: no gap at any volatility
+    assert set(gaps["quantity"]) == {"final reward", "held-out gain"}
+    assert set(load["metric"]) == {"expert_load_imbalance", "router_entropy"} and (load["n"] == 3).all()
+    imb = load[(load["metric"] == "expert_load_imbalance") & (load["algorithm"] == "grpo_rr")]["mean"]
+    assert imb.is_monotonic_increasing
+    assert _layout_problems(made.fig) == []
+    assert not [ax for ax in made.fig.axes if ax.get_legend() is not None]
+    assert "router_lr_scale" in made.caption and "C3" in made.caption
+
+
+def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp_path):
+    from analysis import synthetic, tidy
+
+    with pytest.raises(MissingData, match="swept axis other than algorithm"):
+        figures.figure8_routing_volatility(small_study)
+    synthetic.make_routing_study(tmp_path, scales=(1.0, 300.0), seeds=(0, 1), n_steps=30, start_eval=False)
+    made = figures.figure8_routing_volatility(tidy.load_study(tmp_path))
+    assert set(made.tables["gaps"]["quantity"]) == {"final reward"}
+    assert "no held-out gain (no run evaluated its start at step 0)" in made.caption

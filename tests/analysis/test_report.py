@@ -253,9 +253,23 @@ def test_headline_has_the_heldout_gain_and_the_scorecard_its_table(built) -> Non
     assert report.scorecard.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
 
 
+def test_routing_volatility_figure_follows_figures_1_3_with_c3_c4_per_configuration(built) -> None:
+    # max_new_tokens is a non-algorithm axis here: the routing-volatility figure is drawn, after Figures 1-3, with C3
+    # per configuration beside it (no gspo_rr: no C4), and not repeated under "More figures"
+    _, rep = built
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    assert "figure8_routing_volatility" in rep.figures
+    routing = md.split("## Routing volatility")[1].split("\n## ")[0]
+    assert "figure8_routing_volatility.png" in routing and "| configuration | C3 | C3 evidence |" in routing
+    assert "max_new_tokens=256" in routing and "collapse_rate(grpo) - collapse_rate(grpo_rr)" in routing
+    assert md.index("## Figures 1-3") < md.index("## Routing volatility") < md.index("## Scorecard")
+    assert page.count("<figure id='figure8_routing_volatility'>") == 1
+
+
 def test_older_runs_without_a_step0_row_still_report_and_say_the_gain_is_unknown(tmp_path) -> None:
     synthetic.make_study(tmp_path, {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1), n_steps=20, start_eval=False)
     rep = report.report_from_results(tmp_path)
     md = rep.markdown.read_text()
     assert "**Held-out gain:** not available: no run has an evaluation of its starting policy" in md
     assert "Not available: no run has an evaluation of its starting policy" in md
+    assert "figure8_routing_volatility" in rep.skipped and "swept axis other than algorithm" in md
