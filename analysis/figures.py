@@ -3,7 +3,8 @@
 Each `figureN_*` returns a `Made`: the matplotlib Figure, a file name, a caption, and the tables behind it (for the
 report). `make_all` renders every figure whose data the study has and says why it skipped the others.
 
-1. reward and each held-out eval vs training compute, per configuration, seed mean with a bootstrap band;
+1. reward and each held-out eval vs training compute, per configuration, seed mean with a bootstrap band; the
+   held-out panels begin at compute 0 with the starting policy's evaluation (the step-0 row) when runs have one;
 2. average clipped-token fraction per algorithm (log scale; total, low, high) and clip fraction over training;
 3. with vs without Routing Replay: algorithms that share a loss function and differ by `routing`, one panel per
    loss, every run drawn, collapsed runs marked with an x;
@@ -13,7 +14,10 @@ report). `make_all` renders every figure whose data the study has and says why i
    when no run wrote one);
 5. length: final reward and efficiency vs maximum generation length;
 6. routing volatility: expert-slot mismatch per layer and over training; its relation to the clip fraction;
-7. compute-scaling fits (analysis.fit): points, curve, extrapolation, and the table of A, B, C_mid.
+7. compute-scaling fits (analysis.fit): points, curve, extrapolation, and the table of A, B, C_mid;
+8. routing volatility: per configuration of the non-algorithm swept axes, the gaps the claims compare (Routing Replay
+   partner minus the algorithm, GSPO minus the GRPO baseline) in final reward and held-out gain against the measured
+   expert-slot mismatch, and expert load imbalance and router entropy at the same x.
 
 Metric and axis names: analysis.vocab.
 """
