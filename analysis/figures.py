@@ -995,7 +995,8 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
             rows.append({"config": label(i), "comparison": f"{style.label(a)} - {style.label(b)}", "claim": claim,
                          "minuend": a, "subtrahend": b, "quantity": what, "estimate": d.estimate, "low": d.low,
                          "high": d.high, "n": f"{len(x)} vs {len(y)}"})  # fmt: skip
-    gaps = pd.DataFrame(rows)
+    gap_cols = ["config", "comparison", "claim", "minuend", "subtrahend", "quantity", "estimate", "low", "high", "n"]
+    gaps = pd.DataFrame(rows, columns=gap_cols)
 
     rows = []
     for metric in (vocab.EXPERT_LOAD, vocab.ROUTER_ENTROPY):
@@ -1045,8 +1046,8 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
     for ax, what in ((ax_r, "final reward"), (ax_g, "held-out gain")):
         t = gaps[gaps["quantity"] == what]
         if t.empty:
-            ax.text(0.5, 0.5, f"no {what}: no run evaluated its start (step 0)", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=7)  # fmt: skip
+            why = "no run evaluated its start (step 0)" if pairs else "no two algorithms the claims compare here"
+            ax.text(0.5, 0.5, f"no {what} gap: {why}", ha="center", va="center", transform=ax.transAxes, fontsize=7)
         for k, (a, b, claim) in enumerate(pairs):
             p = t[(t["minuend"] == a) & (t["subtrahend"] == b)].copy()
             if p.empty:

@@ -215,3 +215,18 @@ def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp
     made = figures.figure8_routing_volatility(tidy.load_study(tmp_path))
     assert set(made.tables["gaps"]["quantity"]) == {"final reward"}
     assert "no held-out gain (no run evaluated its start at step 0)" in made.caption
+
+
+def test_figure8_without_a_compared_pair_draws_the_volatility_and_says_why(tmp_path):
+    from analysis import synthetic, tidy
+
+    C = synthetic.Curve
+    synthetic.make_study(
+        tmp_path, {"gspo": C(), "sapo": C()}, seeds=(0, 1), n_steps=20, grid={"max_new_tokens": [8, 16]}
+    )
+    made = figures.figure8_routing_volatility(tidy.load_study(tmp_path))
+    assert made.tables["gaps"].empty and list(made.tables["gaps"].columns)[:3] == ["config", "comparison", "claim"]
+    texts = [t.get_text() for ax in made.fig.axes[:2] for t in ax.texts]
+    why = "gap: no two algorithms the claims compare here"
+    assert texts == [f"no final reward {why}", f"no held-out gain {why}"]
+    assert len(made.tables["volatility"]) == 2 and len(made.tables["routing_load"]) == 8
