@@ -407,7 +407,9 @@ def load_study(
 
 
 def infer_axes(configs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Flattened keys whose value differs between configs (bookkeeping keys excluded), sorted."""
+    """Flattened keys whose value differs between configs (bookkeeping keys excluded), sorted. An empty config (a run
+    directory without a readable config yet, e.g. one being created) takes no part: it would make every key "swept"."""
+    configs = [c for c in configs if c]
     keys = sorted({k for c in configs for k in c})
     out = []
     for key in keys:

@@ -86,3 +86,15 @@ def test_synthetic_study_shape(study, study_dir):
     assert counts == {"completed": 36, "collapsed": 12, "failed": 12}
     # Collapsed runs stop two steps after their collapse; the failed ones after a third of 200 steps.
     assert set(study.runs.loc[study.runs["state"] == "failed", "last_step"]) == {66}
+
+
+def test_a_run_directory_without_a_config_yet_sweeps_no_axis(tmp_path):
+    # loading every run while a study runs: a directory being created has no config.yaml (nor status.json) yet, and
+    # made every config key a "swept axis" (each differs from its missing value), so figures split on steps, lr, ...
+    for rid, lr in (("a", 1e-6), ("c", 2e-6)):
+        cfg = {"algorithm": "gspo", "seed": 0, "steps": 5, "train": {"lr": lr}}
+        synthetic.write_run(tmp_path / "runs", rid, config=cfg, status={"state": "completed"}, metrics=None)
+    (tmp_path / "runs" / "new").mkdir()
+    st = tidy.load_study(tmp_path)
+    assert st.axes == ["train.lr"] and len(st.runs) == 3  # not "steps"
+    assert st.runs.set_index("run_id").loc["new", "state"] == "unknown"
