@@ -238,11 +238,29 @@ GOLDEN = {
 }
 
 
+@pytest.fixture(scope="module")
+def golden_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The golden runs' own results directory: their cold start is made there too, by the isolated runs."""
+    return tmp_path_factory.mktemp("golden")
+
+
+def isolated_run(sets: list[str], results: Path, **env: str) -> Path:
+    """rl.run of the tiny preset with `sets` in a fresh interpreter: golden numbers measure the computation alone.
+    (In one pytest session of the whole suite they came out different at step 1 while each run alone, and this file
+    alone, reproduce them: some state an earlier test leaves in the process reaches a run. Not yet found; see the
+    issue notes.)"""
+    code = ("import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
+            "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(results), *sets], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sets", list(GOLDEN), ids=["grpo_rr", "gspo"])
-def test_golden_numbers(results: Path, sets: tuple[str, ...]) -> None:
-    cfg = load_config(preset="tiny", sets=[*sets, "threads=1", "eval_every=2"])
-    metrics = pd.read_parquet(rl.run(cfg, results, progress=False) / "metrics.parquet")
+def test_golden_numbers(golden_results: Path, sets: tuple[str, ...]) -> None:
+    run_dir = isolated_run([*sets, "threads=1", "eval_every=2"], golden_results, STUDY_NATIVE="1")
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
     start, metrics = metrics.iloc[0], metrics.iloc[1:]  # step 0: the start's held-out evaluation alone
     assert start["step"] == 0 and start["eval_in_dist"] >= 0 and pd.isna(start["reward_mean"])
     for column, want in GOLDEN[sets].items():
@@ -260,16 +278,17 @@ KERNEL_RTOL = 1e-3
 
 
 @pytest.mark.slow
-def test_the_torch_paths_give_the_kernels_metrics(results: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`STUDY_NATIVE=0`: the golden grpo_rr run (in another results directory sharing the cold start) within
-    KERNEL_RTOL of its golden numbers, tokens identical."""
-    monkeypatch.setenv("STUDY_NATIVE", "0")
+def test_the_torch_paths_give_the_kernels_metrics(golden_results: Path) -> None:
+    """`STUDY_NATIVE=0`: the golden grpo_rr run (in another results directory sharing the golden cold start, made
+    with the kernels) within KERNEL_RTOL of its golden numbers, tokens identical."""
     sets = next(iter(GOLDEN))
-    cfg = load_config(preset="tiny", sets=[*sets, "threads=1", "eval_every=2"])
-    other = results / "torch-paths"
+    run = [*sets, "threads=1", "eval_every=2"]
+    cfg = load_config(preset="tiny", sets=run)
+    other = golden_results / "torch-paths"
     other.mkdir(exist_ok=True)
-    (other / "coldstart").symlink_to(ensure_coldstart("tiny", cfg.task, results).parent)
-    run_dir = rl.run(cfg, other, progress=False)
+    isolated_run(["steps=1", "eval_every=0"], golden_results, STUDY_NATIVE="1")  # the cold start, with the kernels
+    (other / "coldstart").symlink_to(ensure_coldstart("tiny", cfg.task, golden_results).parent)
+    run_dir = isolated_run(run, other, STUDY_NATIVE="0")
     assert json.loads((run_dir / "manifest.json").read_text())["native_kernels"] is False
     metrics = pd.read_parquet(run_dir / "metrics.parquet").query("step > 0")
     for column, want in GOLDEN[sets].items():
