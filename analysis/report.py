@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from analysis import figures, files, scorecard, stats, style, vocab
-from analysis.tidy import ALGORITHM, EMULATED, RUN_ID, Study, load_study
+from analysis.tidy import ALGORITHM, EMULATED, METRIC, RUN_ID, STEP, VALUE, Study, load_study
 
 MAX_INLINE_ROWS = 40
 CSV_EXACT: dict[str, Any] = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
@@ -522,6 +522,56 @@ def _gain_section(gain: scorecard.HeldOutGain) -> list[Block]:
     return out
 
 
+SIGNAL_METRICS = ("zero_var_group_frac", "zero_var_solved_frac")
+"""Groups without a learning signal (every reward equal), and the part of them the policy solves every time."""
+
+
+def signal_table(study: Study) -> pd.DataFrame:
+    """Per configuration: the fraction of groups with no learning signal over the whole run and in its first and last
+    quarter of steps (seed mean), and how much of it is groups every sample solves (the rest: groups none solves).
+    Empty when the runs did not log it."""
+    long = study.long
+    rows = long[long[METRIC].astype(str).isin(SIGNAL_METRICS) & (long[STEP] > 0)].dropna(subset=[VALUE])
+    if rows.empty:
+        return pd.DataFrame()
+    cols = [c for c in study.group_cols if c in rows.columns]
+    last = rows.groupby(RUN_ID, observed=True)[STEP].transform("max")
+    rows = rows.assign(quarter=(4 * (rows[STEP] - 1) // last.clip(lower=1)).clip(upper=3))
+    out = []
+    for key, g in rows.groupby(cols, observed=True):
+        key = key if isinstance(key, tuple) else (key,)
+        per_run = g.pivot_table(index=[RUN_ID, "quarter"], columns=METRIC, values=VALUE, observed=True)
+        runs = per_run.groupby(level=RUN_ID).mean()
+        by_q = per_run.groupby(level="quarter").mean()
+        zv = "zero_var_group_frac"
+        row = dict(zip(cols, key, strict=True))
+        row[ALGORITHM] = _label(str(row[ALGORITHM]))
+        row.update(
+            {
+                "runs": len(runs),
+                "no-signal groups": f"{runs[zv].mean():.2f}",
+                "first quarter": f"{by_q[zv].iloc[0]:.2f}",
+                "last quarter": f"{by_q[zv].iloc[-1]:.2f}",
+            }
+        )
+        if "zero_var_solved_frac" in runs:
+            row["of which solved by every sample"] = f"{runs['zero_var_solved_frac'].mean():.2f}"
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+SIGNAL_NOTE = (
+    "Learning signal: a group whose G responses all get the same reward gives every response advantage 0. Groups "
+    "no sample solves mean the start is too weak for the task; groups every sample solves are problems RL has "
+    "mastered, so their share rises as the policy learns."
+)
+
+
+def _signal_section(study: Study) -> list[Block]:
+    table = signal_table(study)
+    return [] if table.empty else [_h(3, "Learning signal", anchor="signal"), _p(SIGNAL_NOTE), Table(table)]
+
+
 def _scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: scorecard.HeldOutGain) -> list[Block]:
     """The scorecard with its note on intervals and strata, the held-out gain, then the per-stratum verdicts when any
     claim has strata."""
@@ -657,6 +707,7 @@ def render(
         *([_h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
         *_routing_section(rendered, cards, out_dir),
         *_scorecard_section(cards, gain),
+        *_signal_section(study),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),
         *_study_section(study, table_files, out_dir),

@@ -98,6 +98,8 @@ def synthetic_metrics(
     cols[vocab.EXPERT_LOAD] = curve.load_imbalance + 0.02 * aux.standard_normal(n_steps)
     cols[vocab.ENGINE_EXPERT_LOAD] = cols[vocab.EXPERT_LOAD] + 0.05
     cols[vocab.ROUTER_ENTROPY] = curve.router_entropy + 0.01 * aux.standard_normal(n_steps)
+    cols["zero_var_group_frac"] = 0.2 + 0.4 * frac  # no-signal groups rise as problems get solved every time
+    cols["zero_var_solved_frac"] = 0.1 + 0.3 * frac
     return cols
 
 

@@ -523,7 +523,7 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
     t0 = time.perf_counter()
     want = cfg.prompts_per_step
     kept: list[dict[str, Any]] = []
-    n_groups = n_zero = 0
+    n_groups = n_zero = n_solved = 0
     flops = 0.0
     all_rewards: list[float] = []
     lengths_all: list[int] = []
@@ -560,6 +560,7 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         zero_var = (grouped == grouped[:, :1]).all(1)
         n_groups += len(items)
         n_zero += int(zero_var.sum())
+        n_solved += int((rewards.view(-1, cfg.group_size) >= 1.0).all(1).sum())  # every response fully rewarded
         for p in range(len(items)):
             if alg.dynamic_sampling and bool(zero_var[p]):
                 continue
@@ -575,6 +576,7 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         "response_len_max": float(np.max(lengths_all)),
         "truncation_rate": truncated / len(lengths_all),
         "zero_var_group_frac": n_zero / n_groups,
+        "zero_var_solved_frac": n_solved / n_groups,
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }

@@ -21,6 +21,8 @@ STEP_METRICS: dict[str, str] = {
     "response_len_max": "longest response of the step",
     "truncation_rate": "fraction of responses cut at max_new_tokens",
     "zero_var_group_frac": "fraction of groups whose rewards were all equal (no signal; DAPO drops them)",
+    "zero_var_solved_frac": "the part of zero_var_group_frac whose every response got the full reward (1): problems "
+    "the policy already solves every time, as opposed to problems no sample solves",
     **LOSS_METRICS,
     "loss": "the algorithm's loss, mean over minibatches",
     "approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "

@@ -273,3 +273,18 @@ def test_older_runs_without_a_step0_row_still_report_and_say_the_gain_is_unknown
     assert "**Held-out gain:** not available: no run has an evaluation of its starting policy" in md
     assert "Not available: no run has an evaluation of its starting policy" in md
     assert "figure8_routing_volatility" in rep.skipped and "swept axis other than algorithm" in md
+
+
+def test_signal_table_splits_no_signal_groups_by_quarter(study):
+    """The synthetic runs log zero_var_group_frac = 0.2 + 0.4 t and its solved part 0.1 + 0.3 t (t = step / steps):
+    the table's first and last quarter and the solved share are those lines' means over the runs that went the
+    whole way (a collapsed or failed run's quarters are of its own, shorter, length)."""
+    table = report.signal_table(study)
+    assert len(table) == study.runs.groupby(study.group_cols, observed=True).ngroups
+    full = table[table["algorithm"].isin([style.label(a) for a in ("gspo", "gspo_rr", "grpo_rr")])]
+    assert len(full) == 12
+    for _, row in full.iterrows():
+        assert float(row["first quarter"]) == pytest.approx(0.2 + 0.4 * 0.125, abs=0.01)
+        assert float(row["last quarter"]) == pytest.approx(0.2 + 0.4 * 0.875, abs=0.01)
+        assert float(row["no-signal groups"]) == pytest.approx(0.4, abs=0.01)
+        assert float(row["of which solved by every sample"]) == pytest.approx(0.25, abs=0.01)
