@@ -9,7 +9,8 @@ field at a time (`model.num_experts: [8, 32]`, a dotted axis, applied after the 
 has its own run ids and its own cold start, so a sweep crosses MoE granularity with algorithms.
 
 A sweep with `tuned: FILE` (a tuned file, written by `python -m sweeps.tune`) runs every algorithm with its tuned
-values: each run's config is the preset, then `base`, then the tuned RunConfig fields and hyper-parameters of the run's
+values: each run's config is the preset, then `base`, then the run's algorithm's `per_algorithm` fields (a sweep's own
+per-algorithm settings, e.g. a clip range), then the tuned RunConfig fields and hyper-parameters of the run's
 algorithm, then the axis values. The file must exist and hold every algorithm the sweep runs, before any job starts.
 """
 
@@ -45,6 +46,8 @@ class Sweep:
     """algorithm -> {"config": {field: value}, "hparams": {...}} from the tuned file."""
     tune: dict[str, Any] | None = None
     """The `tune:` section of a tuning sweep (sweeps/tune.py), or None."""
+    per_algorithm: dict[str, dict[str, Any]] | None = None
+    """algorithm -> RunConfig fields of that algorithm's runs (the sweep's `per_algorithm:`), or None."""
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sweep") -> Sweep:
@@ -59,7 +62,7 @@ class Sweep:
         tuned = data.get("tuned")
         tuned_values = load_tuned(tuned, where=f"{where}: tuned") if tuned else None
         return cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
-                   tuned_values, data.get("tune"))  # fmt: skip
+                   tuned_values, data.get("tune"), data.get("per_algorithm"))  # fmt: skip
 
     def combinations(self) -> list[dict[str, Any]]:
         """The axis values of every run, in file order (grid: last axis fastest)."""
@@ -70,14 +73,16 @@ class Sweep:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def run_data(self, combo: dict[str, Any]) -> dict[str, Any]:
-        """Preset, then base, then the tuned values of the run's algorithm, then the axis values, whole fields before
-        dotted ones (`model.num_experts`, `hparams.eps_low`). Each layer sets a field by study.run.config.merge_field:
-        mappings such as hparams merge key by key; a model name or a mapping with `preset` replaces the shape, a
-        mapping without `preset` changes fields of it."""
+        """Preset, then base, then the run's algorithm's `per_algorithm` fields, then its tuned values, then the axis
+        values, whole fields before dotted ones (`model.num_experts`, `hparams.eps_low`). Each layer sets a field by
+        study.run.config.merge_field: mappings such as hparams merge key by key; a model name or a mapping with
+        `preset` replaces the shape, a mapping without `preset` changes fields of it."""
         data: dict[str, Any] = dict(PRESET_RUNS[self.preset]) if self.preset else {}
         layers = [self.base, combo]
+        algorithm = combo.get("algorithm", self.base.get("algorithm", RunConfig.algorithm))
+        if self.per_algorithm and algorithm in self.per_algorithm:
+            layers.insert(1, dict(self.per_algorithm[algorithm]))
         if self.tuned_values is not None:
-            algorithm = combo.get("algorithm", self.base.get("algorithm", RunConfig.algorithm))
             if algorithm not in self.tuned_values:
                 raise SweepError(
                     f"{self.source}: tuned = {self.tuned!r} has no tuned values for algorithm {algorithm!r} (tuned: "
@@ -86,7 +91,7 @@ class Sweep:
                     "not fair"
                 )
             entry = self.tuned_values[algorithm]
-            layers.insert(1, {**entry["config"], "hparams": dict(entry["hparams"])})
+            layers.insert(len(layers) - 1, {**entry["config"], "hparams": dict(entry["hparams"])})
         for layer in layers:
             for key, value in sorted(layer.items(), key=lambda item: "." in item[0]):  # stable: file order kept
                 if "." in key:

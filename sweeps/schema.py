@@ -6,6 +6,8 @@ A sweep file:
     name: default              # the study's name: results/<name>/
     preset: default            # optional: start every run from study.run.config.PRESET_RUNS[preset]
     base: {steps: 40, ...}     # RunConfig fields shared by every run
+    per_algorithm:             # optional: RunConfig fields of one algorithm's runs (after base, before axes)
+      gspo: {hparams: {eps_low: 3.0e-3, eps_high: 5.0e-3}}
     axes:                      # RunConfig field -> list of values (algorithm also takes `all`)
       algorithm: all
       seed: [0, 1, 2]
@@ -38,7 +40,7 @@ from study.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
-TOP_LEVEL = ("name", "preset", "base", "axes", "mode", "description", "tuned", "tune")
+TOP_LEVEL = ("name", "preset", "base", "per_algorithm", "axes", "mode", "description", "tuned", "tune")
 OBJECTIVES = tuple(f"eval_{split}" for split in tasks.EVAL_SPLITS)  # held-out eval columns of metrics.parquet
 PRUNERS = ("median", "percentile", "threshold", "none")
 SAMPLERS = ("tpe", "random")
@@ -132,6 +134,11 @@ def sweep_schema() -> dict[str, Any]:
             "description": {"type": "string"},
             "preset": {"enum": list(PRESET_RUNS)},
             "base": base,
+            "per_algorithm": {
+                "type": "object",
+                "propertyNames": {"enum": list(algorithms.names())},
+                "additionalProperties": base,
+            },
             "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
             "mode": {"enum": list(MODES)},
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
