@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= cpu,dev
+EXTRAS ?= cpu,dev,trackers
 
 .PHONY: install study test test-fast lint format clean bench-trl
 

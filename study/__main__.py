@@ -6,6 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+TRACKERS_HELP = (
+    "live trackers besides TensorBoard (always on), comma-separated: tensorboard, wandb, mlflow (default: the "
+    "STUDY_TRACKERS variable, else tensorboard); not part of the run id"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m study", description=__doc__)
@@ -18,10 +23,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="override a field, e.g. --set algorithm=gspo --set hparams.eps_high=5e-3")  # fmt: skip
     run_p.add_argument("--results", default="results", help="results directory (runs go to RESULTS/runs/RUN_ID)")
     run_p.add_argument("--quiet", action="store_true", help="no progress bar")
+    run_p.add_argument("--trackers", default=None, metavar="LIST", help=TRACKERS_HELP)
+    run_p.add_argument("--study", default="", help="study name the trackers group the run under (default: none)")
 
     resume_p = sub.add_parser("resume", help="continue a killed run from its last checkpoint")
     resume_p.add_argument("run_dir")
     resume_p.add_argument("--quiet", action="store_true")
+    resume_p.add_argument("--trackers", default=None, metavar="LIST",
+                          help="as for run; default: the trackers the run recorded (its trackers.json), or "
+                          "STUDY_TRACKERS when set")  # fmt: skip
 
     sub.add_parser(
         "coldstart", help="make (or reuse) the cold-start checkpoint; see `coldstart --help`", add_help=False
@@ -38,19 +48,38 @@ def main(argv: list[str] | None = None) -> int:
     from study import rl
     from study.run import rundir
     from study.run.config import load_config
+    from study.run.trackers import parse_trackers, saved_tracking, study_tracking
 
     if args.command == "run":
         try:
             cfg = load_config(args.config, preset=args.preset, sets=args.sets)
+            trackers = parse_trackers(args.trackers)
+            if args.config:  # a study's resolved config (RESULTS/STUDY/configs/ID.yaml): its study and axis values
+                tracking = study_tracking(args.config, trackers, args.study or None)
+            else:
+                tracking = study_tracking_of(cfg, trackers, args.study)
         except (ValueError, FileNotFoundError) as err:  # config errors: before any compute, no traceback
             print(f"error: {err}", file=sys.stderr)
             return 2
-        run_dir = rl.run(cfg, args.results, progress=not args.quiet)
+        run_dir = rl.run(cfg, args.results, progress=not args.quiet, tracking=tracking)
     else:
-        run_dir = rl.resume(args.run_dir, progress=not args.quiet)
+        try:
+            trackers = parse_trackers(args.trackers) if args.trackers else None
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        tracking = saved_tracking(args.run_dir, trackers) if trackers else None
+        run_dir = rl.resume(args.run_dir, progress=not args.quiet, tracking=tracking)
     status = rundir.read_status(Path(run_dir))
     print(f"{status['state']}: {run_dir}")
     return 0
+
+
+def study_tracking_of(cfg, trackers, study):  # type: ignore[no-untyped-def]
+    """Tracking of a run given by preset and --set: its study (if named) and its algorithm and seed as tags."""
+    from study.run.trackers import Tracking, axis_values
+
+    return Tracking(trackers, study or "", axis_values(cfg.to_dict(), []))
 
 
 if __name__ == "__main__":

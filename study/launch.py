@@ -75,23 +75,28 @@ def _in_job() -> None:
 class Run:
     """The submitted callable: one run of a resolved config under `results` (identical in every launcher)."""
 
-    def __init__(self, config: dict[str, Any], results: str) -> None:
+    def __init__(self, config: dict[str, Any], results: str, tracking: dict[str, Any] | None = None) -> None:
+        """`tracking`: study.run.trackers.Tracking as a dict (trackers, study, tags), carried into the job so that a
+        compute node logs to the trackers chosen where the job was submitted."""
         self.config = config
         self.results = results
+        self.tracking = tracking
 
     def __call__(self) -> dict[str, Any]:
         from study import rl
         from study.run import rundir
         from study.run.config import RunConfig
+        from study.run.trackers import Tracking
 
         _in_job()
         cfg = RunConfig.from_dict(self.config, where="launch")
-        run_dir = rl.run(cfg, self.results, progress=False)
+        tracking = Tracking.from_dict(self.tracking) if self.tracking is not None else None
+        run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
         return {"run_dir": str(run_dir), **(rundir.read_status(run_dir) or {})}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Called by submitit on time-out/preemption: requeue the same run; it resumes from its own checkpoint dir."""
-        return submitit.helpers.DelayedSubmission(Run(self.config, self.results))
+        return submitit.helpers.DelayedSubmission(Run(self.config, self.results, self.tracking))
 
 
 class ColdStart:
@@ -163,14 +168,21 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
     raise ValueError(f"launcher = {launcher!r}; valid: {', '.join(LAUNCHERS)}")
 
 
-def launch(config: dict[str, Any], results: str | Path, launcher: str, res: Resources) -> dict[str, Any]:
+def launch(
+    config: dict[str, Any],
+    results: str | Path,
+    launcher: str,
+    res: Resources,
+    tracking: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run `config` through `launcher` and block until it ends; returns the run's status (plus "run_dir").
+    `tracking`: the run's trackers, study and tags (study.run.trackers.Tracking.to_dict()).
 
     Raises FailedJobError (remote traceback in its message) or UncompletedJobError (e.g. timed out too often)."""
     from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict(config, where="launch")
-    call = Run(cfg.to_dict(), str(results))
+    call = Run(cfg.to_dict(), str(results), tracking)
     return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
 
 
@@ -242,15 +254,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="requeues after SLURM time-outs before giving up (preemptions: unlimited)")  # fmt: skip
     parser.add_argument("--signal-delay-s", type=int, default=Resources.signal_delay_s,
                         help="seconds before the time limit at which SLURM signals the job to checkpoint")  # fmt: skip
+    parser.add_argument("--trackers", default=None, metavar="LIST",
+                        help="live trackers besides TensorBoard (always on): tensorboard, wandb, mlflow, "
+                        "comma-separated (default: the STUDY_TRACKERS variable); not part of the run id")  # fmt: skip
+    parser.add_argument("--study", default=None,
+                        help="the study the trackers group the run under (default: STUDY of a config at "
+                        "RESULTS/STUDY/configs/RUN_ID.yaml, whose sibling configs give its axis values)")  # fmt: skip
     args = parser.parse_args(argv)
     if (args.config is None) == (args.coldstart is None):
         parser.error("give either CONFIG (a run) or --coldstart MODEL TASK")
 
     from study.run.config import load_config
+    from study.run.trackers import parse_trackers, study_tracking
 
     coldstart = None
+    tracking = None
     try:
         cfg = None if args.coldstart else load_config(args.config)
+        if cfg is not None:
+            tracking = study_tracking(args.config, parse_trackers(args.trackers), args.study).to_dict()
         res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
                         mem_gb=args.mem_gb, cpus=args.cpus or (cfg.threads if cfg else 1),
                         max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
@@ -270,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if coldstart is not None:
             status = launch_coldstart(*coldstart, args.results, args.launcher, res, extra)
         else:
-            status = launch(cfg.to_dict(), args.results, args.launcher, res)
+            status = launch(cfg.to_dict(), args.results, args.launcher, res, tracking)
     except FailedJobError as err:  # the remote traceback, verbatim
         print(str(err), file=sys.stderr)
         return 1

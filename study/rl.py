@@ -48,6 +48,7 @@ from study.rollout import get_engine
 from study.run import rundir
 from study.run.config import RunConfig
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
+from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 from study.weights import megatron_to_hf
 
 TOKEN_SAMPLES = "token_samples.parquet"
@@ -69,15 +70,20 @@ def run(
     *,
     progress: bool = True,
     on_eval: Callable[[int, dict[str, float]], None] | None = None,
+    tracking: Tracking | None = None,
 ) -> Path:
     """Run (or resume, or skip if finished) `cfg` under `results/runs/{run_id}/`; returns the run directory.
 
     `on_eval(step, row)` (tuning hook, sweeps/tune.py) is called after each held-out evaluation, once the step is
-    recorded; it may stop the run by raising a BaseException, which leaves the run resumable ("running")."""
+    recorded; it may stop the run by raising a BaseException, which leaves the run resumable ("running").
+    `tracking`: the live trackers, the study and its axis values (study/run/trackers.py); None: the trackers the
+    STUDY_TRACKERS variable names (else TensorBoard alone), and the study and tags the run directory recorded."""
     run_dir = Path(results) / "runs" / cfg.run_id
     status = rundir.read_status(run_dir)
     if status is not None and status["state"] in ("completed", "collapsed"):
         return run_dir
+    if tracking is None:  # a tracker that is named but not installed: refused before anything is written
+        tracking = saved_tracking(run_dir, parse_trackers(None))
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
     if not (run_dir / "manifest.json").exists():
@@ -87,22 +93,29 @@ def run(
         rundir.write_json(run_dir / "manifest.json", manifest)
     rundir.set_status(run_dir, "running", step=0)
     try:
-        _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval)
+        _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval, tracking=tracking)
     except Exception as exc:
         rundir.set_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         raise
     return run_dir
 
 
-def resume(run_dir: str | Path, *, progress: bool = True) -> Path:
-    """Continue a killed run from its last checkpoint (its directory names everything)."""
+def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | None = None) -> Path:
+    """Continue a killed run from its last checkpoint (its directory names everything, its trackers included:
+    `tracking` None continues those recorded in trackers.json, or those STUDY_TRACKERS names when it is set)."""
     import yaml
 
     run_dir = Path(run_dir)
     cfg = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), where=str(run_dir))
     if cfg.run_id != run_dir.name:
         raise ValueError(f"{run_dir}: its config hashes to {cfg.run_id}, not to the directory name")
-    return run(cfg, run_dir.parent.parent, progress=progress)
+    if tracking is None:
+        import os
+
+        from study.run.trackers import ENV
+
+        tracking = saved_tracking(run_dir, parse_trackers(None) if os.environ.get(ENV) else None)
+    return run(cfg, run_dir.parent.parent, progress=progress, tracking=tracking)
 
 
 def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[str, torch.Tensor] | None]:
@@ -303,21 +316,34 @@ def _resume(run_dir: Path, parts: Parts) -> Progress:
 
 
 def _train(
-    cfg: RunConfig, run_dir: Path, results: Path, *, progress: bool, on_eval: Callable[..., None] | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    results: Path,
+    *,
+    progress: bool,
+    on_eval: Callable[..., None] | None = None,
+    tracking: Tracking | None = None,
 ) -> None:
     torch.set_num_threads(cfg.threads)
     parts = _setup(cfg, results)
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
     log = _resume(run_dir, parts)
+    try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded
+        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step)
+    except BaseException:
+        engine.close()
+        raise
     engine.load_weights(megatron_to_hf(policy, mcfg))
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
         row = dict.fromkeys(STEP_METRICS, math.nan)
         row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
         log.rows.append({**row, **_evaluate(cfg, engine, parts.tok, parts.evals, 0)})
+        tracker.log(log.rows[-1])
 
     bar = _progress(cfg.steps, log.step, progress)
     step = log.step
     last_write = time.monotonic()
+    outcome = "failed"  # what the trackers are told at the end
     # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
     # stops re-walking them in each of its passes over the steps' short-lived objects (a 8-sequence update: -4%).
     gc.freeze()
@@ -337,7 +363,8 @@ def _train(
             if batch is None:  # every group had zero variance: nothing to learn from this step
                 row["wall_s"] = log.wall = log.wall + time.perf_counter() - t0
                 log.rows.append(row)
-                last_write = _maybe_write(cfg, step, last_write, run_dir, log)
+                tracker.log(row)
+                last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker)
                 continue
 
             # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed). The first
@@ -417,8 +444,9 @@ def _train(
             if eval_step:
                 row.update(_evaluate(cfg, engine, parts.tok, parts.evals, step))
             log.rows.append(row)
+            tracker.log(row)
             log.step = step
-            last_write = _maybe_write(cfg, step, last_write, run_dir, log)
+            last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker)
             _check_reward_floor(cfg, log.rows)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 _checkpoint(run_dir, parts, log)
@@ -426,11 +454,14 @@ def _train(
             _tick(bar, row)
             if on_eval is not None and eval_step:
                 on_eval(step, row)  # tuning hook (sweeps/tune.py): may stop the run by raising
+        outcome = "completed"
     except Collapse as why:
+        outcome = "collapsed"
         _write_metrics(run_dir, log)
         rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
-    except BaseException:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
+    except BaseException as exc:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
+        outcome = "failed" if isinstance(exc, Exception) else "stopped"
         _write_metrics(run_dir, log)
         raise
     finally:
@@ -438,6 +469,7 @@ def _train(
         if bar is not None:
             bar.close()
         engine.close()
+        tracker.close(outcome)
     rundir.set_status(run_dir, "completed", step=cfg.steps)
 
 
@@ -662,13 +694,16 @@ def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
         )
 
 
-def _maybe_write(cfg: RunConfig, step: int, last_write: float, run_dir: Path, log: Progress) -> float:
+def _maybe_write(
+    cfg: RunConfig, step: int, last_write: float, run_dir: Path, log: Progress, tracker: RunLogger
+) -> float:
     """Write the metric files at every checkpoint step (before the checkpoint: resume keeps the rows up to it), at
     the last step, and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole table
-    every step cost 9% of a tiny step. Returns the time of the last write."""
+    every step cost 9% of a tiny step. The trackers flush with them. Returns the time of the last write."""
     due = step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
     if due or time.monotonic() - last_write >= METRICS_EVERY_S:
         _write_metrics(run_dir, log)
+        tracker.flush()
         return time.monotonic()
     return last_write
 

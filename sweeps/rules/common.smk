@@ -10,11 +10,18 @@ sys.path.insert(0, workflow.basedir)  # the repository root: study, sweeps, anal
 
 from study.coldstart import resolve_settings  # noqa: E402
 from study.coldstart.store import run_coldstart  # noqa: E402
+from study.run.trackers import ENV as TRACKERS_ENV, parse_trackers  # noqa: E402
 from sweeps.expand import load_sweep, write_config  # noqa: E402
 from sweeps.schema import SweepError  # noqa: E402
 
 
 validate(config, "../config.schema.yaml")
+
+try:
+    if config.get("trackers"):  # the runs' live trackers (study/run/trackers.py): `study.launch` reads the variable
+        os.environ[TRACKERS_ENV] = ",".join(parse_trackers(config["trackers"], field_name="config trackers"))
+except ValueError as err:
+    raise WorkflowError(str(err)) from None
 
 try:
     SWEEP = load_sweep(config["sweep"])
