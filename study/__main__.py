@@ -1,4 +1,5 @@
-"""`python -m study run|resume|coldstart`: one RL run, a resumed run, or the cold-start checkpoint."""
+"""`python -m study run|resume|coldstart|status|export`: one RL run, a resumed run, the cold-start checkpoint, the
+state of a study's runs, or a run's policy as a Hugging Face checkpoint."""
 
 from __future__ import annotations
 
@@ -37,11 +38,23 @@ def main(argv: list[str] | None = None) -> int:
         "coldstart", help="make (or reuse) the cold-start checkpoint; see `coldstart --help`", add_help=False
     )
 
+    sub.add_parser("status", help="one line per run: state, progress, reward, eval, time left, why it failed; "
+                   "see `status --help`", add_help=False)  # fmt: skip
+    sub.add_parser("export", help="a run's policy as a Hugging Face checkpoint; see `export --help`", add_help=False)
+
     args, rest = parser.parse_known_args(argv)
     if args.command == "coldstart":
         from study.coldstart import coldstart_main
 
         return coldstart_main(rest)
+    if args.command == "status":
+        from study.run.status import main as status_main
+
+        return status_main(rest)
+    if args.command == "export":
+        from study.export import main as export_main
+
+        return export_main(rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
 

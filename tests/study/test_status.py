@@ -1,0 +1,97 @@
+"""`python -m study status` on a study whose run directories were written by real tiny runs: one completed, one
+collapsed (reward floor), one failed (an error raised by the run's evaluation hook, recorded by the run's own failure
+path), one still `running` (stopped the way a killed or pruned process leaves it) and one not started (pending)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from study import rl
+from study.__main__ import main as study_main
+from study.run import status as S
+from study.run.config import load_config
+from sweeps.expand import write_config
+
+BASE = ["coldstart=scratch", "steps=3", "eval_every=2", "checkpoint_every=0"]
+
+
+class Killed(BaseException):
+    """A process ended mid-run (SIGKILL, a pruner): the directory stays `running`."""
+
+
+def _raise(exc: BaseException, at: int):  # type: ignore[no-untyped-def]
+    def hook(step: int, row: dict) -> None:
+        if step == at:
+            raise exc
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("status")
+    cfgs = {
+        "completed": load_config(preset="tiny", sets=[*BASE, "seed=0"]),
+        "collapsed": load_config(preset="tiny", sets=[*BASE, "seed=1", "reward_floor=0.5", "collapse_window=2"]),
+        "failed": load_config(preset="tiny", sets=[*BASE, "seed=2"]),
+        "running": load_config(preset="tiny", sets=[*BASE, "seed=3"]),
+        "pending": load_config(preset="tiny", sets=[*BASE, "seed=4"]),
+    }
+    for cfg in cfgs.values():  # what the workflow's resolve rule writes before any run starts
+        write_config(cfg, root / "demo" / "configs" / f"{cfg.run_id}.yaml")
+    rl.run(cfgs["completed"], root, progress=False)
+    rl.run(cfgs["collapsed"], root, progress=False)
+    with pytest.raises(RuntimeError):
+        rl.run(cfgs["failed"], root, progress=False, on_eval=_raise(RuntimeError("evaluation server gone"), 2))
+    with pytest.raises(Killed):
+        rl.run(cfgs["running"], root, progress=False, on_eval=_raise(Killed(), 2))
+    (root / "ids.json").write_text(json.dumps({k: c.run_id for k, c in cfgs.items()}))
+    return root
+
+
+def test_status_lists_every_state_with_progress_and_reasons(results: Path, capsys: pytest.CaptureFixture) -> None:
+    ids = json.loads((results / "ids.json").read_text())
+    code = study_main(["status", str(results), "--study", "demo", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1  # a run failed
+    runs = {r["run_id"]: r for r in doc["runs"]}
+    assert {kind: runs[rid]["state"] for kind, rid in ids.items()} == {k: k for k in ids}
+    assert doc["summary"] == {"running": 1, "completed": 1, "collapsed": 1, "failed": 1, "pending": 1}
+    done, run, col, fail = (runs[ids[k]] for k in ("completed", "running", "collapsed", "failed"))
+    assert (done["step"], done["steps"], done["eta_s"]) == (3, 3, None)
+    assert done["eval_in_dist"] is not None and done["reward"] is not None and done["elapsed_s"] > 0
+    assert run["step"] == 2 and run["eta_s"] == pytest.approx(run["elapsed_s"] / 2)  # one of three steps left
+    assert "ago" in run["reason"] and run["updated_ago_s"] < 600
+    assert col["reason"].startswith("reward collapse") and col["step"] == 2
+    assert fail["reason"] == "RuntimeError: evaluation server gone"
+    assert {r["axes"]["seed"] for r in doc["runs"]} == {"0", "1", "2", "3", "4"}  # the axis that varies
+    assert set(col["axes"]) == {"seed", "reward_floor", "collapse_window"}
+
+
+def test_status_table_has_a_line_per_run_and_per_state(results: Path, capsys: pytest.CaptureFixture) -> None:
+    ids = json.loads((results / "ids.json").read_text())
+    assert study_main(["status", str(results), "--study", "demo"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["run", "algorithm", "axes", "state"]
+    for kind, rid in ids.items():
+        (line,) = [ln for ln in out if ln.startswith(rid)]
+        assert f" {kind} " in line
+    assert next(ln for ln in out if ln.startswith(ids["failed"])).endswith("RuntimeError: evaluation server gone")
+    assert out[-5:] == ["running: 1", "completed: 1", "collapsed: 1", "failed: 1", "pending: 1"]
+    # without --study: every run directory, so no pending one
+    assert S.summary(S.collect(results)) == {"running": 1, "completed": 1, "collapsed": 1, "failed": 1}
+
+
+def test_watch_redraws_and_bad_arguments_are_errors(results: Path, capsys: pytest.CaptureFixture) -> None:
+    assert S.watch(results, "demo", interval=0.01, as_json=True, rounds=2) == 1
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2  # a running run: it keeps redrawing
+    assert study_main(["status", str(results), "--study", "typo"]) == 2
+    err = capsys.readouterr().err
+    assert "--study = 'typo'" in err and "valid: demo" in err
+    assert study_main(["status", str(results), "--study", "../x"]) == 2
+    assert "not a study name; valid: demo" in capsys.readouterr().err
+    assert study_main(["status", str(results / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
