@@ -11,6 +11,8 @@
                        engine_logp); the metric files are rewritten at every checkpoint, the last step and every 30 s
     checkpoint/        latest checkpoint (model, optimizer, RNG states, data position)
     log.txt            progress log
+    tensorboard/       TensorBoard event files; trackers.json: each live tracker's run id and last step (wandb/:
+                       W&B's offline run, when chosen; study/run/trackers.py)
 
 Every file is written to a temporary name in the same directory and renamed into place, so a crash or kill never
 leaves a half-written file under the final name.
