@@ -1,10 +1,16 @@
 """`python -m study status` on a study whose run directories were written by real tiny runs: one completed, one
 collapsed (reward floor), one failed (an error raised by the run's evaluation hook, recorded by the run's own failure
-path), one still `running` (stopped the way a killed or pruned process leaves it) and one not started (pending)."""
+path), one still `running` (a `python -m study run` process killed with SIGKILL mid-run) and one not started
+(pending)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +22,7 @@ from study.run.config import load_config
 from sweeps.expand import write_config
 
 BASE = ["coldstart=scratch", "steps=3", "eval_every=2", "checkpoint_every=0"]
-
-
-class Killed(BaseException):
-    """A process ended mid-run (SIGKILL, a pruner): the directory stays `running`."""
+RUNNING = ["coldstart=scratch", "steps=40", "eval_every=2", "checkpoint_every=1"]  # metric files at every step
 
 
 def _raise(exc: BaseException, at: int):  # type: ignore[no-untyped-def]
@@ -30,6 +33,23 @@ def _raise(exc: BaseException, at: int):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _run_and_kill(results: Path, sets: list[str], run_dir: Path, at_step: int) -> None:
+    """`python -m study run` in a child process, SIGKILLed once it has recorded `at_step` steps."""
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+    proc = subprocess.Popen([*cmd, *(a for s in sets for a in ("--set", s))], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads((run_dir / "status.json").read_text()).get("step", 0) >= at_step:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("status")
@@ -37,7 +57,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "completed": load_config(preset="tiny", sets=[*BASE, "seed=0"]),
         "collapsed": load_config(preset="tiny", sets=[*BASE, "seed=1", "reward_floor=0.5", "collapse_window=2"]),
         "failed": load_config(preset="tiny", sets=[*BASE, "seed=2"]),
-        "running": load_config(preset="tiny", sets=[*BASE, "seed=3"]),
+        "running": load_config(preset="tiny", sets=[*RUNNING, "seed=3"]),
         "pending": load_config(preset="tiny", sets=[*BASE, "seed=4"]),
     }
     for cfg in cfgs.values():  # what the workflow's resolve rule writes before any run starts
@@ -46,8 +66,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rl.run(cfgs["collapsed"], root, progress=False)
     with pytest.raises(RuntimeError):
         rl.run(cfgs["failed"], root, progress=False, on_eval=_raise(RuntimeError("evaluation server gone"), 2))
-    with pytest.raises(Killed):
-        rl.run(cfgs["running"], root, progress=False, on_eval=_raise(Killed(), 2))
+    _run_and_kill(root, [*RUNNING, "seed=3"], root / "runs" / cfgs["running"].run_id, at_step=2)
     (root / "ids.json").write_text(json.dumps({k: c.run_id for k, c in cfgs.items()}))
     return root
 
@@ -63,12 +82,13 @@ def test_status_lists_every_state_with_progress_and_reasons(results: Path, capsy
     done, run, col, fail = (runs[ids[k]] for k in ("completed", "running", "collapsed", "failed"))
     assert (done["step"], done["steps"], done["eta_s"]) == (3, 3, None)
     assert done["eval_in_dist"] is not None and done["reward"] is not None and done["elapsed_s"] > 0
-    assert run["step"] == 2 and run["eta_s"] == pytest.approx(run["elapsed_s"] / 2)  # one of three steps left
+    assert 2 <= run["step"] < 40 and run["steps"] == 40
+    assert run["eta_s"] == pytest.approx(run["elapsed_s"] / run["step"] * (40 - run["step"]))
     assert "ago" in run["reason"] and run["updated_ago_s"] < 600
     assert col["reason"].startswith("reward collapse") and col["step"] == 2
     assert fail["reason"] == "RuntimeError: evaluation server gone"
     assert {r["axes"]["seed"] for r in doc["runs"]} == {"0", "1", "2", "3", "4"}  # the axis that varies
-    assert set(col["axes"]) == {"seed", "reward_floor", "collapse_window"}
+    assert set(col["axes"]) == {"seed", "reward_floor", "collapse_window", "steps"}  # checkpoint_every: no axis
 
 
 def test_status_table_has_a_line_per_run_and_per_state(results: Path, capsys: pytest.CaptureFixture) -> None:
