@@ -408,15 +408,19 @@ def load_study(
 
 def infer_axes(configs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Flattened keys whose value differs between configs (bookkeeping keys excluded), sorted. An empty config (a run
-    directory without a readable config yet, e.g. one being created) takes no part: it would make every key "swept"."""
+    directory without a readable config yet, e.g. one being created) takes no part: it would make every key "swept".
+    A key that varies only with the algorithm (one value per algorithm, as a sweep's `per_algorithm` clip ranges) is
+    part of what the algorithm is, not an axis."""
     configs = [c for c in configs if c]
     keys = sorted({k for c in configs for k in c})
+    algorithms = {_hashable(c.get("algorithm")) for c in configs}
     out = []
     for key in keys:
         if key.rsplit(".", 1)[-1] in NON_AXIS_KEYS or key == "algorithm.name":
             continue
         values = {_hashable(c.get(key)) for c in configs}
-        if len(values) > 1:
+        per_algorithm = {(_hashable(c.get("algorithm")), _hashable(c.get(key))) for c in configs}
+        if len(values) > 1 and not (len(algorithms) > 1 and len(per_algorithm) == len(algorithms)):
             out.append(key)
     return out
 

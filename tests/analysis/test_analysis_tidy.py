@@ -98,3 +98,17 @@ def test_a_run_directory_without_a_config_yet_sweeps_no_axis(tmp_path):
     st = tidy.load_study(tmp_path)
     assert st.axes == ["train.lr"] and len(st.runs) == 3  # not "steps"
     assert st.runs.set_index("run_id").loc["new", "state"] == "unknown"
+
+
+def test_a_key_that_varies_only_with_the_algorithm_is_not_an_axis():
+    """A sweep's per-algorithm clip range is part of the algorithm; lr crossed with the algorithms is an axis, and so
+    is a key that varies within one algorithm's runs."""
+    configs = [
+        {"algorithm": alg, "seed": seed, "lr": lr, **({"hparams.eps_low": 3e-3} if alg == "gspo" else {})}
+        for alg in ("grpo", "gspo")
+        for lr in (1e-4, 3e-4)
+        for seed in (0, 1)
+    ]
+    assert tidy.infer_axes(configs) == ["lr"]
+    one = [{"algorithm": "gspo", "hparams.eps_low": eps} for eps in (3e-4, 3e-3)]
+    assert tidy.infer_axes(one) == ["hparams.eps_low"]
