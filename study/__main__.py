@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 TRACKERS_HELP = (
@@ -63,26 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     from study.run.config import load_config
     from study.run.trackers import parse_trackers, saved_tracking, study_tracking
 
-    if args.command == "run":
-        try:
-            cfg = load_config(args.config, preset=args.preset, sets=args.sets)
+    started = time.time()
+    run_dir = Path(args.run_dir) if args.command == "resume" else None
+    try:
+        if args.command == "run":
+            cfg = load_config(args.config, preset=args.preset, sets=args.sets)  # config errors: before any compute
             trackers = parse_trackers(args.trackers)
             if args.config:  # a study's resolved config (RESULTS/STUDY/configs/ID.yaml): its study and axis values
                 tracking = study_tracking(args.config, trackers, args.study or None)
             else:
                 tracking = study_tracking_of(cfg, trackers, args.study)
-        except (ValueError, FileNotFoundError) as err:  # config errors: before any compute, no traceback
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        run_dir = rl.run(cfg, args.results, progress=not args.quiet, tracking=tracking)
-    else:
-        try:
+            run_dir = Path(args.results) / "runs" / cfg.run_id
+            rl.run(cfg, args.results, progress=not args.quiet, tracking=tracking)
+        else:
             trackers = parse_trackers(args.trackers) if args.trackers else None
-        except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        tracking = saved_tracking(args.run_dir, trackers) if trackers else None
-        run_dir = rl.resume(args.run_dir, progress=not args.quiet, tracking=tracking)
+            tracking = saved_tracking(args.run_dir, trackers) if trackers else None
+            rl.resume(args.run_dir, progress=not args.quiet, tracking=tracking)
+    except (ValueError, OSError, rundir.RunLocked) as err:  # bad input or damaged state (RunStateError): one line
+        print(f"error: {err}", file=sys.stderr)
+        failure = None if run_dir is None else run_dir / rundir.FAILURE_FILE
+        if failure is not None and failure.is_file() and failure.stat().st_mtime >= started:
+            print(f"(the run failed; its traceback is in {failure})", file=sys.stderr)
+        return 2
     status = rundir.read_status(Path(run_dir))
     print(f"{status['state']}: {run_dir}")
     return 0

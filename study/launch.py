@@ -34,11 +34,13 @@ from typing import Any
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
+from study.run.rundir import RunLocked, RunStateError, Stopped
+
 LAUNCHERS = ("in-process", "local", "slurm")
 
 
-class Cancelled(BaseException):
-    """SIGINT/SIGTERM while waiting for a job. A BaseException, so `rl.run` leaves the run resumable ("running")."""
+class Cancelled(Stopped):
+    """SIGINT/SIGTERM while waiting for a job. A rundir.Stopped, so `rl.run` records the run `stopped`, resumable."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -301,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Cancelled as sig:
         return 128 + sig.signum
+    except (RunLocked, RunStateError, ValueError) as err:  # in-process: another holder, damaged state, preflight
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{status['state']}: {status['run_dir']}")
     return 0 if status["state"] in ("completed", "collapsed") else 1
 

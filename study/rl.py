@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
 import random
 import resource
 import sys
@@ -75,29 +76,72 @@ def run(
     """Run (or resume, or skip if finished) `cfg` under `results/runs/{run_id}/`; returns the run directory.
 
     `on_eval(step, row)` (tuning hook, sweeps/tune.py) is called after each held-out evaluation, once the step is
-    recorded; it may stop the run by raising a BaseException, which leaves the run resumable ("running").
+    recorded; it may stop the run by raising a rundir.Stopped, which leaves the run resumable ("stopped").
     `tracking`: the live trackers, the study and its axis values (study/run/trackers.py); None: the trackers the
-    STUDY_TRACKERS variable names (else TensorBoard alone), and the study and tags the run directory recorded."""
+    STUDY_TRACKERS variable names (else TensorBoard alone), and the study and tags the run directory recorded.
+
+    One process per run: a second one raises rundir.RunLocked naming the holder (rundir.run_lock). Any exit is
+    recorded: a deliberate stop (rundir.Stopped, KeyboardInterrupt, SystemExit) as `stopped`, every other exception,
+    BaseExceptions such as a native library's panic included, as `failed` with its traceback (status.json and
+    failure.json). Damaged state raises rundir.RunStateError naming the file and the restart."""
     run_dir = Path(results) / "runs" / cfg.run_id
     status = rundir.read_status(run_dir)
     if status is not None and status["state"] in ("completed", "collapsed"):
         return run_dir
     if tracking is None:  # a tracker that is named but not installed: refused before anything is written
         tracking = saved_tracking(run_dir, parse_trackers(None))
+    preflight(cfg)  # before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
-    rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
-    if not (run_dir / "manifest.json").exists():
-        # precision hook: every result says which engine ran emulated (study/precision.py)
-        manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
-        manifest["native_kernels"] = _kernels_available()
-        rundir.write_json(run_dir / "manifest.json", manifest)
-    rundir.set_status(run_dir, "running", step=0)
-    try:
-        _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval, tracking=tracking)
-    except Exception as exc:
-        rundir.set_status(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise
+    with rundir.run_lock(run_dir):
+        status = rundir.read_status(run_dir)  # another process may have finished it before we took the lock
+        if status is not None and status["state"] in ("completed", "collapsed"):
+            return run_dir
+        rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        if not (run_dir / "manifest.json").exists():
+            # precision hook: every result says which engine ran emulated (study/precision.py)
+            manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
+            manifest["native_kernels"] = _kernels_available()
+            rundir.write_json(run_dir / "manifest.json", manifest)
+        # the step it had reached (a resume restores its checkpoint's step next, `_train`), not back to 0
+        rundir.set_status(run_dir, "running", step=(status or {}).get("step", 0))
+        try:
+            _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval, tracking=tracking)
+        except (rundir.Stopped, KeyboardInterrupt, SystemExit) as exc:
+            rundir.set_status(run_dir, "stopped", step=_last_step(run_dir), reason=f"{type(exc).__name__}: {exc}")
+            raise
+        except BaseException as exc:  # any other exit, a native panic (not an Exception) included
+            rundir.set_status(run_dir, "failed", step=_last_step(run_dir), error=f"{type(exc).__name__}: {exc}",
+                              traceback=traceback.format_exc())  # fmt: skip
+            raise
+        (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)  # finished: an earlier attempt's failure is history
     return run_dir
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        return int((rundir.read_status(run_dir) or {}).get("step", 0))
+    except (rundir.RunStateError, TypeError, ValueError):
+        return 0
+
+
+def preflight(cfg: RunConfig) -> None:
+    """What a config cannot say about itself, checked on the machine that runs it before anything is written
+    (ValueError naming the field): the thread count against this machine's CPUs, and a named cold start's files
+    (a sweep may name one that a job before it makes, so RunConfig.validate leaves them to here)."""
+    cpus = os.cpu_count() or 1
+    if cfg.threads > cpus:
+        raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
+    if cfg.coldstart not in ("auto", "scratch"):
+        from study.coldstart import hf_import
+
+        directory = Path(cfg.coldstart)
+        if not directory.is_dir():
+            raise ValueError(f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
+                             "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+        if not (directory / "policy.pt").is_file() and not hf_import.is_hf_checkpoint(directory):
+            raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
+                             "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
+                             "*.safetensors)")  # fmt: skip
 
 
 def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | None = None) -> Path:
@@ -106,12 +150,25 @@ def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | N
     import yaml
 
     run_dir = Path(run_dir)
-    cfg = RunConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), where=str(run_dir))
+    path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise rundir.RunStateError(f"{run_dir}: no such run directory (RESULTS/runs/RUN_ID)")
+    if not path.is_file():
+        raise rundir.RunStateError(f"{run_dir}: not a run directory (no config.yaml); give RESULTS/runs/RUN_ID")
+    try:
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a mapping of config fields")
+        cfg = RunConfig.from_dict(data, where=str(path))
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise rundir.RunStateError(f"{path}: cannot be read as this run's config ({err}); restore it, or "
+                                   f"{rundir.RESTART}") from None  # fmt: skip
     if cfg.run_id != run_dir.name:
-        raise ValueError(f"{run_dir}: its config hashes to {cfg.run_id}, not to the directory name")
+        raise rundir.RunStateError(
+            f"{path} was edited: it hashes to run {cfg.run_id}, not to {run_dir.name}; restore it, or run the edited "
+            f"config as a new run (`python -m study run {path} --results {run_dir.parent.parent}`)"
+        )
     if tracking is None:
-        import os
-
         from study.run.trackers import ENV
 
         tracking = saved_tracking(run_dir, parse_trackers(None) if os.environ.get(ENV) else None)
@@ -287,32 +344,125 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     )  # fmt: skip
 
 
-def _resume(run_dir: Path, parts: Parts) -> Progress:
-    """The run's progress: fresh, or restored from its checkpoint (model, optimiser, scaler, RNG states, position)
-    with the metric rows up to it; everything after the checkpoint is recomputed."""
+def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None, Progress]:
+    """The run's progress, read before any compute: fresh (no checkpoint), or its checkpoint's state (applied by
+    `_restore` once the parts are built) with the metric rows up to it; everything after the checkpoint is
+    recomputed. Damaged or missing state raises rundir.RunStateError naming the file and the restart."""
     path = run_dir / "checkpoint" / "state.pt"
     if not path.exists():
-        return Progress()
-    state = torch.load(path, weights_only=False)
-    parts.policy.load_state_dict(state["model"])
-    parts.optimizer.load_state_dict(state["optimizer"])
-    if parts.scaler is not None:
-        parts.scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    np.random.set_state(state["numpy_rng"])
+        _check_no_lost_checkpoint(run_dir, path, cfg.checkpoint_every or cfg.steps)
+        return None, Progress()
+    state = load_checkpoint(path)
     done = state["step"]
 
-    def upto(name: str) -> pd.DataFrame | None:
-        return pd.read_parquet(run_dir / name).query(f"step <= {done}") if (run_dir / name).exists() else None
+    def upto(name: str, required: bool) -> pd.DataFrame | None:
+        """The file's rows up to the checkpoint; a missing optional file is a warning (its earlier rows are lost,
+        the run goes on and writes the rows after the checkpoint)."""
+        file = run_dir / name
+        if not file.exists():
+            if required:
+                raise rundir.RunStateError(f"{file}: missing, but {path} is at step {done}: the rows of steps 0-{done} "
+                                           f"are lost; {rundir.RESTART}")  # fmt: skip
+            print(f"warning: {file} is missing: its rows of steps up to the checkpoint (step {done}) are lost; the "
+                  "run continues and writes the rows after it (restart the run to have them all)",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        try:
+            frame = pd.read_parquet(file)
+            if "step" not in frame.columns:
+                raise ValueError("no 'step' column")
+        except Exception as err:  # pyarrow raises its own types for cut-short and garbage files
+            raise rundir.RunStateError(f"{file}: unreadable, cut short or not this run's table "
+                                       f"({_first_line(err)}); {rundir.RESTART}") from None  # fmt: skip
+        frame = frame[frame["step"] <= done]
+        if required and not set(range(1, done + 1)) <= set(frame["step"].astype(int)):
+            raise rundir.RunStateError(f"{file}: lacks rows of steps 1-{done} that {path} has passed; "
+                                       f"{rundir.RESTART}")  # fmt: skip
+        return frame
 
-    rows = upto("metrics.parquet")
-    layers, tokens = upto("routing_layers.parquet"), upto(TOKEN_SAMPLES)
-    return Progress(
+    rows = upto("metrics.parquet", required=True)
+    layers, tokens = upto("routing_layers.parquet", required=False), upto(TOKEN_SAMPLES, required=False)
+    return state, Progress(
         step=done, data_pos=state["data_pos"], compute=state["compute"], wall=state["wall"],
         rows=[] if rows is None else rows.to_dict("records"),
         layer_rows=[] if layers is None else layers.to_dict("records"), token_frames=[] if tokens is None else [tokens],
     )  # fmt: skip
+
+
+def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
+    """Apply a checkpoint's state: model, optimiser, scaler and every RNG."""
+    try:
+        parts.policy.load_state_dict(state["model"])
+        parts.optimizer.load_state_dict(state["optimizer"])
+        if parts.scaler is not None:
+            parts.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(_numpy_rng_in(state["numpy_rng"]))
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:
+        raise rundir.RunStateError(f"{path}: not a checkpoint of this run ({_first_line(err)}); "
+                                   f"{rundir.RESTART}") from None  # fmt: skip
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "torch_rng", "python_rng", "numpy_rng", "step", "data_pos",
+                   "compute", "wall")  # fmt: skip
+# Checkpoints written before they stored NumPy's RNG state as a tensor hold it as an ndarray: these NumPy
+# constructors (data only, no code) are allowed when loading them.
+_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A run checkpoint, loaded with torch.load(weights_only=True): tensors and plain values only, so a file that
+    holds anything else (a hostile pickle) is refused, never executed. Damage raises RunStateError naming the file."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            state = torch.load(path, weights_only=True)
+    except Exception as err:
+        if "Weights only load failed" in str(err):
+            what = ("refused: it holds objects other than tensors and plain values (torch.load(weights_only=True)); "
+                    "a tampered or foreign file")  # fmt: skip
+        else:
+            what = f"unreadable, cut short or not a checkpoint ({_first_line(err)})"
+        raise rundir.RunStateError(f"{path}: {what}; {rundir.RESTART}") from None
+    if not isinstance(state, dict) or set(CHECKPOINT_KEYS) - set(state):
+        raise rundir.RunStateError(f"{path}: not a run checkpoint (keys {', '.join(CHECKPOINT_KEYS)}); "
+                                   f"{rundir.RESTART}")  # fmt: skip
+    return state
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def _numpy_rng_out(state: tuple[Any, ...]) -> dict[str, Any]:
+    """np.random.get_state() as a tensor and plain values (what torch.load(weights_only=True) reads)."""
+    name, keys, pos, has_gauss, cached = state
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached)}  # fmt: skip
+
+
+def _numpy_rng_in(state: Any) -> tuple[Any, ...]:
+    """Inverse of `_numpy_rng_out` (an older checkpoint's tuple passes through)."""
+    if isinstance(state, dict):
+        keys = state["keys"].numpy().astype(np.uint32)
+        return state["name"], keys, state["pos"], state["has_gauss"], state["cached_gaussian"]
+    return tuple(state)
+
+
+def _check_no_lost_checkpoint(run_dir: Path, path: Path, first_checkpoint: int) -> None:
+    """No checkpoint: a fresh start, unless the metrics reach the step at which the first checkpoint was written
+    (then the checkpoint was lost, and starting again at step 0 silently would throw its steps away)."""
+    metrics = run_dir / "metrics.parquet"
+    if not metrics.exists():
+        return
+    try:
+        reached = int(pd.read_parquet(metrics, columns=["step"])["step"].max())
+    except Exception:
+        reached = -1  # unreadable metrics without a checkpoint: nothing to continue from; rewritten from step 0
+    if reached >= first_checkpoint:
+        raise rundir.RunStateError(f"{path}: missing, but {metrics} reaches step {reached} (the first checkpoint is "
+                                   f"written at step {first_checkpoint}); {rundir.RESTART}")  # fmt: skip
 
 
 def _train(
@@ -325,10 +475,13 @@ def _train(
     tracking: Tracking | None = None,
 ) -> None:
     torch.set_num_threads(cfg.threads)
+    state, log = _read_progress(run_dir, cfg)  # damaged state: an error before any compute
+    rundir.set_status(run_dir, "running", step=log.step)
     parts = _setup(cfg, results)
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
-    log = _resume(run_dir, parts)
     try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded
+        if state is not None:
+            _restore(state, parts, run_dir / "checkpoint" / "state.pt")
         tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step)
     except BaseException:
         engine.close()
@@ -347,6 +500,7 @@ def _train(
     # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
     # stops re-walking them in each of its passes over the steps' short-lived objects (a 8-sequence update: -4%).
     gc.freeze()
+    row = None
     try:
         for step in range(log.step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -457,11 +611,14 @@ def _train(
         outcome = "completed"
     except Collapse as why:
         outcome = "collapsed"
+        if row is not None and (not log.rows or log.rows[-1] is not row):  # the collapsing step's row: kept
+            log.rows.append(row)
+            tracker.log(row)
         _write_metrics(run_dir, log)
         rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
     except BaseException as exc:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
-        outcome = "failed" if isinstance(exc, Exception) else "stopped"
+        outcome = "stopped" if isinstance(exc, (rundir.Stopped, KeyboardInterrupt, SystemExit)) else "failed"
         _write_metrics(run_dir, log)
         raise
     finally:
@@ -747,7 +904,7 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state(),
+        "numpy_rng": _numpy_rng_out(np.random.get_state()),
         "step": log.step,
         "data_pos": log.data_pos,
         "compute": log.compute,

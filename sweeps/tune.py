@@ -75,6 +75,7 @@ import yaml
 
 import algorithms
 from study.run.config import RunConfig
+from study.run.rundir import Stopped
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import TUNABLE_FIELDS, TUNED_FORMAT, SweepError, validate_tuned_file
 
@@ -92,9 +93,9 @@ class TuneError(RuntimeError):
     """A tuning run that cannot go on (a trial's run crashed, no trial completed)."""
 
 
-class Pruned(BaseException):
-    """Raised from the run's on_eval hook to stop a pruned trial. A BaseException, so `rl.run` leaves the run
-    resumable instead of recording it as failed; the trial then marks it "stopped"."""
+class Pruned(Stopped):
+    """Raised from the run's on_eval hook to stop a pruned trial. A rundir.Stopped (a BaseException), so `rl.run`
+    records the run "stopped", resumable, instead of failed; the trial then writes its reason."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"pruned at step {step}")

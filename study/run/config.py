@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -165,12 +166,7 @@ class RunConfig:
         if self.task != "user":
             tasks.resolve_knobs(self.task, **self.task_knobs)  # validates the knobs: errors name the knob
         self._validate_coldstart()
-        if not (self.kl_coef >= 0.0 and self.kl_coef < float("inf")):
-            raise ValueError(f"kl_coef = {self.kl_coef}: must be a finite number >= 0 (0 = no KL penalty)")
-        if not (isinstance(self.router_lr_scale, float) and 0.0 < self.router_lr_scale < float("inf")):
-            raise ValueError(
-                f"router_lr_scale = {self.router_lr_scale}: must be a finite number > 0 (1 = routers at lr)"
-            )
+        self._validate_floats()
         band = self.coldstart_band
         if not (
             isinstance(band, list)
@@ -197,12 +193,11 @@ class RunConfig:
                 f"minibatches = {self.minibatches} must divide prompts_per_step x group_size = "
                 f"{self.prompts_per_step * self.group_size}"
             )
-        if not 0.0 < self.temperature <= 2.0:
-            raise ValueError(f"temperature = {self.temperature}: valid range is (0, 2]")
-        if not self.lr > 0:
-            raise ValueError(f"lr = {self.lr}: must be > 0")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError("grad_clip and weight_decay must be >= 0")
+        if self.task != "user":  # the held-out sets are prefixes of fixed pools (task = "user": user_split checks)
+            pool = min(tasks.EVAL_SPECS[(self.task, split)].size for split in tasks.EVAL_SPLITS)
+            if self.eval_size > pool:
+                raise ValueError(f"eval_size = {self.eval_size}: the {self.task} held-out sets hold {pool} problems; "
+                                 f"valid: 1..{pool}")  # fmt: skip
         model = self.model_config()
         if self.max_new_tokens >= model.max_seq_len:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be < model.max_seq_len {model.max_seq_len}")
@@ -211,6 +206,17 @@ class RunConfig:
                 f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
                 "'rollout' skips that recompute; valid: old_logp_source = 'recompute', or a rollout_replay variant"
             )
+
+    def _validate_floats(self) -> None:
+        """Every float field is a finite number (a NaN compares false with every bound, so without this check a
+        NaN max_log_ratio would switch the exploding-ratio guard off) inside its FLOAT_RANGES interval."""
+        for name, (low, high, meaning) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            lo_ok = value > low[0] if low[1] == "(" else value >= low[0]
+            hi_ok = value < high[0] if high[1] == ")" else value <= high[0]
+            if not (math.isfinite(value) and lo_ok and hi_ok):
+                interval = f"{low[1]}{low[0]:g}, {high[0]:g}{high[1]}"
+                raise ValueError(f"{name} = {value}: must be a finite number in {interval}{meaning}")
 
     def _validate_model(self) -> None:
         """The shape (canonical since construction), and what the tokenizer needs of it."""
@@ -324,6 +330,21 @@ class RunConfig:
         blob = json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str)
         return f"{self.algorithm}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
+
+_INF = math.inf
+FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
+    # every float field of RunConfig: (low, "(" or "["), (high, ")" or "]"), a note; finite always (a test checks
+    # that each float field is listed)
+    "temperature": ((0.0, "("), (2.0, "]"), ""),
+    "lr": ((0.0, "("), (_INF, ")"), ""),
+    "weight_decay": ((0.0, "["), (_INF, ")"), ""),
+    "grad_clip": ((0.0, "["), (_INF, ")"), " (0 = off)"),
+    "router_lr_scale": ((0.0, "("), (_INF, ")"), " (1 = routers at lr)"),
+    "reward_floor": ((-1.0, "["), (1.0, "]"), " (-1 = off)"),
+    "max_log_ratio": ((0.0, "("), (_INF, ")"), ""),
+    "kl_coef": ((0.0, "["), (_INF, ")"), " (0 = no KL penalty)"),
+}
+"""The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
 # Fields that do not change what a run computes.
 NOT_HASHED: tuple[str, ...] = ("checkpoint_every",)
@@ -445,7 +466,10 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        value = _scalar(raw)
+        try:
+            value = _scalar(raw)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({_yaml_error(err)})") from None
         if "." in key:
             key, sub = key.split(".", 1)
             value = {sub: value}
@@ -471,10 +495,32 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None, se
             raise ValueError(f"preset = {preset!r}; valid: {', '.join(PRESET_RUNS)}")
         data.update(PRESET_RUNS[preset])
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = read_yaml_file(path, what="a YAML file of RunConfig fields") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: must hold a mapping of config fields")
         data.update(loaded)
     for key, value in parse_set(list(sets)).items():
         data[key] = merge_field(key, data.get(key), value)
     return RunConfig.from_dict(data, where=str(path or "config"))
+
+
+def _yaml_error(err: yaml.YAMLError) -> str:
+    return " ".join(str(err).split())
+
+
+def read_yaml_file(path: str | Path, *, what: str) -> Any:
+    """The YAML document in `path`; a missing file, a directory or invalid YAML is a ValueError naming the path and
+    `what` it should be."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path}: is a directory; give {what}")
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file; give {what}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err}); give {what}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({_yaml_error(err)})") from None

