@@ -120,6 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "collect":
         collect(args.out, args.status, study=args.study)
         return 0
+    from analysis.report import check_study
+
+    try:
+        check_study(args.results_dir, args.study)  # before anything is written
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     import matplotlib
 
     matplotlib.use("Agg")

@@ -825,6 +825,7 @@ def figure7_fits(
     asymptote A (dotted); below, the table of A, B, C_mid, or what the data do not identify."""
     st = select(study, where)
     if fits is None:
+        _need_metric(st, vocab.REWARD)  # a study whose runs all failed before their first step has none
         fits = fitting.fit_study(st.long, vocab.REWARD, runs=st.runs, n_boot=n_boot)
     table = fitting.fits_table(fits)
     algs = style.order(str(k[0]) for k in fits)

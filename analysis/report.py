@@ -806,7 +806,9 @@ def build_report(
 
 def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> list[str] | None:
     """Run ids of study `study`: listed in `results_dir/<study>/run_ids.txt` (one a line) or `study.json`
-    ({"run_ids": [...]}) when either exists; otherwise None (every run under results_dir/runs)."""
+    ({"run_ids": [...]}) when either exists, else the resolved configs `results_dir/<study>/configs/RUN_ID.yaml`
+    (a workflow that stopped on a failed run has them but no run_ids.txt); otherwise None (every run under
+    results_dir/runs)."""
     if not study:
         return None
     base = Path(results_dir) / study
@@ -816,7 +818,33 @@ def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> lis
     if js.is_file():
         ids: Iterable[str] = json.loads(js.read_text()).get("run_ids", [])
         return [str(i) for i in ids]
+    configs = sorted((base / "configs").glob("*.yaml"))
+    if configs:
+        return [c.stem for c in configs]
     return None
+
+
+def studies(results_dir: str | os.PathLike[str]) -> list[str]:
+    """The studies under `results_dir`: folders holding run_ids.txt, study.json or configs/."""
+    root = Path(results_dir)
+    marks = ("run_ids.txt", "study.json", "configs")
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and any((d / m).exists() for m in marks))
+
+
+def check_study(results_dir: str | os.PathLike[str], study: str | None) -> None:
+    """A results directory and study name that `report`/`figures` can use, or ValueError saying what is wrong:
+    a missing results directory, a name that is a path, or a study that is not there (the valid ones listed)."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise ValueError(f"results directory {results_dir}: no such directory")
+    if study is None:
+        return
+    if not study or study in (".", "..") or "/" in study or "\\" in study or study.startswith("."):
+        raise ValueError(f"--study {study!r}: a study name, not a path (the folder RESULTS_DIR/NAME)")
+    if study_run_ids(root, study) is None:
+        known = studies(root)
+        raise ValueError(f"--study {study!r}: no such study in {results_dir} (no {study}/run_ids.txt, study.json or "
+                         f"configs/); valid: {', '.join(known) or 'none yet'}")  # fmt: skip
 
 
 def report_from_results(
@@ -837,6 +865,7 @@ def report_from_results(
 __all__ = [
     "Report",
     "build_report",
+    "check_study",
     "cleared_runs",
     "headline",
     "problem_runs",
@@ -844,5 +873,6 @@ __all__ = [
     "report_from_results",
     "reuse_figures",
     "runs_table",
+    "studies",
     "study_run_ids",
 ]

@@ -64,6 +64,9 @@ from analysis import files, vocab
 # --- the contract's names, in one place -------------------------------------------------------------------------------
 RUNS_SUBDIR = "runs"
 STATUS_FILE = "status.json"
+FAILURE_FILE = "failure.json"
+"""The last failure's record beside status.json (read when status.json is gone: Snakemake deletes the declared
+outputs of a failed job, and status.json is the run rule's)."""
 MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.parquet"
 LAYERS_FILE = "routing_layers.parquet"
@@ -314,6 +317,12 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
             docs[name] = _read_json(path / name)
         except FileNotFoundError:
             docs[name] = {}
+            if name == STATUS_FILE and (path / FAILURE_FILE).is_file():  # a workflow deleted a failed job's output
+                try:
+                    docs[name] = _read_json(path / FAILURE_FILE)
+                    continue
+                except Exception as exc:
+                    errors.append(f"{FAILURE_FILE}: {exc}")
             errors.append(f"{name}: missing")
         except Exception as exc:
             docs[name] = {}

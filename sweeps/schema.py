@@ -130,7 +130,7 @@ def sweep_schema() -> dict[str, Any]:
         "type": "object",
         "required": ["name"],
         "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
+            "name": {"type": "string", "pattern": NAME_PATTERN, "not": {"enum": list(RESERVED_NAMES)}},
             "description": {"type": "string"},
             "preset": {"enum": list(PRESET_RUNS)},
             "base": base,
@@ -294,8 +294,20 @@ def _validate(schema: dict[str, Any], data: Any, where: str) -> None:
         raise SweepError(f"{where}: " + "\n  ".join(messages))
 
 
+NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
+"""A study name: one folder name under the results root (no path, no leading dot: not `.` or `..`)."""
+RESERVED_NAMES = ("runs", "coldstart", "all")
+"""Folders of the results root that are not studies (runs/, coldstart/) and the report's name for every run (all/).
+(`tune` is a study name: the tuning sweep's study folder results/tune/ holds its storage, results/tune/tune/.)"""
+
+
 def validate_sweep(data: Any, *, where: str = "sweep") -> None:
     """Raise SweepError listing every schema violation of `data` (a parsed sweep file)."""
+    name = data.get("name") if isinstance(data, dict) else None
+    if isinstance(name, str) and (name in RESERVED_NAMES or not re.fullmatch(NAME_PATTERN, name)):
+        raise SweepError(f"{where}: name = {name!r}: a study's folder under the results root; valid: letters, "
+                         f"digits, _ . - not starting with a dot, and not one of {', '.join(RESERVED_NAMES)} "
+                         "(reserved)")  # fmt: skip
     _validate(sweep_schema(), data, where)
 
 

@@ -67,3 +67,32 @@ rule report:
 onsuccess:
     if os.path.exists(REPORT):  # not after a target without one (`snakemake tune`)
         print(f"report: {REPORT}")
+
+
+onerror:
+    # Snakemake deletes the declared outputs of a failed job, a run's status.json among them; the run keeps its
+    # failure record (RESULTS/runs/RUN_ID/failure.json, error and traceback). Name the study's failed runs, then write
+    # the report of what there is (python -m analysis report, which lists them with their error) when the study's
+    # configs were resolved.
+    failed = [
+        run_id for run_id in RUNS
+        if os.path.exists(f"{RESULTS}/runs/{run_id}/failure.json")
+        and not os.path.exists(f"{RESULTS}/runs/{run_id}/status.json")
+    ]
+    for run_id in failed:
+        try:
+            with open(f"{RESULTS}/runs/{run_id}/failure.json") as fh:
+                error = json.load(fh).get("error", "?")
+        except (OSError, ValueError) as err:
+            error = f"failure.json unreadable: {err}"
+        print(f"run {run_id} failed: {error} (record: {RESULTS}/runs/{run_id}/failure.json)", file=sys.stderr)
+    if failed and os.path.isdir(f"{STUDY_DIR}/configs"):
+        import subprocess
+
+        log = f"{STUDY_DIR}/logs/report-after-failure.log"
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "w") as fh:
+            done = subprocess.run([PYTHON, "-m", "analysis", "report", RESULTS, "--study", STUDY], stdout=fh,
+                                  stderr=subprocess.STDOUT).returncode == 0
+        where = f"{STUDY_DIR}/report/index.html" if done else f"not written, see {log}"
+        print(f"report of the study so far, with the failed run(s): {where}", file=sys.stderr)

@@ -321,3 +321,48 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path):
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
     assert {p: p.stat().st_mtime_ns for p in statuses} == before
+
+
+@pytest.mark.parametrize("name", ["..", "runs", "coldstart", "all", ".hidden", "a/b"])
+def test_reserved_and_path_like_study_names_are_refused(name):
+    with pytest.raises(SweepError, match=re.escape(f"name = {name!r}: a study's folder under the results root")):
+        Sweep.from_dict(sweep(name=name))
+
+
+def test_analysis_report_refuses_a_bad_study_or_results_dir(tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "smoke").mkdir()
+    (tmp_path / "smoke" / "run_ids.txt").write_text("# study smoke\n")
+    for argv, message in (
+        (["report", str(tmp_path), "--study", "typo"], "--study 'typo': no such study in"),
+        (["report", str(tmp_path), "--study", "../x"], "--study '../x': a study name, not a path"),
+        (["report", str(tmp_path / "missing"), "--study", "smoke"], "no such directory"),
+        (["figures", str(tmp_path), "--study", "typo", "--out", str(tmp_path / "f")], "valid: smoke"),
+    ):
+        assert analysis_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "smoke"], "something was written"
+
+
+@pytest.mark.slow
+def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(tmp_path):
+    """Snakemake deletes a failed job's declared output (the run's status.json); the run's failure.json stays, the
+    workflow names the run, and the report of the study so far lists it as failed with its error."""
+    broken = tmp_path / "broken_coldstart"
+    broken.mkdir()
+    (broken / "policy.pt").write_bytes(b"not a checkpoint")
+    sweep_file = tmp_path / "failing.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep(name="failing", base={"steps": 1, "coldstart": str(broken)})))
+    results = tmp_path / "results"
+    proc = _snakemake("--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}")
+    assert proc.returncode != 0
+    (run_id,) = load_sweep(sweep_file).expand()
+    run_dir = results / "runs" / run_id
+    assert not (run_dir / "status.json").exists()  # Snakemake's doing
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["state"] == "failed" and "policy.pt" in record["traceback"], record
+    out = proc.stdout + proc.stderr
+    assert f"run {run_id} failed: " in out and "with the failed run(s): " in out, out[-3000:]
+    report = (results / "failing" / "report" / "index.md").read_text()
+    assert run_id in report and "failed" in report

@@ -1,0 +1,258 @@
+"""Bad and hostile input (issue 25, "Failures found"): each failure a new user met, and what happens now.
+
+Config errors are checked on the config alone; the run-state cases share one tiny run (one RL step from random
+weights) whose directory each test copies and damages."""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from study import __main__ as study_main
+from study import launch, rl
+from study.run import rundir
+from study.run.config import FLOAT_RANGES, RunConfig, load_config
+
+SCRATCH = ["coldstart=scratch", "eval_every=0", "checkpoint_every=1"]
+
+
+def tiny(*sets: str) -> RunConfig:
+    return load_config(preset="tiny", sets=[*SCRATCH, *sets])
+
+
+def error_line(capsys: pytest.CaptureFixture[str], argv: list[str], main=study_main.main) -> str:
+    """Run a CLI in-process; it must exit 2 with exactly one `error: ...` line (plus an optional hint line)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[0].startswith("error: ") and "Traceback" not in "\n".join(err), err
+    return err[0]
+
+
+# -- config: every float finite and in range; eval_size within the pool; YAML and path errors -------------------------
+def test_every_float_field_is_finite_and_in_its_range() -> None:
+    floats = [name for name, hint in typing.get_type_hints(RunConfig).items() if hint is float]
+    assert sorted(floats) == sorted(FLOAT_RANGES), "a float field of RunConfig without its range in FLOAT_RANGES"
+    for name in floats:
+        for bad in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=rf"^{name} = {bad}: must be a finite number in "):
+                RunConfig().replace(**{name: bad})
+    for sets, field in ((["lr=inf"], "lr"), (["weight_decay=inf"], "weight_decay"), (["grad_clip=nan"], "grad_clip"),
+                        (["max_log_ratio=nan"], "max_log_ratio"), (["max_log_ratio=-1"], "max_log_ratio"),
+                        (["lr=0"], "lr"), (["reward_floor=2"], "reward_floor")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{field} = "):
+            load_config(preset="tiny", sets=sets)
+
+
+def test_eval_size_beyond_the_held_out_pool_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"eval_size = 100000: the chain_sum held-out sets hold 128 problems; valid"):
+        load_config(preset="tiny", sets=["eval_size=100000"])
+    assert load_config(preset="tiny", sets=["eval_size=128"]).eval_size == 128
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["threads=100000"], "threads = 100000: this machine has"),
+        (["coldstart=/missing"], "coldstart = '/missing': no such directory"),
+    ],
+)
+def test_preflight_refuses_before_anything_is_written(tmp_path: Path, sets: list[str], message: str) -> None:
+    cfg = load_config(preset="tiny", sets=sets)  # valid as a config: a sweep may run it on another machine
+    with pytest.raises(ValueError, match=message):
+        rl.run(cfg, tmp_path, progress=False)
+    assert not list(tmp_path.iterdir()), "something was written before the refusal"
+
+
+def test_cli_config_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("lr: [1e-4\nseed: 1\n")
+    results = ["--results", str(tmp_path / "results")]
+    assert "--set 'lr=[1': the value is not valid YAML" in error_line(capsys, ["run", "--set", "lr=[1", *results])
+    assert f"{bad_yaml}: not valid YAML" in error_line(capsys, ["run", str(bad_yaml), *results])
+    assert f"{tmp_path}: is a directory" in error_line(capsys, ["run", str(tmp_path), *results])
+    assert "no such file" in error_line(capsys, ["run", str(tmp_path / "none.yaml"), *results])
+    # the launcher reads its config the same way
+    assert f"{bad_yaml}: not valid YAML" in error_line(capsys, [str(bad_yaml)], main=launch.main)
+    assert not (tmp_path / "results").exists()
+
+
+def test_resume_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny()
+    run_dir = tmp_path / "runs" / cfg.run_id
+    assert "no such run directory" in error_line(capsys, ["resume", str(run_dir)])
+    run_dir.mkdir(parents=True)
+    assert "not a run directory (no config.yaml)" in error_line(capsys, ["resume", str(run_dir)])
+    config = run_dir / "config.yaml"
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    config.write_text(text.replace("seed: 0", "seed: 7"))
+    assert f"{config} was edited: it hashes to run" in error_line(capsys, ["resume", str(run_dir)])
+    config.write_text(text[: len(text) // 3] + "\n  - [")
+    assert f"{config}: cannot be read as this run's config" in error_line(capsys, ["resume", str(run_dir)])
+
+
+# -- one process per run ----------------------------------------------------------------------------------------------
+HOLD = """
+import sys, time
+from pathlib import Path
+from study.run import rundir
+with rundir.run_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_process_on_a_run_refuses_naming_the_holder(tmp_path: Path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "runs" / tiny().run_id
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        locked = rf"is being run by pid {holder.pid} on host {socket.gethostname()}"
+        with pytest.raises(rundir.RunLocked, match=locked), rundir.run_lock(run_dir):
+            pass
+        # a run refuses before it writes anything (issue 23 item 8: a single-rank run started as two processes)
+        with pytest.raises(rundir.RunLocked, match=f"pid {holder.pid}"):
+            rl.run(tiny(), tmp_path, progress=False)
+        assert not (run_dir / "status.json").exists()
+        argv = ["run", "--preset", "tiny", "--results", str(tmp_path)]
+        for s in SCRATCH:
+            argv += ["--set", s]
+        assert f"pid {holder.pid}" in error_line(capsys, argv)
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed: its lock file is left, naming it; on the same host its flock is gone, so the run is taken over
+    assert json.loads((run_dir / rundir.LOCK_FILE).read_text())["pid"] == holder.pid
+    with rundir.run_lock(run_dir):
+        assert json.loads((run_dir / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"was left by pid {holder.pid}" in capsys.readouterr().err
+    assert not (run_dir / rundir.LOCK_FILE).exists(), "released: the lock file is removed"
+    # left by a process on another host: this host cannot check it, so it refuses, unless it is the same SLURM job
+    other = {"pid": 4242, "host": "node-elsewhere", "job_id": "77", "since": "then"}
+    (run_dir / rundir.LOCK_FILE).write_text(json.dumps(other))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    elsewhere = r"pid 4242 on host node-elsewhere, SLURM job 77.*delete .*run.lock"
+    with pytest.raises(rundir.RunLocked, match=elsewhere), rundir.run_lock(run_dir):
+        pass
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # a requeue of the same job on another node
+    with rundir.run_lock(run_dir):
+        pass
+    assert "the same SLURM job, requeued" in capsys.readouterr().err
+
+
+# -- any exit is recorded ---------------------------------------------------------------------------------------------
+class Panic(BaseException):
+    """What a native library's panic looks like from Python (pyo3's PanicException is a BaseException)."""
+
+
+@pytest.mark.parametrize(("raised", "state"), [(Panic, "failed"), (KeyboardInterrupt, "stopped")])
+def test_any_exit_is_recorded(tmp_path: Path, monkeypatch, raised: type[BaseException], state: str) -> None:
+    def setup(*args, **kwargs):
+        raise raised("boom")
+
+    monkeypatch.setattr(rl, "_setup", setup)
+    cfg = tiny()
+    with pytest.raises(raised):
+        rl.run(cfg, tmp_path, progress=False)
+    run_dir = tmp_path / "runs" / cfg.run_id
+    status = rundir.read_status(run_dir)
+    assert status["state"] == state
+    if state == "failed":
+        assert status["error"] == "Panic: boom" and "Traceback" in status["traceback"]
+        assert json.loads((run_dir / rundir.FAILURE_FILE).read_text())["error"] == "Panic: boom"
+    assert not (run_dir / rundir.LOCK_FILE).exists()
+
+
+# -- damaged run state ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-step tiny run (checkpoint at step 1)."""
+    return rl.run(tiny("steps=1"), tmp_path_factory.mktemp("one_step"), progress=False)
+
+
+def interrupted(one_step: Path, tmp_path: Path) -> Path:
+    """A copy of the one-step run as the first step of a two-step run that was killed after its checkpoint."""
+    cfg = tiny("steps=2")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    shutil.copytree(one_step, run_dir)
+    rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    rundir.set_status(run_dir, "running", step=1)
+    return run_dir
+
+
+def test_checkpoints_hold_only_tensors_and_plain_values(one_step: Path) -> None:
+    state = torch.load(one_step / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == 1 and isinstance(state["numpy_rng"]["keys"], torch.Tensor)
+
+
+class Hostile:
+    def __reduce__(self):
+        return (os.system, (f"touch {Path(os.environ['PWNED'])}",))
+
+
+@pytest.mark.parametrize("damage", ["hostile", "truncated", "garbage", "no_checkpoint", "metrics_truncated",
+                                    "metrics_garbage", "metrics_deleted", "status_garbage"])  # fmt: skip
+def test_damaged_state_is_one_line_naming_the_file(one_step: Path, tmp_path: Path, damage: str, monkeypatch,
+                                                   capsys) -> None:  # fmt: skip
+    run_dir = interrupted(one_step, tmp_path)
+    state, metrics = run_dir / "checkpoint" / "state.pt", run_dir / "metrics.parquet"
+    pwned = tmp_path / "pwned"
+    monkeypatch.setenv("PWNED", str(pwned))
+    target = metrics if damage.startswith("metrics") else state
+    if damage == "hostile":
+        torch.save({"model": Hostile()}, state)
+    elif damage.endswith("truncated"):
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif damage.endswith("garbage"):
+        target = run_dir / "status.json" if damage == "status_garbage" else target
+        target.write_bytes(os.urandom(2000))
+    else:
+        target.unlink()
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert str(target) in line and "move its directory away" in line, line
+    if damage == "hostile":
+        assert "refused" in line and not pwned.exists(), "the pickle's code ran"
+    if damage != "status_garbage":
+        assert rundir.read_status(run_dir)["state"] == "failed"
+
+
+def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:  # fmt: skip
+    run_dir = interrupted(one_step, tmp_path)
+    (run_dir / rl.TOKEN_SAMPLES).unlink()
+    leftovers = [run_dir / "checkpoint" / ".state.pt.x1.tmp", run_dir / ".metrics.parquet.x2.tmp"]
+    for tmp in leftovers:  # what a kill during a write leaves
+        tmp.write_bytes(b"partial")
+    statuses = []
+    set_status = rundir.set_status
+    monkeypatch.setattr(rundir, "set_status", lambda d, state, **f: statuses.append((state, f.get("step"))) or
+                        set_status(d, state, **f))  # fmt: skip
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {run_dir / rl.TOKEN_SAMPLES} is missing" in err
+    assert not any(t.exists() for t in leftovers), "leftover temporary files"
+    assert ("running", 0) not in statuses and statuses[0] == ("running", 1), statuses  # never back to step 0
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+    assert sorted(pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)["step"].unique()) == [2]
+
+
+def test_the_collapsing_step_keeps_its_row(tmp_path: Path) -> None:
+    # a ratio bound no update can meet: the second minibatch of step 1 (off-policy after one update) trips it; from
+    # random weights every reward is 0 (no gradient), so weight decay is what moves the weights
+    run_dir = rl.run(tiny("steps=2", "max_log_ratio=1e-9", "weight_decay=0.5"), tmp_path, progress=False)
+    status = rundir.read_status(run_dir)
+    assert status["state"] == "collapsed" and "exploding ratio" in status["reason"]
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    assert metrics["step"].tolist() == [status["step"]] == [1]
+    assert metrics["reward_mean"].notna().all()
