@@ -56,7 +56,7 @@ class RunLocked(RuntimeError):
     """Another process holds the run (its run.lock): the message names the holder."""
 
 
-class Stopped(BaseException):  # noqa: N818 (a stop, not an error)
+class Stopped(BaseException):
     """A deliberate stop of a run (a cancelled job, a pruned trial): recorded `stopped`, resumable. A BaseException,
     so that no `except Exception` in between takes it for a failure."""
 

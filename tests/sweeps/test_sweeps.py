@@ -361,7 +361,7 @@ def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(
     run_dir = results / "runs" / run_id
     assert not (run_dir / "status.json").exists()  # Snakemake's doing
     record = json.loads((run_dir / "failure.json").read_text())
-    assert record["state"] == "failed" and "policy.pt" in record["traceback"], record
+    assert record["state"] == "failed" and str(broken) in record["error"] and "Traceback" in record["traceback"]
     out = proc.stdout + proc.stderr
     assert f"run {run_id} failed: " in out and "with the failed run(s): " in out, out[-3000:]
     report = (results / "failing" / "report" / "index.md").read_text()
