@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,6 +172,48 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
     raise ValueError(f"launcher = {launcher!r}; valid: {', '.join(LAUNCHERS)}")
 
 
+def cluster_shortfall(res: Resources, nodes: list[str], rule: str) -> str | None:
+    """Why no node of the cluster can run a job asking for `res`, or None. `nodes`: `sinfo -h -N -o '%G|%m|%c'` lines
+    (generic resources, memory in MB, CPUs, one node a line). The message names the resource, what the nodes have and
+    the profile key that asks for it (`set-resources: RULE: KEY`)."""
+    have = []
+    for line in nodes:
+        gres, mem, cpus = [*line.split("|"), "", "", ""][:3]
+        gpus = sum(int(m[1] or 1) for m in re.finditer(r"gpu(?::[^:,(]+)?(?::(\d+))?", gres))
+        have.append((gpus, int(re.sub(r"\D", "", mem) or 0), int(re.sub(r"\D", "", cpus) or 0)))
+    if not have:
+        return None
+    where = f"partition {res.partition!r}" if res.partition else "the default partition"
+    profile = "the profile (slurm/config.yaml or slurm-cpu/config.yaml)"
+    most = [max(h[i] for h in have) for i in range(3)]
+    if res.gpus > most[0]:
+        return (f"this job asks for {res.gpus} GPU(s), and no node of {where} has that many (sinfo gres: at most "
+                f"{most[0]} GPUs a node); set `set-resources: {rule}: gpus` in {profile} to at most {most[0]}, or "
+                "on a CPU cluster use `--profile slurm-cpu`")  # fmt: skip
+    if res.mem_gb * 1024 > most[1] > 0:
+        return (f"this job asks for {res.mem_gb:g} GB, and the largest node of {where} has {most[1] / 1024:.1f} GB; "
+                f"set `set-resources: {rule}: mem_gb` in {profile} to at most {int(most[1] / 1024)}")  # fmt: skip
+    if res.cpus > most[2] > 0:
+        return (f"this job asks for {res.cpus} CPUs (the config's `threads`), and the largest node of {where} has "
+                f"{most[2]}")  # fmt: skip
+    return None
+
+
+def check_cluster(res: Resources, rule: str) -> None:
+    """Before submitting a SLURM job: ValueError when no node of the cluster could run it (`cluster_shortfall`), not
+    a job that sbatch refuses with a bare gres error or that pends for ever. Skipped when sinfo does not answer."""
+    if shutil.which("sinfo") is None:
+        return
+    cmd = ["sinfo", "-h", "-N", "-o", "%G|%m|%c", *(["-p", res.partition] if res.partition else [])]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return
+    why = cluster_shortfall(res, out.stdout.splitlines(), rule) if out.returncode == 0 else None
+    if why:
+        raise ValueError(f"SLURM: {why}")
+
+
 def launch(
     config: dict[str, Any],
     results: str | Path,
@@ -287,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--coldstart-settings = {args.coldstart_settings!r}; valid: a JSON mapping")
             coldstart = (parse_model(args.coldstart[0]), args.coldstart[1])
             resolve_settings(*coldstart, threads=res.cpus, **extra)  # settings errors: before any job
+        if args.launcher == "slurm":
+            check_cluster(res, rule="coldstart" if args.coldstart else "run")
     except (ValueError, FileNotFoundError, argparse.ArgumentTypeError, json.JSONDecodeError) as err:  # no job yet
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """study.launch: the same run in-process, under submitit's local executor and on a real SLURM cluster; failures come
 back with the remote traceback; Ctrl-C/SIGTERM cancels the SLURM job; a SLURM time-out requeues the run, which resumes
-from its checkpoint to the metrics of an uninterrupted run; the smoke study runs through the slurm profile."""
+from its checkpoint to the metrics of an uninterrupted run; the smoke study runs through the CPU slurm profile as
+the README types it; a job no node can run is refused before submission, naming the profile key."""
 
 from __future__ import annotations
 
@@ -63,8 +64,12 @@ def final_sacct_states(job_id: str, timeout: float = 120) -> list[str]:
 
 
 def bad_config(tmp_path: Path) -> Path:
-    """A run that fails at its first line of compute (no cold start there): the traceback must reach the caller."""
-    cfg = smoke_config(coldstart=str(tmp_path / "no-coldstart-here"))
+    """A run that fails at its first line of compute (a cold start without its tokenizer): the traceback must reach
+    the caller. (A cold start that is not there at all is refused before the run directory is written.)"""
+    broken = tmp_path / "no-tokenizer-here"
+    broken.mkdir()
+    (broken / "policy.pt").write_bytes(b"not a checkpoint")
+    cfg = smoke_config(coldstart=str(broken))
     return write_config(cfg, tmp_path / "bad.yaml")
 
 
@@ -117,13 +122,45 @@ def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> 
     proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", launcher, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr
-    assert "FileNotFoundError: coldstart = " in proc.stderr and "no-coldstart-here: no policy.pt" in proc.stderr
-    assert "in initial_policy\n    raise FileNotFoundError(" in proc.stderr  # the remote frames, verbatim
+    assert "FileNotFoundError: tokenizer: no tokenizer.json in " in proc.stderr and "no-tokenizer-here" in proc.stderr
+    assert "in initial_policy\n    return TaskTokenizer.load(directory)" in proc.stderr  # the remote frames, verbatim
     (run_dir,) = (tmp_path / "results" / "runs").iterdir()
     assert state(run_dir) == "failed"
     if launcher == "local":  # the job's own stdout/stderr, under the run directory
         (err_log,) = (run_dir / "submitit").glob("*_log.err")
-        assert "no-coldstart-here: no policy.pt" in err_log.read_text()
+        assert "no tokenizer.json in" in err_log.read_text()
+
+
+def test_the_cpu_profile_differs_from_the_gpu_one_only_in_what_a_job_asks_for() -> None:
+    gpu, cpu = (yaml.safe_load((ROOT / name / "config.yaml").read_text()) for name in ("slurm", "slurm-cpu"))
+    for rule in ("run", "coldstart"):
+        assert gpu["set-resources"][rule].pop("gpus") >= 1 and cpu["set-resources"][rule].pop("gpus") == 0
+        assert gpu["set-resources"][rule].pop("mem_gb") > cpu["set-resources"][rule].pop("mem_gb")
+    assert gpu == cpu
+
+
+def test_a_job_no_node_can_run_names_the_profile_key() -> None:
+    cpu_node = ["(null)|22000|2"]  # `sinfo -h -N -o '%G|%m|%c'` of the one-machine cluster (scripts/slurm/start.sh)
+    why = launch.cluster_shortfall(launch.Resources(gpus=1, mem_gb=64), cpu_node, "run")
+    assert "asks for 1 GPU(s)" in why and "`set-resources: run: gpus`" in why and "--profile slurm-cpu" in why
+    why = launch.cluster_shortfall(launch.Resources(gpus=0, mem_gb=64), cpu_node, "coldstart")
+    assert "asks for 64 GB" in why and "has 21.5 GB" in why and "`set-resources: coldstart: mem_gb`" in why
+    assert launch.cluster_shortfall(launch.Resources(gpus=0, mem_gb=4), cpu_node, "run") is None
+    gpu_nodes = ["gpu:a100:4(S:0-1)|512000|64", "gpu:2|100000|16"]
+    assert launch.cluster_shortfall(launch.Resources(gpus=4, mem_gb=64), gpu_nodes, "run") is None
+    assert "at most 4 GPUs a node" in launch.cluster_shortfall(launch.Resources(gpus=8), gpu_nodes, "run")
+
+
+@needs_slurm
+def test_the_gpu_profile_on_a_cpu_cluster_is_refused_before_submission(tmp_path: Path) -> None:
+    """What the README's one-machine trial hit with the GPU profile: a clear error, not sbatch's gres error."""
+    config = write_config(smoke_config(), tmp_path / "run.yaml")
+    proc = run_launch(config, tmp_path / "results", "--launcher", "slurm", "--gpus", "1", "--mem-gb", "64")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        proc.stderr.startswith("error: SLURM: this job asks for 1 GPU(s)") and "set-resources: run: gpus" in proc.stderr
+    )
+    assert not (tmp_path / "results").exists()
 
 
 def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
@@ -202,7 +239,7 @@ def test_a_failing_slurm_job_surfaces_the_remote_traceback(tmp_path: Path) -> No
     proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", "slurm", "--mem-gb", "1", timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "failed during processing with trace:" in proc.stderr
-    assert "Traceback (most recent call last)" in proc.stderr and "no-coldstart-here: no policy.pt" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "no tokenizer.json in" in proc.stderr
     assert "study/rl.py" in proc.stderr and "in initial_policy" in proc.stderr  # frames of the remote process
 
 
@@ -228,16 +265,11 @@ def test_the_coldstart_launches_as_a_slurm_job(results: Path, tmp_path: Path) ->
 @needs_slurm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_smoke_study_through_the_slurm_profile(results: Path, tmp_path: Path) -> None:
-    """The smoke study with the repository's slurm profile; only its site values (no GPUs here, a small node) are
-    replaced, in a copy: a command-line --set-resources would replace the profile's whole run entry."""
-    profile = yaml.safe_load((ROOT / "slurm" / "config.yaml").read_text())
-    for rule in ("run", "coldstart"):
-        profile["set-resources"][rule].update(gpus=0, mem_gb=2, slurm_partition="", slurm_account="")
-    (tmp_path / "slurm").mkdir()
-    (tmp_path / "slurm" / "config.yaml").write_text(yaml.safe_dump(profile))
+def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_path: Path) -> None:
+    """The smoke study with the repository's CPU profile, as the README types it (`--profile slurm-cpu`; the results
+    directory is this test's)."""
     study = sharing_coldstart(results, tmp_path / "results")
-    cmd = [*SNAKEMAKE, "--profile", str(tmp_path / "slurm"), "--config", "sweep=sweeps/smoke.yaml", f"results={study}"]
+    cmd = [*SNAKEMAKE, "--profile", "slurm-cpu", "--config", "sweep=sweeps/smoke.yaml", f"results={study}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (study / "smoke" / "report" / "index.html").is_file()

@@ -256,3 +256,11 @@ def test_the_collapsing_step_keeps_its_row(tmp_path: Path) -> None:
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     assert metrics["step"].tolist() == [status["step"]] == [1]
     assert metrics["reward_mean"].notna().all()
+
+
+def test_result_files_take_the_umasks_mode(one_step: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [p for p in one_step.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"status.json", "metrics.parquet", "state.pt", "config.yaml", "manifest.json"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~umask) for p in files}

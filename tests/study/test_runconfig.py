@@ -38,6 +38,8 @@ def test_run_id_is_a_content_hash() -> None:
         (["hparams.clip=0.1"], "no hyper-parameter 'clip'; valid: eps_low, eps_high"),
         (["task=sudoku"], "task = 'sudoku'; valid: "),
         (["task_knobs.terms=99"], "terms"),
+        (["task_knobs.foo=1"], "task chain_sum: unknown knob 'foo'; valid: terms, digits"),
+        (["task_knobs.seed=5"], "task chain_sum: unknown knob 'seed'; valid: terms, digits"),
         (["train_dtype=fp8"], "train_dtype = 'fp8'; valid: fp32, bf16, fp16"),
         (["rollout_engine=sglang"], "rollout_engine = 'sglang'; valid: hf, vllm"),
         (["old_logp_source=engine"], "old_logp_source = 'engine'; valid: recompute, rollout"),
