@@ -8,7 +8,8 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
 - `manifest.json` (git sha, package versions, seed, host, ...): kept per run for the report's provenance;
 - `status.json` with `state` in running / completed / collapsed / failed / stopped, plus the collapse step and
   reason or the error (field names read leniently: `collapse_step`/`step`, `reason`/`collapse_reason`,
-  `error`/`message`);
+  `error`/`message`); without it, `failure.json` (the record of a failed run whose status.json a workflow deleted:
+  Snakemake removes a failed job's declared outputs);
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
   metric columns (`reward_mean`, `clip_frac`, ...); runs that evaluate (eval_every > 0) start with a row at step 0
   (START_STEP) holding only the starting policy's evaluation (eval metrics, lr; compute_flops = wall_s = 0, every

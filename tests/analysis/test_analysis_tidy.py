@@ -60,6 +60,16 @@ def test_a_stopped_run_keeps_its_state_and_metrics(tmp_path):
     assert report.problem_runs(st).empty  # stopping a trial is not a problem of the run
 
 
+def test_a_failed_run_whose_status_a_workflow_deleted_is_read_from_its_failure_record(tmp_path):
+    path = _write(tmp_path, "f", "failed", step=1, error="RuntimeError: boom")
+    (path / tidy.FAILURE_FILE).write_text((path / "status.json").read_text())
+    (path / "status.json").unlink()  # Snakemake removes a failed job's declared output
+    st = tidy.load_study(tmp_path)
+    row = st.runs.set_index("run_id").loc["f"]
+    assert row["state"] == "failed" and row["error"] == "RuntimeError: boom"
+    assert report.problem_runs(st)["run_id"].tolist() == ["f"]
+
+
 def test_unreadable_files_are_reported_not_raised(tmp_path):
     path = _write(tmp_path, "a", "completed")
     (path / "status.json").write_text("{not json")
