@@ -112,7 +112,10 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
     if not run_dir.is_dir():
         return line
     try:
-        status = json.loads((run_dir / "status.json").read_text())
+        path = run_dir / "status.json"
+        if not path.exists() and (run_dir / "failure.json").is_file():  # Snakemake deleted a failed job's output
+            path = run_dir / "failure.json"
+        status = json.loads(path.read_text())
         line.state = str(status["state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         status = {}
