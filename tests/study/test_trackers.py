@@ -15,14 +15,15 @@ import pytest
 import yaml
 
 from study import rl
+from study.run import rundir
 from study.run import trackers as T
 from study.run.config import load_config
 
 SETS = ["coldstart=scratch", "steps=4", "eval_every=3", "checkpoint_every=2"]
 
 
-class Stop(BaseException):
-    """What a pruner raises: the run stops, resumable."""
+class Stop(rundir.Stopped):
+    """What a pruner raises (sweeps.tune.Pruned is a rundir.Stopped): the run stops, resumable."""
 
 
 def tfrecords(path: str):
