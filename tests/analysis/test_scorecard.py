@@ -197,11 +197,12 @@ def test_stratum_without_one_algorithm_has_no_data_and_does_not_count(tmp_path) 
 
 
 def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_path) -> None:
-    # hparams.eps_high takes different values for the two algorithms (no stratum could hold both): pooled, flagged.
+    # hparams.eps_high is swept for GSPO and takes another value for GRPO (no stratum could hold both): pooled,
+    # flagged. (A key with one value per algorithm is no axis at all: tidy.infer_axes.)
     # train_dtype follows train_precision: stratifying on train_precision already splits it.
     for alg, curve, eps in (
-        ("gspo", C(clip_low=0.05, clip_high=0.1), 4e-4),
-        ("grpo", C(clip_low=5e-4, clip_high=8e-4), 0.27),
+        ("gspo", C(clip_low=0.05, clip_high=0.1), [4e-4, 5e-4]),
+        ("grpo", C(clip_low=5e-4, clip_high=8e-4), [0.27]),
     ):
         for prec, dtype in (("fp32", "fp32"), ("bf16-emulated", "bf16")):
             synthetic.make_study(
@@ -209,7 +210,7 @@ def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_pa
                 {alg: curve},
                 seeds=(0, 1, 2),
                 n_steps=40,
-                grid={"hparams.eps_high": [eps], "train_precision": [prec], "train_dtype": [dtype]},
+                grid={"hparams.eps_high": eps, "train_precision": [prec], "train_dtype": [dtype]},
             )
     st = tidy.load_study(tmp_path)
     assert st.axes == ["hparams.eps_high", "train_dtype", "train_precision"]
