@@ -1,5 +1,6 @@
-"""`python -m study run|resume|coldstart|status|export`: one RL run, a resumed run, the cold-start checkpoint, the
-state of a study's runs, or a run's policy as a Hugging Face checkpoint."""
+"""`python -m study run|resume|coldstart|status|export|plan`: one RL run, a resumed run, the cold-start checkpoint, the
+state of a study's runs, a run's policy as a Hugging Face checkpoint, or the memory and layout plan of a model on a
+GPU cluster."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="one line per run: state, progress, reward, eval, time left, why it failed; "
                    "see `status --help`", add_help=False)  # fmt: skip
     sub.add_parser("export", help="a run's policy as a Hugging Face checkpoint; see `export --help`", add_help=False)
+    sub.add_parser("plan", help="memory per GPU of each parallel layout; see `plan --help`", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from study.plan import plan_main
+
+        return plan_main(rest)
     if args.command == "coldstart":
         from study.coldstart import coldstart_main
 

@@ -108,6 +108,11 @@ PRESETS: dict[str, ModelConfig] = {
     # Benchmarks of the update's share of GEMM peak.
     "small": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, head_dim=64,
                          num_experts=16, moe_top_k=4, moe_ffn_hidden_size=512, vocab_size=4096, max_seq_len=1024),
+    # The paper's model, Qwen3-30B-A3B(-Base)'s config.json: for planning (study/plan.py) and, with its checkpoint as
+    # the run's `coldstart` (or the checkpoint directory as `model`), for runs on a GPU cluster.
+    "qwen3-30b-a3b": ModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                                 head_dim=128, num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,
+                                 vocab_size=151936, max_seq_len=32768, rotary_base=1000000.0, norm_eps=1e-6),
 }  # fmt: skip
 
 
@@ -147,20 +152,24 @@ SHAPE_CODES: dict[str, str] = {
 }  # fmt: skip
 """Short name of each SHAPE_FIELD in a shape's label (`default_e32_k8`: the default preset, 32 experts, top-8)."""
 
-_MAPPING_HELP = "or a mapping {preset: NAME, FIELD: VALUE, ...}"
+_MAPPING_HELP = "a local HF checkpoint directory (with config.json), or a mapping {preset: NAME, FIELD: VALUE, ...}"
 
 
 def model_spec(spec: Any, *, default_preset: str = "tiny") -> str | dict[str, Any]:
     """The canonical form of a model spec, validated: the preset's name when the overrides change nothing (so a run
     naming a plain preset keeps its id), else {"preset": NAME, FIELD: VALUE, ...} with only the fields that differ
-    from the preset's, in SHAPE_FIELDS order. A mapping without `preset` overrides `default_preset`. Errors name the
-    field (`model.moe_top_k = 9: valid range is [1, 8]`) and the valid values."""
+    from the preset's, in SHAPE_FIELDS order. A mapping without `preset` overrides `default_preset`. A local HF
+    checkpoint directory (a path holding config.json) is read and mapped (`hf_model_config`) to the canonical spec of
+    its shape (`spec_of`): the shape, not the path, names the model. Errors name the field
+    (`model.moe_top_k = 9: valid range is [1, 8]`) and the valid values."""
     if isinstance(spec, str):
-        if spec not in PRESETS:
-            raise ValueError(f"model = {spec!r}: unknown model preset; valid: {', '.join(PRESETS)}, {_MAPPING_HELP}")
-        return spec
+        if spec in PRESETS:
+            return spec
+        if is_checkpoint_dir(spec):
+            return spec_of(read_hf_config(spec))
+        raise ValueError(f"model = {spec!r}: unknown model preset; valid: {', '.join(PRESETS)}, {_MAPPING_HELP}")
     if not isinstance(spec, Mapping):
-        raise ValueError(f"model = {spec!r}: must be a preset name ({', '.join(PRESETS)}) {_MAPPING_HELP}")
+        raise ValueError(f"model = {spec!r}: must be a preset name ({', '.join(PRESETS)}), {_MAPPING_HELP}")
     unknown = sorted(str(k) for k in set(spec) - {"preset", *SHAPE_FIELDS})
     if unknown:
         raise ValueError(f"model: unknown field(s) {unknown}; valid: preset, {', '.join(SHAPE_FIELDS)}")
@@ -172,6 +181,102 @@ def model_spec(spec: Any, *, default_preset: str = "tiny") -> str | dict[str, An
     base.replace(**overrides)  # validates the combination (top-k against the experts, query groups against heads)
     changed = {key: value for key, value in overrides.items() if value != getattr(base, key)}
     return {"preset": name, **changed} if changed else name
+
+
+def spec_of(cfg: ModelConfig) -> str | dict[str, Any]:
+    """The canonical spec of a shape: the preset it equals, else the preset needing the fewest overrides."""
+    if cfg.extra:
+        raise ValueError(f"model.extra = {cfg.extra!r}: a model spec cannot carry engine overrides")
+    specs = []
+    for name, base in PRESETS.items():
+        changed = {k: getattr(cfg, k) for k in SHAPE_FIELDS if getattr(cfg, k) != getattr(base, k)}
+        specs.append((len(changed), {"preset": name, **changed} if changed else name))
+    return min(specs, key=lambda pair: pair[0])[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hugging Face config.json -> ModelConfig
+# ---------------------------------------------------------------------------------------------------------------------
+HF_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe",)
+"""HF `model_type`s the policy can be (study/policy/model.py builds Qwen3-MoE)."""
+
+
+def is_checkpoint_dir(path: str | Any) -> bool:
+    """True when `path` is a directory holding a config.json (an HF model directory; weights are not looked at)."""
+    import os
+
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_hf_config(directory: str | Any) -> ModelConfig:
+    """The ModelConfig of the HF checkpoint in `directory` (its config.json, `hf_model_config`)."""
+    import json
+    import os
+
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model = {str(directory)!r}: cannot read config.json ({e})") from None
+    return hf_model_config(hf, where=f"model = {str(directory)!r}: config.json")
+
+
+def hf_model_config(hf: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
+    """An HF Qwen3-MoE config.json (any size) as the policy's ModelConfig. Anything the policy does not build is
+    refused with the field, its value and what is supported: another architecture, dense or shared-expert layers,
+    tied embeddings, biases, sliding-window attention, rope scaling, an activation other than SiLU, unnormalised
+    top-k gates."""
+    if not isinstance(hf, Mapping):
+        raise ValueError(f"{where}: must hold a JSON object")
+
+    def need(key: str, ok: bool, supported: str) -> None:
+        if not ok:
+            raise ValueError(f"{where}: {key} = {hf.get(key)!r} is not supported; valid: {supported}")
+
+    need("model_type", hf.get("model_type") in HF_ARCHITECTURES, ", ".join(HF_ARCHITECTURES))
+    need("tie_word_embeddings", not hf.get("tie_word_embeddings", False), "false (an untied output layer)")
+    need("decoder_sparse_step", hf.get("decoder_sparse_step", 1) == 1, "1 (every layer MoE)")
+    need("mlp_only_layers", not hf.get("mlp_only_layers"), "[] (every layer MoE)")
+    need("attention_bias", not hf.get("attention_bias", False), "false")
+    need("use_sliding_window", not hf.get("use_sliding_window", False), "false")
+    need("hidden_act", hf.get("hidden_act", "silu") == "silu", "silu")
+    need("shared_expert_intermediate_size", not hf.get("shared_expert_intermediate_size"), "0 or absent")
+    scaling = hf.get("rope_scaling") or {}
+    need("rope_scaling", not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
+         "null or rope_type default")  # fmt: skip
+    params = hf.get("rope_parameters") or {}
+    need("rope_parameters", params.get("rope_type", "default") == "default", "rope_type default")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    top_k = hf.get("num_experts_per_tok")
+    # megatron pre-softmaxes for top-1 (study.policy.model.norm_topk_prob); for top-k > 1 it renormalises.
+    need("norm_topk_prob", bool(hf.get("norm_topk_prob", False)) == (isinstance(top_k, int) and top_k > 1),
+         "true for num_experts_per_tok > 1, false for 1")  # fmt: skip
+    fields = {
+        "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+        "num_query_groups": "num_key_value_heads", "head_dim": "head_dim", "num_experts": "num_experts",
+        "moe_top_k": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size",
+        "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings", "rotary_base": "rope_theta",
+        "norm_eps": "rms_norm_eps", "init_std": "initializer_range",
+    }  # fmt: skip
+    defaults = {"num_key_value_heads": heads, "head_dim": hidden // heads if isinstance(hidden, int) and
+                isinstance(heads, int) and heads else None, "rope_theta": params.get("rope_theta", 10000.0),
+                "initializer_range": 0.02}  # fmt: skip
+    aliases = {"num_experts": "num_local_experts"}  # transformers 5 writes Qwen3-MoE's expert count under this name
+    values: dict[str, Any] = {}
+    for name, key in fields.items():
+        value = hf.get(key, hf.get(aliases.get(key, ""), defaults.get(key)))
+        if value is None:
+            raise ValueError(f"{where}: {key} is missing; a Qwen3-MoE config.json has it")
+        try:
+            values[name] = _shape_value(name, value)
+        except ValueError:
+            raise ValueError(f"{where}: {key} = {value!r}: must be a positive "
+                             f"{'finite number' if name in FLOAT_FIELDS else 'integer'}") from None  # fmt: skip
+    try:
+        return ModelConfig(**values)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _shape_value(key: str, value: Any) -> Any:
@@ -205,11 +310,12 @@ def resolve_model(spec: ModelSpec) -> ModelConfig:
 
 def model_label(spec: ModelSpec) -> str:
     """A readable name of a shape, for directory names: the preset, then `_{code}{value}` per override in
-    SHAPE_FIELDS order (`default_e32_k8`); letters, digits and underscores only (a float's `.` reads `p`, `-` `m`)."""
+    SHAPE_FIELDS order (`default_e32_k8`); letters, digits and underscores only (a float's `.` reads `p`, `-` `m`;
+    a preset's `-` reads `_`)."""
     canonical = model_spec(spec)
     if isinstance(canonical, str):
-        return canonical
-    parts = [canonical["preset"]]
+        return canonical.replace("-", "_")
+    parts = [canonical["preset"].replace("-", "_")]
     for key, value in canonical.items():
         if key != "preset":
             text = str(value) if isinstance(value, int) else f"{value:g}".replace(".", "p").replace("-", "m")

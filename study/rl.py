@@ -175,8 +175,10 @@ def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | N
     return run(cfg, run_dir.parent.parent, progress=progress, tracking=tracking)
 
 
-def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, dict[str, torch.Tensor] | None]:
-    """Tokenizer and Megatron state dict of the cold start (None: random init from the cold-start seed)."""
+def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, Any]:
+    """Tokenizer and weights of the cold start: a Megatron state dict (policy.pt), an HF checkpoint read lazily
+    (study.coldstart.hf_import.HFCheckpoint: streamed into the policy by `load_initial`), or None (random init from
+    the cold-start seed)."""
     mcfg = cfg.model_config()
     if cfg.coldstart == "scratch":
         from study.data.tokenizer import build_tokenizer, train_tokenizer
@@ -219,14 +221,21 @@ def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
                     for split in tasks.EVAL_SPLITS}  # fmt: skip
 
 
-def reference_policy(
-    cfg: RunConfig, init_state: dict[str, torch.Tensor] | None, train_prec: Any
-) -> tuple[torch.nn.Module, Any]:
+def load_initial(model: torch.nn.Module, init_state: Any) -> None:
+    """Load `initial_policy`'s weights into `model`: a state dict whole, an HF checkpoint tensor by tensor."""
+    if init_state is None:
+        return
+    if isinstance(init_state, dict):
+        model.load_state_dict(init_state, strict=False)
+    else:
+        init_state.load_into(model)
+
+
+def reference_policy(cfg: RunConfig, init_state: Any, train_prec: Any) -> tuple[torch.nn.Module, Any]:
     """KL hook: a frozen copy of the initial policy (same seed, same cold-start weights, same precision as the
     trainer) and its precision handle (keep it alive: it owns the emulation hooks)."""
     ref = build_policy(cfg.model_config(), seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
-    if init_state is not None:
-        ref.load_state_dict(init_state, strict=False)
+    load_initial(ref, init_state)
     handle = precision_mod.apply_precision(ref, train_prec)
     ref.requires_grad_(False)
     return ref, handle
@@ -327,8 +336,7 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
     train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/precision.py)
     policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
-    if init_state is not None:
-        policy.load_state_dict(init_state, strict=False)
+    load_initial(policy, init_state)
     prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
     eps = precision_mod.adam_eps(train_prec)
     optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,

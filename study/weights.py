@@ -150,15 +150,24 @@ def megatron_to_hf(
 
 
 def hf_to_megatron(
-    hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, te_spec: bool = False
+    hf_state: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    *,
+    te_spec: bool = False,
+    partial: bool = False,
+    copy: bool = True,
 ) -> dict[str, torch.Tensor]:
     """HF Qwen3-MoE checkpoint state dict (per-expert names) -> Megatron GPTModel state dict.
 
     `te_spec=False` gives the local layer spec's names (separate input_layernorm, SequentialMLP local_experts);
     `te_spec=True` gives TransformerEngine's (norm fused into linear_qkv, TEGroupedMLP linear_fc1.weight<e>).
     Load the result with `model.load_state_dict(sd, strict=False)` where the model has `_extra_state` entries.
+    `partial=True` maps a part of a checkpoint (the streaming loader's: every fused tensor's parts together) without
+    the completeness check; `copy=False` returns renamed tensors as views of the inputs instead of clones.
     """
-    _check_complete(dict(hf_state), cfg)
+    if not partial:
+        _check_complete(dict(hf_state), cfg)
+    clone = (lambda t: t.clone()) if copy else (lambda t: t)
     inv_global = {v: k for k, v in _GLOBAL_RENAMES.items()}
     inv_layer = {v: k for k, v in _LAYER_RENAMES.items() if k != "self_attention.linear_qkv.layer_norm_weight"}
     if te_spec:
@@ -169,7 +178,7 @@ def hf_to_megatron(
     for name, tensor in hf_state.items():
         t = tensor.detach()
         if name in inv_global:
-            out[inv_global[name]] = t.clone()
+            out[inv_global[name]] = clone(t)
             continue
         m = _HF_LAYER.fullmatch(name)
         if m is None:
@@ -177,7 +186,7 @@ def hf_to_megatron(
         layer, rest = int(m.group(1)), m.group(2)
         prefix = f"decoder.layers.{layer}."
         if rest in inv_layer:
-            out[prefix + inv_layer[rest]] = t.clone()
+            out[prefix + inv_layer[rest]] = clone(t)
         elif rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
             qkv.setdefault(layer, {})[rest[len("self_attn.")]] = t  # "q" | "k" | "v"
         elif (e := _HF_EXPERT.fullmatch(rest)) is not None:
@@ -188,7 +197,7 @@ def hf_to_megatron(
                     if te_spec
                     else (f"mlp.experts.local_experts.{expert}.linear_fc2.weight")
                 )
-                out[prefix + key] = t.clone()
+                out[prefix + key] = clone(t)
             else:
                 fc1.setdefault((layer, expert), {})[proj] = t
         else:
@@ -317,7 +326,7 @@ def config_mismatches(hf: dict[str, Any], cfg: ModelConfig) -> list[str]:
         "num_attention_heads": (heads, cfg.num_attention_heads),
         "num_key_value_heads": (hf.get("num_key_value_heads", heads), cfg.num_query_groups),
         "head_dim": (hf.get("head_dim", (hf.get("hidden_size") or 0) // (heads or 1)), cfg.head_dim),
-        "num_experts": (hf.get("num_experts"), cfg.num_experts),
+        "num_experts": (hf.get("num_experts", hf.get("num_local_experts")), cfg.num_experts),
         "num_experts_per_tok": (hf.get("num_experts_per_tok"), cfg.moe_top_k),
         "moe_intermediate_size": (hf.get("moe_intermediate_size"), cfg.moe_ffn_hidden_size),
         "norm_topk_prob": (bool(hf.get("norm_topk_prob", False)), cfg.moe_top_k > 1),
@@ -341,7 +350,7 @@ def _checkpoint_spec(hf: dict[str, Any]) -> ModelSpec | None:
     shape = {
         "num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"), "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads", heads), "head_dim": hf.get("head_dim"),
-        "num_experts": hf.get("num_experts"), "moe_top_k": hf.get("num_experts_per_tok"),
+        "num_experts": hf.get("num_experts", hf.get("num_local_experts")), "moe_top_k": hf.get("num_experts_per_tok"),
         "moe_ffn_hidden_size": hf.get("moe_intermediate_size"), "vocab_size": hf.get("vocab_size"),
         "rotary_base": _rope_theta(hf), "norm_eps": hf.get("rms_norm_eps"),
     }  # fmt: skip

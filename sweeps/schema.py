@@ -56,7 +56,7 @@ MAPPING_FIELDS = tuple(
     name for name, hint in typing.get_type_hints(RunConfig).items() if (typing.get_origin(hint) or hint) is dict
 )
 """RunConfig fields holding a mapping of named keys (hparams, task_knobs): an axis may vary one, `hparams.eps_low`."""
-_MODEL_MAPPING = "or a mapping {preset: NAME, FIELD: VALUE, ...}"
+_MODEL_MAPPING = "a local HF checkpoint directory (a path with '/'), or a mapping {preset: NAME, FIELD: VALUE, ...}"
 
 
 def _enums() -> dict[str, list[str]]:
@@ -82,7 +82,7 @@ def model_schema() -> dict[str, Any]:
     shape = {"preset": {"enum": list(PRESETS)}, **{name: shape_field_schema(name) for name in SHAPE_FIELDS}}
     return {
         "if": {"type": "string"},
-        "then": {"enum": list(PRESETS)},
+        "then": {"anyOf": [{"enum": list(PRESETS)}, {"pattern": "/"}]},  # a preset, or a checkpoint directory
         "else": {"type": "object", "properties": shape, "additionalProperties": False},
     }
 
@@ -257,7 +257,9 @@ def _message(error: jsonschema.ValidationError) -> str:
         valid = ", ".join(map(str, error.validator_value))
         return f"{where} = {error.instance!r}; valid: {valid}" + (f", {_MODEL_MAPPING}" if is_model else "")
     if error.validator == "type" and is_model:
-        return f"{where} = {error.instance!r}: must be a preset name ({', '.join(PRESETS)}) {_MODEL_MAPPING}"
+        return f"{where} = {error.instance!r}: must be a preset name ({', '.join(PRESETS)}), {_MODEL_MAPPING}"
+    if error.validator == "anyOf" and is_model:
+        return f"{where} = {error.instance!r}; valid: {', '.join(PRESETS)}, {_MODEL_MAPPING}"
     if error.validator == "oneOf" and where.startswith("axes.algorithm"):
         return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(algorithms.names())}"
     if error.validator == "oneOf" and where.startswith("tune.space."):

@@ -7,6 +7,9 @@
   <eos>. A tokenizer loaded from another checkpoint's files (an HF model's tokenizer.json with tokenizer_config.json
   / special_tokens_map.json) takes its special tokens and ids from those files instead: `pad_id`, `bos_id` (None:
   prompts get no prefix) and `eos_id` are per instance; the module constants are the study's own ids.
+  A checkpoint whose tokenizer_config.json (or chat_template.jinja) has a chat template formats each prompt with it
+  (one user message, the generation prompt appended, as transformers' apply_chat_template does), so an instruct
+  model sees prompts the way it was trained to.
   Prompts end with a newline and responses start with a non-space character, so the two encode separately
   exactly as they encode together (the newline is a pre-token boundary).
 - Vocabulary: at most the model's `ModelConfig.vocab_size` (fewer when the corpus runs out of pairs to merge; the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -41,11 +45,20 @@ _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 class TaskTokenizer:
     """A trained `tokenizers.Tokenizer` with the study's special tokens and encode/decode helpers."""
 
-    def __init__(self, tokenizer: Tokenizer, *, specials: Mapping[str, str | None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        specials: Mapping[str, str | None] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         """`specials` None: the study's <pad>/<bos>/<eos> at their fixed ids 0/1/2 (checked). Otherwise the
         `pad_token` / `bos_token` / `eos_token` names of a checkpoint's tokenizer files: eos is required, a missing
-        bos means prompts get no prefix, a missing pad pads with eos."""
+        bos means prompts get no prefix, a missing pad pads with eos. `chat_template`: a checkpoint's Jinja chat
+        template; prompts are then formatted with it (`format_prompt`)."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._template: Any = None
         if specials is None:
             for token, expected in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
                 got = tokenizer.token_to_id(token)
@@ -80,8 +93,30 @@ class TaskTokenizer:
         """Text of `ids`, special tokens dropped."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def format_prompt(self, prompt: str) -> str:
+        """The prompt as the model reads it: with a chat template, one user message and the generation prompt
+        (the template adds its own special tokens); else the prompt itself."""
+        if self.chat_template is None:
+            return prompt
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise ValueError(f"tokenizer chat template: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            bos_token=self.specials.get("bos_token") or "", eos_token=self.specials.get("eos_token") or "",
+        )  # fmt: skip
+
     def encode_prompt(self, prompt: str) -> list[int]:
-        """<bos> + prompt (just the prompt for a tokenizer without bos)."""
+        """<bos> + prompt (just the prompt for a tokenizer without bos); with a chat template, the formatted prompt
+        (`format_prompt`), its special tokens written by the template."""
+        if self.chat_template is not None:
+            return self.encode(self.format_prompt(prompt))
         return [*([self.bos_id] if self.bos_id is not None else []), *self.encode(prompt)]
 
     def encode_response(self, response: str, *, eos: bool = True) -> list[int]:
@@ -117,6 +152,8 @@ class TaskTokenizer:
         }
         if model_max_length is not None:
             config["model_max_length"] = model_max_length
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
         contents = (self.tokenizer.to_str(pretty=True), json.dumps(config, indent=2), json.dumps(specials, indent=2))
         for name, text in zip(_FILES, contents, strict=True):
             _write_atomic(directory / name, text + "\n")
@@ -128,7 +165,8 @@ class TaskTokenizer:
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer: no {path.name} in {directory}")
-        return cls(Tokenizer.from_file(str(path)), specials=_special_tokens(Path(directory)))
+        return cls(Tokenizer.from_file(str(path)), specials=_special_tokens(Path(directory)),
+                   chat_template=_chat_template(Path(directory)))  # fmt: skip
 
     def to_json(self) -> str:
         """The tokenizer.json text (what `save` writes, less the trailing newline)."""
@@ -149,6 +187,22 @@ def _special_tokens(directory: Path) -> dict[str, str | None] | None:
             if out["eos_token"] is not None:
                 return out
     return None
+
+
+def _chat_template(directory: Path) -> str | None:
+    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's `chat_template` (a string,
+    or a list of {name, template} of which the one named "default"); None when it has none."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def _write_atomic(path: Path, text: str) -> None:

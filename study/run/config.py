@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.model_config import DTYPES, ModelConfig, model_spec, resolve_model
+from study.model_config import DTYPES, ModelConfig, is_checkpoint_dir, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
@@ -38,9 +38,11 @@ class RunConfig:
     """Seed of the run: prompt order, rollout sampling, minibatch split. The cold start has its own seed."""
     model: str | dict[str, Any] = "tiny"
     """Model shape: a preset name (study.model_config.PRESETS), or a preset plus overrides of its fields,
-    {preset: default, num_experts: 32, moe_top_k: 8} (study.model_config.SHAPE_FIELDS; `--set model.num_experts=32`).
-    Kept canonical: overrides equal to the preset's values are dropped, and no override left is the plain name (the
-    same run id). The auto cold start is keyed by the shape; a given checkpoint must match it."""
+    {preset: default, num_experts: 32, moe_top_k: 8} (study.model_config.SHAPE_FIELDS; `--set model.num_experts=32`),
+    or a local HF Qwen3-MoE checkpoint directory: its config.json gives the shape (recorded as a preset plus
+    overrides) and, with coldstart = "auto", the directory becomes the cold start. `qwen3-30b-a3b` is the paper's
+    model. Kept canonical: overrides equal to the preset's values are dropped, and no override left is the plain
+    name (the same run id). The auto cold start is keyed by the shape; a given checkpoint must match it."""
     task: str = "chain_sum"
     """Training task (study.data.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
     task_knobs: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +117,9 @@ class RunConfig:
     (0 = off, as in the paper)."""
 
     def __post_init__(self) -> None:
+        # An HF checkpoint directory as the model: its shape is the model, its weights the cold start.
+        if is_checkpoint_dir(self.model) and self.coldstart == "auto":
+            object.__setattr__(self, "coldstart", str(self.model))
         # The shape in its canonical form, so that spellings of one shape are one run (and one run id).
         object.__setattr__(self, "model", model_spec(self.model, default_preset=_DEFAULT_MODEL))
 

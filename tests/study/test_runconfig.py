@@ -49,8 +49,14 @@ def test_run_id_is_a_content_hash() -> None:
         (["steps=zero"], "steps = 'zero': must be int"),
         (["stepz=3"], r"unknown field\(s\) \['stepz'\]; valid: algorithm, "),
         (["max_new_tokens=4096"], "max_new_tokens = 4096: must be < model.max_seq_len 256"),
-        (["model=huge"], "model = 'huge': unknown model preset; valid: tiny, default, small, or a mapping"),
-        (["model.preset=huge"], "model.preset = 'huge': unknown model preset; valid: tiny, default, small"),
+        (
+            ["model=huge"],
+            "model = 'huge': unknown model preset; valid: tiny, default, small, qwen3-30b-a3b, a local HF",
+        ),
+        (
+            ["model.preset=huge"],
+            "model.preset = 'huge': unknown model preset; valid: tiny, default, small, qwen3-30b-a3b",
+        ),
         (["model.moe_top_k=9"], r"model.moe_top_k = 9: valid range is \[1, 4\]"),
         (["model.num_experts=16", "model.moe_top_k=17"], r"model.moe_top_k = 17: valid range is \[1, 16\]"),
         (["model.experts=8"], r"model: unknown field\(s\) \['experts'\]; valid: preset, num_layers, hidden_size"),
@@ -60,7 +66,7 @@ def test_run_id_is_a_content_hash() -> None:
         (["model.num_query_groups=3"], "model.num_query_groups = 3 must divide model.num_attention_heads = 2"),
         (["model.vocab_size=100"], "model.vocab_size = 100: must be >= 259"),
         (["model.max_seq_len=40"], "max_new_tokens = 48: must be < model.max_seq_len 40"),
-        (["model=[1, 2]"], r"model = \[1, 2\]: must be a preset name \(tiny, default, small\) or a mapping"),
+        (["model=[1, 2]"], r"model = \[1, 2\]: must be a preset name \(tiny, default, small, qwen3-30b-a3b\), a local"),
     ],
 )
 def test_bad_config_names_the_field(sets: list[str], message: str) -> None:

@@ -115,15 +115,21 @@ SHAPES = [{"preset": "tiny", "num_experts": 8, "moe_top_k": 4}, "tiny"]
 def test_model_shapes_validate_with_the_field_named():
     validate_sweep(sweep(base={"model": {"preset": "tiny", "num_layers": 3}}, axes={"model": SHAPES}))
     validate_sweep(sweep(axes={"model.num_experts": [4, 8], "hparams.eps_high": [0.3], "task_knobs.terms": [3]}))
-    with pytest.raises(SweepError, match=r"axes.model\[1\] = 'huge'; valid: tiny, default, small, or a mapping"):
+    with pytest.raises(
+        SweepError, match=r"axes.model\[1\] = 'huge'; valid: tiny, default, small, qwen3-30b-a3b, a local"
+    ):
         validate_sweep(sweep(axes={"model": ["tiny", "huge"]}))
     with pytest.raises(SweepError, match=r"base.model: unknown field\(s\) \['experts'\]; valid: preset, num_layers"):
         validate_sweep(sweep(base={"model": {"preset": "tiny", "experts": 8}}))
-    with pytest.raises(SweepError, match=r"axes.model\[0\].preset = 'huge'; valid: tiny, default, small"):
+    with pytest.raises(
+        SweepError, match=r"axes.model\[0\].preset = 'huge'; valid: tiny, default, small, qwen3-30b-a3b"
+    ):
         validate_sweep(sweep(axes={"model": [{"preset": "huge"}]}))
     with pytest.raises(SweepError, match=r"axes.model.num_experts\[1\] = 0: minimum is 1"):
         validate_sweep(sweep(axes={"model.num_experts": [4, 0]}))
-    with pytest.raises(SweepError, match=r"base.model = 3: must be a preset name \(tiny, default, small\) or a"):
+    with pytest.raises(
+        SweepError, match=r"base.model = 3: must be a preset name \(tiny, default, small, qwen3-30b-a3b\), a"
+    ):
         validate_sweep(sweep(base={"model": 3}))
     with pytest.raises(SweepError, match=r"axes: unknown field\(s\) \['model.experts'\]; valid: .*model.num_experts"):
         validate_sweep(sweep(axes={"model.experts": [8]}))
