@@ -18,12 +18,23 @@
 4. A failed job raises `FailedJobError` carrying the remote traceback; it is printed verbatim to stderr (the Snakemake
    rule's log). submitit's logs (the run's stdout/stderr) live in RESULTS/runs/RUN_ID/submitit/.
 5. SIGINT or SIGTERM cancels the job this process started (scancel for SLURM) before exiting.
+6. Multi-node: `--nodes N --gpus G` (GPUs per node) asks SLURM for N nodes with G GPUs and one task (rank) per GPU
+   (`--tasks-per-node` overrides the placement); in each task `distributed_env` exports the torch.distributed
+   environment from SLURM's (MASTER_ADDR: the first node, MASTER_PORT from the job id, RANK, WORLD_SIZE,
+   LOCAL_RANK, LOCAL_WORLD_SIZE; every GPU of the node stays visible to each rank). A requeue (point 3) requeues
+   the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
+   ranks' agreement check (a gloo all_reduce), to try a cluster's placement without a run.
+7. Before a GPU job is asked for, the run must fit: study.plan.check_run_fits with the job's GPUs (nodes x GPUs
+   per node) of `--gpu-mem-gb` each; a run needing more than one rank must be one study.rl can run on several
+   (`rl.MULTI_RANK`; until multi-rank training lands it runs on one).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -76,6 +87,55 @@ def _in_job() -> None:
     SlurmJobEnvironment._requeue = _slurm_requeue  # type: ignore[method-assign]
 
 
+def distributed_env() -> dict[str, str]:
+    """In a job's task: export the torch.distributed env:// variables from SLURM's (submitit's
+    TorchDistributedEnvironment) and return them; outside a multi-task job, nothing is exported and WORLD_SIZE 1 is
+    returned. Every GPU of the node stays visible (the trainer picks LOCAL_RANK's, the engine may use several)."""
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    try:
+        tasks = submitit.JobEnvironment().num_tasks
+    except RuntimeError:  # not in a submitit job
+        tasks = 1
+    if tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        return {k: os.environ[k] for k in keys}
+    return {k: os.environ.get(k, default) for k, default in zip(keys, ("", "", "0", "1", "0", "1"), strict=True)}
+
+
+class RankCheck:
+    """The submitted callable of `--rank-check`: every rank exports the distributed env, joins a gloo group and
+    all-reduces (rank + 1), and all-gathers what each rank was told; returns the rank's view. `hold_s`: seconds the
+    first attempt waits afterwards (a time-out test: the requeued attempt does not wait)."""
+
+    def __init__(self, hold_s: float = 0.0, attempt: int = 0) -> None:
+        self.hold_s, self.attempt = hold_s, attempt
+
+    def __call__(self) -> dict[str, Any]:
+        import socket
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        _in_job()
+        env = distributed_env()
+        dist.init_process_group("gloo", init_method="env://")
+        try:
+            total = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(total)
+            seen: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, {"env": env, "host": socket.gethostname()})
+        finally:
+            dist.destroy_process_group()
+        if self.hold_s and not self.attempt:
+            time.sleep(self.hold_s)
+        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]), "sum": float(total), "env": env,
+                "views": seen, "attempt": self.attempt}  # fmt: skip
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        return submitit.helpers.DelayedSubmission(RankCheck(self.hold_s, self.attempt + 1))
+
+
 class Run:
     """The submitted callable: one run of a resolved config under `results` (identical in every launcher)."""
 
@@ -93,6 +153,7 @@ class Run:
         from study.run.trackers import Tracking
 
         _in_job()
+        distributed_env()  # the torch.distributed environment of a multi-rank job (module docstring, point 6)
         cfg = RunConfig.from_dict(self.config, where="launch")
         tracking = Tracking.from_dict(self.tracking) if self.tracking is not None else None
         run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
@@ -137,19 +198,41 @@ class Resources:
 
     partition: str = ""
     account: str = ""
-    gpus: int = 0
+    gpus: int = 0  # per node
+    nodes: int = 1
+    tasks_per_node: int = 0  # ranks per node; 0: one per GPU (one for a CPU job)
+    gpu_mem_gb: float = 0.0  # memory of one GPU, for the fit check before submission (0: no check)
     time_min: int = 120
     mem_gb: float = 16.0
     cpus: int = 1
     max_timeouts: int = 3
     signal_delay_s: int = 90
 
+    def __post_init__(self) -> None:
+        for name in ("gpus", "nodes", "tasks_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name == "nodes" else 0):
+                raise ValueError(f"{name} = {value!r}: must be an integer >= {1 if name == 'nodes' else 0}")
+        if self.gpu_mem_gb < 0:
+            raise ValueError(f"gpu_mem_gb = {self.gpu_mem_gb!r}: must be >= 0 (0: no fit check)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tasks_per_node or max(1, self.gpus)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
 
 def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> submitit.Executor:
     """submitit's local or SLURM executor, chosen by name (never AutoExecutor's detection)."""
     if launcher == "local":
         ex: submitit.Executor = submitit.LocalExecutor(folder)
-        ex.update_parameters(timeout_min=res.time_min, gpus_per_node=res.gpus, signal_delay_s=res.signal_delay_s)
+        if res.nodes != 1:
+            raise ValueError(f"nodes = {res.nodes}: the local launcher runs on this machine; valid: 1")
+        ex.update_parameters(timeout_min=res.time_min, gpus_per_node=res.gpus, tasks_per_node=res.ranks_per_node,
+                             signal_delay_s=res.signal_delay_s)  # fmt: skip
         return ex
     if launcher == "slurm":
         ex = submitit.SlurmExecutor(folder, max_num_timeout=res.max_timeouts)
@@ -158,7 +241,8 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
             "time": res.time_min,
             "mem": f"{max(1, round(res.mem_gb * 1024))}M",
             "cpus_per_task": res.cpus,
-            "ntasks_per_node": 1,
+            "nodes": res.nodes,
+            "ntasks_per_node": res.ranks_per_node,
             "signal_delay_s": res.signal_delay_s,
         }
         if res.gpus:
@@ -228,8 +312,43 @@ def launch(
     from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict(config, where="launch")
+    check_resources(cfg, launcher, res)
     call = Run(cfg.to_dict(), str(results), tracking)
     return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
+
+
+def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
+    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.plan) or that asks for
+    more ranks than study.rl runs (module docstring, point 7). ValueError naming the resource."""
+    from study import plan, rl
+
+    if res.world_size > 1 and not getattr(rl, "MULTI_RANK", False):
+        raise ValueError(
+            f"nodes x tasks per node = {res.nodes} x {res.ranks_per_node} = {res.world_size} ranks, but study.rl "
+            "runs a run on one rank; valid: nodes = 1 and one task per node (gpus <= 1 or tasks_per_node = 1)"
+        )
+    if launcher != "in-process" and res.gpus and res.gpu_mem_gb:
+        plan.check_run_fits(cfg, gpus=res.nodes * res.gpus, gpu_mem_gb=res.gpu_mem_gb, gpus_per_node=res.gpus)
+
+
+def launch_rank_check(results: str | Path, launcher: str, res: Resources, hold_s: float = 0.0) -> list[dict]:
+    """Submit RankCheck with `res`'s nodes and tasks and block; returns every rank's view (rank order)."""
+    folder = Path(results) / "rank-check" / "submitit"
+    if launcher not in ("local", "slurm"):
+        raise ValueError(f"launcher = {launcher!r}: the rank check starts a job's tasks; valid: local, slurm")
+    previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    job = None
+    try:
+        job = executor(launcher, folder, res, job_name="rank-check").submit(RankCheck(hold_s))
+        print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
+        return job.results()
+    except Cancelled:
+        if job is not None:
+            job.cancel(check=False)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def launch_coldstart(
@@ -246,6 +365,7 @@ def launch_coldstart(
     from study.coldstart import resolve_settings
 
     extra = dict(extra or {})
+    res = dataclasses.replace(res, nodes=1, tasks_per_node=1)  # the cold start trains on one rank
     settings = resolve_settings(model, task, threads=res.cpus, **extra)  # raises on an unknown preset, field or task
     name = settings.dirname
     call = ColdStart(settings.model, task, str(results), threads=res.cpus, settings=extra)
@@ -292,7 +412,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
     parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
     parser.add_argument("--account", default="", help="SLURM account (default: the user's)")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs per run")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per node")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes per run")
+    parser.add_argument("--tasks-per-node", type=int, default=0,
+                        help="ranks per node (default 0: one per GPU, one for a CPU job)")  # fmt: skip
+    parser.add_argument(
+        "--gpu-mem-gb",
+        type=float,
+        default=0.0,
+        help="memory of one GPU: a GPU run that does not fit is refused before submission (0: off)",
+    )
+    parser.add_argument(
+        "--rank-check",
+        action="store_true",
+        help="instead of a run: start the ranks and check they agree on the distributed env",
+    )
     parser.add_argument("--time-min", type=int, default=Resources.time_min, help="time limit per job, minutes")
     parser.add_argument("--mem-gb", type=float, default=Resources.mem_gb, help="memory per run, GB")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs per run (default: the config's `threads`)")
@@ -307,6 +441,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="the study the trackers group the run under (default: STUDY of a config at "
                         "RESULTS/STUDY/configs/RUN_ID.yaml, whose sibling configs give its axis values)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rank_check:
+        try:
+            res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, nodes=args.nodes,
+                            tasks_per_node=args.tasks_per_node, time_min=args.time_min, mem_gb=args.mem_gb,
+                            cpus=args.cpus or 1, max_timeouts=args.max_timeouts,
+                            signal_delay_s=args.signal_delay_s)  # fmt: skip
+            views = launch_rank_check(args.results, args.launcher, res)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except (FailedJobError, UncompletedJobError) as err:
+            print(str(err), file=sys.stderr)
+            return 1
+        for view in views:
+            print(json.dumps({k: view[k] for k in ("rank", "world_size", "sum", "env")}))
+        n = len(views)
+        agree = all(v["sum"] == n * (n + 1) / 2 and v["world_size"] == n for v in views)
+        print(f"{n} ranks {'agree' if agree else 'DISAGREE'}")
+        return 0 if agree else 1
     if (args.config is None) == (args.coldstart is None):
         parser.error("give either CONFIG (a run) or --coldstart MODEL TASK")
 
@@ -319,9 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = None if args.coldstart else load_config(args.config)
         if cfg is not None:
             tracking = study_tracking(args.config, parse_trackers(args.trackers), args.study).to_dict()
-        res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, time_min=args.time_min,
+        res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, nodes=args.nodes,
+                        tasks_per_node=args.tasks_per_node, gpu_mem_gb=args.gpu_mem_gb, time_min=args.time_min,
                         mem_gb=args.mem_gb, cpus=args.cpus or (cfg.threads if cfg else 1),
                         max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
+        if cfg is not None:
+            check_resources(cfg, args.launcher, res)  # before any job is asked for
         if args.coldstart:
             from study.coldstart import resolve_settings
             from study.coldstart.store import parse_model

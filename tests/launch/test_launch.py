@@ -309,3 +309,69 @@ def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_pa
     assert re.search(r"Requeued job \d+ \(\d+ remaining timeouts\)", log), log[-4000:]
     assert log.count("Starting with JobEnvironment") >= 2  # the requeued job started again
     pd.testing.assert_frame_equal(metrics(run_dir), metrics(results / "runs" / cfg.run_id), check_exact=True)
+
+
+# --- multi-node placement: nodes x tasks per node, the torch.distributed env, the fit check -------------------------
+
+
+def test_the_placement_reaches_sbatch(tmp_path: Path) -> None:
+    res = launch.Resources(gpus=8, nodes=2, gpu_mem_gb=80)
+    assert (res.ranks_per_node, res.world_size) == (8, 16)  # one rank per GPU
+    ex = launch.executor("slurm", tmp_path, res, job_name="x")
+    text = ex._make_submission_file_text("python -c pass", "uid")
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --gpus-per-node=8" in text
+    cpu = launch.executor("slurm", tmp_path, launch.Resources(), job_name="x")._make_submission_file_text("c", "u")
+    assert "#SBATCH --nodes=1" in cpu and "#SBATCH --ntasks-per-node=1" in cpu and "gpus-per-node" not in cpu
+    with pytest.raises(ValueError, match="nodes = 0: must be an integer >= 1"):
+        launch.Resources(nodes=0)
+    with pytest.raises(ValueError, match="nodes = 2: the local launcher runs on this machine; valid: 1"):
+        launch.executor("local", tmp_path, launch.Resources(nodes=2), job_name="x")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """study.plan's check, and the one-rank limit of study.rl, before any job is asked for (exit 2, no job)."""
+    monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
+    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
+                       max_new_tokens=4096)  # fmt: skip
+    config = write_config(big, tmp_path / "big.yaml")
+    args = [str(config), "--results", str(tmp_path), "--launcher", "slurm", "--gpus", "1", "--gpu-mem-gb", "80"]
+    assert launch.main(args) == 2
+    assert launch.main([*args[:-4], "--gpus", "8", "--nodes", "2", "--gpu-mem-gb", "80"]) == 2  # fits, but 16 ranks
+    with pytest.raises(ValueError, match=r"does not fit on 1 GPU\(s\) of 80 GB"):
+        launch.check_resources(big, "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))
+    with pytest.raises(ValueError, match=r"2 x 8 = 16 ranks, but study.rl runs a run on one rank"):
+        launch.check_resources(big, "slurm", launch.Resources(gpus=8, nodes=2, gpu_mem_gb=80))
+    launch.check_resources(smoke_config(), "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))  # tiny fits
+
+
+def test_outside_a_job_the_env_is_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert launch.distributed_env()["WORLD_SIZE"] == "1"
+
+
+@needs_slurm
+def test_two_tasks_on_one_node_agree_on_the_distributed_env(tmp_path: Path) -> None:
+    """The CI cluster's one node, two tasks: each rank gets SLURM's placement as the torch env (RANK, WORLD_SIZE,
+    LOCAL_RANK, one MASTER_ADDR:PORT) and a gloo all_reduce over both succeeds."""
+    cmd = [*LAUNCH, "--rank-check", "--launcher", "slurm", "--tasks-per-node", "2", "--results", str(tmp_path),
+           "--mem-gb", "1", "--time-min", "5"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "2 ranks agree" in proc.stdout, proc.stdout + proc.stderr
+    views = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [v["rank"] for v in views] == [0, 1] and all(v["sum"] == 3.0 for v in views)
+    assert [v["env"]["LOCAL_RANK"] for v in views] == ["0", "1"]
+    assert len({(v["env"]["MASTER_ADDR"], v["env"]["MASTER_PORT"], v["env"]["WORLD_SIZE"]) for v in views}) == 1
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
+    """Both ranks of a two-task job hold past the 2-minute limit: rank 0 checkpoints and requeues the job, and both
+    ranks start again (attempt 1) and agree on the env again."""
+    res = launch.Resources(tasks_per_node=2, time_min=2, signal_delay_s=20, mem_gb=1, max_timeouts=3)
+    views = launch.launch_rank_check(tmp_path, "slurm", res, hold_s=600)
+    assert [v["attempt"] for v in views] == [1, 1] and [v["rank"] for v in views] == [0, 1]
+    assert all(v["sum"] == 3.0 for v in views)
+    log = "".join(p.read_text() for p in sorted((tmp_path / "rank-check" / "submitit").glob("*_log.*")))
+    assert "Calling checkpoint method" in log and re.search(r"Requeued job \d+", log), log[-3000:]
