@@ -19,7 +19,12 @@ Per GPU, in bytes (`Precision`):
 - the engine: its share of the weights (engine TP and EP) and the KV cache of its share of the rollout batch; a
   colocated engine sleeps while the trainer updates (vLLM sleep mode), so the peak is the larger of the two, not
   their sum (`colocated_sleep=False` adds them);
-- a reserve for the CUDA context, communication buffers and allocator fragmentation (`reserve_gb`).
+- allocator fragmentation, a fraction of the peak (`fragmentation`, 10%: PyTorch's caching allocator typically
+  leaves 5-15% of what it reserved unused), and a reserve for the CUDA context and communication buffers
+  (`reserve_gb`, 5 GB).
+
+Candidates never offload to the host (the project's trainer does not); `Layout.offload` (optimizer state and main
+parameters in host memory, as verl and slime run this model) exists to compare published layouts.
 
 `cpu_run_estimate` is the same arithmetic for a CPU run of study/rl.py as it runs today (fp32, one process, the
 hf engine holding its own fp32 copy, weight sync through one full HF-named copy plus the engine's stacked experts):
@@ -85,6 +90,7 @@ class Layout:
     sp: bool = False  # sequence parallelism: the TP group splits the non-TP activations (norms, residual, MoE input)
     dist_opt: bool = False  # megatron's distributed optimizer: optimizer state sharded over the data-parallel ranks
     recompute: bool = False  # full activation recompute: keep each layer's input only
+    offload: bool = False  # optimizer state and fp32 main parameters in host memory (CPU Adam): none on the GPU
 
     @property
     def world(self) -> int:
@@ -96,7 +102,8 @@ class Layout:
         return self.tp * self.dp // self.ep
 
     def label(self) -> str:
-        flags = [s for s, on in (("SP", self.sp), ("DistOpt", self.dist_opt), ("Recompute", self.recompute)) if on]
+        flags = [s for s, on in (("SP", self.sp), ("DistOpt", self.dist_opt), ("Recompute", self.recompute),
+                                 ("Offload", self.offload)) if on]  # fmt: skip
         return f"TP{self.tp} EP{self.ep} DP{self.dp}" + ("".join(f" +{s}" for s in flags))
 
     def check(self, cfg: ModelConfig) -> str | None:
@@ -200,7 +207,8 @@ class Estimate:
     engine_kv: float
     reserve: float
     colocated_sleep: bool = True
-    extra: float = 0.0  # transient copies (CPU: the weight sync's full copy)
+    fragmentation: float = 0.1  # allocator fragmentation, a fraction of the peak
+    extra: float = 0.0  # transient copies
 
     @property
     def train(self) -> float:
@@ -213,7 +221,7 @@ class Estimate:
     @property
     def total(self) -> float:
         peak = max(self.train, self.engine) if self.colocated_sleep else self.train + self.engine
-        return peak + self.extra + self.reserve
+        return (peak + self.extra) * (1 + self.fragmentation) + self.reserve
 
     def fits(self, budget_bytes: float) -> bool:
         return self.total <= budget_bytes
@@ -228,6 +236,7 @@ def estimate(
     engine: EngineLayout | None = None,
     colocated_sleep: bool = True,
     reserve_gb: float = 5.0,
+    fragmentation: float = 0.1,
 ) -> Estimate:
     """Per-GPU memory of `layout` for `cfg` running `work` (module docstring)."""
     precision = precision or Precision()
@@ -236,7 +245,9 @@ def estimate(
     dense, expert = counts.per_rank(layout.tp, layout.ep)
     weights = (dense + expert) * precision.weight_bytes
     grads = (dense + expert) * precision.grad_bytes
-    if layout.dist_opt:
+    if layout.offload:
+        optimizer = 0.0
+    elif layout.dist_opt:
         optimizer = (dense / layout.dp + expert / layout.edp) * precision.optim_bytes
     else:
         optimizer = (dense + expert) * precision.optim_bytes
@@ -255,7 +266,7 @@ def estimate(
     )
     return Estimate(layout=layout, params=dense + expert, weights=weights, grads=grads, optimizer=optimizer,
                     activations=activations, engine_weights=engine_weights, engine_kv=engine_kv,
-                    reserve=reserve_gb * GB, colocated_sleep=colocated_sleep)  # fmt: skip
+                    reserve=reserve_gb * GB, colocated_sleep=colocated_sleep, fragmentation=fragmentation)  # fmt: skip
 
 
 def training_activations(cfg: ModelConfig, layout: Layout, work: Workload, act_bytes: int) -> float:
@@ -398,19 +409,20 @@ def cpu_run_estimate(cfg: ModelConfig, work: Workload, *, minibatches: int) -> d
 # Printing
 # ---------------------------------------------------------------------------------------------------------------------
 PUBLISHED: dict[str, tuple[int, Layout]] = {
-    "verl GSPO (2x8)": (16, Layout(tp=4, ep=4, dp=4, sp=True, dist_opt=True, recompute=True)),
+    "verl GSPO (2x8)": (16, Layout(tp=4, ep=4, dp=4, sp=True, dist_opt=True, recompute=True, offload=True)),
     "NeMo-RL GRPO (8x8)": (64, Layout(tp=2, ep=8, dp=32, sp=True, dist_opt=True, recompute=False)),
 }
-"""The published layouts for Qwen3-30B-A3B (/work/shared/REFERENCES.md): GPUs and trainer layout."""
+"""The published layouts for Qwen3-30B-A3B (/work/shared/REFERENCES.md): GPUs and trainer layout (verl offloads
+parameters and optimizer; counted here as the optimizer state off the GPU)."""
 
 
 def format_table(estimates: Sequence[Estimate], gpu_mem_gb: float, *, limit: int | None = None) -> str:
-    head = (f"{'layout':<34} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
+    head = (f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
             f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB")  # fmt: skip
     rows = [head, "-" * len(head)]
     for e in list(estimates)[: limit or None]:
         rows.append(
-            f"{e.layout.label():<34} {e.params / 1e9:>7.2f}B {e.weights / GB:>8.1f} {e.grads / GB:>7.1f} "
+            f"{e.layout.label():<45} {e.params / 1e9:>7.2f}B {e.weights / GB:>8.1f} {e.grads / GB:>7.1f} "
             f"{e.optimizer / GB:>7.1f} {e.activations / GB:>7.1f} {e.train / GB:>7.1f} {e.engine / GB:>7.1f} "
             f"{e.engine_kv / GB:>6.1f} {e.total / GB:>7.1f}  {'yes' if e.fits(gpu_mem_gb * GB) else 'no'}"
         )
@@ -475,10 +487,19 @@ def plan_main(argv: list[str] | None = None) -> int:
           f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
           f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
           f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
-          f"update); reserve {args.reserve_gb:g} GB per GPU. GB per GPU:")  # fmt: skip
+          f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
+          "GB per GPU:")  # fmt: skip
     print(format_table(estimates, args.gpu_mem, limit=None if args.all else 20))
     n_fit = len(fitting(estimates, args.gpu_mem))
     print(f"{n_fit} of {len(estimates)} layouts fit on {args.gpus} GPU(s) of {args.gpu_mem:g} GB")
+    from study.model_config import PRESETS
+
+    if cfg == PRESETS["qwen3-30b-a3b"]:
+        print("published layouts of this model (each on its own GPU count, this batch and engine):")
+        published = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=default_engine(cfg, gpus),
+                              reserve_gb=args.reserve_gb) for gpus, layout in PUBLISHED.values()]  # fmt: skip
+        table = format_table(published, args.gpu_mem).splitlines()
+        print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))
     return 0 if n_fit else 1
 
 

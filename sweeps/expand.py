@@ -12,6 +12,11 @@ A sweep with `tuned: FILE` (a tuned file, written by `python -m sweeps.tune`) ru
 values: each run's config is the preset, then `base`, then the run's algorithm's `per_algorithm` fields (a sweep's own
 per-algorithm settings, e.g. a clip range), then the tuned RunConfig fields and hyper-parameters of the run's
 algorithm, then the axis values. The file must exist and hold every algorithm the sweep runs, before any job starts.
+
+A sweep's `vars:` names site values with their defaults (`vars: {checkpoint: checkpoints/Qwen3-30B-A3B-Base}`); a
+string `{checkpoint}` anywhere in `base` or `axes` is replaced by the value, which the command line overrides
+(`--var checkpoint=/data/Qwen3-30B-A3B-Base`; Snakemake: `--config checkpoint=...`). A value given for a name the
+sweep does not declare is ignored, so one Snakemake config serves every sweep.
 """
 
 from __future__ import annotations
@@ -145,8 +150,9 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     return out
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Parse and validate a sweep file (errors name the file, the field and the valid values)."""
+def load_sweep(path: str | Path, variables: dict[str, str] | None = None) -> Sweep:
+    """Parse and validate a sweep file (errors name the file, the field and the valid values); `variables` override
+    its `vars:` (module docstring)."""
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found")
@@ -154,7 +160,33 @@ def load_sweep(path: str | Path) -> Sweep:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise SweepError(f"{path}: not valid YAML: {err}") from err
-    return Sweep.from_dict(data, where=str(path))
+    return Sweep.from_dict(substitute_vars(data, variables, where=str(path)), where=str(path))
+
+
+def substitute_vars(data: Any, variables: dict[str, str] | None, *, where: str = "sweep") -> Any:
+    """`data` with every `{name}` of its `vars:` (the sweep's default, or `variables`' value) replaced in the
+    strings of `base` and `axes`. A given value must be a non-empty string."""
+    if not isinstance(data, dict) or not isinstance(data.get("vars"), dict):
+        return data
+    values = dict(data["vars"])
+    for name, value in (variables or {}).items():
+        if name in values:
+            if not isinstance(value, str) or not value:
+                raise SweepError(f"{where}: vars.{name} = {value!r}: must be a non-empty string")
+            values[name] = value
+
+    def sub(node: Any) -> Any:
+        if isinstance(node, str):
+            for name, value in values.items():
+                node = node.replace("{" + name + "}", str(value))
+            return node
+        if isinstance(node, list):
+            return [sub(v) for v in node]
+        if isinstance(node, dict):
+            return {k: sub(v) for k, v in node.items()}
+        return node
+
+    return {**data, **{key: sub(data[key]) for key in ("base", "axes") if key in data}, "vars": values}
 
 
 def expand(path: str | Path) -> dict[str, RunConfig]:
@@ -184,10 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output YAML path for --write-config")
     parser.add_argument("--write-configs", metavar="DIR", help="write every run's resolved config to DIR/RUN_ID.yaml")
     parser.add_argument("--run-ids", metavar="FILE", help="write the study's run ids to FILE, one a line")
+    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                        help="a value for the sweep's vars (e.g. --var checkpoint=/data/Qwen3-30B-A3B-Base)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
+        variables = {}
+        for item in args.var:
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                raise SweepError(f"--var {item!r}: must be NAME=VALUE")
+            variables[name] = value
         for path in args.sweep:
-            sweep = load_sweep(path)
+            sweep = load_sweep(path, variables)
             runs = sweep.expand()
             if args.write_config:
                 if args.write_config not in runs:

@@ -143,6 +143,11 @@ def sweep_schema() -> dict[str, Any]:
             "mode": {"enum": list(MODES)},
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
             "tune": tune_schema(),
+            "vars": {
+                "type": "object",
+                "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                "additionalProperties": {"type": "string"},
+            },
         },
         "additionalProperties": False,
     }

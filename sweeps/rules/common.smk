@@ -17,6 +17,7 @@ from sweeps.schema import SweepError  # noqa: E402
 
 validate(config, "../config.schema.yaml")
 
+SWEEP_VARS = {"checkpoint": config["checkpoint"]} if config.get("checkpoint") else {}  # a sweep's {checkpoint}
 try:
     if config.get("trackers"):  # the runs' live trackers (study/run/trackers.py): `study.launch` reads the variable
         os.environ[TRACKERS_ENV] = ",".join(parse_trackers(config["trackers"], field_name="config trackers"))
@@ -24,7 +25,7 @@ except ValueError as err:
     raise WorkflowError(str(err)) from None
 
 try:
-    SWEEP = load_sweep(config["sweep"])
+    SWEEP = load_sweep(config["sweep"], SWEEP_VARS)
     RUNS = SWEEP.expand()  # run id -> RunConfig, validated before any job starts
 except SweepError as err:
     raise WorkflowError(str(err)) from None
@@ -56,6 +57,47 @@ COLDSTARTS = {  # cold-start directory name -> (model shape, task, band and knob
 wildcard_constraints:
     run_id=r"[A-Za-z0-9_]+-[0-9a-f]{12}",
     coldstart=r"[A-Za-z0-9_]+-[A-Za-z0-9_]+-[0-9a-f]{12}",
+
+
+def sweep_var_args(wildcards):
+    """The sweep's vars given on the command line, as `python -m sweeps.expand` reads them (shell-quoted)."""
+    import shlex
+
+    return " ".join(f"--var {shlex.quote(f'{k}={v}')}" for k, v in SWEEP_VARS.items())
+
+
+_PLACEMENTS = {}
+
+
+def run_placement(run_id):
+    """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.plan fits it, on the
+    config's cluster (gpus_per_node GPUs of gpu_mem_gb each); whole nodes beyond one. Refused at parse time (before
+    any job) when no cluster of up to 64 nodes fits it."""
+    if run_id not in _PLACEMENTS:
+        from study import plan
+
+        per_node, mem = config["gpus_per_node"], config["gpu_mem_gb"]
+        gpus, error = 1, None
+        while gpus <= 64 * per_node:
+            try:
+                plan.check_run_fits(RUNS[run_id], gpus=gpus, gpu_mem_gb=mem, gpus_per_node=min(per_node, gpus))
+                break
+            except ValueError as err:
+                error = err
+                gpus *= 2
+        else:
+            raise WorkflowError(f"run {run_id} fits on no cluster of up to 64 nodes: {error}")
+        _PLACEMENTS[run_id] = (1, gpus) if gpus <= per_node else (-(-gpus // per_node), per_node)
+    return _PLACEMENTS[run_id]
+
+
+def run_nodes(wildcards):
+    return run_placement(wildcards.run_id)[0]
+
+
+def run_gpus(wildcards):
+    """GPUs per node of the run's job (the profile's `gpus:` overrides it)."""
+    return run_placement(wildcards.run_id)[1]
 
 
 def run_threads(wildcards):

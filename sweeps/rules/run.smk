@@ -14,10 +14,11 @@ rule resolve:
         python=PYTHON,
         sweep=config["sweep"],
         configs=configs_dir,
+        vars=sweep_var_args,
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m sweeps.expand {params.sweep} --write-configs {params.configs} > {log} 2>&1"
+        "{params.python} -m sweeps.expand {params.sweep} {params.vars} --write-configs {params.configs} > {log} 2>&1"
 
 
 rule coldstart:
@@ -78,7 +79,12 @@ rule run:
         launcher="in-process",
         slurm_partition="",
         slurm_account="",
-        gpus=0,
+        # GPUs per node and nodes: what study.plan needs for the run on the config's cluster (gpus_per_node x
+        # gpu_mem_gb); 1 x 1 for the presets. A profile's `gpus:` overrides them. In-process runs ignore them.
+        gpus=run_gpus,
+        nodes=run_nodes,
+        tasks_per_node=0,  # ranks per node; 0: one per GPU
+        gpu_mem_gb=config["gpu_mem_gb"],  # the fit check study.launch makes before it asks SLURM for the job
         runtime=120,
         mem_gb=16,
         # One per run: `--resources concurrent_runs=N` (the slurm profile) caps the runs in flight.
@@ -88,4 +94,5 @@ rule run:
     shell:
         "{params.python} -m study.launch {input.config} --results {params.results} --launcher {resources.launcher} "
         "--partition '{resources.slurm_partition}' --account '{resources.slurm_account}' --gpus {resources.gpus} "
+        "--nodes {resources.nodes} --tasks-per-node {resources.tasks_per_node} --gpu-mem-gb {resources.gpu_mem_gb} "
         "--time-min {resources.runtime} --mem-gb {resources.mem_gb} > {log} 2>&1"

@@ -179,6 +179,19 @@ def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
     assert default.returncode == 0 and "--launcher in-process" in default.stdout, default.stdout + default.stderr
 
 
+def test_paper_dry_run_plans_multi_node_jobs(tmp_path: Path) -> None:
+    """sweeps/paper.yaml through the slurm profile: the planner sizes each Qwen3-30B-A3B run for the config's
+    cluster (8 GPUs of 80 GB per node): 2 nodes x 8 GPUs, in the job plan and on the launch command."""
+    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/paper.yaml", f"results={tmp_path}",
+           "checkpoint=/data/Qwen3-30B-A3B-Base"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
+    assert len(launches) == 12 and all("--gpus 8 --nodes 2" in line for line in launches), proc.stdout[-3000:]
+    assert "gpus=8, nodes=2" in proc.stdout
+    assert "--var checkpoint=/data/Qwen3-30B-A3B-Base" in proc.stdout  # the resolve job gets the same value
+
+
 # --- slow tier: real runs ------------------------------------------------------------------------------------------
 
 

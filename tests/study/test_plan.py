@@ -3,6 +3,8 @@ refusal of a run that cannot fit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from study import plan
@@ -59,9 +61,12 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
     for gpus, layout in plan.PUBLISHED.values():
         est = plan.estimate(cfg, layout, work, engine=plan.default_engine(cfg, gpus))
         assert est.fits(80 * plan.GB), layout.label()
+    verl = dataclasses.replace(plan.PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
+    assert not plan.estimate(cfg, verl, work, engine=plan.default_engine(cfg, 16)).fits(80 * plan.GB)
     assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     assert "TP4 EP4 DP4 +SP +DistOpt +Recompute" in out and "layouts fit on 16 GPU(s) of 80 GB" in out
+    assert "(verl GSPO (2x8))" in out and "(NeMo-RL GRPO (8x8))" in out
     assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "80"]) == 1  # fits nowhere
     assert plan.plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert "unknown model preset" in capsys.readouterr().err

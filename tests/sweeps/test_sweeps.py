@@ -372,3 +372,19 @@ def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(
     assert f"run {run_id} failed: " in out and "with the failed run(s): " in out, out[-3000:]
     report = (results / "failing" / "report" / "index.md").read_text()
     assert run_id in report and "failed" in report
+
+
+def test_sweep_vars_default_and_override(tmp_path):
+    """A sweep's `vars:` default fills `{name}` in base and axes; the command line (`--var`, Snakemake's
+    `--config checkpoint=...`) overrides it; values for names the sweep does not declare are ignored."""
+    paper = ROOT / "sweeps" / "paper.yaml"
+    runs = load_sweep(paper).expand()
+    assert {c.coldstart for c in runs.values()} == {"checkpoints/Qwen3-30B-A3B-Base"}
+    assert {c.model for c in runs.values()} == {"qwen3-30b-a3b"}
+    given = load_sweep(paper, {"checkpoint": str(tmp_path / "ckpt"), "other": "x"}).expand()
+    assert {c.coldstart for c in given.values()} == {str(tmp_path / "ckpt")} and set(given).isdisjoint(runs)
+    assert load_sweep(ROOT / "sweeps" / "smoke.yaml", {"checkpoint": "/x"}).expand()  # no vars: ignored
+    with pytest.raises(SweepError, match=r"vars.checkpoint = '': must be a non-empty string"):
+        load_sweep(paper, {"checkpoint": ""})
+    with pytest.raises(SweepError, match=r"vars"):
+        validate_sweep(sweep(vars={"checkpoint": 3}))
