@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-configs", metavar="DIR", help="write every run's resolved config to DIR/RUN_ID.yaml")
     parser.add_argument("--run-ids", metavar="FILE", help="write the study's run ids to FILE, one a line")
     parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                        help="a value for the sweep's vars (e.g. --var checkpoint=/data/Qwen3-30B-A3B-Base)")  # fmt: skip
+                        help="a value of the sweep's vars (--var checkpoint=/data/Qwen3-30B-A3B-Base)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         variables = {}
