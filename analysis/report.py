@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from analysis import figures, files, scorecard, stats, style, vocab
+from analysis import figures, files, power, scorecard, stats, style, vocab
 from analysis.tidy import ALGORITHM, EMULATED, METRIC, RUN_ID, STEP, VALUE, Study, load_study
 
 MAX_INLINE_ROWS = 40
@@ -584,7 +585,109 @@ def _scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: scorecard.H
     strata_df = scorecard.strata_table(cards)
     if not strata_df.empty:
         out += [_h(3, "Per-stratum verdicts"), Table(strata_df)]
-    return out
+    return out + _power_section(cards)
+
+
+def parity_section(parity: pd.DataFrame | None) -> list[Block]:
+    """Emulated against real low precision on the machine that made the study (study/parity.py, rule
+    precision_parity): the |delta| distributions whose tail C5's mismatch depends on; nothing without the table."""
+    if parity is None or parity.empty:
+        return []
+    shown = parity.copy()
+    for c in shown.columns:
+        if shown[c].dtype.kind == "f":
+            shown[c] = [f"{x:.3g}" for x in shown[c]]
+    lines = [
+        f"{r['precision']} cross-engine mismatch p99 {r['p99 emulated']:.3g} emulated vs {r['p99 real']:.3g} real "
+        f"(ratio {r['p99 emulated/real']:.2f})"
+        for _, r in parity[parity["what"] == "mismatch"].iterrows()
+    ]
+    return [
+        _h(3, "Emulated against real low precision on this machine", anchor="precision-parity"),
+        _p(
+            "The runs' low precision is emulated (fp32 compute rounded where a GPU rounds, study/precision.py). Read "
+            "C5 with the emulation's fidelity: per engine, |log-prob - fp32 log-prob| of the tiny model's response "
+            "tokens (fixed random weights, init_std 0.1), and the cross-engine mismatch |trainer - engine| that pi_old "
+            "from the rollout engine brings in, real vs emulated on the machine that ran the study "
+            "(`python -m study.parity`, rule precision_parity). "
+            + "; ".join(lines)
+            + ". An emulated tail lighter than the real one understates the mismatch: a real-precision run "
+            "(sweeps/precision.yaml) may show a larger drop."
+        ),
+        Table(shown),
+    ]
+
+
+def power_table(cards: Sequence[scorecard.ClaimResult]) -> pd.DataFrame:
+    """One row per (claim, stratum) with a smallest-detectable-difference line (analysis/power.py): the quantity,
+    its estimate and 95% interval, the smallest |difference| these seeds detect, and the verdict."""
+    rows = []
+    for c in cards:
+        sizes = scorecard.detectable_lines(c)
+        for d in sizes:
+            quantity = d.name.removeprefix(power.PREFIX + " |").split("|")[0]
+            stratum = next((s for s in c.strata if (s.label if len(c.strata) > 1 else "") == d.stratum), None)
+            e = next((e for e in (stratum.evidence if stratum else []) if e.name == quantity), None)
+            rows.append(
+                {
+                    "claim": c.claim,
+                    "stratum": d.stratum or "all runs",
+                    "quantity": quantity,
+                    "estimate": f"{e.estimate:.3g} [{e.low:.3g}, {e.high:.3g}]" if e else "",
+                    "smallest detectable |difference|": f"{d.estimate:.3g}" if np.isfinite(d.estimate) else "n/a",
+                    "seed SD, df": d.name.rsplit("seed SD ", 1)[-1].rstrip(")"),
+                    "n": d.n,
+                    "verdict": stratum.verdict if stratum else "",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def _power_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
+    """The smallest difference each stratum's seeds can detect (C5, C6's length part), from the measured seed noise."""
+    t = power_table(cards)
+    if t.empty:
+        return []
+    return [
+        _h(3, "Power: the smallest difference these seeds detect", anchor="power"),
+        _p(
+            f"From the pooled seed standard deviation of each compared group's final-window reward: smallest "
+            f"detectable |d| = (t(1 - {power.ALPHA:g}/2, df) + t({power.POWER:g}, df)) x SE(d), SE(d) = SD x "
+            "sqrt(sum of w^2 / n) over the contrast's groups (analysis/power.py). An inconclusive verdict means the "
+            "effect, if any, is smaller than about this size; a difference of this size would have been detected "
+            f"with probability {power.POWER:.0%}."
+        ),
+        Table(t),
+    ]
+
+
+def budget_section(budgets: pd.DataFrame | None) -> list[Block]:
+    """The cold start's held-out pass@1 at each generation budget (study/budgets.py, rule coldstart_budgets), with
+    a line saying whether it rises with the budget; nothing when the study has no such table."""
+    if budgets is None or budgets.empty:
+        return []
+    lines = []
+    for name, t in budgets.groupby("coldstart", sort=False):
+        v = t.sort_values("max_new_tokens")["pass_at_1"].to_numpy(float)
+        rises = bool(np.all(np.diff(v) >= 0) and v[-1] > v[0])
+        lo, hi = t["max_new_tokens"].min(), t["max_new_tokens"].max()
+        verb = "rises" if rises else "does not rise"
+        lines.append(f"{name}: pass@1 {verb} with the budget ({v[0]:.3f} at {lo} tokens, {v[-1]:.3f} at {hi})")
+    shown = budgets.copy()
+    for c in ("pass_at_1", "truncated", "reference_fits"):
+        shown[c] = [f"{x:.3f}" for x in shown[c]]
+    return [
+        _h(2, "Generation budget at the cold start", anchor="coldstart-budgets"),
+        _p(
+            "Before any RL: the cold start's mean pass@1 on the held-out in_dist set at each max_new_tokens the runs "
+            "use (the same problems and sampling seed at every budget; a response cut before its answer scores 0); "
+            "truncated = share of samples cut at the budget; reference_fits = share of problems whose reference "
+            "worked solution fits. Made by `python -m study.budgets` (Snakemake rule coldstart_budgets). "
+            + "; ".join(lines)
+            + "."
+        ),
+        Table(shown),
+    ]
 
 
 MAIN_FIGURES = ("figure1_reward", "figure2_clipping", "figure3_routing_replay")
@@ -695,6 +798,8 @@ def render(
     table_files: Mapping[str, Path],
     out_dir: Path,
     gain: scorecard.HeldOutGain | None = None,
+    budgets: pd.DataFrame | None = None,
+    parity: pd.DataFrame | None = None,
 ) -> tuple[str, str]:
     """The HTML page and its Markdown twin, both written from one list of blocks: a line on the study, the headline
     and Figures 1-3 first, the provenance, configuration and runs last."""
@@ -706,7 +811,9 @@ def render(
         Bullets(tuple(headline(cards)) + tuple(gain_headline(gain)), "headline"),
         *([_h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
         *_routing_section(rendered, cards, out_dir),
+        *budget_section(budgets),
         *_scorecard_section(cards, gain),
+        *parity_section(parity),
         *_signal_section(study),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),
@@ -723,7 +830,8 @@ def render(
 
 
 SCORECARD_NOTE = (
-    "Intervals: 95% percentile bootstrap over seeds (independent per group), except collapse rates (C3, C4): "
+    "Intervals: 95% percentile bootstrap over seeds (independent per group; C5 paired by seed when every arm ran the "
+    "same seeds), except collapse rates (C3, C4): "
     "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
     "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
     + scorecard.STRATA_RULE
@@ -773,6 +881,8 @@ def build_report(
     *,
     title: str = "study",
     figures_dir: str | os.PathLike[str] | None = None,
+    budgets: pd.DataFrame | None = None,
+    parity: pd.DataFrame | None = None,
 ) -> Report:
     """Write index.html, index.md, figures/ and tables/ for `study` under `out_dir`; returns what was written.
 
@@ -797,7 +907,11 @@ def build_report(
     _atomic_write(out / "tables" / "scorecard_strata.csv", scorecard.strata_table(cards).to_csv(index=False))
     problems = problem_runs(study)
     _atomic_write(out / "tables" / "problem_runs.csv", problems.to_csv(index=False))
-    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out, gain)
+    if budgets is not None and not budgets.empty:
+        _atomic_write(out / "tables" / "coldstart_budgets.csv", budgets.to_csv(index=False))
+    if parity is not None and not parity.empty:
+        _atomic_write(out / "tables" / "precision_parity.csv", parity.to_csv(index=False))
+    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out, gain, budgets, parity)
     html_path = _atomic_write(out / "index.html", page)
     md_path = _atomic_write(out / "index.md", md)
     pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in rendered.paths.items()}
@@ -859,7 +973,18 @@ def report_from_results(
     name = study or "all"
     st = load_study(results_dir, study_run_ids(results_dir, study))
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / name / "report"
-    return build_report(st, out, title=name, figures_dir=figures_dir)
+    parity = Path(results_dir) / name / "precision_parity.csv"
+    return build_report(st, out, title=name, figures_dir=figures_dir, budgets=budget_tables(results_dir, study),
+                        parity=pd.read_csv(parity) if study and parity.is_file() else None)  # fmt: skip
+
+
+def budget_tables(results_dir: str | os.PathLike[str], study: str | None) -> pd.DataFrame | None:
+    """The study's cold-start budget tables (results/<study>/coldstart_budgets/*.csv, written by the Snakemake rule
+    coldstart_budgets), concatenated; None when there are none."""
+    if not study:
+        return None
+    files = sorted((Path(results_dir) / study / "coldstart_budgets").glob("*.csv"))
+    return pd.concat([pd.read_csv(f) for f in files], ignore_index=True) if files else None
 
 
 __all__ = [

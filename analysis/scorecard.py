@@ -20,13 +20,14 @@ never pooled across them, and the per-stratum verdicts are combined by STRATA_RU
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from analysis import stats, style, vocab
+from analysis import power, stats, style, vocab
 from analysis.fit import A_NOISE
 from analysis.strata import (
     STRATA_RULE,
@@ -216,11 +217,12 @@ def _usable_ids(study: Study) -> set[str]:
 
 
 def _final_reward_at_common_compute(
-    study: Study, groups: dict[str, pd.Series], metric: str = vocab.REWARD
+    study: Study, groups: dict[str, pd.Series], metric: str = vocab.REWARD, *, seeds: dict[str, list] | None = None
 ) -> tuple[dict[str, np.ndarray], float]:
     """Per group (a boolean mask over study.runs): each run's mean `metric` over the last FINAL_FRAC of a compute grid
     that ends where the shortest-running group's longest run ends ("equal compute"). A collapsed run is held at its
-    last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded."""
+    last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded.
+    `seeds`, when given, receives each group's run seeds in the order of its values (for paired comparisons)."""
     usable_ids = _usable_ids(study)
     ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable_ids for g, m in groups.items()}
     rows = stats.metric_rows(study.long, metric)
@@ -240,6 +242,8 @@ def _final_reward_at_common_compute(
     rid = info[RUN_ID].astype(str).to_numpy()
     for g, members in ids.items():
         vals = []
+        if seeds is not None:
+            seeds[g] = [runs.loc[rid[i], "seed"] for i in np.flatnonzero(np.isin(rid, list(members)))]
         for i in np.flatnonzero(np.isin(rid, list(members))):
             row = mat[i]
             finite = np.flatnonzero(np.isfinite(row))
@@ -512,7 +516,9 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
-        f"recompute); {POSITIVE}."
+        f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
+        "seeds of every arm), d is computed within each seed and bootstrapped over seeds (paired); otherwise the four "
+        "groups are resampled independently."
     )
     if GSPO not in present or GRPO not in present:
         return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -523,19 +529,33 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
     src = study.runs[axis].astype(str)
     groups = {f"{a}|{s}": _alg_mask(study, a) & (src == s) for a in (GRPO, GSPO) for s in ("recompute", "rollout")}
 
+    names = [f"{GRPO}|recompute", f"{GRPO}|rollout", f"{GSPO}|recompute", f"{GSPO}|rollout"]
+
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
-        vals, _ = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()})
-        g = [vals[f"{GRPO}|recompute"], vals[f"{GRPO}|rollout"], vals[f"{GSPO}|recompute"], vals[f"{GSPO}|rollout"]]
-        est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
+        seeds: dict[str, list] = {}
+        vals, _ = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()}, seeds=seeds)
+        g = [vals[k] for k in names]
+        paired = _paired(g, [seeds[k] for k in names])
+        if paired is not None:  # every arm ran the same seeds: the contrast per seed, then over seeds
+            d = paired @ np.array([1.0, -1.0, -1.0, 1.0])
+            ci = stats.bootstrap_ci(d, n_resamples=N_RESAMPLES)
+            est, lo, hi, n = ci.estimate, ci.low, ci.high, f"{d.size} seeds, paired"
+            det = power.detectable([d], (1,))
+            size = Evidence(power.sentence("drop(grpo) - drop(gspo)", det), det.mdd, np.nan, np.nan, n)
+        else:
+            est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
+            n = _n(*g)
+            size = _detectable_ev("drop(grpo) - drop(gspo)", g, (1, -1, -1, 1))
         ev = [
-            Evidence("drop(grpo) - drop(gspo)", est, lo, hi, _n(*g)),
+            Evidence("drop(grpo) - drop(gspo)", est, lo, hi, n),
             Evidence("drop(grpo)", *_boot_two(g[0], g[1], lambda a, b: a - b), _n(g[0], g[1])),
             Evidence("drop(gspo)", *_boot_two(g[2], g[3], lambda a, b: a - b), _n(g[2], g[3])),
+            size,
         ]
         return POSITIVE(lo, hi), ev
 
     strat = stratify(study, groups, exclude=[axis])
-    return _finish("C5", rule, strat, run_strata(study, strat, groups, evaluate), evaluate, own=[axis])
+    return _with_power(_finish("C5", rule, strat, run_strata(study, strat, groups, evaluate), evaluate, own=[axis]))
 
 
 def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
@@ -580,7 +600,11 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
         est, lo, hi = _boot_two(vals["long"], vals["short"], lambda a, b: a - b)
-        ev = [Evidence(f"length gain ({axis} {hi_v} vs {lo_v})", est, lo, hi, _n(vals["long"], vals["short"]))]
+        name = f"length gain ({axis} {hi_v} vs {lo_v})"
+        ev = [
+            Evidence(name, est, lo, hi, _n(vals["long"], vals["short"])),
+            _detectable_ev(name, [vals["long"], vals["short"]], (1, -1)),
+        ]
         return POSITIVE(lo, hi), ev
 
     s_compute = stratify(study, gspo)
@@ -611,7 +635,50 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
             evidence.append(
                 Evidence(e.name, e.estimate, e.low, e.high, e.n, label, s.verdict if label and k == 0 else "")
             )
-    return ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
+    return _with_power(ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata))
+
+
+def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarray | None:
+    """(n seeds, groups) matrix of the groups' values aligned by seed, when every group has exactly one finite value
+    per seed of one common set of at least two seeds; else None (the comparison is then unpaired)."""
+    maps = []
+    for v, s in zip(values, seeds, strict=True):
+        keep = [(k, x) for k, x in zip(s, v, strict=True) if np.isfinite(x)]
+        m = dict(keep)
+        if len(m) != len(keep):  # a seed twice in a group
+            return None
+        maps.append(m)
+    common = set(maps[0])
+    if len(common) < 2 or any(set(m) != common for m in maps):
+        return None
+    order = sorted(common)
+    return np.array([[m[k] for m in maps] for k in order], np.float64)
+
+
+def _detectable_ev(name: str, groups: Sequence[np.ndarray], weights: Sequence[float]) -> Evidence:
+    """The evidence line of the smallest |d| these seeds detect (power.py; estimate = that size, no interval)."""
+    d = power.detectable(groups, weights)
+    return Evidence(power.sentence(name, d), d.mdd, np.nan, np.nan, _n(*groups))
+
+
+def detectable_lines(res: ClaimResult) -> list[Evidence]:
+    """The claim's smallest-detectable-difference lines (one per stratum with data), stratum label filled in."""
+    out = []
+    for s in res.strata:
+        label = s.label if len(res.strata) > 1 else ""
+        out += [dataclasses.replace(e, stratum=label) for e in s.evidence if e.name.startswith(power.PREFIX)]
+    return out
+
+
+def _with_power(res: ClaimResult) -> ClaimResult:
+    """An inconclusive claim's reason extended by the smallest difference its seeds could detect (the range over
+    its strata), so that "inconclusive" says how large an effect would have been seen."""
+    sizes = [e.estimate for e in detectable_lines(res) if np.isfinite(e.estimate)]
+    if res.verdict != INCONCLUSIVE or not sizes:
+        return res
+    rng = f"{min(sizes):.3g}" + (f" to {max(sizes):.3g}" if len(sizes) > 1 else "")
+    tail = f"these seeds detect a difference of {rng} or more ({power.POWER:.0%} power, {power.ALPHA:g} two-sided)"
+    return dataclasses.replace(res, reason=f"{res.reason}; {tail}" if res.reason else tail)
 
 
 def _mean_ev(name: str, x: np.ndarray) -> Evidence:

@@ -78,3 +78,52 @@ def logp_deltas(
         out["engine"][label] = (e - base_e).abs()
         out["mismatch"][label] = (t - e).abs()
     return out
+
+
+def emulation_table(names: list[str], *, n_seqs: int = 16, seed: int = 0) -> list[dict[str, object]]:
+    """Rows comparing emulated with real low precision on this CPU for each format of `names` (bf16, fp16, ...):
+    per engine (trainer, engine) and for the cross-engine mismatch, the |delta| distribution of the real and the
+    emulated mode (mean, median, p99, max), the ratio emulated / real of each, and the KS statistic between them."""
+    specs = [f"{n}{m}" for n in names for m in ("", "-emulated")]
+    deltas = logp_deltas(specs, n_seqs=n_seqs, seed=seed)
+    rows: list[dict[str, object]] = []
+    for where in ("trainer", "engine", "mismatch"):
+        for name in names:
+            real, emu = deltas[where][Precision.parse(name).label], deltas[where][f"{name}-emulated"]
+            r, e = summarize(real), summarize(emu)
+            row: dict[str, object] = {"what": where, "precision": name, "tokens": int(real.numel())}
+            for k in ("mean", "median", "p99", "max"):
+                row[f"{k} real"], row[f"{k} emulated"] = r[k], e[k]
+                row[f"{k} emulated/real"] = e[k] / r[k] if r[k] > 0 else float("nan")
+            row["KS(emulated, real)"] = ks_statistic(emu, real)
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m study.parity --precisions bf16 --out CSV`: the emulation_table as a CSV (atomically)."""
+    import argparse
+    from pathlib import Path
+
+    import pandas as pd
+
+    from study.run.rundir import atomic_write
+
+    parser = argparse.ArgumentParser(prog="python -m study.parity", description=emulation_table.__doc__)
+    parser.add_argument("--precisions", nargs="+", required=True, help="formats: bf16, fp16, bf16_fp32head")
+    parser.add_argument("--seqs", type=int, default=16, help="sequences of 16 + 48 tokens")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    bad = [n for n in args.precisions if n not in ("bf16", "fp16", "bf16_fp32head")]
+    if bad:
+        parser.error(f"--precisions {bad}: valid: bf16, fp16, bf16_fp32head")
+    torch.set_num_threads(args.threads)
+    table = pd.DataFrame(emulation_table(args.precisions, n_seqs=args.seqs))
+    atomic_write(Path(args.out), lambda tmp: table.to_csv(tmp, index=False))
+    print(table.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

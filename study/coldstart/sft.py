@@ -389,7 +389,7 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
 
         model = build_policy(cfg, seed=settings.seed, dtype="fp32")
         if init_path is not None:
-            _load_policy(model, torch.load(init_path, weights_only=True), where=str(init_path))
+            load_policy(model, torch.load(init_path, weights_only=True), where=str(init_path))
         model.train()
         optimizer = build_optimizer(model, lr=settings.lr, weight_decay=settings.weight_decay)
         warmup = max(settings.warmup_steps, 1)
@@ -477,7 +477,7 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
     return record
 
 
-def _load_policy(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, where: str) -> None:
+def load_policy(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, where: str) -> None:
     """Load a Megatron state dict (strict=False for megatron's `_extra_state` entries; any other gap raises)."""
     result = model.load_state_dict(dict(state), strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]

@@ -150,3 +150,43 @@ def results_of_report(wildcards, output):
 def results_of_figures(wildcards, output):
     """The results root, from results/<study>/figures."""
     return os.path.dirname(os.path.dirname(output[0]))
+
+
+def _budget_plan():
+    """cold start -> (task, knobs, budgets, eval_size, eval_samples) for the cold starts whose runs sweep
+    max_new_tokens (two or more budgets): the length study's cold-start table (rule coldstart_budgets)."""
+    plan = {}
+    for run_id, cfg in RUNS.items():
+        name = RUN_COLDSTART[run_id]
+        if name is None:
+            continue
+        task, knobs, budgets, size, samples = plan.get(name, (cfg.task, cfg.task_knobs, set(), 0, 0))
+        plan[name] = (task, knobs, budgets | {cfg.max_new_tokens}, max(size, cfg.eval_size),
+                      max(samples, cfg.eval_samples))  # fmt: skip
+    return {name: p for name, p in plan.items() if len(p[2]) > 1}
+
+
+BUDGET_PLAN = _budget_plan()
+BUDGET_TABLES = [f"{STUDY_DIR}/coldstart_budgets/{name}.csv" for name in BUDGET_PLAN]
+
+
+def budget_args(wildcards):
+    """`python -m study.budgets` arguments of one cold start: task, knobs (JSON), budgets, eval size and samples."""
+    task, knobs, budgets, size, samples = BUDGET_PLAN[wildcards.coldstart]
+    knobs = json.dumps(knobs, separators=(",", ":"))
+    return f"--task {task} --knobs '{knobs}' --budgets {' '.join(map(str, sorted(budgets)))} " \
+        f"--eval-size {size} --eval-samples {samples}"
+
+
+def _emulated_formats():
+    """The low-precision formats the study emulates (train or rollout precision `NAME-emulated`), sorted."""
+    names = set()
+    for cfg in RUNS.values():
+        for spec in (cfg.train_precision, cfg.rollout_precision):
+            if spec.endswith("-emulated") and spec != "fp32-emulated":
+                names.add(spec.removesuffix("-emulated"))
+    return sorted(names)
+
+
+EMULATED_FORMATS = _emulated_formats()
+PARITY_TABLES = [f"{STUDY_DIR}/precision_parity.csv"] if EMULATED_FORMATS else []

@@ -48,6 +48,11 @@ rule report:
     input:
         ids=f"{STUDY_DIR}/run_ids.txt",
         figures=FIGURES,
+        # the cold start's pass@1 per generation budget (rule coldstart_budgets; a length study only), read by the
+        # report from results/<study>/coldstart_budgets/
+        budgets=BUDGET_TABLES,
+        # emulated vs real low precision on this machine (rule precision_parity; a study that emulates only)
+        parity=PARITY_TABLES,
     output:
         # The report embeds the figures rule's files and tables (copied, not drawn again: --figures).
         report(REPORT, caption="../report/report.rst", category="Report"),

@@ -96,3 +96,41 @@ rule run:
         "--partition '{resources.slurm_partition}' --account '{resources.slurm_account}' --gpus {resources.gpus} "
         "--nodes {resources.nodes} --tasks-per-node {resources.tasks_per_node} --gpu-mem-gb {resources.gpu_mem_gb} "
         "--time-min {resources.runtime} --mem-gb {resources.mem_gb} > {log} 2>&1"
+
+
+rule coldstart_budgets:
+    # The length study's first table: the cold start's held-out pass@1 at each max_new_tokens its runs use (one row
+    # per budget; study/budgets.py), before any RL, so the report shows whether a longer budget helps at the start.
+    # Only for cold starts whose runs sweep max_new_tokens (BUDGET_PLAN).
+    input:
+        ancient(f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json"),
+    output:
+        f"{STUDY_DIR}/coldstart_budgets/{{coldstart}}.csv",
+    log:
+        f"{STUDY_DIR}/logs/coldstart_budgets/{{coldstart}}.log",
+    params:
+        python=PYTHON,
+        args=budget_args,
+    threads: 1
+    conda:
+        "../envs/study.yaml"
+    shell:
+        "{params.python} -m study.budgets $(dirname {input}) {params.args} --out {output} > {log} 2>&1"
+
+
+rule precision_parity:
+    # A study that emulates low precision: how the emulation's log-prob deltas compare with real low precision on
+    # this machine (study/parity.py: the tiny model's trainer, engine and cross-engine mismatch, real vs emulated),
+    # shown in the report next to C5.
+    output:
+        f"{STUDY_DIR}/precision_parity.csv",
+    log:
+        f"{STUDY_DIR}/logs/precision_parity.log",
+    params:
+        python=PYTHON,
+        formats=" ".join(EMULATED_FORMATS),
+    threads: 1
+    conda:
+        "../envs/study.yaml"
+    shell:
+        "{params.python} -m study.parity --precisions {params.formats} --seqs 64 --out {output} > {log} 2>&1"

@@ -288,3 +288,32 @@ def test_signal_table_splits_no_signal_groups_by_quarter(study):
         assert float(row["last quarter"]) == pytest.approx(0.2 + 0.4 * 0.875, abs=0.01)
         assert float(row["no-signal groups"]) == pytest.approx(0.4, abs=0.01)
         assert float(row["of which solved by every sample"]) == pytest.approx(0.25, abs=0.01)
+
+
+def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables(built, tmp_path) -> None:
+    root, _ = built
+    (root / "mystudy" / "coldstart_budgets").mkdir(exist_ok=True)
+    budgets = "\n".join([
+        "coldstart,task,knobs,max_new_tokens,pass_at_1,truncated,reference_fits,problems,samples,eval_s",
+        'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",16,0.08,0.85,0.2,128,4,0.1',
+        'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",48,0.41,0.02,1.0,128,4,0.2',
+    ])  # fmt: skip
+    (root / "mystudy" / "coldstart_budgets" / "tiny-chain_sum-aaaa.csv").write_text(budgets + "\n")
+    parity = "what,precision,p99 real,p99 emulated,p99 emulated/real\nmismatch,bf16,0.121,0.0586,0.485\n"
+    (root / "mystudy" / "precision_parity.csv").write_text(parity)
+    try:
+        with pytest.warns(UserWarning, match="deadbeef0000"):  # the fixture's run list names a missing run
+            rep = report.report_from_results(root, study="mystudy", out_dir=tmp_path / "rep")
+    finally:
+        shutil.rmtree(root / "mystudy" / "coldstart_budgets")
+        (root / "mystudy" / "precision_parity.csv").unlink()
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    assert "Generation budget at the cold start" in md and "pass@1 rises with the budget (0.080 at 16 tokens" in md
+    assert (tmp_path / "rep" / "tables" / "coldstart_budgets.csv").is_file()
+    # C6's length part (max_new_tokens 1024 vs 256) gets a smallest detectable difference per stratum
+    assert "Power: the smallest difference these seeds detect" in md and "length gain (max_new_tokens" in md
+    power_rows = report.power_table(rep.scorecard)
+    assert set(power_rows["claim"]) == {"C6"} and (power_rows["smallest detectable |difference|"] != "n/a").all()
+    assert "bf16 cross-engine mismatch p99 0.0586 emulated vs 0.121 real (ratio 0.48)" in md
+    assert md.index("Generation budget at the cold start") < md.index("## Scorecard") < md.index("Emulated against")
+    assert "precision-parity" in page

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis import scorecard, synthetic, tidy
+from analysis import power, scorecard, synthetic, tidy
 from analysis.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_STUDY, SUPPORTED
 
 C = synthetic.Curve
@@ -128,7 +128,11 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     curves = {"gspo": C(a=0.8, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)}
     st = _load(tmp_path, curves, seeds=(0, 1, 2), grid={"old_logp_source": ["recompute", "rollout"]})
     r = scorecard.claim_c5(st)
-    assert r.verdict == INCONCLUSIVE and len(r.evidence) == 3 and r.evidence[0].low < 0 < r.evidence[0].high
+    assert r.verdict == INCONCLUSIVE and len(r.evidence) == 4 and r.evidence[0].low < 0 < r.evidence[0].high
+    # every arm ran seeds 0-2: the contrast is paired by seed, and the verdict states the smallest detectable size
+    assert r.evidence[0].n == "3 seeds, paired" and r.evidence[3].name.startswith(power.PREFIX)
+    assert 0 < r.evidence[3].estimate < 1 and "these seeds detect a difference of" in r.reason
+    assert scorecard.detectable_lines(r) == [r.evidence[3]]
     c6 = scorecard.claim_c6(st)
     assert c6.evidence[0].low > 0  # the sigmoid still rises over the last half of 60 steps
 
