@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -237,3 +238,24 @@ def test_knobs_name_their_own_cold_start() -> None:
     assert easy.dirname != plain.dirname and easy.hashed()["knobs"] == {"digits": 1, "terms": [2, 3]}
     with pytest.raises(ValueError, match="unknown knob 'depth'"):
         resolve_settings("tiny", "chain_sum", knobs={"depth": 2})
+
+
+def test_budget_table_scores_the_cold_start_at_each_budget(fast_coldstart: tuple[Path, Path, float], tmp_path) -> None:
+    from study import budgets
+
+    _, directory, _ = fast_coldstart
+    knobs = {"terms": [2, 3], "digits": 1}
+    out = tmp_path / "b.csv"
+    budgets.main([str(directory), "--task", "chain_sum", "--knobs", '{"terms": [2, 3], "digits": 1}',
+                  "--budgets", "48", "4", "--eval-size", "8", "--eval-samples", "2", "--out", str(out)])  # fmt: skip
+    t = pd.read_csv(out)
+    assert t["max_new_tokens"].tolist() == [4, 48] and (t["problems"] == 8).all()
+    # 4 tokens hold no worked solution (the shortest, "a+b=c\n#### c", is ~10 tokens): most samples are cut (a few
+    # stop early), none scores; at 48 every reference fits and fewer samples are cut
+    assert t["truncated"].iloc[0] > 0.5 and t["pass_at_1"].iloc[0] == 0.0 and t["reference_fits"].iloc[0] == 0.0
+    assert t["reference_fits"].iloc[1] == 1.0 and t["truncated"].iloc[1] < t["truncated"].iloc[0]
+    assert t["knobs"].iloc[0] == '{"digits": 1, "terms": [2, 3]}' and t["coldstart"].iloc[0] == directory.name
+    with pytest.raises(ValueError, match="budgets"):
+        budgets.budget_table(directory, "chain_sum", knobs, [0])
+    with pytest.raises(FileNotFoundError, match=r"coldstart\.json"):
+        budgets.budget_table(tmp_path, "chain_sum", knobs, [8])

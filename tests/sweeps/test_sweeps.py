@@ -238,6 +238,36 @@ def test_snakemake_dry_run(name, profile, tmp_path):
     assert f"--out {tmp_path}/{name}/figures" in proc.stdout  # python -m analysis figures
 
 
+@pytest.mark.parametrize(
+    "name, profile, extra",
+    [("length_laptop", False, "coldstart_budgets"), ("precision_laptop", False, "precision_parity"),
+     ("length", True, "coldstart_budgets"), ("precision", True, None)],
+)  # fmt: skip
+def test_length_and_precision_studies_plan_their_extra_tables(name, profile, extra, tmp_path):
+    """The laptop studies and their GPU versions (under --profile slurm as typed) resolve; a study sweeping
+    max_new_tokens gets the cold start's budget table, a study emulating low precision the emulated-vs-real table,
+    each read by the report rule."""
+    args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"])]
+    proc = _snakemake(*args, "--config", f"results={tmp_path}", f"sweep=sweeps/{name}.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = job_counts(proc.stdout)
+    assert counts["run"] == len(load_sweep(ROOT / "sweeps" / f"{name}.yaml").expand())
+    for rule in ("coldstart_budgets", "precision_parity"):
+        assert counts.get(rule, 0) == (rule == extra), (rule, counts)
+    if extra == "coldstart_budgets":
+        assert "--budgets 12 16 24" in proc.stdout or "--budgets 128 256 512" in proc.stdout
+    if extra == "precision_parity":
+        assert "--precisions bf16 --seqs" in proc.stdout
+
+
+def test_the_gpu_precision_study_shares_the_laptop_studys_fp32_runs():
+    gpu = load_sweep(ROOT / "sweeps" / "precision.yaml").expand()
+    laptop = load_sweep(ROOT / "sweeps" / "precision_laptop.yaml").expand()
+    shared = set(gpu) & set(laptop)
+    assert shared == {r for r, c in laptop.items() if c.train_precision == "fp32"} and len(shared) == 24
+    assert {c.train_precision for c in gpu.values()} == {"fp32", "bf16", "fp16", "bf16_fp32head"}  # real, not emulated
+
+
 def test_no_coldstart_job_for_runs_given_a_checkpoint(tmp_path):
     sweep_file = tmp_path / "scratch.yaml"
     sweep_file.write_text(yaml.safe_dump(sweep(name="scratch", base={"steps": 2, "coldstart": "scratch"})))
