@@ -25,6 +25,9 @@ ALPHA = 0.05
 """Two-sided test level of the power calculation (the verdicts' 95% intervals)."""
 POWER = 0.8
 """Probability of detecting a difference of the stated size."""
+TARGET = 0.03
+"""A reward difference worth detecting at laptop scale (the precision study's target): the Power table says how many
+seeds per group would detect it at the measured seed noise."""
 PREFIX = "smallest detectable"
 """Name prefix of the Evidence lines carrying a detectable difference (scorecard, report)."""
 
@@ -77,9 +80,11 @@ def seeds_needed(
     return None
 
 
-def sentence(name: str, d: Detectable) -> str:
-    """The Evidence name of a detectable difference: what it is of, at which power, from which seed SD."""
-    return f"{PREFIX} |{name}| ({POWER:.0%} power, {ALPHA:g} two-sided; seed SD {d.sd:.3g}, df {d.df})"
+def sentence(name: str, d: Detectable, needed: int | None = None) -> str:
+    """The Evidence name of a detectable difference: what it is of, at which power, from which seed SD, and (when
+    known) the seeds per group that would detect TARGET."""
+    tail = f"; {TARGET:g} needs {needed} seeds" if needed is not None else ""
+    return f"{PREFIX} |{name}| ({POWER:.0%} power, {ALPHA:g} two-sided; seed SD {d.sd:.3g}, df {d.df}{tail})"
 
 
-__all__ = ["ALPHA", "POWER", "PREFIX", "Detectable", "detectable", "seeds_needed", "sentence"]
+__all__ = ["ALPHA", "POWER", "PREFIX", "TARGET", "Detectable", "detectable", "seeds_needed", "sentence"]

@@ -635,12 +635,19 @@ def power_table(cards: Sequence[scorecard.ClaimResult]) -> pd.DataFrame:
                     "quantity": quantity,
                     "estimate": f"{e.estimate:.3g} [{e.low:.3g}, {e.high:.3g}]" if e else "",
                     "smallest detectable |difference|": f"{d.estimate:.3g}" if np.isfinite(d.estimate) else "n/a",
-                    "seed SD, df": d.name.rsplit("seed SD ", 1)[-1].rstrip(")"),
+                    "seed SD, df": d.name.rsplit("seed SD ", 1)[-1].rstrip(")").split("; ")[0],
+                    f"seeds per group to detect {power.TARGET:g}": _needed(d.name),
                     "n": d.n,
                     "verdict": stratum.verdict if stratum else "",
                 }
             )
     return pd.DataFrame(rows)
+
+
+def _needed(name: str) -> str:
+    """The "TARGET needs N seeds" part of a detectable-difference line (power.sentence), or "n/a"."""
+    tail = name.rsplit("; ", 1)[-1]
+    return tail.split(" needs ")[1].split(" ")[0] if " needs " in tail else "n/a"
 
 
 def _power_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:

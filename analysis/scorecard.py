@@ -541,7 +541,8 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
             ci = stats.bootstrap_ci(d, n_resamples=N_RESAMPLES)
             est, lo, hi, n = ci.estimate, ci.low, ci.high, f"{d.size} seeds, paired"
             det = power.detectable([d], (1,))
-            size = Evidence(power.sentence("drop(grpo) - drop(gspo)", det), det.mdd, np.nan, np.nan, n)
+            needed = power.seeds_needed([d], (1,), power.TARGET)
+            size = Evidence(power.sentence("drop(grpo) - drop(gspo)", det, needed), det.mdd, np.nan, np.nan, n)
         else:
             est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
             n = _n(*g)
@@ -658,7 +659,8 @@ def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarr
 def _detectable_ev(name: str, groups: Sequence[np.ndarray], weights: Sequence[float]) -> Evidence:
     """The evidence line of the smallest |d| these seeds detect (power.py; estimate = that size, no interval)."""
     d = power.detectable(groups, weights)
-    return Evidence(power.sentence(name, d), d.mdd, np.nan, np.nan, _n(*groups))
+    needed = power.seeds_needed(groups, weights, power.TARGET)
+    return Evidence(power.sentence(name, d, needed), d.mdd, np.nan, np.nan, _n(*groups))
 
 
 def detectable_lines(res: ClaimResult) -> list[Evidence]:

@@ -314,6 +314,7 @@ def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables
     assert "Power: the smallest difference these seeds detect" in md and "length gain (max_new_tokens" in md
     power_rows = report.power_table(rep.scorecard)
     assert set(power_rows["claim"]) == {"C6"} and (power_rows["smallest detectable |difference|"] != "n/a").all()
+    assert power_rows["seeds per group to detect 0.03"].str.isdigit().all()
     assert "bf16 cross-engine mismatch p99 0.0586 emulated vs 0.121 real (ratio 0.48)" in md
     assert md.index("Generation budget at the cold start") < md.index("## Scorecard") < md.index("Emulated against")
     assert "precision-parity" in page

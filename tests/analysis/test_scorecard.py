@@ -133,6 +133,7 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     assert r.evidence[0].n == "3 seeds, paired" and r.evidence[3].name.startswith(power.PREFIX)
     assert 0 < r.evidence[3].estimate < 1 and "these seeds detect a difference of" in r.reason
     assert scorecard.detectable_lines(r) == [r.evidence[3]]
+    assert f"; {power.TARGET:g} needs " in r.evidence[3].name  # and how many seeds would detect the target size
     c6 = scorecard.claim_c6(st)
     assert c6.evidence[0].low > 0  # the sigmoid still rises over the last half of 60 steps
 
