@@ -585,10 +585,12 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
 
     def compute_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         ids = set(study.runs.loc[mask & gspo[GSPO], RUN_ID].astype(str))
-        ci = stats.bootstrap_ci(np.asarray([g for r, g in gains.items() if r in ids]), n_resamples=N_RESAMPLES)
+        x = np.asarray([g for r, g in gains.items() if r in ids])
+        ci = stats.bootstrap_ci(x, n_resamples=N_RESAMPLES)
         if ci.n == 0:
             return None
-        ev = [Evidence("compute gain (last vs third quarter)", ci.estimate, ci.low, ci.high, str(ci.n))]
+        name = "compute gain (last vs third quarter)"
+        ev = [Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n)), _detectable_ev(name, [x], (1,))]
         return POSITIVE(ci.low, ci.high), ev
 
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
