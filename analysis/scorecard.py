@@ -517,8 +517,8 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
         f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
-        "seeds of every arm), d is computed within each seed and bootstrapped over seeds (paired); otherwise the four "
-        "groups are resampled independently."
+        "seeds of every arm), d is computed within each seed and bootstrapped over seeds (paired; a seed some arm "
+        "lacks is left out); with fewer than two such seeds the four groups are resampled independently."
     )
     if GSPO not in present or GRPO not in present:
         return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -642,8 +642,9 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
 
 
 def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarray | None:
-    """(n seeds, groups) matrix of the groups' values aligned by seed, when every group has exactly one finite value
-    per seed of one common set of at least two seeds; else None (the comparison is then unpaired)."""
+    """(n seeds, groups) matrix of the groups' values aligned by seed, over the seeds every group has a finite value
+    for (a seed some arm lacks is left out), when there are at least two such seeds and no group has a seed twice;
+    else None (the comparison is then unpaired)."""
     maps = []
     for v, s in zip(values, seeds, strict=True):
         keep = [(k, x) for k, x in zip(s, v, strict=True) if np.isfinite(x)]
@@ -651,8 +652,8 @@ def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarr
         if len(m) != len(keep):  # a seed twice in a group
             return None
         maps.append(m)
-    common = set(maps[0])
-    if len(common) < 2 or any(set(m) != common for m in maps):
+    common = set(maps[0]).intersection(*maps[1:])
+    if len(common) < 2:
         return None
     order = sorted(common)
     return np.array([[m[k] for m in maps] for k in order], np.float64)

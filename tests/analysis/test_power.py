@@ -45,6 +45,10 @@ def _unit(k: int) -> np.ndarray:
 def test_paired_aligns_by_seed_and_refuses_unmatched_seeds() -> None:
     m = _paired([np.array([1.0, 2.0]), np.array([20.0, 10.0])], [[0, 1], [1, 0]])
     assert m.tolist() == [[1.0, 10.0], [2.0, 20.0]]
+    # a seed some group lacks is left out; fewer than two common seeds: no pairing
+    three = _paired([np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])], [[0, 1, 2], [2, 0]])
+    assert three.tolist() == [[1.0, 5.0], [3.0, 4.0]]
     assert _paired([np.array([1.0, 2.0]), np.array([1.0, 2.0])], [[0, 1], [0, 2]]) is None
     assert _paired([np.array([1.0, np.nan]), np.array([1.0, 2.0])], [[0, 1], [0, 1]]) is None  # seed 1 lost a value
+    assert _paired([np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0])], [[0, 0, 1], [0, 1]]) is None  # seed 0 twice
     assert _paired([np.array([1.0]), np.array([1.0])], [[0], [0]]) is None  # one seed: no interval
