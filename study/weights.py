@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,22 +103,25 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return grouped.reshape(g * (r + 2) * d, hidden)
 
 
-def megatron_to_hf(
+def iter_hf_weights(
     model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """Megatron GPTModel (or its state dict) -> HF Qwen3-MoE checkpoint state dict (per-expert names).
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight of a Megatron GPTModel (or its state dict), in the model's order (layer by
+    layer), without copying: each tensor is a view of the Megatron weight (the QKV split's q/k/v may be
+    non-contiguous views). Unknown Megatron names raise, so a layer the mapping does not know cannot be dropped.
 
-    Unknown Megatron names raise, so a layer the mapping does not know cannot be dropped silently.
+    The source of a streamed weight sync (study.rollout.vllm_engine): consumers copy what they need while the
+    iteration runs and keep no reference, so no full copy of the model ever exists. A sharded trainer plugs in a
+    generator of the same shape (full HF tensors, one at a time).
     """
     src = _state_of(model_or_state)
-    out: dict[str, torch.Tensor] = {}
     F = cfg.moe_ffn_hidden_size
     for name, tensor in src.items():
         if _skippable(name):
             continue
         t = tensor.detach()
         if name in _GLOBAL_RENAMES:
-            out[_GLOBAL_RENAMES[name]] = t.clone()
+            yield _GLOBAL_RENAMES[name], t
             continue
         m = _MG_LAYER.fullmatch(name)
         if m is None:
@@ -126,12 +129,12 @@ def megatron_to_hf(
         layer, rest = int(m.group(1)), m.group(2)
         prefix = f"model.layers.{layer}."
         if rest in _LAYER_RENAMES:
-            out[prefix + _LAYER_RENAMES[rest]] = t.clone()
+            yield prefix + _LAYER_RENAMES[rest], t
         elif rest == "self_attention.linear_qkv.weight":
             q, k, v = split_qkv(t, cfg)
-            out[prefix + "self_attn.q_proj.weight"] = q.clone()
-            out[prefix + "self_attn.k_proj.weight"] = k.clone()
-            out[prefix + "self_attn.v_proj.weight"] = v.clone()
+            yield prefix + "self_attn.q_proj.weight", q
+            yield prefix + "self_attn.k_proj.weight", k
+            yield prefix + "self_attn.v_proj.weight", v
         elif (e := _MG_LOCAL_EXPERT.fullmatch(rest) or _MG_GROUPED_EXPERT.fullmatch(rest)) is not None:
             if e.re is _MG_LOCAL_EXPERT:
                 expert, fc = int(e.group(1)), e.group(2)
@@ -139,12 +142,20 @@ def megatron_to_hf(
                 fc, expert = e.group(1), int(e.group(2))
             ep = f"{prefix}mlp.experts.{expert}."
             if fc == "1":  # (2F, H) = [gate; up]
-                out[ep + "gate_proj.weight"] = t[:F].clone()
-                out[ep + "up_proj.weight"] = t[F:].clone()
+                yield ep + "gate_proj.weight", t[:F]
+                yield ep + "up_proj.weight", t[F:]
             else:  # (H, F)
-                out[ep + "down_proj.weight"] = t.clone()
+                yield ep + "down_proj.weight", t
         else:
             raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
+def megatron_to_hf(
+    model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Megatron GPTModel (or its state dict) -> HF Qwen3-MoE checkpoint state dict (per-expert names): contiguous
+    copies of `iter_hf_weights`, checked complete."""
+    out = {name: t.clone(memory_format=torch.contiguous_format) for name, t in iter_hf_weights(model_or_state, cfg)}
     _check_complete(out, cfg)
     return out
 
@@ -229,6 +240,29 @@ def hf_param_names(cfg: ModelConfig) -> list[str]:
         for e in range(cfg.num_experts):
             names += [f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
     return names
+
+
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the HF Qwen3-MoE checkpoint for `cfg`, by name (`hf_param_names`' order)."""
+    H, F, d = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    by_suffix: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "mlp.gate.weight": (cfg.num_experts, H),
+        "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
+        "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "gate_proj.weight": (F, H), "up_proj.weight": (F, H), "down_proj.weight": (H, F),
+    }  # fmt: skip
+    glob = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,),
+            "lm_head.weight": (cfg.vocab_size, H)}  # fmt: skip
+    out: dict[str, tuple[int, ...]] = {}
+    for name in hf_param_names(cfg):
+        if name in glob:
+            out[name] = glob[name]
+        else:
+            rest = name.split(".", 3)[3]  # model.layers.{i}.<rest>
+            out[name] = by_suffix[rest] if rest in by_suffix else by_suffix[rest.rsplit(".", 2)[-2] + ".weight"]
+    return out
 
 
 def _check_complete(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:

