@@ -50,7 +50,7 @@ from study.run import rundir
 from study.run.config import RunConfig
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
-from study.weights import megatron_to_hf
+from study.weights import iter_hf_weights
 
 TOKEN_SAMPLES = "token_samples.parquet"
 TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
@@ -341,7 +341,10 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     eps = precision_mod.adam_eps(train_prec)
     optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
                                 router_lr_scale=cfg.router_lr_scale)  # fmt: skip
-    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **precision_mod.engine_kwargs(rollout_prec))
+    engine_kw = precision_mod.engine_kwargs(rollout_prec)
+    if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
+        engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
+    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw)
     stream, evals = task_data(cfg)
     ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
     return Parts(
@@ -494,7 +497,7 @@ def _train(
     except BaseException:
         engine.close()
         raise
-    engine.load_weights(megatron_to_hf(policy, mcfg))
+    engine.load_weights(iter_hf_weights(policy, mcfg))  # streamed: no copy of the model
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
         row = dict.fromkeys(STEP_METRICS, math.nan)
         row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
@@ -518,6 +521,7 @@ def _train(
 
             # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
             collected = _collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step)
+            engine.offload()  # colocated vLLM on CUDA: the GPU to the trainer until the sync
             log.data_pos = collected.data_pos
             log.compute += collected.flops
             row.update(collected.metrics)
@@ -597,8 +601,10 @@ def _train(
 
             # 6. weights to the rollout engine
             t3 = time.perf_counter()
-            engine.load_weights(megatron_to_hf(policy, mcfg))
+            engine.load_weights(iter_hf_weights(policy, mcfg))  # streamed: no copy of the model
             row["time_sync_s"] = time.perf_counter() - t3
+            if cfg.sync_check_every and step % cfg.sync_check_every == 0:  # a metric, never a stop
+                row.update(_sync_parity(policy, routing, engine, batch))
             log.wall += time.perf_counter() - t0
             row.update(compute_flops=log.compute, wall_s=log.wall, peak_rss_gb=_peak_rss_gb())
             row["tokens_total"] = int(am.sum())
@@ -813,6 +819,31 @@ def _pad(samples: list[dict[str, Any]], max_new: int) -> Batch | None:
         mask=in_resp.float(), rollout_logp=roll, advantages=torch.tensor([s["adv"] for s in samples]),
         engine_routes=engine_routes,
     )  # fmt: skip
+
+
+SYNC_CHECK_SEQS = 4
+"""Sequences of the step's batch the post-sync parity check scores (sync_check_every)."""
+
+
+@torch.no_grad()
+def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: Any, batch: Batch) -> dict[str, float]:
+    """Right after a weight sync: the first SYNC_CHECK_SEQS sequences of the step's batch scored teacher-forced by
+    the rollout engine and by the trainer (free routing), both on the weights just synced; |difference| per response
+    token. In the same real dtype this is the sync's fidelity (fp32: ~1e-6); across dtypes, the mismatch."""
+    idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
+    ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
+    with routing.recording():
+        trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos)  # (b, T)
+    prompts, responses = [], []
+    for i in range(len(idx)):
+        seq = [int(ids[i, 0]), *tgt[i, : int(am[i].sum())].tolist()]
+        start = int(pos[i, 0]) + 1  # the prompt's length
+        prompts.append(seq[:start])
+        responses.append(seq[start:])
+    scored, _ = engine.score(prompts, responses)
+    mask = batch.mask[idx].bool()
+    diff = (trainer[mask].float() - torch.cat(scored).float()).abs()
+    return {"sync_parity_mean_abs": float(diff.mean()), "sync_parity_max_abs": float(diff.max())}
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ Semantics shared by every engine (and checked against each other by tests/engine
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,8 +66,10 @@ class RolloutEngine(ABC):
         self.dtype = dtype
 
     @abstractmethod
-    def load_weights(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.weights)."""
+    def load_weights(self, hf_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.weights): a state dict or
+        a stream of (name, tensor) pairs (study.weights.iter_hf_weights), whose tensors the engine copies while
+        the iteration runs and does not keep."""
 
     @abstractmethod
     def generate(
@@ -82,6 +84,10 @@ class RolloutEngine(ABC):
         return_routes: bool = False,
     ) -> Rollout:
         """Sample `n` responses for each prompt (token-id lists); see the module docstring for the semantics."""
+
+    def offload(self) -> None:  # noqa: B027 - optional hook
+        """Between rollout and the next `load_weights`: release what the trainer's update could use (vLLM
+        colocated on a GPU sleeps); nothing by default."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""

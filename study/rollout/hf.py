@@ -23,7 +23,7 @@ after it run, in order of preference:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -447,8 +447,11 @@ class HFEngine(RolloutEngine):
     # -- weights ---------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-checkpoint-named weights into the model (cast to the engine dtype); every tensor must be there."""
+    def load_weights(self, hf_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-checkpoint-named weights (a state dict or a stream of pairs) into the model (cast to the engine
+        dtype); every tensor must be there."""
+        if not isinstance(hf_state, Mapping):
+            hf_state = dict(hf_state)  # views of the trainer's weights (study.weights.iter_hf_weights): no copy
         fused = fuse_experts(hf_state, self.cfg)
         params = dict(self.model.named_parameters())
         unknown = set(fused) - set(params)

@@ -86,6 +86,14 @@ class RunConfig:
     "" = train_dtype, real. When set, train_dtype is its format (filled in when omitted)."""
     rollout_precision: str = ""
     """Rollout engine precision with mode, like train_precision; "same" = train_precision's."""
+    rollout_runtime: dict[str, Any] = field(default_factory=dict)
+    """How the vllm engine runs (study.run.rollout_runtime.EngineSettings: tp, dp, ep, gpu_memory, placement, gpus,
+    cuda_graphs, bucket_mb, kv_cache_gb; `--set rollout_runtime.tp=2`); {} = one replica on the defaults. Runtime
+    only, not in the run id; rollout_engine = 'vllm' only."""
+    sync_check_every: int = 0
+    """Every this many steps, right after the weight sync, the rollout engine and the trainer score a few of the
+    step's sequences teacher-forced: metrics sync_parity_mean_abs / sync_parity_max_abs (0 = never; a metric, never
+    a stop). Not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     eval_every: int = 10
@@ -181,6 +189,7 @@ class RunConfig:
         ):
             raise ValueError(f"coldstart_band = {band!r}; valid: [low, high] with 0 <= low < high <= 1")  # fmt: skip
         _choice("rollout_engine", self.rollout_engine, ENGINES)
+        self._validate_rollout_runtime()
         _choice("train_dtype", self.train_dtype, DTYPES)
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
@@ -190,7 +199,7 @@ class RunConfig:
             _positive(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
-        for name in ("eval_every", "checkpoint_every", "seed"):
+        for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
@@ -222,6 +231,15 @@ class RunConfig:
             if not (math.isfinite(value) and lo_ok and hi_ok):
                 interval = f"{low[1]}{low[0]:g}, {high[0]:g}{high[1]}"
                 raise ValueError(f"{name} = {value}: must be a finite number in {interval}{meaning}")
+
+    def _validate_rollout_runtime(self) -> None:
+        """rollout_runtime: the vllm engine's settings, every key checked (study.run.rollout_runtime)."""
+        from study.run.rollout_runtime import EngineSettings
+
+        if self.rollout_runtime and self.rollout_engine != "vllm":
+            raise ValueError(f"rollout_runtime = {self.rollout_runtime!r} is read by rollout_engine = 'vllm' only "
+                             f"(rollout_engine = {self.rollout_engine!r}); valid: rollout_runtime = {{}}")  # fmt: skip
+        EngineSettings.parse(self.rollout_runtime, field="rollout_runtime")
 
     def _validate_model(self) -> None:
         """The shape (canonical since construction), and what the tokenizer needs of it."""
@@ -352,7 +370,7 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
 # Fields that do not change what a run computes.
-NOT_HASHED: tuple[str, ...] = ("checkpoint_every",)
+NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every")
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
     "train_precision": "",

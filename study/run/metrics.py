@@ -59,6 +59,10 @@ STEP_METRICS: dict[str, str] = {
     "time_old_logp_s": "seconds in the pi_old recompute",
     "time_update_s": "seconds in the minibatch updates",
     "time_sync_s": "seconds pushing weights to the rollout engine",
+    "sync_parity_mean_abs": "right after the weight sync, every sync_check_every steps (NaN otherwise): mean |logp "
+    "trainer - logp engine| of the response tokens of the batch's first 4 sequences, both scored teacher-forced on "
+    "the weights just synced (same real dtype: the sync's fidelity, ~1e-6 in fp32; other dtypes: their mismatch)",
+    "sync_parity_max_abs": "the same check's largest |difference|",
     "peak_rss_gb": "peak resident memory of the process so far (GiB)",
 }
 

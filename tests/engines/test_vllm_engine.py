@@ -231,3 +231,22 @@ def test_colocated_engine_sleeps_between_rollout_and_update(vllm_engine, hf_engi
     _push(megatron, vllm_engine, hf_engine)
     d_vllm, d_hf, _ = _diffs(vllm_engine, hf_engine, megatron, prompts)
     assert d_vllm.mean() <= TOL and d_hf.mean() <= TOL
+
+
+def test_rl_run_on_vllm_checks_parity_after_each_sync(tmp_path):
+    """A run with the engine in its own process: the post-sync parity metric (sync_check_every) at fp32 level on
+    every step, the trainer-vs-engine mismatch of the rollouts likewise, and the run completes."""
+    import pandas as pd
+
+    from study import rl
+    from study.run.config import load_config
+
+    sets = ["rollout_engine=vllm", "coldstart=scratch", "steps=2", "eval_every=0", "checkpoint_every=0",
+            "sync_check_every=1", "model.head_dim=32", "rollout_runtime.bucket_mb=0.25"]  # fmt: skip
+    cfg = load_config(preset="tiny", sets=sets)
+    assert cfg.run_id == load_config(preset="tiny", sets=sets[:-1]).run_id  # runtime settings: not in the run id
+    run_dir = rl.run(cfg, tmp_path, progress=False)
+    m = pd.read_parquet(run_dir / "metrics.parquet")
+    assert list(m.step) == [1, 2]
+    assert (m.sync_parity_max_abs <= 1e-4).all() and (m.sync_parity_mean_abs <= TOL).all(), m.sync_parity_max_abs
+    assert (m.mismatch_mean_abs <= TOL).all(), m.mismatch_mean_abs
