@@ -2,7 +2,8 @@
 
 Not a test. Every sample runs to max_new_tokens (no stop tokens), so tokens = prompts x n x max_new_tokens; the
 timing covers `generate` only (engine built and warmed up first). For vLLM it also times one in-place weight
-update (reload + CPU MoE re-pack + prefix-cache reset).
+update (the bucketed sync into the engine's process; benchmarks/bench_sync.py compares it with the former
+in-process full-copy sync).
 
     .venv/bin/python benchmarks/bench_engines.py                       # tiny preset, all engines, fp32 and bf16
     .venv/bin/python benchmarks/bench_engines.py --preset default --engines hf --dtypes fp32
@@ -75,10 +76,10 @@ def main() -> None:
             for decode in (decodes if name == "hf" else [None])]  # fmt: skip
     for name, dtype, attn, decode in runs:
         t0 = time.perf_counter()
-        kwargs = {"hf_state": state, "max_num_seqs": 512} if name == "vllm" else {"native_decode": decode == "native"}
+        kwargs = {"max_num_seqs": 512} if name == "vllm" else {"native_decode": decode == "native"}
         engine = get_engine(name, cfg, dtype=dtype, **kwargs)
+        engine.load_weights(state)
         if name == "hf":
-            engine.load_weights(state)
             if args.wrapped:
                 engine.model.register_forward_pre_hook(lambda _m, _a: None)
             engine.model.config._attn_implementation = attn

@@ -430,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-min", type=int, default=Resources.time_min, help="time limit per job, minutes")
     parser.add_argument("--mem-gb", type=float, default=Resources.mem_gb, help="memory per run, GB")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs per run (default: the config's `threads`)")
+    parser.add_argument("--rollout-runtime", default="", metavar="JSON",
+                        help="the vllm engine's runtime settings over the config's rollout_runtime (a JSON mapping, "
+                             "e.g. '{\"tp\": 2, \"placement\": \"separate\"}'; study/run/rollout_runtime.py); "
+                             "not in the run id; ignored by runs of another engine")  # fmt: skip
     parser.add_argument("--max-timeouts", type=int, default=Resources.max_timeouts,
                         help="requeues after SLURM time-outs before giving up (preemptions: unlimited)")  # fmt: skip
     parser.add_argument("--signal-delay-s", type=int, default=Resources.signal_delay_s,
@@ -470,6 +474,15 @@ def main(argv: list[str] | None = None) -> int:
     tracking = None
     try:
         cfg = None if args.coldstart else load_config(args.config)
+        if cfg is not None and args.rollout_runtime.strip():  # a profile's: checked always, applied to vllm runs
+            from study.run.rollout_runtime import EngineSettings
+
+            runtime = json.loads(args.rollout_runtime)
+            if not isinstance(runtime, dict):
+                raise ValueError(f"--rollout-runtime = {args.rollout_runtime!r}: must be a JSON mapping")
+            EngineSettings.parse(runtime, field="--rollout-runtime")
+            if cfg.rollout_engine == "vllm":
+                cfg = cfg.replace(rollout_runtime={**cfg.rollout_runtime, **runtime})  # validated; same run id
         if cfg is not None:
             tracking = study_tracking(args.config, parse_trackers(args.trackers), args.study).to_dict()
         res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, nodes=args.nodes,

@@ -89,13 +89,16 @@ rule run:
         mem_gb=16,
         # One per run: `--resources concurrent_runs=N` (the slurm profile) caps the runs in flight.
         concurrent_runs=1,
+        # The vllm engine's runtime settings (JSON over the config's rollout_runtime; not in the run id).
+        rollout_runtime="",
     conda:
         "../envs/study.yaml"
     shell:
         "{params.python} -m study.launch {input.config} --results {params.results} --launcher {resources.launcher} "
         "--partition '{resources.slurm_partition}' --account '{resources.slurm_account}' --gpus {resources.gpus} "
         "--nodes {resources.nodes} --tasks-per-node {resources.tasks_per_node} --gpu-mem-gb {resources.gpu_mem_gb} "
-        "--time-min {resources.runtime} --mem-gb {resources.mem_gb} > {log} 2>&1"
+        "--time-min {resources.runtime} --mem-gb {resources.mem_gb} --rollout-runtime={resources.rollout_runtime:q} "
+        "> {log} 2>&1"
 
 
 rule coldstart_budgets:
