@@ -1,13 +1,14 @@
 """The weight sync trainer -> vLLM: today's streamed, bucketed sync into the engine's own process against the former
 in-process full-copy sync (the whole model cloned into an HF state dict, then vLLM's `reload_weights` on it), side by
-side on the same machine, model and weights. Not a test.
+side on the same machine, model and weights, one torch thread in every process. Not a test.
 
-Each path runs in a fresh interpreter (its own memory accounting) and syncs `--syncs` times, every weight moved in
-between; it prints the sync's median seconds and its peak extra memory: the rise of the process's peak RSS over its
-RSS before the sync (Linux VmHWM, reset before each sync), for the trainer's process and, for the separate engine,
-for the engine's process too. The bucketed path's shared buffer (bucket size, or the largest tensor) is mapped once at
-the engine's start and stays for the run: a fixed cost, listed apart ("buffer MiB"), not in the per-sync peak. Then
-the log-prob parity (max |engine - Megatron| teacher-forced) after the last sync.
+Each path runs in a fresh interpreter (its own memory accounting), starts its engine, then syncs `--syncs` + 1
+times, every weight moved before each; it prints the median seconds of the syncs after the first, and the peak extra
+memory of syncing: the process's peak RSS over all the syncs (Linux VmHWM, reset once the engine is up) minus its RSS
+before the first sync, for the trainer's process and, for the separate engine, the engine's process too. Memory the
+allocator keeps after a sync counts (it was taken for syncing). The bucketed path's shared buffer (bucket size, or
+the largest tensor) is one physical copy counted in both processes' RSS once touched; its size is listed apart.
+Then the log-prob parity (max |engine - Megatron| teacher-forced, 4 random sequences) after the last sync.
 
     .venv/bin/python benchmarks/bench_sync.py                               # `small` preset, fp32, 256 and 16 MiB
     .venv/bin/python benchmarks/bench_sync.py --preset default --buckets 256 --syncs 5
@@ -88,10 +89,10 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
     llm = LLM(model=tmp, load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=cfg.max_seq_len,
               skip_tokenizer_init=True, enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_seq_len, 8192),
               max_num_seqs=16, kv_cache_memory_bytes=64 << 20)  # fmt: skip
-    times, peaks = [], []
-    for i in range(syncs):
+    times = []
+    _, before = _rss(reset=True)
+    for i in range(syncs + 1):
         _move(policy, i)
-        _, before = _rss(reset=True)
         t = time.perf_counter()
         state = megatron_to_hf(policy, cfg)
         weights = [(k, v.detach().to("cpu").contiguous()) for k, v in state.items()]
@@ -100,7 +101,7 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
         llm.reset_prefix_cache()
         del state, weights
         times.append(time.perf_counter() - t)
-        peaks.append(_rss()[0] - before)
+    peak = _rss()[0] - before
 
     def score(prompts, resps):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0, detokenize=False)
@@ -111,7 +112,7 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
 
     parity = _parity(policy, cfg, score)
     model_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
-    return {"path": "in-process, full copy", "seconds": statistics.median(times), "trainer_peak_extra": max(peaks),
+    return {"path": "in-process, full copy", "seconds": statistics.median(times[1:]), "trainer_peak_extra": peak,
             "engine_peak_extra": None, "model_bytes": model_bytes, "parity": parity}  # fmt: skip
 
 
@@ -121,25 +122,25 @@ def run_bucketed(preset_name: str, syncs: int, bucket_mb: float) -> dict:
     from study.weights import iter_hf_weights
 
     cfg, policy = _model(preset_name)
-    engine = get_engine("vllm", cfg, max_num_seqs=16, runtime={"bucket_mb": bucket_mb, "kv_cache_gb": 1 / 16})
+    engine = get_engine(
+        "vllm", cfg, max_num_seqs=16, threads=1, runtime={"bucket_mb": bucket_mb, "kv_cache_gb": 1 / 16}
+    )
     try:
-        engine.load_weights(iter_hf_weights(policy, cfg))  # the first sync: weights in place, pages touched
-        times, peaks, engine_peaks = [], [], []
-        for i in range(syncs):
+        ((_, engine_before),) = engine.memory(reset=True)
+        _, before = _rss(reset=True)
+        times = []
+        for i in range(syncs + 1):
             _move(policy, i)
-            ((_, engine_before),) = engine.memory(reset=True)
-            _, before = _rss(reset=True)
             t = time.perf_counter()
             engine.load_weights(iter_hf_weights(policy, cfg))
             times.append(time.perf_counter() - t)
-            peaks.append(_rss()[0] - before)
-            ((engine_peak, _),) = engine.memory()
-            engine_peaks.append(engine_peak - engine_before)
+        peak = _rss()[0] - before
+        ((engine_peak, _),) = engine.memory()
         parity = _parity(policy, cfg, lambda p, r: engine.score(p, r)[0])
         model_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
         return {"path": f"own process, {bucket_mb:g} MiB buckets ({engine.last_sync['buckets']:.0f})",
-                "seconds": statistics.median(times), "trainer_peak_extra": max(peaks),
-                "engine_peak_extra": max(engine_peaks), "model_bytes": model_bytes, "parity": parity,
+                "seconds": statistics.median(times[1:]), "trainer_peak_extra": peak,
+                "engine_peak_extra": engine_peak - engine_before, "model_bytes": model_bytes, "parity": parity,
                 "buffer_bytes": engine.bucket_bytes}  # fmt: skip
     finally:
         engine.close()

@@ -345,6 +345,13 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
         engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw)
+    if alg.routing == "rollout_replay" and not engine.routes_supported:  # R3 needs the engine's routes: say so now
+        engine.close()
+        raise NotImplementedError(
+            f"algorithm {cfg.algorithm} replays the rollout engine's routes (R3), which rollout_engine = "
+            f"{cfg.rollout_engine!r} cannot return here (vLLM returns routed experts on CUDA only); valid: "
+            "rollout_engine = 'hf', or a GPU"
+        )
     stream, evals = task_data(cfg)
     ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
     return Parts(

@@ -27,6 +27,7 @@ pytest.importorskip("vllm")
 TOL = 1e-5
 N, MAX_NEW = 4, 16
 BUCKET_MB = 0.1  # ~0.1 MiB buckets: the 1.2 MB model arrives in ~12 of them, its layers split between them
+GPU_MEMORY = 0.3  # CUDA: two engines of this module may be up at once (the bf16 one beside the module's)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def hf_engine(megatron):
 def vllm_engine(megatron):
     from study.rollout import get_engine
 
-    eng = get_engine("vllm", CFG, seed=0, max_num_seqs=64, runtime={"bucket_mb": BUCKET_MB})
+    eng = get_engine("vllm", CFG, seed=0, max_num_seqs=64, runtime={"bucket_mb": BUCKET_MB, "gpu_memory": GPU_MEMORY})
     eng.load_weights(W.iter_hf_weights(megatron, CFG))
     yield eng
     eng.close()
@@ -175,7 +176,7 @@ def test_bf16_engine_shows_a_measurable_mismatch(vllm_engine, megatron, prompts)
     from study.rollout import get_engine
 
     _push(megatron, vllm_engine)
-    bf16 = get_engine("vllm", CFG, dtype="bf16", seed=0, max_num_seqs=64)
+    bf16 = get_engine("vllm", CFG, dtype="bf16", seed=0, max_num_seqs=64, runtime={"gpu_memory": GPU_MEMORY})
     try:
         bf16.load_weights(W.megatron_to_hf(megatron, CFG))  # a state dict works as well as a stream
         assert bf16.last_sync["bytes"] == sum(p.numel() * 2 for p in megatron.parameters())  # cast while copied
@@ -242,7 +243,8 @@ def test_rl_run_on_vllm_checks_parity_after_each_sync(tmp_path):
     from study.run.config import load_config
 
     sets = ["rollout_engine=vllm", "coldstart=scratch", "steps=2", "eval_every=0", "checkpoint_every=0",
-            "sync_check_every=1", "model.head_dim=32", "rollout_runtime.bucket_mb=0.25"]  # fmt: skip
+            "sync_check_every=1", "model.head_dim=32", f"rollout_runtime.gpu_memory={GPU_MEMORY}",
+            "rollout_runtime.bucket_mb=0.25"]  # fmt: skip
     cfg = load_config(preset="tiny", sets=sets)
     assert cfg.run_id == load_config(preset="tiny", sets=sets[:-1]).run_id  # runtime settings: not in the run id
     run_dir = rl.run(cfg, tmp_path, progress=False)
@@ -250,3 +252,17 @@ def test_rl_run_on_vllm_checks_parity_after_each_sync(tmp_path):
     assert list(m.step) == [1, 2]
     assert (m.sync_parity_max_abs <= 1e-4).all() and (m.sync_parity_mean_abs <= TOL).all(), m.sync_parity_max_abs
     assert (m.mismatch_mean_abs <= TOL).all(), m.mismatch_mean_abs
+
+
+def test_r3_run_on_cpu_vllm_stops_before_any_step(tmp_path):
+    """R3 needs the engine's routes: on CPU the vllm engine has none, and the run says so at its start."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA: vLLM returns routed experts")
+    from study import rl
+    from study.run.config import load_config
+
+    cfg = load_config(preset="tiny", sets=["rollout_engine=vllm", "algorithm=grpo_r3", "coldstart=scratch",
+                                           "model.head_dim=32", "eval_every=0"])  # fmt: skip
+    with pytest.raises(NotImplementedError, match="rollout_engine = 'hf', or a GPU"):
+        rl.run(cfg, tmp_path, progress=False)
+    assert not (tmp_path / "runs" / cfg.run_id / "metrics.parquet").exists()
