@@ -45,7 +45,7 @@ from study.data.tokenizer import TaskTokenizer
 from study.policy.model import build_policy, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
 from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
-from study.rollout import get_engine
+from study.rollout import engine_class, get_engine
 from study.run import rundir
 from study.run.config import RunConfig
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
@@ -330,6 +330,12 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     """Build the run's parts: tokenizer and cold-start weights, policy, optimiser, routing controller, rollout
     engine, task data and (KL hook) the reference policy."""
     alg = algorithms.get(cfg.algorithm)
+    if alg.routing == "rollout_replay" and not engine_class(cfg.rollout_engine).supports_routes():  # before compute
+        raise NotImplementedError(
+            f"algorithm {cfg.algorithm} replays the rollout engine's routes (R3), which rollout_engine = "
+            f"{cfg.rollout_engine!r} cannot return here (vLLM returns routed experts on CUDA only); valid: "
+            "rollout_engine = 'hf', or a GPU"
+        )
     mcfg = cfg.model_config()
     tok, init_state = initial_policy(cfg, results)
     if tok.vocab_size > mcfg.vocab_size:
@@ -345,13 +351,6 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
         engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
     engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw)
-    if alg.routing == "rollout_replay" and not engine.routes_supported:  # R3 needs the engine's routes: say so now
-        engine.close()
-        raise NotImplementedError(
-            f"algorithm {cfg.algorithm} replays the rollout engine's routes (R3), which rollout_engine = "
-            f"{cfg.rollout_engine!r} cannot return here (vLLM returns routed experts on CUDA only); valid: "
-            "rollout_engine = 'hf', or a GPU"
-        )
     stream, evals = task_data(cfg)
     ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
     return Parts(

@@ -65,6 +65,12 @@ class RolloutEngine(ABC):
         self.cfg = cfg
         self.dtype = dtype
 
+    @classmethod
+    def supports_routes(cls) -> bool:
+        """Whether an engine of this class built on this machine returns routed experts (asked before building one:
+        a run that needs them is refused before any engine starts)."""
+        return cls.routes_supported
+
     @abstractmethod
     def load_weights(self, hf_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.weights): a state dict or
@@ -117,13 +123,17 @@ def engine_names() -> list[str]:
     return list(_ENGINES)
 
 
-def get_engine(name: str, cfg: ModelConfig, *, dtype: str = "fp32", **kwargs: object) -> RolloutEngine:
-    """Build the rollout engine `name` for `cfg`; an unknown name lists the valid ones."""
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The registered rollout engine class `name`; an unknown name lists the valid ones."""
     try:
-        cls = _ENGINES[name]
+        return _ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown rollout engine {name!r}; valid: {', '.join(_ENGINES)}") from None
-    return cls(cfg, dtype=dtype, **kwargs)
+
+
+def get_engine(name: str, cfg: ModelConfig, *, dtype: str = "fp32", **kwargs: object) -> RolloutEngine:
+    """Build the rollout engine `name` for `cfg`; an unknown name lists the valid ones."""
+    return engine_class(name)(cfg, dtype=dtype, **kwargs)
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int,

@@ -114,6 +114,11 @@ class VLLMEngine(RolloutEngine):
 
     routes_supported = False  # set per instance: True only on CUDA (model runner V2)
 
+    @classmethod
+    def supports_routes(cls) -> bool:
+        """True where vLLM returns routed experts: on CUDA (fact 5)."""
+        return torch.cuda.is_available()
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -260,7 +265,7 @@ class VLLMEngine(RolloutEngine):
         self._all("sync_begin")
         seen: set[str] = set()
         metas: list[tuple[str, str, tuple[int, ...], int]] = []
-        offset, buckets, total, sent = 0, 0, 0, 0
+        offset, buckets, total, sent, held = 0, 0, 0, 0, 0
         wait = 0.0
         complete = False
         try:
@@ -275,7 +280,7 @@ class VLLMEngine(RolloutEngine):
                 nbytes = _nbytes(shape, dtype.itemsize)
                 if offset + nbytes > self.bucket_bytes:
                     w0 = time.perf_counter()
-                    self._all("sync_bucket", metas=metas)
+                    held += max(self._all("sync_bucket", metas=metas))
                     wait += time.perf_counter() - w0
                     metas, offset, buckets, sent = [], 0, buckets + 1, sent + len(metas)
                 self._buf[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
@@ -286,7 +291,7 @@ class VLLMEngine(RolloutEngine):
             if missing:
                 raise KeyError(f"weights do not match the model: missing {sorted(missing)[:4]} ({len(missing)})")
             w0 = time.perf_counter()
-            self._all("sync_bucket", metas=metas)
+            held += max(self._all("sync_bucket", metas=metas))
             wait += time.perf_counter() - w0
             buckets, sent, complete = buckets + 1, sent + len(metas), True
         finally:
@@ -303,7 +308,7 @@ class VLLMEngine(RolloutEngine):
             self._all("wake", tags=["kv_cache"])
             self._asleep = False
         self.last_sync = {"seconds": time.perf_counter() - t0, "engine_seconds": wait, "buckets": float(buckets),
-                          "bytes": float(total)}  # fmt: skip
+                          "bytes": float(total), "engine_copied_bytes": float(held)}  # fmt: skip
 
     def offload(self) -> None:
         """Colocated on CUDA: release the engine's GPU memory (weights and KV cache, sleep level 2) until the next

@@ -14,8 +14,9 @@ Weight sync (one bucket at a time, no full copy of the model anywhere): the clie
 reload (`initialize_layerwise_reload` once, the model's `load_weights` per bucket, `finalize_layerwise_reload` at the
 end: the machinery behind vLLM's `reload_weights`), which runs each layer's weight processing once its last weight
 has arrived. That reload keeps references to the tensors of a layer until the layer is complete, and a layer may
-span buckets, so a worker copies each bucket out of the buffer (on CUDA this copy is the host-to-device transfer
-itself) before the client refills it.
+span buckets, so after each bucket a worker copies out of the buffer the tensors still held for incomplete layers
+(`_detach_from`) before the client refills it; the rest went straight from the buffer into the weights (on CUDA:
+the host-to-device copy).
 """
 
 from __future__ import annotations
@@ -48,19 +49,19 @@ class WeightSync:
         initialize_layerwise_reload(self._study_model())
 
     def study_sync_bucket(self, metas: list[tuple[str, str, tuple[int, ...], int]]) -> int:
-        """Load one bucket: (HF name, dtype name, shape, byte offset) of each tensor in the shared buffer."""
+        """Load one bucket: (HF name, dtype name, shape, byte offset) of each tensor in the shared buffer. The
+        weights go to the loaders as views of the buffer; what the layerwise reload still holds afterwards (the
+        weights of layers not complete yet) is copied out before the client refills the buffer."""
         model = self._study_model()
-        device = self.device  # the worker's (the model's parameters are on the meta device while it reloads)
         weights = []
         for name, dtype, shape, offset in metas:
             dt = _DTYPES[dtype]
             n = dt.itemsize
             for s in shape:
                 n *= s
-            view = self._study_buf[offset : offset + n].view(dt).view(shape)
-            weights.append((name, view.to(device, copy=True)))  # the buffer is refilled before a layer completes
+            weights.append((name, self._study_buf[offset : offset + n].view(dt).view(shape)))
         model.load_weights(iter(weights))
-        return len(weights)
+        return _detach_from(self._study_buf)
 
     def study_sync_end(self, repack: bool) -> int:
         """Process the layers not yet processed; on CPU re-pack the fused-MoE weights (vllm_engine fact 3).
@@ -76,6 +77,24 @@ class WeightSync:
     def study_expert_shapes(self) -> list[tuple[int, ...]]:
         """(E_local, 2F / tp, H) of every routed-experts module's w13 (a check that the model is the one we think)."""
         return [tuple(m.w13_weight.shape) for m in self._study_model().modules() if hasattr(m, "w13_weight")]
+
+
+def _detach_from(buf: torch.Tensor) -> int:
+    """Replace every tensor the layerwise reload keeps for a layer not yet complete that lies in `buf` by a copy;
+    returns the bytes copied. (vLLM keeps a loader call's arguments until the layer's last weight has arrived:
+    vllm.model_executor.model_loader.reload.layerwise.LAYERWISE_INFO, LayerReloadingInfo.loaded_weights.)"""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    lo = buf.data_ptr()
+    hi = lo + buf.numel()
+    copied = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and lo <= value.data_ptr() < hi:
+                    bound.arguments[key] = value.clone()
+                    copied += value.numel() * value.element_size()
+    return copied
 
 
 def _repack_cpu_moe(model: torch.nn.Module) -> int:
@@ -133,8 +152,8 @@ class Server:
     def op_sync_begin(self) -> None:
         self.llm.collective_rpc("study_sync_begin")
 
-    def op_sync_bucket(self, metas: list[tuple[str, str, tuple[int, ...], int]]) -> None:
-        self.llm.collective_rpc("study_sync_bucket", args=(metas,))
+    def op_sync_bucket(self, metas: list[tuple[str, str, tuple[int, ...], int]]) -> int:
+        return max(self.llm.collective_rpc("study_sync_bucket", args=(metas,)))  # bytes copied out, largest worker
 
     def op_sync_end(self, repack: bool) -> list[int]:
         done = self.llm.collective_rpc("study_sync_end", args=(repack,))

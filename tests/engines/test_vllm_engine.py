@@ -78,6 +78,8 @@ def _push(megatron, vllm_engine=None, hf_engine=None, **kwargs):
         vllm_engine.load_weights(W.iter_hf_weights(megatron, CFG), **kwargs)
         sync = vllm_engine.last_sync
         assert sync["buckets"] >= 8 and sync["bytes"] == sum(p.numel() * 4 for p in megatron.parameters()), sync
+        # only the weights of layers split between buckets were copied out of the buffer; the rest went straight in
+        assert 0 < sync["engine_copied_bytes"] < sync["bytes"] / 2, sync
     if hf_engine is not None:
         hf_engine.load_weights(W.megatron_to_hf(megatron, CFG))
 
@@ -255,14 +257,16 @@ def test_rl_run_on_vllm_checks_parity_after_each_sync(tmp_path):
 
 
 def test_r3_run_on_cpu_vllm_stops_before_any_step(tmp_path):
-    """R3 needs the engine's routes: on CPU the vllm engine has none, and the run says so at its start."""
+    """R3 needs the engine's routes: on CPU the vllm engine has none, and the run says so at its start, before the
+    cold start, the policy or the engine are built."""
     if torch.cuda.is_available():
         pytest.skip("CUDA: vLLM returns routed experts")
     from study import rl
     from study.run.config import load_config
 
-    cfg = load_config(preset="tiny", sets=["rollout_engine=vllm", "algorithm=grpo_r3", "coldstart=scratch",
-                                           "model.head_dim=32", "eval_every=0"])  # fmt: skip
+    cfg = load_config(
+        preset="tiny", sets=["rollout_engine=vllm", "algorithm=grpo_r3", "model.head_dim=32", "eval_every=0"]
+    )  # fmt: skip (coldstart auto: none is made)
     with pytest.raises(NotImplementedError, match="rollout_engine = 'hf', or a GPU"):
         rl.run(cfg, tmp_path, progress=False)
-    assert not (tmp_path / "runs" / cfg.run_id / "metrics.parquet").exists()
+    assert not (tmp_path / "runs" / cfg.run_id / "metrics.parquet").exists() and not (tmp_path / "coldstart").exists()
