@@ -25,8 +25,9 @@
    the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
    ranks' agreement check (a gloo all_reduce), to try a cluster's placement without a run.
 7. Before a GPU job is asked for, the run must fit: study.plan.check_run_fits with the job's GPUs (nodes x GPUs
-   per node) of `--gpu-mem-gb` each; a run needing more than one rank must be one study.rl can run on several
-   (`rl.MULTI_RANK`; until multi-rank training lands it runs on one).
+   per node) of `--gpu-mem-gb` each; a job of several ranks must match the run's `parallel` layout (its world
+   size; without `--nodes`/`--tasks-per-node` the job gets one task per rank of the layout, and the launcher
+   returns rank 0's status).
 """
 
 from __future__ import annotations
@@ -312,6 +313,8 @@ def launch(
     from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict(config, where="launch")
+    if res.world_size == 1 and cfg.layout.world_size > 1:  # one task per rank of the run's layout
+        res = dataclasses.replace(res, tasks_per_node=cfg.layout.world_size)
     check_resources(cfg, launcher, res)
     call = Run(cfg.to_dict(), str(results), tracking)
     return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
@@ -326,6 +329,13 @@ def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
         raise ValueError(
             f"nodes x tasks per node = {res.nodes} x {res.ranks_per_node} = {res.world_size} ranks, but study.rl "
             "runs a run on one rank; valid: nodes = 1 and one task per node (gpus <= 1 or tasks_per_node = 1)"
+        )
+    layout = getattr(cfg, "layout", None)
+    if layout is not None and launcher != "in-process" and res.world_size != layout.world_size:
+        raise ValueError(
+            f"nodes x tasks per node = {res.nodes} x {res.ranks_per_node} = {res.world_size} ranks, but the run's "
+            f"parallel layout {cfg.parallel or '{}'} has {layout.world_size}; valid: as many tasks as the layout's "
+            "ranks (tensor x data)"
         )
     if launcher != "in-process" and res.gpus and res.gpu_mem_gb:
         plan.check_run_fits(cfg, gpus=res.nodes * res.gpus, gpu_mem_gb=res.gpu_mem_gb, gpus_per_node=res.gpus)
@@ -383,7 +393,7 @@ def _submit_and_wait(call: Any, launcher: str, folder: Path, res: Resources, job
     try:
         job = executor(launcher, folder, res, job_name=job_name).submit(call)
         print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
-        return job.result()
+        return job.results()[0]  # rank 0's (the task that writes the run directory)
     except Cancelled:
         if job is not None:
             print(f"cancelling {launcher} job {job.job_id}", file=sys.stderr, flush=True)

@@ -321,3 +321,77 @@ def model_label(spec: ModelSpec) -> str:
             text = str(value) if isinstance(value, int) else f"{value:g}".replace(".", "p").replace("-", "m")
             parts.append(f"{SHAPE_CODES[key]}{text.replace('+', '')}")
     return "_".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parallel layout: how one run's policy is split over ranks
+# ---------------------------------------------------------------------------------------------------------------------
+PARALLEL_FIELDS: tuple[str, ...] = ("tensor", "expert", "expert_tensor", "data", "pipeline", "context")
+"""The sizes a run's `parallel` section may set (ParallelLayout's fields)."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron's parallel sizes of one run. The world is tensor x data (x pipeline x context, both 1); the experts
+    are split over `expert` ranks, each expert over `expert_tensor` ranks, and expert x expert_tensor must divide the
+    world (megatron's expert-data-parallel size is the quotient). Under expert parallelism the dense weights are data
+    parallel over the same ranks (EP 2 at world size 2 is data 2 for attention, embeddings and norms)."""
+
+    tensor: int = 1
+    """Tensor-parallel size (attention heads and the vocabulary split; sequence parallelism is on when > 1)."""
+    expert: int = 1
+    """Expert-parallel size (the routed experts split over ranks)."""
+    expert_tensor: int = 1
+    """Tensor-parallel size inside each expert."""
+    data: int = 1
+    """Data-parallel size of the dense weights (the batch split over ranks)."""
+    pipeline: int = 1
+    """Pipeline-parallel size: named so that it can be refused; only 1."""
+    context: int = 1
+    """Context-parallel size: named so that it can be refused; only 1."""
+
+    def __post_init__(self) -> None:
+        for name in PARALLEL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel.{name} = {value!r}: must be a positive integer")
+        for name, what in (("pipeline", "pipeline"), ("context", "context")):
+            if getattr(self, name) != 1:
+                raise ValueError(f"parallel.{name} = {getattr(self, name)}: {what} parallelism is not supported (the "
+                                 "study's policies fit one stage and its sequences one rank); valid: 1")  # fmt: skip
+        if self.world_size % (self.expert * self.expert_tensor):
+            raise ValueError(
+                f"parallel.expert x parallel.expert_tensor = {self.expert} x {self.expert_tensor} must divide the "
+                f"world size parallel.tensor x parallel.data = {self.world_size}"
+            )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> ParallelLayout:
+        """A run's `parallel` section ({} = one process); errors name the field and the valid ones."""
+        data = dict(data or {})
+        unknown = set(data) - set(PARALLEL_FIELDS)
+        if unknown:
+            raise ValueError(f"parallel: unknown field(s) {sorted(unknown)}; valid: {', '.join(PARALLEL_FIELDS)}")
+        return cls(**data)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run: tensor x data x pipeline x context."""
+        return self.tensor * self.data * self.pipeline * self.context
+
+    @property
+    def expert_data(self) -> int:
+        """Megatron's expert-data-parallel size: the world over expert x expert_tensor."""
+        return self.world_size // (self.expert * self.expert_tensor)
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """The shape splits evenly under this layout; errors name both fields."""
+        for model_field, size_field in (("num_attention_heads", "tensor"), ("num_query_groups", "tensor"),
+                                        ("vocab_size", "tensor"), ("num_experts", "expert"),
+                                        ("moe_ffn_hidden_size", "expert_tensor")):  # fmt: skip
+            value, size = getattr(cfg, model_field), getattr(self, size_field)
+            if value % size:
+                raise ValueError(f"model.{model_field} = {value} is not divisible by parallel.{size_field} = {size}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)

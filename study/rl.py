@@ -42,6 +42,8 @@ import algorithms
 from study import precision as precision_mod
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
+from study.model_config import ParallelLayout
+from study.policy import parallel as par
 from study.policy.model import build_policy, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
 from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
@@ -52,6 +54,8 @@ from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS,
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 from study.weights import iter_hf_weights
 
+MULTI_RANK = True
+"""study.launch's check: a run may span several ranks (its `parallel` layout; study/policy/parallel.py)."""
 TOKEN_SAMPLES = "token_samples.parquet"
 TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
 METRICS_EVERY_S = 30.0  # the metric files are also rewritten at least this often (live monitoring)
@@ -88,9 +92,13 @@ def run(
     status = rundir.read_status(run_dir)
     if status is not None and status["state"] in ("completed", "collapsed"):
         return run_dir
+    _check_layout(cfg, run_dir, results)
+    preflight(cfg)  # before anything is written
+    if not _rank0():  # a parallel layout: every rank trains; rank 0 alone holds the lock, writes the run directory
+        _train(cfg, run_dir, Path(results), progress=False, on_eval=None)  # and logs to the trackers
+        return run_dir
     if tracking is None:  # a tracker that is named but not installed: refused before anything is written
         tracking = saved_tracking(run_dir, parse_trackers(None))
-    preflight(cfg)  # before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     with rundir.run_lock(run_dir):
         status = rundir.read_status(run_dir)  # another process may have finished it before we took the lock
@@ -101,6 +109,7 @@ def run(
             # precision hook: every result says which engine ran emulated (study/precision.py)
             manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
             manifest["native_kernels"] = _kernels_available()
+            manifest["parallel"] = cfg.layout.to_dict()  # a runtime choice, not in the run id (RunConfig.parallel)
             rundir.write_json(run_dir / "manifest.json", manifest)
         # the step it had reached (a resume restores its checkpoint's step next, `_train`), not back to 0
         rundir.set_status(run_dir, "running", step=(status or {}).get("step", 0))
@@ -142,6 +151,54 @@ def preflight(cfg: RunConfig) -> None:
             raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
                              "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
                              "*.safetensors)")  # fmt: skip
+
+
+def _rank0() -> bool:
+    """Whether this process writes the run directory: rank 0 of a launcher's world, or the one process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _check_layout(cfg: RunConfig, run_dir: Path, results: str | Path) -> None:
+    """Before any compute: what the loop runs under a layout, the world the launcher started, and the layout the
+    run's manifest records (a resume keeps it)."""
+    layout = cfg.layout
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if layout.world_size != world:
+        raise ValueError(f"parallel = {cfg.parallel} needs {layout.world_size} ranks, the launcher started {world} "
+                         "(torchrun --nproc_per_node, or the launcher's tasks_per_node)")  # fmt: skip
+    if layout != ParallelLayout():
+        alg = algorithms.get(cfg.algorithm)
+        rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
+        why = (
+            "parallel.tensor > 1: the loop's routes are per sequence, the routers under sequence parallelism see a "
+            "shard of it (the policy itself runs TP, study/policy/parallel.py)" if layout.tensor > 1
+            else f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary" if alg.dynamic_sampling
+            else f"a minibatch of {rows} sequences does not split evenly over parallel.data = {layout.data}"
+            if rows % layout.data
+            else "router_lr_scale != 1 (one optimizer group)" if cfg.router_lr_scale != 1.0
+            else "fp16 (loss scaling)" if cfg.train_dtype == "fp16"
+            else "emulated precision" if cfg.precisions[0].emulated
+            else "coldstart = 'scratch' and parallel.expert > 1 (megatron draws each rank's experts from one RNG "
+            "stream: not the one-process run's initial weights)" if cfg.coldstart == "scratch" and layout.expert > 1
+            else ""
+        )  # fmt: skip
+        if why:
+            raise ValueError(f"parallel = {cfg.parallel}: the RL loop does not run this layout with {why}")
+        if cfg.coldstart == "auto":
+            from study.coldstart import is_complete, resolve_settings
+            from study.coldstart.store import run_coldstart
+
+            settings = resolve_settings(cfg.model, cfg.task, **run_coldstart(cfg))
+            if not is_complete(Path(results) / "coldstart" / settings.dirname):
+                raise ValueError(f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
+                                 "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
+    path = run_dir / "manifest.json"
+    recorded = rundir.read_json(path).get("parallel") if path.exists() else None
+    if recorded is not None and ParallelLayout.from_mapping(recorded) != layout:
+        raise ValueError(
+            f"{run_dir}: started with parallel = {recorded}, resumed with {layout.to_dict()}; its checkpoint holds "
+            "that layout's shards: resume with the recorded layout"
+        )
 
 
 def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | None = None) -> Path:
@@ -234,8 +291,10 @@ def load_initial(model: torch.nn.Module, init_state: Any) -> None:
 def reference_policy(cfg: RunConfig, init_state: Any, train_prec: Any) -> tuple[torch.nn.Module, Any]:
     """KL hook: a frozen copy of the initial policy (same seed, same cold-start weights, same precision as the
     trainer) and its precision handle (keep it alive: it owns the emulation hooks)."""
-    ref = build_policy(cfg.model_config(), seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
-    load_initial(ref, init_state)
+    parallel = cfg.layout if cfg.layout != ParallelLayout() else None
+    ref = build_policy(cfg.model_config(), seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype,
+                       parallel=parallel)  # fmt: skip
+    _load_full(ref, init_state, parallel is not None)
     handle = precision_mod.apply_precision(ref, train_prec)
     ref.requires_grad_(False)
     return ref, handle
@@ -311,6 +370,7 @@ class Parts:
     ref: torch.nn.Module | None  # KL hook: the frozen initial policy
     ref_prec: Any  # keep alive with `ref`: it owns the reference's emulation hooks
     emulated: bool  # precision hook: whether either engine runs emulated (a label on every row)
+    trainer: par.ShardedTrainer | None = None  # a parallel layout: megatron's DDP and the optimizer over the shards
 
 
 @dataclass
@@ -341,16 +401,27 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     if tok.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
     train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/precision.py)
-    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype)
-    load_initial(policy, init_state)
+    parallel = cfg.layout if cfg.layout != ParallelLayout() else None
+    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)
+    _load_full(policy, init_state, parallel is not None)
     prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
     eps = precision_mod.adam_eps(train_prec)
-    optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
-                                router_lr_scale=cfg.router_lr_scale)  # fmt: skip
+    trainer = None
+    if parallel is not None:  # the shards' optimizer (study/policy/parallel.py); checks in _check_layout
+        trainer = par.ShardedTrainer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
+                                     grad_clip=cfg.grad_clip)  # fmt: skip
+        optimizer = trainer.optimizer
+    else:
+        optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
+                                    router_lr_scale=cfg.router_lr_scale)  # fmt: skip
     engine_kw = precision_mod.engine_kwargs(rollout_prec)
     if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
         engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
-    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw)
+    device = next(policy.parameters()).device  # the hf engine on the policy's device (CUDA: this rank's GPU)
+    if cfg.rollout_engine == "hf" and device.type != "cpu":
+        engine_kw["device"] = device
+    # one engine, on rank 0: it rolls out the global batch and broadcasts it (_broadcast)
+    engine = get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw) if _rank0() else None
     stream, evals = task_data(cfg)
     ref, ref_prec = reference_policy(cfg, init_state, train_prec) if cfg.kl_coef > 0 else (None, None)
     return Parts(
@@ -358,7 +429,58 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
         optimizer=optimizer, scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
         params=list(policy.parameters()), routing=RoutingController(policy), engine=engine, stream=stream,
         evals=evals, ref=ref, ref_prec=ref_prec, emulated=train_prec.emulated or rollout_prec.emulated,
+        trainer=trainer,
     )  # fmt: skip
+
+
+class _NoTracker:
+    """The trackers of a rank other than 0 (rank 0 alone logs): nothing."""
+
+    def log(self, row: dict[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, outcome: str) -> None:
+        pass
+
+
+def _load_full(model: torch.nn.Module, init_state: Any, parallel: bool) -> None:
+    """Load the cold start's weights: `load_initial`, or under a parallel layout a state dict sliced into this rank's
+    shard (an HF checkpoint at a layout is refused: it loads tensor by tensor into one process's names)."""
+    if not parallel or init_state is None:
+        load_initial(model, init_state)
+    elif isinstance(init_state, dict):
+        par.load_full_state(model, init_state, strict=False)
+    else:
+        raise ValueError(
+            "an HF checkpoint as the cold start of a run with a parallel layout is not supported yet; "
+            "valid: a cold-start directory (policy.pt), or parallel = {}"
+        )
+
+
+def _sync_engine(parts: Parts) -> None:
+    """The policy's weights to the rollout engine: every rank takes part in gathering the full tensors (a parallel
+    layout), rank 0's engine loads them."""
+    if parts.trainer is None:
+        parts.engine.load_weights(iter_hf_weights(parts.policy, parts.mcfg))  # streamed: no copy of the model
+        return
+    weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
+    if parts.engine is not None:
+        parts.engine.load_weights(weights)
+    else:
+        for _ in weights:
+            pass
+
+
+def _broadcast(obj: Any, parts: Parts) -> Any:
+    """rank 0's `obj` on every rank (a parallel layout), else `obj`."""
+    if parts.trainer is None:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None, Progress]:
@@ -407,9 +529,14 @@ def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None
 
 
 def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
-    """Apply a checkpoint's state: model, optimiser, scaler and every RNG."""
+    """Apply a checkpoint's state: model, optimiser, scaler and every RNG (a parallel layout: the full weights
+    sliced into this rank's shard, then its own part of the checkpoint, `_rank_file`)."""
     try:
-        parts.policy.load_state_dict(state["model"])
+        if parts.trainer is not None:
+            par.load_full_state(parts.policy, state["model"])
+            state = {**state, **_load_rank_part(_rank_file(path.parent.parent, state["step"]))}
+        else:
+            parts.policy.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler is not None:
             parts.scaler.load_state_dict(state["scaler"])
@@ -444,6 +571,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or set(CHECKPOINT_KEYS) - set(state):
         raise rundir.RunStateError(f"{path}: not a run checkpoint (keys {', '.join(CHECKPOINT_KEYS)}); "
                                    f"{rundir.RESTART}")  # fmt: skip
+    return state
+
+
+def _load_rank_part(path: Path) -> dict[str, Any]:
+    """A parallel layout's per-rank checkpoint part (optimizer shard, RNG states), loaded like `load_checkpoint`."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:
+        raise rundir.RunStateError(f"{path}: missing, unreadable or refused ({_first_line(err)}); "
+                                   f"{rundir.RESTART}") from None  # fmt: skip
     return state
 
 
@@ -493,21 +630,24 @@ def _train(
 ) -> None:
     torch.set_num_threads(cfg.threads)
     state, log = _read_progress(run_dir, cfg)  # damaged state: an error before any compute
-    rundir.set_status(run_dir, "running", step=log.step)
+    if _rank0():
+        rundir.set_status(run_dir, "running", step=log.step)
     parts = _setup(cfg, results)
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
-    try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded
+    try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded (rank 0's)
         if state is not None:
             _restore(state, parts, run_dir / "checkpoint" / "state.pt")
-        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step)
+        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if _rank0() else None
     except BaseException:
-        engine.close()
+        if engine is not None:
+            engine.close()
         raise
-    engine.load_weights(iter_hf_weights(policy, mcfg))  # streamed: no copy of the model
+    tracker = tracker if tracker is not None else _NoTracker()
+    _sync_engine(parts)
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
         row = dict.fromkeys(STEP_METRICS, math.nan)
         row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
-        log.rows.append({**row, **_evaluate(cfg, engine, parts.tok, parts.evals, 0)})
+        log.rows.append({**row, **(_evaluate(cfg, engine, parts.tok, parts.evals, 0) if engine is not None else {})})
         tracker.log(log.rows[-1])
 
     bar = _progress(cfg.steps, log.step, progress)
@@ -526,8 +666,10 @@ def _train(
             row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
 
             # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
-            collected = _collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step)
-            engine.offload()  # colocated vLLM on CUDA: the GPU to the trainer until the sync
+            collected = _broadcast(_collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step)
+                                   if engine is not None else None, parts)  # fmt: skip
+            if engine is not None:
+                engine.offload()  # colocated vLLM on CUDA: the GPU to the trainer until the sync
             log.data_pos = collected.data_pos
             log.compute += collected.flops
             row.update(collected.metrics)
@@ -536,7 +678,7 @@ def _train(
                 row["wall_s"] = log.wall = log.wall + time.perf_counter() - t0
                 log.rows.append(row)
                 tracker.log(row)
-                last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker)
+                last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker) if _rank0() else last_write
                 continue
 
             # 4. pi_old: training-engine recompute (routing recorded or, for R3, the engine's replayed). The first
@@ -551,10 +693,13 @@ def _train(
             old_parts = []
             if len(rest):
                 with torch.no_grad():
-                    old_parts.append(_old_pass(policy, routing, batch, rest, r3))
+                    if parts.trainer is None:
+                        old_parts.append(_old_pass(policy, routing, batch, rest, r3))
+                    else:  # a rank's share of each minibatch, as its update will see it
+                        old_parts += [_old_pass_rows(parts, batch, idx, r3) for idx in chunks[1:]]
             t_old = time.perf_counter() - t1
             t2 = time.perf_counter()
-            logp_first, free_first, entropy_first = _old_pass(policy, routing, batch, first, r3)  # the first update's
+            logp_first, free_first, entropy_first = _old_pass_rows(parts, batch, first, r3)  # the first update's
             t_first = time.perf_counter() - t2
             old_parts.insert(0, (logp_first.detach(), free_first, entropy_first))
             unperm = perm.argsort()  # the parts are in perm order (first, then rest)
@@ -591,9 +736,7 @@ def _train(
                 if i == 0:
                     logp, new_free = logp_first, free_first
                 else:
-                    with routing.replaying(old_routes[idx]) if alg.routing != "free" else routing.recording():
-                        logp = token_logp(policy, ids[idx], tgt[idx], attention_mask=am[idx], positions=pos[idx])
-                    new_free = routing.free_routes() if alg.routing != "free" else routing.routes()
+                    logp, new_free = _forward_rows(parts, batch, idx, old_routes if alg.routing != "free" else None)
                 vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
                 mb = _update(cfg, parts, logp, old_logp[idx], batch, idx,
                              None if ref_logp is None else ref_logp[idx], step)  # fmt: skip
@@ -607,7 +750,7 @@ def _train(
 
             # 6. weights to the rollout engine
             t3 = time.perf_counter()
-            engine.load_weights(iter_hf_weights(policy, mcfg))  # streamed: no copy of the model
+            _sync_engine(parts)
             row["time_sync_s"] = time.perf_counter() - t3
             if cfg.sync_check_every and step % cfg.sync_check_every == 0:  # a metric, never a stop
                 row.update(_sync_parity(policy, routing, engine, batch))
@@ -615,39 +758,45 @@ def _train(
             row.update(compute_flops=log.compute, wall_s=log.wall, peak_rss_gb=_peak_rss_gb())
             row["tokens_total"] = int(am.sum())
 
-            if eval_step:
+            if eval_step and engine is not None:
                 row.update(_evaluate(cfg, engine, parts.tok, parts.evals, step))
             log.rows.append(row)
             tracker.log(row)
             log.step = step
-            last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker)
+            if _rank0():
+                last_write = _maybe_write(cfg, step, last_write, run_dir, log, tracker)
             _check_reward_floor(cfg, log.rows)
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 _checkpoint(run_dir, parts, log)
-            rundir.set_status(run_dir, "running", step=step)
+            if _rank0():
+                rundir.set_status(run_dir, "running", step=step)
             _tick(bar, row)
             if on_eval is not None and eval_step:
                 on_eval(step, row)  # tuning hook (sweeps/tune.py): may stop the run by raising
         outcome = "completed"
-    except Collapse as why:
+    except Collapse as why:  # every rank decides alike: from the global loss and the broadcast rewards
         outcome = "collapsed"
         if row is not None and (not log.rows or log.rows[-1] is not row):  # the collapsing step's row: kept
             log.rows.append(row)
             tracker.log(row)
-        _write_metrics(run_dir, log)
-        rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
+        if _rank0():
+            _write_metrics(run_dir, log)
+            rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
     except BaseException as exc:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
         outcome = "stopped" if isinstance(exc, (rundir.Stopped, KeyboardInterrupt, SystemExit)) else "failed"
-        _write_metrics(run_dir, log)
+        if _rank0():
+            _write_metrics(run_dir, log)
         raise
     finally:
         gc.unfreeze()  # what the run leaves behind is collectable again (several runs may share a process)
         if bar is not None:
             bar.close()
-        engine.close()
+        if engine is not None:
+            engine.close()
         tracker.close(outcome)
-    rundir.set_status(run_dir, "completed", step=cfg.steps)
+    if _rank0():
+        rundir.set_status(run_dir, "completed", step=cfg.steps)
 
 
 def _update(
@@ -663,7 +812,7 @@ def _update(
     """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
     (+ the KL hook), backward, global-norm clip, optimiser step. Returns the minibatch's metrics; raises Collapse
     on an exploding ratio or a non-finite loss or gradient."""
-    alg, hparams, scaler = parts.alg, parts.hparams, parts.scaler
+    alg, hparams = parts.alg, parts.hparams
     mask = batch.mask[idx]  # (b, T)
     with torch.no_grad():
         d = torch.where(mask.bool(), old_logp - logp.detach(), 0.0)  # (b, T) log pi_old - log pi_theta
@@ -678,6 +827,27 @@ def _update(
         metrics = {**metrics, "kl_ref": float(kl.detach())}
     if not torch.isfinite(loss):
         raise Collapse(f"non-finite loss at step {step}")
+    if (
+        parts.trainer is not None
+    ):  # a parallel layout: megatron reduces, the global norm clips (study/policy/parallel.py)
+        parts.trainer.zero_grad()
+        loss.backward()
+        _, norm = parts.trainer.step()
+        if not math.isfinite(norm):
+            raise Collapse(f"non-finite gradient norm at step {step}")
+        grad_norm = torch.tensor(norm)
+    else:
+        grad_norm = _local_step(cfg, parts, loss, step)
+    n = float(mask.sum().clamp_min(1))
+    with torch.no_grad():
+        k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
+        entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
+    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm)}
+
+
+def _local_step(cfg: RunConfig, parts: Parts, loss: torch.Tensor, step: int) -> torch.Tensor:
+    """One process's backward, clip and optimiser step; returns the gradient norm before clipping."""
+    scaler = parts.scaler
     parts.optimizer.zero_grad(set_to_none=True)
     (scaler.scale(loss) if scaler is not None else loss).backward()
     params = [p for p in parts.params if p.grad is not None]
@@ -691,11 +861,7 @@ def _update(
     else:
         parts.optimizer.step()
     parts.prec.round_parameters_()  # precision hook: emulated parameters are stored rounded
-    n = float(mask.sum().clamp_min(1))
-    with torch.no_grad():
-        k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
-        entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
-    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm)}
+    return grad_norm
 
 
 def _mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
@@ -724,6 +890,32 @@ def _old_pass(
         logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
                           positions=batch.pos[idx])  # fmt: skip
     return logp, routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
+
+
+def _old_pass_rows(
+    parts: Parts, batch: Batch, idx: torch.Tensor, r3: bool
+) -> tuple[torch.Tensor, Routes, torch.Tensor]:
+    """`_old_pass` of the global rows idx: at one process those rows; under a parallel layout this rank's share
+    (study/policy/parallel.py data_rows), then every rank's gathered (log-probs differentiable in this rank's rows)."""
+    if parts.trainer is None:
+        return _old_pass(parts.policy, parts.routing, batch, idx, r3)
+    n, local = len(idx), idx[par.data_rows(len(idx))]
+    logp, routes, entropy = _old_pass(parts.policy, parts.routing, batch, local, r3)
+    return par.gather_rows(logp, n), Routes(par.gather_rows(routes.experts, n)), par.gather_rows(entropy, n)
+
+
+def _forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
+    """An update's forward of the global rows idx: `replay`'s routes of them forced (None: free routing recorded).
+    Returns the log-probs (b, T) and the routes free routing chose (gathered over ranks, like `_old_pass_rows`)."""
+    rows = idx if parts.trainer is None else idx[par.data_rows(len(idx))]
+    routing = parts.routing
+    with routing.replaying(replay[rows]) if replay is not None else routing.recording():
+        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
+                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows])  # fmt: skip
+    free = routing.free_routes() if replay is not None else routing.routes()
+    if parts.trainer is None:
+        return logp, free
+    return par.gather_rows(logp, len(idx)), Routes(par.gather_rows(free.experts, len(idx)))
 
 
 def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int,
@@ -942,7 +1134,31 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
     return frame[list(TOKEN_SAMPLE_COLUMNS)]
 
 
+def _rank_file(run_dir: Path, step: int) -> Path:
+    """A parallel layout's per-rank checkpoint part (optimizer shard, RNG states) of `step`."""
+    return run_dir / "checkpoint" / f"rank{torch.distributed.get_rank()}-step{step}.pt"
+
+
 def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
+    """state.pt: the model, optimiser, scaler, RNG states and position. Under a parallel layout every rank first
+    writes its optimizer shard and RNG states (`_rank_file`), then rank 0 the full (one-process) weights and the
+    position in state.pt, whose step names the rank files that belong to it (older ones are removed after)."""
+    if parts.trainer is not None:
+        model = par.full_state_dict(parts.policy)  # collective
+        mine = {"optimizer": parts.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(), "numpy_rng": _numpy_rng_out(np.random.get_state())}  # fmt: skip
+        (run_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+        rundir.atomic_write(_rank_file(run_dir, log.step), lambda tmp: torch.save(mine, tmp))
+        torch.distributed.barrier()
+        if _rank0():  # every key of a checkpoint (rank 0's optimizer and RNGs), the full weights
+            state = {**mine, "model": model, "scaler": None, "step": log.step, "data_pos": log.data_pos,
+                     "compute": log.compute, "wall": log.wall}  # fmt: skip
+            rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
+            for old in (run_dir / "checkpoint").glob("rank*-step*.pt"):
+                if not old.name.endswith(f"-step{log.step}.pt"):
+                    old.unlink()
+        torch.distributed.barrier()
+        return
     state = {
         "model": parts.policy.state_dict(),
         "optimizer": parts.optimizer.state_dict(),

@@ -18,6 +18,12 @@ idempotent. On a CUDA machine it does nothing, so the same code runs unchanged t
    only inside `try: import transformer_engine`, yet read unconditionally by the router's gating GEMM. Defined as
    None when TransformerEngine is absent, so the router takes its plain `torch.mm` branch.
 
+5. (`apply_parallel()`, on every device) megatron's torch norm (`WrappedTorchNorm`, the local spec's norm when
+   TransformerEngine is absent) refuses sequence parallelism outright, though a norm over the hidden dimension is
+   exact on a sequence shard: all it needs is its weight marked `sequence_parallel`, so that
+   `finalize_model_grads` sums the weight's gradient over the tensor-parallel ranks (as TE's norms are marked).
+   Patched to build the same norm with the flag set on its parameters.
+
 `SHIMS` names every patched target; tests/study/test_megatron_compat.py checks that each still exists and that the
 patch took effect, so a megatron upgrade that moves one fails loudly instead of failing deep inside a forward.
 """
@@ -41,9 +47,11 @@ SHIMS: tuple[tuple[str, str], ...] = (
     ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
     ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+    ("megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__"),
 )
 
 _APPLIED = False
+_PARALLEL_APPLIED = False
 # The attributes the shims replaced, as they were (MISSING where megatron leaves the name undefined); tests use them
 # to show each shim is still needed.
 MISSING = object()
@@ -74,8 +82,10 @@ def applied() -> bool:
 
 
 def apply() -> bool:
-    """Patch megatron-core for CPU when CUDA is unavailable; idempotent. Returns whether the shims are active."""
+    """Patch megatron-core for CPU when CUDA is unavailable (and `apply_parallel()` on every device); idempotent.
+    Returns whether the CPU shims are active."""
     global _APPLIED
+    apply_parallel()  # on every device
     if _APPLIED:
         return True
     if torch.cuda.is_available():
@@ -159,3 +169,38 @@ def _patch_te_general_gemm() -> None:
     # moe_utils.RouterGatingLinearFunction.forward reads `te_general_gemm`, defined only when TE imports.
     if getattr(moe_utils, "te_general_gemm", None) is None:
         _replace(moe_utils, moe_utils.__name__, "te_general_gemm", None)
+
+
+# 5. Sequence parallelism in megatron's torch norm (every device) -----------------------------------------------------
+def apply_parallel() -> None:
+    """Let megatron's torch norm run under sequence parallelism (module doc, point 5); idempotent, any device."""
+    global _PARALLEL_APPLIED
+    if _PARALLEL_APPLIED:
+        return
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    @_shim
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,  # type: ignore[no-untyped-def]
+                normalization="LayerNorm"):  # fmt: skip
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False  # megatron asserts it off; the norm it builds is exact on a shard
+        try:
+            norm = original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        mark_sequence_parallel(norm, sequence_parallel)
+        return norm
+
+    _replace(
+        WrappedTorchNorm, "megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__", staticmethod(__new__)
+    )
+    _PARALLEL_APPLIED = True
+
+
+def mark_sequence_parallel(module: torch.nn.Module, on: bool) -> None:
+    """Mark `module`'s parameters as megatron marks a sequence-parallel norm's (their gradients are summed over the
+    tensor-parallel ranks by `finalize_model_grads`)."""
+    for p in module.parameters():
+        p.sequence_parallel = on

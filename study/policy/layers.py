@@ -95,7 +95,10 @@ class FusedNormSpec:
             return norm
         fused = FusedRMSNorm(hidden_size, eps=eps)
         fused.load_state_dict(norm.state_dict())
-        return fused.to(device=norm.weight.device, dtype=norm.weight.dtype)
+        fused = fused.to(device=norm.weight.device, dtype=norm.weight.dtype)
+        for p in fused.parameters():  # sequence parallelism (study/policy/compat.py, point 5): marked as megatron's
+            p.sequence_parallel = config.sequence_parallel
+        return fused
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from study.model_config import DTYPES, TORCH_DTYPES, ModelConfig
+from study.model_config import DTYPES, TORCH_DTYPES, ModelConfig, ParallelLayout
 from study.policy import compat as megatron_compat
 from study.policy import layers as fast_layers
 
@@ -48,20 +48,24 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------------------------------
 # Process group and megatron parallel state
 # ---------------------------------------------------------------------------------------------------------------------
-def init_distributed(*, tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
-    """Initialise torch.distributed and megatron's parallel state; idempotent.
+def init_distributed(
+    layout: ParallelLayout | None = None, *, tensor_parallel: int | None = None, expert_parallel: int | None = None
+) -> ParallelLayout:
+    """Initialise torch.distributed and megatron's parallel state for `layout`; idempotent. Returns the layout.
 
     Without a launcher (no WORLD_SIZE in the environment) this is one process: a world of size 1 on an in-memory
-    store (no port). Under torchrun it joins the launcher's group (env://). The backend is NCCL on CUDA, gloo on
-    CPU; on CPU the compatibility shims (study/policy/compat.py) are applied first. Calling again with other
-    parallel sizes than the initialised ones is an error.
+    store (no port). Under torchrun or submitit's tasks it joins the launcher's group (env://). The backend is NCCL
+    on CUDA, gloo on CPU; the compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
+    rank per layout size (`tensor_parallel` / `expert_parallel`, the older keywords, set those two with data the
+    rest of the world). The world must be the layout's size; calling again with another layout is an error.
     """
     from megatron.core import parallel_state
 
     for name, size in (("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel)):
-        if not isinstance(size, int) or size < 1:
+        if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} = {size!r}: must be a positive integer")
     megatron_compat.apply()
+    megatron_compat.apply_parallel()
     cuda = torch.cuda.is_available()
     if not torch.distributed.is_initialized():
         backend = "nccl" if cuda else "gloo"
@@ -71,22 +75,42 @@ def init_distributed(*, tensor_parallel: int = 1, expert_parallel: int = 1) -> N
             torch.distributed.init_process_group(backend, init_method="env://")
         else:
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    if parallel_state.model_parallel_is_initialized():
-        have = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size(),
-        )
-        if have != (tensor_parallel, expert_parallel):
-            raise ValueError(
-                f"megatron parallel state already initialised with (tensor_parallel, expert_parallel) = {have}, "
-                f"asked for {(tensor_parallel, expert_parallel)}"
-            )
-        return
     world = torch.distributed.get_world_size()
-    if world % (tensor_parallel * expert_parallel):
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel x expert_parallel")
+    if layout is None:
+        tp, ep = tensor_parallel or 1, expert_parallel or 1
+        try:
+            layout = ParallelLayout(tensor=tp, expert=ep, data=max(world // tp, 1))
+        except ValueError as e:
+            raise ValueError(f"world size {world}: {e}") from None
+    if parallel_state.model_parallel_is_initialized():
+        have = current_layout()
+        if have != layout:
+            raise ValueError(f"megatron parallel state already initialised with {have}, asked for {layout}")
+        return layout
+    if layout.world_size != world:
+        raise ValueError(
+            f"parallel = {layout.to_dict()} needs tensor x data = {layout.world_size} ranks, but the world has {world} "
+            "(start one process per rank, e.g. torchrun --nproc_per_node N or the launcher's tasks_per_node)"
+        )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel
+        tensor_model_parallel_size=layout.tensor,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
+    )
+    return layout
+
+
+def current_layout() -> ParallelLayout:
+    """The layout megatron's parallel state is initialised with (one process when it is not)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return ParallelLayout()
+    return ParallelLayout(
+        tensor=parallel_state.get_tensor_model_parallel_world_size(),
+        expert=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor=parallel_state.get_expert_tensor_parallel_world_size(),
+        data=parallel_state.get_data_parallel_world_size(),
     )
 
 
@@ -99,14 +123,32 @@ def norm_topk_prob(cfg: ModelConfig) -> bool:
 
 
 def transformer_config(
-    cfg: ModelConfig, *, dtype: str = "fp32", routing_replay: bool = True, rope_fusion: bool = False
+    cfg: ModelConfig,
+    *,
+    dtype: str = "fp32",
+    routing_replay: bool = True,
+    rope_fusion: bool = False,
+    parallel: ParallelLayout | None = None,
 ) -> TransformerConfig:
     """The megatron TransformerConfig of the policy described by `cfg`; `rope_fusion`: megatron's fused-RoPE slot
-    (study/kernels/rope.py `install` must have filled it)."""
+    (study/kernels/rope.py `install` must have filled it). `parallel` (None: one process): the tensor, expert and
+    expert-tensor sizes, sequence parallelism where tensor parallelism is on (megatron needs it to train with TP
+    and MoE), and per-token loss accounting (the loop's losses are already normalised over the global batch, so
+    megatron's DDP sums gradients over data-parallel ranks instead of averaging them)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    sizes: dict = {}
+    if parallel is not None and parallel != ParallelLayout():
+        parallel.check_model(cfg)
+        sizes = dict(
+            tensor_model_parallel_size=parallel.tensor,
+            expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=parallel.expert_tensor,
+            sequence_parallel=parallel.tensor > 1,
+            calculate_per_token_loss=True,
+        )
     extra = dict(cfg.extra)
     aux = float(extra.pop("moe_aux_loss_coeff", 0.0))
     if aux < 0:
@@ -154,6 +196,7 @@ def transformer_config(
         apply_rope_fusion=rope_fusion,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        **sizes,
         **extra,
     )
 
@@ -170,6 +213,7 @@ def build_policy(
     dtype: str = "fp32",
     routing_replay: bool = True,
     layers: str = "fast",
+    parallel: ParallelLayout | None = None,
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
 
@@ -180,6 +224,10 @@ def build_policy(
     `...experts.local_experts.{e}...`) whatever `layers` is; keep them stable, the HF weight map depends on them.
     `layers` (LAYERS): "fast" computes the same function as "megatron" to ~1e-6 (bit for bit with `STUDY_NATIVE=0`
     but for SDPA's attention sums, tests/study/test_model.py).
+    `parallel` (None: one process): this rank's shard of the policy under that layout (study/policy/parallel.py
+    wraps it for training, loads full weights into it and exports them). Its dense weights are the one-process
+    model's slices (megatron initialises on the CPU from full master weights); its experts are not (their init
+    draws per rank): load the one-process weights with `parallel.load_full_state` for the same model.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -193,8 +241,9 @@ def build_policy(
         raise ValueError(f"layers = {layers!r}; valid: {', '.join(LAYERS)}")
     fast = layers == "fast"
     rope_fusion = fast and fast_layers.install_rope()
-    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion)
-    init_distributed()
+    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion,
+                                 parallel=parallel)  # fmt: skip
+    layout = init_distributed(parallel or ParallelLayout())
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
@@ -220,8 +269,16 @@ def build_policy(
             rotary_base=cfg.rotary_base,
         )
     model.to(device=_device(), dtype=TORCH_DTYPES[dtype])
+    if layout != ParallelLayout():
+        # megatron marks expert weights for the expert-data-parallel reduction (`allreduce = False`) only when
+        # expert parallelism is on; with tensor parallelism and expert_tensor != tensor at EP 1 their gradients are
+        # then partial per rank yet reduced as dense weights (over the dense data-parallel group): mark them always.
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.allreduce = False
     model.study_config = cfg
     model.study_dtype = dtype
+    model.study_layout = layout
     return model
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.model_config import DTYPES, ModelConfig, is_checkpoint_dir, model_spec, resolve_model
+from study.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
@@ -123,6 +123,12 @@ class RunConfig:
     kl_coef: float = 0.0
     """Coefficient of a k3 KL(pi_theta || pi_ref) penalty to the frozen initial policy, added to the loss
     (0 = off, as in the paper)."""
+    parallel: dict[str, Any] = field(default_factory=dict)
+    """How the policy is split over ranks: {tensor, expert, expert_tensor, data} (study.model_config.ParallelLayout;
+    pipeline and context are named and refused unless 1); {} = one process. A runtime choice, not in the run id
+    (each layout computes the one-process run's numbers to rounding, tests/study/test_parallel.py): recorded in the
+    run's manifest, and a resume under another layout is refused. Validated against the model's shape here and
+    against the launcher's world size when the run starts (`--set parallel.expert=2 --set parallel.data=2`)."""
 
     def __post_init__(self) -> None:
         # An HF checkpoint directory as the model: its shape is the model, its weights the cold start.
@@ -174,6 +180,7 @@ class RunConfig:
             raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
         alg.check_hparams(self.hparams)
         self._validate_model()
+        self.layout.check_model(self.model_config())
         _choice("task", self.task, (*tasks.TASKS, "user"))
         self._validate_user_data()
         if self.task != "user":
@@ -333,6 +340,11 @@ class RunConfig:
 
         return resolve(self.train_dtype, self.train_precision), resolve(self.rollout_dtype, self.rollout_precision)
 
+    @property
+    def layout(self) -> ParallelLayout:
+        """The `parallel` section as a validated ParallelLayout (errors name the field)."""
+        return ParallelLayout.from_mapping(self.parallel)
+
     def model_config(self) -> ModelConfig:
         """The resolved shape: the preset with the run's overrides (study.model_config.resolve_model)."""
         return resolve_model(self.model)
@@ -369,8 +381,8 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
 }
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
-# Fields that do not change what a run computes.
-NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every")
+# Fields that do not change what a run computes (`parallel`: to rounding, like the thread count's sums).
+NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every", "parallel")
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
     "train_precision": "",

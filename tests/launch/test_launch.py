@@ -343,7 +343,8 @@ def test_the_placement_reaches_sbatch(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """study.plan's check, and the one-rank limit of study.rl, before any job is asked for (exit 2, no job)."""
+    """study.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
+    job)."""
     monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
     big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
                        max_new_tokens=4096)  # fmt: skip
@@ -353,7 +354,7 @@ def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypat
     assert launch.main([*args[:-4], "--gpus", "8", "--nodes", "2", "--gpu-mem-gb", "80"]) == 2  # fits, but 16 ranks
     with pytest.raises(ValueError, match=r"does not fit on 1 GPU\(s\) of 80 GB"):
         launch.check_resources(big, "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))
-    with pytest.raises(ValueError, match=r"2 x 8 = 16 ranks, but study.rl runs a run on one rank"):
+    with pytest.raises(ValueError, match=r"2 x 8 = 16 ranks, but the run's parallel layout \{\} has 1"):
         launch.check_resources(big, "slurm", launch.Resources(gpus=8, nodes=2, gpu_mem_gb=80))
     launch.check_resources(smoke_config(), "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))  # tiny fits
 
@@ -389,3 +390,24 @@ def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
     assert all(v["sum"] == 3.0 for v in views)
     log = "".join(p.read_text() for p in sorted((tmp_path / "rank-check" / "submitit").glob("*_log.*")))
     assert "Calling checkpoint method" in log and re.search(r"Requeued job \d+", log), log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path) -> None:
+    # A run at EP 2 through submitit's local executor: one job, two tasks (ranks), rank 0's status returned, and the
+    # run directory written by rank 0 with both ranks' checkpoint parts.
+    from study.run.config import load_config
+    from tests.study.test_parallel import _coldstart
+
+    (tmp_path / "start").mkdir()
+    cfg = load_config(preset="tiny", sets=["steps=1", "eval_every=0", "prompts_per_step=2", "minibatches=2",
+                                           "max_new_tokens=8", f"coldstart={_coldstart(tmp_path / 'start')}",
+                                           "parallel.expert=2", "parallel.data=2"])  # fmt: skip
+    proc = run_launch(write_config(cfg, tmp_path / "ep2.yaml"), tmp_path / "r", "--launcher", "local")
+    run_dir = tmp_path / "r" / "runs" / cfg.run_id
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == f"completed: {run_dir}" and state(run_dir) == "completed"
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["rank0-step1.pt", "rank1-step1.pt",
+                                                                          "state.pt"]  # fmt: skip
+    assert len(list((run_dir / "submitit").glob("*_1_log.out"))) == 1  # the second task's own log

@@ -214,3 +214,29 @@ def test_router_lr_scale_and_coldstart_band() -> None:
     (rest, routers) = opt.param_groups
     assert rest["lr"] == 1e-4 and routers["lr"] == pytest.approx(3e-3)
     assert len(routers["params"]) == base.model_config().num_layers  # one router weight per MoE layer
+
+
+def test_parallel_section(tmp_path: Path) -> None:
+    from study import rl
+    from study.model_config import ParallelLayout
+
+    base = RunConfig()
+    cfg = load_config(sets=["parallel.expert=2", "parallel.data=2"])
+    assert cfg.layout == ParallelLayout(expert=2, data=2) and cfg.layout.world_size == 2
+    assert cfg.run_id == base.run_id  # a runtime choice: not in the run id, recorded in the manifest
+    for sets, message in ((["parallel.pipeline=2"], "parallel.pipeline = 2: pipeline parallelism"),
+                          (["parallel.context=4"], "parallel.context = 4"),
+                          (["parallel.expert=2"], "must divide the world size"),
+                          (["parallel.tensor=4"], "num_attention_heads = 2 is not divisible by parallel.tensor = 4"),
+                          (["parallel.expert=8", "parallel.data=8"], "num_experts = 4 is not divisible"),
+                          (["parallel.tensors=2"], "unknown field")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(sets=sets)
+    # the loop refuses a layout it does not run yet, and a resume under another layout, before any compute
+    with pytest.raises(ValueError, match="runs one process today"):
+        rl.run(cfg, tmp_path, progress=False)
+    run_dir = tmp_path / "runs" / base.run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text('{"parallel": {"expert": 2, "data": 2}}')
+    with pytest.raises(ValueError, match="started with parallel"):
+        rl.run(base, tmp_path, progress=False)

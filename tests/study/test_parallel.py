@@ -1,0 +1,257 @@
+"""The policy across two ranks (gloo, CPU) against one process on the same global batch: expert parallelism (EP 2,
+its dense weights data parallel over the same two ranks), tensor parallelism with sequence parallelism (TP 2), and
+data parallelism (DP 2). Per layout, in one two-process run: the per-token log-probs, every gradient after
+megatron's reduction, one GSPO update (loss, clip fraction, global grad norm, updated weights) and the full-weight
+export (names, shapes, values) equal the one-process model's.
+
+Tolerance: log-probs and losses to 2e-6 absolute, gradients to 5e-6 of the tensor's largest entry, updated weights
+to 1e-2 x lr (measured: log-probs bit for bit at EP 2 and DP 2, 5e-7 at TP 2; gradients <= 1e-6 relative: the sums
+over ranks and over sequence shards add in another order; Adam's first step, lr x g / (|g| + eps), turns that into
+<= 3.6e-3 lr on tiny entries). The export equals the one-process weights exactly. ~40 s a layout (two processes
+importing megatron on a shared CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from study.model_config import PRESETS, ParallelLayout
+
+CFG = PRESETS["tiny"]
+ROWS, WIDTH = 4, 17
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (B, S), mask (B, S-1) of real targets, advantages (B,), pi_old offsets (B, S-1): a fixed global batch."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CFG.vocab_size, (ROWS, WIDTH), generator=g)
+    mask = torch.ones(ROWS, WIDTH - 1)
+    mask[1, 11:] = 0
+    mask[3, 8:] = 0
+    adv = torch.randn(ROWS, generator=g)
+    # pi_old != pi_theta: rows 0-1's sequence ratios leave the trust region on the clipped side, rows 2-3's do not
+    side = torch.tensor([-1.0, -1.0, 1.0, 1.0]) * adv.sign()
+    offsets = 0.1 * side[:, None] + 0.05 * torch.randn(ROWS, WIDTH - 1, generator=g)
+    return ids, mask, adv, offsets
+
+
+def _forward(model, rows):
+    from study.policy.model import token_logp
+
+    ids, mask, _, _ = _batch()
+    return token_logp(model, ids[rows, :-1], ids[rows, 1:], attention_mask=mask[rows].long())  # right padded
+
+
+def _loss(logp_full):
+    import algorithms
+
+    _, mask, adv, offsets = _batch()
+    alg = algorithms.get("gspo")
+    old = logp_full.detach() + offsets
+    return alg.loss(logp_full, old, adv, mask, **alg.check_hparams({}))
+
+
+def _one_process() -> dict:
+    """The one-process reference: weights, log-probs, gradients of the GSPO loss, grad norm and the AdamW + clip
+    step's new weights."""
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
+
+    model = build_policy(CFG, seed=3, routing_replay=False)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logp = _forward(model, torch.arange(ROWS))
+    loss, metrics = _loss(logp)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, lr=1e-3)
+    norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5))
+    opt.step()
+    return {"state": state, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
+            "norm": norm, "stepped": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+
+
+def _worker(rank: int, port: int, layout: ParallelLayout, ref: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+    from study.weights import megatron_to_hf
+
+    model = build_policy(CFG, seed=3, routing_replay=False, parallel=layout)
+    P.load_full_state(model, ref["state"])
+    export = dict(P.full_hf_weights(model))
+    trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
+    trainer.zero_grad()
+    rows = P.data_rows(ROWS)
+    logp = _forward(model, rows)
+    loss, metrics = _loss(P.gather_rows(logp, ROWS))
+    loss.backward()
+    trainer.reduce()
+    grads = dict(P.full_weights(model, grads=True))
+    trainer.reduce = lambda: None  # already reduced: step() clips and steps
+    stepped, norm = trainer.step()
+    result = {
+        "rows": rows, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
+        "norm": norm,
+        "stepped": P.full_state_dict(model), "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
+        "took_step": stepped,
+    }  # fmt: skip
+    if rank == 0:
+        torch.save(result, out)
+    torch.distributed.destroy_process_group()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _one_process()
+
+
+def _close(got: dict, want: dict, rel: float) -> list[str]:
+    bad = []
+    for name, w in want.items():
+        scale = float(w.abs().max().clamp_min(1e-12))
+        if got[name].shape != w.shape or float((got[name] - w).abs().max()) > rel * scale:
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(expert=2, data=2), dict(tensor=2), dict(data=2)], ids=["ep2", "tp2sp", "dp2"])
+def test_two_ranks_equal_one_process(layout, reference, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_worker, args=(_port(), ParallelLayout(**layout), reference, out), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    assert torch.allclose(got["logp"], reference["logp"][got["rows"]], atol=2e-6, rtol=0)
+    assert abs(got["loss"] - reference["loss"]) <= 2e-6
+    assert got["metrics"]["clip_frac"] == reference["metrics"]["clip_frac"] and 0 < got["metrics"]["clip_frac"] < 1
+    assert _close(got["grads"], reference["grads"], 5e-6) == []
+    assert got["took_step"] and abs(got["norm"] - reference["norm"]) <= 1e-6 * reference["norm"]
+    assert reference["norm"] > 0.5  # the clip acted
+    # Adam's first step is lr x g / (|g| + eps): a gradient's rounding moves its tiny entries' updates most
+    moved = max(float((got["stepped"][n] - w).abs().max()) for n, w in reference["stepped"].items())
+    assert moved <= 1e-2 * 1e-3  # lr = 1e-3; measured 1.2e-4 lr (EP 2, DP 2), 3.6e-3 lr (TP 2)
+    assert got["export_same"]
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match=r"parallel.pipeline = 2: pipeline parallelism is not supported"):
+        ParallelLayout.from_mapping({"pipeline": 2})
+    with pytest.raises(ValueError, match=r"parallel.context"):
+        ParallelLayout(context=2)
+    with pytest.raises(ValueError, match="unknown field"):
+        ParallelLayout.from_mapping({"tensors": 2})
+    with pytest.raises(ValueError, match="must divide the world size"):
+        ParallelLayout(expert=2)
+    with pytest.raises(ValueError, match=r"num_experts = 4 is not divisible by parallel.expert = 8"):
+        ParallelLayout(expert=8, data=8).check_model(CFG)
+    with pytest.raises(ValueError, match=r"num_attention_heads = 2 is not divisible by parallel.tensor = 4"):
+        ParallelLayout(tensor=4).check_model(CFG)
+    assert ParallelLayout(expert=2, data=2).expert_data == 1 and ParallelLayout(tensor=2).world_size == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The RL loop across two ranks
+# ---------------------------------------------------------------------------------------------------------------------
+RUN_SETS = ["steps=2", "eval_every=0", "checkpoint_every=1", "prompts_per_step=2", "group_size=4", "minibatches=2",
+            "max_new_tokens=16", "algorithm=grpo_rr"]  # fmt: skip
+
+
+def _coldstart(directory) -> str:
+    """A cold-start directory (tokenizer + one-process random weights): the start both runs load."""
+    from study.data.tokenizer import build_tokenizer
+    from study.policy.model import build_policy
+
+    tok = build_tokenizer(CFG.vocab_size, ["chain_sum"], n_per_task=400)
+    tok.save(directory)
+    model = build_policy(CFG, seed=7)
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, directory / "policy.pt")
+    return str(directory)
+
+
+def _rl_worker(rank: int, port: int, sets: list[str], results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    from study import rl
+    from study.run.config import load_config
+
+    rl.run(load_config(preset="tiny", sets=sets), results, progress=False)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_rl_run_at_ep2_equals_one_process(tmp_path):
+    # Two GRPO + Routing Replay steps at EP 2 (dense weights data parallel over the same two ranks) against the same
+    # run at one process: the same rollouts (one engine, rank 0's, fed the gathered weights), and the same losses,
+    # clip fractions, gradient norms and routing metrics to rounding. Rank 0 alone writes the run directory, and
+    # its checkpoint holds the one-process names and shapes.
+    import subprocess
+    import sys
+
+    import pandas as pd
+    import torch.multiprocessing as mp
+
+    from study.run.config import load_config
+
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
+                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
+                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    two_sets = [*sets, "parallel.expert=2", "parallel.data=2"]
+    mp.spawn(_rl_worker, args=(_port(), two_sets, str(tmp_path / "two")), nprocs=2)
+    cfg = load_config(preset="tiny", sets=two_sets)
+    two = tmp_path / "two" / "runs" / cfg.run_id
+    assert one.endswith(cfg.run_id)  # the layout is not in the run id
+    a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
+    assert list(a["step"]) == list(b["step"]) == [1, 2]
+    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+        assert list(a[column]) == list(b[column]), column
+    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est"):
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+    assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["rank0-step2.pt", "rank1-step2.pt", "state.pt"]
+    state = torch.load(two / "checkpoint" / "state.pt", weights_only=False)["model"]
+    start = torch.load(tmp_path / "start" / "policy.pt", weights_only=True)
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in start.items()}
+    import json
+
+    assert json.loads((two / "manifest.json").read_text())["parallel"]["expert"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_megatron_optimizer_on_cuda():
+    # On CUDA the shards step through megatron's distributed optimizer (fp32 main parameters for bf16): one process,
+    # one update of the bf16 policy; its global grad norm is torch's over the same gradients and the weights move.
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+
+    model = build_policy(CFG, seed=3, routing_replay=False, dtype="bf16", parallel=ParallelLayout())
+    trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=1.0)
+    assert trainer.megatron_optimizer
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    trainer.zero_grad()
+    loss, _ = _loss(_forward(model, torch.arange(ROWS)).float().cpu())
+    loss.backward()
+    trainer.reduce()
+    want = float(torch.linalg.vector_norm(torch.stack([p.main_grad.float().norm() for p in model.parameters()])))
+    trainer.reduce = lambda: None
+    stepped, norm = trainer.step()
+    assert stepped and norm == pytest.approx(want, rel=1e-3)
+    assert all(not torch.equal(p.detach().float(), before[n]) for n, p in model.named_parameters())
