@@ -216,7 +216,7 @@ def test_router_lr_scale_and_coldstart_band() -> None:
     assert len(routers["params"]) == base.model_config().num_layers  # one router weight per MoE layer
 
 
-def test_parallel_section(tmp_path: Path) -> None:
+def test_parallel_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from study import rl
     from study.model_config import ParallelLayout
 
@@ -232,9 +232,20 @@ def test_parallel_section(tmp_path: Path) -> None:
                           (["parallel.tensors=2"], "unknown field")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(sets=sets)
-    # the loop refuses a layout it does not run yet, and a resume under another layout, before any compute
-    with pytest.raises(ValueError, match="runs one process today"):
+    # the loop refuses, before any compute: a world the launcher did not start, what it does not run at a layout
+    # yet, and a resume under another layout
+    with pytest.raises(ValueError, match="needs 2 ranks, the launcher started 1"):
         rl.run(cfg, tmp_path, progress=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for sets, message in ((["parallel.tensor=2"], "parallel.tensor > 1"),
+                          (["parallel.expert=2", "parallel.data=2", "algorithm=dapo"], "dynamic sampling"),
+                          (["parallel.data=2", "minibatches=32"], "does not split evenly over parallel.data = 2"),
+                          (["parallel.expert=2", "parallel.data=2", "coldstart=scratch"],
+                           "coldstart = 'scratch'")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            rl.run(load_config(sets=sets), tmp_path, progress=False)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not (tmp_path / "runs").exists()  # nothing written
     run_dir = tmp_path / "runs" / base.run_id
     run_dir.mkdir(parents=True)
     (run_dir / "manifest.json").write_text('{"parallel": {"expert": 2, "data": 2}}')
