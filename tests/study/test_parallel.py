@@ -7,8 +7,8 @@ export (names, shapes, values) equal the one-process model's.
 Tolerance: log-probs and losses to 2e-6 absolute, gradients to 5e-6 of the tensor's largest entry, updated weights
 to 1e-2 x lr (measured: log-probs bit for bit at EP 2 and DP 2, 5e-7 at TP 2; gradients <= 1e-6 relative: the sums
 over ranks and over sequence shards add in another order; Adam's first step, lr x g / (|g| + eps), turns that into
-<= 3.6e-3 lr on tiny entries). The export equals the one-process weights exactly. ~40 s a layout (two processes
-importing megatron on a shared CPU).
+<= 3.6e-3 lr on tiny entries). The export equals the one-process weights exactly. The three layouts run in one
+spawn of two processes (~50 s on a shared CPU, most of it importing megatron).
 """
 
 from __future__ import annotations
@@ -74,35 +74,45 @@ def _one_process() -> dict:
             "norm": norm, "stepped": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
 
 
-def _worker(rank: int, port: int, layout: ParallelLayout, ref: dict, out: str) -> None:
+LAYOUTS = {"ep2": ParallelLayout(expert=2, data=2), "tp2sp": ParallelLayout(tensor=2), "dp2": ParallelLayout(data=2)}
+
+
+def _worker(rank: int, port: int, ref: dict, out: str) -> None:
+    """Every layout of LAYOUTS in turn in the same two processes (megatron's parallel state rebuilt for each: the
+    imports, not the checks, are most of a spawn's time); rank 0 saves each layout's results."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
     from study.policy import parallel as P
     from study.policy.model import build_policy
     from study.weights import megatron_to_hf
 
-    model = build_policy(CFG, seed=3, routing_replay=False, parallel=layout)
-    P.load_full_state(model, ref["state"])
-    export = dict(P.full_hf_weights(model))
-    trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
-    trainer.zero_grad()
-    rows = P.data_rows(ROWS)
-    logp = _forward(model, rows)
-    loss, metrics = _loss(P.gather_rows(logp, ROWS))
-    loss.backward()
-    trainer.reduce()
-    grads = dict(P.full_weights(model, grads=True))
-    trainer.reduce = lambda: None  # already reduced: step() clips and steps
-    stepped, norm = trainer.step()
-    result = {
-        "rows": rows, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
-        "norm": norm,
-        "stepped": P.full_state_dict(model), "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
-        "took_step": stepped,
-    }  # fmt: skip
+    results = {}
+    for name, layout in LAYOUTS.items():
+        model = build_policy(CFG, seed=3, routing_replay=False, parallel=layout)
+        P.load_full_state(model, ref["state"])
+        export = dict(P.full_hf_weights(model))
+        trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
+        trainer.zero_grad()
+        rows = P.data_rows(ROWS)
+        logp = _forward(model, rows)
+        loss, metrics = _loss(P.gather_rows(logp, ROWS))
+        loss.backward()
+        trainer.reduce()
+        grads = dict(P.full_weights(model, grads=True))
+        trainer.reduce = lambda: None  # already reduced: step() clips and steps
+        stepped, norm = trainer.step()
+        results[name] = {
+            "rows": rows, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
+            "norm": norm,
+            "stepped": P.full_state_dict(model), "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
+            "took_step": stepped,
+        }  # fmt: skip
+        parallel_state.destroy_model_parallel()
     if rank == 0:
-        torch.save(result, out)
+        torch.save(results, out)
     torch.distributed.destroy_process_group()
 
 
@@ -121,6 +131,16 @@ def reference():
     return _one_process()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(reference, tmp_path_factory):
+    """Each layout's results at world size 2 (one spawn of two processes for all of them)."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path_factory.mktemp("two_ranks") / "rank0.pt")
+    mp.spawn(_worker, args=(_port(), reference, out), nprocs=2)
+    return torch.load(out, weights_only=False)
+
+
 def _close(got: dict, want: dict, rel: float) -> list[str]:
     bad = []
     for name, w in want.items():
@@ -131,13 +151,9 @@ def _close(got: dict, want: dict, rel: float) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(expert=2, data=2), dict(tensor=2), dict(data=2)], ids=["ep2", "tp2sp", "dp2"])
-def test_two_ranks_equal_one_process(layout, reference, tmp_path):
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "rank0.pt")
-    mp.spawn(_worker, args=(_port(), ParallelLayout(**layout), reference, out), nprocs=2)
-    got = torch.load(out, weights_only=False)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_equal_one_process(layout, reference, two_ranks):
+    got = two_ranks[layout]
     assert torch.allclose(got["logp"], reference["logp"][got["rows"]], atol=2e-6, rtol=0)
     assert abs(got["loss"] - reference["loss"]) <= 2e-6
     assert got["metrics"]["clip_frac"] == reference["metrics"]["clip_frac"] and 0 < got["metrics"]["clip_frac"] < 1
