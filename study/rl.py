@@ -710,7 +710,7 @@ def _train(
             t1 = time.perf_counter()
             if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
                 with torch.no_grad():
-                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos)  # (B, T)
+                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos).cpu()  # (B, T)
                 log.compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
             row["time_old_logp_s"] = t_old + time.perf_counter() - t1
             row.update(_mismatch(train_old, batch.rollout_logp, batch.mask))
@@ -889,7 +889,8 @@ def _old_pass(
     with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
         logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
                           positions=batch.pos[idx])  # fmt: skip
-    return logp, routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
+    # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
+    return logp.cpu(), routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
 
 
 def _old_pass_rows(
@@ -911,7 +912,7 @@ def _forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes 
     routing = parts.routing
     with routing.replaying(replay[rows]) if replay is not None else routing.recording():
         logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
-                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows])  # fmt: skip
+                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows]).cpu()  # fmt: skip
     free = routing.free_routes() if replay is not None else routing.routes()
     if parts.trainer is None:
         return logp, free

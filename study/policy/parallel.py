@@ -203,12 +203,20 @@ def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
         return local
     sizes = [len(r) for r in torch.tensor_split(torch.arange(n), dp)]
     width = max(sizes)
-    padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype, device=local.device)
-    padded[: local.shape[0]] = local.detach()
+    device = _comm_device(local.device)  # NCCL gathers CUDA tensors only: CPU ones (routes) travel through the GPU
+    padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local.detach().to(device)
     pieces = [torch.empty_like(padded) for _ in range(dp)]
     torch.distributed.all_gather(pieces, padded, group=ps.get_data_parallel_group())
     rank = ps.get_data_parallel_rank()
-    return torch.cat([local if r == rank else pieces[r][: sizes[r]] for r in range(dp)])
+    return torch.cat([local if r == rank else pieces[r][: sizes[r]].to(local.device) for r in range(dp)])
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """Where a collective's tensors must be: the current GPU under NCCL, else where they are."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class ShardedTrainer:
