@@ -313,11 +313,18 @@ def launch(
     from study.run.config import RunConfig
 
     cfg = RunConfig.from_dict(config, where="launch")
-    if res.world_size == 1 and cfg.layout.world_size > 1:  # one task per rank of the run's layout
-        res = dataclasses.replace(res, tasks_per_node=cfg.layout.world_size)
+    res = layout_ranks(cfg, res)
     check_resources(cfg, launcher, res)
     call = Run(cfg.to_dict(), str(results), tracking)
     return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
+
+
+def layout_ranks(cfg: Any, res: Resources) -> Resources:
+    """`res` with one task per rank of the run's `parallel` layout when it asks for one rank (no --nodes or
+    --tasks-per-node placement given); otherwise `res` (check_resources compares the two)."""
+    if res.world_size == 1 and cfg.layout.world_size > 1:
+        return dataclasses.replace(res, tasks_per_node=cfg.layout.world_size)
+    return res
 
 
 def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
@@ -500,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                         mem_gb=args.mem_gb, cpus=args.cpus or (cfg.threads if cfg else 1),
                         max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
         if cfg is not None:
+            res = layout_ranks(cfg, res)
             check_resources(cfg, args.launcher, res)  # before any job is asked for
         if args.coldstart:
             from study.coldstart import resolve_settings
