@@ -93,7 +93,7 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
     for name, layout in LAYOUTS.items():
         model = build_policy(CFG, seed=3, routing_replay=False, parallel=layout)
         P.load_full_state(model, ref["state"])
-        export = dict(P.full_hf_weights(model))
+        export = {k: v.clone() for k, v in P.full_hf_weights(model)}  # views of the weights: copied
         trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
         trainer.zero_grad()
         rows = P.data_rows(ROWS)
