@@ -26,19 +26,12 @@ import time
 
 import torch
 
+from study.rollout.vllm_server import _peak_rss_bytes
+
 
 def _rss(reset: bool = False) -> tuple[int, int]:
-    """(VmHWM, VmRSS) of this process in bytes; `reset` resets VmHWM first."""
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out["VmHWM"], out["VmRSS"]
+    """(VmHWM, VmRSS) of this process in bytes; `reset` resets VmHWM first (the engine server's own probe)."""
+    return _peak_rss_bytes(reset)
 
 
 def _model(preset_name: str):
