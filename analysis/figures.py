@@ -3,7 +3,7 @@
 Each `figureN_*` returns a `Made`: the matplotlib Figure, a file name, a caption, and the tables behind it (for the
 report). `make_all` renders every figure whose data the study has and says why it skipped the others.
 
-1. reward and each held-out eval vs training compute, per configuration, seed mean with a bootstrap band; the
+1. reward and each held-out eval vs training compute, per configuration, seed mean with a t band; the
    held-out panels begin at compute 0 with the starting policy's evaluation (the step-0 row) when runs have one;
 2. average clipped-token fraction per algorithm (log scale; total, low, high) and clip fraction over training;
 3. with vs without Routing Replay: algorithms that share a loss function and differ by `routing`, one panel per
@@ -244,7 +244,7 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
 def figure1_reward(
     study: Study, *, where: Mapping[str, Any] | None = None, smooth: int | None = 10, n_grid: int = 100
 ) -> Made:
-    """Training reward and each held-out eval vs training compute (log x, shared), seed mean with a 95% bootstrap
+    """Training reward and each held-out eval vs training compute (log x, shared), seed mean with a 95% t
     band."""
     st = select(study, where)
     _need_metric(st, vocab.REWARD)
@@ -285,7 +285,7 @@ def figure1_reward(
         )
     caption = (
         "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
-        f"over seeds, bands 95% bootstrap intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
+        f"over seeds, bands 95% t intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
         f"with a centred {smooth}-step mean (over the steps there are at the ends). Each curve begins where all its "
         "seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute (a run "
         "stopped early), the band is over those that do." + start_note
@@ -294,7 +294,7 @@ def figure1_reward(
 
 
 # --- Figure 2 ---------------------------------------------------------------------------------------------------------
-def clip_table(study: Study, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+def clip_table(study: Study, *, confidence: float = 0.95) -> pd.DataFrame:
     """Average clipped-token fraction per algorithm (mean over all steps per run, then mean and CI over seeds).
 
     Columns: algorithm, part (total / low / high), mean, low, high, n; algorithms in registry order.
@@ -304,7 +304,7 @@ def clip_table(study: Study, *, confidence: float = 0.95, seed: int = 0) -> pd.D
     for part, metric in parts.items():
         _need_metric(study, metric)
         per_run = stats.run_mean(study.long, metric)
-        s = stats.summarize(per_run, by=[ALGORITHM], confidence=confidence, seed=seed)
+        s = stats.summarize(per_run, by=[ALGORITHM], confidence=confidence)
         s.insert(1, "part", part)
         frames.append(s)
     out = pd.concat(frames, ignore_index=True)
@@ -368,7 +368,7 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
     caption = (
         "Figure 2. Average fraction of clipped tokens (token-weighted, clipped branch active) per algorithm, split "
         "into the low side (ratio < 1 - eps_low, A < 0) and the high side (ratio > 1 + eps_high, A > 0); mean over "
-        "training steps per run, then mean and 95% bootstrap interval over seeds. Right: over training. Averages: "
+        "training steps per run, then mean and 95% t interval over seeds. Right: over training. Averages: "
         + ", ".join(f"{style.label(str(a))} {v:.3g}" for a, v in tot.items())
         + "."
     )
@@ -434,7 +434,7 @@ def figure3_routing_replay(
             if idx.size:  # the mean begins where every seed has logged (its first point is a mean over all)
                 m = mat[idx].copy()
                 m[:, grid < np.nanmax(starts[idx]) * (1 - 1e-12)] = np.nan
-                mean = stats.bootstrap_mean_band(m, n_resamples=0)[0]
+                mean = stats.mean_band(m)[0]
                 ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
         _compute_axis(ax, unit)
         ax.set_title(style.label(fam[0]))
@@ -520,7 +520,7 @@ def figure4_precision(
     _legend(fig, axs[:1])
     caption = (
         f"Figure 4. Precision: final reward (mean of the last {frac:.0%} of steps) and training-inference mismatch "
-        f"per configuration ({' / '.join(present)}); bars are seed means with 95% bootstrap intervals."
+        f"per configuration ({' / '.join(present)}); bars are seed means with 95% t intervals."
         + emulation_note(study.runs)
     )
     return Made(fig, "figure4_precision", caption, tables)
@@ -743,7 +743,7 @@ def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float =
     _legend(fig, axs[:1])
     caption = (
         f"Figure 5. Final reward (mean of the last {frac:.0%} of steps) and efficiency (reward gained per {unit} of "
-        "training compute) against the maximum generation length; seed means with 95% bootstrap intervals."
+        "training compute) against the maximum generation length; seed means with 95% t intervals."
     )
     return Made(fig, "figure5_length", caption, tables)
 
@@ -942,11 +942,11 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     """Figure 8's data, per configuration (combination of the swept axes other than algorithm; failed runs left out):
 
     - `volatility`: the configuration's routing volatility: each run's mean routing_slot_mismatch over its steps, then
-      the mean over every run of the configuration (all algorithms) with a 95% bootstrap interval over runs;
+      the mean over every run of the configuration (all algorithms) with a 95% t interval over runs;
     - `gaps`: per comparison the claims make (scorecard.comparison_pairs: C1 GSPO minus the GRPO baseline, C3 and C4
       the Routing Replay partner minus the algorithm), the difference of seed means of the final reward (each run's
       mean over its last `frac` of steps) and, when runs evaluated their start, of the held-out gain (last evaluation
-      of eval_in_dist minus step 0): estimate and 95% bootstrap interval, the two groups resampled independently;
+      of eval_in_dist minus step 0): estimate and 95% Welch t interval (independent groups);
     - `routing_load`: per algorithm, the mean over steps per run, then over seeds (95% interval), of
       expert_load_imbalance and router_entropy (the metrics present).
     """
@@ -974,7 +974,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     vol = per_config(stats.run_mean(study.long, vocab.ROUTING_SLOT))
     rows = []
     for i in range(len(keys)):
-        ci = stats.bootstrap_ci(vol.loc[vol["config"] == i, "value"].to_numpy(), n_resamples=2000)
+        ci = stats.mean_ci(vol.loc[vol["config"] == i, "value"].to_numpy())
         rows.append({"config": label(i), **dict(zip(axes, keys[i], strict=True)), "mean": ci.estimate,
                      "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
     volatility = pd.DataFrame(rows)
@@ -1005,7 +1005,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
             continue
         t = per_config(stats.run_mean(study.long, metric))
         for (i, alg), grp in t.groupby(["config", ALGORITHM], sort=True):
-            ci = stats.bootstrap_ci(grp["value"].to_numpy(), n_resamples=2000)
+            ci = stats.mean_ci(grp["value"].to_numpy())
             rows.append({"config": label(int(i)), ALGORITHM: alg, "metric": metric, "mean": ci.estimate,
                          "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
     load = pd.DataFrame(rows, columns=["config", ALGORITHM, "metric", "mean", "low", "high", "n"])
@@ -1128,7 +1128,7 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
         f"{', '.join(axes)} ({len(xs)} configurations, dotted lines; their values on top where they fit, else in "
         "the table). x: the configuration's routing volatility, the expert-slot mismatch mean(1 - |S_old & S_new| / "
         "k) between the routing before and after an update (routing_slot_mismatch, measured alongside under replay), "
-        "the mean over steps per run then over every run of the configuration, with its 95% bootstrap interval over "
+        "the mean over steps per run then over every run of the configuration, with its 95% t interval over "
         f"runs. Top: {comparisons or 'no two compared algorithms are both in the study'}; the difference of seed "
         f"means of the final reward (each run's mean over its last {frac:.0%} of steps)"
         + (
@@ -1136,7 +1136,7 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
             if what
             else "; no held-out gain (no run evaluated its start at step 0)"
         )
-        + ", with 95% bootstrap intervals (the two groups' seeds resampled independently). Bottom: expert load "
+        + ", with 95% Welch t intervals (independent groups). Bottom: expert load "
         "imbalance (most tokens on one expert over the mean per expert, 1 = balanced) and router entropy per "
         "algorithm, the mean over steps per run then over seeds (95% interval), drawn side by side at their "
         "configuration's volatility: what the volatility is read against. The report lists C3 and C4 per "

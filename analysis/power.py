@@ -10,7 +10,7 @@ at level `alpha` is
 
 (the textbook normal-approximation formula with Student t quantiles for few seeds). It answers "how large would the
 effect have to be for these seeds to see it", which is what an inconclusive verdict must say; more seeds shrink it as
-1 / sqrt(n). The verdicts themselves come from the bootstrap intervals (scorecard.py), not from this formula.
+1 / sqrt(n). The verdicts themselves come from the t intervals (scorecard.py), not from this formula.
 """
 
 from __future__ import annotations

@@ -837,8 +837,9 @@ def render(
 
 
 SCORECARD_NOTE = (
-    "Intervals: 95% percentile bootstrap over seeds (independent per group; C5 paired by seed when every arm ran the "
-    "same seeds), except collapse rates (C3, C4): "
+    "Intervals: 95% Student t over seeds (a mean: t with n - 1 df; a difference, contrast or ratio of independent "
+    "groups: Welch's, ratios on the log scale; C5 paired by seed when every arm ran the same seeds), except collapse "
+    "rates (C3, C4): "
     "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
     "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
     + scorecard.STRATA_RULE

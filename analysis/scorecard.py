@@ -1,7 +1,7 @@
 """The report's scorecard: a verdict per claim C1-C6 of PAPER.md, with its evidence and the rule that produced it.
 
 Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale) and comes with the numbers it
-was decided on (point estimate, 95% percentile bootstrap interval over seeds, n) and the rule as a sentence, so a
+was decided on (point estimate, 95% Student t interval over seeds, n) and the rule as a sentence, so a
 reader can disagree with the rule rather than with a hidden threshold. The verdict is read off the interval by the
 claim's `Decision`s (DECISIONS, analysis.verdicts) and the rule quotes their own sentences, so prose and code
 agree. A claim whose algorithms or axis are absent from the study is "inconclusive" with a reason starting "not in
@@ -11,8 +11,9 @@ The claims are about the paper's algorithms, so this module names them (gspo, gr
 Replay partner of an algorithm is the registry's (`algorithms.replay_partner`: same loss function, routing "replay"),
 never found by name.
 
-Two-group quantities (differences, ratios) are bootstrapped by resampling the seeds of each group independently
-(seeded, so a report is reproducible). Failed runs (infrastructure) are excluded; collapsed runs count.
+Intervals (analysis.stats): a mean over seeds gets a t interval, a difference or contrast of independent groups'
+means Welch's (Welch-Satterthwaite degrees of freedom), a ratio of means Welch's on the log scale; with 3-6 seeds a
+percentile bootstrap would be too narrow. Failed runs (infrastructure) are excluded; collapsed runs count.
 
 Stratification (analysis.strata): each claim's comparison is made within every stratum of the other swept axes,
 never pooled across them, and the per-stratum verdicts are combined by STRATA_RULE.
@@ -21,7 +22,7 @@ never pooled across them, and the per-stratum verdicts are combined by STRATA_RU
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,7 +63,6 @@ EQUIV_MARGIN = A_NOISE
 FINAL_FRAC = 0.1
 """Final window: the last 10% of the (common) compute grid."""
 N_GRID = 100
-N_RESAMPLES = 4000
 POSITIVE = Decision(Bound("lower", ">", 0.0), Bound("upper", "<", 0.0))
 """C1, C5 and each gain of C6: a difference the claim says is positive."""
 CLIP_DECISION = Decision(Bound("lower", ">=", CLIP_RATIO), Bound("upper", "<", CLIP_RATIO))
@@ -152,50 +152,6 @@ class ClaimResult:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
-def _boot_two(
-    x: np.ndarray,
-    y: np.ndarray,
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    *,
-    n_resamples: int = N_RESAMPLES,
-    seed: int = 0,
-    confidence: float = 0.95,
-) -> tuple[float, float, float]:
-    """fn(mean x, mean y) with a percentile bootstrap interval, x and y resampled independently (NaN: no interval)."""
-    x = np.asarray(x, np.float64)[~np.isnan(np.asarray(x, np.float64))]
-    y = np.asarray(y, np.float64)[~np.isnan(np.asarray(y, np.float64))]
-    if x.size == 0 or y.size == 0:
-        return np.nan, np.nan, np.nan
-    with np.errstate(divide="ignore", invalid="ignore"):
-        est = float(fn(np.asarray(x.mean()), np.asarray(y.mean())))
-        if x.size < 2 or y.size < 2:
-            return est, np.nan, np.nan
-        rng = np.random.default_rng(seed)
-        mx = x[rng.integers(0, x.size, (n_resamples, x.size))].mean(axis=1)
-        my = y[rng.integers(0, y.size, (n_resamples, y.size))].mean(axis=1)
-        d = fn(mx, my)
-    d = np.where(np.isnan(d), np.inf, d)  # 0/0 cannot happen unless both are 0; treat it as "no evidence" upward
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(d, [alpha, 1 - alpha], method="inverted_cdf")
-    return est, float(lo), float(hi)
-
-
-def _boot_four(
-    groups: Sequence[np.ndarray], fn: Callable[..., np.ndarray], *, n_resamples: int = N_RESAMPLES, seed: int = 0
-) -> tuple[float, float, float]:
-    """fn(mean g0, ..., mean g3) with each group resampled independently (percentile 95%)."""
-    gs = [np.asarray(g, np.float64)[~np.isnan(np.asarray(g, np.float64))] for g in groups]
-    if any(g.size == 0 for g in gs):
-        return np.nan, np.nan, np.nan
-    est = float(fn(*[np.asarray(g.mean()) for g in gs]))
-    if any(g.size < 2 for g in gs):
-        return est, np.nan, np.nan
-    rng = np.random.default_rng(seed)
-    means = [g[rng.integers(0, g.size, (n_resamples, g.size))].mean(axis=1) for g in gs]
-    lo, hi = np.quantile(fn(*means), [0.025, 0.975], method="inverted_cdf")
-    return est, float(lo), float(hi)
-
-
 def _replay_partner_in(name: str, present: Sequence[str]) -> str | None:
     """The registry's Routing Replay partner of `name` (algorithms.replay_partner) when the study ran it."""
     partner = style.registry().replay_partner(name)
@@ -253,6 +209,10 @@ def _final_reward_at_common_compute(
             vals.append(np.nanmean(row[-k:]) if np.isfinite(row[-k:]).any() else np.nan)
         out[g] = np.asarray(vals, np.float64)
     return out, c_end
+
+
+def _ci(ci: stats.CI) -> tuple[float, float, float]:
+    return ci.estimate, ci.low, ci.high
 
 
 def _n(*xs: np.ndarray) -> str:
@@ -323,7 +283,7 @@ def claim_c1(study: Study) -> ClaimResult:
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         vals, c_end = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()})
-        est, lo, hi = _boot_two(vals[GSPO], vals[base], lambda a, b: a - b)
+        est, lo, hi = _ci(stats.mean_difference(vals[GSPO], vals[base]))
         ev = [
             Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[GSPO], vals[base])),
             _mean_ev(f"reward({GSPO})", vals[GSPO]),
@@ -357,7 +317,7 @@ def claim_c2(study: Study) -> ClaimResult:
         inside = rid.isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
         x = per_run.loc[inside & (alg == GSPO), "value"].to_numpy()
         y = per_run.loc[inside & (alg == base), "value"].to_numpy()
-        est, lo, hi = _boot_two(x, y, lambda a, b: a / b)
+        est, lo, hi = _ci(stats.ratio_ci(x, y))
         ev = [
             Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
             _mean_ev(f"clip_frac({GSPO})", x),
@@ -487,7 +447,7 @@ def claim_c4(study: Study) -> ClaimResult:
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
-        est, lo, hi = _boot_two(vals[rr], vals[free], lambda a, b: a - b)
+        est, lo, hi = _ci(stats.mean_difference(vals[rr], vals[free]))
         d, rate_ev, counts = _rate_evidence(coll, study, mask, free, rr)
         collapse_verdict = FREE_COLLAPSE_DECISION(d.low, d.high)
         if collapse_verdict == INCONCLUSIVE:
@@ -517,8 +477,8 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
         f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
-        "seeds of every arm), d is computed within each seed and bootstrapped over seeds (paired; a seed some arm "
-        "lacks is left out); with fewer than two such seeds the four groups are resampled independently."
+        "seeds of every arm), d is computed within each seed, then its mean and t interval over seeds (paired; a seed "
+        "some arm lacks is left out); with fewer than two such seeds the four groups are independent (Welch)."
     )
     if GSPO not in present or GRPO not in present:
         return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -538,19 +498,19 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
         paired = _paired(g, [seeds[k] for k in names])
         if paired is not None:  # every arm ran the same seeds: the contrast per seed, then over seeds
             d = paired @ np.array([1.0, -1.0, -1.0, 1.0])
-            ci = stats.bootstrap_ci(d, n_resamples=N_RESAMPLES)
+            ci = stats.mean_ci(d)
             est, lo, hi, n = ci.estimate, ci.low, ci.high, f"{d.size} seeds, paired"
             det = power.detectable([d], (1,))
             needed = power.seeds_needed([d], (1,), power.TARGET)
             size = Evidence(power.sentence("drop(grpo) - drop(gspo)", det, needed), det.mdd, np.nan, np.nan, n)
         else:
-            est, lo, hi = _boot_four(g, lambda a, b, c, d: (a - b) - (c - d))
+            est, lo, hi = _ci(stats.contrast_ci(g, (1, -1, -1, 1)))
             n = _n(*g)
             size = _detectable_ev("drop(grpo) - drop(gspo)", g, (1, -1, -1, 1))
         ev = [
             Evidence("drop(grpo) - drop(gspo)", est, lo, hi, n),
-            Evidence("drop(grpo)", *_boot_two(g[0], g[1], lambda a, b: a - b), _n(g[0], g[1])),
-            Evidence("drop(gspo)", *_boot_two(g[2], g[3], lambda a, b: a - b), _n(g[2], g[3])),
+            Evidence("drop(grpo)", *_ci(stats.mean_difference(g[0], g[1])), _n(g[0], g[1])),
+            Evidence("drop(gspo)", *_ci(stats.mean_difference(g[2], g[3])), _n(g[2], g[3])),
             size,
         ]
         return POSITIVE(lo, hi), ev
@@ -586,7 +546,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     def compute_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         ids = set(study.runs.loc[mask & gspo[GSPO], RUN_ID].astype(str))
         x = np.asarray([g for r, g in gains.items() if r in ids])
-        ci = stats.bootstrap_ci(x, n_resamples=N_RESAMPLES)
+        ci = stats.mean_ci(x)
         if ci.n == 0:
             return None
         name = "compute gain (last vs third quarter)"
@@ -602,7 +562,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         vals, _ = _final_reward_at_common_compute(
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
-        est, lo, hi = _boot_two(vals["long"], vals["short"], lambda a, b: a - b)
+        est, lo, hi = _ci(stats.mean_difference(vals["long"], vals["short"]))
         name = f"length gain ({axis} {hi_v} vs {lo_v})"
         ev = [
             Evidence(name, est, lo, hi, _n(vals["long"], vals["short"])),
@@ -687,7 +647,7 @@ def _with_power(res: ClaimResult) -> ClaimResult:
 
 
 def _mean_ev(name: str, x: np.ndarray) -> Evidence:
-    ci = stats.bootstrap_ci(x, n_resamples=N_RESAMPLES)
+    ci = stats.mean_ci(x)
     return Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n))
 
 
@@ -703,7 +663,7 @@ def scorecard(study: Study) -> list[ClaimResult]:
 GAIN_RULE = (
     "held-out gain = a run's last evaluation of {metric} during training minus its evaluation at step 0 (the starting "
     "policy, before any RL step, on the same held-out set); per configuration (algorithm and the swept axes) the mean "
-    "over its seeds with a 95% percentile bootstrap interval; failed runs excluded, a collapsed run counts with its "
+    "over its seeds with a 95% t interval; failed runs excluded, a collapsed run counts with its "
     "last evaluation before it stopped"
 )
 """How the held-out gain is computed (formatted with the metric), as the report prints it."""
@@ -797,7 +757,7 @@ def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
         )
         return HeldOutGain(metric, empty, axes, why)
     by = [ALGORITHM, *axes]
-    summary = stats.summarize(per_run, value="value", by=by, n_resamples=N_RESAMPLES)
+    summary = stats.summarize(per_run, value="value", by=by)
     means = per_run.groupby(by, observed=True, dropna=False)[["start", "final"]].mean().reset_index()
     steps = per_run.groupby(by, observed=True, dropna=False)["final_step"].agg(["min", "max"]).reset_index()
     steps["final_step"] = [str(a) if a == b else f"{a}-{b}" for a, b in zip(steps["min"], steps["max"], strict=True)]

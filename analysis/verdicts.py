@@ -25,7 +25,7 @@ NO_DATA = "no data"
 
 @dataclass(frozen=True)
 class Evidence:
-    """One number behind a verdict: estimate, bootstrap interval over seeds, sample sizes."""
+    """One number behind a verdict: estimate, t interval over seeds, sample sizes."""
 
     name: str
     estimate: float
