@@ -447,17 +447,14 @@ class _NoTracker:
 
 
 def _load_full(model: torch.nn.Module, init_state: Any, parallel: bool) -> None:
-    """Load the cold start's weights: `load_initial`, or under a parallel layout a state dict sliced into this rank's
-    shard (an HF checkpoint at a layout is refused: it loads tensor by tensor into one process's names)."""
+    """Load the cold start's weights: `load_initial`, or under a parallel layout sliced into this rank's shard (a
+    state dict whole; an HF checkpoint streamed tensor by tensor, each rank keeping its slice)."""
     if not parallel or init_state is None:
         load_initial(model, init_state)
     elif isinstance(init_state, dict):
         par.load_full_state(model, init_state, strict=False)
     else:
-        raise ValueError(
-            "an HF checkpoint as the cold start of a run with a parallel layout is not supported yet; "
-            "valid: a cold-start directory (policy.pt), or parallel = {}"
-        )
+        par.load_streamed(model, init_state.tensors())
 
 
 def _sync_engine(parts: Parts) -> None:

@@ -11,15 +11,14 @@ The checkpoint's shape is the run's `model` (study.model_config.hf_model_config 
 with a given `model` is reported before any compute with every differing field). Loading streams: shard by shard,
 one tensor at a time (safetensors' safe_open), each mapped to its Megatron name and copied into the policy's
 parameter, so the process never holds the checkpoint, only the tensor in flight (and the q/k/v or gate/up parts
-of one fused tensor until its last part arrives). A `keep(name, tensor)` hook sees every Megatron-named tensor
-before it is copied: it returns the part this rank holds (a slice matching the rank's parameter), or None for a
-tensor the rank does not hold, so a tensor-/expert-parallel rank loads only its slice.
+of one fused tensor until its last part arrives). A tensor-/expert-parallel rank reads the same stream
+(`tensors()`) and keeps only its slice of each tensor (study.policy.parallel.load_streamed).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,10 +27,7 @@ from study.data.tokenizer import TaskTokenizer
 from study.model_config import ModelConfig
 from study.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
 
-__all__ = ["HFCheckpoint", "Keep", "check_checkpoint", "is_hf_checkpoint", "load_checkpoint"]
-
-Keep = Callable[[str, torch.Tensor], "torch.Tensor | None"]
-"""keep(megatron_name, full_tensor) -> the part this rank holds, or None (module docstring)."""
+__all__ = ["HFCheckpoint", "check_checkpoint", "is_hf_checkpoint", "load_checkpoint"]
 
 
 def shard_files(directory: str | Path) -> list[Path]:
@@ -51,7 +47,7 @@ def shard_files(directory: str | Path) -> list[Path]:
 
 class HFCheckpoint:
     """The weights of a local HF Qwen3-MoE checkpoint, read lazily: `tensors()` streams (Megatron name, tensor)
-    pairs, `load_into(model, keep)` copies them into a policy's parameters."""
+    pairs, `load_into(model)` copies them into a one-process policy's parameters."""
 
     def __init__(self, directory: str | Path, cfg: ModelConfig) -> None:
         self.directory, self.cfg = Path(directory), cfg
@@ -100,24 +96,15 @@ class HFCheckpoint:
     def _mapped(self, hf_part: dict[str, torch.Tensor], te_spec: bool) -> Iterator[tuple[str, torch.Tensor]]:
         yield from hf_to_megatron(hf_part, self.cfg, te_spec=te_spec, partial=True, copy=False).items()
 
-    def select(self, keep: Keep | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """`tensors()` through `keep`: (name, the part this rank holds), tensors it does not hold left out."""
-        for name, tensor in self.tensors():
-            if keep is not None:
-                tensor = keep(name, tensor)
-                if tensor is None:
-                    continue
-            yield name, tensor
-
     @torch.no_grad()
-    def load_into(self, model: torch.nn.Module, keep: Keep | None = None) -> int:
-        """Copy every weight into `model`'s parameter of the same Megatron name (cast to its dtype), through
-        `keep` when given; returns the number of elements copied. Every parameter of the model must be written (a
-        rank's keep decides what it holds; its model must be built with that slice's shapes)."""
+    def load_into(self, model: torch.nn.Module) -> int:
+        """Copy every weight into `model`'s parameter of the same Megatron name (cast to its dtype); returns the
+        number of elements copied. Every parameter of the model must be written. (A sharded model:
+        study.policy.parallel.load_streamed.)"""
         params = {n: t for n, t in model.state_dict(keep_vars=True).items() if not n.endswith("_extra_state")}
         written: set[str] = set()
         copied = 0
-        for name, tensor in self.select(keep):
+        for name, tensor in self.tensors():
             dst = params.get(name)
             if dst is None:
                 raise ValueError(f"coldstart = {str(self.directory)!r}: the model has no parameter {name!r}")

@@ -11,7 +11,7 @@ Three things follow from those marks and nothing else:
    concatenated separately, the experts gathered over the expert-parallel ranks); the rollout engines' weight sync
    and HF export read it (`full_hf_weights`).
 2. `load_full_state(model, state)`: the inverse, a one-process state dict (a cold start, a checkpoint) sliced into
-   this rank's shard.
+   this rank's shard; `load_streamed(model, tensors)` the same from tensors read one at a time (an HF checkpoint).
 3. `ShardedTrainer`: megatron's DistributedDataParallel around the model, `finalize_model_grads` and megatron's
    distributed optimizer (Adam, fp32 main parameters for bf16, its global-norm clip over every rank's shard).
    Gradients are summed, not averaged, over the data-parallel ranks (`calculate_per_token_loss`): the loop gives
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -150,35 +150,71 @@ def full_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
         raise KeyError(f"the policy's export misses HF weights {sorted(missing)[:4]} ({len(missing)} in all)")
 
 
+def _shard_params(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """This rank's parameters by their one-process name: {full name: (local name, parameter)}."""
+    _, _, _, _, ep_rank = _sizes()
+    per_rank = _experts_per_rank(model) if _ep_size() > 1 else 0
+    out = {}
+    for name, param in model.named_parameters():
+        m = _LOCAL_EXPERT.fullmatch(name)
+        key = f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}" if m is not None and per_rank else name
+        out[key] = (name, param)
+    return out
+
+
+def _this_rank(model: torch.nn.Module, key: str, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the one-process tensor `full` (the inverse of `full_weights`' concatenation)."""
+    tp, tp_rank, etp, etp_rank, _ = _sizes()
+    parts, rank = (etp, etp_rank) if _is_expert(name) else (tp, tp_rank)
+    t = full
+    if getattr(param, "tensor_model_parallel", False) and parts > 1:
+        dim = param.partition_dim
+        if _gated(name, model):
+            gate, up = full.chunk(2, dim=dim)
+            t = torch.cat([gate.chunk(parts, dim)[rank], up.chunk(parts, dim)[rank]], dim)
+        else:
+            t = full.chunk(parts, dim)[rank]
+    if t.shape != param.shape:
+        raise ValueError(f"{key}: shape {tuple(full.shape)} does not shard to this rank's {tuple(param.shape)}")
+    return t
+
+
 def load_full_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load a one-process (full) megatron state dict into this rank's shard: each tensor sliced as `full_weights`
     concatenates it. Names the model lacks are ignored (like `load_state_dict(strict=False)` on the cold start's
     extra state); with `strict` every parameter of the shard must be in `state`, with the full shape."""
-    tp, tp_rank, etp, etp_rank, ep_rank = _sizes()
-    per_rank = _experts_per_rank(model) if _ep_size() > 1 else 0
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            key = name
-            m = _LOCAL_EXPERT.fullmatch(name)
-            if m is not None and per_rank:
-                key = f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"
+        for key, (name, param) in _shard_params(model).items():
             if key not in state:
                 if strict:
                     raise KeyError(f"state has no {key!r} (the one-process name of this rank's {name!r})")
                 continue
-            full = state[key]
-            parts, rank = (etp, etp_rank) if _is_expert(name) else (tp, tp_rank)
-            t = full
-            if getattr(param, "tensor_model_parallel", False) and parts > 1:
-                dim = param.partition_dim
-                if _gated(name, model):
-                    gate, up = full.chunk(2, dim=dim)
-                    t = torch.cat([gate.chunk(parts, dim)[rank], up.chunk(parts, dim)[rank]], dim)
-                else:
-                    t = full.chunk(parts, dim)[rank]
-            if t.shape != param.shape:
-                raise ValueError(f"{key}: shape {tuple(full.shape)} does not shard to this rank's {tuple(param.shape)}")
+            param.copy_(_this_rank(model, key, name, param, state[key]))
+
+
+def load_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load (one-process megatron name, full tensor) pairs, read one at a time (an HF checkpoint's
+    `HFCheckpoint.tensors()`), into this rank's shard: each sliced as `load_full_state` slices it, tensors of other
+    ranks' experts skipped, so a rank never holds more than one full tensor besides its shard. Every parameter of the
+    shard must be written once; returns the number of elements this rank copied."""
+    params = _shard_params(model)
+    written: set[str] = set()
+    copied = 0
+    with torch.no_grad():
+        for key, full in tensors:
+            if key not in params:
+                if _LOCAL_EXPERT.fullmatch(key) is not None and _ep_size() > 1:
+                    continue  # another expert-parallel rank's expert
+                raise ValueError(f"the policy has no weight {key!r} (at this layout or any)")
+            name, param = params[key]
+            t = _this_rank(model, key, name, param, full)
             param.copy_(t)
+            written.add(key)
+            copied += t.numel()
+    missing = sorted(set(params) - written)
+    if missing:
+        raise ValueError(f"{len(missing)} weights of this rank's shard were not in the checkpoint, e.g. {missing[:3]}")
+    return copied
 
 
 def data_rows(n: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Models from a Hugging Face config.json and checkpoints streamed shard by shard (study.model_config.hf_model_config,
 study.coldstart.hf_import.HFCheckpoint): a random-weight Qwen3-MoE written by transformers at a scaled-down shape
 (3 layers, 32 experts, top-8, several safetensors shards) loads into the policy and exports back bit for bit; two
-ranks' `keep` hooks split the experts; unsupported configs are refused naming the field; the tokenizer and its chat
-template come from the checkpoint."""
+ranks (EP 2, TP 2) stream it into their shards and hold exactly their slices; unsupported configs are refused naming
+the field; the tokenizer and its chat template come from the checkpoint."""
 
 from __future__ import annotations
 
@@ -87,25 +87,55 @@ def test_checkpoint_loads_streaming_and_exports_bit_for_bit(checkpoint: Path, tm
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-def test_two_ranks_keep_their_experts(checkpoint: Path) -> None:
+def _rank_load(rank: int, port: int, directory: str, out: str) -> None:
+    """One of two gloo ranks: per layout, the checkpoint streamed into this rank's shard, then the full weights
+    gathered back; rank 0 saves them with every rank's element count."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from study.model_config import ParallelLayout
+    from study.policy import parallel as P
+
+    cfg = resolve_model(directory)
+    results = {}
+    for name, layout in {"ep2": ParallelLayout(expert=2, data=2), "tp2": ParallelLayout(tensor=2)}.items():
+        model = build_policy(cfg, seed=7, routing_replay=False, parallel=layout)
+        copied = torch.tensor([P.load_streamed(model, HFCheckpoint(directory, cfg).tensors())])
+        held = torch.tensor([sum(p.numel() for p in model.parameters())])
+        counts = [torch.zeros_like(copied) for _ in range(2)]
+        torch.distributed.all_gather(counts, copied)
+        results[name] = {"full": P.full_state_dict(model), "copied": [int(c) for c in counts], "held": int(held)}
+        parallel_state.destroy_model_parallel()
+    if rank == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_stream_the_checkpoint_into_their_shards(checkpoint: Path, tmp_path: Path) -> None:
+    """EP 2 and TP 2 (gloo, two processes): each rank streams the checkpoint and keeps its slice only (it copies
+    exactly its shard's elements, less than the model); gathered back, the weights equal a one-process load."""
+    import socket
+
+    import torch.multiprocessing as mp
+
     cfg = resolve_model(str(checkpoint))
-    weights = HFCheckpoint(checkpoint, cfg)
-
-    def keep_for(rank: int):  # expert parallel 2: rank r holds experts 16 r .. 16 r + 15
-        def keep(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-            if ".local_experts." not in name:
-                return tensor
-            expert = int(name.split(".local_experts.")[1].split(".")[0])
-            return tensor if expert // 16 == rank else None
-
-        return keep
-
-    full = dict(weights.tensors())
-    ranks = [dict(weights.select(keep_for(r))) for r in (0, 1)]
-    experts = [{n for n in kept if ".local_experts." in n} for kept in ranks]
-    assert len(experts[0]) == len(experts[1]) == 3 * 16 * 2 and not experts[0] & experts[1]
-    assert set(ranks[0]) | set(ranks[1]) == set(full)
-    assert all(torch.equal(t, full[n]) for kept in ranks for n, t in kept.items())
+    one = build_policy(cfg, seed=1)
+    total = HFCheckpoint(checkpoint, cfg).load_into(one)
+    want = {n: t for n, t in one.state_dict().items() if not n.endswith("_extra_state")}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank_load, args=(port, str(checkpoint), str(out)), nprocs=2)
+    for layout, got in torch.load(out, weights_only=False).items():
+        assert got["copied"][0] == got["held"] < total and sum(got["copied"]) >= total, layout
+        assert set(got["full"]) == set(want), layout
+        assert all(torch.equal(got["full"][n], want[n]) for n in want), layout
 
 
 def test_tokenizer_and_chat_template_come_from_the_checkpoint(checkpoint: Path) -> None:
