@@ -18,11 +18,42 @@ idempotent. On a CUDA machine it does nothing, so the same code runs unchanged t
    only inside `try: import transformer_engine`, yet read unconditionally by the router's gating GEMM. Defined as
    None when TransformerEngine is absent, so the router takes its plain `torch.mm` branch.
 
+6. megatron's optimizer (`get_megatron_optimizer`: Adam, the fp32 / bf16-with-fp32-main-params optimizer and the
+   distributed optimizer) assumes CUDA in two ways:
+   a. scalars and norms built with a literal `device='cuda'`: the found-inf flag, the unit loss scale and the
+      multi-tensor-apply overflow buffers (`optimizer.MixedPrecisionOptimizer.__init__`, `FP32Optimizer.__init__`),
+      the grad-norm and clip buffers (`clip_grads.get_grad_norm_fp32`, `clip_grad_by_total_norm_fp32`,
+      `count_zeros_fp32`) and the result of the torch fallback for apex's L2 norm
+      (`utils.local_multi_tensor_l2_norm`, `clip_grads.l2_norm_impl`). Patched by giving those two optimizer
+      modules (and that one function) a `torch` whose tensor factories put a `device='cuda'` tensor on the CPU:
+      everything else is the real torch, and only calls that would raise are changed.
+   b. parameters recognised by `param.type()` strings ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor', ...):
+      a CPU parameter is "Received torch.FloatTensor" and refused (`Float16OptimizerWithFloat16Params.__init__`,
+      `DistributedOptimizer.__init__` and its `_build_model_and_main_param_groups`) or fails an assert
+      (`clip_grad_by_total_norm_fp32`). Patched by wrapping those calls: while one runs, the CPU tensors it
+      inspects answer `type()` with the CUDA name of their dtype (an instance attribute, removed afterwards).
+   With both, megatron's own optimizer code runs on the CPU unchanged (torch's Adam / AdamW, megatron's fallback
+   when neither TransformerEngine nor apex is installed; the gradient reductions over gloo).
+7. megatron's distributed checkpointing (`dist_checkpointing.save`, torch_dist format) stages the tensors to host
+   memory with non-blocking copies and then calls `torch.cuda.synchronize()`
+   (`strategies.filesystem_async.FileSystemWriterAsync.preload_tensors`), which raises on a CPU-only torch. Patched
+   to stage with blocking copies (the tensors are already in host memory: each copy is a no-op) and no sync.
+
 5. (`apply_parallel()`, on every device) megatron's torch norm (`WrappedTorchNorm`, the local spec's norm when
    TransformerEngine is absent) refuses sequence parallelism outright, though a norm over the hidden dimension is
    exact on a sequence shard: all it needs is its weight marked `sequence_parallel`, so that
    `finalize_model_grads` sums the weight's gradient over the tensor-parallel ranks (as TE's norms are marked).
    Patched to build the same norm with the flag set on its parameters.
+
+`8. (`apply_parallel()`, on every device where neither TransformerEngine nor apex is installed) megatron's
+   distributed optimizer then steps torch's Adam, which keeps a per-weight "step" among its states; loading a
+   checkpoint (`load_parameter_state_from_fully_reshardable` -> `_set_main_param_and_optimizer_states`) copies every
+   state the optimizer holds from the loaded ones, which carry no "step" (megatron restores it from the parameter
+   groups), and fails with KeyError 'step'. Patched to leave a state the loaded ones lack as it is. And
+   `DistributedOptimizer.load_state_dict` restores that step as one tensor shared by every weight's state (its
+   TransformerEngine / apex branch clones it), which torch's Adam increments in place once per weight: after a
+   load, the k-th weight's next update would use step + k for its bias corrections. Patched to give each weight
+   its own copy.
 
 `SHIMS` names every patched target; tests/study/test_megatron_compat.py checks that each still exists and that the
 patch took effect, so a megatron upgrade that moves one fails loudly instead of failing deep inside a forward.
@@ -30,8 +61,10 @@ patch took effect, so a megatron upgrade that moves one fails loudly instead of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +81,15 @@ SHIMS: tuple[tuple[str, str], ...] = (
     ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__"),
+    ("megatron.core.optimizer.optimizer", "torch"),
+    ("megatron.core.optimizer.clip_grads", "torch"),
+    ("megatron.core.optimizer.clip_grads", "l2_norm_impl"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params", "__init__"),
+    ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "__init__"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync", "preload_tensors"),
+    ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
+    ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "load_state_dict"),
 )
 
 _APPLIED = False
@@ -94,6 +136,8 @@ def apply() -> bool:
     _patch_rng_tracker()
     _patch_causal_masks()
     _patch_te_general_gemm()
+    _patch_optimizer()
+    _patch_checkpoint_staging()
     _APPLIED = True
     return True
 
@@ -171,6 +215,119 @@ def _patch_te_general_gemm() -> None:
         _replace(moe_utils, moe_utils.__name__, "te_general_gemm", None)
 
 
+# 6. megatron's optimizer on the CPU ------------------------------------------------------------------------------
+def _on_cpu(device: Any) -> Any:
+    """`device` with CUDA replaced by the CPU ('cuda', 'cuda:0', torch.device('cuda', 0) -> 'cpu')."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaAsCpuTorch(types.ModuleType):
+    """The torch module as megatron's optimizer modules see it on the CPU (module doc, point 6a): the tensor
+    factories put a `device='cuda'` tensor on the CPU; every other name is torch's own."""
+
+    __study_cpu_shim__ = True
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def _factory(name: str) -> Callable[..., torch.Tensor]:
+        fn = getattr(torch, name)
+
+        @functools.wraps(fn)
+        def make(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            return fn(*args, device=_on_cpu(device), **kwargs)
+
+        return make
+
+
+for _name in ("tensor", "zeros", "ones", "empty", "full", "arange"):
+    setattr(_CudaAsCpuTorch, _name, staticmethod(_CudaAsCpuTorch._factory(_name)))
+
+
+@contextlib.contextmanager
+def _cuda_type_names(tensors: Iterable[torch.Tensor | None]) -> Iterator[None]:
+    """While inside, each CPU tensor of `tensors` answers `type()` (no argument) with the CUDA name of its dtype
+    ('torch.BFloat16Tensor' -> 'torch.cuda.BFloat16Tensor'), as megatron's optimizer checks (module doc, 6b)."""
+    marked = []
+    try:
+        for t in tensors:
+            if t is None or t.device.type != "cpu" or "type" in t.__dict__:
+                continue
+            name = "torch.cuda." + t.type().removeprefix("torch.")
+            t.type = functools.partial(_typed, name, torch.Tensor.type.__get__(t))  # an instance attribute
+            marked.append(t)
+        yield
+    finally:
+        for t in marked:
+            del t.type
+
+
+def _typed(name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return name if not args and not kwargs else original(*args, **kwargs)
+
+
+def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]]
+
+
+def _patch_optimizer() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    cpu_torch = _CudaAsCpuTorch()
+    for module in (moptimizer, clip_grads):  # 6a: their `device='cuda'` scalars
+        _replace(module, module.__name__, "torch", cpu_torch)
+    l2 = clip_grads.l2_norm_impl  # megatron.core.utils.local_multi_tensor_l2_norm: its result on 'cuda'
+    l2_cpu = types.FunctionType(l2.__code__, {**l2.__globals__, "torch": cpu_torch}, l2.__name__, l2.__defaults__,
+                                l2.__closure__)  # fmt: skip
+    _replace(clip_grads, clip_grads.__name__, "l2_norm_impl", _shim(functools.wraps(l2)(l2_cpu)))
+
+    clip = moptimizer.clip_grad_by_total_norm_fp32  # 6b: asserts param.grad.type() == 'torch.cuda.FloatTensor'
+
+    @_shim
+    @functools.wraps(clip)
+    def clip_grad_by_total_norm_fp32(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        with _cuda_type_names(p.grad for p in params):
+            return clip(params, *args, **kwargs)
+
+    _replace(moptimizer, moptimizer.__name__, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+
+    for cls, module in ((moptimizer.Float16OptimizerWithFloat16Params, moptimizer),
+                        (distrib_optimizer.DistributedOptimizer, distrib_optimizer)):  # fmt: skip
+        init = cls.__init__
+
+        @_shim
+        @functools.wraps(init)
+        def __init__(self: Any, optimizer: Any, *args: Any, __init: Any = init, **kwargs: Any) -> None:
+            with _cuda_type_names(_optimizer_params(optimizer)):  # the parameters it sorts by type()
+                __init(self, optimizer, *args, **kwargs)
+
+        _replace(cls, f"{module.__name__}.{cls.__name__}", "__init__", __init__)
+
+
+# 7. dist_checkpointing's staging to host memory ---------------------------------------------------------------------
+def _patch_checkpoint_staging() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = FileSystemWriterAsync.preload_tensors  # a staticmethod: the plain function
+
+    @_shim
+    @functools.wraps(preload)
+    def preload_tensors(write_buckets: Any, non_blocking: bool = True) -> Any:
+        return preload(write_buckets, False)  # blocking copies: no torch.cuda.synchronize()
+
+    owner = f"{FileSystemWriterAsync.__module__}.FileSystemWriterAsync"
+    ORIGINALS.setdefault((owner, "preload_tensors"), FileSystemWriterAsync.__dict__["preload_tensors"])  # static
+    _replace(FileSystemWriterAsync, owner, "preload_tensors", staticmethod(preload_tensors))
+
+
 # 5. Sequence parallelism in megatron's torch norm (every device) -----------------------------------------------------
 def apply_parallel() -> None:
     """Let megatron's torch norm run under sequence parallelism (module doc, point 5); idempotent, any device."""
@@ -196,7 +353,39 @@ def apply_parallel() -> None:
     _replace(
         WrappedTorchNorm, "megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__", staticmethod(__new__)
     )
+    _patch_torch_adam_step()
     _PARALLEL_APPLIED = True
+
+
+# 8. Loading the distributed optimizer's states into torch's Adam (no TransformerEngine, no apex) ----------------------
+def _patch_torch_adam_step() -> None:
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    @_shim
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        current = self._get_main_param_and_optimizer_states(model_param)  # the same tensors: copying is a no-op
+        original(self, model_param, {**current, **tensors})
+
+    _replace(cls, f"{cls.__module__}.DistributedOptimizer", "_set_main_param_and_optimizer_states",
+             _set_main_param_and_optimizer_states)  # fmt: skip
+
+    load_state_dict = cls.load_state_dict
+
+    @_shim
+    @functools.wraps(load_state_dict)
+    def load_state_dict_own_steps(self: Any, state_dict: Any) -> None:
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():  # one step tensor per weight, as torch's Adam keeps them
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    _replace(cls, f"{cls.__module__}.DistributedOptimizer", "load_state_dict", load_state_dict_own_steps)
 
 
 def mark_sequence_parallel(module: torch.nn.Module, on: bool) -> None:

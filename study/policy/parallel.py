@@ -13,16 +13,17 @@ Three things follow from those marks and nothing else:
 2. `load_full_state(model, state)`: the inverse, a one-process state dict (a cold start, a checkpoint) sliced into
    this rank's shard; `load_streamed(model, tensors)` the same from tensors read one at a time (an HF checkpoint).
 3. `ShardedTrainer`: megatron's DistributedDataParallel around the model, `finalize_model_grads` and megatron's
-   distributed optimizer (Adam, fp32 main parameters for bf16, its global-norm clip over every rank's shard).
+   distributed optimizer (Adam, fp32 main parameters for bf16, its global-norm clip over every rank's shard), on
+   the CPU too (study/policy/compat.py point 6).
    Gradients are summed, not averaged, over the data-parallel ranks (`calculate_per_token_loss`): the loop gives
    each rank the share of the global loss its rows carry (study/rl.py), so the sum is the one-process gradient.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,20 +76,26 @@ def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return out
 
 
-def full_weights(model: torch.nn.Module, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(
+    model: torch.nn.Module,
+    *,
+    grads: bool = False,
+    values: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the policy as the one-process model holds it: (megatron name, full tensor), in the model's
     parameter order, experts in global order. Collective: every rank of the run must iterate it to the end (each
     tensor is gathered over the tensor- and expert-parallel groups); each rank gets the same full tensors. At one
     process it yields the parameters themselves (detached). This is the one source of full weights for the rollout
     engine's weight sync (`full_hf_weights`), HF export and layout-free checkpoints. `grads`: the reduced
     gradients instead (megatron's `main_grad` after `finalize_model_grads` with an all-reduce, else `.grad`), to
-    compare a layout's gradients with one process's."""
+    compare a layout's gradients with one process's. `values`: per parameter, a tensor of its shape to gather in its
+    place (an optimizer state: `ShardedTrainer.full_optimizer_state`)."""
     tp, _, etp, _, _ = _sizes()
     groups = _groups() if (tp > 1 or etp > 1 or _ep_size() > 1) else {}
     per_rank = _experts_per_rank(model) if groups else 0
     pending: dict[str, list[torch.Tensor]] = {}  # expert name -> this rank's local experts' tensors, in order
     for name, param in model.named_parameters():
-        t = param.detach()
+        t = param.detach() if values is None else values(param)
         if grads:
             t = getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
             t = torch.zeros_like(param) if t is None else t.detach().clone()  # not the buffer the clip scales
@@ -217,6 +224,18 @@ def load_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     return copied
 
 
+def _shards(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *,
+            strict: bool = True) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:  # fmt: skip
+    """(local name, parameter, this rank's slice of `state`'s full tensor) for each parameter of the shard whose
+    one-process name `state` holds (all of them with `strict`)."""
+    for key, (name, param) in _shard_params(model).items():
+        if key not in state:
+            if strict:
+                raise KeyError(f"state has no {key!r} (the one-process name of this rank's {name!r})")
+            continue
+        yield name, param, _this_rank(model, key, name, param, state[key])
+
+
 def data_rows(n: int) -> torch.Tensor:
     """The rows of an n-row global batch this rank computes: its data-parallel rank's contiguous share
     (torch.tensor_split order, so shares differ by at most one row; every row at one data-parallel rank)."""
@@ -255,57 +274,57 @@ def _comm_device(device: torch.device) -> torch.device:
     return device
 
 
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+# megatron's distributed optimizer in a distributed checkpoint: per weight (reshardable to any layout), gathered over
+# gloo to data-parallel rank 0 (its all-gather alternative moves the states through CUDA)
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
 class ShardedTrainer:
-    """megatron's DistributedDataParallel and `finalize_model_grads` around a policy built with
-    `build_policy(parallel=...)`, then Adam with a global-norm clip: the training step of a run whose layout is not
-    one process.
+    """megatron's DistributedDataParallel, `finalize_model_grads` and megatron's optimizer around a policy built with
+    `build_policy(parallel=...)`: the training step of a run whose layout is not one process.
 
     Usage per update: `zero_grad()`, the loss's backward through the model (called directly: DDP's hooks sit on the
     parameters), then `step()` -> (stepped, global grad norm). The gradients are reduced by megatron (summed over
     data-parallel ranks, `calculate_per_token_loss`; sequence-parallel norms and routers summed over the
-    tensor-parallel ranks; experts over the expert-data-parallel ranks). The optimizer:
-    - on CUDA, megatron's (`get_megatron_optimizer`): the distributed optimizer (Adam states sharded over the
-      data-parallel ranks), fp32 main parameters and gradients for bf16, its global-norm clip;
-    - on the CPU, megatron's optimizer cannot run (it allocates its scalars on "cuda" and refuses CPU parameter
-      types), so each rank steps torch's fused AdamW over its own shard, with the gradients all-reduced and clipped
-      by the global norm over every rank's shard (each weight counted once: `global_grad_norm`), as megatron
-      clips. The optimizer state is then replicated over the data-parallel ranks.
+    tensor-parallel ranks; experts over the expert-data-parallel ranks). The optimizer is megatron's
+    (`get_megatron_optimizer`, on the CPU through study/policy/compat.py point 6): Adam with decoupled weight decay
+    on every weight (as `build_optimizer`: no per-parameter exemptions), one optimizer for the dense weights and one
+    for the experts, chained, with megatron's global-norm clip over every rank's shard; fp32 main parameters and
+    gradients when the model is bf16; with `distributed_optimizer` (the default) the Adam states and main
+    parameters sharded over the data-parallel ranks (ZeRO-1), else replicated. On the CPU the inner Adam is torch's
+    AdamW (megatron's fallback without TransformerEngine or apex), which steps like the one-process
+    `build_optimizer` (torch's fused AdamW) up to rounding.
     """
 
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float | None = None, grad_clip: float = 0.0,
-                 distributed_optimizer: bool | None = None) -> None:  # fmt: skip
+                 distributed_optimizer: bool = True) -> None:  # fmt: skip
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = model.config
         if config.fp16:
             raise ValueError("train_dtype = 'fp16' with a parallel layout: megatron's loss scaler is not wired here; "
                              "valid: fp32 or bf16")  # fmt: skip
         eps = 1e-8 if eps is None else eps  # build_optimizer's default (fp16, its 1e-6, is refused above)
-        self.megatron_optimizer = torch.cuda.is_available()
-        if distributed_optimizer is None:
-            distributed_optimizer = self.megatron_optimizer
-        if distributed_optimizer and not self.megatron_optimizer:
-            raise ValueError("distributed_optimizer = True needs CUDA (megatron's optimizer); on the CPU: False")
         self.model, self.grad_clip = model, grad_clip
+        self.hparams = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
+        self.distributed_optimizer = distributed_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=distributed_optimizer)  # fmt: skip
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        if self.megatron_optimizer:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            opt_config = OptimizerConfig(
-                optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-                adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=config.bf16, fp16=False,
-                params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
-            )  # fmt: skip
-            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
-            for group in self.optimizer.param_groups:  # no scheduler: the run's constant lr
-                group["lr"] = lr
-        else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                                               fused=True)  # fmt: skip
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=config.bf16, fp16=False,
+            params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
+        )  # fmt: skip
+        # config_overrides={}: weight decay on every weight, as build_optimizer (megatron's default exempts biases
+        # and 1-d weights)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], config_overrides={})
+        for group in self.optimizer.param_groups:  # no scheduler: the run's constant lr
+            group["lr"] = lr
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -318,52 +337,186 @@ class ShardedTrainer:
         finalize_model_grads([self.ddp])
 
     def step(self) -> tuple[bool, float]:
-        """Reduce the gradients over the ranks, clip by the global norm and step. Returns (whether the step was
-        taken, the global gradient norm before clipping); a non-finite norm skips the step."""
+        """Reduce the gradients over the ranks, clip by the global norm and step (megatron's `step`). Returns
+        (whether the step was taken, the global gradient norm before clipping). megatron checks for inf/NaN only
+        under a loss scaler (fp16, refused here): a non-finite norm is returned as it is, after a step that moved
+        the weights to non-finite values, and the loop ends the run on it (study/rl.py, Collapse)."""
         self.reduce()
-        if self.megatron_optimizer:
-            stepped, grad_norm, _ = self.optimizer.step()
-            return bool(stepped), float(grad_norm) if grad_norm is not None else float("nan")
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype)
-        norm = global_grad_norm(self.model, [p.grad for p in self.params])
-        if not math.isfinite(norm):
-            return False, norm
-        if self.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: coefficient max / (norm + 1e-6), at most 1
-            coef = min(self.grad_clip / (norm + 1e-6), 1.0)
-            torch._foreach_mul_([p.grad for p in self.params], coef)
-        self.optimizer.step()
-        return True, norm
+        stepped, grad_norm, _ = self.optimizer.step()
+        return bool(stepped), float(grad_norm) if grad_norm is not None else float("nan")
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    # Two forms. megatron's distributed checkpoint (`sharded_state_dict`, saved and loaded with
+    # megatron.core.dist_checkpointing, which reshards it to the loading layout): the model's sharded state and the
+    # optimizer's in megatron's "fully_reshardable" form (Adam states and fp32 main parameters per weight, gathered
+    # over the data-parallel ranks over gloo and written by data-parallel rank 0). And the one-process form
+    # (`full_optimizer_state` / `load_full_optimizer_state`): each Adam state as the one-process model's full tensor
+    # by its one-process name, what a one-process run's torch AdamW holds.
+    def init_states(self) -> None:
+        """Allocate Adam's states before a load: megatron's distributed optimizer reads the step from them (with
+        torch's Adam, its fallback without TransformerEngine or apex) and loads into them in place. Megatron's own
+        initialisation, a step with zero gradients on the fp32 main parameters (the load overwrites both)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        for o in self.optimizer.chained_optimizers:
+            if isinstance(o, DistributedOptimizer) and not o.is_stub_optimizer and not o.optimizer.state:
+                o._init_optimizer_states_with_dummy_values()
+
+    def sharded_state_dict(self, *, loading: bool) -> dict[str, Any]:
+        """{"model", "optimizer"}: the sharded state megatron's dist_checkpointing saves, or (`loading`) the
+        template it loads into (then `load_sharded`)."""
+        if loading:
+            self.init_states()
+        model_state = self.model.sharded_state_dict()
+        optimizer_state = self.optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=SHARDING)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_sharded(self, loaded: dict[str, Any]) -> None:
+        """Apply what dist_checkpointing loaded into `sharded_state_dict(loading=True)`."""
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def _states(self) -> tuple[dict[torch.nn.Parameter, dict[str, torch.Tensor]], int]:
+        """Each parameter of this rank's shard -> its Adam states ("exp_avg", "exp_avg_sq") shaped like it (whole
+        over the data-parallel ranks: the distributed optimizer's are gathered, a collective over them), and the
+        step."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        states: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        step = 0
+        for o in self.optimizer.chained_optimizers:
+            if o.is_stub_optimizer:
+                continue
+            for s in o.optimizer.state.values():
+                step = int(s["step"])
+            if isinstance(o, DistributedOptimizer):  # its flat buffers' state over the data-parallel ranks
+                world = o.get_parameter_state_dp_zero(use_gloo_comm=True, return_on_all_ranks=True)
+                for index, buffer in enumerate(o.buffers):
+                    (tensors,) = world[index].values()  # one dtype per buffer
+                    for param, (start, end, _) in buffer.param_index_map.items():
+                        states[param] = {k: tensors[k][start:end].view(param.shape) for k in ADAM_STATES}
+            else:  # FP32Optimizer: the parameters themselves; Float16Optimizer: their fp32 main parameters
+                for param in self.params:
+                    main = getattr(param, "main_param", None)
+                    main = param if main is None else main
+                    if main in o.optimizer.state:
+                        states[param] = {k: o.optimizer.state[main][k] for k in ADAM_STATES}
+        return states, step
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """The Adam states as one process holds them (collective over every rank): {"step", "exp_avg": {name: full
+        tensor}, "exp_avg_sq": {...}} by the one-process model's names, fp32."""
+        states, step = self._states()
+        out: dict[str, Any] = {"step": step}
+        for key in ADAM_STATES:
+            out[key] = {n: t.float().clone() for n, t in full_weights(self.model, values=lambda p, k=key: states[p][k])}
+        return out
+
+    def load_full_optimizer_state(self, full: Mapping[str, Any]) -> None:
+        """Set the Adam states from their one-process form (`full_optimizer_state`'s, or a one-process run's torch
+        AdamW states by name): each full tensor sliced into this rank's shard; the fp32 main parameters from the
+        model's current weights (load those first)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self.init_states()
+        local = {id(p): {} for p in self.params}
+        for key in ADAM_STATES:
+            for _, param, t in _shards(self.model, full[key]):
+                local[id(param)][key] = t.float()
+        step = torch.tensor(float(full["step"]))
+        with torch.no_grad():
+            for o in self.optimizer.chained_optimizers:
+                if o.is_stub_optimizer:
+                    continue
+                if isinstance(o, DistributedOptimizer):  # megatron slices each weight's states to its own range
+                    by_index, index = {}, 0
+                    for buffer in o.buffers:
+                        for param in buffer.param_index_map:
+                            by_index[index] = {"param": param.detach().float(), **local[id(param)]}
+                            index += 1
+                    o.load_parameter_state_from_fully_reshardable(by_index)
+                else:
+                    for param in self.params:
+                        main = getattr(param, "main_param", None)
+                        main = param if main is None else main
+                        if any(main is q for g in o.optimizer.param_groups for q in g["params"]):
+                            if main is not param:
+                                main.copy_(param.float())
+                            o.optimizer.state[main] = {"step": step.clone(), **{k: v.clone() for k, v in
+                                                                                local[id(param)].items()}}  # fmt: skip
+                for s in o.optimizer.state.values():
+                    s["step"] = step.clone()
 
 
-def global_grad_norm(model: torch.nn.Module, grads: list[torch.Tensor]) -> float:
-    """The 2-norm of the one-process model's gradient from this rank's shard's `grads` (same order as the model's
-    trainable parameters): every weight counted once (a tensor-parallel piece on each rank, a replicated weight on
-    tensor-parallel rank 0 only, experts on their own ranks), the squares summed over the tensor-parallel group
-    (dense) and the expert-tensor-and-expert-parallel group (experts), as megatron's clip counts them."""
-    from megatron.core import parallel_state as ps
+def one_process_adam_state(full: Mapping[str, Any], weights: Mapping[str, torch.Tensor],
+                           hparams: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """`ShardedTrainer.full_optimizer_state`'s Adam states as the state dict of the torch AdamW a one-process run
+    builds (study.policy.optim.build_optimizer over the one-process model's weights, `weights` in their order): what
+    a one-process resume loads. Each state in its weight's dtype (a one-process bf16 run's AdamW holds bf16 states)."""
+    from study.policy.optim import build_optimizer
 
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    etp_rank = ps.get_expert_tensor_parallel_rank()
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for (name, p), g in zip(params, grads, strict=True):
-        sq = g.detach().double().square().sum()
-        sharded = getattr(p, "tensor_model_parallel", False)
-        if _is_expert(name):
-            if sharded or etp_rank == 0:
-                expert += sq
-        elif sharded or tp_rank == 0:
-            dense += sq
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
-    if ps.get_expert_tensor_and_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
-    return float((dense + expert).sqrt())
+    holder = torch.nn.Module()
+    holder.weights = torch.nn.ParameterList([torch.nn.Parameter(w.detach(), requires_grad=True)
+                                             for w in weights.values()])  # fmt: skip
+    optimizer = build_optimizer(holder, lr=hparams["lr"], weight_decay=hparams["weight_decay"],
+                                betas=hparams["betas"], eps=hparams["eps"])  # fmt: skip
+    step = torch.tensor(float(full["step"]))
+    for name, p in zip(weights, holder.weights, strict=True):
+        optimizer.state[p] = {"step": step.clone(), **{k: full[k][name].to(p.dtype) for k in ADAM_STATES}}
+    return optimizer.state_dict()
+
+
+def adam_state_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """Inverse of `one_process_adam_state`: a one-process run's torch AdamW state dict (its weights named `names`, in
+    their order) as {"step", "exp_avg": {name: tensor}, "exp_avg_sq": {...}}."""
+    if len(state["param_groups"]) != 1:
+        raise ValueError(f"the optimizer state has {len(state['param_groups'])} parameter groups, one expected "
+                         "(router_lr_scale = 1)")  # fmt: skip
+    indices = state["param_groups"][0]["params"]
+    if len(indices) != len(names):
+        raise ValueError(f"the optimizer state covers {len(indices)} weights, the model has {len(names)}")
+    per = state["state"]
+    if set(per) != set(indices):
+        raise ValueError("the optimizer state lacks Adam states of some weights (it has never stepped?)")
+    steps = {float(per[i]["step"]) for i in indices}
+    if len(steps) != 1:
+        raise ValueError(f"the optimizer state's weights are at different steps {sorted(steps)}")
+    out: dict[str, Any] = {"step": int(steps.pop())}
+    for key in ADAM_STATES:
+        out[key] = {name: per[i][key] for name, i in zip(names, indices, strict=True)}
+    return out
+
+
+def save_distributed(trainer: ShardedTrainer, directory: str | Path, *, rng: Any = None) -> None:
+    """Save the policy and its optimizer with megatron's distributed checkpointing into `directory` (made empty
+    first; collective over every rank: each writes its shards, data-parallel rank 0 the gathered optimizer states).
+    `rng`: this rank's RNG states, kept under its global rank (`load_distributed`)."""
+    import shutil
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    directory = Path(directory)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+    torch.distributed.barrier()
+    state = trainer.sharded_state_dict(loading=False)
+    if rng is not None:
+        state["rng"] = ShardedObject(f"rng.rank{torch.distributed.get_rank()}", rng, (1,), (0,), replica_id=0)
+    dist_checkpointing.save(state, str(directory))
+
+
+def load_distributed(trainer: ShardedTrainer, directory: str | Path, *, rng: bool = False) -> Any:
+    """Load `save_distributed`'s checkpoint into this layout's policy and optimizer (megatron reshards it from the
+    layout that saved it; collective). `rng`: also return this rank's saved RNG states (the saving world must have
+    had this rank)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    template = trainer.sharded_state_dict(loading=True)
+    if rng:
+        template["rng"] = ShardedObject(f"rng.rank{torch.distributed.get_rank()}", None, (1,), (0,), replica_id=0)
+    loaded = dist_checkpointing.load(template, str(directory))
+    trainer.load_sharded(loaded)
+    return loaded.get("rng")

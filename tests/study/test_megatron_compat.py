@@ -120,3 +120,107 @@ def test_rng_tracker_seeding_needs_the_shim(monkeypatch):
         with pytest.raises((AssertionError, RuntimeError)):
             model_parallel_cuda_manual_seed(123, force_reset_rng=True)
     model_parallel_cuda_manual_seed(123, force_reset_rng=True)  # leave a seeded tracker for later tests
+
+
+# megatron's optimizer (point 6) ---------------------------------------------------------------------------------------
+def _megatron_update(dtype: str, distributed: bool) -> dict:
+    """One update of the tiny policy (one process) through study.policy.parallel.ShardedTrainer, i.e. megatron's DDP
+    and `get_megatron_optimizer`."""
+    from study.model_config import ParallelLayout
+    from study.policy.parallel import ShardedTrainer
+
+    model = build_policy(preset("tiny"), seed=0, routing_replay=False, dtype=dtype, parallel=ParallelLayout())
+    trainer = ShardedTrainer(model, lr=1e-3, grad_clip=0.5, distributed_optimizer=distributed)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.zero_grad()
+    _forward(model).float().mean().backward()
+    trainer.reduce()
+    want = float(torch.stack([p.main_grad.double().norm() for p in model.parameters()]).norm())
+    trainer.reduce = lambda: None  # reduced: step() clips and steps
+    stepped, norm = trainer.step()
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in model.named_parameters())
+    kinds = {type(o).__name__ for o in trainer.optimizer.chained_optimizers}
+    mains = {p.dtype for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups
+             for p in g["params"]}  # fmt: skip
+    return {"stepped": stepped, "norm": norm, "want": want, "moved": moved, "kinds": kinds, "mains": mains,
+            "numel": sum(p.numel() for p in model.parameters())}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "kind"),
+    [("fp32", False, "FP32Optimizer"), ("bf16", False, "Float16OptimizerWithFloat16Params"),
+     ("fp32", True, "DistributedOptimizer"), ("bf16", True, "DistributedOptimizer")],
+)  # fmt: skip
+def test_megatron_optimizer_steps_on_cpu(dtype, distributed, kind):
+    got = _megatron_update(dtype, distributed)
+    assert got["kinds"] == {kind}
+    assert got["mains"] == {torch.float32}  # fp32 main parameters for bf16 weights
+    assert got["stepped"] and got["norm"] == pytest.approx(got["want"], rel=1e-5)  # clipped: 0.5 < the norm
+    assert got["norm"] > 0.5 and got["moved"] > 0.5 * got["numel"]
+
+
+@pytest.mark.parametrize(
+    ("target", "dtype", "distributed", "error"),
+    [
+        (("megatron.core.optimizer.optimizer", "torch"), "fp32", False, AssertionError),  # not compiled with CUDA
+        (("megatron.core.optimizer.clip_grads", "torch"), "fp32", False, AssertionError),
+        (("megatron.core.optimizer.clip_grads", "l2_norm_impl"), "fp32", False, AssertionError),
+        (("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"), "fp32", False, AssertionError),
+        (("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params", "__init__"), "bf16", False, TypeError),
+        (("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "__init__"), "fp32", True, TypeError),
+    ],
+    ids=["optimizer_scalars", "clip_scalars", "l2_norm", "clip_type_check", "float16_type_check", "distributed"],
+)
+def test_megatron_optimizer_fails_without_each_shim(monkeypatch, target, dtype, distributed, error):
+    _revert(monkeypatch, *target)
+    with pytest.raises(error):
+        _megatron_update(dtype, distributed)
+
+
+# dist_checkpointing and loading into torch's Adam (points 7 and 8) --------------------------------------------------
+def _save_and_load(tmp_path) -> list:
+    """One process: an update through megatron's distributed optimizer, saved with dist_checkpointing and loaded
+    into a fresh policy's; the loaded optimizer's per-weight step tensors."""
+    from study.model_config import ParallelLayout
+    from study.policy import parallel as P
+
+    def trainer(seed: int):
+        model = build_policy(preset("tiny"), seed=seed, routing_replay=False, parallel=ParallelLayout())
+        return model, P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
+
+    model, saving = trainer(0)
+    saving.zero_grad()
+    _forward(model).float().mean().backward()
+    saving.step()
+    P.save_distributed(saving, tmp_path / "ckpt")
+    _, loading = trainer(1)
+    P.load_distributed(loading, tmp_path / "ckpt")
+    return [s["step"] for o in loading.optimizer.chained_optimizers for s in o.optimizer.state.values()]
+
+
+def test_distributed_checkpoint_round_trip_with_the_shims(tmp_path):
+    steps = _save_and_load(tmp_path)
+    assert len(steps) > 1 and all(float(s) == 1 for s in steps)
+    assert len({id(s) for s in steps}) == len(steps)  # each weight its own step tensor
+
+
+@pytest.mark.parametrize(
+    ("target", "error"),
+    [
+        (("megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync", "preload_tensors"),
+         AssertionError),  # torch.cuda.synchronize(): not compiled with CUDA
+        (("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
+         KeyError),  # 'step'
+    ],
+    ids=["staging_sync", "torch_adam_step"],
+)  # fmt: skip
+def test_distributed_checkpoint_fails_without_each_shim(tmp_path, monkeypatch, target, error):
+    _revert(monkeypatch, *target)
+    with pytest.raises(error):
+        _save_and_load(tmp_path)
+
+
+def test_loaded_steps_are_shared_without_the_shim(tmp_path, monkeypatch):
+    _revert(monkeypatch, "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "load_state_dict")
+    steps = _save_and_load(tmp_path)
+    assert len({id(s) for s in steps}) < len(steps)  # one tensor for many weights: torch's Adam adds 1 per weight

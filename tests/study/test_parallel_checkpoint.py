@@ -1,0 +1,169 @@
+"""Checkpoints across layouts (gloo, CPU, world size 2): megatron's distributed checkpointing saves the policy and
+megatron's optimizer at one layout and loads them at another (megatron reshards), and the one-process form of the
+Adam states (what a one-process run's torch AdamW holds, what state.pt keeps) goes in and out of a sharded
+optimizer. In one spawn of two processes (~25 s, most of it importing megatron):
+- DP 2 (the distributed optimizer: Adam states sharded over the two ranks) after one update, saved with
+  dist_checkpointing, loaded at EP 2: the weights and every Adam state equal the saved ones exactly, and a second
+  update from there equals the second update at DP 2 (to 1e-2 x lr, the sums over ranks adding in another order);
+- one process's weights and torch AdamW states after its update, sliced into EP 2's shards, saved with
+  dist_checkpointing at EP 2 and loaded at DP 2: equal to one process's exactly.
+The Adam states after one update at DP 2 equal one process's to rounding (1e-5 of each tensor's largest entry).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from study.model_config import ParallelLayout
+from tests.study.test_parallel import CFG, ROWS, _forward, _loss, _port
+
+LR = 1e-3
+DP2, EP2 = ParallelLayout(data=2), ParallelLayout(expert=2, data=2)
+
+
+def _one_process() -> dict:
+    """One process: the start weights, one GSPO update (torch fused AdamW, clip 0.5) and its Adam states by name."""
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
+
+    model = build_policy(CFG, seed=3, routing_replay=False)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, lr=LR)
+    loss, _ = _loss(_forward(model, torch.arange(ROWS)))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+    opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adam = P.adam_state_by_name(opt.state_dict(), names)
+    return {"start": start, "stepped": stepped, "adam": adam, "optimizer": opt.state_dict(), "names": names}
+
+
+def _update(model, trainer) -> None:
+    from study.policy import parallel as P
+
+    trainer.zero_grad()
+    loss, _ = _loss(P.gather_rows(_forward(model, P.data_rows(ROWS)), ROWS))
+    loss.backward()
+    assert trainer.step()[0]
+
+
+def _worker(rank: int, port: int, ref: dict, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+
+    def policy(layout, seed=3):
+        model = build_policy(CFG, seed=seed, routing_replay=False, parallel=layout)
+        return model, P.ShardedTrainer(model, lr=LR, grad_clip=0.5)
+
+    def snapshot(model, trainer):
+        weights = {k: v.clone() for k, v in P.full_weights(model)}  # views of the weights at DP: copied
+        return {"weights": weights, "adam": trainer.full_optimizer_state()}
+
+    out = {}
+    # DP 2: one update from the reference start, saved; then a second update
+    model, trainer = policy(DP2)
+    P.load_full_state(model, ref["start"])
+    _update(model, trainer)
+    P.save_distributed(trainer, f"{tmp}/dp2")
+    out["dp2"] = snapshot(model, trainer)
+    _update(model, trainer)
+    out["dp2_next"] = P.full_state_dict(model)
+    parallel_state.destroy_model_parallel()
+    # EP 2 (other initial weights): DP 2's checkpoint, then the same second update
+    model, trainer = policy(EP2, seed=5)
+    P.load_distributed(trainer, f"{tmp}/dp2")
+    out["dp2->ep2"] = snapshot(model, trainer)
+    _update(model, trainer)
+    out["ep2_next"] = P.full_state_dict(model)
+    parallel_state.destroy_model_parallel()
+    # EP 2 from one process's weights and Adam states, saved; loaded at DP 2
+    model, trainer = policy(EP2, seed=5)
+    P.load_full_state(model, ref["stepped"])
+    trainer.load_full_optimizer_state(ref["adam"])
+    out["1->ep2"] = snapshot(model, trainer)
+    P.save_distributed(trainer, f"{tmp}/ep2")
+    parallel_state.destroy_model_parallel()
+    model, trainer = policy(DP2, seed=5)
+    P.load_distributed(trainer, f"{tmp}/ep2")
+    out["1->ep2->dp2"] = snapshot(model, trainer)
+    parallel_state.destroy_model_parallel()
+    if rank == 0:
+        torch.save(out, f"{tmp}/out.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _one_process()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(reference, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    mp.spawn(_worker, args=(_port(), reference, str(tmp)), nprocs=2)
+    return torch.load(tmp / "out.pt", weights_only=False)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _adam_equal(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(_equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.slow
+def test_dp2_checkpoint_loads_at_ep2(two_ranks):
+    saved, loaded = two_ranks["dp2"], two_ranks["dp2->ep2"]
+    assert saved["adam"]["step"] == 1 and _equal(loaded["weights"], saved["weights"])
+    assert _adam_equal(loaded["adam"], saved["adam"])
+    # the next update from the loaded state: as at DP 2
+    moved = max(float((two_ranks["ep2_next"][n] - w).abs().max()) for n, w in two_ranks["dp2_next"].items())
+    assert moved <= 1e-2 * LR
+
+
+@pytest.mark.slow
+def test_one_process_states_to_ep2_and_back_through_a_checkpoint(reference, two_ranks):
+    for run in ("1->ep2", "1->ep2->dp2"):
+        got = two_ranks[run]
+        assert _equal(got["weights"], reference["stepped"]), run
+        assert _adam_equal(got["adam"], reference["adam"]), run
+
+
+@pytest.mark.slow
+def test_dp2_adam_states_equal_one_process(reference, two_ranks):
+    got = two_ranks["dp2"]["adam"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, want in reference["adam"][key].items():
+            scale = float(want.abs().max().clamp_min(1e-30))
+            assert float((got[key][name] - want).abs().max()) <= 1e-5 * scale, (key, name)
+
+
+def test_one_process_adam_state_round_trip(reference):
+    # the one-process form <-> a torch AdamW state dict as build_optimizer's: loads into the one-process optimizer
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+    from study.policy.optim import build_optimizer
+
+    hparams = {"lr": LR, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
+    state = P.one_process_adam_state(reference["adam"], reference["stepped"], hparams)
+    model = build_policy(CFG, seed=3, routing_replay=False)
+    opt = build_optimizer(model, lr=LR)
+    opt.load_state_dict(state)  # the format, groups and shapes of a one-process run's
+    assert _adam_equal(P.adam_state_by_name(opt.state_dict(), reference["names"]), reference["adam"])
+    assert state["param_groups"] == reference["optimizer"]["param_groups"]
+    with pytest.raises(ValueError, match="covers 2 weights, the model has"):
+        P.adam_state_by_name({**state, "param_groups": [{**state["param_groups"][0], "params": [0, 1]}]},
+                             reference["names"])  # fmt: skip
