@@ -44,7 +44,7 @@ from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
 from study.model_config import ParallelLayout
 from study.policy import parallel as par
-from study.policy.model import build_policy, token_logp
+from study.policy.model import build_policy, current_layout, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
 from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
 from study.rollout import engine_class, get_engine
@@ -192,13 +192,32 @@ def _check_layout(cfg: RunConfig, run_dir: Path, results: str | Path) -> None:
             if not is_complete(Path(results) / "coldstart" / settings.dirname):
                 raise ValueError(f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
                                  "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
+    recorded = _recorded_layout(run_dir)
+    if recorded is not None and recorded != layout:  # resharded on resume (_restore), unless it cannot be
+        legacy = _legacy_rank_files(run_dir)
+        if legacy:
+            raise ValueError(
+                f"{run_dir}: started with parallel = {recorded.to_dict()}, resumed with parallel = "
+                f"{layout.to_dict()}; its checkpoint ({legacy[0].name}) holds per-rank optimizer shards of that "
+                "layout, written before checkpoints were resharded: resume with the recorded parallel layout"
+            )
+
+
+def _recorded_layout(run_dir: Path) -> ParallelLayout | None:
+    """The layout the run's manifest records as its latest (None: a fresh run)."""
     path = run_dir / "manifest.json"
-    recorded = rundir.read_json(path).get("parallel") if path.exists() else None
-    if recorded is not None and ParallelLayout.from_mapping(recorded) != layout:
-        raise ValueError(
-            f"{run_dir}: started with parallel = {recorded}, resumed with {layout.to_dict()}; its checkpoint holds "
-            "that layout's shards: resume with the recorded layout"
-        )
+    if not path.exists():
+        return None
+    manifest = rundir.read_json(path)
+    resumed = manifest.get("parallel_resumed") or []
+    recorded = resumed[-1]["parallel"] if resumed else manifest.get("parallel")
+    return None if recorded is None else ParallelLayout.from_mapping(recorded)
+
+
+def _legacy_rank_files(run_dir: Path) -> list[Path]:
+    """Per-rank optimizer files of a layout's checkpoint from before distributed checkpoints (torch AdamW shards):
+    they load only at their own layout, and not into megatron's optimizer."""
+    return sorted((run_dir / "checkpoint").glob("rank*-step*.pt"))
 
 
 def resume(run_dir: str | Path, *, progress: bool = True, tracking: Tracking | None = None) -> Path:
@@ -526,23 +545,46 @@ def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None
 
 
 def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
-    """Apply a checkpoint's state: model, optimiser, scaler and every RNG (a parallel layout: the full weights
-    sliced into this rank's shard, then its own part of the checkpoint, `_rank_file`)."""
+    """Apply a checkpoint's state: model, optimiser, scaler and every RNG. state.pt always holds the one-process
+    form (full weights, torch AdamW states by one-process index), whatever layout wrote it: a one-process resume
+    loads it as it is. Under a parallel layout, a layout run's checkpoint is loaded from its megatron distributed
+    checkpoint (`distributed`: model and optimizer shards, each rank's RNG), resharded by megatron when the layout
+    changed; a one-process run's checkpoint is sliced into the shards (study/policy/parallel.py)."""
+    legacy = _legacy_rank_files(path.parent.parent)
+    if legacy:
+        raise rundir.RunStateError(f"{legacy[0]}: a per-rank optimizer shard of a checkpoint from before "
+                                   "distributed checkpoints (torch AdamW, not megatron's optimizer); "
+                                   f"{rundir.RESTART}")  # fmt: skip
     try:
         if parts.trainer is not None:
-            par.load_full_state(parts.policy, state["model"])
-            state = {**state, **_load_rank_part(_rank_file(path.parent.parent, state["step"]))}
+            if state.get("distributed") is not None:  # megatron's distributed checkpoint, resharded to this layout
+                mine = torch.distributed.get_rank() < int(state.get("world", 1))
+                rng = par.load_distributed(parts.trainer, path.parent / state["distributed"], rng=mine)
+                state = {**state, **(rng or {})}  # a rank the saving world lacked: rank 0's RNG states
+            else:  # a one-process run's: its full weights and Adam states sliced into this rank's shard
+                par.load_full_state(parts.policy, state["model"])
+                names = par.one_process_names(parts.policy)
+                parts.trainer.load_full_optimizer_state(par.adam_state_by_name(state["optimizer"], names))
         else:
-            parts.policy.load_state_dict(state["model"])
-        parts.optimizer.load_state_dict(state["optimizer"])
+            _load_model(parts.policy, state["model"])
+            parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler is not None:
             parts.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         np.random.set_state(_numpy_rng_in(state["numpy_rng"]))
-    except (KeyError, RuntimeError, TypeError, ValueError) as err:
+    except (KeyError, RuntimeError, TypeError, ValueError, FileNotFoundError) as err:
         raise rundir.RunStateError(f"{path}: not a checkpoint of this run ({_first_line(err)}); "
                                    f"{rundir.RESTART}") from None  # fmt: skip
+
+
+def _load_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A one-process state dict into the one-process model; a layout run's state.pt holds the weights alone (no
+    megatron `_extra_state` entries)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.endswith("._extra_state")] + list(unexpected)
+    if bad:
+        raise KeyError(f"the checkpoint's model does not match the policy: {sorted(bad)[:4]}")
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "torch_rng", "python_rng", "numpy_rng", "step", "data_pos",
@@ -568,16 +610,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or set(CHECKPOINT_KEYS) - set(state):
         raise rundir.RunStateError(f"{path}: not a run checkpoint (keys {', '.join(CHECKPOINT_KEYS)}); "
                                    f"{rundir.RESTART}")  # fmt: skip
-    return state
-
-
-def _load_rank_part(path: Path) -> dict[str, Any]:
-    """A parallel layout's per-rank checkpoint part (optimizer shard, RNG states), loaded like `load_checkpoint`."""
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as err:
-        raise rundir.RunStateError(f"{path}: missing, unreadable or refused ({_first_line(err)}); "
-                                   f"{rundir.RESTART}") from None  # fmt: skip
     return state
 
 
@@ -629,6 +661,11 @@ def _train(
     state, log = _read_progress(run_dir, cfg)  # damaged state: an error before any compute
     if _rank0():
         rundir.set_status(run_dir, "running", step=log.step)
+        if (_recorded_layout(run_dir) or cfg.layout) != cfg.layout:  # resumed under another layout: resharded
+            manifest = rundir.read_json(run_dir / "manifest.json")
+            resumed = {"step": log.step, "parallel": cfg.layout.to_dict()}  # from the checkpoint of this step on
+            manifest["parallel_resumed"] = [*manifest.get("parallel_resumed", []), resumed]
+            rundir.write_json(run_dir / "manifest.json", manifest)
     parts = _setup(cfg, results)
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
     try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded (rank 0's)
@@ -1132,29 +1169,34 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
     return frame[list(TOKEN_SAMPLE_COLUMNS)]
 
 
-def _rank_file(run_dir: Path, step: int) -> Path:
-    """A parallel layout's per-rank checkpoint part (optimizer shard, RNG states) of `step`."""
-    return run_dir / "checkpoint" / f"rank{torch.distributed.get_rank()}-step{step}.pt"
-
-
 def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
     """state.pt: the model, optimiser, scaler, RNG states and position. Under a parallel layout every rank first
-    writes its optimizer shard and RNG states (`_rank_file`), then rank 0 the full (one-process) weights and the
-    position in state.pt, whose step names the rank files that belong to it (older ones are removed after)."""
+    writes its shards and RNG states into megatron's distributed checkpoint `dist-step{N}` (model, optimizer; made
+    under a .tmp name, renamed when complete), then rank 0 writes state.pt in the one-process form (the full
+    weights and Adam states by one-process name and index: `study export` and a one-process resume read it) naming
+    that checkpoint; older distributed checkpoints are removed after."""
     if parts.trainer is not None:
-        model = par.full_state_dict(parts.policy)  # collective
-        mine = {"optimizer": parts.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(), "numpy_rng": _numpy_rng_out(np.random.get_state())}  # fmt: skip
-        (run_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
-        rundir.atomic_write(_rank_file(run_dir, log.step), lambda tmp: torch.save(mine, tmp))
+        ckpt, name = run_dir / "checkpoint", f"dist-step{log.step}"
+        rng = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+               "numpy_rng": _numpy_rng_out(np.random.get_state())}  # fmt: skip
+        par.save_distributed(parts.trainer, ckpt / f"{name}.tmp", rng=rng)  # collective
+        full = par.full_state_dict(parts.policy)  # collective
+        adam = parts.trainer.full_optimizer_state()  # collective
         torch.distributed.barrier()
-        if _rank0():  # every key of a checkpoint (rank 0's optimizer and RNGs), the full weights
-            state = {**mine, "model": model, "scaler": None, "step": log.step, "data_pos": log.data_pos,
-                     "compute": log.compute, "wall": log.wall}  # fmt: skip
-            rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
-            for old in (run_dir / "checkpoint").glob("rank*-step*.pt"):
-                if not old.name.endswith(f"-step{log.step}.pt"):
-                    old.unlink()
+        if _rank0():
+            import shutil
+
+            shutil.rmtree(ckpt / name, ignore_errors=True)
+            (ckpt / f"{name}.tmp").rename(ckpt / name)
+            model = {n: full[n] for n in par.one_process_names(parts.policy)}  # the one-process order
+            state = {**rng, "model": model, "optimizer": par.one_process_adam_state(adam, model, parts.trainer.hparams),
+                     "scaler": None, "step": log.step, "data_pos": log.data_pos, "compute": log.compute,
+                     "wall": log.wall, "distributed": name, "world": torch.distributed.get_world_size(),
+                     "parallel": current_layout().to_dict()}  # fmt: skip
+            rundir.atomic_write(ckpt / "state.pt", lambda tmp: torch.save(state, tmp))
+            for old in ckpt.glob("dist-step*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
         torch.distributed.barrier()
         return
     state = {

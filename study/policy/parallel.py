@@ -520,3 +520,26 @@ def load_distributed(trainer: ShardedTrainer, directory: str | Path, *, rng: boo
     loaded = dist_checkpointing.load(template, str(directory))
     trainer.load_sharded(loaded)
     return loaded.get("rng")
+
+
+def one_process_names(model: torch.nn.Module) -> list[str]:
+    """The one-process model's parameter names in its own order (a one-process run's optimizer indexes its states in
+    that order): this shard's names with each layer's local experts replaced by every global expert, expert by
+    expert (`full_weights` yields them grouped by weight instead). No communication."""
+    per_rank = _experts_per_rank(model) if _ep_size() > 1 else 0
+    out: list[str | tuple[str]] = []
+    tails: dict[str, list[str]] = {}  # a layer's expert prefix -> its weights' suffixes, in order
+    for name, _ in model.named_parameters():
+        m = _LOCAL_EXPERT.fullmatch(name)
+        if m is None or not per_rank:
+            out.append(name)
+            continue
+        head, local, tail = m.group(1), int(m.group(2)), m.group(3)
+        if head not in tails:
+            tails[head] = []
+            out.append((head,))  # the layer's experts go here
+        if local == 0:
+            tails[head].append(tail)
+    experts = per_rank * _ep_size()
+    return [n for item in out for n in ([item] if isinstance(item, str) else
+            [f"{item[0]}{e}{t}" for e in range(experts) for t in tails[item[0]]])]  # fmt: skip

@@ -396,7 +396,7 @@ def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path) -> None:
     # A run at EP 2 through submitit's local executor: one job, two tasks (ranks), rank 0's status returned, and the
-    # run directory written by rank 0 with both ranks' checkpoint parts.
+    # run directory written by rank 0 with the ranks' distributed checkpoint.
     from study.run.config import load_config
     from tests.study.test_parallel import _coldstart
 
@@ -408,6 +408,5 @@ def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path) -> None:
     run_dir = tmp_path / "r" / "runs" / cfg.run_id
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == f"completed: {run_dir}" and state(run_dir) == "completed"
-    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["rank0-step1.pt", "rank1-step1.pt",
-                                                                          "state.pt"]  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["dist-step1", "state.pt"]
     assert len(list((run_dir / "submitit").glob("*_1_log.out"))) == 1  # the second task's own log

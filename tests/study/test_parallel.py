@@ -334,7 +334,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path):
         assert list(a[column]) == list(b[column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est"):
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
-    assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["rank0-step2.pt", "rank1-step2.pt", "state.pt"]
+    assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["dist-step2", "state.pt"]
     state = torch.load(two / "checkpoint" / "state.pt", weights_only=False)["model"]
     start = torch.load(tmp_path / "start" / "policy.pt", weights_only=True)
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in start.items()}

@@ -12,6 +12,7 @@ The Adam states after one update at DP 2 equal one process's to rounding (1e-5 o
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -167,3 +168,98 @@ def test_one_process_adam_state_round_trip(reference):
     with pytest.raises(ValueError, match="covers 2 weights, the model has"):
         P.adam_state_by_name({**state, "param_groups": [{**state["param_groups"][0], "params": [0, 1]}]},
                              reference["names"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The RL loop resumed under another layout
+# ---------------------------------------------------------------------------------------------------------------------
+STOP_AFTER_FIRST_CHECKPOINT = """
+from study import rl
+from study.run import rundir
+
+_checkpoint = rl._checkpoint
+
+
+def stop_after(run_dir, parts, log):  # a run killed right after its step-1 checkpoint (every rank alike)
+    _checkpoint(run_dir, parts, log)
+    if log.step == 1:
+        raise rundir.Stopped("stopped after the step-1 checkpoint (test)")
+
+
+rl._checkpoint = stop_after
+"""
+
+
+def _one_process_run(results, sets: list[str], *, stop: bool) -> None:
+    import subprocess
+    import sys
+
+    script = (STOP_AFTER_FIRST_CHECKPOINT if stop else "from study import rl\n") + (
+        "import sys\nfrom study.run.config import load_config\n"
+        "try:\n    rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n"
+        "except rl.rundir.Stopped:\n    pass\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(results), *sets], check=True, timeout=600,
+                   capture_output=True, text=True)  # fmt: skip
+
+
+def _rl_worker(rank: int, port: int, sets: list[str], results: str, stop: bool) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    if stop:
+        exec(STOP_AFTER_FIRST_CHECKPOINT, {})
+    from study import rl
+    from study.run import rundir
+    from study.run.config import load_config
+
+    with contextlib.suppress(rundir.Stopped):
+        rl.run(load_config(preset="tiny", sets=sets), results, progress=False)
+    torch.distributed.destroy_process_group()
+
+
+def _two_rank_run(results, sets: list[str], *, stop: bool) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rl_worker, args=(_port(), sets, str(results), stop), nprocs=2)
+
+
+@pytest.mark.slow
+def test_rl_resume_across_layouts(tmp_path):
+    # Two GRPO + Routing Replay steps, checkpointed after each: stopped after step 1 at one layout and resumed at
+    # another, step 2 equals the uninterrupted one-process run's (as a whole run at EP 2 does,
+    # tests/study/test_parallel.py): one process -> EP 2 (the one-process weights and Adam states sliced into the
+    # shards) and DP 2 -> one process (state.pt's one-process form of megatron's distributed checkpoint).
+    import json
+
+    import pandas as pd
+
+    from study.run import rundir
+    from study.run.config import load_config
+    from tests.study.test_parallel import RUN_SETS, _coldstart
+
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    ep2, dp2 = ["parallel.expert=2", "parallel.data=2"], ["parallel.data=2"]
+    run_id = load_config(preset="tiny", sets=sets).run_id
+    _one_process_run(tmp_path / "reference", sets, stop=False)
+    want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")
+
+    _one_process_run(tmp_path / "one_to_ep2", sets, stop=True)
+    _two_rank_run(tmp_path / "dp2_to_one", [*sets, *dp2], stop=True)
+    run = tmp_path / "dp2_to_one" / "runs" / run_id
+    assert rundir.read_status(run)["state"] == "stopped"
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["dist-step1", "state.pt"]
+
+    _two_rank_run(tmp_path / "one_to_ep2", [*sets, *ep2], stop=False)
+    _one_process_run(tmp_path / "dp2_to_one", sets, stop=False)
+    for name, resumed in (("one_to_ep2", ep2), ("dp2_to_one", [])):
+        run = tmp_path / name / "runs" / run_id
+        assert rundir.read_status(run)["state"] == "completed", name
+        got = pd.read_parquet(run / "metrics.parquet")
+        assert list(got["step"]) == [1, 2]
+        for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+            assert list(got[column]) == list(want[column]), (name, column)
+        for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
+            assert list(got[column]) == pytest.approx(list(want[column]), rel=1e-4, abs=1e-6), (name, column)
+        manifest = json.loads((run / "manifest.json").read_text())
+        layout = load_config(preset="tiny", sets=[*sets, *resumed]).layout.to_dict()
+        assert manifest["parallel_resumed"] == [{"step": 1, "parallel": layout}], name
