@@ -514,6 +514,7 @@ def load_distributed(trainer: ShardedTrainer, directory: str | Path, *, rng: boo
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    check_checkpoint_metadata(directory)
     template = trainer.sharded_state_dict(loading=True)
     if rng:
         template["rng"] = ShardedObject(f"rng.rank{torch.distributed.get_rank()}", None, (1,), (0,), replica_id=0)
@@ -543,3 +544,34 @@ def one_process_names(model: torch.nn.Module) -> list[str]:
     experts = per_rank * _ep_size()
     return [n for item in out for n in ([item] if isinstance(item, str) else
             [f"{item[0]}{e}{t}" for e in range(experts) for t in tails[item[0]]])]  # fmt: skip
+
+
+# What torch DCP's `.metadata` pickle of a megatron torch_dist checkpoint names: DCP's own metadata classes, torch.Size,
+# dtypes and layouts. Anything else (a hostile or foreign file) is refused before torch reads it with pickle.load.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")  # fmt: skip
+
+
+def check_checkpoint_metadata(directory: str | Path) -> None:
+    """Refuse a distributed checkpoint whose `.metadata` (torch DCP's pickle, which torch reads with `pickle.load`)
+    names anything but DCP's metadata classes, torch.Size, dtypes and layouts: read here with an unpickler that
+    constructs nothing else (the check runs no code of the file), as state.pt is read with weights_only."""
+    import importlib
+    import io
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module in _DCP_MODULES and isinstance(getattr(importlib.import_module(module), name, None), type):
+                return super().find_class(module, name)
+            if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            if (module, name) == ("torch.serialization", "_get_layout"):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata class")
+
+    path = Path(directory) / ".metadata"
+    try:
+        Restricted(io.BytesIO(path.read_bytes())).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+        raise ValueError(f"{path}: not a distributed checkpoint's metadata ({type(err).__name__}: {err})") from None

@@ -152,6 +152,26 @@ def test_dp2_adam_states_equal_one_process(reference, two_ranks):
             assert float((got[key][name] - want).abs().max()) <= 1e-5 * scale, (key, name)
 
 
+def test_hostile_checkpoint_metadata_is_refused_unrun(tmp_path):
+    # a distributed checkpoint's .metadata is a pickle torch reads with pickle.load: checked first, constructing
+    # nothing but DCP's metadata classes
+    import pickle
+
+    from study.policy import parallel as P
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"\.metadata: not a distributed checkpoint's metadata .*system"):
+        P.check_checkpoint_metadata(tmp_path / "ckpt")
+    assert not (tmp_path / "ran").exists()
+    with pytest.raises(ValueError, match="FileNotFoundError"):
+        P.check_checkpoint_metadata(tmp_path)
+
+
 def test_one_process_adam_state_round_trip(reference):
     # the one-process form <-> a torch AdamW state dict as build_optimizer's: loads into the one-process optimizer
     from study.policy import parallel as P
