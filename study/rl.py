@@ -661,16 +661,19 @@ def _train(
     state, log = _read_progress(run_dir, cfg)  # damaged state: an error before any compute
     if _rank0():
         rundir.set_status(run_dir, "running", step=log.step)
-        if (_recorded_layout(run_dir) or cfg.layout) != cfg.layout:  # resumed under another layout: resharded
-            manifest = rundir.read_json(run_dir / "manifest.json")
-            resumed = {"step": log.step, "parallel": cfg.layout.to_dict()}  # from the checkpoint of this step on
-            manifest["parallel_resumed"] = [*manifest.get("parallel_resumed", []), resumed]
-            rundir.write_json(run_dir / "manifest.json", manifest)
     parts = _setup(cfg, results)
     alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
     try:  # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded (rank 0's)
         if state is not None:
             _restore(state, parts, run_dir / "checkpoint" / "state.pt")
+        if _rank0() and (_recorded_layout(run_dir) or cfg.layout) != cfg.layout:  # resumed under another layout
+            manifest = rundir.read_json(run_dir / "manifest.json")
+            if state is None:  # no checkpoint: the run starts again from step 0, all of it at this layout
+                manifest["parallel"] = cfg.layout.to_dict()
+            else:  # resharded from this step's checkpoint on
+                resumed = {"step": log.step, "parallel": cfg.layout.to_dict()}
+                manifest["parallel_resumed"] = [*manifest.get("parallel_resumed", []), resumed]
+            rundir.write_json(run_dir / "manifest.json", manifest)
         tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if _rank0() else None
     except BaseException:
         if engine is not None:
