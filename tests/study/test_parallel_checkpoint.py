@@ -6,7 +6,8 @@ optimizer. In one spawn of two processes (~25 s, most of it importing megatron):
   dist_checkpointing, loaded at EP 2: the weights and every Adam state equal the saved ones exactly, and a second
   update from there equals the second update at DP 2 (to 1e-2 x lr, the sums over ranks adding in another order);
 - one process's weights and torch AdamW states after its update, sliced into EP 2's shards, saved with
-  dist_checkpointing at EP 2 and loaded at DP 2: equal to one process's exactly.
+  dist_checkpointing at EP 2 and loaded at DP 2 and at TP 2 (sequence parallel; the fused QKV and gate/up weights
+  split over the ranks): equal to one process's exactly.
 The Adam states after one update at DP 2 equal one process's to rounding (1e-5 of each tensor's largest entry).
 """
 
@@ -22,7 +23,7 @@ from study.model_config import ParallelLayout
 from tests.study.test_parallel import CFG, ROWS, _forward, _loss, _port
 
 LR = 1e-3
-DP2, EP2 = ParallelLayout(data=2), ParallelLayout(expert=2, data=2)
+DP2, EP2, TP2 = ParallelLayout(data=2), ParallelLayout(expert=2, data=2), ParallelLayout(tensor=2)
 
 
 def _one_process() -> dict:
@@ -94,10 +95,11 @@ def _worker(rank: int, port: int, ref: dict, tmp: str) -> None:
     out["1->ep2"] = snapshot(model, trainer)
     P.save_distributed(trainer, f"{tmp}/ep2")
     parallel_state.destroy_model_parallel()
-    model, trainer = policy(DP2, seed=5)
-    P.load_distributed(trainer, f"{tmp}/ep2")
-    out["1->ep2->dp2"] = snapshot(model, trainer)
-    parallel_state.destroy_model_parallel()
+    for name, layout in (("dp2", DP2), ("tp2", TP2)):
+        model, trainer = policy(layout, seed=5)
+        P.load_distributed(trainer, f"{tmp}/ep2")
+        out[f"1->ep2->{name}"] = snapshot(model, trainer)
+        parallel_state.destroy_model_parallel()
     if rank == 0:
         torch.save(out, f"{tmp}/out.pt")
     torch.distributed.destroy_process_group()
@@ -137,7 +139,7 @@ def test_dp2_checkpoint_loads_at_ep2(two_ranks):
 
 @pytest.mark.slow
 def test_one_process_states_to_ep2_and_back_through_a_checkpoint(reference, two_ranks):
-    for run in ("1->ep2", "1->ep2->dp2"):
+    for run in ("1->ep2", "1->ep2->dp2", "1->ep2->tp2"):
         got = two_ranks[run]
         assert _equal(got["weights"], reference["stepped"]), run
         assert _adam_equal(got["adam"], reference["adam"]), run
