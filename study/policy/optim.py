@@ -1,7 +1,8 @@
 """The policy's optimiser and fp16 loss scaling.
 
 Torch's fused AdamW over every trainable parameter (one kernel over all of them): one process's optimizer; a run at a
-parallel layout steps megatron's (study/policy/parallel.py ShardedTrainer). fp16 training needs loss scaling: `DynamicLossScaler` (megatron's DynamicGradScaler needs CUDA).
+parallel layout steps megatron's (study/policy/parallel.py ShardedTrainer). fp16 training needs loss scaling:
+`DynamicLossScaler` (megatron's DynamicGradScaler needs CUDA).
 """
 
 from __future__ import annotations

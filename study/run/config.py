@@ -127,8 +127,9 @@ class RunConfig:
     """How the policy is split over ranks: {tensor, expert, expert_tensor, data} (study.model_config.ParallelLayout;
     pipeline and context are named and refused unless 1); {} = one process. A runtime choice, not in the run id
     (each layout computes the one-process run's numbers to rounding, tests/study/test_parallel.py): recorded in the
-    run's manifest; a resume under another layout reshards the checkpoint (study/rl.py `_restore`). Validated against the model's shape here and
-    against the launcher's world size when the run starts (`--set parallel.expert=2 --set parallel.data=2`)."""
+    run's manifest; a resume under another layout reshards the checkpoint (study/rl.py `_restore`). Validated against
+    the model's shape here and against the launcher's world size when the run starts (`--set parallel.expert=2 --set
+    parallel.data=2`)."""
 
     def __post_init__(self) -> None:
         # An HF checkpoint directory as the model: its shape is the model, its weights the cold start.
