@@ -170,9 +170,7 @@ def _check_layout(cfg: RunConfig, run_dir: Path, results: str | Path) -> None:
         alg = algorithms.get(cfg.algorithm)
         rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
         why = (
-            "parallel.tensor > 1: the loop's routes are per sequence, the routers under sequence parallelism see a "
-            "shard of it (the policy itself runs TP, study/policy/parallel.py)" if layout.tensor > 1
-            else f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary" if alg.dynamic_sampling
+            f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary" if alg.dynamic_sampling
             else f"a minibatch of {rows} sequences does not split evenly over parallel.data = {layout.data}"
             if rows % layout.data
             else "router_lr_scale != 1 (one optimizer group)" if cfg.router_lr_scale != 1.0
@@ -1019,19 +1017,21 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }
-    return Collected(_pad(kept, cfg.max_new_tokens), data_pos, metrics, flops)
+    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor), data_pos, metrics, flops)
 
 
-def _pad(samples: list[dict[str, Any]], max_new: int) -> Batch | None:
+def _pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1) -> Batch | None:
     """The samples as a right-padded `Batch` (None for none): each tensor filled by one scatter over all samples (a
-    per-sample loop of slice writes was ~2% of a step at 8x4x32 and 32x8x64 on `tiny`)."""
+    per-sample loop of slice writes was ~2% of a step at 8x4x32 and 32x8x64 on `tiny`). The width S is the longest
+    sequence - 1, rounded up to a `multiple` (parallel.tensor: sequence parallelism splits S over the tensor-parallel
+    ranks); the extra columns are padding like any other (causal attention: no real token sees them; masked out)."""
     n = len(samples)
     if n == 0:
         return None
     p_len = torch.tensor([len(s["prompt"]) for s in samples])
     r_len = torch.tensor([len(s["response"]) for s in samples])
     seq_len = p_len + r_len
-    width = int(seq_len.max()) - 1
+    width = -(-(int(seq_len.max()) - 1) // multiple) * multiple
     flat = torch.tensor([tok for s in samples for part in (s["prompt"], s["response"]) for tok in part])
     rows = torch.repeat_interleave(torch.arange(n), seq_len)  # the sample of each flat token
     cols = torch.arange(len(flat)) - torch.repeat_interleave(seq_len.cumsum(0) - seq_len, seq_len)
@@ -1070,6 +1070,8 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
     ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
     with routing.recording():
         trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos)  # (b, T)
+    if engine is None:  # a parallel layout's other ranks: the forward above is collective, rank 0's engine scores
+        return {}
     prompts, responses = [], []
     for i in range(len(idx)):
         seq = [int(ids[i, 0]), *tgt[i, : int(am[i].sum())].tolist()]

@@ -322,6 +322,10 @@ def positions_and_mask(
 def _check_ids(model: torch.nn.Module, input_ids: torch.Tensor, name: str = "input_ids") -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"{name} must be (B, S), got shape {tuple(input_ids.shape)}")
+    tp = _sequence_parallel_size(model)
+    if input_ids.shape[1] % tp:
+        raise ValueError(f"{name} length {input_ids.shape[1]}: under sequence parallelism the sequence is split over "
+                         f"parallel.tensor = {tp} ranks, so it must be a multiple of {tp} (right-pad it)")  # fmt: skip
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got {input_ids.dtype}")
     cfg: ModelConfig | None = getattr(model, "study_config", None)
@@ -377,18 +381,46 @@ def token_logp(
     positions = positions.to(device)
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= s):
         raise ValueError(f"positions out of range [0, {s})")
+    tp = _sequence_parallel_size(model)
+    t = positions.shape[1]
+    if t % tp:  # the output layer gathers T/TP positions from each rank: T padded with position 0, cut off below
+        positions = torch.cat([positions, positions.new_zeros(b, tp - t % tp)], dim=1)
 
     def keep(_module: torch.nn.Module, args: tuple) -> tuple:
-        hidden = args[0]  # (S, B, H), megatron's sequence-first layout
-        index = positions.t()[:, :, None].expand(-1, -1, hidden.shape[-1])  # (T, B, H)
-        return (hidden.gather(0, index), *args[1:])
+        hidden = args[0]  # (S, B, H), megatron's sequence-first layout; under sequence parallelism (S/TP, B, H)
+        index = positions.t()  # (T, B)
+        if tp > 1:  # every rank's sequence shard, then this rank's share of the kept positions (module doc of
+            # _sequence_parallel_size): the output layer all-gathers the shares back to (T, B, H) in rank order
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+            share = index.shape[0] // tp
+            rank = _tp_rank()
+            index = index[rank * share : (rank + 1) * share]
+        return (hidden.gather(0, index[:, :, None].expand(-1, -1, hidden.shape[-1])), *args[1:])
 
     handle = model.output_layer.register_forward_pre_hook(keep)
     try:
         ce = model(input_ids, position_ids, mask, labels=targets.gather(1, positions))  # (B, T)
     finally:
         handle.remove()
-    return -ce.float()
+    return -ce[:, :t].float()
+
+
+def _sequence_parallel_size(model: torch.nn.Module) -> int:
+    """How many ranks the model's sequence is split over: the tensor-parallel size under sequence parallelism (the
+    embedding scatters [S, B, H] along S in TP contiguous chunks, rank order; the output layer all-gathers its input
+    the same way), else 1."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "sequence_parallel", False):
+        return 1
+    return int(config.tensor_model_parallel_size)
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

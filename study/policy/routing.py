@@ -19,12 +19,23 @@ model:
 4. Replay without routes, or with routes of another batch shape, layer count or top-k, raises. There is no silent
    fallback to free routing.
 
-Assumes every router sees the whole (S*B) batch: tensor parallelism without sequence parallelism, or none (the
-default). With sequence parallelism each rank routes a slice; that is not supported and fails the token-count check.
-
 Token layout: megatron routes (S*B) tokens in sequence-major order; `Routes` stores them sample-major, (B, S, L, k),
 so `routes[idx]` follows any re-split of the batch along B. Routing of a token depends on that token only (no
 capacity factor, no token dropping), which is what makes the re-split valid.
+
+Sequence parallelism (tensor parallelism > 1; build_policy(parallel=...) turns it on): the embedding splits megatron's
+[S, B, H] activations along S into TP contiguous chunks (megatron/core/tensor_parallel/mappings.py
+`_split_along_first_dim`, and the reduce-scatter of the vocabulary-parallel embedding: TP rank r keeps sequence
+positions r*S/TP .. (r+1)*S/TP - 1 of every row), so each rank's routers see (S/TP * B) tokens, which are rows
+r*S*B/TP .. (r+1)*S*B/TP - 1 of the one-process (S*B) sequence-major order. Hence, with S divisible by TP (megatron
+asserts it):
+- replay hands each rank's routers that slice of the full routes (no communication);
+- `routes()`, `free_routes()` and `router_entropy()` all-gather each layer's (S/TP * B) rows over the tensor-parallel
+  group back to the one-process (B, S, L, k) / (B, S, L): collectives, so every rank of the TP group must call them
+  in the same order (the RL loop does). The metrics computed from them (volatility, expert load, entropy) are then
+  over all tokens, the same on every rank.
+Under expert parallelism alone (or data parallelism) every router sees whole sequences of its rank's rows: nothing to
+gather here (the RL loop gathers rows over the data-parallel ranks, study/policy/parallel.py `gather_rows`).
 """
 
 from __future__ import annotations
@@ -238,6 +249,7 @@ class RoutingController:
             router.router_replay.scores_kind = _scores_kind(router)
         self.num_experts: int = int(self.routers[0].config.num_moe_experts)
         self.top_k: int = int(self.routers[0].topk)
+        self._sp_group, self._sp_size, self._sp_rank = _sequence_parallel_group(self.routers[0].config)
         if not hasattr(model, "_study_routing"):
             model._study_routing = _ModelState()
             model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
@@ -272,6 +284,9 @@ class RoutingController:
         if not isinstance(routes, Routes):
             raise TypeError(f"routes must be Routes, got {type(routes).__name__}")
         b, s, n_layers, k = routes.shape
+        if s % self._sp_size:
+            raise ValueError(f"routes of a sequence of {s} under sequence parallelism over {self._sp_size} ranks: "
+                             f"the sequence length must be divisible by parallel.tensor = {self._sp_size}")  # fmt: skip
         if n_layers != self.num_layers or k != self.top_k:
             raise ValueError(
                 f"routes have {n_layers} layers x top-{k}, the model {self.num_layers} layers x top-{self.top_k}"
@@ -280,8 +295,10 @@ class RoutingController:
             raise ValueError(f"routes name expert {int(routes.experts.max())}; the model has {self.num_experts}")
         _, Action = _router_replay_classes()
         device = self.routers[0].weight.device
+        share = s * b // self._sp_size  # this rank's rows of the sequence-major order (module doc)
+        rows = slice(self._sp_rank * share, (self._sp_rank + 1) * share)
         for layer, replay in enumerate(self._replays):
-            replay.set_target_indices(routes.layer_tokens(layer, device))
+            replay.set_target_indices(routes.layer_tokens(layer, device)[rows])
         self._set(Action.REPLAY_FORWARD, (b, s))
 
     def _set(self, action: Any, replay_shape: tuple[int, int] | None) -> None:
@@ -330,30 +347,63 @@ class RoutingController:
         return self._collect("free_topk_idx", "free_routes()")
 
     def _collect(self, attr: str, what: str) -> Routes:
-        per_layer = [getattr(r, attr) for r in self._replays]
+        per_layer = self._full_layers([getattr(r, attr) for r in self._replays], what)
+        b, s = self._state.result_shape
+        return Routes.from_layers(per_layer, b, s, self.num_experts)
+
+    def _full_layers(self, per_layer: list[torch.Tensor | None], what: str) -> list[torch.Tensor]:
+        """Each layer's (S*B, ...) rows of the last forward in one-process order: this rank's own, or under sequence
+        parallelism every tensor-parallel rank's share all-gathered (a collective: module doc)."""
         shape = self._state.result_shape
         if any(t is None for t in per_layer) or shape is None:
             raise RuntimeError(f"{what}: no forward ran in record or replay mode since the mode was set")
         b, s = shape
-        if any(t.shape[0] != b * s for t in per_layer):
-            raise RuntimeError(f"{what}: routers saw a different token count than the last input {shape}")
-        return Routes.from_layers(per_layer, b, s, self.num_experts)
+        if any(t.shape[0] * self._sp_size != b * s for t in per_layer):
+            raise RuntimeError(f"{what}: routers saw a different token count than the last input {shape}"
+                               + (f" split over {self._sp_size} sequence-parallel ranks" if self._sp_size > 1
+                                  else ""))  # fmt: skip
+        if self._sp_size == 1:
+            return per_layer
+        return _gather_first_dim(per_layer, self._sp_group)
 
     def router_entropy(self) -> torch.Tensor:
         """Entropy (nats) of each token's router softmax over all experts in the last forward in record or replay
         mode: (B, S, L) fp32 on the CPU, sample-major like `routes()`. NaN for routers without a softmax score
         function (sigmoid)."""
         scores = [r.router_scores for r in self._replays]
-        shape = self._state.result_shape
-        if any(t is None for t in scores) or shape is None:
+        if any(t is None for t in scores) or self._state.result_shape is None:
             raise RuntimeError("router_entropy(): no forward ran in record or replay mode since the mode was set")
-        b, s = shape
-        if any(t.shape[0] != b * s for t in scores):
-            raise RuntimeError(f"router_entropy(): routers saw a different token count than the last input {shape}")
         with torch.no_grad():
-            per_layer = [_entropy(t, r.scores_kind).reshape(s, b).transpose(0, 1) for t, r in
-                         zip(scores, self._replays, strict=True)]  # fmt: skip
+            local = [_entropy(t, r.scores_kind) for t, r in zip(scores, self._replays, strict=True)]  # (S*B/TP,)
+        b, s = self._state.result_shape
+        per_layer = [t.reshape(s, b).transpose(0, 1) for t in self._full_layers(local, "router_entropy()")]
         return torch.stack(per_layer, dim=2).cpu()  # (B, S, L)
+
+
+def _sequence_parallel_group(config: Any) -> tuple[Any, int, int]:
+    """(group, size, rank) of the tensor-parallel group the routers' tokens are split over: (None, 1, 0) without
+    sequence parallelism."""
+    if not getattr(config, "sequence_parallel", False) or config.tensor_model_parallel_size == 1:
+        return None, 1, 0
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    return group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+
+def _gather_first_dim(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """Each tensor all-gathered over `group` and concatenated along dim 0 in rank order; one collective for all of
+    them (they share dtype and trailing shape per call), through the GPU under NCCL."""
+    size = torch.distributed.get_world_size(group)
+    stacked = torch.stack([t.detach() for t in tensors])  # (L, n, ...)
+    device = stacked.device
+    if torch.distributed.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    stacked = stacked.to(device).contiguous()
+    pieces = [torch.empty_like(stacked) for _ in range(size)]
+    torch.distributed.all_gather(pieces, stacked, group=group)
+    full = torch.cat(pieces, dim=1).to(tensors[0].device)  # (L, n * size, ...)
+    return list(full.unbind(0))
 
 
 def _scores_kind(router: Any) -> str | None:

@@ -1,0 +1,142 @@
+"""Routing Replay under tensor parallelism with sequence parallelism (TP 2, gloo, CPU) against one process with the
+same weights (study/policy/parallel.py load_full_state): each TP rank's routers see its half of the sequence, the
+controller gathers the recorded routes back to the one-process (B, S, L, k) and hands each rank its half under
+replay (study/policy/routing.py). Checked: the recorded routes and free routes equal one process's exactly, the
+router entropies and log-probs to rounding (measured <= 5e-7, the TP sums' order), the replayed forward's too, and
+a 2-step GRPO + Routing Replay RL run at parallel {tensor: 2} gives the one-process run's metrics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from study.model_config import PRESETS, ParallelLayout
+from tests.study.test_parallel import RUN_SETS, _coldstart, _port, _rl_worker
+
+CFG = PRESETS["tiny"]
+ROWS, WIDTH, KEEP = 3, 17, 5  # S = 16 splits over 2 ranks; T = 5 kept positions pads to 6 (model.token_logp)
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """A fixed batch: ids, targets, right-padded mask, kept positions, and routes to force that free routing would
+    not choose (random top-k sets)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CFG.vocab_size, (ROWS, WIDTH), generator=g)
+    am = torch.ones(ROWS, WIDTH - 1, dtype=torch.long)
+    am[2, 9:] = 0
+    pos = torch.stack([torch.arange(KEEP) + 3 * r for r in range(ROWS)])
+    scores = torch.rand(ROWS, WIDTH - 1, CFG.num_layers, CFG.num_experts, generator=g)
+    forced = scores.topk(CFG.moe_top_k, dim=-1).indices.to(torch.uint8)
+    return {"ids": tokens[:, :-1], "tgt": tokens[:, 1:], "am": am, "pos": pos, "forced": forced}
+
+
+def _passes(model) -> dict[str, torch.Tensor]:
+    """Record, then replay `forced`: log-probs (all positions and the kept ones), routes, free routes, entropies."""
+    from study.policy.model import token_logp
+    from study.policy.routing import Routes, RoutingController
+
+    x, ctl, out = _inputs(), RoutingController(model), {}
+    with torch.no_grad():
+        with ctl.recording():
+            out["logp"] = token_logp(model, x["ids"], x["tgt"], attention_mask=x["am"])
+        out["routes"], out["entropy"] = ctl.routes().experts, ctl.router_entropy()
+        with ctl.recording():
+            out["logp_kept"] = token_logp(model, x["ids"], x["tgt"], attention_mask=x["am"], positions=x["pos"])
+        out["routes_kept"] = ctl.routes().experts
+        with ctl.replaying(Routes(x["forced"])):
+            out["logp_replay"] = token_logp(model, x["ids"], x["tgt"], attention_mask=x["am"], positions=x["pos"])
+        out["forced_used"], out["free_under_replay"] = ctl.routes().experts, ctl.free_routes().experts
+        out["entropy_replay"] = ctl.router_entropy()
+    return out
+
+
+def _worker(rank: int, port: int, state: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from study.policy import parallel as P
+    from study.policy.model import build_policy
+    from study.policy.routing import Routes, RoutingController
+
+    model = build_policy(CFG, seed=3, parallel=ParallelLayout(tensor=2))
+    assert model.config.sequence_parallel
+    P.load_full_state(model, state)
+    got = _passes(model)
+    x = _inputs()
+    try:  # an odd sequence cannot split over the two ranks: refused, naming the field
+        RoutingController(model).replay(Routes(x["forced"][:, :15]))
+    except ValueError as e:
+        got["odd_error"] = str(e)
+    if rank == 0:
+        torch.save(got, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    from study.policy.model import build_policy
+
+    model = build_policy(CFG, seed=3)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    one = _passes(model)
+    out = str(tmp_path_factory.mktemp("tp2") / "rank0.pt")
+    mp.spawn(_worker, args=(_port(), state, out), nprocs=2)
+    return one, torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_tp2_routes_record_and_replay_equal_one_process(one_and_two):
+    one, two = one_and_two
+    x = _inputs()
+    assert one["routes"].shape == (ROWS, WIDTH - 1, CFG.num_layers, CFG.moe_top_k)
+    for key in ("routes", "routes_kept", "free_under_replay"):
+        assert torch.equal(two[key], one[key]), key
+    assert torch.equal(two["forced_used"].long(), x["forced"].long())  # every token got its own forced experts
+    assert torch.equal(one["forced_used"].long(), x["forced"].long())
+    assert not torch.equal(one["free_under_replay"], x["forced"])  # the forced routes are not free routing's
+    for key in ("logp", "logp_kept", "logp_replay", "entropy", "entropy_replay"):
+        assert torch.allclose(two[key], one[key], atol=2e-6, rtol=0), (key, float((two[key] - one[key]).abs().max()))
+    # replay changed the function (so the comparison above can tell a wrong slice from a right one)
+    kept_free = one["logp"].gather(1, x["pos"])
+    assert torch.allclose(one["logp_kept"], kept_free, atol=1e-6)
+    assert float((one["logp_replay"] - kept_free).abs().max()) > 1e-2
+    assert "parallel.tensor = 2" in two["odd_error"]
+
+
+@pytest.mark.slow
+def test_rl_run_at_tp2_equals_one_process(tmp_path):
+    # Two GRPO + Routing Replay steps at TP 2 + SP against the same run at one process: same rollouts (rank 0's
+    # engine, fed the gathered weights), same losses, clip fractions, gradient norms and routing metrics to rounding.
+    import subprocess
+    import sys
+
+    import pandas as pd
+    import torch.multiprocessing as mp
+
+    from study.run.config import load_config
+
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
+                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
+                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    two_sets = [*sets, "parallel.tensor=2"]
+    mp.spawn(_rl_worker, args=(_port(), two_sets, str(tmp_path / "two")), nprocs=2)
+    cfg = load_config(preset="tiny", sets=two_sets)
+    two = tmp_path / "two" / "runs" / cfg.run_id
+    a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
+    assert list(a["step"]) == list(b["step"]) == [1, 2]
+    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+        assert list(a[column]) == list(b[column]), column
+    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
+                   "expert_load_imbalance", "router_entropy"):  # fmt: skip
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+    la, lb = pd.read_parquet(f"{one}/routing_layers.parquet"), pd.read_parquet(two / "routing_layers.parquet")
+    assert lb.drop(columns="step").to_numpy() == pytest.approx(
+        la.drop(columns="step").to_numpy(), rel=1e-4, abs=1e-6, nan_ok=True
+    )
