@@ -1,9 +1,14 @@
 """Routing Replay under tensor parallelism with sequence parallelism (TP 2, gloo, CPU) against one process with the
 same weights (study/policy/parallel.py load_full_state): each TP rank's routers see its half of the sequence, the
 controller gathers the recorded routes back to the one-process (B, S, L, k) and hands each rank its half under
-replay (study/policy/routing.py). Checked: the recorded routes and free routes equal one process's exactly, the
-router entropies and log-probs to rounding (measured <= 5e-7, the TP sums' order), the replayed forward's too, and
-a 2-step GRPO + Routing Replay RL run at parallel {tensor: 2} gives the one-process run's metrics.
+replay (study/policy/routing.py). Checked: the recorded routes and the free routes under replay equal one process's
+exactly; log-probs (free, kept positions, replayed) and router entropies to 2e-6 (measured 4.8e-7 / 9.5e-7 replayed,
+entropies 2.4e-7: the TP sums add in another order); every gradient of a replayed forward, after megatron's
+reduction, to 5e-6 of the tensor's largest entry (measured 7.7e-7); and a 2-step GRPO + Routing Replay RL run at
+parallel {tensor: 2} gives the one-process run's metrics. That run's tiny random cold start earns no reward, so its
+advantages, loss and gradient norm are 0 (as in test_parallel.py's EP 2 run): it checks the rollouts, pi_old's
+recorded routes, the replayed forwards (approx_kl, routing volatility), expert load and router entropy at TP; the
+gradient under replay is checked by the first test. ~19 s + ~63 s on the shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ def _inputs() -> dict[str, torch.Tensor]:
     return {"ids": tokens[:, :-1], "tgt": tokens[:, 1:], "am": am, "pos": pos, "forced": forced}
 
 
-def _passes(model) -> dict[str, torch.Tensor]:
-    """Record, then replay `forced`: log-probs (all positions and the kept ones), routes, free routes, entropies."""
+def _passes(model, trainer=None) -> dict[str, torch.Tensor]:
+    """Record, then replay `forced`: log-probs (all positions and the kept ones), routes, free routes, entropies,
+    and every weight's gradient of a replayed forward (`trainer`: a layout's ShardedTrainer reduces them)."""
     from study.policy.model import token_logp
     from study.policy.routing import Routes, RoutingController
 
@@ -50,6 +56,21 @@ def _passes(model) -> dict[str, torch.Tensor]:
             out["logp_replay"] = token_logp(model, x["ids"], x["tgt"], attention_mask=x["am"], positions=x["pos"])
         out["forced_used"], out["free_under_replay"] = ctl.routes().experts, ctl.free_routes().experts
         out["entropy_replay"] = ctl.router_entropy()
+    # the gradient of a replayed forward (the routers learn through the forced experts' gates): megatron's reduction
+    # over the TP ranks (sequence-parallel routers and norms summed) under a layout, the plain one at one process
+    if trainer is not None:
+        trainer.zero_grad()
+    with ctl.replaying(Routes(x["forced"])):
+        logp = token_logp(model, x["ids"], x["tgt"], attention_mask=x["am"], positions=x["pos"])
+    weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
+    (logp * weights).sum().backward()
+    if trainer is None:
+        out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    else:
+        from study.policy import parallel as P
+
+        trainer.reduce()
+        out["grads"] = dict(P.full_weights(model, grads=True))
     return out
 
 
@@ -64,7 +85,7 @@ def _worker(rank: int, port: int, state: dict, out: str) -> None:
     model = build_policy(CFG, seed=3, parallel=ParallelLayout(tensor=2))
     assert model.config.sequence_parallel
     P.load_full_state(model, state)
-    got = _passes(model)
+    got = _passes(model, P.ShardedTrainer(model, lr=1e-3))
     x = _inputs()
     try:  # an odd sequence cannot split over the two ranks: refused, naming the field
         RoutingController(model).replay(Routes(x["forced"][:, :15]))
@@ -106,6 +127,11 @@ def test_tp2_routes_record_and_replay_equal_one_process(one_and_two):
     assert torch.allclose(one["logp_kept"], kept_free, atol=1e-6)
     assert float((one["logp_replay"] - kept_free).abs().max()) > 1e-2
     assert "parallel.tensor = 2" in two["odd_error"]
+    router = [n for n in one["grads"] if n.endswith("router.weight")]
+    assert router and all(float(one["grads"][n].abs().max()) > 0 for n in router)  # the routers learn under replay
+    for name, want in one["grads"].items():  # the TP sums add in another order: 5e-6 of the tensor's largest entry
+        got = two["grads"][name]
+        assert got.shape == want.shape and float((got - want).abs().max()) <= 5e-6 * float(want.abs().max()), name
 
 
 @pytest.mark.slow
