@@ -6,8 +6,10 @@ the collectives cost, and Routing Replay's cost under expert parallelism.
 One update = forward of this rank's rows (routes recorded), log-probs gathered, a token-mean loss, backward,
 megatron's gradient reduction, global-norm clip, AdamW step. Timed separately on the ranks: the gradient reduction
 (`ShardedTrainer.reduce`), the all-gather of the log-probs and of the recorded routes (what Routing Replay adds to a
-step under EP: each rank's (b, S, L, k) routes, for the volatility metrics), and the full-weight export (the rollout
-engine's weight sync). One thread per rank; the medians of `--iters` updates.
+step: under EP each rank's (b, S, L, k) routes gathered over the data-parallel ranks; under TP + SP each rank's
+(b, S/TP, L, k) sequence shard gathered over the tensor-parallel group by `RoutingController.routes()`, for the
+volatility metrics), and the full-weight export (the rollout engine's weight sync). One thread per rank; the medians
+of `--iters` updates.
 """
 
 from __future__ import annotations
@@ -80,14 +82,10 @@ def _worker(rank: int, port: int, layout: ParallelLayout, preset: str, rows: int
     state: dict = {}
 
     def update() -> None:
-        if layout.tensor == 1:
-            with routing.recording():
-                lp = token_logp(model, ids[local, :-1], ids[local, 1:])
-            state["routes"] = routing.routes()
-        else:  # the routers see a sequence shard under sequence parallelism: routes are not per sequence (README)
+        with routing.recording():
             lp = token_logp(model, ids[local, :-1], ids[local, 1:])
-            state["routes"] = Routes(torch.zeros(len(local), seq, cfg.num_layers, cfg.moe_top_k, dtype=torch.uint8))
         t = time.perf_counter()
+        state["routes"] = routing.routes()  # under TP + SP: all-gathered over the TP group (study/policy/routing.py)
         full = P.gather_rows(lp, rows)
         Routes(P.gather_rows(state["routes"].experts, rows))
         state.setdefault("gather", []).append(time.perf_counter() - t)
@@ -104,13 +102,15 @@ def _worker(rank: int, port: int, layout: ParallelLayout, preset: str, rows: int
     update()
     state.clear()
     step = _median(update, iters)
-    routes = state["routes"].experts
-    t_routes = _median(lambda: P.gather_rows(routes, rows), iters)
+    routes = state["routes"].experts  # this rank's rows, whole sequences
+    t_routes = _median(lambda: P.gather_rows(routing.routes().experts, rows), iters)  # TP gather, then DP rows
     t_export = _median(lambda: dict(P.full_hf_weights(model)), max(2, iters // 2))
     if rank == 0:
         out.put({"step": step, "reduce": statistics.median(state["reduce"]),
                  "gather": statistics.median(state["gather"]), "routes_gather": t_routes, "export": t_export,
-                 "route_bytes_local": routes.numel() * routes.element_size(),
+                 # what a rank's routers hold: its rows' routes, under sequence parallelism its sequence shard's
+                 "route_bytes_local": routes.numel() * routes.element_size() // layout.tensor,
+                 "route_bytes_rows": routes.numel() * routes.element_size(),
                  "route_shape": tuple(routes.shape)})  # fmt: skip
     torch.distributed.destroy_process_group()
 
@@ -128,7 +128,6 @@ def main() -> None:
     cfg = PRESETS[args.preset]
     print(f"preset {args.preset}, global batch {args.rows} x {args.seq} tokens, one thread per rank")
     print(f"world 1: update {one_process(args.preset, args.rows, args.seq, args.iters) * 1e3:.0f} ms")
-    print("under TP the route gathers move zeros of the same size (the loop does not run TP yet)")
     ctx = mp.get_context("spawn")
     layouts = {"ep2": ParallelLayout(expert=2, data=2), "dp2": ParallelLayout(data=2), "tp2": ParallelLayout(tensor=2)}
     for name in args.layouts.split(","):
@@ -140,7 +139,7 @@ def main() -> None:
         mp.spawn(_worker, args=(port, layout, args.preset, args.rows, args.seq, args.iters, q), nprocs=2)
         r = q.get()
         tokens = args.rows * args.seq
-        per = r["route_bytes_local"] / (r["route_shape"][0] * r["route_shape"][1] * cfg.num_layers * cfg.moe_top_k)
+        per = r["route_bytes_rows"] / (r["route_shape"][0] * r["route_shape"][1] * cfg.num_layers * cfg.moe_top_k)
         print(f"world 2 {layout.to_dict()}: update {r['step'] * 1e3:.0f} ms (gradient reduction "
               f"{r['reduce'] * 1e3:.1f} ms, log-prob + route gathers {r['gather'] * 1e3:.1f} ms), full-weight export "
               f"{r['export'] * 1e3:.0f} ms; routes: {per:.0f} byte per token, layer and slot "
