@@ -364,6 +364,9 @@ def token_logp(
     valid token ids (use 0 for padding). With `positions` the output layer and the cross entropy run on the kept
     positions only (a response's T of the S positions; TRL's `logits_to_keep`): the decoder still sees every token,
     the prompt's LM head and vocabulary softmax are skipped (a fifth to a third of their cost in an RL batch).
+    Under sequence parallelism (tensor parallelism > 1) S must be a multiple of the TP size (ValueError otherwise);
+    the kept positions are taken from the all-gathered sequence, each TP rank its share of them (T padded to a
+    multiple of TP), which the output layer gathers back: the same log-probs and gradients as one process.
     """
     _check_ids(model, input_ids)
     _check_ids(model, targets, "targets")

@@ -17,6 +17,13 @@ Three things follow from those marks and nothing else:
    the CPU too (study/policy/compat.py point 6).
    Gradients are summed, not averaged, over the data-parallel ranks (`calculate_per_token_loss`): the loop gives
    each rank the share of the global loss its rows carry (study/rl.py), so the sum is the one-process gradient.
+
+`data_rows` / `gather_rows` split a global batch's rows over the data-parallel ranks. Every rank of one
+tensor-parallel group computes the same rows; megatron's sequence parallelism splits each sequence between them
+(contiguous chunks of S in rank order; S must divide: the RL loop pads its batch to a multiple of `parallel.tensor`),
+so a rank's routers see its slice of each sequence: study/policy/routing.py records and replays routes per slice and
+gathers them over the tensor-parallel group, and `model.token_logp` takes its kept positions from the gathered
+sequence, each rank its share.
 """
 
 from __future__ import annotations

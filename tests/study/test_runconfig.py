@@ -237,7 +237,7 @@ def test_parallel_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="needs 2 ranks, the launcher started 1"):
         rl.run(cfg, tmp_path, progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for sets, message in ((["parallel.tensor=2"], "parallel.tensor > 1"),
+    for sets, message in ((["parallel.tensor=2", "router_lr_scale=2"], "router_lr_scale != 1"),
                           (["parallel.expert=2", "parallel.data=2", "algorithm=dapo"], "dynamic sampling"),
                           (["parallel.data=2", "minibatches=32"], "does not split evenly over parallel.data = 2"),
                           (["parallel.expert=2", "parallel.data=2", "coldstart=scratch"],
