@@ -53,6 +53,14 @@ def test_pad_lays_out_teacher_forcing_tensors() -> None:
     assert routes.shape == (2, 4, 1, 2) and routes.dtype == torch.uint8
     assert torch.equal(routes[0], r0) and torch.equal(routes[1, :3], r1) and not routes[1, 3].any()
     assert rl._pad([], 3) is None
+    # parallel.tensor = 3 (sequence parallelism splits S over 3 ranks): S = 4 padded to 6, one more pad column each
+    p = rl._pad(samples, 3, multiple=3)
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 0, 0], [1, 2, 3, 0, 0, 0]]
+    assert p.targets.tolist() == [[6, 7, 8, 9, 0, 0], [2, 3, 4, 0, 0, 0]]
+    assert p.attn_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert p.pos[p.mask.bool()].tolist() == b.pos[b.mask.bool()].tolist()  # the response tokens' targets: the same
+    assert p.engine_routes.experts.shape == (2, 6, 1, 2) and torch.equal(p.engine_routes.experts[:, :4], routes)
+    assert not p.engine_routes.experts[:, 4:].any()
 
 
 def test_reward_collapse_is_a_result_not_a_crash(tmp_path: Path) -> None:
