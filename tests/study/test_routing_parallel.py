@@ -162,7 +162,9 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path):
 
     from study.run.config import load_config
 
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    # sync_check_every: after each weight sync every rank runs the trainer's forward (collective), rank 0's engine
+    # scores the same sequences
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
     one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
                           "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
                           "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
@@ -178,6 +180,7 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path):
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
                    "expert_load_imbalance", "router_entropy"):  # fmt: skip
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+    assert max(b["sync_parity_max_abs"]) < 1e-4 and max(a["sync_parity_max_abs"]) < 1e-4  # fp32 engine and trainer
     la, lb = pd.read_parquet(f"{one}/routing_layers.parquet"), pd.read_parquet(two / "routing_layers.parquet")
     assert lb.drop(columns="step").to_numpy() == pytest.approx(
         la.drop(columns="step").to_numpy(), rel=1e-4, abs=1e-6, nan_ok=True
