@@ -264,7 +264,7 @@ def test_the_gpu_precision_study_shares_the_laptop_studys_fp32_runs():
     gpu = load_sweep(ROOT / "sweeps" / "precision.yaml").expand()
     laptop = load_sweep(ROOT / "sweeps" / "precision_laptop.yaml").expand()
     shared = set(gpu) & set(laptop)
-    assert shared == {r for r, c in laptop.items() if c.train_precision == "fp32"} and len(shared) == 24
+    assert shared == {r for r, c in laptop.items() if c.train_precision == "fp32"} and len(shared) == 28
     assert {c.train_precision for c in gpu.values()} == {"fp32", "bf16", "fp16", "bf16_fp32head"}  # real, not emulated
 
 
