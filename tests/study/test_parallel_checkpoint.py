@@ -264,6 +264,7 @@ def test_rl_resume_across_layouts(tmp_path):
     run_id = load_config(preset="tiny", sets=sets).run_id
     _one_process_run(tmp_path / "reference", sets, stop=False)
     want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")
+    assert (want["grad_norm"] > 0).all()  # step 2 follows a real update, from a restored optimizer
 
     _one_process_run(tmp_path / "one_to_ep2", sets, stop=True)
     _two_rank_run(tmp_path / "dp2_to_one", [*sets, *dp2], stop=True)

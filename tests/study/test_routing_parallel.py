@@ -180,6 +180,7 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path):
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
                    "expert_load_imbalance", "router_entropy"):  # fmt: skip
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+    assert (a["grad_norm"] > 0).all()  # both steps updated the policy (the cold start earns rewards)
     assert max(b["sync_parity_max_abs"]) < 1e-4 and max(a["sync_parity_max_abs"]) < 1e-4  # fp32 engine and trainer
     la, lb = pd.read_parquet(f"{one}/routing_layers.parquet"), pd.read_parquet(two / "routing_layers.parquet")
     assert lb.drop(columns="step").to_numpy() == pytest.approx(
