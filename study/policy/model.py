@@ -68,6 +68,10 @@ def init_distributed(
     megatron_compat.apply_parallel()
     cuda = torch.cuda.is_available()
     if not torch.distributed.is_initialized():
+        if parallel_state.model_parallel_is_initialized():
+            # its groups belong to a world that was destroyed (an in-process vLLM engine's shutdown destroys the
+            # default group): stale handles, rebuilt below for the new world
+            parallel_state.destroy_model_parallel()
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

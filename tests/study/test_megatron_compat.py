@@ -224,3 +224,17 @@ def test_loaded_steps_are_shared_without_the_shim(tmp_path, monkeypatch):
     _revert(monkeypatch, "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "load_state_dict")
     steps = _save_and_load(tmp_path)
     assert len({id(s) for s in steps}) < len(steps)  # one tensor for many weights: torch's Adam adds 1 per weight
+
+
+def test_a_destroyed_world_leaves_no_stale_megatron_groups():
+    # an in-process vLLM engine's shutdown destroys torch's default group under megatron's parallel state; the next
+    # init_distributed must rebuild megatron's groups for the new world, not hand out the destroyed ones
+    from megatron.core import parallel_state as ps
+
+    from study.policy.model import init_distributed
+
+    init_distributed()
+    torch.distributed.destroy_process_group()
+    assert ps.model_parallel_is_initialized()  # megatron does not notice
+    init_distributed()
+    assert torch.distributed.get_process_group_ranks(ps.get_data_parallel_group()) == [0]
