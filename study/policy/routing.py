@@ -394,14 +394,10 @@ def _sequence_parallel_group(config: Any) -> tuple[Any, int, int]:
 def _gather_first_dim(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
     """Each tensor all-gathered over `group` and concatenated along dim 0 in rank order; one collective for all of
     them (they share dtype and trailing shape per call), through the GPU under NCCL."""
-    size = torch.distributed.get_world_size(group)
+    from study.policy.parallel import _all_gather, _comm_device
+
     stacked = torch.stack([t.detach() for t in tensors])  # (L, n, ...)
-    device = stacked.device
-    if torch.distributed.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    stacked = stacked.to(device).contiguous()
-    pieces = [torch.empty_like(stacked) for _ in range(size)]
-    torch.distributed.all_gather(pieces, stacked, group=group)
+    pieces = _all_gather(stacked.to(_comm_device(stacked.device)), group)
     full = torch.cat(pieces, dim=1).to(tensors[0].device)  # (L, n * size, ...)
     return list(full.unbind(0))
 
