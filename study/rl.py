@@ -26,6 +26,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 import traceback
@@ -1189,8 +1190,6 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
         adam = parts.trainer.full_optimizer_state()  # collective
         torch.distributed.barrier()
         if _rank0():
-            import shutil
-
             shutil.rmtree(ckpt / name, ignore_errors=True)
             (ckpt / f"{name}.tmp").rename(ckpt / name)
             model = {n: full[n] for n in par.one_process_names(parts.policy)}  # the one-process order
