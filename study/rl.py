@@ -773,7 +773,8 @@ def _train(
                     logp, new_free = logp_first, free_first
                 else:
                     logp, new_free = _forward_rows(parts, batch, idx, old_routes if alg.routing != "free" else None)
-                vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
+                if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
+                    vols.append(routing_volatility(free_old[idx], new_free, am[idx]))
                 mb = _update(cfg, parts, logp, old_logp[idx], batch, idx,
                              None if ref_logp is None else ref_logp[idx], step)  # fmt: skip
                 for key, value in mb.items():
@@ -901,7 +902,11 @@ def _local_step(cfg: RunConfig, parts: Parts, loss: torch.Tensor, step: int) -> 
 
 
 def _mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
-    """The step's routing volatility: each update's (old vs new policy) mean over the step's minibatches."""
+    """The step's routing volatility, old vs new policy after each update: the mean over the minibatches that follow
+    at least one update (the off-policy minibatches 2..M; the first one's forward is pi_old's own, a structural zero
+    that would dilute the mean by (M-1)/M). NaN with one minibatch: no update precedes any forward of the rollouts."""
+    if not vols:
+        return dict.fromkeys(("routing_slot_mismatch", "routing_set_flip_rate", "routing_token_flip_rate"), math.nan)
     return {f"routing_{m}": float(np.mean([v[m] for v in vols])) for m in ("slot_mismatch", "set_flip_rate",
                                                                            "token_flip_rate")}  # fmt: skip
 
@@ -911,8 +916,9 @@ def _layer_rows(
 ) -> list[dict[str, float]]:
     """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
     then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
+    moved = vols[0] if vols else {}  # no update-minibatch (one minibatch): NaN volatility
     return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
-                                               if f"{m}_l{layer}" in vols[0] else load.get(f"{m}_l{layer}", math.nan)
+                                               if f"{m}_l{layer}" in moved else load.get(f"{m}_l{layer}", math.nan)
                                                for m in LAYER_METRICS}}
             for layer in range(num_layers)]  # fmt: skip
 

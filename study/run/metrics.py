@@ -38,7 +38,8 @@ STEP_METRICS: dict[str, str] = {
     "mismatch_k3": "k3 KL, mean(e^delta - 1 - delta)",
     "mismatch_frac_gt2": "fraction of tokens with max(rho, 1/rho) > 2, rho = e^delta",
     "routing_slot_mismatch": "old vs new policy: expert-slot mismatch of the update forward's free routing against "
-    "the pi_old recompute's, mean over minibatches (computed alongside under replay)",
+    "the pi_old recompute's, mean over the minibatches after at least one update (2..M; NaN with one minibatch; "
+    "computed alongside under replay)",
     "routing_set_flip_rate": "old vs new policy: router set-flip rate",
     "routing_token_flip_rate": "old vs new policy: token any-layer flip rate",
     "engine_routing_slot_mismatch": "rollout engine vs trainer routing of the same tokens (NaN when the engine "
