@@ -364,6 +364,7 @@ class Collected:
 
     batch: Batch | None  # None: every group had zero variance and dynamic sampling dropped them all
     data_pos: int  # the task stream's position after the prompts taken
+    mastered: list[str]  # prompt_filter = mastered: prompts whose every response got the full reward this step
     metrics: dict[str, float]  # reward, length, truncation and zero-variance statistics, rollout seconds
     flops: float  # the rollout's forward FLOPs estimate
 
@@ -397,6 +398,7 @@ class Progress:
 
     step: int = 0
     data_pos: int = 0
+    mastered: set[str] = field(default_factory=set)  # prompt_filter = mastered: prompts the stream skips
     compute: float = 0.0  # cumulative FLOPs estimate
     wall: float = 0.0  # cumulative seconds of the steps
     rows: list[dict[str, float]] = field(default_factory=list)
@@ -537,7 +539,8 @@ def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None
     rows = upto("metrics.parquet", required=True)
     layers, tokens = upto("routing_layers.parquet", required=False), upto(TOKEN_SAMPLES, required=False)
     return state, Progress(
-        step=done, data_pos=state["data_pos"], compute=state["compute"], wall=state["wall"],
+        step=done, data_pos=state["data_pos"], mastered=set(state.get("mastered", [])), compute=state["compute"],
+        wall=state["wall"],
         rows=[] if rows is None else rows.to_dict("records"),
         layer_rows=[] if layers is None else layers.to_dict("records"), token_frames=[] if tokens is None else [tokens],
     )  # fmt: skip
@@ -702,11 +705,12 @@ def _train(
             row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
 
             # 1-3. rollouts, rewards, advantages (refilling dropped groups for dynamic sampling)
-            collected = _broadcast(_collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step)
-                                   if engine is not None else None, parts)  # fmt: skip
+            collected = _broadcast(_collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step,
+                                            log.mastered) if engine is not None else None, parts)  # fmt: skip
             if engine is not None:
                 engine.offload()  # colocated vLLM on CUDA: the GPU to the trainer until the sync
             log.data_pos = collected.data_pos
+            log.mastered.update(collected.mastered)
             log.compute += collected.flops
             row.update(collected.metrics)
             batch = collected.batch
@@ -961,9 +965,10 @@ def _forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes 
     return par.gather_rows(logp, len(idx)), Routes(par.gather_rows(free.experts, len(idx)))
 
 
-def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int,
-             step: int) -> Collected:  # fmt: skip
-    """Rollouts for one step as a padded batch, with what was measured on them."""
+def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int, step: int,
+             mastered: set[str]) -> Collected:  # fmt: skip
+    """Rollouts for one step as a padded batch, with what was measured on them. With prompt_filter = mastered the
+    stream's prompts in `mastered` are skipped, and the prompts every response solved are returned to join it."""
     t0 = time.perf_counter()
     want = cfg.prompts_per_step
     kept: list[dict[str, Any]] = []
@@ -972,12 +977,18 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
     all_rewards: list[float] = []
     lengths_all: list[int] = []
     truncated = 0
+    skipped = 0
+    newly_mastered: list[str] = []
     for attempt in range(3 if alg.dynamic_sampling else 1):
         need = want - len(kept) // cfg.group_size  # groups still missing (dynamic sampling refills dropped ones)
         if need <= 0:
             break
-        items = stream.take(need, start=data_pos)
-        data_pos += len(items)
+        if cfg.prompt_filter == "mastered":
+            items, data_pos, n_skip = _take_unmastered(stream, need, data_pos, mastered)
+            skipped += n_skip
+        else:
+            items = stream.take(need, start=data_pos)
+            data_pos += len(items)
         prompts = [tok.encode_prompt(item.prompt) for item in items]
         rollout = engine.generate(
             prompts,
@@ -1004,7 +1015,10 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         zero_var = (grouped == grouped[:, :1]).all(1)
         n_groups += len(items)
         n_zero += int(zero_var.sum())
-        n_solved += int((rewards.view(-1, cfg.group_size) >= 1.0).all(1).sum())  # every response fully rewarded
+        solved = (rewards.view(-1, cfg.group_size) >= 1.0).all(1)  # every response fully rewarded
+        n_solved += int(solved.sum())
+        if cfg.prompt_filter == "mastered":
+            newly_mastered += [items[p].prompt for p in range(len(items)) if bool(solved[p])]
         for p in range(len(items)):
             if alg.dynamic_sampling and bool(zero_var[p]):
                 continue
@@ -1021,10 +1035,34 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         "truncation_rate": truncated / len(lengths_all),
         "zero_var_group_frac": n_zero / n_groups,
         "zero_var_solved_frac": n_solved / n_groups,
+        "prompts_skipped_mastered": float(skipped) if cfg.prompt_filter == "mastered" else math.nan,
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }
-    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor), data_pos, metrics, flops)
+    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor), data_pos, newly_mastered, metrics, flops)
+
+
+MAX_SKIPS_PER_PROMPT = 64
+"""prompt_filter = mastered: draws skipped per prompt taken before the stream's next prompt is taken mastered or not
+(a task whose every prompt is mastered would otherwise never yield one)."""
+
+
+def _take_unmastered(stream: Any, n: int, start: int, mastered: set[str]) -> tuple[list[tasks.TaskItem], int, int]:
+    """The next `n` items of the stream from position `start` whose prompts are not in `mastered`: (items, the
+    position after the last draw, draws skipped). After MAX_SKIPS_PER_PROMPT skips in a row the next item is taken
+    as it is."""
+    items: list[tasks.TaskItem] = []
+    pos, skipped, run = start, 0, 0
+    while len(items) < n:
+        item = stream[pos]
+        pos += 1
+        if item.prompt in mastered and run < MAX_SKIPS_PER_PROMPT:
+            skipped += 1
+            run += 1
+            continue
+        items.append(item)
+        run = 0
+    return items, pos, skipped
 
 
 def _pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1) -> Batch | None:
@@ -1200,7 +1238,8 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
             (ckpt / f"{name}.tmp").rename(ckpt / name)
             model = {n: full[n] for n in par.one_process_names(parts.policy)}  # the one-process order
             state = {**rng, "model": model, "optimizer": par.one_process_adam_state(adam, model, parts.trainer.hparams),
-                     "scaler": None, "step": log.step, "data_pos": log.data_pos, "compute": log.compute,
+                     "scaler": None, "step": log.step, "data_pos": log.data_pos, "mastered": sorted(log.mastered),
+                     "compute": log.compute,
                      "wall": log.wall, "distributed": name, "world": torch.distributed.get_world_size(),
                      "parallel": current_layout().to_dict()}  # fmt: skip
             rundir.atomic_write(ckpt / "state.pt", lambda tmp: torch.save(state, tmp))
@@ -1218,6 +1257,7 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
         "numpy_rng": _numpy_rng_out(np.random.get_state()),
         "step": log.step,
         "data_pos": log.data_pos,
+        "mastered": sorted(log.mastered),
         "compute": log.compute,
         "wall": log.wall,
     }

@@ -23,6 +23,7 @@ from study.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoin
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
 ENGINES = ("hf", "vllm")
+PROMPT_FILTERS = ("none", "mastered")
 """The rollout engines a run may name: the one list of engine names (study/rollout registers a class under each)."""
 
 
@@ -54,6 +55,10 @@ class RunConfig:
     """With coldstart = "auto": the held-out pass@1 band [low, high] at which the cold start's SFT stops (its
     recipe checks every few steps and keeps the check nearest the band). The RL signal needs a start that solves
     some problems some of the time: too low and most groups have zero variance."""
+    prompt_filter: str = "none"
+    """Which training prompts leave the stream: none, or mastered (a prompt whose G responses all got the full
+    reward is never drawn again, as Skywork-OR1 and POLARIS filter solved prompts online: its group carries no
+    signal, and a policy that has mastered it would spend rollouts on it every time the stream returns to it)."""
     steps: int = 20
     """RL steps (rollout batches)."""
     prompts_per_step: int = 8
@@ -201,6 +206,7 @@ class RunConfig:
         _choice("train_dtype", self.train_dtype, DTYPES)
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
+        _choice("prompt_filter", self.prompt_filter, PROMPT_FILTERS)
         self._validate_precision()
         for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "eval_size", "eval_samples",
                      "collapse_window", "threads"):  # fmt: skip
@@ -394,6 +400,7 @@ HASHED_IF_SET: dict[str, Any] = {
     "kl_coef": 0.0,
     "coldstart_band": [0.1, 0.5],
     "router_lr_scale": 1.0,
+    "prompt_filter": "none",
 }
 
 

@@ -23,6 +23,8 @@ STEP_METRICS: dict[str, str] = {
     "zero_var_group_frac": "fraction of groups whose rewards were all equal (no signal; DAPO drops them)",
     "zero_var_solved_frac": "the part of zero_var_group_frac whose every response got the full reward (1): problems "
     "the policy already solves every time, as opposed to problems no sample solves",
+    "prompts_skipped_mastered": "prompt_filter = mastered: training prompts the step's draws skipped because an "
+    "earlier group of theirs was solved by every response (NaN without the filter)",
     **LOSS_METRICS,
     "loss": "the algorithm's loss, mean over minibatches",
     "approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "
