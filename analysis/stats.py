@@ -370,7 +370,8 @@ NON_FINITE, FLOOR, DROP = "non-finite reward", "reward floor", "reward drop"
 
 COLLAPSE_RULE = (
     "A run is flagged as collapsed by the reward-drop rule when its trailing {window}-step mean reward falls below "
-    "{keep:g} x its highest {window}-step mean and at least {min_drop:g} under it, stays there to the end (at least "
+    "{keep:g} x its peak (its highest {window}-step mean, or its first step's reward, the starting policy's own "
+    "rollouts, when that is higher) and at least {min_drop:g} under it, stays there to the end (at least "
     "{sustain} steps), and its mean over its last {window} steps lies more than two standard errors below the range, "
     "over the same steps, of the seeds of its configuration that did not fall (when every seed fell, each is flagged)."
 )
@@ -420,7 +421,9 @@ def detect_collapse(
 
     Rules, in order of precedence at each step: a non-finite value (NON_FINITE); the rolling mean (over `window`
     steps) below `floor` (FLOOR); the rolling mean below both (1 - rel_drop) x its running peak and that peak minus
-    `min_drop`, once the peak exceeds `min_peak`, from some window to the end of the run and for at least `sustain`
+    `min_drop`, once the peak exceeds `min_peak`, where the peak starts at the first step's reward (the starting
+    policy's rollouts, before any update: a run that falls within its first window has no higher window mean),
+    from some window to the end of the run and for at least `sustain`
     windows (default window // 2) (DROP). A run that never learned cannot collapse by DROP; a dip it recovers from,
     a decline smaller than `min_drop` (rewards live in [0, 1]) and a drop in its last few steps are noise, not a
     collapse. The step reported is the last step of the first window that trips.
@@ -444,7 +447,7 @@ def detect_collapse(
             i = int(np.argmax(below))
             hits.append((i, f"{w}-step mean reward {roll[i]:.3g} < floor {floor:g}", FLOOR))
     if rel_drop is not None:
-        peak = np.maximum.accumulate(roll)
+        peak = np.maximum.accumulate(np.maximum(roll, v[0]))
         limit = np.minimum((1.0 - rel_drop) * peak, peak - min_drop)
         drop = (peak > min_peak) & (roll < limit)
         # only a drop the run never recovers from, held long enough: noisy small-batch rewards dip and come back

@@ -15,7 +15,8 @@ Per-step metrics (columns of `metrics.parquet`):
 | mismatch_mean_abs, mismatch_max_abs | mean / max abs(logp_train_old - logp_rollout) over response tokens |
 | mismatch_k3 | k3 KL estimate mean(e^d - 1 - d) of that difference |
 | mismatch_frac_gt2 | fraction of tokens with max(rho, 1/rho) > 2 |
-| routing_slot_mismatch | old vs new policy after each update (minibatches 2..M): mean(1 - abs(S_X & S_Y) / k) (the paper's "10%") |
+| routing_slot_mismatch | old vs new policy after each update (minibatches 2..M): mean(1 - abs(S_X & S_Y) / k) |
+| | (the paper's "10%") |
 | routing_set_flip_rate | old vs new: fraction of (token, layer) whose top-k set changed |
 | engine_routing_slot_mismatch | rollout engine vs trainer, same definition |
 | expert_load_imbalance | trainer expert load: per MoE layer, the most tokens any expert got over the mean per |

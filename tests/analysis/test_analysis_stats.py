@@ -107,6 +107,16 @@ def test_detect_collapse_rules():
     dip = rising.copy()
     dip[40:50] = 0.0  # a dip the run recovers from is noise, not a collapse
     assert stats.detect_collapse(steps, dip, window=5) is None
+    # a run that falls in its first steps (the routing study's router lr x100: 0.29, 0.09, 0.03, then ~0.03) never has
+    # a 10-step mean near where it started: its first step's reward, the starting policy's, is the peak it fell from
+    rng = np.random.default_rng(0)
+    early = np.r_[0.29, 0.09, np.clip(0.04 + 0.02 * rng.standard_normal(38), 0, 1)]
+    c = stats.detect_collapse(np.arange(1, 41), early)
+    assert c is not None and c.step == 10 and "peak 0.29" in c.reason
+    # noise around a flat start is not a fall from its first step, whichever way the first step lands
+    for seed in range(20):
+        flat = np.clip(0.3 + 0.05 * np.random.default_rng(seed).standard_normal(40), 0, 1)
+        assert stats.detect_collapse(np.arange(1, 41), flat) is None
 
 
 def test_curves_interpolate_on_a_common_grid_without_extrapolating():
