@@ -23,8 +23,9 @@ from study.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoin
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
 ENGINES = ("hf", "vllm")
-PROMPT_FILTERS = ("none", "mastered")
 """The rollout engines a run may name: the one list of engine names (study/rollout registers a class under each)."""
+PROMPT_FILTERS = ("none", "mastered")
+"""Which training prompts leave the stream (RunConfig.prompt_filter)."""
 
 
 @dataclass(frozen=True)
