@@ -99,13 +99,24 @@ def policy_state(cfg: Any, run_dir: Path, results: Path, step: int | None) -> tu
         if state is None:
             raise ValueError(f"{path}: no checkpoint (the run has not reached its first checkpoint); valid: "
                              f"{'--step 0 (its cold start)' if have else 'export after a checkpoint'}")  # fmt: skip
-        return state["model"], int(state["step"])
+        return _full_model(state, path), int(state["step"])
     if step not in have:
         raise ValueError(f"--step = {step}: {run_dir.name} keeps its latest checkpoint only; valid: "
                          f"{', '.join(map(str, have)) or 'none'}")  # fmt: skip
     if step == 0:
         return torch.load(start / "policy.pt", weights_only=True, map_location="cpu"), 0
-    return state["model"], step
+    return _full_model(state, path), step
+
+
+def _full_model(state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's one-process weights; a layout run too large for that form (state.pt without it) is refused."""
+    if state["model"] is None:
+        raise ValueError(
+            f"{path}: holds the weights only in megatron's distributed checkpoint {state.get('distributed')!r} (a "
+            "layout run writes the one-process form when 12 bytes x its parameters fit STUDY_FULL_STATE_MAX_GB, "
+            "default 8); valid: --step 0 (the cold start), or rerun with STUDY_FULL_STATE_MAX_GB raised to export"
+        )
+    return state["model"]
 
 
 def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> Path:

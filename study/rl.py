@@ -44,6 +44,7 @@ from study import precision as precision_mod
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
 from study.model_config import ParallelLayout
+from study.plan import param_counts
 from study.policy import parallel as par
 from study.policy.model import build_policy, current_layout, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
@@ -547,9 +548,10 @@ def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None
 
 
 def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
-    """Apply a checkpoint's state: model, optimiser, scaler and every RNG. state.pt always holds the one-process
-    form (full weights, torch AdamW states by one-process index), whatever layout wrote it: a one-process resume
-    loads it as it is. Under a parallel layout, a layout run's checkpoint is loaded from its megatron distributed
+    """Apply a checkpoint's state: model, optimiser, scaler and every RNG. state.pt holds the one-process form (full
+    weights, torch AdamW states by one-process index), whatever layout wrote it, unless a layout run's model was too
+    large for it (`full_state_fits`): a one-process resume loads it as it is, and refuses a checkpoint without it.
+    Under a parallel layout, a layout run's checkpoint is loaded from its megatron distributed
     checkpoint (`distributed`: model and optimizer shards, each rank's RNG), resharded by megatron when the layout
     changed; a one-process run's checkpoint is sliced into the shards (study/policy/parallel.py)."""
     legacy = _legacy_rank_files(path.parent.parent)
@@ -568,6 +570,8 @@ def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
                 names = par.one_process_names(parts.policy)
                 parts.trainer.load_full_optimizer_state(par.adam_state_by_name(state["optimizer"], names))
         else:
+            if state["model"] is None:
+                raise rundir.RunStateError(_DISTRIBUTED_ONLY.format(path=path, state=state))
             _load_model(parts.policy, state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler is not None:
@@ -575,6 +579,8 @@ def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         np.random.set_state(_numpy_rng_in(state["numpy_rng"]))
+    except rundir.RunStateError:
+        raise
     except (KeyError, RuntimeError, TypeError, ValueError, FileNotFoundError) as err:
         raise rundir.RunStateError(f"{path}: not a checkpoint of this run ({_first_line(err)}); "
                                    f"{rundir.RESTART}") from None  # fmt: skip
@@ -1222,22 +1228,25 @@ def _token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tenso
 def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
     """state.pt: the model, optimiser, scaler, RNG states and position. Under a parallel layout every rank first
     writes its shards and RNG states into megatron's distributed checkpoint `dist-step{N}` (model, optimizer; made
-    under a .tmp name, renamed when complete), then rank 0 writes state.pt in the one-process form (the full
-    weights and Adam states by one-process name and index: `study export` and a one-process resume read it) naming
-    that checkpoint; older distributed checkpoints are removed after."""
+    under a .tmp name, renamed when complete), then rank 0 writes state.pt naming that checkpoint, in the
+    one-process form (the full weights and Adam states by one-process name and index: `study export` and a
+    one-process resume read it) when that fits rank 0's memory (`full_state_fits`), else with model and optimizer
+    None (the distributed checkpoint alone holds them); older distributed checkpoints are removed after."""
     if parts.trainer is not None:
         ckpt, name = run_dir / "checkpoint", f"dist-step{log.step}"
         rng = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                "numpy_rng": _numpy_rng_out(np.random.get_state())}  # fmt: skip
         par.save_distributed(parts.trainer, ckpt / f"{name}.tmp", rng=rng)  # collective
-        full = par.full_state_dict(parts.policy)  # collective
-        adam = parts.trainer.full_optimizer_state()  # collective
+        full_form = full_state_fits(parts.mcfg)  # the same answer on every rank: the gathers are collectives
+        full = par.full_state_dict(parts.policy) if full_form else {}  # collective
+        adam = parts.trainer.full_optimizer_state() if full_form else {}  # collective
         torch.distributed.barrier()
         if _rank0():
             shutil.rmtree(ckpt / name, ignore_errors=True)
             (ckpt / f"{name}.tmp").rename(ckpt / name)
-            model = {n: full[n] for n in par.one_process_names(parts.policy)}  # the one-process order
-            state = {**rng, "model": model, "optimizer": par.one_process_adam_state(adam, model, parts.trainer.hparams),
+            model = {n: full[n] for n in par.one_process_names(parts.policy)} if full_form else None
+            optimizer = par.one_process_adam_state(adam, model, parts.trainer.hparams) if model is not None else None
+            state = {**rng, "model": model, "optimizer": optimizer,
                      "scaler": None, "step": log.step, "data_pos": log.data_pos, "mastered": sorted(log.mastered),
                      "compute": log.compute,
                      "wall": log.wall, "distributed": name, "world": torch.distributed.get_world_size(),
@@ -1262,6 +1271,22 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
         "wall": log.wall,
     }
     rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+_DISTRIBUTED_ONLY = (
+    "{path}: holds the weights and optimizer only in megatron's distributed checkpoint {state[distributed]!r} (a "
+    "layout run writes the one-process form only when 12 bytes x its parameters fit STUDY_FULL_STATE_MAX_GB, default "
+    "8); valid: resume it at a parallel layout (it was saved at {state[parallel]!r}; another layout reshards)"
+)
+FULL_STATE_MAX_GB = 8.0
+"""Largest one-process form (fp32 weights and both Adam moments, 12 bytes a parameter) rank 0 gathers into state.pt
+at a layout; the environment variable STUDY_FULL_STATE_MAX_GB overrides it. Qwen3-30B-A3B's would be ~366 GB."""
+
+
+def full_state_fits(mcfg: Any) -> bool:
+    """Whether a layout run's state.pt carries the one-process form: 12 bytes a parameter <= the limit."""
+    limit = float(os.environ.get("STUDY_FULL_STATE_MAX_GB", FULL_STATE_MAX_GB))
+    return 12 * param_counts(mcfg).total <= limit * 2**30
 
 
 def _kernels_available() -> bool:

@@ -286,3 +286,50 @@ def test_rl_resume_across_layouts(tmp_path):
         manifest = json.loads((run / "manifest.json").read_text())
         layout = load_config(preset="tiny", sets=[*sets, *resumed]).layout.to_dict()
         assert manifest["parallel_resumed"] == [{"step": 1, "parallel": layout}], name
+
+
+@pytest.mark.slow
+def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed_checkpoint(tmp_path, monkeypatch):
+    # STUDY_FULL_STATE_MAX_GB = 0: as for a model whose full weights and Adam states would not fit rank 0 (30B: ~366
+    # GB), the DP 2 run's state.pt names its distributed checkpoint and holds no one-process form; resumed at DP 2 it
+    # equals the uninterrupted one-process run; a one-process resume and `study export` refuse it, naming why.
+    import shutil
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from study import export, rl
+    from study.run import rundir
+    from study.run.config import load_config
+    from tests.study.test_parallel import RUN_SETS, _coldstart
+
+    monkeypatch.setenv("STUDY_FULL_STATE_MAX_GB", "0")  # inherited by the spawned ranks
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    run_id = load_config(preset="tiny", sets=sets).run_id
+    _one_process_run(tmp_path / "reference", sets, stop=False)
+    want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")
+
+    _two_rank_run(tmp_path / "dp2", [*sets, "parallel.data=2"], stop=True)
+    run = tmp_path / "dp2" / "runs" / run_id
+    state = rl.load_checkpoint(run / "checkpoint" / "state.pt")
+    assert state["model"] is None and state["optimizer"] is None and state["distributed"] == "dist-step1"
+    shutil.copytree(tmp_path / "dp2", tmp_path / "dp2_to_one", symlinks=True)
+
+    script = ("import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
+              "rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n")  # fmt: skip
+    one = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dp2_to_one"), *sets], timeout=600,
+                         capture_output=True, text=True)  # fmt: skip
+    assert one.returncode != 0 and "only in megatron's distributed checkpoint 'dist-step1'" in one.stderr, one.stderr
+    assert "resume it at a parallel layout" in one.stderr
+    with pytest.raises(ValueError, match="STUDY_FULL_STATE_MAX_GB"):
+        export.policy_state(load_config(preset="tiny", sets=sets), run, tmp_path / "dp2", None)
+
+    _two_rank_run(tmp_path / "dp2", [*sets, "parallel.data=2"], stop=False)
+    assert rundir.read_status(run)["state"] == "completed"
+    got = pd.read_parquet(run / "metrics.parquet")
+    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+        assert list(got[column]) == list(want[column]), column
+    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
+        assert list(got[column]) == pytest.approx(list(want[column]), rel=1e-4, abs=1e-6), column
+    assert rl.load_checkpoint(run / "checkpoint" / "state.pt")["model"] is None
