@@ -56,7 +56,20 @@ def test_figure3_marks_collapsed_runs(study):
     made = figures.figure3_routing_replay(study)
     marks = [line for ax in made.fig.axes for line in ax.get_lines() if line.get_gid() == "collapse"]
     assert len(marks) == int((study.runs["state"] == "collapsed").sum())
-    assert [ax.get_title() for ax in made.fig.axes] == [style.label("grpo"), style.label("gspo")]
+    # a row per configuration of the swept axes (max_new_tokens x rollout_dtype), never a mean across them: each
+    # panel holds the runs of its configuration and family alone (one thin line per run, one thick mean per algorithm)
+    axes = ["max_new_tokens", "rollout_dtype"]
+    configs = study.runs[axes].drop_duplicates().sort_values(axes)
+    titles = [f"{style.label(fam)}\nmax_new_tokens={t}, rollout_dtype={d}" for t, d in configs.itertuples(index=False)
+              for fam in ("grpo", "gspo")]  # fmt: skip
+    assert [ax.get_title() for ax in made.fig.axes] == titles
+    for ax, title in zip(made.fig.axes, titles, strict=True):
+        t, d = title.split("\n")[1].replace("max_new_tokens=", "").replace("rollout_dtype=", "").split(", ")
+        fam = ["grpo", "grpo_rr"] if title.startswith(style.label("grpo")) else ["gspo", "gspo_rr"]
+        runs = study.runs[study.runs["algorithm"].isin(fam) & (study.runs["max_new_tokens"].astype(str) == t)
+                          & (study.runs["rollout_dtype"].astype(str) == d)]  # fmt: skip
+        thin = [ln for ln in ax.get_lines() if ln.get_linewidth() == 0.5]
+        assert len(thin) == len(runs) > 0, title
 
 
 def test_missing_axis_is_a_clear_error(study):
