@@ -302,11 +302,20 @@ def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_p
 def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
     """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
     requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
-    # 1,800 tiny steps (~0.09 s each: ~3 min on one core) against a 2-minute limit: slurmctld sends the 20-s warning
-    # signal on its ~30-s time-limit sweep, i.e. 70-100 s into the job, after the ~30 s start-up and several
-    # checkpoints. (600 steps, ~2 min before the rollout got 2x faster, now finish before the signal.) Each job gets
-    # ~40-70 s of steps before its signal: CI runs took 6 requeues, so the budget of 20 leaves a slow machine room.
-    cfg = smoke_config(steps=1800, eval_every=600, checkpoint_every=10)
+    # A 2-minute limit: slurmctld sends the 20-s warning signal on its ~30-s time-limit sweep, i.e. 70-100 s into the
+    # job, after the ~30 s start-up and several checkpoints; each job gets ~40-70 s of steps before its signal. The run
+    # must outlast the first job whatever this machine's speed: a fixed 1,800 steps (~3 min at 0.09 s a step when it
+    # was written) finished in 94 s on a machine at 0.043 s a step, never signalled. So the steps are sized from a
+    # measured short run: ~200 s of steps (1,800 at least, 8,000 at most). The budget of 20 timeouts leaves a slow
+    # machine room (CI runs took 6 requeues).
+    probe_results = sharing_coldstart(results, tmp_path / "probe")
+    probe = run_launch(write_config(smoke_config(steps=60, eval_every=0, checkpoint_every=0), tmp_path / "probe.yaml"),
+                       probe_results, "--launcher", "in-process")  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    (probe_run,) = (probe_results / "runs").iterdir()
+    per_step = float(pd.read_parquet(probe_run / "metrics.parquet")["wall_s"].max()) / 60
+    steps = int(min(8000, max(1800, 200 / per_step)))
+    cfg = smoke_config(steps=steps, eval_every=600, checkpoint_every=10)
     config = write_config(cfg, tmp_path / "long.yaml")
     other = sharing_coldstart(results, tmp_path / "other")
     slurm_args = ["--launcher", "slurm", "--time-min", "2", "--signal-delay-s", "20", "--max-timeouts", "20"]
