@@ -111,11 +111,10 @@ def policy_state(cfg: Any, run_dir: Path, results: Path, step: int | None) -> tu
 def _full_model(state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's one-process weights; a layout run too large for that form (state.pt without it) is refused."""
     if state["model"] is None:
-        raise ValueError(
-            f"{path}: holds the weights only in megatron's distributed checkpoint {state.get('distributed')!r} (a "
-            "layout run writes the one-process form when 12 bytes x its parameters fit STUDY_FULL_STATE_MAX_GB, "
-            "default 8); valid: --step 0 (the cold start), or rerun with STUDY_FULL_STATE_MAX_GB raised to export"
-        )
+        from study.rl import DISTRIBUTED_ONLY
+
+        raise ValueError(DISTRIBUTED_ONLY.format(path=path, state=state, valid="--step 0 (the cold start), or rerun "
+                                                 "with STUDY_FULL_STATE_MAX_GB raised to export"))  # fmt: skip
     return state["model"]
 
 

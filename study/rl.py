@@ -571,7 +571,9 @@ def _restore(state: dict[str, Any], parts: Parts, path: Path) -> None:
                 parts.trainer.load_full_optimizer_state(par.adam_state_by_name(state["optimizer"], names))
         else:
             if state["model"] is None:
-                raise rundir.RunStateError(_DISTRIBUTED_ONLY.format(path=path, state=state))
+                raise rundir.RunStateError(DISTRIBUTED_ONLY.format(
+                    path=path, state=state, valid=f"resume it at a parallel layout (it was saved at "
+                    f"{state['parallel']!r}; another layout reshards)"))  # fmt: skip
             _load_model(parts.policy, state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler is not None:
@@ -1273,11 +1275,12 @@ def _checkpoint(run_dir: Path, parts: Parts, log: Progress) -> None:
     rundir.atomic_write(run_dir / "checkpoint" / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
-_DISTRIBUTED_ONLY = (
+DISTRIBUTED_ONLY = (
     "{path}: holds the weights and optimizer only in megatron's distributed checkpoint {state[distributed]!r} (a "
     "layout run writes the one-process form only when 12 bytes x its parameters fit STUDY_FULL_STATE_MAX_GB, default "
-    "8); valid: resume it at a parallel layout (it was saved at {state[parallel]!r}; another layout reshards)"
+    "8); valid: {valid}"
 )
+"""Why a state.pt without the one-process form cannot be read as one (a one-process resume, `study export`)."""
 FULL_STATE_MAX_GB = 8.0
 """Largest one-process form (fp32 weights and both Adam moments, 12 bytes a parameter) rank 0 gathers into state.pt
 at a layout; the environment variable STUDY_FULL_STATE_MAX_GB overrides it. Qwen3-30B-A3B's would be ~366 GB."""
