@@ -353,6 +353,7 @@ class Batch:
     rollout_logp: torch.Tensor  # (B, T) fp32: the engine's log-probs of the sampled tokens, 0 after the end
     advantages: torch.Tensor  # (B,) the algorithm's advantages
     engine_routes: Routes | None = None  # (B, S, L, k) the engine's routes of input_ids, where it returned them
+    temperature: float = 1.0  # the engine sampled from softmax(logits / T): pi_old, pi_theta and the reference too
 
     @property
     def n(self) -> int:
@@ -758,7 +759,8 @@ def _train(
             t1 = time.perf_counter()
             if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
                 with torch.no_grad():
-                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos).cpu()  # (B, T)
+                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos,
+                                          temperature=batch.temperature).cpu()  # (B, T)
                 log.compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
             row["time_old_logp_s"] = t_old + time.perf_counter() - t1
             row.update(_mismatch(train_old, batch.rollout_logp, batch.mask))
@@ -942,7 +944,7 @@ def _old_pass(
     log-probs (b, T), the routes free routing chose and each token's router entropy (b, S, L)."""
     with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
         logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
-                          positions=batch.pos[idx])  # fmt: skip
+                          positions=batch.pos[idx], temperature=batch.temperature)  # fmt: skip
     # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
     return logp.cpu(), routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
 
@@ -965,8 +967,8 @@ def _forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes 
     rows = idx if parts.trainer is None else idx[par.data_rows(len(idx))]
     routing = parts.routing
     with routing.replaying(replay[rows]) if replay is not None else routing.recording():
-        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
-                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows]).cpu()  # fmt: skip
+        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows], attention_mask=batch.attn_mask[rows],
+                          positions=batch.pos[rows], temperature=batch.temperature).cpu()  # fmt: skip
     free = routing.free_routes() if replay is not None else routing.routes()
     if parts.trainer is None:
         return logp, free
@@ -1047,7 +1049,7 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }
-    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor), data_pos, newly_mastered, metrics, flops)
+    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor, cfg.temperature), data_pos, newly_mastered, metrics, flops)
 
 
 MAX_SKIPS_PER_PROMPT = 64
@@ -1073,7 +1075,7 @@ def _take_unmastered(stream: Any, n: int, start: int, mastered: set[str]) -> tup
     return items, pos, skipped
 
 
-def _pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1) -> Batch | None:
+def _pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1, temperature: float = 1.0) -> Batch | None:
     """The samples as a right-padded `Batch` (None for none): each tensor filled by one scatter over all samples (a
     per-sample loop of slice writes was ~2% of a step at 8x4x32 and 32x8x64 on `tiny`). The width S is the longest
     sequence - 1, rounded up to a `multiple` (parallel.tensor: sequence parallelism splits S over the tensor-parallel
@@ -1106,7 +1108,7 @@ def _pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1) -> Batc
         input_ids=full[:, :-1] * am, targets=full[:, 1:] * am, attn_mask=am,
         pos=(p_len[:, None] - 1 + steps).clamp(max=width - 1),  # target index of response token t
         mask=in_resp.float(), rollout_logp=roll, advantages=torch.tensor([s["adv"] for s in samples]),
-        engine_routes=engine_routes,
+        engine_routes=engine_routes, temperature=temperature,
     )  # fmt: skip
 
 
@@ -1118,7 +1120,8 @@ SYNC_CHECK_SEQS = 4
 def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: Any, batch: Batch) -> dict[str, float]:
     """Right after a weight sync: the first SYNC_CHECK_SEQS sequences of the step's batch scored teacher-forced by
     the rollout engine and by the trainer (free routing), both on the weights just synced; |difference| per response
-    token. In the same real dtype this is the sync's fidelity (fp32: ~1e-6); across dtypes, the mismatch."""
+    token. In the same real dtype this is the sync's fidelity (fp32: ~1e-6); across dtypes, the mismatch. Both at
+    temperature 1 whatever the rollouts' (the engine's `score` returns raw log-probs): the weights are what is checked."""
     idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
     ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
     with routing.recording():
@@ -1160,7 +1163,7 @@ def _evaluate(cfg, engine, tok, evals, step) -> dict[str, float]:  # type: ignor
             [tok.encode_prompt(item.prompt) for item in items],
             cfg.eval_samples,
             seed=derive_seed("eval", split),
-            temperature=cfg.temperature,
+            temperature=cfg.eval_temperature,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=[tok.eos_id],
         )

@@ -154,8 +154,8 @@ class NativeDecoder:
     def generate(self, logits: torch.Tensor, position_ids: torch.Tensor, *, temperature: float, gen: torch.Generator,
                  stops: torch.Tensor, max_new_tokens: int, routes: bool = False):  # fmt: skip
         """The sampling loop from the prefill's `logits` (n, V) and last positions (n, 1), in one C call: one uniform
-        per row and step (`max_new_tokens` x n from `gen`, drawn up front; inverse-CDF sampling, untempered
-        log-probs), stopping a row at its first stop token and every row once all stopped. Returns tokens and
+        per row and step (`max_new_tokens` x n from `gen`, drawn up front; inverse-CDF sampling; log-probs of
+        the tempered distribution sampled, as `sample`), stopping a row at its first stop token and every row once all stopped. Returns tokens and
         log-probs (n, steps), length (n,), done (n,) bool, and with `routes` each decode step's expert indices
         (steps - 1, layers, n, k) int64 (else None); the key/value buffers then hold `self.length` positions."""
         n, t = self.shape.n, max_new_tokens
@@ -198,9 +198,10 @@ def _check(name: str, tensor: torch.Tensor) -> None:
 
 
 def sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One token per row of `logits` (N, V) and its untempered log-prob, in C: one uniform per row from `gen` (none at
-    temperature 0), inverse-CDF over the tempered probabilities (the hf engine's torch `sample` rule); returns ((N,)
-    tokens, (N,) fp32 log-probs), or None where the kernels do not apply."""
+    """One token per row of `logits` (N, V) and its log-prob under the distribution drawn from (softmax(logits / T);
+    raw at temperature 0), in C: one uniform per row from `gen` (none at temperature 0), inverse-CDF over the tempered
+    probabilities (the hf engine's torch `sample` rule); returns ((N,) tokens, (N,) fp32 log-probs), or None where
+    the kernels do not apply."""
     lib = library()
     if lib is None or not kernels.applies(logits):
         return None

@@ -30,6 +30,7 @@ Choices that matter for parity and for the study:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -358,9 +359,13 @@ def token_logp(
     *,
     attention_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """log pi(targets[b, t] | input_ids[b, :t+1]) as (B, S) fp32, differentiable; with `positions` (B, T) only
     those: out[b, j] = log pi(targets[b, positions[b, j]] | ...), (B, T).
+
+    `temperature` T scores the tempered distribution softmax(logits / T), the one an engine sampling at T draws from
+    (verl's actor divides its logits the same way): the output layer has no bias, so its input is divided by T.
 
     Uses megatron's labels path (`GPTModel(..., labels=targets)` returns the per-token cross entropy in fp32,
     without materialising log-softmax over the vocabulary). For a prompt+response batch pass
@@ -376,6 +381,27 @@ def token_logp(
     _check_ids(model, targets, "targets")
     if targets.shape != input_ids.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature = {temperature}: must be finite and > 0")
+    if temperature == 1.0:
+        return _token_logp(model, input_ids, targets, attention_mask, positions)
+    if getattr(model.output_layer, "bias", None) is not None:
+        raise ValueError("temperature != 1 divides the output layer's input, which needs an output layer without bias")
+    handle = model.output_layer.register_forward_pre_hook(lambda _m, args: (args[0] / temperature, *args[1:]))
+    try:
+        return _token_logp(model, input_ids, targets, attention_mask, positions)
+    finally:
+        handle.remove()
+
+
+def _token_logp(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+) -> torch.Tensor:
+    """`token_logp` at temperature 1."""
     device = model_device(model)
     input_ids, targets = input_ids.to(device), targets.to(device)
     position_ids, mask = positions_and_mask(input_ids, attention_mask)

@@ -3,9 +3,10 @@ the RL step needs (token ids, the engine's own log-probs, finish reasons, and wh
 
 Semantics shared by every engine (and checked against each other by tests/engines):
 1. Samples are prompt-major: sample j of prompt p is `rollout.prompt_index[p * n + j] == p`.
-2. `logprobs[i][t]` is log pi_engine(y_t | x, y_<t) of the *untempered* model distribution (log_softmax of the raw
-   logits, fp32), whatever the sampling temperature: vLLM's default `logprobs_mode="raw_logprobs"`. At temperature 1
-   this is the sampling distribution (the RL default, pi_old); at other temperatures it is not.
+2. `logprobs[i][t]` is log pi_engine(y_t | x, y_<t) of the distribution sampled from, softmax(logits / T) in fp32
+   (vLLM's `logprobs_mode="processed_logprobs"`; at temperature 0, greedy, of the raw logits): the trainer scores the
+   same tempered distribution (study.policy.model.token_logp's `temperature`), so the two are comparable at any T.
+   `score` (teacher-forced) returns the raw logits' log-probs (temperature 1).
 3. A response ends with the first sampled stop token (kept in `tokens`, finish reason "stop") or after
    `max_new_tokens` (finish reason "length").
 4. `routes[i]` (R3) is (P_i + T_i - 1, layers, k) integer: the experts chosen for every token that is fed as an

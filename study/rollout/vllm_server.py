@@ -200,7 +200,7 @@ class Server:
         return result
 
     def op_score(self, seqs: list[list[int]], starts: list[int], seed: int) -> list[list[float]]:
-        """Teacher-forced log-probs of seqs[i][starts[i]:] (vLLM's prompt log-probs, raw_logprobs mode)."""
+        """Teacher-forced log-probs of seqs[i][starts[i]:] (vLLM's prompt log-probs: raw, in any logprobs mode)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=seed, detokenize=False)

@@ -71,7 +71,12 @@ class RunConfig:
     max_new_tokens: int = 32
     """Maximum response length; longer responses are truncated and scored as they stand."""
     temperature: float = 1.0
-    """Rollout sampling temperature (1.0: the engine samples from pi_old itself)."""
+    """Rollout sampling temperature T: the engine samples from softmax(logits / T) and the trainer's log-probs (pi_old,
+    pi_theta, the KL reference) are of that same tempered distribution, so the importance ratios and the policy
+    gradient are for the distribution the samples come from (verl's actor divides its logits by T the same way)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the held-out evaluations (pass@1), separate from the rollouts' (verl's
+    val_kwargs.temperature): 1.0 measures every run, and the cold start's band, on the same footing."""
     lr: float = 1e-4
     """AdamW learning rate (constant)."""
     weight_decay: float = 0.0
@@ -379,6 +384,7 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
     # every float field of RunConfig: (low, "(" or "["), (high, ")" or "]"), a note; finite always (a test checks
     # that each float field is listed)
     "temperature": ((0.0, "("), (2.0, "]"), ""),
+    "eval_temperature": ((0.0, "("), (2.0, "]"), ""),
     "lr": ((0.0, "("), (_INF, ")"), ""),
     "weight_decay": ((0.0, "["), (_INF, ")"), ""),
     "grad_clip": ((0.0, "["), (_INF, ")"), " (0 = off)"),
@@ -402,6 +408,7 @@ HASHED_IF_SET: dict[str, Any] = {
     "coldstart_band": [0.1, 0.5],
     "router_lr_scale": 1.0,
     "prompt_filter": "none",
+    "eval_temperature": 1.0,
 }
 
 

@@ -52,15 +52,16 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 9) -> l
     return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in lens]
 
 
-def megatron_logp(model: torch.nn.Module, prompts, responses) -> list[torch.Tensor]:
-    """Teacher-forced log-probs of each response under the Megatron model, (T_i,) fp32, one sequence at a time."""
+def megatron_logp(model: torch.nn.Module, prompts, responses, temperature: float = 1.0) -> list[torch.Tensor]:
+    """Teacher-forced log-probs of each response under the Megatron model (of softmax(logits / temperature)), (T_i,)
+    fp32, one sequence at a time."""
     from study.policy.model import token_logp
 
     out = []
     with torch.no_grad():
         for p, r in zip(prompts, responses, strict=True):
             seq = torch.tensor([*p, *r])[None]  # (1, S)
-            lp = token_logp(model, seq[:, :-1], seq[:, 1:])[0]  # (S - 1,)
+            lp = token_logp(model, seq[:, :-1], seq[:, 1:], temperature=temperature)[0]  # (S - 1,)
             out.append(lp[len(p) - 1 :])
     return out
 

@@ -79,10 +79,21 @@ def test_logprobs_equal_teacher_forced_recompute(engine, megatron, rollout, prom
     assert d_own.max() <= 1e-4 and d_mg.max() <= 1e-4
 
 
-def test_logprobs_are_untempered_and_greedy_is_argmax(engine, rollout, prompts):
-    hot = engine.generate(prompts[:2], 2, seed=5, temperature=1.7, max_new_tokens=8)
-    own, _ = engine.score([prompts[i] for i in hot.prompt_index], hot.tokens)
-    assert (torch.cat(hot.logprobs) - torch.cat(own)).abs().max() <= 1e-4  # raw log_softmax, not of logits / T
+@pytest.mark.parametrize("native", [True, False])
+def test_logprobs_are_of_the_tempered_distribution_and_greedy_is_argmax(engine, megatron, prompts, native):
+    """At temperature T the engine's log-probs are of softmax(logits / T), the distribution it sampled from, equal to
+    the trainer's token_logp at the same T (C sampling loop and torch loop); `score` stays raw."""
+    engine.native_decode = native
+    try:
+        hot = engine.generate(prompts[:3], 4, seed=5, temperature=1.7, max_new_tokens=10, stop_token_ids=STOPS)
+    finally:
+        engine.native_decode = True
+    ps = [prompts[i] for i in hot.prompt_index]
+    got = torch.cat(hot.logprobs)
+    tempered = torch.cat(megatron_logp(megatron, ps, hot.tokens, temperature=1.7))
+    raw, _ = engine.score(ps, hot.tokens)
+    assert (got - tempered).abs().mean() <= 1e-5 and (got - tempered).abs().max() <= 1e-4
+    assert (got - torch.cat(raw)).abs().max() > 1e-2  # the raw log-probs are another distribution's
     greedy = engine.generate(prompts[:2], 2, seed=5, temperature=0.0, max_new_tokens=8)
     assert greedy.tokens[0] == greedy.tokens[1]
     seq = torch.tensor(prompts[0] + greedy.tokens[0])[None]
@@ -141,11 +152,11 @@ def _c_sample(logits, logp, temperature, gen):  # type: ignore[no-untyped-def]
     from study.kernels import decode
 
     tok, lp = decode.sample(logits, temperature, gen)
-    torch.testing.assert_close(lp, logp.gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)  # untempered log-probs
+    torch.testing.assert_close(lp, logp.gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)  # the tempered log-probs
     return tok
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.4])
 def test_sampler_draws_from_the_tempered_distribution(temperature, sampler="torch"):
     # 3 rows with known distributions (one with near-zero and exactly-zero-probability tokens); 40k seeded draws per
     # row; a chi-square goodness-of-fit test (deterministic: fixed seed) and no draw of a zero-probability token. The
@@ -158,7 +169,7 @@ def test_sampler_draws_from_the_tempered_distribution(temperature, sampler="torc
     logits = torch.tensor(
         [[0.0, 1.0, 2.0, 3.0, -1.0], [5.0, 5.0, -30.0, 0.0, 1.0], [0.0, float("-inf"), 0.5, -0.5, 0.0]]
     )
-    logp = torch.log_softmax(logits, -1)
+    logp = hf.sampling_logp(logits, temperature)
     reps = 40_000
     gen = torch.Generator().manual_seed(0)
     draws = sample(logits.repeat(reps, 1), logp.repeat(reps, 1), temperature, gen).view(reps, 3)
@@ -171,13 +182,13 @@ def test_sampler_draws_from_the_tempered_distribution(temperature, sampler="torc
         f_obs = counts[keep]
         p = chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue
         assert p > 1e-3, (row, counts.tolist(), (expected[row] * reps).tolist())
-    assert torch.equal(sample(logits, logp, 0.0, gen), logits.argmax(-1))
+    assert torch.equal(sample(logits, torch.log_softmax(logits, -1), 0.0, gen), logits.argmax(-1))
     if sampler == "native":  # on the same uniforms the same tokens as the torch sampler
         wide = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 3
         for t in (1.0, 0.7, 1.7):
             g1, g2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
-            want = hf.sample(wide, torch.log_softmax(wide, -1), t, g1)
-            assert torch.equal(sample(wide, torch.log_softmax(wide, -1), t, g2), want)
+            want = hf.sample(wide, hf.sampling_logp(wide, t), t, g1)
+            assert torch.equal(sample(wide, hf.sampling_logp(wide, t), t, g2), want)
 
 
 @pytest.mark.parametrize("masked", [False, True])

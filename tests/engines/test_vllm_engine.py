@@ -98,6 +98,19 @@ def test_parity_at_load(vllm_engine, hf_engine, megatron, prompts):
     assert d_vllm.mean() <= TOL and d_hf.mean() <= TOL, (d_vllm.mean(), d_hf.mean())
 
 
+def test_logprobs_are_of_the_tempered_distribution(vllm_engine, megatron, prompts):
+    """At temperature T vLLM's log-probs (processed_logprobs) are of softmax(logits / T), the distribution it sampled
+    from, equal to the trainer's token_logp at T; its teacher-forced `score` stays raw (temperature 1)."""
+    r = vllm_engine.generate(prompts, N, seed=9, temperature=1.7, max_new_tokens=MAX_NEW)
+    ps = [prompts[i] for i in r.prompt_index]
+    got = torch.cat(r.logprobs)
+    tempered = torch.cat(megatron_logp(megatron, ps, r.tokens, temperature=1.7))
+    raw = torch.cat(vllm_engine.score(ps, r.tokens)[0])
+    assert (got - tempered).abs().mean() <= TOL, (got - tempered).abs().mean()
+    assert (raw - torch.cat(megatron_logp(megatron, ps, r.tokens))).abs().mean() <= TOL
+    assert (got - raw).abs().max() > 1e-2  # the raw log-probs are another distribution's
+
+
 def test_sampling_layout_reproducible_and_finish_reasons(vllm_engine, prompts):
     stops = list(range(0, CFG.vocab_size, 17))
     a = vllm_engine.generate(prompts, N, seed=3, max_new_tokens=12, stop_token_ids=stops)

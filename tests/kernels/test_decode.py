@@ -86,7 +86,7 @@ def test_native_decode_step_matches_the_fused_step(megatron, prompts, experts, l
         done = torch.zeros(n, dtype=torch.bool)
         for k in range(max_new_tokens):
             twin = torch.Generator().set_state(gen.get_state())  # the C sampler on the same uniforms
-            logp = torch.log_softmax(logits, -1)
+            logp = hf.sampling_logp(logits, temperature)
             tok = hf.sample(logits, logp, temperature, gen)
             c_tok, c_lp = decode.sample(logits, temperature, twin)
             assert torch.equal(c_tok, tok)

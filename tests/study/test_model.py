@@ -31,6 +31,24 @@ def test_labels_path_matches_log_softmax_gather(model):
     assert (logp - ref).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.4])
+def test_temperature_scores_the_tempered_distribution(model, temperature):
+    """token_logp at T is log_softmax(logits / T) gathered, on the full path and the kept-positions path; the hook
+    that divides the output layer's input is gone after the call; a non-positive T is refused."""
+    ids = _batch(3, 21, seed=2)
+    pos = torch.tensor([[3, 7, 19, 19], [5, 6, 7, 8], [0, 1, 2, 18]])
+    with torch.no_grad():
+        ref = (logits(model, ids[:, :-1]).float() / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        full = token_logp(model, ids[:, :-1], ids[:, 1:], temperature=temperature)
+        kept = token_logp(model, ids[:, :-1], ids[:, 1:], positions=pos, temperature=temperature)
+        raw = token_logp(model, ids[:, :-1], ids[:, 1:])
+    assert (full - ref).abs().max() <= 1e-5 and (kept - ref.gather(1, pos)).abs().max() <= 1e-5
+    assert (raw - ref).abs().max() > 1e-2  # temperature 1 is another distribution
+    assert not model.output_layer._forward_pre_hooks
+    with pytest.raises(ValueError, match="temperature = 0.0: must be finite and > 0"):
+        token_logp(model, ids[:, :-1], ids[:, 1:], temperature=0.0)
+
+
 def test_kept_positions_equal_the_full_forward_gathered_with_gradients(model):
     """`positions` runs the LM head and cross entropy on the kept positions only: the same log-probs and the same
     gradients as the full (B, S) forward followed by a gather, also under left padding."""

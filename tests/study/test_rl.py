@@ -15,6 +15,7 @@ import torch
 
 import algorithms
 from study import rl
+from study.data import tasks
 from study.coldstart import ensure_coldstart
 from study.run.config import load_config
 
@@ -90,11 +91,29 @@ def test_finished_runs_are_skipped(tmp_path: Path) -> None:
     )  # whether the optional C kernels ran (tests/kernels checks they build)
 
 
-def test_token_samples_pair_trainer_and_engine_logprobs(tmp_path: Path) -> None:
-    cfg = load_config(preset="tiny", sets=["coldstart=scratch", "steps=3", "eval_every=2", "checkpoint_every=0"])
+@pytest.mark.parametrize("temperature", [1.0, 1.4])
+def test_token_samples_pair_trainer_and_engine_logprobs(tmp_path: Path, monkeypatch, temperature: float) -> None:
+    """The trainer's pi_old and the engine's log-probs of every sampled token agree to fp32 rounding, at temperature 1
+    and at T = 1.4 (both of softmax(logits / T): the trainer scores the distribution the engine sampled from); the
+    held-out evaluations sample at eval_temperature (1), the rollouts at T."""
+    from study.rollout.hf import HFEngine
+
+    temps: list[float] = []
+    generate = HFEngine.generate
+
+    def spy(self, prompts, n, **kwargs):  # type: ignore[no-untyped-def]
+        temps.append(kwargs["temperature"])
+        return generate(self, prompts, n, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", spy)
+    sets = ["coldstart=scratch", "steps=3", "eval_every=2", "checkpoint_every=0", f"temperature={temperature}"]
+    cfg = load_config(preset="tiny", sets=sets)
     run_dir = rl.run(cfg, tmp_path, progress=False)
-    tokens = pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)
     metrics = pd.read_parquet(run_dir / "metrics.parquet").set_index("step")
+    evaluations = int(metrics["eval_in_dist"].notna().sum()) * len(tasks.EVAL_SPLITS)
+    assert evaluations >= 4 and len(temps) == 3 + evaluations  # one rollout per step (no dynamic sampling)
+    assert temps.count(1.0) == evaluations + (3 if temperature == 1.0 else 0)
+    tokens = pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)
     assert sorted(tokens["step"].unique()) == [1, 2, 3]  # step 1, the eval step, the last step
     # the tiny batch (16 sequences) is under the 64-sequence cap: every response token is there, once
     per_step = tokens.groupby("step").size()

@@ -352,7 +352,8 @@ done:
     return rc;
 }
 
-/* One token per row of `logits` (n, vocab) and its untempered log-probability: the engine's `sample` (inverse CDF,
+/* One token per row of `logits` (n, vocab) and its log-probability under the distribution it was drawn from
+   (softmax(logits / temperature); at temperature 0 or 1 log_softmax(logits)): the engine's `sample` (inverse CDF,
    one uniform `u` per row from the engine's torch generator) on the same uniforms. At `temperature` 0 the first
    maximum; otherwise the first index whose cumulative weight (fp64) exceeds u x the total, where the weights are
    exp((x - max) / temperature): softmax's numerators, so the distribution is exactly softmax(logits / temperature).
@@ -371,6 +372,7 @@ int qwen3_moe_sample(const float *logits, int64_t n, int64_t vocab, const double
         for (int64_t v = 0; v < vocab; v++) total += expf(x[v] - mx);
         const float lse = mx + logf(total);
         int64_t t = 0;
+        float tempered = NAN; /* the draw's log-probability at temperature != 1 */
         if (temperature > 0) {
             const float inv = (float)(1.0 / temperature);
             double sum = 0.0;
@@ -398,11 +400,12 @@ int qwen3_moe_sample(const float *logits, int64_t n, int64_t vocab, const double
             if (t < 0) /* target within rounding of the total: the last token with weight (as torch's clamp) */
                 for (t = vocab - 1; t > 0 && w[t] == 0.0f; t--) {
                 }
+            if (temperature != 1.0) tempered = (float)((double)((x[t] - mx) * inv) - log(sum));
         } else {
             while (x[t] != mx) t++; /* the first maximum, as argmax */
         }
         tok[i] = t;
-        lp[i] = x[t] - lse;
+        lp[i] = temperature > 0 && temperature != 1.0 ? tempered : x[t] - lse;
     }
     free(w);
     return 0;
