@@ -759,8 +759,9 @@ def _train(
             t1 = time.perf_counter()
             if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
                 with torch.no_grad():
-                    ref_logp = token_logp(parts.ref, ids, tgt, attention_mask=am, positions=pos,
-                                          temperature=batch.temperature).cpu()  # (B, T)
+                    ref_logp = token_logp(
+                        parts.ref, ids, tgt, attention_mask=am, positions=pos, temperature=batch.temperature
+                    ).cpu()  # (B, T)
                 log.compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
             row["time_old_logp_s"] = t_old + time.perf_counter() - t1
             row.update(_mismatch(train_old, batch.rollout_logp, batch.mask))
@@ -967,8 +968,9 @@ def _forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes 
     rows = idx if parts.trainer is None else idx[par.data_rows(len(idx))]
     routing = parts.routing
     with routing.replaying(replay[rows]) if replay is not None else routing.recording():
-        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows], attention_mask=batch.attn_mask[rows],
-                          positions=batch.pos[rows], temperature=batch.temperature).cpu()  # fmt: skip
+        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
+                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows],
+                          temperature=batch.temperature).cpu()  # fmt: skip
     free = routing.free_routes() if replay is not None else routing.routes()
     if parts.trainer is None:
         return logp, free
@@ -1049,7 +1051,8 @@ def _collect(cfg: RunConfig, alg: Any, engine: Any, stream: Any, tok: TaskTokeni
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }
-    return Collected(_pad(kept, cfg.max_new_tokens, cfg.layout.tensor, cfg.temperature), data_pos, newly_mastered, metrics, flops)
+    batch = _pad(kept, cfg.max_new_tokens, cfg.layout.tensor, cfg.temperature)
+    return Collected(batch, data_pos, newly_mastered, metrics, flops)
 
 
 MAX_SKIPS_PER_PROMPT = 64
@@ -1121,7 +1124,8 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
     """Right after a weight sync: the first SYNC_CHECK_SEQS sequences of the step's batch scored teacher-forced by
     the rollout engine and by the trainer (free routing), both on the weights just synced; |difference| per response
     token. In the same real dtype this is the sync's fidelity (fp32: ~1e-6); across dtypes, the mismatch. Both at
-    temperature 1 whatever the rollouts' (the engine's `score` returns raw log-probs): the weights are what is checked."""
+    temperature 1 whatever the rollouts' (the engine's `score` returns raw log-probs): the weights are what is
+    checked."""
     idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
     ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
     with routing.recording():

@@ -155,7 +155,8 @@ class NativeDecoder:
                  stops: torch.Tensor, max_new_tokens: int, routes: bool = False):  # fmt: skip
         """The sampling loop from the prefill's `logits` (n, V) and last positions (n, 1), in one C call: one uniform
         per row and step (`max_new_tokens` x n from `gen`, drawn up front; inverse-CDF sampling; log-probs of
-        the tempered distribution sampled, as `sample`), stopping a row at its first stop token and every row once all stopped. Returns tokens and
+        the tempered distribution sampled, as `sample`), stopping a row at its first stop token and every row once
+        all stopped. Returns tokens and
         log-probs (n, steps), length (n,), done (n,) bool, and with `routes` each decode step's expert indices
         (steps - 1, layers, n, k) int64 (else None); the key/value buffers then hold `self.length` positions."""
         n, t = self.shape.n, max_new_tokens

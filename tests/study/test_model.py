@@ -45,7 +45,7 @@ def test_temperature_scores_the_tempered_distribution(model, temperature):
     assert (full - ref).abs().max() <= 1e-5 and (kept - ref.gather(1, pos)).abs().max() <= 1e-5
     assert (raw - ref).abs().max() > 1e-2  # temperature 1 is another distribution
     assert not model.output_layer._forward_pre_hooks
-    with pytest.raises(ValueError, match="temperature = 0.0: must be finite and > 0"):
+    with pytest.raises(ValueError, match=r"temperature = 0\.0: must be finite and > 0"):
         token_logp(model, ids[:, :-1], ids[:, 1:], temperature=0.0)
 
 

@@ -15,8 +15,8 @@ import torch
 
 import algorithms
 from study import rl
-from study.data import tasks
 from study.coldstart import ensure_coldstart
+from study.data import tasks
 from study.run.config import load_config
 
 # Columns that measure the machine, not the computation.
