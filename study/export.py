@@ -9,9 +9,11 @@ names, study/weights.py, fp32), `config.json` (Qwen3MoeForCausalLM of the run's 
 the run encoded it: the tokenizer adds <bos>.
 
 The weights are those of the run's checkpoint (RUN_DIR/checkpoint/, the latest one a run keeps: its last step for a
-finished run). `--step N` names the step that is wanted and fails, listing the valid steps, when the run has none
-there; `--step 0` exports the cold start the run started from. OUT must not exist or be empty; it is written to a
-temporary folder beside it and renamed into place, so an interrupted export never leaves a complete-looking folder.
+finished run): state.pt's one-process form, or for a layout run too large for it, megatron's distributed checkpoint
+resharded to one process (`distributed_weights`). `--step N` names the step that is wanted and fails, listing the
+valid steps, when the run has none there; `--step 0` exports the cold start the run started from. OUT must not exist
+or be empty; it is written to a temporary folder beside it and renamed into place, so an interrupted export never
+leaves a complete-looking folder.
 """
 
 from __future__ import annotations
@@ -99,23 +101,45 @@ def policy_state(cfg: Any, run_dir: Path, results: Path, step: int | None) -> tu
         if state is None:
             raise ValueError(f"{path}: no checkpoint (the run has not reached its first checkpoint); valid: "
                              f"{'--step 0 (its cold start)' if have else 'export after a checkpoint'}")  # fmt: skip
-        return _full_model(state, path), int(state["step"])
+        return _full_model(cfg, state, path), int(state["step"])
     if step not in have:
         raise ValueError(f"--step = {step}: {run_dir.name} keeps its latest checkpoint only; valid: "
                          f"{', '.join(map(str, have)) or 'none'}")  # fmt: skip
     if step == 0:
         return torch.load(start / "policy.pt", weights_only=True, map_location="cpu"), 0
-    return _full_model(state, path), step
+    return _full_model(cfg, state, path), step
 
 
-def _full_model(state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's one-process weights; a layout run too large for that form (state.pt without it) is refused."""
-    if state["model"] is None:
-        from study.rl import DISTRIBUTED_ONLY
+def _full_model(cfg: Any, state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's one-process weights: state.pt's one-process form, or for a layout run too large for that form
+    (state.pt without it) its distributed checkpoint resharded to one process (`distributed_weights`)."""
+    if state["model"] is not None:
+        return state["model"]
+    directory = path.parent / str(state.get("distributed"))
+    if not state.get("distributed") or not directory.is_dir():
+        raise ValueError(f"{path}: names the distributed checkpoint {state.get('distributed')!r}, which "
+                         f"{path.parent} does not hold; valid: --step 0 (the cold start), or resume the "
+                         "run")  # fmt: skip
+    return distributed_weights(cfg, directory)
 
-        raise ValueError(DISTRIBUTED_ONLY.format(path=path, state=state, valid="--step 0 (the cold start), or rerun "
-                                                 "with STUDY_FULL_STATE_MAX_GB raised to export"))  # fmt: skip
-    return state["model"]
+
+def distributed_weights(cfg: Any, directory: Path) -> dict[str, torch.Tensor]:
+    """The one-process megatron weights (names, shapes and storage dtype of a one-process run's state.pt) of a layout
+    run's distributed checkpoint `directory`: the policy built at one process and megatron's dist_checkpointing
+    resharding the saved shards into it (the model only; the optimizer's states are not read). The whole model is in
+    this process's memory once (2-4 bytes a parameter: ~122 GB in fp32 for Qwen3-30B-A3B, a large host's job); the
+    file's metadata is checked first (it names nothing but torch DCP's classes)."""
+    from megatron.core import dist_checkpointing
+
+    from study.policy.model import build_policy
+    from study.policy.parallel import check_checkpoint_metadata
+
+    check_checkpoint_metadata(directory)
+    train_precision, _ = cfg.precisions
+    model = build_policy(cfg.model_config(), seed=0, dtype=train_precision.storage_dtype)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+    model.load_state_dict(loaded["model"])
+    return model.state_dict()  # as a one-process run's state.pt holds it
 
 
 def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> Path:
