@@ -297,8 +297,8 @@ def _coldstart(directory) -> str:
     return _STARTS["tiny"]
 
 
-def _rl_worker(rank: int, port: int, sets: list[str], results: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _rl_worker(rank: int, port: int, sets: list[str], results: str, world: int = 2) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     from study import rl
     from study.run.config import load_config

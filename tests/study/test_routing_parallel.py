@@ -186,3 +186,39 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path):
     assert lb.drop(columns="step").to_numpy() == pytest.approx(
         la.drop(columns="step").to_numpy(), rel=1e-4, abs=1e-6, nan_ok=True
     )
+
+
+@pytest.mark.slow
+def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path):
+    # Tensor and expert parallelism together, as the paper's model runs (verl: TP 4 x EP 4; here TP 2 + SP, the dense
+    # weights data parallel over 2, the 4 experts one per rank across both tensor-parallel groups: megatron's MoE
+    # parallel folding), four processes: two GRPO + Routing Replay steps equal the one-process run's to rounding.
+    import subprocess
+    import sys
+
+    import pandas as pd
+    import torch.multiprocessing as mp
+
+    from study.run.config import load_config
+
+    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
+    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
+                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
+                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    four_sets = [*sets, "parallel.tensor=2", "parallel.data=2", "parallel.expert=4"]
+    mp.spawn(_rl_worker, args=(_port(), four_sets, str(tmp_path / "four"), 4), nprocs=4)
+    cfg = load_config(preset="tiny", sets=four_sets)
+    four = tmp_path / "four" / "runs" / cfg.run_id
+    assert cfg.layout.world_size == 4 and cfg.layout.expert_data == 1
+    a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(four / "metrics.parquet")
+    assert list(a["step"]) == list(b["step"]) == [1, 2]
+    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+        assert list(a[column]) == list(b[column]), column
+    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
+                   "expert_load_imbalance", "router_entropy"):  # fmt: skip
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+    assert (a["grad_norm"] > 0).all()
+    assert max(b["sync_parity_max_abs"]) < 1e-4  # the weights rank 0's engine got from 4 shards are the model's
+    dist = four / "checkpoint" / "dist-step2"
+    assert {p.name.split("_")[2] for p in dist.glob("__*_*.distcp")} == {"0", "1", "2", "3"}  # every rank's shards
