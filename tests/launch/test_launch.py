@@ -299,6 +299,41 @@ def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_p
 @needs_slurm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
+def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Path, tmp_path: Path) -> None:
+    """A study whose run spans two ranks (expert parallel 2 over data parallel 2), as a user types it (`snakemake
+    --profile slurm-cpu`): one SLURM job of two tasks, one per rank of the layout, which sacct reports COMPLETED;
+    rank 0 writes the run directory, each rank its shards of megatron's distributed checkpoint; the manifest records
+    the layout and the job."""
+    study = sharing_coldstart(results, tmp_path / "results")
+    sweep = tmp_path / "two_ranks.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "two_ranks", "description": "CI: one run on two ranks through SLURM.", "preset": "tiny",
+        "base": {"steps": 2, "eval_every": 2, "eval_size": 4, "eval_samples": 1, "checkpoint_every": 1,
+                 "prompts_per_step": 4, "minibatches": 2, "parallel": {"expert": 2, "data": 2}},
+        "axes": {"algorithm": ["grpo_rr"], "seed": [0]}, "mode": "grid",
+    }))  # fmt: skip
+    cmd = [*SNAKEMAKE, "--profile", "slurm-cpu", "--config", f"sweep={sweep}", f"results={study}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (study / "two_ranks" / "report" / "index.html").is_file()
+    (run_dir,) = sorted((study / "runs").iterdir())
+    assert state(run_dir) == "completed" and len(metrics(run_dir)) == 3  # step 0's evaluation and 2 steps
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["parallel"]["expert"] == 2 and manifest["parallel"]["data"] == 2
+    job_id = manifest["job_id"]
+    assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+    tasks = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NTasks,AllocNodes"], capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
+    logs = sorted(p.name for p in (run_dir / "submitit").glob(f"{job_id}_*_log.out"))
+    assert logs == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], (logs, tasks)  # one task per rank
+    assert "dist-step2" in {p.name for p in (run_dir / "checkpoint").iterdir()}
+    dist = run_dir / "checkpoint" / "dist-step2"
+    assert len(list(dist.glob("__0_*.distcp"))) >= 1 and len(list(dist.glob("__1_*.distcp"))) >= 1  # both ranks'
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
     """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
     requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
