@@ -288,9 +288,24 @@ def figure1_reward(
         f"over seeds, bands 95% t intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
         f"with a centred {smooth}-step mean (over the steps there are at the ends). Each curve begins where all its "
         "seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute (a run "
-        "stopped early), the band is over those that do." + start_note
+        "stopped early), the band is over those that do." + start_note + _temperature_note(st)
     )
     return Made(fig, "figure1_reward", caption, tables)
+
+
+def _temperature_note(st: Study) -> str:
+    """Where runs sample at a temperature other than 1: at which the rollouts (the training reward) and the held-out
+    evaluations sampled (the two differ: a training reward at T > 1 is below what the same policy scores at T = 1)."""
+
+    def values(key: str) -> str:
+        found = sorted({float(c.get(key, 1.0)) for c in st.configs.values()})
+        return " / ".join(f"{t:g}" for t in found) or "1"
+
+    rollout, held_out = values("temperature"), values("eval_temperature")
+    if rollout == held_out == "1":
+        return ""
+    return (f" The training reward is the rollouts', sampled at temperature {rollout}; the held-out evaluations "
+            f"sample at temperature {held_out}.")  # fmt: skip
 
 
 # --- Figure 2 ---------------------------------------------------------------------------------------------------------

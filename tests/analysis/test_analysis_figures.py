@@ -183,6 +183,12 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert all(ax.get_xscale() == "log" for ax in old.fig.axes)
     assert all((t["compute_flops"] > 0).all() for t in old.tables.values())
     assert "No run has an evaluation of its starting policy" in old.caption
+    assert "temperature" not in made.caption  # every run samples at 1
+
+    hot = tmp_path / "hot"
+    synthetic.make_study(hot, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=30, grid={"temperature": [1.4]})
+    caption = figures.figure1_reward(tidy.load_study(hot)).caption
+    assert "rollouts', sampled at temperature 1.4; the held-out evaluations sample at temperature 1." in caption
 
 
 @pytest.fixture(scope="module")
