@@ -2,8 +2,9 @@
 stated margin within a stated number of steps. A change that stops the loop from learning fails here, in the slow
 tier that CI runs, in the spirit of the recipe tests of RL frameworks (a run with metric thresholds).
 
-The recipe is the default study's (sweeps/default.yaml) at fewer steps: chain_sum with 2-3 one-digit terms, a cold
-start stopped in the pass@1 band 0.3-0.7, 16 prompts x 8 samples, 4 minibatches, lr 3e-4, one seed. Measured on this
+The recipe is the default study's (sweeps/default.yaml) at fewer steps and samples and at rollout temperature 1 (the
+default study samples at 1.4): chain_sum with 2-3 one-digit terms, a cold start stopped in the pass@1 band 0.3-0.7,
+16 prompts x 8 samples, 4 minibatches, lr 3e-4, one seed. Measured on this
 machine kind: held-out pass@1 (128 problems x 8 samples) 0.341 at step 0, 0.468 (GRPO) and 0.449 (GSPO) at step 60;
 the margin below is about half of that gain, so seed-level noise (~0.03 on this eval) does not trip it.
 """
