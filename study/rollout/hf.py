@@ -102,8 +102,8 @@ def sample(logits: torch.Tensor, logp: torch.Tensor, temperature: float, gen: to
 
 
 def sampling_logp(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / temperature), the distribution an engine samples from (at temperature 0 or 1 the raw
-    logits' log-softmax, the very same tensor as before tempering existed)."""
+    """log_softmax(logits / temperature), the distribution an engine samples from (at temperature 0, greedy, and 1
+    the raw logits' log-softmax, computed without a division)."""
     return torch.log_softmax(logits if temperature in (0.0, 1.0) else logits / temperature, dim=-1)
 
 
