@@ -7,7 +7,7 @@ Parts (PARTS), in order:
 - install: torch / CUDA / vLLM / megatron-core versions, the GPU's name and memory;
 - megatron: the Megatron policy's forward and backward (token_logp, a scalar loss) in `--dtype`, grads finite;
 - vllm_parity: the vLLM engine samples from the policy's weights; the trainer's log-probs of the sampled tokens
-  against the engine's (mean and max |diff|);
+  against the engine's (mean and max |diff|), at temperature 1 and at TEMPERED (both sides of softmax(logits / T));
 - weight_sync: the policy's weights changed, pushed to the engine (timed, the CUDA peak memory it adds), the parity
   again on fresh samples (stale weights would show a large diff);
 - r3_routes: the engine's routed experts of its samples (Rollout Routing Replay): shape, id range, and agreement
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 PARTS = ("install", "megatron", "vllm_parity", "weight_sync", "r3_routes", "rl_step")
+TEMPERED = 1.4
+"""The second sampling temperature of vllm_parity (the default study's rollouts)."""
 
 SHAPE = {"preset": "default", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 2,
          "head_dim": 64, "num_experts": 32, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "vocab_size": 1024,
@@ -96,15 +98,17 @@ class Check:
             self.engine.load_weights(megatron_to_hf(self.get_policy(), self.cfg))
         return self.engine
 
-    def sample(self, seed: int, *, routes: bool = False) -> tuple[Any, list[list[int]]]:
+    def sample(self, seed: int, *, routes: bool = False, temperature: float = 1.0) -> tuple[Any, list[list[int]]]:
         import torch
 
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(3, self.cfg.vocab_size, (12,), generator=g).tolist() for _ in range(4)]
-        return self.get_engine().generate(prompts, 4, seed=seed, max_new_tokens=24, return_routes=routes), prompts
+        rollout = self.get_engine().generate(prompts, 4, seed=seed, max_new_tokens=24, return_routes=routes,
+                                             temperature=temperature)  # fmt: skip
+        return rollout, prompts
 
-    def parity(self, rollout: Any, prompts: list[list[int]]) -> dict[str, float]:
-        """|trainer log-prob - engine log-prob| of every sampled token."""
+    def parity(self, rollout: Any, prompts: list[list[int]], temperature: float = 1.0) -> dict[str, float]:
+        """|trainer log-prob - engine log-prob| of every sampled token (both of softmax(logits / temperature))."""
         import torch
 
         from study.policy.model import token_logp
@@ -116,7 +120,8 @@ class Check:
                 prompt = prompts[rollout.prompt_index[i]]
                 seq = torch.tensor([prompt + tokens])
                 pos = torch.arange(len(prompt) - 1, seq.shape[1] - 1)[None]
-                trainer = token_logp(policy, seq[:, :-1], seq[:, 1:], positions=pos)[0].float().cpu()
+                trainer = token_logp(policy, seq[:, :-1], seq[:, 1:], positions=pos, temperature=temperature)
+                trainer = trainer[0].float().cpu()
                 diffs.append((trainer - logp.float()).abs())
         d = torch.cat(diffs)
         return {"tokens": int(d.numel()), "mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max())}
@@ -175,8 +180,10 @@ class Check:
         start = time.perf_counter() - t
         t = time.perf_counter()
         rollout, prompts = self.sample(1)
-        return {"engine_start_s": round(start, 2), "generate_s": round(time.perf_counter() - t, 3),
-                **self.parity(rollout, prompts)}  # fmt: skip
+        out = {"engine_start_s": round(start, 2), "generate_s": round(time.perf_counter() - t, 3),
+               **self.parity(rollout, prompts)}  # fmt: skip
+        hot, prompts = self.sample(2, temperature=TEMPERED)  # the engine's processed log-probs vs token_logp at T
+        return out | {f"temperature_{TEMPERED:g}": self.parity(hot, prompts, temperature=TEMPERED)}
 
     def weight_sync(self) -> dict[str, Any]:
         import torch
