@@ -115,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("--figures", default=None,
                      help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
                      "drawn again (drawn again if its runs differ)")  # fmt: skip
+    rep.add_argument("--sweep", default=None, help="the study's sweep file: the report shows its description and the "
+                     "notes that open it (what was chosen and why)")  # fmt: skip
     args = parser.parse_args(argv)
 
     if args.command == "collect":
@@ -135,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from analysis import report
 
-    result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures)
+    result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures,
+                                        sweep=args.sweep)  # fmt: skip
     print(result.html)
     return 0
 

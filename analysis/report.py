@@ -371,7 +371,53 @@ class Bullets:
         return "\n".join(f"- **{head}** {text}" for _, head, text in self.items) + "\n"
 
 
-Block = Heading | Para | Table | Figure | ScorecardTable | Bullets
+@dataclass(frozen=True)
+class Pre:
+    """Text kept as written, line breaks and indentation included (a sweep file's notes)."""
+
+    text: str
+
+    def html(self) -> str:
+        return f"<pre>{html.escape(self.text)}</pre>"
+
+    def markdown(self) -> str:
+        return f"```text\n{self.text}\n```\n"
+
+
+Block = Heading | Para | Table | Figure | ScorecardTable | Bullets | Pre
+
+
+def sweep_notes(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(description, notes) of a sweep file: its `description` field and the comment block that opens it, where the
+    study's author says what was chosen and why (sweeps/default.yaml's measurements), without the "# " marks."""
+    import yaml
+
+    text = Path(path).read_text()
+    notes: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            if line.strip() or notes:
+                break
+            continue
+        notes.append(line[2:] if line.startswith("# ") else line[1:])
+    data = yaml.safe_load(text)
+    description = str(data.get("description", "")) if isinstance(data, dict) else ""
+    return description, "\n".join(notes).rstrip()
+
+
+def _setup_section(sweep: str | os.PathLike[str] | None) -> list[Block]:
+    """How the study was set up, in its sweep file's words (none without a sweep file or notes)."""
+    if sweep is None:
+        return []
+    description, notes = sweep_notes(sweep)
+    if not (description or notes):
+        return []
+    name = Path(sweep).name
+    return [
+        _h(2, "How the study was set up", anchor="setup"),
+        _p(f"From the sweep file {name}" + (f": {description}" if description else ".")),
+        *([Pre(notes)] if notes else []),
+    ]
 
 
 def _h(level: int, *parts: Inline, anchor: str = "") -> Heading:
@@ -807,6 +853,7 @@ def render(
     gain: scorecard.HeldOutGain | None = None,
     budgets: pd.DataFrame | None = None,
     parity: pd.DataFrame | None = None,
+    sweep: str | os.PathLike[str] | None = None,
 ) -> tuple[str, str]:
     """The HTML page and its Markdown twin, both written from one list of blocks: a line on the study, the headline
     and Figures 1-3 first, the provenance, configuration and runs last."""
@@ -822,6 +869,7 @@ def render(
         *_scorecard_section(cards, gain),
         *parity_section(parity),
         *_signal_section(study),
+        *_setup_section(sweep),
         *_figures_section(rendered, table_files, out_dir),
         *_problems_section(problems, cleared_runs(study)),
         *_study_section(study, table_files, out_dir),
@@ -891,8 +939,10 @@ def build_report(
     figures_dir: str | os.PathLike[str] | None = None,
     budgets: pd.DataFrame | None = None,
     parity: pd.DataFrame | None = None,
+    sweep: str | os.PathLike[str] | None = None,
 ) -> Report:
     """Write index.html, index.md, figures/ and tables/ for `study` under `out_dir`; returns what was written.
+    `sweep`: the study's sweep file, whose description and opening notes the report shows (`sweep_notes`).
 
     `figures_dir`: a `python -m analysis figures` output; its files and tables are copied when they were drawn from
     the same data (`reuse_figures`), else the figures are drawn again (the study workflow's report rule passes its
@@ -919,7 +969,8 @@ def build_report(
         _atomic_write(out / "tables" / "coldstart_budgets.csv", budgets.to_csv(index=False))
     if parity is not None and not parity.empty:
         _atomic_write(out / "tables" / "precision_parity.csv", parity.to_csv(index=False))
-    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out, gain, budgets, parity)
+    page, md = render(f"Report: {title}", study, cards, rendered, problems, table_files, out, gain, budgets, parity,
+                      sweep)  # fmt: skip
     html_path = _atomic_write(out / "index.html", page)
     md_path = _atomic_write(out / "index.md", md)
     pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in rendered.paths.items()}
@@ -975,15 +1026,16 @@ def report_from_results(
     study: str | None = None,
     out_dir: str | os.PathLike[str] | None = None,
     figures_dir: str | os.PathLike[str] | None = None,
+    sweep: str | os.PathLike[str] | None = None,
 ) -> Report:
     """Load the study's runs from `results_dir` and write its report (default `results_dir/<study>/report`);
-    `figures_dir`: see `build_report`."""
+    `figures_dir`, `sweep`: see `build_report`."""
     name = study or "all"
     st = load_study(results_dir, study_run_ids(results_dir, study))
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / name / "report"
     parity = Path(results_dir) / name / "precision_parity.csv"
     return build_report(st, out, title=name, figures_dir=figures_dir, budgets=budget_tables(results_dir, study),
-                        parity=pd.read_csv(parity) if study and parity.is_file() else None)  # fmt: skip
+                        parity=pd.read_csv(parity) if study and parity.is_file() else None, sweep=sweep)  # fmt: skip
 
 
 def budget_tables(results_dir: str | os.PathLike[str], study: str | None) -> pd.DataFrame | None:

@@ -63,10 +63,12 @@ rule report:
         python=PYTHON,
         results=results_of_report,
         study=STUDY,
+        sweep=config["sweep"],
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m analysis report {params.results} --study {params.study} --figures {input.figures} > {log} 2>&1"
+        "{params.python} -m analysis report {params.results} --study {params.study} --figures {input.figures} "
+        "--sweep {params.sweep:q} > {log} 2>&1"
 
 
 onsuccess:
@@ -97,7 +99,7 @@ onerror:
         log = f"{STUDY_DIR}/logs/report-after-failure.log"
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "w") as fh:
-            done = subprocess.run([PYTHON, "-m", "analysis", "report", RESULTS, "--study", STUDY], stdout=fh,
-                                  stderr=subprocess.STDOUT).returncode == 0
+            done = subprocess.run([PYTHON, "-m", "analysis", "report", RESULTS, "--study", STUDY, "--sweep",
+                                   config["sweep"]], stdout=fh, stderr=subprocess.STDOUT).returncode == 0
         where = f"{STUDY_DIR}/report/index.html" if done else f"not written, see {log}"
         print(f"report of the study so far, with the failed run(s): {where}", file=sys.stderr)

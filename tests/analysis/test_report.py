@@ -318,3 +318,23 @@ def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables
     assert "bf16 cross-engine mismatch p99 0.0586 emulated vs 0.121 real (ratio 0.48)" in md
     assert md.index("Generation budget at the cold start") < md.index("## Scorecard") < md.index("Emulated against")
     assert "precision-parity" in page
+
+
+def test_the_report_shows_the_sweep_files_description_and_notes(built, tmp_path) -> None:
+    """What was chosen and why, in the sweep file's own words: its description and the comment block that opens it
+    (kept as written), after the learning-signal table; a sweep file without them adds no section."""
+    root, _ = built
+    sweep = tmp_path / "mystudy.yaml"
+    sweep.write_text("# Why G = 16:\n#   measured 0.27 no-signal groups (4 seeds).\n#\n# - lr 3e-4: Adam's step.\n"
+                     "name: mystudy\ndescription: A study that learns.\n# not a note: after the first key\n"
+                     "axes: {seed: [0]}\n")  # fmt: skip
+    rep = report.report_from_results(root, study="mystudy", out_dir=tmp_path / "rep", sweep=sweep)
+    md, page = rep.markdown.read_text(), rep.html.read_text()
+    notes = "Why G = 16:\n  measured 0.27 no-signal groups (4 seeds).\n\n- lr 3e-4: Adam's step."
+    assert f"From the sweep file mystudy.yaml: A study that learns.\n\n```text\n{notes}\n```" in md
+    assert "not a note" not in md and "<pre>Why G = 16:\n  measured" in page
+    assert md.index("### Learning signal") < md.index("## How the study was set up") < md.index("## More figures")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("name: mystudy\naxes: {seed: [0]}\n")
+    again = report.report_from_results(root, study="mystudy", out_dir=tmp_path / "rep2", sweep=bare)
+    assert "How the study was set up" not in again.markdown.read_text()
