@@ -307,30 +307,44 @@ def _rl_worker(rank: int, port: int, sets: list[str], results: str, world: int =
     torch.distributed.destroy_process_group()
 
 
+ONE_PROCESS_RUN = (
+    "import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
+    "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))"
+)
+
+
+def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2):  # type: ignore[no-untyped-def]
+    """The RL run of `sets` at one process (a subprocess, results under tmp_path/one) and with the `layout` sets on
+    `world` gloo processes (under tmp_path/layout): the two run directories."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    from study.run.config import load_config
+
+    one = subprocess.run([sys.executable, "-c", ONE_PROCESS_RUN, str(tmp_path / "one"), *sets], capture_output=True,
+                         text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    mp.spawn(_rl_worker, args=(_port(), [*sets, *layout], str(tmp_path / "layout"), world), nprocs=world)
+    return Path(one), tmp_path / "layout" / "runs" / load_config(preset="tiny", sets=[*sets, *layout]).run_id
+
+
 @pytest.mark.slow
 def test_rl_run_at_ep2_equals_one_process(tmp_path):
     # Two GRPO + Routing Replay steps at EP 2 (dense weights data parallel over the same two ranks) against the same
     # run at one process: the same rollouts (one engine, rank 0's, fed the gathered weights), and the same losses,
     # clip fractions, gradient norms and routing metrics to rounding. Rank 0 alone writes the run directory, and
     # its checkpoint holds the one-process names and shapes.
-    import subprocess
-    import sys
-
     import pandas as pd
-    import torch.multiprocessing as mp
 
     from study.run.config import load_config
 
     sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
-    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
-                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
-                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
-                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
-    two_sets = [*sets, "parallel.expert=2", "parallel.data=2"]
-    mp.spawn(_rl_worker, args=(_port(), two_sets, str(tmp_path / "two")), nprocs=2)
-    cfg = load_config(preset="tiny", sets=two_sets)
-    two = tmp_path / "two" / "runs" / cfg.run_id
-    assert one.endswith(cfg.run_id)  # the layout is not in the run id
+    layout = ["parallel.expert=2", "parallel.data=2"]
+    one, two = _one_and_layout(tmp_path, sets, layout)
+    cfg = load_config(preset="tiny", sets=[*sets, *layout])
+    assert str(one).endswith(cfg.run_id)  # the layout is not in the run id
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
     assert list(a["step"]) == list(b["step"]) == [1, 2]
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):

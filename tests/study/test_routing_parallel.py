@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from study.model_config import PRESETS, ParallelLayout
-from tests.study.test_parallel import RUN_SETS, _coldstart, _port, _rl_worker
+from tests.study.test_parallel import RUN_SETS, _coldstart, _one_and_layout, _port
 
 CFG = PRESETS["tiny"]
 ROWS, WIDTH, KEEP = 3, 17, 5  # S = 16 splits over 2 ranks; T = 5 kept positions pads to 6 (model.token_logp)
@@ -154,25 +154,12 @@ def test_tp2_routes_record_and_replay_equal_one_process(name, one, tmp_path):
 def test_rl_run_at_tp2_equals_one_process(tmp_path):
     # Two GRPO + Routing Replay steps at TP 2 + SP against the same run at one process: same rollouts (rank 0's
     # engine, fed the gathered weights), same losses, clip fractions, gradient norms and routing metrics to rounding.
-    import subprocess
-    import sys
-
     import pandas as pd
-    import torch.multiprocessing as mp
-
-    from study.run.config import load_config
 
     # sync_check_every: after each weight sync every rank runs the trainer's forward (collective), rank 0's engine
     # scores the same sequences
     sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
-    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
-                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
-                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
-                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
-    two_sets = [*sets, "parallel.tensor=2"]
-    mp.spawn(_rl_worker, args=(_port(), two_sets, str(tmp_path / "two")), nprocs=2)
-    cfg = load_config(preset="tiny", sets=two_sets)
-    two = tmp_path / "two" / "runs" / cfg.run_id
+    one, two = _one_and_layout(tmp_path, sets, ["parallel.tensor=2"])
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
     assert list(a["step"]) == list(b["step"]) == [1, 2]
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
@@ -193,23 +180,14 @@ def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path):
     # Tensor and expert parallelism together, as the paper's model runs (verl: TP 4 x EP 4; here TP 2 + SP, the dense
     # weights data parallel over 2, the 4 experts one per rank across both tensor-parallel groups: megatron's MoE
     # parallel folding), four processes: two GRPO + Routing Replay steps equal the one-process run's to rounding.
-    import subprocess
-    import sys
-
     import pandas as pd
-    import torch.multiprocessing as mp
 
     from study.run.config import load_config
 
     sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
-    one = subprocess.run([sys.executable, "-c", "import sys\nfrom study import rl\nfrom study.run.config import "
-                          "load_config\nprint(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], "
-                          "progress=False))", str(tmp_path / "one"), *sets], capture_output=True, text=True,
-                         timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
-    four_sets = [*sets, "parallel.tensor=2", "parallel.data=2", "parallel.expert=4"]
-    mp.spawn(_rl_worker, args=(_port(), four_sets, str(tmp_path / "four"), 4), nprocs=4)
-    cfg = load_config(preset="tiny", sets=four_sets)
-    four = tmp_path / "four" / "runs" / cfg.run_id
+    layout = ["parallel.tensor=2", "parallel.data=2", "parallel.expert=4"]
+    one, four = _one_and_layout(tmp_path, sets, layout, world=4)
+    cfg = load_config(preset="tiny", sets=[*sets, *layout])
     assert cfg.layout.world_size == 4 and cfg.layout.expert_data == 1
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(four / "metrics.parquet")
     assert list(a["step"]) == list(b["step"]) == [1, 2]
