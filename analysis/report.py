@@ -635,7 +635,7 @@ def _scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: scorecard.H
 
 
 def parity_section(parity: pd.DataFrame | None) -> list[Block]:
-    """Emulated against real low precision on the machine that made the study (study/parity.py, rule
+    """Emulated against real low precision on the machine that made the study (study/tools/parity.py, rule
     precision_parity): the |delta| distributions whose tail C5's mismatch depends on; nothing without the table."""
     if parity is None or parity.empty:
         return []
@@ -651,11 +651,11 @@ def parity_section(parity: pd.DataFrame | None) -> list[Block]:
     return [
         _h(3, "Emulated against real low precision on this machine", anchor="precision-parity"),
         _p(
-            "The runs' low precision is emulated (fp32 compute rounded where a GPU rounds, study/precision.py). Read "
-            "C5 with the emulation's fidelity: per engine, |log-prob - fp32 log-prob| of the tiny model's response "
-            "tokens (fixed random weights, init_std 0.1), and the cross-engine mismatch |trainer - engine| that pi_old "
-            "from the rollout engine brings in, real vs emulated on the machine that ran the study "
-            "(`python -m study.parity`, rule precision_parity). "
+            "The runs' low precision is emulated (fp32 compute rounded where a GPU rounds, study/core/precision.py). "
+            "Read C5 with the emulation's fidelity: per engine, |log-prob - fp32 log-prob| of the tiny model's "
+            "response tokens (fixed random weights, init_std 0.1), and the cross-engine mismatch |trainer - engine| "
+            "that pi_old from the rollout engine brings in, real vs emulated on the machine that ran the study "
+            "(`python -m study.tools.parity`, rule precision_parity). "
             + "; ".join(lines)
             + ". An emulated tail lighter than the real one understates the mismatch: a real-precision run "
             "(sweeps/precision.yaml) may show a larger drop."
@@ -715,7 +715,7 @@ def _power_section(cards: Sequence[scorecard.ClaimResult]) -> list[Block]:
 
 
 def budget_section(budgets: pd.DataFrame | None) -> list[Block]:
-    """The cold start's held-out pass@1 at each generation budget (study/budgets.py, rule coldstart_budgets), with
+    """The cold start's held-out pass@1 at each generation budget (study/tools/budgets.py, rule coldstart_budgets), with
     a line saying whether it rises with the budget; nothing when the study has no such table."""
     if budgets is None or budgets.empty:
         return []
@@ -735,7 +735,7 @@ def budget_section(budgets: pd.DataFrame | None) -> list[Block]:
             "Before any RL: the cold start's mean pass@1 on the held-out in_dist set at each max_new_tokens the runs "
             "use (the same problems and sampling seed at every budget; a response cut before its answer scores 0); "
             "truncated = share of samples cut at the budget; reference_fits = share of problems whose reference "
-            "worked solution fits. Made by `python -m study.budgets` (Snakemake rule coldstart_budgets). "
+            "worked solution fits. Made by `python -m study.tools.budgets` (Snakemake rule coldstart_budgets). "
             + "; ".join(lines)
             + "."
         ),

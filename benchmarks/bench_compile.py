@@ -52,7 +52,7 @@ def _opaque(grouped_mm):  # type: ignore[no-untyped-def]
 
 
 def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.rollout import get_engine
     from study.rollout.hf import _FusedDecoder, build_hf_model, unfuse_experts
 
@@ -94,7 +94,7 @@ def rollout(preset_name: str, batch: str, repeats: int, rounds: int) -> None:
 
 
 def update(preset_name: str, mode: str, shape: str, repeats: int, rounds: int) -> None:
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.policy.model import build_policy, token_logp
     from study.policy.optim import build_optimizer
 
@@ -167,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from study.model_config import preset
+    from study.core.model_config import preset
 
     try:
         preset(args.preset)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from study.model_config import preset
+from study.core.model_config import preset
 from study.rollout import get_engine
 from study.rollout.hf import build_hf_model, unfuse_experts
 

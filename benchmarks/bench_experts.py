@@ -88,7 +88,7 @@ def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s
 
 
 def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.rollout.hf import build_hf_model
 
     cfg = preset(preset_name)
@@ -117,7 +117,7 @@ def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.
 
 
 def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.policy.experts import ExpertsFunction
     from study.policy.model import build_policy
 
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--policy", action="store_true", help="the megatron policy's experts, forward + backward")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    from study.model_config import preset
+    from study.core.model_config import preset
 
     try:
         for name in args.preset:

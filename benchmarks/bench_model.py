@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from study.model_config import preset
+from study.core.model_config import preset
 from study.policy.model import build_policy, count_parameters, token_logp
 from study.policy.optim import build_optimizer
 from study.policy.routing import RoutingController

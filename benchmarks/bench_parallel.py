@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from study.model_config import PRESETS, ParallelLayout, route_index_dtype
+from study.core.model_config import PRESETS, ParallelLayout, route_index_dtype
 
 
 def _batch(cfg, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

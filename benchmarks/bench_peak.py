@@ -24,7 +24,7 @@ import warnings
 import torch
 from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
 
-from study.model_config import preset
+from study.core.model_config import preset
 from study.policy.model import build_policy, count_parameters
 from study.policy.optim import build_optimizer
 from study.run.metrics import forward_flops

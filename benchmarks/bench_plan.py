@@ -5,8 +5,8 @@
 Runs `study.rl.run` (fp32, hf engine, coldstart scratch, one thread) in a fresh child process. The child imports
 every module the run needs and touches the allocator once, reads its resident set size (the baseline: interpreter,
 torch, megatron-core, transformers), then runs; the measured number is the peak RSS (`resource.getrusage`
-ru_maxrss) minus that baseline. The estimate is `study.plan.cpu_run_estimate` for the same shape, batch and lengths
-(the prompt length is the longest prompt the run's task generates at its knobs). Prints both, per part, and the
+ru_maxrss) minus that baseline. The estimate is `study.tools.plan.cpu_run_estimate` for the same shape, batch and
+lengths (the prompt length is the longest prompt the run's task generates at its knobs). Prints both, per part, and the
 relative error; exits 1 when it is above `--tolerance` (0.2).
 """
 
@@ -47,10 +47,10 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.2)
     args = parser.parse_args()
 
+    from study.core.model_config import resolve_model
     from study.data import tasks
     from study.data.tokenizer import build_tokenizer
-    from study.model_config import resolve_model
-    from study.plan import GB, Workload, cpu_run_estimate
+    from study.tools.plan import GB, Workload, cpu_run_estimate
 
     config = {"model": args.preset, "coldstart": "scratch", "steps": args.steps, "prompts_per_step": args.prompts,
               "group_size": args.group_size, "minibatches": args.minibatches, "max_new_tokens": args.max_new_tokens,

@@ -1,5 +1,5 @@
 """Precision: matmul GFLOP/s per dtype on this CPU, and how closely emulated low precision reproduces real CPU
-low-precision log-probs of the tiny model (study/precision.py).
+low-precision log-probs of the tiny model (study/core/precision.py).
 
     .venv/bin/python benchmarks/bench_precision.py [--size 1024] [--threads 1] [--seqs 32]
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from study.parity import ks_statistic, logp_deltas, summarize
-from study.precision import PRECISION_NAMES
+from study.core.precision import PRECISION_NAMES
+from study.tools.parity import ks_statistic, logp_deltas, summarize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

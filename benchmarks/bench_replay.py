@@ -29,7 +29,7 @@ def _side(preset: str, alg: str, steps: int) -> dict:
     import pandas as pd
     from steptimer import timed_run
 
-    from study.model_config import route_index_dtype
+    from study.core.model_config import route_index_dtype
     from study.run.config import PRESET_RUNS, RunConfig
 
     cfg = RunConfig.from_dict({**PRESET_RUNS[preset], "algorithm": alg, "coldstart": "scratch", "steps": steps,

@@ -35,7 +35,7 @@ def _rss(reset: bool = False) -> tuple[int, int]:
 
 
 def _model(preset_name: str):
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.policy.model import build_policy
 
     cfg = preset(preset_name)
@@ -72,8 +72,8 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
 
     from vllm import LLM, SamplingParams
 
+    from study.core.weights import hf_config, megatron_to_hf
     from study.rollout.vllm_server import _repack_cpu_moe
-    from study.weights import hf_config, megatron_to_hf
 
     cfg, policy = _model(preset_name)
     tmp = tempfile.mkdtemp()
@@ -111,8 +111,8 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
 
 def run_bucketed(preset_name: str, syncs: int, bucket_mb: float) -> dict:
     """Today's path: the engine in its own process, iter_hf_weights streamed through the shared bucket buffer."""
+    from study.core.weights import iter_hf_weights
     from study.rollout import get_engine
-    from study.weights import iter_hf_weights
 
     cfg, policy = _model(preset_name)
     engine = get_engine(

@@ -6,8 +6,8 @@
 
 Both sides, per (prompts x samples x new tokens) batch and algorithm, each in its own subprocess (megatron's
 process group and accelerate's state stay apart), one torch thread, fp32:
-- the same network: a preset's Qwen3-MoE (study.model_config; `--preset`, default `tiny`), built for TRL as
-  transformers' Qwen3MoeForCausalLM from study.weights.hf_config, loaded with the very weights our Megatron policy
+- the same network: a preset's Qwen3-MoE (study.core.model_config; `--preset`, default `tiny`), built for TRL as
+  transformers' Qwen3MoeForCausalLM from study.core.weights.hf_config, loaded with the very weights our Megatron policy
   starts from;
 - the same prompts (the chain_sum task stream, seed 0), tokenizer (the task BPE, saved as a PreTrainedTokenizerFast)
   and reward: the chain_sum verifier (study.data.tasks.score) on the decoded response. A random-init model never solves
@@ -132,12 +132,12 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     from trl import GRPOConfig, GRPOTrainer
 
     import algorithms
+    from study.core.model_config import preset
+    from study.core.weights import hf_config, megatron_to_hf
     from study.data import tasks
-    from study.model_config import preset
     from study.policy.model import build_policy
     from study.rl import derive_seed
     from study.rollout.hf import fuse_experts
-    from study.weights import hf_config, megatron_to_hf
 
     torch.set_num_threads(threads)
     p, g, t = _parse_batch(batch)
@@ -248,7 +248,7 @@ def _run_concurrent(preset: str, sides: list[str], alg: str, batch: str, warmup:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", help="the model preset both sides build (study.model_config)")
+    ap.add_argument("--preset", default="tiny", help="the model preset both sides build (study.core.model_config)")
     ap.add_argument("--batches", default="8x4x32,32x8x64", help="prompts x samples x new tokens, comma-separated")
     ap.add_argument("--algorithms", default="grpo,gspo")
     ap.add_argument("--reps", type=int, default=5, help="timed RL steps per side")
@@ -288,7 +288,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from study.model_config import preset
+    from study.core.model_config import preset
 
     try:
         preset(args.preset)  # an unknown name fails here, before either side starts

@@ -62,7 +62,7 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     import study.rollout.hf as hf
-    from study.model_config import preset
+    from study.core.model_config import preset
 
     cfg = preset(preset_name)
     engine = hf.HFEngine(cfg, dtype="fp32")
@@ -104,7 +104,7 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
 def update(preset_name: str, b: int, s: int, t: int, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     from steptimer import minibatch_update  # benchmarks/ is on sys.path: this runs as a script
 
-    from study.model_config import preset
+    from study.core.model_config import preset
     from study.policy.model import build_policy
     from study.policy.optim import build_optimizer
 
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=24, help="rows per table")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    from study.model_config import preset
+    from study.core.model_config import preset
 
     try:
         preset(args.preset)

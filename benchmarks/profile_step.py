@@ -30,7 +30,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "grad-norm clip": ("torch/nn/utils/clip_grad.py", "clip_grad_norm_"),
     "loss (algorithm)": ("algorithms/registry.py", "loss"),
     "routing metrics": ("study/policy/routing.py", "routing_volatility"),
-    "weight sync: megatron_to_hf": ("study/weights.py", "megatron_to_hf"),
+    "weight sync: megatron_to_hf": ("study/core/weights.py", "megatron_to_hf"),
     "weight sync: engine.load_weights": ("study/rollout/hf.py", "load_weights"),
     "metrics.parquet write": ("study/rl.py", "_write_metrics"),
     "status.json write": ("study/run/rundir.py", "set_status"),

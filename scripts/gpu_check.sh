@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared pass (at most 8 minutes on one H200) over what a GPU run needs, on a small Qwen3-MoE
 # shape (4 layers, 32 experts top-8): the CUDA install, Megatron bf16 forward/backward, vLLM CUDA generation with
-# log-prob parity against the trainer, weight sync, R3 routes, one RL step and its time split (study/gpu_check.py
+# log-prob parity against the trainer, weight sync, R3 routes, one RL step and its time split (study/tools/gpu_check.py
 # says what each part measures). Results: one JSON file, $OUT/gpu_check.json ($OUT unset: ./gpu_check.json).
 #
 #     scripts/gpu_check.sh                   # OUT=/some/dir scripts/gpu_check.sh
@@ -52,7 +52,7 @@ fi
 LEFT=$(( LIMIT_S - ($(date +%s) - START) ))
 (( LEFT > 30 )) || { log "no time left after the install (${LIMIT_S} s limit)"; exit 1; }
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} GPU_CHECK_NOTE=$NOTE
-timeout --signal=TERM --kill-after=15 "$LEFT" "$PY" -m study.gpu_check --out "$OUT_FILE" "$@"
+timeout --signal=TERM --kill-after=15 "$LEFT" "$PY" -m study.tools.gpu_check --out "$OUT_FILE" "$@"
 RC=$?
 (( RC == 124 )) && log "stopped at the ${LIMIT_S}-s limit; the parts finished so far are in $OUT_FILE"
 exit $RC

@@ -7,8 +7,9 @@ Rooms (each subpackage's `__init__` says its job; tests/test_imports.py keeps th
     rollout/    the rollout engines behind one interface (hf, vllm)
     coldstart/  a run's first weights (SFT cold start, its store and lock, a local HF checkpoint)
     kernels/    optional C kernels over plain tensors (an accelerator the science never depends on)
-Shared modules at the top, importing no subpackage: model_config.py (the policy's shape, presets, dtypes),
-precision.py (precision as a study axis), weights.py (the weight mapping where policy and rollout meet).
-Orchestrators at the top, importing any room: rl.py (the RL loop), parity.py (cross-engine parity measurement),
-launch.py (in-process, local or SLURM through submitit), __main__.py (the CLI).
+    core/       shared libraries, importing no other room: model_config.py (the policy's shape, presets, dtypes),
+                precision.py (precision as a study axis), weights.py (the weight mapping where policy and rollout meet)
+    tools/      one-shot tools, `python -m study.tools.NAME`: plan, gpu_check, export, parity, budgets
+Entry points at the top, importing any room: rl.py (the RL loop), launch.py (in-process, local or SLURM through
+submitit), __main__.py (the CLI).
 """

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
-        from study.plan import plan_main
+        from study.tools.plan import plan_main
 
         return plan_main(rest)
     if args.command == "coldstart":
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return status_main(rest)
     if args.command == "export":
-        from study.export import main as export_main
+        from study.tools.export import main as export_main
 
         return export_main(rest)
     if rest:

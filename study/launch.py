@@ -24,7 +24,7 @@
    LOCAL_RANK, LOCAL_WORLD_SIZE; every GPU of the node stays visible to each rank). A requeue (point 3) requeues
    the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
    ranks' agreement check (a gloo all_reduce), to try a cluster's placement without a run.
-7. Before a GPU job is asked for, the run must fit: study.plan.check_run_fits with the job's GPUs (nodes x GPUs
+7. Before a GPU job is asked for, the run must fit: study.tools.plan.check_run_fits with the job's GPUs (nodes x GPUs
    per node) of `--gpu-mem-gb` each; a job of several ranks must match the run's `parallel` layout (its world
    size; without `--nodes`/`--tasks-per-node` the job gets one task per rank of the layout, and the launcher
    returns rank 0's status).
@@ -328,9 +328,9 @@ def layout_ranks(cfg: Any, res: Resources) -> Resources:
 
 
 def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
-    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.plan) or that asks for
+    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.tools.plan) or that asks for
     more ranks than study.rl runs (module docstring, point 7). ValueError naming the resource."""
-    from study import plan, rl
+    from study.tools import plan, rl
 
     if res.world_size > 1 and not getattr(rl, "MULTI_RANK", False):
         raise ValueError(

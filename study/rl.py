@@ -40,11 +40,11 @@ import pandas as pd
 import torch
 
 import algorithms
-from study import precision as precision_mod
+from study.core import precision as precision_mod
+from study.core.model_config import ParallelLayout
+from study.core.weights import iter_hf_weights
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
-from study.model_config import ParallelLayout
-from study.plan import param_counts
 from study.policy import parallel as par
 from study.policy.model import build_policy, current_layout, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
@@ -54,7 +54,7 @@ from study.run import rundir
 from study.run.config import RunConfig
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
-from study.weights import iter_hf_weights
+from study.tools.plan import param_counts
 
 MULTI_RANK = True
 """study.launch's check: a run may span several ranks (its `parallel` layout; study/policy/parallel.py)."""
@@ -108,7 +108,7 @@ def run(
             return run_dir
         rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
         if not (run_dir / "manifest.json").exists():
-            # precision hook: every result says which engine ran emulated (study/precision.py)
+            # precision hook: every result says which engine ran emulated (study/core/precision.py)
             manifest = {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions)}
             manifest["native_kernels"] = _kernels_available()
             manifest["parallel"] = cfg.layout.to_dict()  # a runtime choice, not in the run id (RunConfig.parallel)
@@ -380,7 +380,7 @@ class Parts:
     mcfg: Any
     tok: TaskTokenizer
     policy: torch.nn.Module
-    prec: Any  # the trainer's precision handle (study/precision.py): re-rounds emulated parameters after a step
+    prec: Any  # the trainer's precision handle (study/core/precision.py): re-rounds emulated parameters after a step
     optimizer: torch.optim.Optimizer
     scaler: DynamicLossScaler | None  # fp16 loss scaling
     params: list[torch.nn.Parameter]  # walked after every backward: listed once here, not a module walk each time
@@ -422,7 +422,7 @@ def _setup(cfg: RunConfig, results: Path) -> Parts:
     tok, init_state = initial_policy(cfg, results)
     if tok.vocab_size > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
-    train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/precision.py)
+    train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/core/precision.py)
     parallel = cfg.layout if cfg.layout != ParallelLayout() else None
     policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)
     _load_full(policy, init_state, parallel is not None)

@@ -18,8 +18,8 @@ A sweep file:
     tune: {trials: 4, ...}     # optional: makes this a tuning sweep (sweeps/tune.py documents the section)
 
 A run's `model` is a preset name or a mapping {preset: NAME, FIELD: VALUE, ...} of a preset and overrides of its
-shape (study.model_config.SHAPE_FIELDS); a mapping without `preset` (and a dotted `model.FIELD` axis) changes fields
-of the shape so far (study.run.config.merge_field). A dotted axis applies after the whole-field axes.
+shape (study.core.model_config.SHAPE_FIELDS); a mapping without `preset` (and a dotted `model.FIELD` axis) changes
+fields of the shape so far (study.run.config.merge_field). A dotted axis applies after the whole-field axes.
 
 Errors name the field (as a dotted path: `axes.algorithm[2]`) and the valid values, before any job starts.
 Cross-field rules (minibatches divides the batch, ...) are RunConfig.validate's, run on every expanded run.
@@ -35,8 +35,8 @@ from typing import Any
 import jsonschema
 
 import algorithms
+from study.core.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
 from study.data import tasks
-from study.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
@@ -71,7 +71,7 @@ def _enums() -> dict[str, list[str]]:
 
 
 def shape_field_schema(name: str) -> dict[str, Any]:
-    """The JSON Schema of one model shape field's value (ranges across fields are study.model_config's)."""
+    """The JSON Schema of one model shape field's value (ranges across fields are study.core.model_config's)."""
     if name in FLOAT_FIELDS:  # YAML 1.1 reads 1e-6 as a string; model_spec coerces it
         return {"type": ["number", "string"]}
     return {"type": "integer", "minimum": 1}

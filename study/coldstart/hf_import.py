@@ -4,10 +4,10 @@ the directory as the run's `model`).
 The directory holds config.json, the weights as *.safetensors (one file or shards, with or without
 model.safetensors.index.json) and the tokenizer files (tokenizer.json, with special_tokens_map.json /
 tokenizer_config.json naming its special tokens and, for a chat model, its chat template). This is what
-`study.weights.export_hf` + `TaskTokenizer.save` write, what the cold start writes next to its policy.pt, and what
+`study.core.weights.export_hf` + `TaskTokenizer.save` write, what the cold start writes next to its policy.pt, and what
 a Hugging Face model repository holds.
 
-The checkpoint's shape is the run's `model` (study.model_config.hf_model_config maps its config.json; a mismatch
+The checkpoint's shape is the run's `model` (study.core.model_config.hf_model_config maps its config.json; a mismatch
 with a given `model` is reported before any compute with every differing field). Loading streams: shard by shard,
 one tensor at a time (safetensors' safe_open), each mapped to its Megatron name and copied into the policy's
 parameter, so the process never holds the checkpoint, only the tensor in flight (and the q/k/v or gate/up parts
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from study.core.model_config import ModelConfig
+from study.core.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
 from study.data.tokenizer import TaskTokenizer
-from study.model_config import ModelConfig
-from study.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
 
 __all__ = ["HFCheckpoint", "check_checkpoint", "is_hf_checkpoint", "load_checkpoint"]
 
@@ -65,7 +65,7 @@ class HFCheckpoint:
                     yield name, f.get_tensor(name)
 
     def tensors(self, *, te_spec: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Megatron name, tensor) of every weight, mapped as study.weights.hf_to_megatron maps a whole state dict.
+        """(Megatron name, tensor) of every weight, mapped as study.core.weights.hf_to_megatron maps a whole state dict.
         A fused tensor (linear_qkv, an expert's linear_fc1) is yielded when its last HF part has been read; only
         such pending parts are held. Every HF tensor must be there exactly once (a missing or unknown one raises)."""
         expected = set(hf_param_names(self.cfg))

@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
+from study.core.model_config import ModelConfig, ModelSpec, base_preset, model_label, model_spec, resolve_model
 from study.data import tasks
 from study.data.tokenizer import EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TaskTokenizer, build_tokenizer
-from study.model_config import ModelConfig, ModelSpec, base_preset, model_label, model_spec, resolve_model
 from study.run.rundir import atomic_write, manifest, write_json
 
 FORMAT_VERSION = 1
@@ -66,8 +66,8 @@ class ColdStartSettings:
     """Everything that determines a cold-start checkpoint; all of it (but `threads`) is hashed into its directory."""
 
     model: str | dict[str, Any] = "tiny"
-    """Model shape: a preset name (study.model_config.PRESETS) or a preset plus overrides, {preset: default,
-    num_experts: 32} (study.model_config.model_spec; kept canonical, so a plain preset hashes as before)."""
+    """Model shape: a preset name (study.core.model_config.PRESETS) or a preset plus overrides, {preset: default,
+    num_experts: 32} (study.core.model_config.model_spec; kept canonical, so a plain preset hashes as before)."""
     task: str = "chain_sum"
     """Task whose solutions are imitated and whose in_dist eval set is scored (study.data.tasks.TASKS)."""
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -147,7 +147,7 @@ class ColdStartSettings:
 
     @property
     def label(self) -> str:
-        """The shape's readable name (study.model_config.model_label): `default`, `default_e32_k8`."""
+        """The shape's readable name (study.core.model_config.model_label): `default`, `default_e32_k8`."""
         return model_label(self.model)
 
     def hashed(self) -> dict[str, Any]:
@@ -275,7 +275,7 @@ def eval_pass_at_1(
 ) -> tuple[float, float]:
     """(mean pass@1, truncation rate) of `model` on `items`: its weights pushed to the hf `engine`, k samples per
     problem at temperature 1, each scored by the task's verifier as it stands."""
-    from study.weights import megatron_to_hf
+    from study.core.weights import megatron_to_hf
 
     engine.load_weights(megatron_to_hf(model, model.study_config))
     prompts = [tok.encode_prompt(item.prompt) for item in items]
@@ -365,10 +365,10 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
     """Train per `settings` and write the directory's files into `out_dir` (coldstart.json last); its record."""
     from tqdm import tqdm
 
+    from study.core.weights import export_hf
     from study.policy.model import build_policy
     from study.policy.optim import build_optimizer
     from study.rollout import get_engine
-    from study.weights import export_hf
 
     cfg = settings.model_config
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,8 @@ from typing import Any
 import yaml
 
 from study.coldstart.sft import ColdStartSettings, resolve_settings, train_coldstart
+from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
-from study.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_model(text: str) -> ModelSpec:
     """A model on the command line: a preset name, or a YAML (or JSON) mapping {preset: NAME, FIELD: VALUE, ...}.
-    Validated where it is used (study.model_config.model_spec), so errors name the field."""
+    Validated where it is used (study.core.model_config.model_spec), so errors name the field."""
     text = text.strip()
     if not text.startswith("{"):
         return text

@@ -10,7 +10,7 @@ One switch and one rule decide when a kernel runs (`applies`):
    and the hf engine's decode step (study/rollout/hf.py) are the only places that choose them.
 
 This package imports nothing of study/, nor megatron, nor transformers; deleting it leaves a harness that runs its
-torch paths (tests/kernels and tests/test_imports.py check both). The kernels are single-threaded: they win at the
+torch paths (tests/study/kernels and tests/test_imports.py check both). The kernels are single-threaded: they win at the
 one or two torch threads of this harness's runs; with many threads torch's own ops may be faster, and
 `STUDY_NATIVE=0` compares the two. Results agree with the torch paths to ~1e-6 (RoPE's and the experts' bit for bit);
 a run's manifest records whether they built (`native_kernels`).

@@ -6,7 +6,7 @@ its forward and backward were ~14% of an update at the tiny preset's ~80-token s
 left-padded batch: about half the dense work), with register-blocked score loops over transposed keys and a backward
 that recomputes the probabilities from the saved log-sum-exp. It returns None where the package's rule says no
 (study/kernels/__init__.py) or the shapes are not ones it takes; its caller (study/policy/layers.py) then runs SDPA.
-The C sums run in another order: outputs and gradients agree with SDPA's to ~1e-6 relative (tests/kernels).
+The C sums run in another order: outputs and gradients agree with SDPA's to ~1e-6 relative (tests/study/kernels).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ backward, each a pass over the (positions, vocabulary) logits: ~10% of a pi_old 
 preset. `cross_entropy` computes the same per-token loss from csrc/cross_entropy.c, and returns None where the
 package's rule says no (study/kernels/__init__.py) or the targets are not ones it takes; its caller
 (study/policy/layers.py, at one tensor-parallel rank) then runs megatron's. Sums run in another order and exp is
-glibc's: losses and gradients agree with megatron's to ~1e-6 (tests/kernels).
+glibc's: losses and gradients agree with megatron's to ~1e-6 (tests/study/kernels).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ At the tiny preset's sizes a decode step is ~190 torch ops of a few microseconds
 about as much again in dispatch (docs/performance.md). `NativeDecoder` runs the same arithmetic as the hf engine's
 fused torch step (study/rollout/hf.py) in one call per step, or the engine's whole sampling loop in one call: fp32 on
 the CPU, SwiGLU experts, softmax top-k router, one RMSNorm epsilon. Its sums run in another order than torch's
-kernels, so its logits agree with the modules' to ~1e-6, not bit for bit (tests/engines), and a sampled token can
+kernels, so its logits agree with the modules' to ~1e-6, not bit for bit (tests/study/rollout), and a sampled token can
 differ where two candidates' cumulative probabilities tie to that precision. The engine decides when to use it (the
 package's rule, study/kernels/__init__.py, plus what the fused step assumes) and hands it the tensors.
 """

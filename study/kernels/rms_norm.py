@@ -6,7 +6,7 @@ eight norms per forward (two per layer, the q and k norms; the final norm is bui
 torch's) made ~10% of a 64-sequence update. `FusedRMSNorm` is the same module (class, parameter, state dict)
 whose forward calls `RMSNormFunction`, csrc/rms_norm.c, where the package's rule applies (study/kernels/__init__.py)
 and no hooks sit on the module; elsewhere torch's forward. The C sums run in another order: outputs and gradients
-agree with torch's to ~1e-6 relative (tests/kernels).
+agree with torch's to ~1e-6 relative (tests/study/kernels).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 megatron applies RoPE to q and k with `apply_rotary_pos_emb`: unfused, that is a dozen torch ops forward (slices,
 two cos/sin tables, rotate_half's chunk, neg and cat, two products, a sum, a cat) and more backward, each a pass over
 q or k: ~4% of a tiny-preset update. `rope` computes it from csrc/rope.c with the same products and sums, so outputs
-and gradients equal the unfused code's bit for bit (tests/kernels); it returns None where the package's rule says no
-(emulated precision rounds each unfused op). study/policy/layers.py puts it into megatron's fused-RoPE slot.
+and gradients equal the unfused code's bit for bit (tests/study/kernels); it returns None where the package's rule says
+no (emulated precision rounds each unfused op). study/policy/layers.py puts it into megatron's fused-RoPE slot.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ idempotent. On a CUDA machine it does nothing, so the same code runs unchanged t
    load, the k-th weight's next update would use step + k for its bias corrections. Patched to give each weight
    its own copy.
 
-`SHIMS` names every patched target; tests/study/test_megatron_compat.py checks that each still exists and that the
-patch took effect, so a megatron upgrade that moves one fails loudly instead of failing deep inside a forward.
+`SHIMS` names every patched target; tests/study/policy/test_megatron_compat.py checks that each still exists and that
+the patch took effect, so a megatron upgrade that moves one fails loudly instead of failing deep inside a forward.
 """
 
 from __future__ import annotations

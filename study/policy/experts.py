@@ -5,7 +5,7 @@ multiplies per expert, forward and backward, each a module call or an autograd n
 experts that plumbing is a quarter of the experts' time at an 8-sequence minibatch (docs/performance.md).
 `ExpertsFunction` computes the same matmuls and elementwise ops in the same order in one Function with a written-out
 backward, so the output and every gradient (the input's, the weights', the routing probs') equal SequentialMLP's
-bit for bit (tests/study/test_model.py). The module, its parameters, their names and its place in
+bit for bit (tests/study/policy/test_model.py). The module, its parameters, their names and its place in
 the layer spec stay megatron's; `SequentialMLP.forward` runs wherever the Function would not be exact (hooks, such
 as emulated precision's rounding; tensor or expert-tensor parallelism; fp8; biases; another activation).
 """

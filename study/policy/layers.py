@@ -2,8 +2,8 @@
 
 The one place that chooses the speed paths of the training engine (`build_policy(layers="fast")`, the default);
 `layers="megatron"` keeps megatron's local spec as it stands, the reference these are tested against
-(tests/study/test_model.py). Each path keeps megatron's modules, parameters and names, and steps aside to megatron's
-own code where it would not be exact (hooks on the module, a torch mode, shapes or dtypes it does not take):
+(tests/study/policy/test_model.py). Each path keeps megatron's modules, parameters and names, and steps aside to
+megatron's own code where it would not be exact (hooks on the module, a torch mode, shapes or dtypes it does not take):
 1. core attention: torch's SDPA instead of the local DotProductAttention's baddbmm, Python softmax and bmm (~15% of a
    tiny update), and where the C kernels apply (study/kernels/__init__.py) the C attention over each query's visible
    span (~40% less than SDPA forward and backward at ~80 tokens);

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from study.model_config import DTYPES, TORCH_DTYPES, ModelConfig, ParallelLayout
+from study.core.model_config import DTYPES, TORCH_DTYPES, ModelConfig, ParallelLayout
 from study.policy import compat as megatron_compat
 from study.policy import layers as fast_layers
 
@@ -228,7 +228,7 @@ def build_policy(
     `study_dtype`. Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`,
     `...experts.local_experts.{e}...`) whatever `layers` is; keep them stable, the HF weight map depends on them.
     `layers` (LAYERS): "fast" computes the same function as "megatron" to ~1e-6 (bit for bit with `STUDY_NATIVE=0`
-    but for SDPA's attention sums, tests/study/test_model.py).
+    but for SDPA's attention sums, tests/study/policy/test_model.py).
     `parallel` (None: one process): this rank's shard of the policy under that layout (study/policy/parallel.py
     wraps it for training, loads full weights into it and exports them). Its dense weights are the one-process
     model's slices (megatron initialises on the CPU from full master weights); its experts are not (their init

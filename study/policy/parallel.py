@@ -1,7 +1,7 @@
 """The policy across ranks: full weights in and out of a sharded model, and its training through megatron's DDP and
 distributed optimizer.
 
-Under a `ParallelLayout` (study/model_config.py) each rank's GPTModel holds a shard (study/policy/model.py
+Under a `ParallelLayout` (study/core/model_config.py) each rank's GPTModel holds a shard (study/policy/model.py
 `build_policy(parallel=...)`): megatron marks a tensor-parallel weight with `tensor_model_parallel`,
 `partition_dim`; an expert's weights have the local name `local_experts.{e}` of global expert
 `expert_rank x experts_per_rank + e` (split over the expert-tensor group, not the tensor group).
@@ -146,10 +146,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def full_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights in the rollout engine's (HF Qwen3-MoE) names, full tensors: the generator a weight sync
     and HF export take from a sharded model (collective, like `full_weights`: every rank must iterate it to the
-    end). Each name and shape is checked against the HF model of the policy's shape (study.weights.hf_param_shapes),
-    and every HF weight comes exactly once (checked at the end). The full megatron weights are gathered once at the
-    start (one copy of the model; study.weights.iter_hf_weights then yields views of them)."""
-    from study.weights import hf_param_shapes, iter_hf_weights
+    end). Each name and shape is checked against the HF model of the policy's shape
+    (study.core.weights.hf_param_shapes), and every HF weight comes exactly once (checked at the end). The full
+    megatron weights are gathered once at the start (one copy of the model; study.core.weights.iter_hf_weights then
+    yields views of them)."""
+    from study.core.weights import hf_param_shapes, iter_hf_weights
 
     cfg = model.study_config
     shapes, seen = hf_param_shapes(cfg), set()

@@ -12,7 +12,7 @@ model:
    `routes()`), "replay" (the given `Routes` are forced). Under replay the gate weights are still a softmax over
    the *current* router logits of the forced experts (megatron gathers the logits at the forced indices, then the
    softmax of `topk_routing_with_score_function` runs over them), so the router keeps learning: PAPER.md's
-   requirement, checked in tests/study/test_routing.py.
+   requirement, checked in tests/study/policy/test_routing.py.
 3. In record and replay modes every router also keeps the top-k it would have chosen freely (`free_routes()`),
    so routing volatility can be measured on the very forward pass that was replayed, and a reference to the scores
    it ranked (`router_entropy()`: the entropy of its softmax over all experts, computed only when asked).
@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from study.model_config import route_index_dtype
+from study.core.model_config import route_index_dtype
 
 Mode = Literal["free", "record", "replay"]
 MODES: tuple[str, ...] = ("free", "record", "replay")

@@ -1,7 +1,7 @@
 """The rollout-engine interface: load the training engine's weights, sample G completions per prompt, return what
 the RL step needs (token ids, the engine's own log-probs, finish reasons, and where it can, the routed experts).
 
-Semantics shared by every engine (and checked against each other by tests/engines):
+Semantics shared by every engine (and checked against each other by tests/study/rollout):
 1. Samples are prompt-major: sample j of prompt p is `rollout.prompt_index[p * n + j] == p`.
 2. `logprobs[i][t]` is log pi_engine(y_t | x, y_<t) of the distribution sampled from, softmax(logits / T) in fp32
    (vLLM's `logprobs_mode="processed_logprobs"`; at temperature 0, greedy, of the raw logits): the trainer scores the
@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from study.model_config import ModelConfig
+from study.core.model_config import ModelConfig
 from study.run.config import ENGINES
 
 FINISH_REASONS: tuple[str, ...] = ("stop", "length")
@@ -74,8 +74,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def load_weights(self, hf_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.weights): a state dict or
-        a stream of (name, tensor) pairs (study.weights.iter_hf_weights), whose tensors the engine copies while
+        """Replace every weight with `hf_state` (HF Qwen3-MoE checkpoint names, see study.core.weights): a state dict or
+        a stream of (name, tensor) pairs (study.core.weights.iter_hf_weights), whose tensors the engine copies while
         the iteration runs and does not keep."""
 
     @abstractmethod

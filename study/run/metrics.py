@@ -8,7 +8,7 @@ over the step's minibatches.
 from __future__ import annotations
 
 from algorithms import LOSS_METRICS
-from study.model_config import ModelConfig
+from study.core.model_config import ModelConfig
 
 STEP_METRICS: dict[str, str] = {
     "step": "RL step (rollout batch) index, from 1; with eval_every > 0 a row at step 0 holds only the held-out "

@@ -70,11 +70,11 @@ _PLACEMENTS = {}
 
 
 def run_placement(run_id):
-    """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.plan fits it, on the
+    """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.tools.plan fits it, on the
     config's cluster (gpus_per_node GPUs of gpu_mem_gb each); whole nodes beyond one. Refused at parse time (before
     any job) when no cluster of up to 64 nodes fits it."""
     if run_id not in _PLACEMENTS:
-        from study import plan
+        from study.tools import plan
 
         per_node, mem = config["gpus_per_node"], config["gpu_mem_gb"]
         gpus, error = 1, None
@@ -171,7 +171,7 @@ BUDGET_TABLES = [f"{STUDY_DIR}/coldstart_budgets/{name}.csv" for name in BUDGET_
 
 
 def budget_args(wildcards):
-    """`python -m study.budgets` arguments of one cold start: task, knobs (JSON), budgets, eval size and samples."""
+    """`python -m study.tools.budgets` arguments of one cold start: task, knobs (JSON), budgets, eval size and samples."""
     task, knobs, budgets, size, samples = BUDGET_PLAN[wildcards.coldstart]
     knobs = json.dumps(knobs, separators=(",", ":"))
     return f"--task {task} --knobs '{knobs}' --budgets {' '.join(map(str, sorted(budgets)))} " \

@@ -79,7 +79,7 @@ rule run:
         launcher="in-process",
         slurm_partition="",
         slurm_account="",
-        # GPUs per node and nodes: what study.plan needs for the run on the config's cluster (gpus_per_node x
+        # GPUs per node and nodes: what study.tools.plan needs for the run on the config's cluster (gpus_per_node x
         # gpu_mem_gb); 1 x 1 for the presets. A profile's `gpus:` overrides them. In-process runs ignore them.
         gpus=run_gpus,
         nodes=run_nodes,
@@ -103,7 +103,7 @@ rule run:
 
 rule coldstart_budgets:
     # The length study's first table: the cold start's held-out pass@1 at each max_new_tokens its runs use (one row
-    # per budget; study/budgets.py), before any RL, so the report shows whether a longer budget helps at the start.
+    # per budget; study/tools/budgets.py), before any RL, so the report shows whether a longer budget helps at the start.
     # Only for cold starts whose runs sweep max_new_tokens (BUDGET_PLAN).
     input:
         ancient(f"{RESULTS}/coldstart/{{coldstart}}/coldstart.json"),
@@ -118,12 +118,12 @@ rule coldstart_budgets:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study.budgets $(dirname {input}) {params.args} --out {output} > {log} 2>&1"
+        "{params.python} -m study.tools.budgets $(dirname {input}) {params.args} --out {output} > {log} 2>&1"
 
 
 rule precision_parity:
     # A study that emulates low precision: how the emulation's log-prob deltas compare with real low precision on
-    # this machine (study/parity.py: the tiny model's trainer, engine and cross-engine mismatch, real vs emulated),
+    # this machine (study/tools/parity.py: the tiny model's trainer, engine and cross-engine mismatch, real vs emulated),
     # shown in the report next to C5.
     output:
         f"{STUDY_DIR}/precision_parity.csv",
@@ -136,4 +136,4 @@ rule precision_parity:
     conda:
         "../envs/study.yaml"
     shell:
-        "{params.python} -m study.parity --precisions {params.formats} --seqs 64 --out {output} > {log} 2>&1"
+        "{params.python} -m study.tools.parity --precisions {params.formats} --seqs 64 --out {output} > {log} 2>&1"

@@ -4,18 +4,9 @@ helpers that compare a policy built with a C kernel against the one built with m
 import contextlib
 from collections.abc import Iterator
 
-import pytest
 import torch
 
 from study.policy.model import token_logp
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 
 import algorithms
 from study import rl
-from study.model_config import preset
+from study.core.model_config import preset
 from study.policy.model import build_policy, token_logp
 from study.run.config import load_config
 

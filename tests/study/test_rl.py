@@ -88,7 +88,7 @@ def test_finished_runs_are_skipped(tmp_path: Path) -> None:
     assert manifest["packages"]["torch"].startswith("2.13.0")
     assert isinstance(
         manifest["native_kernels"], bool
-    )  # whether the optional C kernels ran (tests/kernels checks they build)
+    )  # whether the optional C kernels ran (tests/study/kernels checks they build)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 1.4])

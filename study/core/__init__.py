@@ -1,0 +1,2 @@
+"""Shared libraries every room uses, importing no subpackage of study/: the policy's shape and presets
+(model_config), precision as a study axis (precision), the weight mapping where policy and rollout meet (weights)."""

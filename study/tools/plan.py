@@ -1,0 +1,512 @@
+"""Memory and layout planner: per candidate parallel layout, what one GPU holds for training and for the rollout
+engine, and whether it fits; `python -m study plan --model qwen3-30b-a3b --gpus 16 --gpu-mem 80`.
+
+Parameters are counted exactly for the policy study/policy/model.py builds (Qwen3-MoE on megatron-core: untied
+embedding and output layer, QK-norm, no biases, every layer MoE; tests compare them with the built model's numel).
+A layout is (TP, EP, DP, SP, distributed optimizer, full recompute) with PP = 1 and expert-TP = 1, megatron-core's
+MoE "parallel folding": attention and the vocabulary are split over TP; the experts over EP (EP divides TP x DP);
+norms and routers are replicated.
+
+Per GPU, in bytes (`Precision`):
+- weights: the TP/EP share of the parameters at the compute dtype (bf16: 2 bytes; fp32: 4);
+- gradients: the same share at `grad_bytes` (megatron's fp32 main grads for bf16: 4);
+- optimizer: AdamW's m and v (fp32, 8 bytes) plus the fp32 main copy for a 16-bit policy (4 bytes); the
+  distributed optimizer shards them over the data-parallel ranks (experts over the expert-data-parallel ranks,
+  TP x DP / EP);
+- activations: the tensors one micro-batch keeps for backward, counted per token and layer for this architecture
+  (`activation_elems_per_token_layer`), TP-split where megatron splits them (everything with SP), plus the output
+  layer's logits; with full recompute only each layer's input is kept, plus one layer's full set during backward;
+- the engine: its share of the weights (engine TP and EP) and the KV cache of its share of the rollout batch; a
+  colocated engine sleeps while the trainer updates (vLLM sleep mode), so the peak is the larger of the two, not
+  their sum (`colocated_sleep=False` adds them);
+- allocator fragmentation, a fraction of the peak (`fragmentation`, 10%: PyTorch's caching allocator typically
+  leaves 5-15% of what it reserved unused), and a reserve for the CUDA context and communication buffers
+  (`reserve_gb`, 5 GB).
+
+Candidates never offload to the host (the project's trainer does not); `Layout.offload` (optimizer state and main
+parameters in host memory, as verl and slime run this model) exists to compare published layouts.
+
+`cpu_run_estimate` is the same arithmetic for a CPU run of study/rl.py as it runs today (fp32, one process, the
+hf engine holding its own fp32 copy, weight sync through one full HF-named copy plus the engine's stacked experts):
+benchmarks/bench_plan.py measures it against a run's peak RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from study.core.model_config import ModelConfig
+
+GB = 1e9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameter counts (exact)
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamCounts:
+    """The policy's parameters by how a layout splits them."""
+
+    vocab: int  # embedding + output layer: split over TP (vocabulary-parallel)
+    attention: int  # linear_qkv + linear_proj: split over TP
+    replicated: int  # norms (input, pre-MLP, q, k, final) and routers: whole on every rank
+    experts: int  # routed experts: split over EP
+
+    @property
+    def total(self) -> int:
+        return self.vocab + self.attention + self.replicated + self.experts
+
+    def per_rank(self, tp: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds at tensor-parallel `tp` and expert-parallel `ep`."""
+        return (self.vocab + self.attention) / tp + self.replicated, self.experts / ep
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    nq, g, e, f = cfg.num_attention_heads, cfg.num_query_groups, cfg.num_experts, cfg.moe_ffn_hidden_size
+    return ParamCounts(
+        vocab=2 * cfg.vocab_size * h,
+        attention=L * ((nq + 2 * g) * d * h + nq * d * h),
+        replicated=L * (2 * h + 2 * d + e * h) + h,
+        experts=L * e * 3 * f * h,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layouts and precisions
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay the trainer out over `world` GPUs (PP = 1, expert-TP = 1)."""
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sp: bool = False  # sequence parallelism: the TP group splits the non-TP activations (norms, residual, MoE input)
+    dist_opt: bool = False  # megatron's distributed optimizer: optimizer state sharded over the data-parallel ranks
+    recompute: bool = False  # full activation recompute: keep each layer's input only
+    offload: bool = False  # optimizer state and fp32 main parameters in host memory (CPU Adam): none on the GPU
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: ranks that hold the same experts (TP x DP / EP)."""
+        return self.tp * self.dp // self.ep
+
+    def label(self) -> str:
+        flags = [s for s, on in (("SP", self.sp), ("DistOpt", self.dist_opt), ("Recompute", self.recompute),
+                                 ("Offload", self.offload)) if on]  # fmt: skip
+        return f"TP{self.tp} EP{self.ep} DP{self.dp}" + ("".join(f" +{s}" for s in flags))
+
+    def check(self, cfg: ModelConfig) -> str | None:
+        """Why megatron-core would refuse this layout for `cfg` (None: it builds)."""
+        if cfg.num_query_groups % self.tp:
+            return f"TP {self.tp} must divide num_query_groups {cfg.num_query_groups}"
+        if cfg.num_attention_heads % self.tp:
+            return f"TP {self.tp} must divide num_attention_heads {cfg.num_attention_heads}"
+        if cfg.num_experts % self.ep:
+            return f"EP {self.ep} must divide num_experts {cfg.num_experts}"
+        if (self.tp * self.dp) % self.ep:
+            return f"EP {self.ep} must divide TP x DP = {self.tp * self.dp}"
+        if self.tp > 1 and self.ep > 1 and not self.sp:
+            return "megatron needs sequence parallelism with TP > 1 and EP > 1"
+        if self.tp == 1 and self.sp:
+            return "SP needs TP > 1"
+        return None
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of training state."""
+
+    weight_bytes: int = 2  # model parameters at the compute dtype
+    grad_bytes: int = 4  # gradient buffer (megatron accumulates main grads in fp32)
+    optim_bytes: int = 12  # AdamW m + v (fp32) + fp32 main parameters
+    act_bytes: int = 2  # activations
+
+    @classmethod
+    def of(cls, dtype: str) -> Precision:
+        """bf16/fp16 mixed precision (megatron: 16-bit weights, fp32 main grads, main params, m and v), or plain
+        fp32 (weights, grads, m, v all fp32; no main copy)."""
+        if dtype == "fp32":
+            return cls(weight_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4)
+        if dtype in ("bf16", "fp16"):
+            return cls()
+        raise ValueError(f"dtype = {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one RL step computes: the rollout batch and its lengths, and the trainer's micro-batch."""
+
+    prompts: int = 64  # P
+    group_size: int = 8  # G
+    prompt_len: int = 1024  # longest prompt, tokens
+    response_len: int = 8192  # max_new_tokens
+    micro_batch: int = 1  # sequences per micro-batch on one trainer rank
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.group_size
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The rollout engine (vLLM): tensor-parallel size and expert-parallel size per replica; the replicas split the
+    rollout batch."""
+
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory per GPU
+# ---------------------------------------------------------------------------------------------------------------------
+def activation_elems_per_token_layer(cfg: ModelConfig) -> tuple[float, float, float]:
+    """Elements one token keeps for backward in one MoE layer: (split by TP always, split by TP only with SP,
+    MoE part: split by TP with SP, spread over EP by the dispatch: on average each rank processes k copies of its
+    own tokens).
+
+    Attention (TP-split): q, k before QK-norm ((nq + g) d), q, k, v after it and RoPE ((nq + 2 g) d), the attention
+    output (nq d, also linear_proj's input). Sequence-level (SP-split): the two RMSNorm inputs and outputs and the
+    residual (5 H), the router logits and probabilities (2 E). MoE: each of the k routed copies keeps its permuted
+    input (H), fc1's output (2 F), the SwiGLU output (F) and fc2's output (H) for the gate-weighted unpermute."""
+    h, d, e, k, f = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size
+    nq, g = cfg.num_attention_heads, cfg.num_query_groups
+    attn = (nq + g) * d + (nq + 2 * g) * d + nq * d
+    seq = 5 * h + 2 * e
+    moe = k * (2 * h + 3 * f)
+    return float(attn), float(seq), float(moe)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes on one GPU (or, for a CPU run, in the process)."""
+
+    layout: Layout
+    params: float  # parameters per rank (count, not bytes)
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    engine_weights: float
+    engine_kv: float
+    reserve: float
+    colocated_sleep: bool = True
+    fragmentation: float = 0.1  # allocator fragmentation, a fraction of the peak
+    extra: float = 0.0  # transient copies
+
+    @property
+    def train(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def engine(self) -> float:
+        return self.engine_weights + self.engine_kv
+
+    @property
+    def total(self) -> float:
+        peak = max(self.train, self.engine) if self.colocated_sleep else self.train + self.engine
+        return (peak + self.extra) * (1 + self.fragmentation) + self.reserve
+
+    def fits(self, budget_bytes: float) -> bool:
+        return self.total <= budget_bytes
+
+
+def estimate(
+    cfg: ModelConfig,
+    layout: Layout,
+    work: Workload,
+    *,
+    precision: Precision | None = None,
+    engine: EngineLayout | None = None,
+    colocated_sleep: bool = True,
+    reserve_gb: float = 5.0,
+    fragmentation: float = 0.1,
+) -> Estimate:
+    """Per-GPU memory of `layout` for `cfg` running `work` (module docstring)."""
+    precision = precision or Precision()
+    engine = engine or EngineLayout()
+    counts = param_counts(cfg)
+    dense, expert = counts.per_rank(layout.tp, layout.ep)
+    weights = (dense + expert) * precision.weight_bytes
+    grads = (dense + expert) * precision.grad_bytes
+    if layout.offload:
+        optimizer = 0.0
+    elif layout.dist_opt:
+        optimizer = (dense / layout.dp + expert / layout.edp) * precision.optim_bytes
+    else:
+        optimizer = (dense + expert) * precision.optim_bytes
+    activations = training_activations(cfg, layout, work, precision.act_bytes)
+    # The engine: one replica holds the model over engine.tp x engine.ep GPUs (attention and vocabulary over TP,
+    # experts over EP); the replicas split the rollout batch; the KV cache keeps every sequence at full length.
+    e_dense, e_expert = counts.per_rank(engine.tp, engine.ep)
+    replica_gpus = max(engine.tp, engine.ep)
+    replicas = max(1, layout.world // replica_gpus)
+    engine_weights = (e_dense + e_expert) * DTYPE_BYTES[engine.dtype]
+    kv_heads = max(1, cfg.num_query_groups // engine.tp)  # vLLM replicates KV heads when TP > groups
+    seqs = -(-work.sequences // replicas)  # ceil
+    per_gpu_seqs = seqs if replica_gpus == engine.tp else seqs * engine.tp / replica_gpus  # data-parallel attention
+    engine_kv = (
+        per_gpu_seqs * work.seq_len * cfg.num_layers * 2 * kv_heads * cfg.head_dim * DTYPE_BYTES[engine.kv_dtype]
+    )
+    return Estimate(layout=layout, params=dense + expert, weights=weights, grads=grads, optimizer=optimizer,
+                    activations=activations, engine_weights=engine_weights, engine_kv=engine_kv,
+                    reserve=reserve_gb * GB, colocated_sleep=colocated_sleep, fragmentation=fragmentation)  # fmt: skip
+
+
+def training_activations(cfg: ModelConfig, layout: Layout, work: Workload, act_bytes: int) -> float:
+    """Bytes of activations one trainer rank keeps for one micro-batch: every layer's (or with full recompute, each
+    layer's input plus one layer's), plus the output layer's fp32 logits, log-softmax and their gradient (TP-split
+    over the vocabulary)."""
+    attn, seq, moe = activation_elems_per_token_layer(cfg)
+    tokens = work.micro_batch * work.seq_len
+    tp, sp_div = layout.tp, (layout.tp if layout.sp else 1)
+    per_layer = tokens * (attn / tp + (seq + moe) / sp_div) * act_bytes
+    if layout.recompute:
+        layers = cfg.num_layers * tokens * cfg.hidden_size / sp_div * act_bytes + per_layer
+    else:
+        layers = cfg.num_layers * per_layer
+    logits = 3 * tokens * cfg.vocab_size / tp * 4
+    return layers + logits
+
+
+def candidate_layouts(cfg: ModelConfig, gpus: int, *, gpus_per_node: int = 8) -> list[Layout]:
+    """Every layout megatron-core builds for `cfg` on `gpus` GPUs (TP within a node, powers of two)."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8) if t <= min(gpus, gpus_per_node) and gpus % t == 0]
+    for tp in tps:
+        dp = gpus // tp
+        eps = [e for e in _powers_of_two(gpus) if cfg.num_experts % e == 0 and (tp * dp) % e == 0]
+        for ep, sp, dist_opt, recompute in itertools.product(eps, (False, True), (False, True), (False, True)):
+            layout = Layout(tp=tp, ep=ep, dp=dp, sp=sp, dist_opt=dist_opt, recompute=recompute)
+            if layout.check(cfg) is None:
+                out.append(layout)
+    return out
+
+
+def _powers_of_two(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def default_engine(cfg: ModelConfig, gpus: int, dtype: str = "bf16") -> EngineLayout:
+    """A colocated MoE engine's usual layout (verl runs this model at vLLM TP 1, DP 4, EP 4): TP 1, and experts
+    over the fewest GPUs (a power of two up to 8 dividing the experts and the GPU count) that bring one GPU's share of
+    the weights to 10 GB or less, leaving the rest to the KV cache."""
+    ep = 1
+    counts = param_counts(cfg)
+    while ep < min(gpus, 8) and cfg.num_experts % (ep * 2) == 0 and gpus % (ep * 2) == 0:
+        if sum(counts.per_rank(1, ep)) * DTYPE_BYTES[dtype] <= 10 * GB:
+            break
+        ep *= 2
+    return EngineLayout(tp=1, ep=ep, dtype=dtype, kv_dtype=dtype)
+
+
+def plan(
+    cfg: ModelConfig,
+    gpus: int,
+    gpu_mem_gb: float,
+    work: Workload,
+    *,
+    dtype: str = "bf16",
+    gpus_per_node: int = 8,
+    engine: EngineLayout | None = None,
+    reserve_gb: float = 5.0,
+) -> list[Estimate]:
+    """Estimates of every candidate layout, fitting ones first, each group by total memory."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus = {gpus!r}: must be a positive integer")
+    if not gpu_mem_gb > 0:
+        raise ValueError(f"gpu_mem = {gpu_mem_gb!r}: must be > 0 (GB per GPU)")
+    engine = engine or default_engine(cfg, gpus, dtype)
+    precision = Precision.of(dtype)
+    found = [estimate(cfg, layout, work, precision=precision, engine=engine, reserve_gb=reserve_gb)
+             for layout in candidate_layouts(cfg, gpus, gpus_per_node=gpus_per_node)]  # fmt: skip
+    budget = gpu_mem_gb * GB
+    return sorted(found, key=lambda e: (not e.fits(budget), e.total))
+
+
+def fitting(estimates: Iterable[Estimate], gpu_mem_gb: float) -> list[Estimate]:
+    return [e for e in estimates if e.fits(gpu_mem_gb * GB)]
+
+
+def run_workload(run: Any, *, prompt_len: int = 1024, micro_batch: int = 1) -> Workload:
+    """The Workload of a RunConfig (study.run.config): its P, G, max_new_tokens; prompts up to `prompt_len`."""
+    return Workload(prompts=run.prompts_per_step, group_size=run.group_size, prompt_len=prompt_len,
+                    response_len=run.max_new_tokens, micro_batch=micro_batch)  # fmt: skip
+
+
+def check_run_fits(
+    run: Any, *, gpus: int, gpu_mem_gb: float, gpus_per_node: int = 8, prompt_len: int = 1024
+) -> Estimate:
+    """The smallest-memory layout on which `run` (a RunConfig) fits on `gpus` GPUs of `gpu_mem_gb`; ValueError
+    naming the run, the cluster and the nearest layout's numbers when none does (raised before any job is asked
+    for: study.launch calls it)."""
+    cfg = run.model_config()
+    dtype = run.train_dtype
+    work = run_workload(run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)))
+    estimates = plan(cfg, gpus, gpu_mem_gb, work, dtype=dtype, gpus_per_node=min(gpus_per_node, gpus))
+    fit = fitting(estimates, gpu_mem_gb)
+    if fit:
+        return fit[0]
+    best = min(estimates, key=lambda e: e.total) if estimates else None
+    near = f"; the smallest, {best.layout.label()}, needs {best.total / GB:.1f} GB per GPU" if best else ""
+    raise ValueError(
+        f"run {run.run_id}: model {run.model!r} ({param_counts(cfg).total / 1e9:.2f}B parameters) does not fit on "
+        f"{gpus} GPU(s) of {gpu_mem_gb:g} GB with any layout{near}; valid: more GPUs (nodes x gpus per node) or "
+        f"GPUs with more memory (see `python -m study plan`)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A CPU run of study/rl.py as it is today (benchmarks/bench_plan.py measures it)
+# ---------------------------------------------------------------------------------------------------------------------
+def cpu_run_estimate(cfg: ModelConfig, work: Workload, *, minibatches: int) -> dict[str, float]:
+    """Bytes a CPU run (fp32, one process, hf engine, no KL reference) adds to the process at its peak, by part:
+    the trainer's weights, grads and AdamW m, v; the engine's fp32 weights; the weight sync's transient (the
+    HF-named full copy megatron_to_hf makes, plus the engine's stacked experts built from it); the KV cache of the
+    rollout batch; activations of one minibatch (rl.py runs a minibatch as one batch). The peak is the static
+    part plus the largest of the transients (sync, rollout, update), which do not overlap."""
+    counts = param_counts(cfg)
+    n = counts.total
+    layout = Layout()
+    b = max(1, work.sequences // minibatches)
+    acts = training_activations(cfg, layout, dataclasses.replace(work, micro_batch=b), 4)
+    kv = work.sequences * work.seq_len * cfg.num_layers * 2 * cfg.num_query_groups * cfg.head_dim * 4
+    parts = {
+        "weights": 4.0 * n,
+        "grads": 4.0 * n,
+        "optimizer": 8.0 * n,
+        "engine_weights": 4.0 * n,
+        "sync_transient": 4.0 * (n + counts.experts),
+        "rollout_kv": float(kv),
+        "activations": acts,
+    }
+    static = parts["weights"] + parts["grads"] + parts["optimizer"] + parts["engine_weights"]
+    parts["peak"] = static + max(parts["sync_transient"], parts["rollout_kv"], parts["activations"])
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Printing
+# ---------------------------------------------------------------------------------------------------------------------
+PUBLISHED: dict[str, tuple[int, Layout]] = {
+    "verl GSPO (2x8)": (16, Layout(tp=4, ep=4, dp=4, sp=True, dist_opt=True, recompute=True, offload=True)),
+    "NeMo-RL GRPO (8x8)": (64, Layout(tp=2, ep=8, dp=32, sp=True, dist_opt=True, recompute=False)),
+}
+"""The published layouts for Qwen3-30B-A3B (/work/shared/REFERENCES.md): GPUs and trainer layout (verl offloads
+parameters and optimizer; counted here as the optimizer state off the GPU)."""
+
+
+def format_table(estimates: Sequence[Estimate], gpu_mem_gb: float, *, limit: int | None = None) -> str:
+    head = (f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
+            f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB")  # fmt: skip
+    rows = [head, "-" * len(head)]
+    for e in list(estimates)[: limit or None]:
+        rows.append(
+            f"{e.layout.label():<45} {e.params / 1e9:>7.2f}B {e.weights / GB:>8.1f} {e.grads / GB:>7.1f} "
+            f"{e.optimizer / GB:>7.1f} {e.activations / GB:>7.1f} {e.train / GB:>7.1f} {e.engine / GB:>7.1f} "
+            f"{e.engine_kv / GB:>6.1f} {e.total / GB:>7.1f}  {'yes' if e.fits(gpu_mem_gb * GB) else 'no'}"
+        )
+    return "\n".join(rows)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`python -m study plan`: print the candidate layouts of a model on a cluster."""
+    import argparse
+    import sys
+
+    from study.core.model_config import resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m study plan", description=plan_main.__doc__)
+    p.add_argument("--model", default=None, help="a preset (qwen3-30b-a3b, small, ...), a model mapping or an HF "
+                   "checkpoint directory; default: the run config's")  # fmt: skip
+    p.add_argument("--config", help="a run config YAML (its model, batch, lengths and dtype)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="run config override")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all (nodes x GPUs per node)")
+    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GB")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node")
+    p.add_argument("--prompt-len", type=int, default=1024, help="longest prompt, tokens")
+    p.add_argument("--response-len", type=int, default=None, help="max_new_tokens (default: the run's, else 8192)")
+    p.add_argument("--prompts", type=int, default=None, help="P (default: the run's, else 64)")
+    p.add_argument("--group-size", type=int, default=None, help="G (default: the run's, else 8)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per trainer rank")
+    p.add_argument("--dtype", default=None, help="training dtype (default: the run's, else bf16)")
+    p.add_argument("--engine-tp", type=int, default=None, help="vLLM TP per replica (default 1)")
+    p.add_argument("--engine-ep", type=int, default=None, help="vLLM EP per replica (default: see default_engine)")
+    p.add_argument("--reserve-gb", type=float, default=5.0, help="per GPU: CUDA context, buffers, fragmentation")
+    p.add_argument("--all", action="store_true", help="print every candidate (default: the 20 best)")
+    args = p.parse_args(argv)
+    try:
+        run = None
+        if args.config or args.sets:
+            from study.run.config import load_config
+
+            run = load_config(args.config, sets=args.sets)
+        model = args.model if args.model is not None else (run.model if run is not None else None)
+        if model is None:
+            raise ValueError("give --model or --config")
+        from study.core.model_config import model_spec
+
+        cfg = resolve_model(model_spec(_parse_model(model)))
+        dtype = args.dtype or (run.train_dtype if run else "bf16")
+        work = Workload(
+            prompts=args.prompts or (run.prompts_per_step if run else 64),
+            group_size=args.group_size or (run.group_size if run else 8),
+            prompt_len=args.prompt_len,
+            response_len=args.response_len or (run.max_new_tokens if run else 8192),
+            micro_batch=args.micro_batch,
+        )
+        engine = default_engine(cfg, args.gpus)
+        engine = dataclasses.replace(engine, tp=args.engine_tp or engine.tp, ep=args.engine_ep or engine.ep)
+        estimates = plan(cfg, args.gpus, args.gpu_mem, work, dtype=dtype, gpus_per_node=args.gpus_per_node,
+                         engine=engine, reserve_gb=args.reserve_gb)  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    counts = param_counts(cfg)
+    print(f"model: {param_counts(cfg).total / 1e9:.3f}B parameters ({counts.experts / 1e9:.3f}B in experts), "
+          f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
+          f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
+          f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
+          f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
+          "GB per GPU:")  # fmt: skip
+    print(format_table(estimates, args.gpu_mem, limit=None if args.all else 20))
+    n_fit = len(fitting(estimates, args.gpu_mem))
+    print(f"{n_fit} of {len(estimates)} layouts fit on {args.gpus} GPU(s) of {args.gpu_mem:g} GB")
+    from study.core.model_config import PRESETS
+
+    if cfg == PRESETS["qwen3-30b-a3b"]:
+        print("published layouts of this model (each on its own GPU count, this batch and engine):")
+        published = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=default_engine(cfg, gpus),
+                              reserve_gb=args.reserve_gb) for gpus, layout in PUBLISHED.values()]  # fmt: skip
+        table = format_table(published, args.gpu_mem).splitlines()
+        print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))
+    return 0 if n_fit else 1
+
+
+def _parse_model(text: Any) -> Any:
+    """A --model argument: a preset name, a path, or a YAML mapping."""
+    if not isinstance(text, str) or not text.lstrip().startswith("{"):
+        return text
+    import yaml
+
+    return yaml.safe_load(text)

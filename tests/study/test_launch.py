@@ -1,0 +1,456 @@
+"""study.launch: the same run in-process, under submitit's local executor and on a real SLURM cluster; failures come
+back with the remote traceback; Ctrl-C/SIGTERM cancels the SLURM job; a SLURM time-out requeues the run, which resumes
+from its checkpoint to the metrics of an uninterrupted run; the smoke study runs through the CPU slurm profile as
+the README types it; a job no node can run is refused before submission, naming the profile key."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from study import launch
+from tests.shared import ROOT, needs_slurm, sharing_coldstart, smoke_config
+
+# Columns that measure the machine, not the computation.
+TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
+LAUNCH = [sys.executable, "-m", "study.launch"]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def write_config(cfg, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def run_launch(config: Path, results: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    cmd = [*LAUNCH, str(config), "--results", str(results), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> pd.DataFrame:
+    return pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
+
+
+def state(run_dir: Path) -> str:
+    return json.loads((run_dir / "status.json").read_text())["state"]
+
+
+def sacct_states(job_id: str) -> list[str]:
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+def final_sacct_states(job_id: str, timeout: float = 120) -> list[str]:
+    """The job's states once SLURM has finished it. The launcher returns as soon as submitit's result file exists,
+    which the job writes before it exits: for a moment after that, sacct still reports it RUNNING (CI saw this)."""
+    deadline = time.time() + timeout
+    states = sacct_states(job_id)
+    while time.time() < deadline and (not states or any(s.startswith(ACTIVE_STATES) for s in states)):
+        time.sleep(1)
+        states = sacct_states(job_id)
+    return states
+
+
+def bad_config(tmp_path: Path) -> Path:
+    """A run that fails at its first line of compute (a cold start without its tokenizer): the traceback must reach
+    the caller. (A cold start that is not there at all is refused before the run directory is written.)"""
+    broken = tmp_path / "no-tokenizer-here"
+    broken.mkdir()
+    (broken / "policy.pt").write_bytes(b"not a checkpoint")
+    cfg = smoke_config(coldstart=str(broken))
+    return write_config(cfg, tmp_path / "bad.yaml")
+
+
+# --- fast tier -------------------------------------------------------------------------------------------------------
+
+
+def test_the_launcher_is_always_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="launcher = 'auto'; valid: in-process, local, slurm"):
+        launch.executor("auto", tmp_path, launch.Resources(), job_name="x")
+    proc = run_launch(write_config(smoke_config(), tmp_path / "c.yaml"), tmp_path, "--launcher", "auto", timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'auto'" in proc.stderr
+
+
+def test_checkpoint_requeues_the_same_run() -> None:
+    run = launch.Run(smoke_config().to_dict(), "results")
+    delayed = run.checkpoint()
+    assert isinstance(delayed.function, launch.Run)
+    assert delayed.function.config == run.config and delayed.function.results == run.results
+
+
+def test_the_coldstart_takes_a_model_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--coldstart MODEL TASK`: MODEL a preset or a YAML/JSON shape mapping, validated before any job (errors name
+    the field); the job gets the canonical shape and is named by its cold-start directory."""
+    cmd = [*LAUNCH, "--coldstart", "{preset: tiny, moe_top_k: 9}", "chain_sum", "--results", str(tmp_path)]
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "error: model.moe_top_k = 9: valid range is [1, 4]" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "coldstart").exists()
+    calls = []
+
+    def submit(call, launcher, folder, res, job_name):
+        calls.append((call, folder, job_name))
+        return {"state": "completed", "run_dir": str(folder)}
+
+    monkeypatch.setattr(launch, "_submit_and_wait", submit)
+    shape = '{"preset": "tiny", "num_layers": 2, "num_experts": 8, "moe_top_k": 4}'  # num_layers: tiny's own
+    assert launch.main(["--coldstart", shape, "chain_sum", "--results", str(tmp_path)]) == 0
+    assert launch.main(["--coldstart", "tiny", "chain_sum", "--results", str(tmp_path)]) == 0
+    (call, folder, job_name), (plain, _, plain_name) = calls
+    assert call.model == {"preset": "tiny", "num_experts": 8, "moe_top_k": 4} and plain.model == "tiny"
+    from study.coldstart import resolve_settings
+
+    name = resolve_settings(call.model, "chain_sum").dirname
+    assert name.startswith("tiny_e8_k4-chain_sum-") and job_name == f"coldstart-{name}" and folder.name == name
+    assert plain_name == f"coldstart-{resolve_settings('tiny', 'chain_sum').dirname}" != job_name
+    assert call.checkpoint().function.model == call.model  # a requeued cold start keeps its shape
+
+
+@pytest.mark.parametrize("launcher", ["in-process", "local"])
+def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> None:
+    proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", launcher, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "FileNotFoundError: tokenizer: no tokenizer.json in " in proc.stderr and "no-tokenizer-here" in proc.stderr
+    assert "in initial_policy\n    return TaskTokenizer.load(directory)" in proc.stderr  # the remote frames, verbatim
+    (run_dir,) = (tmp_path / "results" / "runs").iterdir()
+    assert state(run_dir) == "failed"
+    if launcher == "local":  # the job's own stdout/stderr, under the run directory
+        (err_log,) = (run_dir / "submitit").glob("*_log.err")
+        assert "no tokenizer.json in" in err_log.read_text()
+
+
+def test_the_cpu_profile_differs_from_the_gpu_one_only_in_what_a_job_asks_for() -> None:
+    gpu, cpu = (yaml.safe_load((ROOT / name / "config.yaml").read_text()) for name in ("slurm", "slurm-cpu"))
+    for rule in ("run", "coldstart"):
+        gpus = gpu["set-resources"][rule].pop("gpus", None)  # a run's GPUs and nodes are planned (study.tools.plan)
+        assert (gpus is None if rule == "run" else gpus >= 1) and cpu["set-resources"][rule].pop("gpus") == 0
+        assert gpu["set-resources"][rule].pop("mem_gb") > cpu["set-resources"][rule].pop("mem_gb")
+    assert gpu == cpu
+
+
+def test_a_job_no_node_can_run_names_the_profile_key() -> None:
+    cpu_node = ["(null)|22000|2"]  # `sinfo -h -N -o '%G|%m|%c'` of the one-machine cluster (scripts/slurm/start.sh)
+    why = launch.cluster_shortfall(launch.Resources(gpus=1, mem_gb=64), cpu_node, "run")
+    assert "asks for 1 GPU(s)" in why and "`set-resources: run: gpus`" in why and "--profile slurm-cpu" in why
+    why = launch.cluster_shortfall(launch.Resources(gpus=0, mem_gb=64), cpu_node, "coldstart")
+    assert "asks for 64 GB" in why and "has 21.5 GB" in why and "`set-resources: coldstart: mem_gb`" in why
+    assert launch.cluster_shortfall(launch.Resources(gpus=0, mem_gb=4), cpu_node, "run") is None
+    gpu_nodes = ["gpu:a100:4(S:0-1)|512000|64", "gpu:2|100000|16"]
+    assert launch.cluster_shortfall(launch.Resources(gpus=4, mem_gb=64), gpu_nodes, "run") is None
+    assert "at most 4 GPUs a node" in launch.cluster_shortfall(launch.Resources(gpus=8), gpu_nodes, "run")
+
+
+@needs_slurm
+def test_the_gpu_profile_on_a_cpu_cluster_is_refused_before_submission(tmp_path: Path) -> None:
+    """What the README's one-machine trial hit with the GPU profile: a clear error, not sbatch's gres error."""
+    config = write_config(smoke_config(), tmp_path / "run.yaml")
+    proc = run_launch(config, tmp_path / "results", "--launcher", "slurm", "--gpus", "1", "--mem-gb", "64")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        proc.stderr.startswith("error: SLURM: this job asks for 1 GPU(s)") and "set-resources: run: gpus" in proc.stderr
+    )
+    assert not (tmp_path / "results").exists()
+
+
+def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
+    """`snakemake -n --profile slurm`, as typed, from the repository root: every run and the cold start go through the
+    slurm launcher."""
+    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/smoke.yaml", f"results={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
+    coldstarts = [line for line in launches if "--coldstart tiny chain_sum" in line]
+    assert len(launches) == 3 and len(coldstarts) == 1, proc.stdout  # 2 runs + their cold start
+    assert all("--launcher slurm" in line for line in launches), proc.stdout
+    assert "concurrent_runs=1" in proc.stdout
+    default = subprocess.run([*SNAKEMAKE, "-n", "-p", "--cores", "1", "--config", f"results={tmp_path}"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert default.returncode == 0 and "--launcher in-process" in default.stdout, default.stdout + default.stderr
+
+
+def test_paper_dry_run_plans_multi_node_jobs(tmp_path: Path) -> None:
+    """sweeps/paper.yaml through the slurm profile: the planner sizes each Qwen3-30B-A3B run for the config's
+    cluster (8 GPUs of 80 GB per node): 2 nodes x 8 GPUs, in the job plan and on the launch command."""
+    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/paper.yaml", f"results={tmp_path}",
+           "checkpoint=/data/Qwen3-30B-A3B-Base"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
+    assert len(launches) == 12 and all("--gpus 8 --nodes 2" in line for line in launches), proc.stdout[-3000:]
+    assert "gpus=8, nodes=2" in proc.stdout
+    assert "--var checkpoint=/data/Qwen3-30B-A3B-Base" in proc.stdout  # the resolve job gets the same value
+
+
+# --- slow tier: real runs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_in_process_and_local_run_the_same_run(results: Path, tmp_path: Path) -> None:
+    config = write_config(smoke_config(), tmp_path / "smoke.yaml")
+    proc = run_launch(config, results, "--launcher", "in-process")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = results / "runs" / smoke_config().run_id
+    assert proc.stdout.strip() == f"completed: {run_dir}"
+
+    other = sharing_coldstart(results, tmp_path / "other")
+    local = run_launch(config, other, "--launcher", "local", "--time-min", "20")
+    assert local.returncode == 0, local.stderr[-4000:]
+    local_dir = other / "runs" / run_dir.name
+    assert state(local_dir) == "completed"
+    assert list((local_dir / "submitit").glob("*_log.out")), "submitit's logs belong under the run directory"
+    pd.testing.assert_frame_equal(metrics(local_dir), metrics(run_dir), check_exact=True)
+
+
+def test_a_requeue_ended_by_sigterm_counts_as_requeued() -> None:
+    """SLURM ends a job's processes when it requeues the job, `scontrol requeue` too if it has not exited: that
+    SIGTERM means requeued (CI once failed a requeued run on it); any other failure of the command still raises."""
+    py = [sys.executable, "-c"]
+    assert launch.requeue([*py, "pass"]) is True
+    assert launch.requeue([*py, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) is False
+    for failing in ("raise SystemExit(1)", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"):
+        with pytest.raises(subprocess.CalledProcessError):
+            launch.requeue([*py, failing])
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    launch._in_job()  # what Run and ColdStart do first in the job
+    assert SlurmJobEnvironment._requeue is launch._slurm_requeue
+
+
+# --- SLURM tier: the real cluster of scripts/slurm/start.sh ---------------------------------------------------------
+
+
+@needs_slurm
+def test_sigterm_cancels_the_slurm_job(tmp_path: Path) -> None:
+    cfg = smoke_config(coldstart="scratch", steps=500, eval_every=0)
+    config = write_config(cfg, tmp_path / "long.yaml")
+    cmd = [*LAUNCH, str(config), "--results", str(tmp_path), "--launcher", "slurm", "--mem-gb", "1", "--time-min", "10"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = proc.stderr.readline()  # "submitted slurm job N; logs: ..."
+    job_id = re.match(r"submitted slurm job (\d+)", first).group(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, first + err
+    assert f"cancelling slurm job {job_id}" in err
+    states = final_sacct_states(job_id)
+    assert any(s.startswith("CANCELLED") for s in states), states
+
+
+@needs_slurm
+def test_a_failing_slurm_job_surfaces_the_remote_traceback(tmp_path: Path) -> None:
+    proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", "slurm", "--mem-gb", "1", timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "failed during processing with trace:" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "no tokenizer.json in" in proc.stderr
+    assert "study/rl.py" in proc.stderr and "in initial_policy" in proc.stderr  # frames of the remote process
+
+
+@needs_slurm
+@pytest.mark.slow
+def test_the_coldstart_launches_as_a_slurm_job(results: Path, tmp_path: Path) -> None:
+    """`python -m study.launch --coldstart` (the coldstart rule under --profile slurm) runs ensure_coldstart in a
+    SLURM job; here the cold start exists already, so the job finds and reports it without training."""
+    other = sharing_coldstart(results, tmp_path / "other")
+    cfg = smoke_config()
+    cmd = [*LAUNCH, "--coldstart", cfg.model, cfg.task, "--results", str(other), "--launcher", "slurm", "--mem-gb", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stderr.split("submitted slurm job ")[1].split(";")[0]
+    assert final_sacct_states(job_id) == ["COMPLETED"]
+    from study.coldstart import resolve_settings
+
+    directory = other / "coldstart" / resolve_settings(cfg.model, cfg.task).dirname
+    assert proc.stdout.strip() == f"completed: {directory}"
+    assert list((other / "coldstart" / "submitit" / directory.name).glob(f"{job_id}_0_log.out"))
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_path: Path) -> None:
+    """The smoke study with the repository's CPU profile, as the README types it (`--profile slurm-cpu`; the results
+    directory is this test's)."""
+    study = sharing_coldstart(results, tmp_path / "results")
+    cmd = [*SNAKEMAKE, "--profile", "slurm-cpu", "--config", "sweep=sweeps/smoke.yaml", f"results={study}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (study / "smoke" / "report" / "index.html").is_file()
+    run_dirs = sorted((study / "runs").iterdir())
+    assert len(run_dirs) == 2 and all(state(d) == "completed" for d in run_dirs)
+    for run_dir in run_dirs:
+        job_id = json.loads((run_dir / "manifest.json").read_text())["job_id"]
+        assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+        assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()
+        assert "submitted slurm job" in (run_dir / "run.log").read_text()
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Path, tmp_path: Path) -> None:
+    """A study whose run spans two ranks (expert parallel 2 over data parallel 2), as a user types it (`snakemake
+    --profile slurm-cpu`): one SLURM job of two tasks, one per rank of the layout, which sacct reports COMPLETED;
+    rank 0 writes the run directory, each rank its shards of megatron's distributed checkpoint; the manifest records
+    the layout and the job."""
+    study = sharing_coldstart(results, tmp_path / "results")
+    sweep = tmp_path / "two_ranks.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "two_ranks", "description": "CI: one run on two ranks through SLURM.", "preset": "tiny",
+        "base": {"steps": 2, "eval_every": 2, "eval_size": 4, "eval_samples": 1, "checkpoint_every": 1,
+                 "prompts_per_step": 4, "minibatches": 2, "parallel": {"expert": 2, "data": 2}},
+        "axes": {"algorithm": ["grpo_rr"], "seed": [0]}, "mode": "grid",
+    }))  # fmt: skip
+    cmd = [*SNAKEMAKE, "--profile", "slurm-cpu", "--config", f"sweep={sweep}", f"results={study}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (study / "two_ranks" / "report" / "index.html").is_file()
+    (run_dir,) = sorted((study / "runs").iterdir())
+    assert state(run_dir) == "completed" and len(metrics(run_dir)) == 3  # step 0's evaluation and 2 steps
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["parallel"]["expert"] == 2 and manifest["parallel"]["data"] == 2
+    job_id = manifest["job_id"]
+    assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+    tasks = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NTasks,AllocNodes"], capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
+    logs = sorted(p.name for p in (run_dir / "submitit").glob(f"{job_id}_*_log.out"))
+    assert logs == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], (logs, tasks)  # one task per rank
+    assert "dist-step2" in {p.name for p in (run_dir / "checkpoint").iterdir()}
+    dist = run_dir / "checkpoint" / "dist-step2"
+    assert len(list(dist.glob("__0_*.distcp"))) >= 1 and len(list(dist.glob("__1_*.distcp"))) >= 1  # both ranks'
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
+    """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
+    requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
+    # A 2-minute limit: slurmctld sends the 20-s warning signal on its ~30-s time-limit sweep, i.e. 70-100 s into the
+    # job, after the ~30 s start-up and several checkpoints; each job gets ~40-70 s of steps before its signal. The run
+    # must outlast the first job whatever this machine's speed: a fixed 1,800 steps (~3 min at 0.09 s a step when it
+    # was written) finished in 94 s on a machine at 0.043 s a step, never signalled. So the steps are sized from a
+    # measured short run: ~200 s of steps (1,800 at least, 8,000 at most). The budget of 20 timeouts leaves a slow
+    # machine room (CI runs took 6 requeues).
+    probe_results = sharing_coldstart(results, tmp_path / "probe")
+    probe = run_launch(write_config(smoke_config(steps=60, eval_every=0, checkpoint_every=0), tmp_path / "probe.yaml"),
+                       probe_results, "--launcher", "in-process")  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    (probe_run,) = (probe_results / "runs").iterdir()
+    per_step = float(pd.read_parquet(probe_run / "metrics.parquet")["wall_s"].max()) / 60
+    steps = int(min(8000, max(1800, 200 / per_step)))
+    cfg = smoke_config(steps=steps, eval_every=600, checkpoint_every=10)
+    config = write_config(cfg, tmp_path / "long.yaml")
+    other = sharing_coldstart(results, tmp_path / "other")
+    slurm_args = ["--launcher", "slurm", "--time-min", "2", "--signal-delay-s", "20", "--max-timeouts", "20"]
+    slurm = subprocess.Popen([*LAUNCH, str(config), "--results", str(other), *slurm_args, "--mem-gb", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    reference = run_launch(config, results, "--launcher", "in-process")  # meanwhile, on the other core
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    _, err = slurm.communicate(timeout=1200)
+    assert slurm.returncode == 0, err[-4000:]
+    run_dir = other / "runs" / cfg.run_id
+    assert state(run_dir) == "completed"
+    log = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.*")))
+    assert "this job is timed-out" in log and "Calling checkpoint method" in log, log[-4000:]
+    assert re.search(r"Requeued job \d+ \(\d+ remaining timeouts\)", log), log[-4000:]
+    assert log.count("Starting with JobEnvironment") >= 2  # the requeued job started again
+    pd.testing.assert_frame_equal(metrics(run_dir), metrics(results / "runs" / cfg.run_id), check_exact=True)
+
+
+# --- multi-node placement: nodes x tasks per node, the torch.distributed env, the fit check -------------------------
+
+
+def test_the_placement_reaches_sbatch(tmp_path: Path) -> None:
+    res = launch.Resources(gpus=8, nodes=2, gpu_mem_gb=80)
+    assert (res.ranks_per_node, res.world_size) == (8, 16)  # one rank per GPU
+    ex = launch.executor("slurm", tmp_path, res, job_name="x")
+    text = ex._make_submission_file_text("python -c pass", "uid")
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --gpus-per-node=8" in text
+    cpu = launch.executor("slurm", tmp_path, launch.Resources(), job_name="x")._make_submission_file_text("c", "u")
+    assert "#SBATCH --nodes=1" in cpu and "#SBATCH --ntasks-per-node=1" in cpu and "gpus-per-node" not in cpu
+    with pytest.raises(ValueError, match="nodes = 0: must be an integer >= 1"):
+        launch.Resources(nodes=0)
+    with pytest.raises(ValueError, match="nodes = 2: the local launcher runs on this machine; valid: 1"):
+        launch.executor("local", tmp_path, launch.Resources(nodes=2), job_name="x")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """study.tools.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
+    job)."""
+    monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
+    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
+                       max_new_tokens=4096)  # fmt: skip
+    config = write_config(big, tmp_path / "big.yaml")
+    args = [str(config), "--results", str(tmp_path), "--launcher", "slurm", "--gpus", "1", "--gpu-mem-gb", "80"]
+    assert launch.main(args) == 2
+    assert launch.main([*args[:-4], "--gpus", "8", "--nodes", "2", "--gpu-mem-gb", "80"]) == 2  # fits, but 16 ranks
+    with pytest.raises(ValueError, match=r"does not fit on 1 GPU\(s\) of 80 GB"):
+        launch.check_resources(big, "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))
+    with pytest.raises(ValueError, match=r"2 x 8 = 16 ranks, but the run's parallel layout \{\} has 1"):
+        launch.check_resources(big, "slurm", launch.Resources(gpus=8, nodes=2, gpu_mem_gb=80))
+    launch.check_resources(smoke_config(), "slurm", launch.Resources(gpus=1, gpu_mem_gb=80))  # tiny fits
+
+
+def test_outside_a_job_the_env_is_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert launch.distributed_env()["WORLD_SIZE"] == "1"
+
+
+@needs_slurm
+def test_two_tasks_on_one_node_agree_on_the_distributed_env(tmp_path: Path) -> None:
+    """The CI cluster's one node, two tasks: each rank gets SLURM's placement as the torch env (RANK, WORLD_SIZE,
+    LOCAL_RANK, one MASTER_ADDR:PORT) and a gloo all_reduce over both succeeds."""
+    cmd = [*LAUNCH, "--rank-check", "--launcher", "slurm", "--tasks-per-node", "2", "--results", str(tmp_path),
+           "--mem-gb", "1", "--time-min", "5"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "2 ranks agree" in proc.stdout, proc.stdout + proc.stderr
+    views = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [v["rank"] for v in views] == [0, 1] and all(v["sum"] == 3.0 for v in views)
+    assert [v["env"]["LOCAL_RANK"] for v in views] == ["0", "1"]
+    assert len({(v["env"]["MASTER_ADDR"], v["env"]["MASTER_PORT"], v["env"]["WORLD_SIZE"]) for v in views}) == 1
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
+    """Both ranks of a two-task job hold past the 2-minute limit: rank 0 checkpoints and requeues the job, and both
+    ranks start again (attempt 1) and agree on the env again."""
+    res = launch.Resources(tasks_per_node=2, time_min=2, signal_delay_s=20, mem_gb=1, max_timeouts=3)
+    views = launch.launch_rank_check(tmp_path, "slurm", res, hold_s=600)
+    assert [v["attempt"] for v in views] == [1, 1] and [v["rank"] for v in views] == [0, 1]
+    assert all(v["sum"] == 3.0 for v in views)
+    log = "".join(p.read_text() for p in sorted((tmp_path / "rank-check" / "submitit").glob("*_log.*")))
+    assert "Calling checkpoint method" in log and re.search(r"Requeued job \d+", log), log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path) -> None:
+    # A run at EP 2 through submitit's local executor: one job, two tasks (ranks), rank 0's status returned, and the
+    # run directory written by rank 0 with the ranks' distributed checkpoint.
+    from study.run.config import load_config
+    from tests.study.policy.test_parallel import _coldstart
+
+    (tmp_path / "start").mkdir()
+    cfg = load_config(preset="tiny", sets=["steps=1", "eval_every=0", "prompts_per_step=2", "minibatches=2",
+                                           "max_new_tokens=8", f"coldstart={_coldstart(tmp_path / 'start')}",
+                                           "parallel.expert=2", "parallel.data=2"])  # fmt: skip
+    proc = run_launch(write_config(cfg, tmp_path / "ep2.yaml"), tmp_path / "r", "--launcher", "local")
+    run_dir = tmp_path / "r" / "runs" / cfg.run_id
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == f"completed: {run_dir}" and state(run_dir) == "completed"
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["dist-step1", "state.pt"]
+    assert len(list((run_dir / "submitit").glob("*_1_log.out"))) == 1  # the second task's own log
