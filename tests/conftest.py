@@ -1,18 +1,49 @@
 """Shared test settings and fixtures: deterministic hypothesis runs without wall-clock deadlines (CI shares 2 cores),
-one CPU thread per test (as the harness's runs use), and the tiny cold start every run test starts from."""
+one CPU thread per test (as the harness's runs use), what the environment must provide (STUDY_REQUIRE, checked at
+the session's start), and the cold starts run tests start from, each trained once per session in a fresh process."""
 
+from __future__ import annotations
+
+import json
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.shared import REQUIREMENTS, ROOT, missing, require, required, sharing_coldstart
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop before any test where STUDY_REQUIRE names something this machine lacks, naming each."""
+    try:
+        names = required()
+    except ValueError as err:
+        pytest.exit(str(err), returncode=pytest.ExitCode.USAGE_ERROR)
+    gone = [f"{name}: {reason}" for name in sorted(names) if (reason := missing(name))]
+    if gone:
+        pytest.exit(f"STUDY_REQUIRE={os.environ['STUDY_REQUIRE']} but missing here: {'; '.join(gone)}", returncode=1)
+
+
+def _requirement(name: str):  # type: ignore[no-untyped-def]
+    @pytest.fixture(scope="session", name=f"requires_{name}")
+    def fixture() -> None:
+        require(name)
+
+    return fixture
+
+
+# `requires_vllm`, `requires_slurm`, ...: a test that uses one skips (or, under STUDY_REQUIRE, fails) without it
+for _name in REQUIREMENTS:
+    globals()[f"requires_{_name}"] = _requirement(_name)
 
 
 @pytest.fixture(autouse=True)
@@ -25,17 +56,60 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One results dir per session holding the tiny cold start (2-4 min to make, once; reused from the checkout's
-    results/coldstart when it has one)."""
-    from study.coldstart import ensure_coldstart
-    from tests.shared import ROOT, smoke_config
+# ---------------------------------------------------------------------------------------------------------------------
+# Cold starts: each distinct one trained once per session, by the harness's own entry point in a fresh process (the
+# workflow's coldstart rule: python -m study.launch --coldstart), into one store keyed by the settings' hash (the
+# directory name results/coldstart/{label}-{task}-{hash}). Tests share it through symlinks (tests.shared
+# .sharing_coldstart). The tests of the cold start itself (tests/study/coldstart) train their own.
+# ---------------------------------------------------------------------------------------------------------------------
+class ColdStarts:
+    """The session's store of cold starts, `root`/coldstart/<dirname>."""
 
-    results = tmp_path_factory.mktemp("results")
-    cached = ROOT / "results" / "coldstart"
-    if cached.is_dir():
-        shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
-    cfg = smoke_config()
-    ensure_coldstart(cfg.model, cfg.task, results)
-    return results
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, model: str = "tiny", task: str = "chain_sum", *, strict: bool = True, **settings: object) -> Path:
+        """The directory of the cold start of `model` on `task` with further ColdStartSettings `settings` (band,
+        knobs, ...; the defaults are a tiny run's with coldstart = auto), trained now unless the store has it."""
+        from study.coldstart import is_complete, read_record, resolve_settings
+
+        directory = self.root / "coldstart" / resolve_settings(model, task, **settings).dirname
+        if not is_complete(directory):
+            cmd = [sys.executable, "-m", "study.launch", "--coldstart", model, task, "--results", str(self.root),
+                   "--coldstart-settings", json.dumps(settings)]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0 and is_complete(directory), f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
+        record = read_record(directory)
+        assert not strict or record["status"] == "in_band", (directory, record["status"], record["pass_at_1"])
+        return directory
+
+
+@pytest.fixture(scope="session")
+def coldstarts(tmp_path_factory: pytest.TempPathFactory) -> ColdStarts:
+    return ColdStarts(tmp_path_factory.mktemp("coldstarts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_coldstart(coldstarts: ColdStarts) -> Path:
+    """The tiny preset's default cold start on chain_sum: what a tiny run with coldstart = auto starts from (2-4 min
+    to train, once per session)."""
+    return coldstarts.get("tiny", "chain_sum")
+
+
+@pytest.fixture(scope="session")
+def results(tmp_path_factory: pytest.TempPathFactory, tiny_coldstart: Path) -> Path:
+    """A results dir of the session holding the tiny cold start (symlinked from the store)."""
+    return sharing_coldstart(tiny_coldstart.parent.parent, tmp_path_factory.mktemp("results"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    """How many times this session trained the tiny preset's default cold start (one: the shared store's)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or factory._basetemp is None:
+        return
+    from study.coldstart import resolve_settings
+
+    name = resolve_settings("tiny", "chain_sum").dirname
+    built = [Path(d) for d, _, files in os.walk(factory.getbasetemp()) if Path(d).name == name and "policy.pt" in files]
+    if built:
+        terminalreporter.write_line(f"tiny cold start {name}: trained {len(built)} time(s) in this session")

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from study.core import weights as W
+from tests.shared import needs
 from tests.study.rollout.conftest import CFG, build_megatron, megatron_logp, perturb_, random_prompts
 
-pytestmark = pytest.mark.slow
-
-pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, needs("vllm")]
 
 TOL = 1e-5
 N, MAX_NEW = 4, 16

@@ -18,6 +18,7 @@ from study import rl
 from study.run import rundir
 from study.run import trackers as T
 from study.run.config import load_config
+from tests.shared import require
 
 SETS = ["coldstart=scratch", "steps=4", "eval_every=3", "checkpoint_every=2"]
 
@@ -103,8 +104,7 @@ def sent_once(run_dir: Path) -> dict[str, dict[int, float]]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny run with all three trackers, stopped at step 3 (its checkpoint is at step 2) and resumed."""
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
+    require("trackers")
     results = tmp_path_factory.mktemp("trackers")
     cfg = load_config(preset="tiny", sets=SETS)
     tracking = T.Tracking(T.parse_trackers("wandb,mlflow"), "demo", {"algorithm": "grpo", "seed": "0"})

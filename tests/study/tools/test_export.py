@@ -6,7 +6,6 @@ tier; measured 4.8e-7 too)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from study.__main__ import main as study_main
 from study.policy.model import build_policy, token_logp
 from study.run.config import load_config
 from study.tools.export import CHECKPOINT, _load_state
+from tests.shared import require
 
 PROMPTS = ["3 + 4 =\n", "12 + 7 + 5 =\n"]
 TOL = 1e-5
@@ -91,9 +91,9 @@ def test_bad_exports_are_errors(hf_dir: Path, run_dir: Path, tmp_path: Path, cap
 
 
 @pytest.mark.slow
-def test_vllm_serves_the_export(hf_dir: Path, run_dir: Path) -> None:
-    pytest.importorskip("vllm")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def test_vllm_serves_the_export(hf_dir: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     from study.data.tokenizer import TaskTokenizer
