@@ -77,7 +77,8 @@ class ColdStarts:
         if not is_complete(directory):
             cmd = [sys.executable, "-m", "study.launch", "--coldstart", model, task, "--results", str(self.root),
                    "--coldstart-settings", json.dumps(settings)]  # fmt: skip
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+            env = {k: v for k, v in os.environ.items() if k != "STUDY_NATIVE"}  # the C kernels on, their default
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0 and is_complete(directory), f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
         record = read_record(directory)
         assert not strict or record["status"] == "in_band", (directory, record["status"], record["pass_at_1"])
@@ -94,6 +95,13 @@ def tiny_coldstart(coldstarts: ColdStarts) -> Path:
     """The tiny preset's default cold start on chain_sum: what a tiny run with coldstart = auto starts from (2-4 min
     to train, once per session)."""
     return coldstarts.get("tiny", "chain_sum")
+
+
+@pytest.fixture(scope="session")
+def easy_coldstart(coldstarts: ColdStarts) -> Path:
+    """The tiny preset SFT'd on the default study's task (chain sums of 2-3 one-digit terms) until its held-out pass@1
+    reaches 0.2 (~20 s): a start that earns reward in a few RL steps (the parallel-layout runs)."""
+    return coldstarts.get("tiny", "chain_sum", band=[0.2, 0.9], knobs={"terms": [2, 3], "digits": 1})
 
 
 @pytest.fixture(scope="session")

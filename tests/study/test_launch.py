@@ -438,15 +438,14 @@ def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path) -> None:
+def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path, easy_coldstart) -> None:
     # A run at EP 2 through submitit's local executor: one job, two tasks (ranks), rank 0's status returned, and the
     # run directory written by rank 0 with the ranks' distributed checkpoint.
     from study.run.config import load_config
-    from tests.study.policy.test_parallel import _coldstart
 
     (tmp_path / "start").mkdir()
     cfg = load_config(preset="tiny", sets=["steps=1", "eval_every=0", "prompts_per_step=2", "minibatches=2",
-                                           "max_new_tokens=8", f"coldstart={_coldstart(tmp_path / 'start')}",
+                                           "max_new_tokens=8", f"coldstart={easy_coldstart}",
                                            "parallel.expert=2", "parallel.data=2"])  # fmt: skip
     proc = run_launch(write_config(cfg, tmp_path / "ep2.yaml"), tmp_path / "r", "--launcher", "local")
     run_dir = tmp_path / "r" / "runs" / cfg.run_id

@@ -15,18 +15,12 @@ import torch
 
 import algorithms
 from study import rl
-from study.coldstart import ensure_coldstart
 from study.data import tasks
 from study.run.config import load_config
+from tests.shared import sharing_coldstart
 
 # Columns that measure the machine, not the computation.
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
-
-
-@pytest.fixture(scope="session")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One results dir per session, so the tiny cold start is made once and reused by every run."""
-    return tmp_path_factory.mktemp("results")
 
 
 def status(run_dir: Path) -> dict:
@@ -201,19 +195,12 @@ def _in_subprocess(results: Path, sets: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _share_coldstart(results: Path, other: Path) -> None:
-    (other / "coldstart").mkdir(parents=True)
-    for src in (results / "coldstart").iterdir():
-        os.symlink(src, other / "coldstart" / src.name)
-
-
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> None:
     sets = ["algorithm=gspo", "steps=6", "checkpoint_every=2", "eval_every=3"]
-    ensure_coldstart("tiny", "chain_sum", results)  # made once, shared through symlinks
     reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
     for root in (reference_root, killed_root):
-        _share_coldstart(results, root)
+        sharing_coldstart(results, root)
     ref = _in_subprocess(reference_root, sets)
     assert ref.wait(timeout=600) == 0, ref.stderr.read()
     (reference,) = (reference_root / "runs").iterdir()
@@ -272,9 +259,9 @@ GOLDEN = {
 
 
 @pytest.fixture(scope="module")
-def golden_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The golden runs' own results directory: their cold start is made there too, by the isolated runs."""
-    return tmp_path_factory.mktemp("golden")
+def golden_results(tmp_path_factory: pytest.TempPathFactory, tiny_coldstart: Path) -> Path:
+    """The golden runs' own results directory, sharing the session's tiny cold start (trained in a fresh process)."""
+    return sharing_coldstart(tiny_coldstart.parent.parent, tmp_path_factory.mktemp("golden"))
 
 
 def isolated_run(sets: list[str], results: Path, **env: str) -> Path:
@@ -316,11 +303,7 @@ def test_the_torch_paths_give_the_kernels_metrics(golden_results: Path) -> None:
     with the kernels) within KERNEL_RTOL of its golden numbers, tokens identical."""
     sets = next(iter(GOLDEN))
     run = [*sets, "threads=1", "eval_every=2"]
-    cfg = load_config(preset="tiny", sets=run)
-    other = golden_results / "torch-paths"
-    other.mkdir(exist_ok=True)
-    isolated_run(["steps=1", "eval_every=0"], golden_results, STUDY_NATIVE="1")  # the cold start, with the kernels
-    (other / "coldstart").symlink_to(ensure_coldstart("tiny", cfg.task, golden_results).parent)
+    other = sharing_coldstart(golden_results, golden_results / "torch-paths")
     run_dir = isolated_run(run, other, STUDY_NATIVE="0")
     assert json.loads((run_dir / "manifest.json").read_text())["native_kernels"] is False
     metrics = pd.read_parquet(run_dir / "metrics.parquet").query("step > 0")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from study.coldstart import resolve_settings
 from study.coldstart.store import run_coldstart
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import SweepError, validate_sweep
+from tests.shared import sharing_coldstart
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -312,14 +312,11 @@ def test_snakemake_rejects_a_bad_sweep_before_any_job(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_smoke_study_runs_then_reruns_nothing(tmp_path):
-    """The real smoke study (a few minutes, most of it the tiny cold start), then `snakemake --report` on it (its
-    figures, their captions, the study's report), then a rerun that computes nothing."""
-    results = tmp_path / "results"
-    cached = ROOT / "results" / "coldstart"  # reuse a finished cold start if this checkout has one
-    if cached.is_dir():
-        shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
-    copied = {p.parent.name for p in (results / "coldstart").glob("*/coldstart.json")} if cached.is_dir() else set()
+def test_smoke_study_runs_then_reruns_nothing(tmp_path, tiny_coldstart):
+    """The real smoke study on the session's tiny cold start (its coldstart job finds it done), then `snakemake
+    --report` on it (its figures, their captions, the study's report), then a rerun that computes nothing."""
+    results = sharing_coldstart(tiny_coldstart.parent.parent, tmp_path / "results")
+    copied = {p.parent.name for p in (results / "coldstart").glob("*/coldstart.json")}
     config = ["--config", "sweep=sweeps/smoke.yaml", f"results={results}"]
     proc = _snakemake("--cores", "2", *config, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from algorithms.registry import Range, register, unregister
 from sweeps import tune
 from sweeps.expand import load_sweep, load_tuned
 from sweeps.schema import SweepError, validate_tuned_file
+from tests.shared import sharing_coldstart
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"coldstart": "scratch", "steps": 4, "eval_every": 2, "eval_size": 4, "eval_samples": 1, "checkpoint_every": 2}
@@ -223,13 +223,10 @@ def test_a_pruned_trial_is_recorded_pruned_and_its_run_is_resumable(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_median_pruner_prunes_a_destructive_learning_rate(tmp_path: Path) -> None:
+def test_median_pruner_prunes_a_destructive_learning_rate(tmp_path: Path, tiny_coldstart: Path) -> None:
     """A policy that scores (the tiny cold start): trial 0 at the paper's settings, trial 1 at lr 0.01, which wrecks the
     policy within two steps; the median pruner stops trial 1 at its first eval, below trial 0's."""
-    results = tmp_path / "results"
-    cached = ROOT / "results" / "coldstart"  # reuse a finished cold start if this checkout has one
-    if cached.is_dir():
-        shutil.copytree(cached, results / "coldstart", ignore=shutil.ignore_patterns(".*"))
+    results = sharing_coldstart(tiny_coldstart.parent.parent, tmp_path / "results")
     # max_log_ratio: lr 0.01 moves the policy's log-probs by ~20 within step 1, at the default guard (20), so the run
     # could record an exploding-ratio collapse before the pruner sees its first eval; the guard is raised here
     base = {

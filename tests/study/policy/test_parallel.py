@@ -280,21 +280,8 @@ def test_layout_validation():
 # ---------------------------------------------------------------------------------------------------------------------
 RUN_SETS = ["steps=2", "eval_every=0", "checkpoint_every=1", "prompts_per_step=4", "group_size=4", "minibatches=2",
             "max_new_tokens=16", "algorithm=grpo_rr", "task_knobs={terms: [2, 3], digits: 1}"]  # fmt: skip
-_STARTS: dict[str, str] = {}
-
-
-def _coldstart(directory) -> str:
-    """A real cold start both runs load: the tiny preset SFT'd on the default study's task (chain sums of 2-3 one-digit
-    terms) until its held-out pass@1 reaches 0.2 (~20 s; made once per session, under the first caller's
-    `directory`). A random start earns no
-    reward, so every advantage, loss and gradient of the runs would be 0 and the loops' updates would go unchecked."""
-    if "tiny" not in _STARTS:
-        from study.coldstart import ensure_coldstart
-
-        path = ensure_coldstart("tiny", "chain_sum", directory, band=(0.2, 0.9), knobs={"terms": [2, 3], "digits": 1},
-                                threads=1)  # fmt: skip
-        _STARTS["tiny"] = str(path)
-    return _STARTS["tiny"]
+# The runs start from the session's `easy_coldstart` (tests/conftest.py): a random start earns no reward, so every
+# advantage, loss and gradient of the runs would be 0 and the loops' updates would go unchecked.
 
 
 def _rl_worker(rank: int, port: int, sets: list[str], results: str, world: int = 2) -> None:
@@ -331,7 +318,7 @@ def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2
 
 
 @pytest.mark.slow
-def test_rl_run_at_ep2_equals_one_process(tmp_path):
+def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     # Two GRPO + Routing Replay steps at EP 2 (dense weights data parallel over the same two ranks) against the same
     # run at one process: the same rollouts (one engine, rank 0's, fed the gathered weights), and the same losses,
     # clip fractions, gradient norms and routing metrics to rounding. Rank 0 alone writes the run directory, and
@@ -340,7 +327,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path):
 
     from study.run.config import load_config
 
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     layout = ["parallel.expert=2", "parallel.data=2"]
     one, two = _one_and_layout(tmp_path, sets, layout)
     cfg = load_config(preset="tiny", sets=[*sets, *layout])
@@ -354,7 +341,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path):
     assert (a["grad_norm"] > 0).all() and (a["reward_mean"] > 0).any()  # both steps updated the policy
     assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["dist-step2", "state.pt"]
     state = torch.load(two / "checkpoint" / "state.pt", weights_only=False)["model"]
-    start = torch.load(f"{_coldstart(tmp_path)}/policy.pt", weights_only=True)
+    start = torch.load(f"{easy_coldstart}/policy.pt", weights_only=True)
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in start.items()}
     import json
 

@@ -247,7 +247,7 @@ def _two_rank_run(results, sets: list[str], *, stop: bool) -> None:
 
 
 @pytest.mark.slow
-def test_rl_resume_across_layouts(tmp_path):
+def test_rl_resume_across_layouts(tmp_path, easy_coldstart):
     # Two GRPO + Routing Replay steps, checkpointed after each: stopped after step 1 at one layout and resumed at
     # another, step 2 equals the uninterrupted one-process run's (as a whole run at EP 2 does,
     # tests/study/policy/test_parallel.py): one process -> EP 2 (the one-process weights and Adam states sliced into the
@@ -258,9 +258,9 @@ def test_rl_resume_across_layouts(tmp_path):
 
     from study.run import rundir
     from study.run.config import load_config
-    from tests.study.policy.test_parallel import RUN_SETS, _coldstart
+    from tests.study.policy.test_parallel import RUN_SETS
 
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     ep2, dp2 = ["parallel.expert=2", "parallel.data=2"], ["parallel.data=2"]
     run_id = load_config(preset="tiny", sets=sets).run_id
     _one_process_run(tmp_path / "reference", sets, stop=False)
@@ -290,7 +290,9 @@ def test_rl_resume_across_layouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed_checkpoint(tmp_path, monkeypatch):
+def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed_checkpoint(
+    tmp_path, monkeypatch, easy_coldstart
+):
     # STUDY_FULL_STATE_MAX_GB = 0: as for a model whose full weights and Adam states would not fit rank 0 (30B: ~366
     # GB), the DP 2 run's state.pt names its distributed checkpoint and holds no one-process form; resumed at DP 2 it
     # equals the uninterrupted one-process run; a one-process resume refuses it, naming why; `study export` reads the
@@ -304,10 +306,10 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
     from study.run import rundir
     from study.run.config import load_config
     from study.tools import export, rl
-    from tests.study.policy.test_parallel import RUN_SETS, _coldstart
+    from tests.study.policy.test_parallel import RUN_SETS
 
     monkeypatch.setenv("STUDY_FULL_STATE_MAX_GB", "0")  # inherited by the spawned ranks
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}"]
+    sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     run_id = load_config(preset="tiny", sets=sets).run_id
     _one_process_run(tmp_path / "reference", sets, stop=False)
     want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from study.core.model_config import PRESETS, ParallelLayout
-from tests.study.policy.test_parallel import RUN_SETS, _coldstart, _one_and_layout, _port
+from tests.study.policy.test_parallel import RUN_SETS, _one_and_layout, _port
 
 CFG = PRESETS["tiny"]
 ROWS, WIDTH, KEEP = 3, 17, 5  # S = 16 splits over 2 ranks; T = 5 kept positions pads to 6 (model.token_logp)
@@ -151,14 +151,14 @@ def test_tp2_routes_record_and_replay_equal_one_process(name, one, tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_run_at_tp2_equals_one_process(tmp_path):
+def test_rl_run_at_tp2_equals_one_process(tmp_path, easy_coldstart):
     # Two GRPO + Routing Replay steps at TP 2 + SP against the same run at one process: same rollouts (rank 0's
     # engine, fed the gathered weights), same losses, clip fractions, gradient norms and routing metrics to rounding.
     import pandas as pd
 
     # sync_check_every: after each weight sync every rank runs the trainer's forward (collective), rank 0's engine
     # scores the same sequences
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
+    sets = [*RUN_SETS, f"coldstart={easy_coldstart}", "sync_check_every=1"]
     one, two = _one_and_layout(tmp_path, sets, ["parallel.tensor=2"])
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
     assert list(a["step"]) == list(b["step"]) == [1, 2]
@@ -176,7 +176,7 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path):
+def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path, easy_coldstart):
     # Tensor and expert parallelism together, as the paper's model runs (verl: TP 4 x EP 4; here TP 2 + SP, the dense
     # weights data parallel over 2, the 4 experts one per rank across both tensor-parallel groups: megatron's MoE
     # parallel folding), four processes: two GRPO + Routing Replay steps equal the one-process run's to rounding.
@@ -184,7 +184,7 @@ def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path):
 
     from study.run.config import load_config
 
-    sets = [*RUN_SETS, f"coldstart={_coldstart(tmp_path / 'start')}", "sync_check_every=1"]
+    sets = [*RUN_SETS, f"coldstart={easy_coldstart}", "sync_check_every=1"]
     layout = ["parallel.tensor=2", "parallel.data=2", "parallel.expert=4"]
     one, four = _one_and_layout(tmp_path, sets, layout, world=4)
     cfg = load_config(preset="tiny", sets=[*sets, *layout])

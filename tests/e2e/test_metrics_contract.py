@@ -1,0 +1,98 @@
+"""A real run feeds the analysis: two short runs (GSPO and GRPO) from the session's tiny cold start, loaded by
+analysis.tidy and scored by the scorecard. Every metric of the run's vocabulary (study.run.metrics.STEP_METRICS,
+LAYER_METRICS, TOKEN_SAMPLE_COLUMNS) is a column of the tidy study and holds a number (not NaN) on every step where
+it applies. The loop pre-fills each step's row with NaN, so a metric it stopped computing would otherwise show up
+only as an all-NaN column and a claim turned quietly inconclusive.
+
+Where a metric applies (the settings below switch every optional one on):
+- step 0 (eval_every > 0) holds the start's held-out evaluation only: eval_*, lr, compute_flops and wall_s;
+- eval_in_dist, eval_hard: step 0, every eval_every steps and the last step;
+- sync_parity_mean_abs, sync_parity_max_abs: every sync_check_every steps;
+- kl_ref: kl_coef > 0; prompts_skipped_mastered: prompt_filter = mastered;
+- routing_slot_mismatch, routing_set_flip_rate, routing_token_flip_rate (and the per-layer slot_mismatch,
+  set_flip_rate): minibatches >= 2 (old vs new policy after an update);
+- engine_routing_slot_mismatch, engine_expert_load_imbalance: an engine that returns its routes (hf does);
+- every other step metric: every step from 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import scorecard, tidy
+from study import rl
+from study.run.config import load_config
+from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
+from tests.shared import sharing_coldstart
+
+STEPS, EVAL_EVERY, SYNC_CHECK_EVERY = 3, 2, 2
+SETS = [f"steps={STEPS}", f"eval_every={EVAL_EVERY}", f"sync_check_every={SYNC_CHECK_EVERY}", "minibatches=2",
+        "kl_coef=0.01", "prompt_filter=mastered", "checkpoint_every=0", "eval_size=8", "eval_samples=1"]  # fmt: skip
+START_ONLY = {"step", "lr", "compute_flops", "wall_s"}
+"""The step-0 row's metrics besides the evaluations."""
+EVAL_STEPS = {0, EVAL_EVERY, STEPS}
+
+
+def applies(metric: str, step: int) -> bool:
+    """Whether `metric` must hold a number at `step` of a run with SETS."""
+    if metric.startswith("eval_"):
+        return step in EVAL_STEPS
+    if step == 0:
+        return metric in START_ONLY
+    if metric.startswith("sync_parity_"):
+        return step % SYNC_CHECK_EVERY == 0
+    return True
+
+
+@pytest.fixture(scope="module")
+def study(results: Path, tmp_path_factory: pytest.TempPathFactory) -> tidy.Study:
+    root = sharing_coldstart(results, tmp_path_factory.mktemp("contract"))
+    for algorithm in ("gspo", "grpo"):
+        run_dir = rl.run(load_config(preset="tiny", sets=[*SETS, f"algorithm={algorithm}"]), root, progress=False)
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "completed", algorithm
+    return tidy.load_study(root)
+
+
+@pytest.mark.slow
+def test_every_step_metric_reaches_the_tidy_study_where_it_applies(study: tidy.Study) -> None:
+    wide = study.long.pivot_table(index=["run_id", "step"], columns="metric", values="value", dropna=False,
+                                  observed=True)  # fmt: skip
+    vocabulary = set(STEP_METRICS) - {"step"}
+    assert vocabulary <= set(study.metrics), f"not in the tidy study: {sorted(vocabulary - set(study.metrics))}"
+    assert sorted(wide.index.get_level_values("step").unique()) == list(range(STEPS + 1))
+    empty = []
+    for metric in sorted(vocabulary):
+        for (run_id, step), value in wide[metric].items():
+            if applies(metric, step) and not np.isfinite(value):
+                empty.append(f"{metric} @ step {step} of {run_id}")
+            if step == 0 and not applies(metric, 0):
+                assert np.isnan(value), f"{metric} at step 0 = {value}: the start row holds the evaluation only"
+    assert not empty, f"{len(empty)} empty where the metric applies: {empty[:20]}"
+
+
+@pytest.mark.slow
+def test_layers_and_token_samples_reach_the_tidy_study(study: tidy.Study) -> None:
+    assert set(LAYER_METRICS) <= set(study.layers.columns), set(LAYER_METRICS) - set(study.layers.columns)
+    steps = study.layers[study.layers["step"] > 0]
+    assert len(steps) and steps[list(LAYER_METRICS)].notna().all().all(), steps.isna().sum()
+    logps = [c for c in TOKEN_SAMPLE_COLUMNS if c.endswith("_logp")]
+    assert set(logps) <= set(study.tokens.columns) and study.tokens[logps].notna().all().all()
+
+
+@pytest.mark.slow
+def test_the_scorecard_finds_every_metric_it_reads(study: tidy.Study) -> None:
+    """Two runs decide nothing, but no claim may lack its metric: the claims whose algorithms are present (C1, C2:
+    GSPO vs GRPO; C6: GSPO) are evaluated, and none says a metric was not logged; the held-out gain is computed for
+    both runs."""
+    cards = {card.claim: card for card in scorecard.scorecard(study)}
+    assert len(scorecard.scorecard_table(list(cards.values()))) == len(cards) >= 6
+    for card in cards.values():
+        assert "not logged" not in card.reason, f"{card.claim}: {card.reason}"
+    for claim in ("C1", "C2", "C6"):
+        assert not cards[claim].reason.startswith(scorecard.NOT_IN_STUDY), f"{claim}: {cards[claim].reason}"
+    gain = scorecard.heldout_gain(study)
+    assert not gain.reason and len(gain.table) == 2 and gain.table["gain"].notna().all(), gain
