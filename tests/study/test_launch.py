@@ -164,22 +164,6 @@ def test_the_gpu_profile_on_a_cpu_cluster_is_refused_before_submission(tmp_path:
     assert not (tmp_path / "results").exists()
 
 
-def test_snakemake_dry_run_with_the_slurm_profile(tmp_path: Path) -> None:
-    """`snakemake -n --profile slurm`, as typed, from the repository root: every run and the cold start go through the
-    slurm launcher."""
-    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/smoke.yaml", f"results={tmp_path}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
-    coldstarts = [line for line in launches if "--coldstart tiny chain_sum" in line]
-    assert len(launches) == 3 and len(coldstarts) == 1, proc.stdout  # 2 runs + their cold start
-    assert all("--launcher slurm" in line for line in launches), proc.stdout
-    assert "concurrent_runs=1" in proc.stdout
-    default = subprocess.run([*SNAKEMAKE, "-n", "-p", "--cores", "1", "--config", f"results={tmp_path}"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
-    assert default.returncode == 0 and "--launcher in-process" in default.stdout, default.stdout + default.stderr
-
-
 def test_paper_dry_run_plans_multi_node_jobs(tmp_path: Path) -> None:
     """sweeps/paper.yaml through the slurm profile: the planner sizes each Qwen3-30B-A3B run for the config's
     cluster (8 GPUs of 80 GB per node): 2 nodes x 8 GPUs, in the job plan and on the launch command."""

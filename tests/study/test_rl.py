@@ -187,8 +187,7 @@ def test_exploding_ratio_collapses(results: Path) -> None:
 
 def _in_subprocess(results: Path, sets: list[str]) -> subprocess.Popen:
     """`python -m study run` in a fresh process: the reference, the killed run and the resume all run in the same
-    kind of process (a test process that imported vLLM computes the engine's log-probs differently in the 7th
-    digit, which is an environment difference, not a resume difference)."""
+    kind of process, so a difference is a resume difference."""
     cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
     for s in sets:
         cmd += ["--set", s]
@@ -265,10 +264,9 @@ def golden_results(tmp_path_factory: pytest.TempPathFactory, tiny_coldstart: Pat
 
 
 def isolated_run(sets: list[str], results: Path, **env: str) -> Path:
-    """rl.run of the tiny preset with `sets` in a fresh interpreter: golden numbers measure the computation alone.
-    (In one pytest session of the whole suite they came out different at step 1 while each run alone, and this file
-    alone, reproduce them: some state an earlier test leaves in the process reaches a run. Not yet found; see the
-    issue notes.)"""
+    """rl.run of the tiny preset with `sets` in a fresh interpreter: golden numbers measure the computation alone,
+    whatever earlier tests left in the test process (importing vLLM leaves the numerics alone:
+    tests/study/rollout/test_vllm_import.py)."""
     code = ("import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
             "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))\n")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, str(results), *sets], env={**os.environ, **env},

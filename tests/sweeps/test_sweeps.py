@@ -219,7 +219,8 @@ def test_snakemake_lint(sweep_file):
 )
 def test_snakemake_dry_run(name, profile, tmp_path):
     """The whole chain is planned: one cold start per distinct checkpoint, every run, then collect, figures and report
-    once; the runs depend on the cold start; with `--profile slurm` as typed too."""
+    once; the runs depend on the cold start; with `--profile slurm` as typed too, every run and the cold start go
+    through the slurm launcher (without a profile: in-process)."""
     args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"]), "--config", f"results={tmp_path}"]
     if name != "default":  # the default study is what a bare `snakemake` runs
         args.append(f"sweep=sweeps/{name}.yaml")
@@ -236,6 +237,12 @@ def test_snakemake_dry_run(name, profile, tmp_path):
     run_inputs = [line for line in proc.stdout.splitlines() if line.strip().startswith("input:") and ".yaml" in line]
     assert run_inputs and all("/coldstart.json" in line for line in run_inputs), run_inputs
     assert f"--out {tmp_path}/{name}/figures" in proc.stdout  # python -m analysis figures
+    launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
+    assert len(launches) == len(coldstarts) + expected["run"], proc.stdout
+    launcher = "--launcher slurm" if profile else "--launcher in-process"
+    assert all(launcher in line for line in launches), proc.stdout
+    if profile:
+        assert "concurrent_runs=1" in proc.stdout and sum("--coldstart tiny chain_sum" in x for x in launches) == 1
 
 
 @pytest.mark.parametrize(
