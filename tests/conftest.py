@@ -47,6 +47,17 @@ for _name in REQUIREMENTS:
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test starts from the session's environment: an in-process vllm.LLM writes LD_PRELOAD (torch's libgomp),
+    LD_LIBRARY_PATH, LOCAL_WORLD_SIZE and VLLM_* into os.environ, which every later child process would inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _one_thread():
     import torch
 
