@@ -303,9 +303,10 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
 
     import pandas as pd
 
+    from study import rl
     from study.run import rundir
     from study.run.config import load_config
-    from study.tools import export, rl
+    from study.tools import export
     from tests.study.policy.test_parallel import RUN_SETS
 
     monkeypatch.setenv("STUDY_FULL_STATE_MAX_GB", "0")  # inherited by the spawned ranks
