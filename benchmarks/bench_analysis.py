@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/bench_analysis.py [--runs 1000] [--steps 1000] [--extra 10] [--keep DIR]
 
 Writes the synthetic run directories to a temporary folder first (not timed), then times, separately:
-load (every run directory -> the tidy long and per-run tables), aggregate (final-window summary with bootstrap CIs
-per configuration, curves on a common compute grid with bootstrap bands for reward and clip fraction, the average
+load (every run directory -> the tidy long and per-run tables), aggregate (final-window summary with t intervals
+per configuration, curves on a common compute grid with t bands for reward and clip fraction, the average
 clip-fraction table), write (the tidy tables as parquet), and fit (ScaleRL fits per algorithm with a seed bootstrap).
-Goal (issue 6): load + aggregate under 20 s on 2 cores.
+Target: load + aggregate under 20 s on 2 cores (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Not a test. Every sample runs to max_new_tokens (no stop tokens), so tokens = prompts x n x max_new_tokens; the
 timing covers `generate` only (engine built and warmed up first). For vLLM it also times one in-place weight
-update (the bucketed sync into the engine's process; benchmarks/bench_sync.py compares it with the former
+update (the bucketed sync into the engine's process; benchmarks/bench_sync.py compares it with an
 in-process full-copy sync).
 
     .venv/bin/python benchmarks/bench_engines.py                       # tiny preset, all engines, fp32 and bf16

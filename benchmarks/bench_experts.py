@@ -20,7 +20,7 @@ One torch thread, no autograd.
 `--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
 loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
 weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`
-(study/policy/experts.py, what the policy runs since it was measured here), the same per-expert GEMMs in one autograd
+(study/policy/experts.py, what the policy runs), the same per-expert GEMMs in one autograd
 Function with a hand-written backward (no module calls, no per-op autograd nodes: the least Python the loop can
 have), on `--tokens` routed rows split over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50
 positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x the forward's 2 x rows x 3 x hidden x

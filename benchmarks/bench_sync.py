@@ -1,4 +1,4 @@
-"""The weight sync trainer -> vLLM: today's streamed, bucketed sync into the engine's own process against the former
+"""The weight sync trainer -> vLLM: the runs' streamed, bucketed sync into the engine's own process against an
 in-process full-copy sync (the whole model cloned into an HF state dict, then vLLM's `reload_weights` on it), side by
 side on the same machine, model and weights, one torch thread in every process. Not a test.
 
@@ -65,7 +65,7 @@ def _parity(policy, cfg, score) -> float:
 
 
 def run_full_copy(preset_name: str, syncs: int) -> dict:
-    """The former path: vLLM in this process; per sync megatron_to_hf (a clone of every weight), reload_weights on
+    """The baseline: vLLM in this process; per sync megatron_to_hf (a clone of every weight), reload_weights on
     the list, the CPU MoE re-pack, the prefix-cache reset."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import tempfile

@@ -271,7 +271,7 @@ def main() -> None:
     ap.add_argument(
         "--wrapped-decode",
         action="store_true",
-        help="ours: the hf engine decoding through the full transformers call (before the speed-up)",
+        help="ours: the hf engine decoding through the full transformers call (the slow path)",
     )
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side, print JSON
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)

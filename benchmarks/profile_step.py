@@ -19,7 +19,9 @@ import pstats
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
+ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 PHASES: dict[str, tuple[str, str]] = {
     # phase: (file suffix, function name), cumulative time
     "rollout: engine.generate": ("study/rollout/hf.py", "generate"),
@@ -96,7 +98,7 @@ def main() -> None:
         print(f"  {1e3 * sec / steps:8.1f} ms  {100 * sec / total:5.1f}%  {key}")
     print(f"top {args.top} functions by self time:")
     for (f, line, name), v in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.top]:
-        where = f.split("site-packages/")[-1].split("/work/main/")[-1]
+        where = f.split("site-packages/")[-1].removeprefix(ROOT)
         print(f"  {1e3 * v[2] / steps:8.1f} ms  {v[1]:>7d} calls  {where}:{line}({name})")
 
 
