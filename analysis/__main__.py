@@ -121,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
                      "drawn again (drawn again if its runs differ)")  # fmt: skip
     rep.add_argument("--sweep", default=None, help="the study's sweep file: the report shows its description and the "
-                     "notes that open it (what was chosen and why)")  # fmt: skip
+                     "study's notes, docs/studies/<sweep stem>.md (what was chosen and why)")  # fmt: skip
+    rep.add_argument("--doc", default=None, help="the study's notes (Markdown) when not docs/studies/<sweep stem>.md")
     rep.add_argument("--min-volatility", type=float, default=MIN_VOLATILITY, metavar="FRACTION",
                      help="C3, C4 are tested only where the compared runs' routing volatility in the off-policy "
                      "minibatches (routing_slot_mismatch) reaches this fraction of expert slots per update "
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures,
-                                        sweep=args.sweep, rules=rules)  # fmt: skip
+                                        sweep=args.sweep, doc=args.doc, rules=rules)  # fmt: skip
     from analysis import sections
 
     asked, gone = sections.not_read(result.study)

@@ -480,7 +480,7 @@ def figure3_routing_replay(
 
 
 def collapse_counts(coll: pd.DataFrame) -> str:
-    """ "GRPO 2 (status.json 1, reward drop 1), GSPO 1 (reward drop 1)" from a `stats.collapse_table`; "none"."""
+    """ "GRPO 2 (status.json 1, reward drop 1), GSPO 1 (reward drop 1)" from a `collapse.collapse_table`; "none"."""
     c = coll[coll["collapsed"]]
     if c.empty:
         return "none"

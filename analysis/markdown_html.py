@@ -65,6 +65,8 @@ def _list(items: list[tuple[int, bool, str]]) -> str:
         tag = "ol" if ordered else "ul"
         while stack and indent < stack[-1][0]:
             out.append(f"</li></{stack.pop()[1]}>")
+        if stack and indent == stack[-1][0] and tag != stack[-1][1]:  # the other kind of list: a new one
+            out.append(f"</li></{stack.pop()[1]}>")
         if not stack or indent > stack[-1][0]:
             out.append(f"<{tag}><li>")
             stack.append((indent, tag))
