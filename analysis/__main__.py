@@ -18,16 +18,13 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from analysis import files
+from analysis.regime import MIN_MISMATCH, MIN_VOLATILITY
 
 CAPTIONS = "captions"
 """Subdirectory of a `figures` output holding one reStructuredText caption per figure (NAME.rst)."""
-
-
-def _atomic_write(path: Path, text: str) -> Path:
-    files.write_text(path, text)
-    return path
 
 
 def rst_escape(text: str) -> str:
@@ -49,7 +46,7 @@ def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: 
         except (OSError, ValueError):
             states["unreadable"] += 1
     unique = list(dict.fromkeys(ids))
-    written = _atomic_write(Path(out), f"# study {study}: {len(unique)} run(s)\n" + "".join(f"{r}\n" for r in unique))
+    written = files.write(Path(out), f"# study {study}: {len(unique)} run(s)\n" + "".join(f"{r}\n" for r in unique))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
     print(f"{len(unique)} run id(s) of study {study} ({summary}) -> {written}")
     return written
@@ -58,17 +55,16 @@ def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: 
 def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathLike[str]) -> Path:
     """Render the study's figures into `out_dir` (analysis.figures.make_all: PNG, PDF, SVG), one caption per figure
     under `out_dir/captions/NAME.rst` and the index `out_dir/figures.json`; return the index's path."""
-    from analysis import figures
-    from analysis.report import study_run_ids
-    from analysis.tidy import load_study
+    from analysis import figures, results
 
     out = Path(out_dir)
-    st = load_study(results_dir, study_run_ids(results_dir, study))
+    st = results.load(results_dir, study)
+    say_not_read(st)
     rendered = figures.make_all(st, out)
     for name, caption in rendered.captions.items():
-        _atomic_write(out / CAPTIONS / f"{name}.rst", rst_escape(caption) + "\n")
+        files.write(out / CAPTIONS / f"{name}.rst", rst_escape(caption) + "\n")
     tables = {
-        name: {t: _atomic_write(out / figures.TABLES / f"{name}.{t}.csv", df.to_csv(index=False)).relative_to(out)
+        name: {t: files.write(out / figures.TABLES / f"{name}.{t}.csv", df.to_csv(index=False)).relative_to(out)
                for t, df in dfs.items()}
         for name, dfs in rendered.tables.items()
     }  # fmt: skip
@@ -78,8 +74,9 @@ def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathL
         for name, paths in rendered.paths.items()
     }  # fmt: skip
     index = {"study": study or "all", "data": figures.data_fingerprint(st), "figures": entries,
-             "skipped": dict(rendered.skipped)}  # fmt: skip
-    path = _atomic_write(out / figures.INDEX, json.dumps(index, indent=1) + "\n")
+             "skipped": dict(rendered.skipped), "missing": list(st.missing),
+             "unreadable": dict(zip(st.unreadable["run_id"], st.unreadable["reason"], strict=True))}  # fmt: skip
+    path = files.write(out / figures.INDEX, json.dumps(index, indent=1) + "\n")
     for name, why in rendered.skipped.items():
         stale = [out / CAPTIONS / f"{name}.rst", *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg")),
                  *(out / figures.TABLES).glob(f"{name}.*.csv")]  # fmt: skip
@@ -88,6 +85,14 @@ def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathL
         print(f"skipped {name}: {why}")
     print(f"{len(rendered.paths)} figure(s) -> {out}")
     return path
+
+
+def say_not_read(st: Any) -> None:
+    """Print every run of the study that could not be read (with the reason) or is missing, to stderr."""
+    for rid, why in zip(st.unreadable["run_id"], st.unreadable["reason"], strict=True):
+        print(f"run {rid} not read: {why}", file=sys.stderr)
+    for rid in st.missing:
+        print(f"run {rid} missing: no run directory", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,13 +121,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
                      "drawn again (drawn again if its runs differ)")  # fmt: skip
     rep.add_argument("--sweep", default=None, help="the study's sweep file: the report shows its description and the "
-                     "notes that open it (what was chosen and why)")  # fmt: skip
+                     "study's notes, docs/studies/<sweep stem>.md (what was chosen and why)")  # fmt: skip
+    rep.add_argument("--doc", default=None, help="the study's notes (Markdown) when not docs/studies/<sweep stem>.md")
+    rep.add_argument("--min-volatility", type=float, default=MIN_VOLATILITY, metavar="FRACTION",
+                     help="C3, C4 are tested only where the compared runs' routing volatility in the off-policy "
+                     "minibatches (routing_slot_mismatch) reaches this fraction of expert slots per update "
+                     "(default %(default)g)")  # fmt: skip
+    rep.add_argument("--min-mismatch", type=float, default=MIN_MISMATCH, metavar="NATS",
+                     help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
+                     "nats per response token) reaches this (default %(default)g)")  # fmt: skip
     args = parser.parse_args(argv)
 
     if args.command == "collect":
         collect(args.out, args.status, study=args.study)
         return 0
-    from analysis.report import check_study
+    from analysis.results import check_study
 
     try:
         check_study(args.results_dir, args.study)  # before anything is written
@@ -136,9 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         make_figures(args.results_dir, study=args.study, out_dir=args.out)
         return 0
     from analysis import report
+    from analysis.scorecard import Rules
 
+    try:
+        rules = Rules(min_volatility=args.min_volatility, min_mismatch=args.min_mismatch)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures,
-                                        sweep=args.sweep)  # fmt: skip
+                                        sweep=args.sweep, doc=args.doc, rules=rules)  # fmt: skip
+    from analysis import sections
+
+    asked, gone = sections.not_read(result.study)
+    if gone:
+        print(f"{gone} of {asked} run(s) not read (listed in the report with the reason):", file=sys.stderr)
+        say_not_read(result.study)
     print(result.html)
     return 0
 

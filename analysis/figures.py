@@ -36,8 +36,9 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from analysis import collapse, gain, stats, style, vocab
 from analysis import fit as fitting
-from analysis import stats, style, vocab
+from analysis.natural import natural_keys
 from analysis.tidy import ALGORITHM, COMPUTE, EMULATED, PRECISION_KEYS, RUN_ID, VALUE, Study
 
 PFLOP = 1e15
@@ -193,14 +194,7 @@ def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, 
     if not extra_axes:
         return [()]
     keys = curves[list(extra_axes)].drop_duplicates()
-
-    def natural(v: Any) -> tuple[int, float, str]:  # numbers by value (256 before 1024), then text
-        try:
-            return (0, float(v), "")
-        except (TypeError, ValueError):
-            return (1, 0.0, str(v))
-
-    return sorted(keys.itertuples(index=False, name=None), key=lambda t: tuple(natural(v) for v in t))
+    return sorted(keys.itertuples(index=False, name=None), key=natural_keys)
 
 
 def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, str]]:
@@ -434,7 +428,7 @@ def figure3_routing_replay(
     grid_axs = fig.subplots(len(configs), len(fams), squeeze=False, sharey=True, sharex=True)
     starts = stats.run_starts(rows)
     scale, unit = _unit(st)
-    coll = stats.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
+    coll = collapse.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
     coll_by = coll.set_index(RUN_ID)
     reg = style.registry()
     algs = info[ALGORITHM].astype(str).to_numpy()
@@ -477,7 +471,7 @@ def figure3_routing_replay(
         f"individual seeds, thick lines their mean (a centred {smooth}-step mean of the reward); "
         "x marks where a run collapsed: reported by "
         "the run itself (status.json: the trainer's guard) or flagged by analysis. "
-        + stats.collapse_rule(**collapse_rules)
+        + collapse.collapse_rule(**collapse_rules)
         + " Collapsed runs: "
         + collapse_counts(coll)
         + "."
@@ -486,7 +480,7 @@ def figure3_routing_replay(
 
 
 def collapse_counts(coll: pd.DataFrame) -> str:
-    """ "GRPO 2 (status.json 1, reward drop 1), GSPO 1 (reward drop 1)" from a `stats.collapse_table`; "none"."""
+    """ "GRPO 2 (status.json 1, reward drop 1), GSPO 1 (reward drop 1)" from a `collapse.collapse_table`; "none"."""
     c = coll[coll["collapsed"]]
     if c.empty:
         return "none"
@@ -948,20 +942,10 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 """Marker per series where colour alone would repeat (Figure 8's comparisons)."""
 
 
-def _natural_key(values: Sequence[Any]) -> tuple[tuple[int, float, str], ...]:
-    def one(v: Any) -> tuple[int, float, str]:  # numbers by value (30 before 100), then text
-        try:
-            return (0, float(v), "")
-        except (TypeError, ValueError):
-            return (1, 0.0, str(v))
-
-    return tuple(one(v) for v in values)
-
-
 def _configurations(study: Study, axes: Sequence[str]) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     """The value combinations of `axes` among the usable runs (natural order) and run_id -> its combination's index."""
     runs = study.runs[~study.runs["state"].isin(["failed", "unknown"])]
-    keys = sorted({tuple(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=_natural_key)
+    keys = sorted({tuple(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
     index = {k: i for i, k in enumerate(keys)}
     of = {str(rid): index[tuple(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
     return keys, of
@@ -1012,9 +996,9 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     pairs = scorecard.comparison_pairs(present)
     quantities = {"final reward": per_config(stats.final_window(study.long, vocab.REWARD, frac=frac))}
     if vocab.EVAL_IN_DIST in study.metrics:
-        gain = stats.heldout_gain(study.long, vocab.EVAL_IN_DIST)
-        if len(gain):
-            quantities["held-out gain"] = per_config(gain)
+        gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
+        if len(gains):
+            quantities["held-out gain"] = per_config(gains)
     rows = []
     for (a, b, claim), (i, _key) in itertools.product(pairs, enumerate(keys)):
         for what, t in quantities.items():
@@ -1197,14 +1181,16 @@ TABLES = "tables"
 
 def data_fingerprint(study: Study) -> str:
     """A hash of what a study's figures are drawn from, per run: id, state, rows, last step and compute, and the
-    missing run ids. Run directories only grow (a resumed run appends steps), so equal fingerprints mean figures
-    drawn from one can be reused for the other (`analysis.report.build_report(figures_dir=...)`)."""
+    missing and unreadable run ids (with the reason). Run directories only grow (a resumed run appends steps), so
+    equal fingerprints mean figures drawn from one can be reused for the other (`analysis.report.build_report(
+    figures_dir=...)`)."""
     import hashlib
     import json
 
     cols = [c for c in (RUN_ID, "state", "n_steps", "last_step", "last_compute") if c in study.runs.columns]
     rows = study.runs[cols].astype(str).sort_values(RUN_ID).values.tolist()
-    text = json.dumps({"runs": rows, "missing": sorted(map(str, study.missing))})
+    unread = sorted(zip(study.unreadable[RUN_ID].astype(str), study.unreadable["reason"].astype(str), strict=True))
+    text = json.dumps({"runs": rows, "missing": sorted(map(str, study.missing)), "unreadable": unread})
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -1219,7 +1205,8 @@ class Rendered:
 
 
 def make_all(study: Study, out_dir: str | os.PathLike[str], *, only: Sequence[str] | None = None) -> Rendered:
-    """Render every figure the study has data for into `out_dir` (PNG, PDF, SVG); skipped ones say why."""
+    """Render every figure the study has data for into `out_dir` (PNG, PDF, SVG); skipped ones say why (a figure
+    whose data is missing, MissingData; or one that failed on these runs, with the error)."""
     out = Rendered({}, {}, {}, {})
     for name, fn in FIGURES.items():
         if only is not None and name not in only:
@@ -1228,6 +1215,9 @@ def make_all(study: Study, out_dir: str | os.PathLike[str], *, only: Sequence[st
             made = fn(study)
         except MissingData as exc:
             out.skipped[name] = str(exc)
+            continue
+        except Exception as exc:  # a figure that cannot be drawn from these runs never stops the others
+            out.skipped[name] = f"could not be drawn from these runs: {type(exc).__name__}: {exc}"
             continue
         out.paths[name] = style.save(made.fig, Path(out_dir) / made.name)
         out.captions[name] = made.caption

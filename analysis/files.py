@@ -11,6 +11,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -33,6 +34,16 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    """`data` to `path`, atomically: text as UTF-8, bytes as they are."""
+    return write_text(path, data) if isinstance(data, str) else write_bytes(path, data)
+
+
+def write_parquet(path: Path, df: Any) -> Path:
+    """A pandas DataFrame to `path` as parquet (no index), atomically."""
+    return atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def write_text(path: Path, text: str) -> Path:

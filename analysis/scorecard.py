@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import power, stats, style, vocab
+from analysis import collapse, power, regime, stats, style, vocab
 from analysis.fit import A_NOISE
 from analysis.strata import (
     STRATA_RULE,
@@ -47,7 +47,9 @@ from analysis.verdicts import (
     CONTRADICTED,
     INCONCLUSIVE,
     NO_DATA,
+    NOT_IN_REGIME,
     SUPPORTED,
+    VERDICTS,
     Bound,
     Decision,
     Evidence,
@@ -121,6 +123,26 @@ CLAIMS = {
 }
 
 
+@dataclass(frozen=True)
+class Rules:
+    """The scorecard's settable thresholds: the preconditions of the claims that need a regime (analysis.regime)."""
+
+    min_volatility: float = regime.MIN_VOLATILITY
+    """C3, C4: routing volatility in the off-policy minibatches, fraction of expert slots per update."""
+    min_mismatch: float = regime.MIN_MISMATCH
+    """C5: engine/trainer mismatch, mean |logp_train_old - logp_rollout| per response token (nats)."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_volatility", "min_mismatch"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"Rules.{name} = {v!r}: a finite number >= 0")
+
+
+RULES = Rules()
+"""The default rules."""
+
+
 @dataclass
 class ClaimResult:
     """A claim's verdict, the rule that produced it and its evidence."""
@@ -134,20 +156,25 @@ class ClaimResult:
     """Why the verdict is what it is (e.g. "not in this study: gspo absent"), or the deciding comparison."""
     strata: list[Stratum] = field(default_factory=list)
     """Per-stratum verdicts (one entry, key {}, when no other axis is swept)."""
+    regime: str = ""
+    """Where the claim has a precondition (analysis.regime) and some stratum with data did not reach it: the measured
+    value against the threshold, e.g. "routing volatility 0.41% of expert slots per update (n=12 runs), below the 5%
+    the claim needs"; "" otherwise."""
 
     @property
     def strata_summary(self) -> str:
         """E.g. "4 strata: supported 2, contradicted 1, no data 1"; "" when the claim was not stratified."""
         if len(self.strata) <= 1:
             return ""
-        counts = {v: sum(s.verdict == v for s in self.strata) for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_DATA)}
+        counts = {v: sum(s.verdict == v for s in self.strata) for v in VERDICTS}
         return f"{len(self.strata)} strata: " + ", ".join(f"{v} {c}" for v, c in counts.items() if c)
 
     @property
     def label(self) -> str:
-        """The verdict with its reason when inconclusive, e.g. "inconclusive: not in this study (gspo absent)"."""
-        if self.verdict == INCONCLUSIVE and self.reason:
-            return f"{INCONCLUSIVE}: {self.reason}"
+        """The verdict with its reason when inconclusive or not tested in regime, e.g. "inconclusive: not in this
+        study (gspo absent)"."""
+        if self.verdict in (INCONCLUSIVE, NOT_IN_REGIME) and self.reason:
+            return f"{self.verdict}: {self.reason}"
         return self.verdict
 
 
@@ -265,6 +292,76 @@ def _present(study: Study) -> list[str]:
     return list(study.runs[ALGORITHM].dropna().astype(str).unique())
 
 
+# --- regimes: a claim tested only where its precondition was measured (analysis.regime) ------------------------------
+def _measure_strata(
+    study: Study, strat: Stratification, groups: dict[str, pd.Series], pre: regime.Precondition
+) -> dict[int, regime.Measured]:
+    """The precondition measured in every stratum over the usable runs of the compared groups, keyed by the id of the
+    stratum's mask (what `run_strata` hands the claim's evaluate)."""
+    ok = usable(study.runs)
+    out = {}
+    for _, mask in strat.strata:
+        inside = ok & mask & pd.concat(list(groups.values()), axis=1).any(axis=1)
+        out[id(mask)] = pre.measure(study, study.runs.loc[inside, RUN_ID].astype(str))
+    return out
+
+
+def _regime_verdict(
+    verdict: str, evidence: list[Evidence], measured: regime.Measured | None
+) -> tuple[str, list[Evidence]]:
+    """A stratum's verdict and evidence with its precondition: below it, NOT_IN_REGIME with the measured value first;
+    in it, the verdict with the measured value last. Without a measurement (the pooled reference) unchanged."""
+    if measured is None:
+        return verdict, evidence
+    if not measured.met:
+        return NOT_IN_REGIME, [measured.evidence(), *evidence]
+    return verdict, [*evidence, measured.evidence()]
+
+
+def _regime_note(strata: Sequence[Stratum], measured: dict[int, regime.Measured], strat: Stratification) -> str:
+    """The measured values of the strata that did not reach the regime, against the threshold ("" when all did)."""
+    below = [measured[id(m)] for (_, m), s in zip(strat.strata, strata, strict=True) if s.verdict == NOT_IN_REGIME]
+    if not below:
+        return ""
+    if len(strata) == 1:
+        return below[0].sentence
+    pre = below[0].precondition
+    values = [b.ci.estimate for b in below if b.ci.n]
+    what = (
+        f"{pre.fmt(min(values))}" + (f" to {pre.fmt(max(values))}" if len(values) > 1 else "") + f" {pre.unit}"
+        if values
+        else f"not measured (no compared run logged a finite {pre.metric})"
+    )
+    return (
+        f"{pre.quantity} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)} the "
+        "claim needs"
+    )
+
+
+def _with_regime(res: ClaimResult, note: str, scale: str = "") -> ClaimResult:
+    """The claim's result with its regime note; when no stratum was tested, the reason is the note (and `scale`, what
+    the runs below the regime showed at this scale)."""
+    res.regime = note
+    if res.verdict == NOT_IN_REGIME:
+        res.reason = note + (f"; {scale}" if scale else "")
+    elif note:
+        res.reason = f"{res.reason}; not tested in regime: {note}" if res.reason else f"not tested in regime: {note}"
+    return res
+
+
+def _collapses_at_this_scale(free: str, rr: str, counts: Sequence[Counts]) -> str:
+    """What the runs below the regime showed: "at this scale grpo collapsed in 0 of 6 runs and grpo_rr in 0 of 6:
+    evidence about this scale, not a test of the claim"."""
+    if not counts:
+        return ""
+    k1, n1 = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    k2, n2 = sum(c[2] for c in counts), sum(c[3] for c in counts)
+    return (
+        f"below the regime, {free} collapsed in {k1} of {n1} runs and {rr} in {k2} of {n2}: evidence about this "
+        "scale, not a test of the claim"
+    )
+
+
 # --- claims -----------------------------------------------------------------------------------------------------------
 def claim_c1(study: Study) -> ClaimResult:
     """C1: GSPO's final reward at equal compute minus the GRPO baseline's, per stratum."""
@@ -331,7 +428,7 @@ def claim_c2(study: Study) -> ClaimResult:
 
 def _collapsed(study: Study) -> pd.DataFrame:
     """Per usable run: 1.0 when it collapsed (reported in status.json or detected in the reward), else 0.0."""
-    coll = stats.collapse_table(study.long, study.runs, vocab.REWARD)
+    coll = collapse.collapse_table(study.long, study.runs, vocab.REWARD)
     coll = coll[usable(coll)]
     return pd.DataFrame(
         {
@@ -390,17 +487,19 @@ def _too_few(res: ClaimResult, free: str, counts: Sequence[Counts], *, direction
     return res
 
 
-def claim_c3(study: Study) -> ClaimResult:
-    """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum."""
+def claim_c3(study: Study, rules: Rules = RULES) -> ClaimResult:
+    """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum, where the routing moved enough
+    (the volatility precondition)."""
     present = _present(study)
     free = _free_of(GRPO, present)
     rr = _replay_partner_in(GRPO, present) if GRPO in present else None
+    pre = regime.volatility(rules.min_volatility)
     rule = (
         "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
         f"(the registry's replay partner: same loss, routing=replay), its 95% interval {RATE_INTERVAL}; "
         f"{COLLAPSE_DECISION}. Unstable means an excess collapse rate of {COLLAPSE_MARGIN:g} or more; with no "
         f"collapse in either group the interval ends below {COLLAPSE_MARGIN:g} only from {runs_to_exclude()} runs "
-        "without Routing Replay, so fewer runs without a collapse are inconclusive, not a contradiction."
+        f"without Routing Replay, so fewer runs without a collapse are inconclusive, not a contradiction. {pre.rule}"
     )
     if free is None or rr is None:
         return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
@@ -409,33 +508,38 @@ def claim_c3(study: Study) -> ClaimResult:
     coll = _collapsed(study)
     groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
     undecided: list[Counts] = []
+    below: list[Counts] = []
+    strat = stratify(study, groups)
+    measured = _measure_strata(study, strat, groups, pre)
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         d, ev, counts = _rate_evidence(coll, study, mask, free, rr)
-        verdict = COLLAPSE_DECISION(d.low, d.high)
-        if verdict == INCONCLUSIVE:
+        verdict, ev = _regime_verdict(COLLAPSE_DECISION(d.low, d.high), ev, measured.get(id(mask)))
+        if verdict == INCONCLUSIVE and id(mask) in measured:  # not the pooled reference outcome() adds
             undecided.append(counts)
+        if verdict == NOT_IN_REGIME:
+            below.append(counts)
         return verdict, ev
 
-    strat = stratify(study, groups)
     strata = run_strata(study, strat, groups, evaluate)
-    per_stratum = list(undecided)  # outcome() below evaluates the pooled reference too, which is not a stratum
     res = _finish("C3", rule, strat, strata, evaluate)
-    return _too_few(res, free, per_stratum if res.verdict == INCONCLUSIVE else [], direction="against the claim")
+    res = _too_few(res, free, undecided if res.verdict == INCONCLUSIVE else [], direction="against the claim")
+    return _with_regime(res, _regime_note(strata, measured, strat), _collapses_at_this_scale(free, rr, below))
 
 
-def claim_c4(study: Study) -> ClaimResult:
+def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
     """C4: GSPO without Routing Replay neither collapses more often nor trails GSPO with it by more than the noise
-    margin."""
+    margin, where the routing moved enough (the volatility precondition)."""
     present = _present(study)
     free = _free_of(GSPO, present)
     rr = _replay_partner_in(GSPO, present) if GSPO in present else None
+    pre = regime.volatility(rules.min_volatility)
     rule = (
         "g = reward of GSPO with Routing Replay minus without it, over the last "
         f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
         f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
         f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
-        f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}."
+        f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}. {pre.rule}"
     )
     if free is None or rr is None:
         return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
@@ -444,41 +548,48 @@ def claim_c4(study: Study) -> ClaimResult:
     coll = _collapsed(study)
     groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
     undecided: list[Counts] = []
+    below: list[Counts] = []
+    strat = stratify(study, groups)
+    measured = _measure_strata(study, strat, groups, pre)
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
         est, lo, hi = _ci(stats.mean_difference(vals[rr], vals[free]))
         d, rate_ev, counts = _rate_evidence(coll, study, mask, free, rr)
         collapse_verdict = FREE_COLLAPSE_DECISION(d.low, d.high)
-        if collapse_verdict == INCONCLUSIVE:
-            undecided.append(counts)
-        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), collapse_verdict])
         ev = [
             Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
             *rate_ev,
         ]
+        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), collapse_verdict])
+        verdict, ev = _regime_verdict(verdict, ev, measured.get(id(mask)))
+        if verdict == NOT_IN_REGIME:
+            below.append(counts)
+        elif collapse_verdict == INCONCLUSIVE and id(mask) in measured:  # not the pooled reference
+            undecided.append(counts)
         return verdict, ev
 
-    strat = stratify(study, groups)
     strata = run_strata(study, strat, groups, evaluate)
-    per_stratum = list(undecided)  # outcome() below evaluates the pooled reference too, which is not a stratum
     res = _finish("C4", rule, strat, strata, evaluate)
-    if res.verdict != INCONCLUSIVE:
-        return res
-    lead = f"{res.evidence[1]}: " if len(res.strata) <= 1 and len(res.evidence) > 1 else ""  # the collapse line
-    return _too_few(res, free, per_stratum, direction="for the claim", lead=lead)
+    if res.verdict == INCONCLUSIVE:
+        lead = f"{res.evidence[1]}: " if len(res.strata) <= 1 and len(res.evidence) > 1 else ""  # the collapse line
+        res = _too_few(res, free, undecided, direction="for the claim", lead=lead)
+    return _with_regime(res, _regime_note(strata, measured, strat), _collapses_at_this_scale(free, rr, below))
 
 
-def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
-    """C5: GRPO's reward drop from using the engine's log-probs as pi_old minus GSPO's drop, per stratum."""
+def claim_c5(study: Study, rules: Rules = RULES, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
+    """C5: GRPO's reward drop from using the engine's log-probs as pi_old minus GSPO's drop, per stratum, where the
+    engines disagree enough (the mismatch precondition)."""
     present = _present(study)
+    pre = regime.mismatch(rules.min_mismatch)
     rule = (
         f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
         f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
         "seeds of every arm), d is computed within each seed, then its mean and t interval over seeds (paired; a seed "
-        "some arm lacks is left out); with fewer than two such seeds the four groups are independent (Welch)."
+        "some arm lacks is left out); with fewer than two such seeds the four groups are independent (Welch). "
+        + pre.rule
     )
     if GSPO not in present or GRPO not in present:
         return _absent("C5", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -490,6 +601,8 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
     groups = {f"{a}|{s}": _alg_mask(study, a) & (src == s) for a in (GRPO, GSPO) for s in ("recompute", "rollout")}
 
     names = [f"{GRPO}|recompute", f"{GRPO}|rollout", f"{GSPO}|recompute", f"{GSPO}|rollout"]
+    strat = stratify(study, groups, exclude=[axis])
+    measured = _measure_strata(study, strat, groups, pre)
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         seeds: dict[str, list] = {}
@@ -513,10 +626,11 @@ def claim_c5(study: Study, *, axis: str = vocab.OLD_LOGP_AXIS) -> ClaimResult:
             Evidence("drop(gspo)", *_ci(stats.mean_difference(g[2], g[3])), _n(g[2], g[3])),
             size,
         ]
-        return POSITIVE(lo, hi), ev
+        return _regime_verdict(POSITIVE(lo, hi), ev, measured.get(id(mask)))
 
-    strat = stratify(study, groups, exclude=[axis])
-    return _with_power(_finish("C5", rule, strat, run_strata(study, strat, groups, evaluate), evaluate, own=[axis]))
+    strata = run_strata(study, strat, groups, evaluate)
+    res = _with_power(_finish("C5", rule, strat, strata, evaluate, own=[axis]))
+    return _with_regime(res, _regime_note(strata, measured, strat))
 
 
 def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
@@ -654,120 +768,13 @@ def _mean_ev(name: str, x: np.ndarray) -> Evidence:
 CLAIM_FUNCTIONS = {"C1": claim_c1, "C2": claim_c2, "C3": claim_c3, "C4": claim_c4, "C5": claim_c5, "C6": claim_c6}
 
 
-def scorecard(study: Study) -> list[ClaimResult]:
-    """Every claim C1-C6 of PAPER.md evaluated on `study`."""
-    return [fn(study) for fn in CLAIM_FUNCTIONS.values()]
+REGIME_CLAIMS = ("C3", "C4", "C5")
+"""The claims with a precondition (analysis.regime), whose functions take the scorecard's `Rules`."""
 
 
-# --- held-out gain: what RL did to held-out pass@1 -------------------------------------------------------------------
-GAIN_RULE = (
-    "held-out gain = a run's last evaluation of {metric} during training minus its evaluation at step 0 (the starting "
-    "policy, before any RL step, on the same held-out set); per configuration (algorithm and the swept axes) the mean "
-    "over its seeds with a 95% t interval; failed runs excluded, a collapsed run counts with its "
-    "last evaluation before it stopped"
-)
-"""How the held-out gain is computed (formatted with the metric), as the report prints it."""
-
-
-@dataclass
-class HeldOutGain:
-    """The held-out gain per configuration (GAIN_RULE), or why there is none."""
-
-    metric: str
-    table: pd.DataFrame
-    """One row per configuration: algorithm, label, the swept axes, start, final, final_step (range over seeds),
-    gain, low, high, n (runs with a gain), runs (usable runs of the configuration)."""
-    axes: list[str]
-    reason: str = ""
-    """Why the gain is not available ("" when it is)."""
-
-    @property
-    def rule(self) -> str:
-        return GAIN_RULE.format(metric=self.metric)
-
-    @property
-    def available(self) -> bool:
-        return not self.reason
-
-    def lines(self) -> list[tuple[str, str]]:
-        """One (head, text) per algorithm for the headline, e.g. ("Held-out gain, GSPO:", "RL raised held-out pass@1
-        (eval_in_dist) by 0.14 [0.12, 0.16] (n=3): 0.307 at step 0 -> 0.447 at step 150"); one line saying why when
-        the gain is not available."""
-        if not self.available:
-            return [("Held-out gain:", f"not available: {self.reason}")]
-        out = []
-        t = self.table.dropna(subset=["gain"])
-        for alg in _registry_order(t[ALGORITHM].astype(str).unique()):
-            rows = t[t[ALGORITHM].astype(str) == alg]
-            head = f"Held-out gain, {rows['label'].iloc[0]}:"
-            if len(rows) == 1:
-                r = rows.iloc[0]
-                g = float(r["gain"])
-                verb = "raised" if g >= 0 else "lowered"
-                interval = f"[{r['low']:.3f}, {r['high']:.3f}]" if np.isfinite(r["low"]) else "(no interval)"
-                size = f"{interval} (n={int(r['n'])})"
-                text = (
-                    f"RL {verb} held-out pass@1 ({self.metric}) by "
-                    + (f"{g:.3f} {size}" if g >= 0 else f"{-g:.3f}: gain {g:.3f} {size}")
-                    + f": {r['start']:.3f} at step 0 -> {r['final']:.3f} at step {r['final_step']}"
-                )
-            else:
-                lo, hi = float(rows["gain"].min()), float(rows["gain"].max())
-                up = int((rows["low"] > 0).sum())
-                text = (
-                    f"RL changed held-out pass@1 ({self.metric}) by {lo:+.3f} to {hi:+.3f} over {len(rows)} "
-                    f"configurations of {', '.join(self.axes)} (interval above 0 in {up}; each in the table "
-                    "'Held-out gain')"
-                )
-            out.append((head, text))
-        return out
-
-
-def _registry_order(names: Sequence[str]) -> list[str]:
-    try:
-        return style.order(names)
-    except (KeyError, ValueError, LookupError):  # an algorithm the registry does not know (an old run)
-        return sorted(names)
-
-
-def _label_of(name: str) -> str:
-    try:
-        return style.label(name)
-    except (KeyError, ValueError, LookupError):
-        return name
-
-
-def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
-    """The held-out gain (GAIN_RULE) per configuration of the usable runs; `reason` says why when no run has one
-    (the metric not logged, runs written before the loop evaluated its start, no evaluation after it)."""
-    axes = list(study.axes)
-    cols = [ALGORITHM, "label", *axes, "start", "final", "final_step", "gain", "low", "high", "n", "runs"]
-    empty = pd.DataFrame(columns=cols)
-    if metric not in study.metrics:
-        return HeldOutGain(metric, empty, axes, f"{metric} not logged")
-    per_run = stats.heldout_gain(study.long, metric)
-    per_run = per_run[per_run[RUN_ID].astype(str).isin(_usable_ids(study))]
-    if per_run.empty:
-        started = int(study.runs["start_eval"].sum()) if "start_eval" in study.runs else 0
-        why = (
-            f"no run has an evaluation of {metric} after its step-0 one"
-            if started
-            else f"no run has an evaluation of its starting policy (a step-0 row of {metric} in metrics.parquet; runs "
-            "written before the loop evaluated its start), so RL's gain on the runs' own held-out set is unknown"
-        )
-        return HeldOutGain(metric, empty, axes, why)
-    by = [ALGORITHM, *axes]
-    summary = stats.summarize(per_run, value="value", by=by)
-    means = per_run.groupby(by, observed=True, dropna=False)[["start", "final"]].mean().reset_index()
-    steps = per_run.groupby(by, observed=True, dropna=False)["final_step"].agg(["min", "max"]).reset_index()
-    steps["final_step"] = [str(a) if a == b else f"{a}-{b}" for a, b in zip(steps["min"], steps["max"], strict=True)]
-    counts = study.runs[usable(study.runs)].groupby(by, observed=True, dropna=False).size().rename("runs").reset_index()
-    out = summary.merge(means, on=by).merge(steps[[*by, "final_step"]], on=by).merge(counts, on=by, how="left")
-    out = out.rename(columns={"mean": "gain"})
-    out["label"] = [_label_of(str(a)) for a in out[ALGORITHM]]
-    order = {a: i for i, a in enumerate(_registry_order(out[ALGORITHM].astype(str).unique()))}
-    out = out.sort_values(by, key=lambda c: c.astype(str).map(order) if c.name == ALGORITHM else c, kind="stable")
-    return HeldOutGain(metric, out[cols].reset_index(drop=True), axes)
+def scorecard(study: Study, rules: Rules = RULES) -> list[ClaimResult]:
+    """Every claim C1-C6 of PAPER.md evaluated on `study`; `rules` sets the regime thresholds of C3-C5."""
+    return [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
@@ -812,15 +819,16 @@ def strata_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
 __all__ = [
     "CLAIMS",
     "CONTRADICTED",
-    "GAIN_RULE",
     "INCONCLUSIVE",
+    "NOT_IN_REGIME",
     "NOT_IN_STUDY",
     "NO_DATA",
+    "RULES",
     "STRATA_RULE",
     "SUPPORTED",
     "ClaimResult",
     "Evidence",
-    "HeldOutGain",
+    "Rules",
     "Stratification",
     "Stratum",
     "claim_c1",
@@ -831,7 +839,6 @@ __all__ = [
     "claim_c6",
     "combine",
     "comparison_pairs",
-    "heldout_gain",
     "scorecard",
     "scorecard_table",
     "strata_table",

@@ -20,14 +20,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.natural import natural_keys
 from analysis.tidy import Study
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence, conjunction
+from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, NOT_IN_REGIME, SUPPORTED, Evidence, conjunction
 
 UNUSABLE_STATES = ("failed", "unknown")
 """Run states that carry no evidence: failed (infrastructure) and unknown (no readable status.json)."""
 STRATA_RULE = (
-    "contradicted if the comparison is contradicted in any stratum with data; supported if it is supported in every "
-    "stratum with data; otherwise inconclusive (also when no stratum has data)"
+    "contradicted if the comparison is contradicted in any stratum with data in the claim's regime; supported if it "
+    "is supported in every such stratum; not tested in regime if no stratum with data reached the regime; otherwise "
+    "inconclusive (also when no stratum has data)"
 )
 """How per-stratum verdicts combine into the claim's verdict (quoted in every stratified rule)."""
 
@@ -123,13 +125,7 @@ def stratify(study: Study, groups: Mapping[str, pd.Series], *, exclude: Sequence
     if not strat:
         return Stratification([], unshared, determined, [({}, pd.Series(True, index=runs.index))])
 
-    def natural(v: str) -> tuple[int, float, str]:  # numbers in numeric order, then strings
-        try:
-            return (0, float(v), "")
-        except ValueError:
-            return (1, 0.0, v)
-
-    keys = sorted(set(sub[strat].itertuples(index=False, name=None)), key=lambda k: tuple(natural(v) for v in k))
+    keys = sorted(set(sub[strat].itertuples(index=False, name=None)), key=natural_keys)
     out = []
     for key in keys:
         mask = pd.Series(True, index=runs.index)
@@ -162,15 +158,22 @@ def run_strata(
 
 
 def combine(verdicts: Sequence[str]) -> str:
-    """STRATA_RULE: contradicted if any stratum with data is, supported if all with data are, else inconclusive."""
-    return conjunction([v for v in verdicts if v != NO_DATA])
+    """STRATA_RULE: over the strata with data in the claim's regime, contradicted if any is, supported if all are,
+    else inconclusive; not tested in regime when strata have data but none is in the regime."""
+    tested = [v for v in verdicts if v not in (NO_DATA, NOT_IN_REGIME)]
+    if not tested and NOT_IN_REGIME in verdicts:
+        return NOT_IN_REGIME
+    return conjunction(tested)
 
 
 def _combined_reason(strata: Sequence[Stratum]) -> str:
     with_data = [s for s in strata if s.verdict != NO_DATA]
     if not with_data:
         return "no stratum has usable runs of every compared group"
-    counts = {v: [s.label for s in with_data if s.verdict == v] for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE)}
+    counts = {
+        v: [s.label for s in with_data if s.verdict == v]
+        for v in (SUPPORTED, CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME)
+    }
     parts = [f"{v} in {len(c)}" for v, c in counts.items() if c]
     out = f"{', '.join(parts)} of {len(with_data)} strata with data"
     if len(with_data) < len(strata):

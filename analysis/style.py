@@ -137,6 +137,21 @@ def order(names: Iterable[str]) -> list[str]:
     return sorted(names, key=reg.__getitem__)
 
 
+def label_or_name(name: str) -> str:
+    """The registry label of `name`, or `name` itself for an algorithm the registry does not know."""
+    try:
+        return label(name)
+    except LookupError:  # algorithms.UnknownAlgorithmError
+        return name
+
+
+def order_or_sorted(names: Iterable[str]) -> list[str]:
+    """`names` in registry order, then the names the registry does not know, sorted."""
+    known = set(registry().names())
+    names = list(dict.fromkeys(names))
+    return order(n for n in names if n in known) + sorted(n for n in names if n not in known)
+
+
 CATEGORICAL = (
     "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",  # Okabe-Ito, less its yellow
     "#332288", "#882255", "#44AA99", "#999933", "#AA4499", "#117733", "#88CCEE", "#CC6677", "#777777",  # Paul Tol

@@ -47,6 +47,8 @@ class Curve:
     """expert_load_imbalance (mean over the run; engine: 0.05 above)."""
     router_entropy: float = 0.7
     """router_entropy, nats (mean over the run)."""
+    mismatch: float = 0.01
+    """Engine/trainer mismatch: mismatch_mean_abs is this plus up to a tenth of it (uniform)."""
 
 
 def synthetic_metrics(
@@ -80,7 +82,7 @@ def synthetic_metrics(
         vocab.CLIP: low + high,
         vocab.CLIP_LOW: low,
         vocab.CLIP_HIGH: high,
-        vocab.MISMATCH_MEAN_ABS: 0.01 + 0.001 * rng.random(n_steps),
+        vocab.MISMATCH_MEAN_ABS: curve.mismatch + curve.mismatch / 10 * rng.random(n_steps),
         vocab.MISMATCH_MAX_ABS: 0.5 + 0.1 * rng.random(n_steps),
         vocab.MISMATCH_K3: 1e-4 * (1 + rng.random(n_steps)),
         vocab.MISMATCH_FRAC_GT2: 1e-3 * rng.random(n_steps),

@@ -35,6 +35,8 @@ Tables (pandas; `Study.write` stores each as parquet):
   step, sample, n_tokens, seq_log_ratio = mean over the sequence's tokens of trainer_logp - engine_logp, i.e. the log
   of the GSPO length-normalised sequence ratio (pi_trainer(y|x) / pi_engine(y|x))^(1/|y|)).
 - `missing`: the run ids a study asked for that have no directory (also warned about: nothing is dropped silently).
+- `unreadable`: with `load_study(unreadable=...)`, the runs set aside because they cannot be read (run_id,
+  algorithm, seed, state, reason, path; `unreadable_reason` says what that means), in none of the tables above.
 
 `runs.precision_emulated` says whether a run's low precision was emulated (the manifest's `precision_emulated`, else
 a `*_precision` config value ending in "-emulated"; None when the run says nothing).
@@ -49,7 +51,7 @@ import json
 import os
 import warnings
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +100,8 @@ UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
 NON_AXIS_KEYS = frozenset(
     {"run_id", "seed", "algorithm", "name", "results", "results_dir", "output_dir", "out_dir", "run_dir", "job_id"}
 )
+UNREADABLE_COLUMNS = ("run_id", "algorithm", "seed", "state", "reason", "path")
+"""Study.unreadable's columns."""
 OUTPUT_FILES = {
     "long": "tidy.parquet",
     "runs": "runs.parquet",
@@ -173,11 +177,16 @@ class Study:
     """Token samples (trainer vs engine log-prob), subsampled per run; empty when no run wrote token_samples."""
     sequences: pd.DataFrame = field(default_factory=pd.DataFrame)
     """Per-sequence mean log-ratio trainer - engine of every sampled sequence; empty when no run wrote any."""
+    unreadable: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=UNREADABLE_COLUMNS))
+    """The runs set aside because they cannot be read (UNREADABLE_COLUMNS), in none of the other tables."""
 
     @property
     def metrics(self) -> list[str]:
-        """Metric names present in the long table."""
-        return [str(m) for m in self.long[METRIC].cat.categories]
+        """Metric names with at least one logged value in the long table (a column NaN at every step, as the eval
+        columns of runs that never evaluate, is not logged)."""
+        col = self.long[METRIC]
+        present = np.unique(col.cat.codes.to_numpy())
+        return [str(col.cat.categories[i]) for i in present if i >= 0]
 
     @property
     def group_cols(self) -> list[str]:
@@ -197,9 +206,9 @@ class Study:
         out.mkdir(parents=True, exist_ok=True)
         paths = {}
         for key in ("long", "runs", "layers", "tokens", "sequences"):
-            paths[key] = _atomic_parquet(getattr(self, key), out / OUTPUT_FILES[key])
-        meta = {"missing": self.missing, "axes": self.axes}
-        paths["missing"] = _atomic_text(json.dumps(meta, indent=2), out / OUTPUT_FILES["missing"])
+            paths[key] = files.write_parquet(out / OUTPUT_FILES[key], getattr(self, key))
+        meta = {"missing": self.missing, "axes": self.axes, "unreadable": self.unreadable.to_dict(orient="records")}
+        paths["missing"] = files.write_text(out / OUTPUT_FILES["missing"], json.dumps(meta, indent=2))
         return paths
 
 
@@ -217,6 +226,7 @@ def read_study(out_dir: str | os.PathLike[str]) -> Study:
         layers=pd.read_parquet(out / OUTPUT_FILES["layers"]),
         axes=list(meta["axes"]),
         missing=list(meta["missing"]),
+        unreadable=pd.DataFrame(meta.get("unreadable", []), columns=UNREADABLE_COLUMNS),
         **optional,
     )
 
@@ -380,6 +390,7 @@ def load_study(
     warn_missing: bool = True,
     max_token_rows: int = MAX_TOKEN_ROWS,
     token_budget: int = TOKEN_BUDGET,
+    unreadable: Callable[[RunRecord], str | None] | None = None,
 ) -> Study:
     """Load every run under `results_dir` (or just `run_ids`, reporting those without a directory as missing).
 
@@ -387,6 +398,8 @@ def load_study(
     `metrics` restricts the long table to those metric columns (default: every numeric column).
     `max_token_rows` bounds the token samples kept per run, and `token_budget` those of the whole study (the per-run
     cap becomes min(max_token_rows, token_budget // runs)); Study.sequences always uses every token row.
+    `unreadable(record)`, when given, says why a run cannot be read (e.g. `unreadable_reason`) or None: such runs are
+    set aside in `Study.unreadable` with the reason, in none of the other tables; without it every run is kept.
     """
     base = runs_dir(results_dir)
     if run_ids is None:
@@ -413,7 +426,46 @@ def load_study(
             records = list(pool.map(read, wanted))
     else:
         records = [read(rid) for rid in wanted]
-    return build_study(records, axes=axes, metrics=metrics, missing=missing)
+    aside: list[dict[str, Any]] = []
+    if unreadable is not None:
+        why = [unreadable(r) for r in records]
+        aside = [
+            {"run_id": r.run_id, "algorithm": r.algorithm, "seed": r.seed, "state": r.state, "reason": w,
+             "path": str(r.path)}
+            for r, w in zip(records, why, strict=True) if w
+        ]  # fmt: skip
+        records = [r for r, w in zip(records, why, strict=True) if not w]
+    study = build_study(records, axes=axes, metrics=metrics, missing=missing)
+    study.unreadable = pd.DataFrame(aside, columns=UNREADABLE_COLUMNS)
+    return study
+
+
+def unreadable_reason(record: RunRecord, algorithms: Collection[str] | None = None) -> str | None:
+    """Why run `record` cannot be read, or None: its resolved config cannot be read or names no algorithm (or one
+    not in `algorithms`, when given), its status.json (or failure.json) cannot be read or holds no known state, or
+    its metrics.parquet cannot be read (a missing one only for a run that says it stepped: completed, collapsed or
+    stopped). A damaged optional file (routing_layers, token_samples) does not make a run unreadable: it is in the
+    runs table's `error`."""
+    config_names = (*CONFIG_FILES, "no resolved config")
+    reasons = [e for e in record.read_errors if e.startswith(config_names)]
+    if not reasons:
+        if record.algorithm is None:
+            reasons.append("the config names no algorithm")
+        elif algorithms is not None and record.algorithm not in algorithms:
+            reasons.append(
+                f"algorithm {record.algorithm!r} in the config is not a registered algorithm (valid: "
+                f"{', '.join(sorted(algorithms))})"
+            )
+    if record.state == UNKNOWN_STATE:
+        errs = [e for e in record.read_errors if e.startswith((STATUS_FILE, FAILURE_FILE))]
+        state = record.status.get("state")
+        reasons += errs or [f"{STATUS_FILE}: state {state!r} is not one of {', '.join(STATES)}"]
+    for e in record.read_errors:
+        if e.startswith(METRICS_FILE) and not (
+            e == f"{METRICS_FILE}: missing" and record.state in ("failed", "running")
+        ):
+            reasons.append(e)
+    return "; ".join(reasons) or None
 
 
 def infer_axes(configs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -679,13 +731,3 @@ def _hashable(value: Any) -> Any:
 def _axis_value(value: Any) -> Any:
     """Scalars as they are; lists/dicts as canonical JSON strings (so they group)."""
     return _hashable(value)
-
-
-# --- atomic writes ----------------------------------------------------------------------------------------------------
-def _atomic_parquet(df: pd.DataFrame, path: Path) -> Path:
-    return files.atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
-
-
-def _atomic_text(text: str, path: Path) -> Path:
-    files.write_text(path, text)
-    return path

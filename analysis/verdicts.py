@@ -1,7 +1,9 @@
 """A scorecard verdict: the three verdicts, the evidence line, the decision rule that reads a verdict off an interval.
 
-Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale); a stratum in which some
-compared group has no usable run has "no data" instead, and is not counted when strata are combined.
+Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale), or "not tested in regime" for a
+claim whose precondition the compared runs did not reach (analysis.regime); a stratum in which some compared group
+has no usable run has "no data" instead. Neither "no data" nor "not tested in regime" counts when strata are
+combined.
 
 A claim's comparison is decided by a `Decision` on the 95% interval of its quantity: two `Bound`s, one that supports
 the claim and one that contradicts it. The same object decides and, as `str(decision)`, writes the sentence the
@@ -21,6 +23,16 @@ import numpy as np
 SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusive"
 NO_DATA = "no data"
 """A stratum in which some compared group has no usable run (not counted in the combined verdict)."""
+NOT_IN_REGIME = "not tested in regime"
+"""A claim (or stratum) whose compared runs did not reach the claim's precondition (analysis.regime): whatever its
+interval says, it is not evidence for or against the claim (not counted in the combined verdict)."""
+VERDICTS = (SUPPORTED, CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NO_DATA)
+"""Every verdict, in the order counts of them are written."""
+
+
+def css_class(verdict: str) -> str:
+    """The verdict as an HTML class name ("not tested in regime" -> "not-tested-in-regime")."""
+    return verdict.replace(" ", "-")
 
 
 @dataclass(frozen=True)
@@ -117,10 +129,13 @@ __all__ = [
     "CONJUNCTION_RULE",
     "CONTRADICTED",
     "INCONCLUSIVE",
+    "NOT_IN_REGIME",
     "NO_DATA",
     "SUPPORTED",
+    "VERDICTS",
     "Bound",
     "Decision",
     "Evidence",
     "conjunction",
+    "css_class",
 ]

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from analysis import stats
+from analysis import collapse, stats
 
 
 def _percentile_bootstrap_covers(x: np.ndarray, truth: float, rng: np.random.Generator) -> bool:
@@ -91,34 +91,6 @@ def test_final_window_is_the_mean_of_the_last_fraction():
     assert s.loc["x", "mean"] == 7.25 and s.loc["x", "n"] == 2 and s.loc["y", "n"] == 1
 
 
-def test_detect_collapse_rules():
-    steps = np.arange(100)
-    rising = np.linspace(0, 0.8, 100)
-    assert stats.detect_collapse(steps, rising) is None
-    crash = rising.copy()
-    crash[60:] = 0.0
-    c = stats.detect_collapse(steps, crash, window=5)
-    assert c is not None and 60 <= c.step <= 65 and "peak" in c.reason
-    nan = rising.copy()
-    nan[30] = np.nan
-    assert stats.detect_collapse(steps, nan).step == 30
-    floor = stats.detect_collapse(steps, np.full(100, 0.01), floor=0.02, rel_drop=None)
-    assert floor is not None and floor.step == 9  # the end of the first full 10-step window (steps 0..9)
-    dip = rising.copy()
-    dip[40:50] = 0.0  # a dip the run recovers from is noise, not a collapse
-    assert stats.detect_collapse(steps, dip, window=5) is None
-    # a run that falls in its first steps (the routing study's router lr x100: 0.29, 0.09, 0.03, then ~0.03) never has
-    # a 10-step mean near where it started: its first step's reward, the starting policy's, is the peak it fell from
-    rng = np.random.default_rng(0)
-    early = np.r_[0.29, 0.09, np.clip(0.04 + 0.02 * rng.standard_normal(38), 0, 1)]
-    c = stats.detect_collapse(np.arange(1, 41), early)
-    assert c is not None and c.step == 10 and "peak 0.29" in c.reason
-    # noise around a flat start is not a fall from its first step, whichever way the first step lands
-    for seed in range(20):
-        flat = np.clip(0.3 + 0.05 * np.random.default_rng(seed).standard_normal(40), 0, 1)
-        assert stats.detect_collapse(np.arange(1, 41), flat) is None
-
-
 def test_curves_interpolate_on_a_common_grid_without_extrapolating():
     long = _long({"r1": ("x", [1.0, 2.0, 3.0, 4.0]), "r2": ("x", [3.0, 4.0])})
     out = stats.aggregate_curves(long, "m", by=["algorithm"], grid=np.array([1.0, 2.0, 4.0]), log=False)
@@ -132,93 +104,10 @@ def test_study_level_summary_counts_collapsed_runs(study):
     s = s.set_index("algorithm")
     assert s.loc["grpo", "n_collapsed"] == 12 and s.loc["sapo", "n_failed"] == 12
     assert s.loc["gspo", "n"] == 12 and s.loc["gspo", "low"] < s.loc["gspo", "mean"] < s.loc["gspo", "high"]
-    ct = stats.collapse_table(study.long, study.runs)
+    ct = collapse.collapse_table(study.long, study.runs)
     grpo = ct[ct["algorithm"] == "grpo"]
     assert grpo["collapsed"].all() and (grpo["detected_step"] >= 120).all()
     assert not ct[ct["algorithm"] == "gspo"]["collapsed"].any()
-
-
-def _runs_long(curves):
-    """(long, runs) tables from {run_id: (algorithm, seed, rewards, state)}."""
-    rows, runs = [], []
-    for rid, (alg, seed, vals, state) in curves.items():
-        for s, v in enumerate(vals, 1):
-            rows.append({"run_id": rid, "algorithm": alg, "seed": seed, "step": s, "compute_flops": s * 1e10,
-                         "wall_s": s * 1.0, "metric": "reward_mean", "value": v})  # fmt: skip
-        runs.append({"run_id": rid, "algorithm": alg, "state": state, "collapse_step": None,
-                     "collapse_reason": "reward below floor" if state == "collapsed" else None})  # fmt: skip
-    long = pd.DataFrame(rows)
-    for c in ("run_id", "algorithm", "metric"):
-        long[c] = long[c].astype("category")
-    runs = pd.DataFrame(runs)
-    runs["collapse_step"] = pd.array(runs["collapse_step"], dtype="Int64")
-    return long, runs
-
-
-def _learning(rng, n=100, noise=0.03):
-    return np.clip(0.1 + 0.5 * (1 - np.exp(-np.arange(n) / 25)) + noise * rng.standard_normal(n), 0, 1)
-
-
-def test_a_real_collapse_is_flagged_by_the_reward_drop_rule_and_says_so():
-    rng = np.random.default_rng(0)
-    crashed = _learning(rng)
-    crashed[60:] = 0.02 * rng.random(40)  # one seed falls to ~0 at step 61 and stays there; its status says completed
-    long, runs = _runs_long({
-        "a0": ("gspo", 0, crashed, "completed"),
-        "a1": ("gspo", 1, _learning(rng), "completed"),
-        "a2": ("gspo", 2, _learning(rng), "completed"),
-        "g0": ("grpo", 0, _learning(rng), "collapsed"),  # the trainer's own guard: stays a collapse
-    })  # fmt: skip
-    ct = stats.collapse_table(long, runs).set_index("run_id")
-    assert ct.loc["a0", "collapsed"] and ct.loc["a0", "flagged_by"] == stats.DROP
-    assert 61 <= ct.loc["a0", "detected_step"] <= 70
-    assert "below the seed band" in ct.loc["a0", "detected_reason"]
-    assert not ct.loc[["a1", "a2"], "collapsed"].any()
-    assert ct.loc["g0", "collapsed"] and ct.loc["g0", "flagged_by"] == "status.json"
-    # every seed of a configuration falling is a collapse of each, though each lies inside the others' band
-    falls = {f"b{k}": ("grpo_rr", k, np.r_[_learning(rng)[:60], 0.02 * rng.random(40)], "completed") for k in range(3)}
-    ct = stats.collapse_table(*_runs_long(falls))
-    assert ct["collapsed"].all() and ct["detected_reason"].str.contains("every one of the 3 seeds").all()
-
-
-def test_noise_is_not_a_collapse():
-    # issue 22's default study: rewards near 0.1, noisy per step (sd 0.035), drifting from 0.15 to 0.075 over 40
-    # steps in every seed; the old rule flagged about one run per algorithm ("rolling mean 0.05 < 0.5 x peak 0.122")
-    rng = np.random.default_rng(1)
-    curves = {}
-    for cfg in range(60):
-        for seed in range(3):
-            vals = np.clip(np.linspace(0.15, 0.075, 40) + 0.035 * rng.standard_normal(40), 0, 1)
-            curves[f"r{cfg}_{seed}"] = (f"alg{cfg}", seed, vals, "completed")
-    long, runs = _runs_long(curves)
-    assert not stats.collapse_table(long, runs)["collapsed"].any()
-    old = stats.collapse_table(long, runs, seed_band=False, min_drop=0.0, sustain=1)  # the rule before issue 22
-    assert old["collapsed"].sum() >= 5
-
-
-def test_a_drop_inside_the_seed_band_is_not_flagged():
-    # one seed's reward falls from 0.5 to 0.22 (below half its peak, 0.28 under it: the per-run rule trips); its
-    # seeds end at 0.21 and 0.25 without tripping it (from 0.4 and 0.45): the run lies inside their band, so it is
-    # the algorithm's behaviour here, not that run's collapse
-    rng = np.random.default_rng(2)
-
-    def shape(top, bottom):
-        return np.r_[np.full(50, top), np.linspace(top, bottom, 20), np.full(30, bottom)]
-
-    long, runs = _runs_long({
-        f"x{k}": ("gspo", k, shape(top, bottom) + 0.005 * rng.standard_normal(100), "completed")
-        for k, (top, bottom) in enumerate([(0.5, 0.22), (0.45, 0.25), (0.4, 0.21)])
-    })  # fmt: skip
-    assert stats.detect_collapse(np.arange(1, 101), shape(0.5, 0.22)) is not None
-    ct = stats.collapse_table(long, runs).set_index("run_id")
-    assert not ct["collapsed"].any() and ct.loc["x0", "in_band"].startswith("inside the seed band")
-    # below the band of the seeds that did not fall, the same drop is flagged
-    long, runs = _runs_long(
-        {"x0": ("gspo", 0, shape(0.5, 0.1), "completed"), "x1": ("gspo", 1, shape(0.4, 0.21), "completed")}
-    )
-    ct = stats.collapse_table(long, runs).set_index("run_id")
-    assert ct.loc["x0", "collapsed"] and not ct.loc["x1", "collapsed"]
-    assert "10-step mean" in stats.collapse_rule() and "seeds of its configuration" in stats.collapse_rule()
 
 
 # --- the step-0 row: the starting policy's evaluation, before any RL step ------------------------------------------
@@ -247,7 +136,7 @@ def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(tmp_path)
         for frac in (0.1, 1.0):
             a, b = (stats.final_window(st.long, metric, frac=frac) for st in (new, old))
             pd.testing.assert_frame_equal(a, b)
-    pd.testing.assert_frame_equal(*(stats.collapse_table(st.long, st.runs) for st in (new, old)))
+    pd.testing.assert_frame_equal(*(collapse.collapse_table(st.long, st.runs) for st in (new, old)))
     fits = [fit.fit_study(st.long, runs=st.runs, n_boot=10) for st in (new, old)]
     pd.testing.assert_frame_equal(*(fit.fits_table(f) for f in fits))
     for a, b in zip(*(scorecard.scorecard(st) for st in (new, old)), strict=True):
@@ -257,19 +146,3 @@ def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(tmp_path)
     sp = stats.start_points(new.long, "eval_in_dist")
     assert (sp["compute_flops"] == 0).all() and (sp["n"] == 3).all() and len(sp) == 3
     assert stats.start_points(old.long, "eval_in_dist").empty
-
-
-def test_heldout_gain_is_the_last_evaluation_minus_the_step0_one(tmp_path):
-    import pyarrow.parquet as pq
-
-    new, old = _with_and_without_start(tmp_path)
-    gain = stats.heldout_gain(new.long).set_index("run_id")
-    assert len(gain) == len(new.runs) and stats.heldout_gain(old.long).empty  # older runs: no gain, no row
-    for rid, row in gain.iterrows():
-        m = pq.read_table(tmp_path / "True" / "runs" / rid / "metrics.parquet").to_pandas()
-        ev = m.dropna(subset=["eval_in_dist"])
-        assert ev["step"].iloc[0] == 0 and row["start"] == ev["eval_in_dist"].iloc[0]
-        assert row["final_step"] == ev["step"].iloc[-1] > 0 and row["final"] == ev["eval_in_dist"].iloc[-1]
-        assert row["value"] == row["final"] - row["start"]
-    collapsed = new.runs.loc[new.runs["state"] == "collapsed", "run_id"]
-    assert (gain.loc[collapsed, "final_step"] == 30).all()  # its last evaluation before it stopped (step 32)

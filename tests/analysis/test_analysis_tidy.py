@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import report, synthetic, tidy
+from analysis import sections, synthetic, tidy
 
 
 def _write(root, run_id, state, *, metrics=True, **status):
@@ -57,7 +57,7 @@ def test_a_stopped_run_keeps_its_state_and_metrics(tmp_path):
     st = tidy.load_study(tmp_path)
     row = st.runs.set_index("run_id").loc["p"]
     assert row["state"] == "stopped" and row["n_steps"] > 0
-    assert report.problem_runs(st).empty  # stopping a trial is not a problem of the run
+    assert sections.problem_runs(st).empty  # stopping a trial is not a problem of the run
 
 
 def test_a_failed_run_whose_status_a_workflow_deleted_is_read_from_its_failure_record(tmp_path):
@@ -67,7 +67,7 @@ def test_a_failed_run_whose_status_a_workflow_deleted_is_read_from_its_failure_r
     st = tidy.load_study(tmp_path)
     row = st.runs.set_index("run_id").loc["f"]
     assert row["state"] == "failed" and row["error"] == "RuntimeError: boom"
-    assert report.problem_runs(st)["run_id"].tolist() == ["f"]
+    assert sections.problem_runs(st)["run_id"].tolist() == ["f"]
 
 
 def test_unreadable_files_are_reported_not_raised(tmp_path):

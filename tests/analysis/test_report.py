@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import figures, report, style, synthetic
+from analysis import figures, gain, render, report, results, scorecard, sections, style, synthetic, tidy
 
 C = synthetic.Curve
 CURVES = {
@@ -175,17 +175,17 @@ def test_html_and_markdown_are_one_list_of_blocks(built) -> None:
 
 
 def test_blocks_write_themselves_in_both_formats(tmp_path) -> None:
-    head = report.Heading(4, ("fig.t", " (", report.Link("CSV", "tables/fig.t.csv"), ")"))
+    head = render.Heading(4, ("fig.t", " (", render.Link("CSV", "tables/fig.t.csv"), ")"))
     assert head.html() == "<h4>fig.t (<a href='tables/fig.t.csv'>CSV</a>)</h4>"
     assert head.markdown() == "#### fig.t ([CSV](tables/fig.t.csv))\n"
-    assert report.Heading(2, ("Study",), "study").html() == "<h2 id='study'>Study</h2>"
-    para = report.Para(("a < b: see ", report.Link("the CSV", "t.csv"), "."))
+    assert render.Heading(2, ("Study",), "study").html() == "<h2 id='study'>Study</h2>"
+    para = render.Para(("a < b: see ", render.Link("the CSV", "t.csv"), "."))
     assert para.html() == "<p>a &lt; b: see <a href='t.csv'>the CSV</a>.</p>"
     assert para.markdown() == "a < b: see [the CSV](t.csv).\n"
     png = tmp_path / "f.png"
     png.write_bytes(b"\x89PNG")
     b64 = base64.b64encode(b"\x89PNG").decode()
-    fig = report.Figure("f", png, "figures/f.png", "Figure 1.", (report.Link("PDF", "figures/f.pdf"),))
+    fig = render.Figure("f", png, "figures/f.png", "Figure 1.", (render.Link("PDF", "figures/f.pdf"),))
     assert fig.html() == (
         f"<figure id='f'><img alt='f' src='data:image/png;base64,{b64}'>"
         "<figcaption>Figure 1. <a href='figures/f.pdf'>PDF</a></figcaption></figure>"
@@ -237,7 +237,7 @@ def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("error", FutureWarning)
-        reused = report.reuse_figures(st, src, tmp_path / "out")
+        reused = results.reuse_figures(st, src, tmp_path / "out")
     assert reused is not None
     table = reused[0].tables["f"]["t"]
     assert table["x"].to_numpy().tobytes() == values.tobytes()  # bit for bit
@@ -251,7 +251,7 @@ def test_headline_has_the_heldout_gain_and_the_scorecard_its_table(built) -> Non
         assert f"**Held-out gain, {style.label(alg)}:** RL " in headline
     assert "over 2 configurations of max_new_tokens" in headline
     assert "### Held-out gain" in md and (rep.html.parent / "tables" / "heldout_gain.csv").is_file()
-    assert report.scorecard.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
+    assert gain.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
 
 
 def test_routing_volatility_figure_follows_figures_1_3_with_c3_c4_per_configuration(built) -> None:
@@ -280,7 +280,7 @@ def test_signal_table_splits_no_signal_groups_by_quarter(study):
     """The synthetic runs log zero_var_group_frac = 0.2 + 0.4 t and its solved part 0.1 + 0.3 t (t = step / steps):
     the table's first and last quarter and the solved share are those lines' means over the runs that went the
     whole way (a collapsed or failed run's quarters are of its own, shorter, length)."""
-    table = report.signal_table(study)
+    table = sections.signal_table(study)
     assert len(table) == study.runs.groupby(study.group_cols, observed=True).ngroups
     full = table[table["algorithm"].isin([style.label(a) for a in ("gspo", "gspo_rr", "grpo_rr")])]
     assert len(full) == 12
@@ -313,7 +313,7 @@ def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables
     assert (tmp_path / "rep" / "tables" / "coldstart_budgets.csv").is_file()
     # C6's length part (max_new_tokens 1024 vs 256) gets a smallest detectable difference per stratum
     assert "Power: the smallest difference these seeds detect" in md and "length gain (max_new_tokens" in md
-    power_rows = report.power_table(rep.scorecard)
+    power_rows = sections.power_table(rep.scorecard)
     assert set(power_rows["claim"]) == {"C6"} and (power_rows["smallest detectable |difference|"] != "n/a").all()
     assert power_rows["seeds per group to detect 0.03"].str.isdigit().all()
     assert "bf16 cross-engine mismatch p99 0.0586 emulated vs 0.121 real (ratio 0.48)" in md
@@ -321,21 +321,73 @@ def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables
     assert "precision-parity" in page
 
 
-def test_the_report_shows_the_sweep_files_description_and_notes(built, tmp_path) -> None:
-    """What was chosen and why, in the sweep file's own words: its description and the comment block that opens it
-    (kept as written), after the learning-signal table; a sweep file without them adds no section."""
+def test_the_report_embeds_the_studys_notes_from_docs_studies(built, tmp_path) -> None:
+    """How the study was set up: the sweep file's description, then docs/studies/<sweep stem>.md rendered (headings,
+    lists, tables, code spans; HTML in the notes escaped), after the learning-signal table; the YAML's comments are
+    not the notes. Without the doc the section says so."""
     root, _ = built
-    sweep = tmp_path / "mystudy.yaml"
-    sweep.write_text("# Why G = 16:\n#   measured 0.27 no-signal groups (4 seeds).\n#\n# - lr 3e-4: Adam's step.\n"
-                     "name: mystudy\ndescription: A study that learns.\n# not a note: after the first key\n"
-                     "axes: {seed: [0]}\n")  # fmt: skip
-    rep = report.report_from_results(root, study="mystudy", out_dir=tmp_path / "rep", sweep=sweep)
+    (tmp_path / "sweeps").mkdir()
+    sweep = tmp_path / "sweeps" / "mystudy.yaml"
+    sweep.write_text("# a comment, not a note\nname: mystudy\ndescription: A study that learns.\naxes: {seed: [0]}\n")
+    (tmp_path / "docs" / "studies").mkdir(parents=True)
+    doc = "# Why G = 16\n\nMeasured **0.27** no-signal groups (`G = 8`).\n\n- lr 3e-4\n- <script>x</script>\n\n"
+    doc += "| G | no-signal |\n|---|---|\n| 8 | 0.27 |\n"
+    (tmp_path / "docs" / "studies" / "mystudy.md").write_text(doc)
+    rep = report.report_from_results(
+        root, study="mystudy", out_dir=tmp_path / "rep", sweep=sweep, figures_dir=no_figures(root, "mystudy")
+    )
     md, page = rep.markdown.read_text(), rep.html.read_text()
-    notes = "Why G = 16:\n  measured 0.27 no-signal groups (4 seeds).\n\n- lr 3e-4: Adam's step."
-    assert f"From the sweep file mystudy.yaml: A study that learns.\n\n```text\n{notes}\n```" in md
-    assert "not a note" not in md and "<pre>Why G = 16:\n  measured" in page
-    assert md.index("### Learning signal") < md.index("## How the study was set up") < md.index("## More figures")
-    bare = tmp_path / "bare.yaml"
-    bare.write_text("name: mystudy\naxes: {seed: [0]}\n")
-    again = report.report_from_results(root, study="mystudy", out_dir=tmp_path / "rep2", sweep=bare)
-    assert "How the study was set up" not in again.markdown.read_text()
+    setup = page.split("<h2 id='setup'>")[1].split("<h2")[0]
+    assert "From the sweep file mystudy.yaml: A study that learns." in setup
+    assert "<h3>Why G = 16</h3>" in setup and "<strong>0.27</strong>" in setup and "<code>G = 8</code>" in setup
+    assert "<li>lr 3e-4</li>" in setup and "<th>no-signal</th>" in setup and "<td>0.27</td>" in setup
+    assert "<script>" not in setup and "&lt;script&gt;x&lt;/script&gt;" in setup
+    assert "a comment" not in md and "### Why G = 16" in md and "| 8 | 0.27 |" in md
+    assert md.index("### Learning signal") < md.index("## How the study was set up") < md.index("## Figure tables")
+    # no doc for the study: the section says so, the report is still written
+    bare = tmp_path / "sweeps" / "other.yaml"
+    bare.write_text("name: other\naxes: {seed: [0]}\n")
+    again = report.report_from_results(
+        root, study="mystudy", out_dir=tmp_path / "rep2", sweep=bare, figures_dir=no_figures(root, "mystudy")
+    )
+    assert "No study notes: docs/studies/other.md does not exist." in again.markdown.read_text()
+
+
+def no_figures(root: Path, study: str | None = None) -> Path:
+    """A `figures` output of the runs under `root` that drew no figure: a report given it draws none either (fast)."""
+    import json
+
+    st = results.load(root, study, warn_missing=False)
+    out = root / "no-figures"
+    out.mkdir(exist_ok=True)
+    index = {"data": figures.data_fingerprint(st), "figures": {}, "skipped": {}}
+    (out / figures.INDEX).write_text(json.dumps(index))
+    return out
+
+
+def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_path) -> None:
+    # the routing moved 0.29% of expert slots per update (router_lr_scale 1), far below the 5% C3 and C4 need: the
+    # headline says so before any verdict, in its own colour, and no claim is called contradicted; with the
+    # threshold set below what was measured (--min-volatility), the normal verdicts come back
+    from analysis.__main__ import main
+
+    synthetic.make_routing_study(tmp_path, scales=(1.0,), seeds=(0, 1, 2, 3, 4), n_steps=30)
+    rep = report.report_from_results(tmp_path, out_dir=tmp_path / "rep", figures_dir=no_figures(tmp_path))
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    items = re.findall(r'<li class="([\w-]+)"><b>([^<]*)</b> ([^<]*)</li>', page.split('<ul class="headline">')[1])
+    cls, head, text = items[0]
+    assert (cls, head) == ("not-tested-in-regime", "Not tested in regime:")
+    assert text.startswith("C3, C4 were not put to the test")
+    assert "C3: routing volatility 0.29% of expert slots per update (n=10 runs), below the 5% the claim needs" in text
+    verdicts = {h.split()[0]: (c, h) for c, h, _ in items[1:] if h.startswith("C")}
+    for claim in ("C3", "C4"):
+        assert verdicts[claim] == ("not-tested-in-regime", f"{claim} not tested in regime:")
+    assert "contradicted" not in page.split('<ul class="headline">')[1].split("</ul>")[0]
+    assert ".not-tested-in-regime{background:#e3eef8}" in page  # its own colour, not the contradicted red
+    assert '<tr class="not-tested-in-regime"><td>C3</td>' in page
+    assert "- **C3 not tested in regime:** GRPO without Routing Replay" in md
+    assert "grpo collapsed in 0 of 5 runs and grpo_rr in 0 of 5: evidence about this scale" in md
+    st = tidy.load_study(tmp_path)
+    lines = sections.headline(scorecard.scorecard(st, scorecard.Rules(min_volatility=0.001)))
+    assert [h for _, h, _ in lines[:4]] == ["C1 supported:", "C2 supported:", "C3 contradicted:", "C4 supported:"]
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep3"), "--min-volatility", "-1"]) == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from analysis import power, scorecard, synthetic, tidy
-from analysis.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_STUDY, SUPPORTED
+from analysis.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NOT_IN_STUDY, SUPPORTED
 
 C = synthetic.Curve
 
@@ -128,7 +128,11 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     curves = {"gspo": C(a=0.8, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)}
     st = _load(tmp_path, curves, seeds=(0, 1, 2), grid={"old_logp_source": ["recompute", "rollout"]})
     r = scorecard.claim_c5(st)
-    assert r.verdict == INCONCLUSIVE and len(r.evidence) == 4 and r.evidence[0].low < 0 < r.evidence[0].high
+    assert r.verdict == INCONCLUSIVE and len(r.evidence) == 5 and r.evidence[0].low < 0 < r.evidence[0].high
+    # the mismatch the claim needs was measured (synthetic mismatch_mean_abs ~0.0105 >= 0.001), last
+    assert r.evidence[4].name.startswith("engine/trainer mismatch") and r.evidence[4].estimate == pytest.approx(
+        0.0105, abs=1e-3
+    )
     # every arm ran seeds 0-2: the contrast is paired by seed, and the verdict states the smallest detectable size
     assert r.evidence[0].n == "3 seeds, paired" and r.evidence[3].name.startswith(power.PREFIX)
     assert 0 < r.evidence[3].estimate < 1 and "these seeds detect a difference of" in r.reason
@@ -136,6 +140,9 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     assert f"; {power.TARGET:g} needs " in r.evidence[3].name  # and how many seeds would detect the target size
     c6 = scorecard.claim_c6(st)
     assert c6.evidence[0].low > 0  # the sigmoid still rises over the last half of 60 steps
+    # compute part supported, length part not in this study: the conjunction is inconclusive, saying why
+    assert c6.verdict == INCONCLUSIVE and "axis max_new_tokens not swept" in c6.reason, c6
+    assert "compute part: supported" in c6.reason
 
 
 def test_replay_partner_comes_from_the_registry_and_must_be_in_the_study(tmp_path) -> None:
@@ -249,26 +256,105 @@ def test_every_rule_quotes_the_decisions_its_verdict_is_read_from(tmp_path) -> N
     assert set(scorecard.DECISIONS) == set(scorecard.CLAIMS)
 
 
-def test_heldout_gain_per_configuration_and_why_not_for_older_runs(tmp_path) -> None:
-    # synthetic eval_in_dist: 0.9 x R0 at step 0, 0.9 x the reward at the eval steps: the gain is known
-    curves = {"gspo": C(a=0.8, c_mid=2e12, noise=0.0), "grpo": C(a=0.5, c_mid=2e12, noise=0.0)}
-    st = _load(tmp_path / "new", curves, seeds=(0, 1, 2), grid={"max_new_tokens": [256, 1024]})
-    g = scorecard.heldout_gain(st)
-    assert g.available and g.axes == ["max_new_tokens"] and len(g.table) == 4
-    t = g.table.set_index(["algorithm", "max_new_tokens"])
-    truth = {a: 0.9 * (synthetic.sigmoid(6e12, r0=0.1, a=c.a, b=c.b, c_mid=c.c_mid) - 0.1) for a, c in curves.items()}
-    for (alg, _), row in t.iterrows():
-        assert row["gain"] == pytest.approx(truth[alg], abs=0.02) and row["low"] > 0 and row["n"] == row["runs"] == 3
-        assert row["final_step"] == "60" and row["label"] == scorecard.style.label(alg)
-    heads = [h for h, _ in g.lines()]
-    assert heads == [f"Held-out gain, {scorecard.style.label(a)}:" for a in ("grpo", "gspo")]
-    assert "over 2 configurations of max_new_tokens" in g.lines()[0][1]
-    one = scorecard.heldout_gain(_load(tmp_path / "one", {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2)))
-    ((_, text),) = one.lines()
-    assert text.startswith("RL raised held-out pass@1 (eval_in_dist) by 0.") and "(n=3): 0.0" in text, text
-    assert "at step 0 -> " in text and text.endswith("at step 60")
-    synthetic.make_study(tmp_path / "old", {"gspo": C()}, seeds=(0, 1), n_steps=20, start_eval=False)
-    old = scorecard.heldout_gain(tidy.load_study(tmp_path / "old"))
-    assert not old.available and old.table.empty
-    assert old.lines() == [("Held-out gain:", f"not available: {old.reason}")]
-    assert "no run has an evaluation of its starting policy" in old.reason
+# --- C6's verdict: compute and length parts ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("long_a", "verdict"), [(0.8, SUPPORTED), (0.4, CONTRADICTED)])
+def test_c6_supported_when_longer_generation_learns_more_and_contradicted_when_less(tmp_path, long_a, verdict):
+    # every GSPO run still rises over its last half (c_mid far out); at max_new_tokens 1024 the asymptote is long_a,
+    # at 256 it is 0.6: the length gain's sign decides the claim
+    st = _two_strata(
+        tmp_path,
+        {256: {"gspo": C(a=0.6, c_mid=1e13, noise=0.01)}, 1024: {"gspo": C(a=long_a, c_mid=1e13, noise=0.01)}},
+        seeds=(0, 1, 2),
+    )
+    r = scorecard.claim_c6(st)
+    assert r.verdict == verdict, r
+    length = [e for e in r.evidence if e.name.startswith("length gain") and e.verdict]
+    assert len(length) == 1 and (length[0].low > 0 if verdict == SUPPORTED else length[0].high < 0)
+    assert "compute part supported, length part " + verdict in r.reason
+
+
+# --- regimes: C3, C4 and C5 tested only where their precondition was measured ---------------------------------------
+def _routing(tmp_path, scales, **kwargs):
+    synthetic.make_routing_study(tmp_path, scales=scales, seeds=(0, 1, 2, 3, 4), n_steps=60, **kwargs)
+    return tidy.load_study(tmp_path)
+
+
+def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_contradicted(tmp_path) -> None:
+    # router_lr_scale 1: the routing moves 0.26% of expert slots per update (as measured on the default study); no
+    # GRPO run collapses, and with 5 seeds C3's interval would exclude an excess collapse rate of 0.5: contradicted,
+    # were the claim not out of its regime
+    st = _routing(tmp_path, (1.0,))
+    cards = {r.claim: r for r in scorecard.scorecard(st)}
+    for claim, alg in (("C3", "grpo"), ("C4", "gspo")):
+        r = cards[claim]
+        assert r.verdict == NOT_IN_REGIME, r
+        assert r.evidence[0].name == "routing volatility (routing_slot_mismatch; threshold 0.05)"
+        assert r.evidence[0].estimate == pytest.approx(0.0026 * 1.1, rel=0.05)  # the synthetic truth, +10% drift
+        assert r.reason.startswith("routing volatility 0.29% of expert slots per update (n=10 runs), below the 5%")
+        assert f"below the regime, {alg} collapsed in 0 of 5 runs and {alg}_rr in 0 of 5" in r.reason
+        assert "evidence about this scale" in r.reason and r.label.startswith(f"{NOT_IN_REGIME}: routing volatility")
+        assert "at or above 5% of expert slots per update" in r.rule  # the threshold, in the rule sentence
+    # the same runs with a threshold they reach: C3's normal verdict comes back, the measured value last
+    low = {r.claim: r for r in scorecard.scorecard(st, scorecard.Rules(min_volatility=0.002))}
+    assert low["C3"].verdict == CONTRADICTED and low["C3"].evidence[-1].name.startswith("routing volatility")
+    assert "at or above 0.2% of expert slots per update" in low["C3"].rule and not low["C3"].regime
+
+
+def test_high_volatility_gives_the_normal_verdicts_and_mixed_strata_count_only_those_in_regime(tmp_path) -> None:
+    # scale 300: 2.1% of slots per update, GRPO without replay collapses at step 40 in every seed; scale 1: 0.26%
+    st = _routing(tmp_path, (1.0, 300.0))
+    rules = scorecard.Rules(min_volatility=0.02)
+    cards = {r.claim: r for r in scorecard.scorecard(st, rules)}
+    c3 = cards["C3"]
+    assert [s.verdict for s in c3.strata] == [NOT_IN_REGIME, SUPPORTED]
+    assert c3.verdict == SUPPORTED and c3.strata_summary == "2 strata: supported 1, not tested in regime 1"
+    assert "not tested in regime: routing volatility 0.29% of expert slots per update in 1 of 2 strata" in c3.reason
+    c4 = cards["C4"]
+    assert c4.strata[0].verdict == NOT_IN_REGIME and c4.strata[1].verdict != NOT_IN_REGIME
+    # every stratum below the default threshold: not tested anywhere
+    default = {r.claim: r for r in scorecard.scorecard(st)}
+    assert default["C3"].verdict == default["C4"].verdict == NOT_IN_REGIME
+    assert "0.29% to 2.3% of expert slots per update in 2 of 2 strata" in default["C3"].reason
+    assert "grpo collapsed in 5 of 10 runs and grpo_rr in 0 of 10" in default["C3"].reason
+
+
+def test_c3_without_an_off_policy_minibatch_is_not_tested(tmp_path) -> None:
+    # one minibatch per rollout batch: routing_slot_mismatch is NaN at every step, the volatility is unmeasured
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    synthetic.make_routing_study(tmp_path, scales=(300.0,), seeds=(0, 1, 2, 3, 4), n_steps=60)
+    for path in (tmp_path / "runs").glob("*/metrics.parquet"):
+        t = pq.read_table(path)
+        i = t.column_names.index("routing_slot_mismatch")
+        pq.write_table(t.set_column(i, "routing_slot_mismatch", pa.array([None] * t.num_rows, pa.float64())), path)
+    r = scorecard.claim_c3(tidy.load_study(tmp_path))
+    assert r.verdict == NOT_IN_REGIME and "not measured (no compared run logged a finite routing_slot_mismatch)" in (
+        r.reason
+    )
+
+
+def test_c5_needs_a_measured_engine_trainer_mismatch(tmp_path) -> None:
+    # fp32 in both engines: the engine's log-probs are the recompute's to ~1e-6; GRPO's reward drops when it takes
+    # them (a = 0.4 vs 0.8) and GSPO's does not, which would support the claim were there any mismatch to tolerate
+    for src, grpo_a in (("recompute", 0.8), ("rollout", 0.4)):
+        synthetic.make_study(
+            tmp_path,
+            {"gspo": C(a=0.8, c_mid=2e12, mismatch=1e-6), "grpo": C(a=grpo_a, c_mid=2e12, mismatch=1e-6)},
+            seeds=(0, 1, 2),
+            n_steps=40,
+            grid={"old_logp_source": [src]},
+        )
+    st = tidy.load_study(tmp_path)
+    r = scorecard.claim_c5(st)
+    assert r.verdict == NOT_IN_REGIME, r
+    head = "engine/trainer mismatch 1.05e-06 nats per response token (n=12 runs), below the 0.001 nats the claim needs"
+    assert r.reason == head
+    assert "at or above 0.001 nats per response token" in r.rule
+    assert scorecard.claim_c5(st, scorecard.Rules(min_mismatch=1e-7)).verdict == SUPPORTED
+
+
+def test_rules_refuse_what_is_not_a_threshold() -> None:
+    for bad in (-0.1, float("nan"), "5%"):
+        with pytest.raises(ValueError, match="min_volatility"):
+            scorecard.Rules(min_volatility=bad)

@@ -1,0 +1,92 @@
+"""The analysis never hides a missing run: every run `python -m analysis figures|report` could not read is listed with
+the reason and counted in the headline, and the report is always written (the workflow's order: figures, then the
+report reusing them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from analysis import results, synthetic
+from analysis.__main__ import main
+
+C = synthetic.Curve
+CURVES = {"grpo": C(a=0.5, c_mid=2e12), "gspo": C(a=0.8, c_mid=2e12)}
+
+
+def _study(root: Path, **kwargs) -> list[str]:
+    ids = synthetic.make_study(root, CURVES, seeds=(0, 1), n_steps=20, config_format="yaml", **kwargs)
+    (root / "s").mkdir()
+    (root / "s" / "run_ids.txt").write_text("\n".join(ids) + "\n")
+    return ids
+
+
+def _figures_then_report(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, dict, str]:
+    """`figures` then `report --figures` as the workflow runs them: (index.md, figures.json, stderr of both)."""
+    assert main(["figures", str(root), "--study", "s", "--out", str(root / "s" / "figures")]) == 0
+    assert main(["report", str(root), "--study", "s", "--figures", str(root / "s" / "figures")]) == 0
+    err = capsys.readouterr().err
+    index = json.loads((root / "s" / "figures" / "figures.json").read_text())
+    return (root / "s" / "report" / "index.md").read_text(), index, err
+
+
+def test_a_truncated_metrics_file_is_listed_counted_and_left_out_of_the_verdicts(tmp_path, capsys) -> None:
+    # before: exit 0, "4 runs (completed 4; none missing)", the run counted as completed with no rows (C1 on n = 2 vs
+    # 1 here) and named nowhere
+    ids = _study(tmp_path)
+    path = tmp_path / "runs" / ids[0] / "metrics.parquet"
+    path.write_bytes(path.read_bytes()[:200])
+    md, index, err = _figures_then_report(tmp_path, capsys)
+    lead = md.split("## Headline")[0]
+    assert "3 runs (completed 3; 1 unreadable)" in lead and "none missing" not in md
+    headline = md.split("## Headline")[1].split("\n## ")[0]
+    assert "- **Runs not read:** 1 of the 4 runs of the study (1 unreadable) are in no verdict" in headline
+    problems = md.split("## Failed, collapsed, unreadable and missing runs")[1].split("\n## ")[0]
+    assert f"| {ids[0]} | grpo | 0 | unreadable |" in problems and "| metrics.parquet: " in problems
+    assert "(n=2 vs 1)" in headline  # C1 compares the runs that were read: gspo 2, grpo 1
+    assert f"run {ids[0]} not read: metrics.parquet:" in err
+    assert list(index["unreadable"]) == [ids[0]] and index["unreadable"][ids[0]].startswith("metrics.parquet:")
+
+
+def test_a_study_that_never_evaluates_gets_its_figures_and_report(tmp_path, capsys) -> None:
+    # eval_every: 0 writes the eval columns NaN at every step and no step-0 row; before: `figures` and `report`
+    # crashed in Figure 1 ("no finite (positive, for a log grid) x values"), so no report of the study was written
+    _study(tmp_path, eval_every=10**9, start_eval=False)
+    md, index, _ = _figures_then_report(tmp_path, capsys)
+    assert {"figure1_reward", "figure2_clipping"} <= set(index["figures"])
+    assert "**Held-out gain:** not available: eval_in_dist not logged" in md
+    assert "4 runs (completed 4; none unreadable or missing)" in md
+
+
+def test_a_run_with_an_invalid_config_is_listed_as_unreadable_not_a_crash(tmp_path, capsys) -> None:
+    # algorithm 'nan' (a YAML value gone wrong): before, both commands died with UnknownAlgorithmError: 'nan'
+    ids = _study(tmp_path)
+    cfg = tmp_path / "runs" / ids[1] / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("algorithm: grpo", "algorithm: nan"))
+    md, index, err = _figures_then_report(tmp_path, capsys)
+    problems = md.split("## Failed, collapsed, unreadable and missing runs")[1].split("\n## ")[0]
+    assert f"| {ids[1]} | nan |" in problems and "algorithm 'nan' in the config is not a registered algorithm" in md
+    assert "- **Runs not read:** 1 of the 4 runs" in md and f"run {ids[1]} not read: algorithm 'nan'" in err
+    assert ids[1] in index["unreadable"] and len(index["figures"]) >= 3
+
+
+def test_every_kind_of_unreadable_run_says_why(tmp_path) -> None:
+    ids = synthetic.make_study(tmp_path, CURVES, seeds=(0, 1, 2), n_steps=10, config_format="yaml")
+    runs = tmp_path / "runs"
+    (runs / ids[0] / "config.yaml").write_text("algorithm: [unclosed\n")
+    (runs / ids[1] / "config.yaml").write_text("seed: 1\n")
+    (runs / ids[2] / "status.json").write_text("{not json")
+    (runs / ids[3] / "metrics.parquet").unlink()  # a completed run without its metrics
+    t = pq.read_table(runs / ids[4] / "metrics.parquet")
+    pq.write_table(t.drop(["step"]), runs / ids[4] / "metrics.parquet")
+    (runs / ids[5] / "routing_layers.parquet").write_bytes(b"PAR1")  # optional file damaged: still read
+    st = results.load(tmp_path)
+    why = dict(zip(st.unreadable["run_id"], st.unreadable["reason"], strict=True))
+    assert set(why) == set(ids[:5]) and list(st.runs["run_id"]) == [ids[5]]
+    assert why[ids[0]].startswith("config.yaml:") and why[ids[1]] == "the config names no algorithm"
+    assert why[ids[2]].startswith("status.json:") and why[ids[3]] == "metrics.parquet: missing"
+    assert why[ids[4]] == "metrics.parquet: no 'step' column"
+    assert st.runs["error"].iloc[0].startswith("routing_layers.parquet:")
