@@ -492,8 +492,8 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
     checked."""
     idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
     ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
-    with routing.recording():
-        trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos)  # (b, T)
+    with routing.recording():  # on the model's device, brought to the CPU, where the engine's scores are
+        trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos).cpu()  # (b, T)
     if engine is None:  # a parallel layout's other ranks: the forward above is collective, rank 0's engine scores
         return {}
     prompts, responses = [], []
