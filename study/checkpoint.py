@@ -65,21 +65,28 @@ def full_state_fits(mcfg: Any) -> bool:
 
 # -- RNG states -------------------------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    """Every RNG the run draws from, as tensors and plain values: torch's CPU generator, Python's, NumPy's."""
+    """Every RNG the run draws from, as tensors and plain values: torch's CPU generator, Python's, NumPy's and, where
+    CUDA is in use, each visible GPU's generator (`cuda_rng`)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     numpy = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
     state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "numpy_rng": numpy}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `rng_state`."""
+    """Inverse of `rng_state`. The GPUs' generators are restored where CUDA is in use (as many as both the checkpoint
+    and this process have); a checkpoint written without CUDA leaves them as seeded."""
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     numpy = state["numpy_rng"]
     keys = numpy["keys"].numpy().astype(np.uint32)
     np.random.set_state((numpy["name"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    if torch.cuda.is_available() and state.get("cuda_rng") is not None:
+        for device, generator in enumerate(state["cuda_rng"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(generator, device)
 
 
 # -- write ------------------------------------------------------------------------------------------------------------
