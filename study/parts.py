@@ -184,26 +184,52 @@ def _old_pass(
     return logp.cpu(), routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
 
 
-def old_pass_rows(parts: Parts, batch: Batch, idx: torch.Tensor, r3: bool) -> tuple[torch.Tensor, Routes, torch.Tensor]:
-    """`_old_pass` of the global rows idx: at one process those rows; under a parallel layout this rank's share
-    (study/policy/parallel.py data_rows), then every rank's gathered (log-probs differentiable in this rank's rows)."""
+def micro_chunks(rows: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, ...]:
+    """`rows` in forwards of at most `micro_batch` sequences (0: one forward of them all)."""
+    return (rows,) if micro_batch <= 0 or micro_batch >= len(rows) else torch.split(rows, micro_batch)
+
+
+def local_positions(parts: Parts, n: int) -> torch.Tensor:
+    """The positions, in an n-row global minibatch, of the rows this rank forwards (study/policy/parallel.py
+    data_rows: a contiguous share; at one process all of them)."""
+    return torch.arange(n) if parts.trainer is None else par.data_rows(n)
+
+
+def old_pass_rows(
+    parts: Parts, batch: Batch, idx: torch.Tensor, r3: bool, micro_batch: int = 0
+) -> tuple[torch.Tensor, Routes, torch.Tensor]:
+    """`_old_pass` of the global rows idx, in forwards of at most `micro_batch` rows: at one process those rows;
+    under a parallel layout this rank's share, then every rank's gathered (log-probs differentiable in this rank's
+    rows)."""
+    n, local = len(idx), idx[local_positions(parts, len(idx))]
+    passes = [_old_pass(parts.policy, parts.routing, batch, rows, r3) for rows in micro_chunks(local, micro_batch)]
+    if len(passes) == 1:
+        logp, routes, entropy = passes[0]
+    else:
+        logp, entropy = torch.cat([p[0] for p in passes]), torch.cat([p[2] for p in passes])
+        routes = Routes.cat([p[1] for p in passes])
     if parts.trainer is None:
-        return _old_pass(parts.policy, parts.routing, batch, idx, r3)
-    n, local = len(idx), idx[par.data_rows(len(idx))]
-    logp, routes, entropy = _old_pass(parts.policy, parts.routing, batch, local, r3)
+        return logp, routes, entropy
     return par.gather_rows(logp, n), Routes(par.gather_rows(routes.experts, n)), par.gather_rows(entropy, n)
 
 
-def forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
-    """An update's forward of the global rows idx: `replay`'s routes of them forced (None: free routing recorded).
-    Returns the log-probs (b, T) and the routes free routing chose (gathered over ranks, like `old_pass_rows`)."""
-    rows = idx if parts.trainer is None else idx[par.data_rows(len(idx))]
+def forward_local(parts: Parts, batch: Batch, rows: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
+    """An update's forward of the rows `rows` on this rank: `replay` (routes of those rows) forced, or None: free
+    routing recorded. Returns the log-probs (b, T) on the CPU and the routes free routing chose."""
     routing = parts.routing
-    with routing.replaying(replay[rows]) if replay is not None else routing.recording():
+    with routing.replaying(replay) if replay is not None else routing.recording():
         logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
                           attention_mask=batch.attn_mask[rows], positions=batch.pos[rows],
                           temperature=batch.temperature).cpu()  # fmt: skip
-    free = routing.free_routes() if replay is not None else routing.routes()
+    return logp, routing.free_routes() if replay is not None else routing.routes()
+
+
+def forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
+    """An update's forward of the global rows idx (`forward_local` of this rank's share): `replay`'s routes of them
+    forced (None: free routing recorded). Returns the log-probs (b, T) and the routes free routing chose (gathered
+    over ranks, like `old_pass_rows`)."""
+    rows = idx[local_positions(parts, len(idx))]
+    logp, free = forward_local(parts, batch, rows, None if replay is None else replay[rows])
     if parts.trainer is None:
         return logp, free
     return par.gather_rows(logp, len(idx)), Routes(par.gather_rows(free.experts, len(idx)))

@@ -42,7 +42,17 @@ from study.batch import Batch, pad, take_unmastered
 from study.core.weights import iter_hf_weights
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
-from study.parts import Parts, broadcast, derive_seed, forward_rows, old_pass_rows, setup
+from study.parts import (
+    Parts,
+    broadcast,
+    derive_seed,
+    forward_local,
+    forward_rows,
+    local_positions,
+    micro_chunks,
+    old_pass_rows,
+    setup,
+)
 from study.policy import parallel as par
 from study.policy.model import token_logp
 from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
@@ -173,25 +183,29 @@ def train(
                     last_write = record.maybe_write(run_dir, log, tracker, due=checkpoint_step, last_write=last_write)
                 continue
 
-            # 2. pi_old: the training engine's recompute. The first minibatch is not recomputed: its first update
-            # forward runs on the same tokens with the same weights (nothing has been updated yet), so that forward's
-            # detached log-probs and routes are pi_old's.
+            # 2. pi_old: the training engine's recompute. The first minibatch is not recomputed when forwarded whole:
+            # its update's forward runs on the same tokens with the same weights (nothing has been updated yet), so
+            # that forward's detached log-probs and routes are pi_old's.
             t1 = time.perf_counter()
             ids, am = batch.input_ids, batch.attn_mask
             r3 = alg.routing == "rollout_replay"  # ALGO routing: R3 replays the engine's routes from pi_old on
             perm = torch.randperm(batch.n, generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step)))
             chunks = torch.tensor_split(perm, min(cfg.minibatches, batch.n))
             first, rest = chunks[0], perm[len(chunks[0]) :]
+            # a rank's share of a minibatch in one forward (micro_batch 0): the first update's forward is pi_old's;
+            # in micro-batches every update forwards its rows again, interleaved with their backwards (_update_micro)
+            whole = len(micro_chunks(local_positions(parts, len(first)), cfg.micro_batch)) == 1
             old_parts = []
             if len(rest):
                 with torch.no_grad():
-                    if parts.trainer is None:  # the rest in one forward
-                        old_parts.append(old_pass_rows(parts, batch, rest, r3))
+                    if parts.trainer is None:  # the rest together
+                        old_parts.append(old_pass_rows(parts, batch, rest, r3, cfg.micro_batch))
                     else:  # a rank's share of each minibatch, as its update will see it
-                        old_parts += [old_pass_rows(parts, batch, idx, r3) for idx in chunks[1:]]
+                        old_parts += [old_pass_rows(parts, batch, idx, r3, cfg.micro_batch) for idx in chunks[1:]]
             t_old = time.perf_counter() - t1
             t2 = time.perf_counter()
-            logp_first, free_first, entropy_first = old_pass_rows(parts, batch, first, r3)  # the first update's
+            with torch.enable_grad() if whole else torch.no_grad():  # whole: the first update's forward
+                logp_first, free_first, entropy_first = old_pass_rows(parts, batch, first, r3, cfg.micro_batch)
             t_first = time.perf_counter() - t2
             old_parts.insert(0, (logp_first.detach(), free_first, entropy_first))
             unperm = perm.argsort()  # the parts are in perm order (first, then rest)
@@ -220,20 +234,22 @@ def train(
             row.update({k: v for k, v in load.items() if k in STEP_METRICS})  # the means over layers
             old_logp = train_old if cfg.old_logp_source == "recompute" else batch.rollout_logp  # ALGO pi_old (B, T)
             if cfg.old_logp_source == "recompute":
-                log.compute += forward_flops(mcfg, int(am[rest].sum()), ids.shape[1] / 2)
+                log.compute += forward_flops(mcfg, int(am[rest if whole else perm].sum()), ids.shape[1] / 2)
 
             # 3. minibatch updates (the first one's forward ran above)
             t2 = time.perf_counter()
             sums: dict[str, float] = {}
             vols: list[dict[str, float]] = []
+            replay = old_routes if alg.routing != "free" else None  # ALGO routing: free, or pi_old's (R3: engine's)
             for i, idx in enumerate(chunks):
-                if i == 0:
-                    logp = logp_first
-                else:  # ALGO routing: free, or replayed (pi_old's routes, or R3 the engine's)
-                    logp, new_free = forward_rows(parts, batch, idx, old_routes if alg.routing != "free" else None)
+                ref = None if ref_logp is None else ref_logp[idx]
+                if not whole:
+                    mb, new_free = _update_micro(cfg, parts, old_logp[idx], batch, idx, ref, step, replay)
+                else:
+                    logp, new_free = (logp_first, None) if i == 0 else forward_rows(parts, batch, idx, replay)
+                    mb = _update(cfg, parts, logp, old_logp[idx], batch, idx, ref, step)
+                if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
                     vols.append(routing_volatility(free_old[idx], new_free, am[idx]))  # old vs new policy's choice
-                mb = _update(cfg, parts, logp, old_logp[idx], batch, idx,
-                             None if ref_logp is None else ref_logp[idx], step)  # fmt: skip
                 for key, value in mb.items():
                     sums[key] = sums.get(key, 0.0) + value
                 log.compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
@@ -387,17 +403,10 @@ def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: Task
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. the update: the loss
 # ---------------------------------------------------------------------------------------------------------------------
-def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch,
-            idx: torch.Tensor, ref_logp: torch.Tensor | None, step: int) -> dict[str, float]:  # fmt: skip
-    """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
-    (+ the KL hook), backward, global-norm clip, optimiser step. Returns the minibatch's metrics; raises Collapse
-    on an exploding ratio or a non-finite loss or gradient."""
-    alg, hparams = parts.alg, parts.hparams
-    mask = batch.mask[idx]  # (b, T)
-    with torch.no_grad():
-        d = torch.where(mask.bool(), old_logp - logp.detach(), 0.0)  # (b, T) log pi_old - log pi_theta
-        if float(d.abs().max()) > cfg.max_log_ratio:
-            raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
+def _loss(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
+          ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """The minibatch's loss from its log-probs `logp` (b, T) against `old_logp` (b, T), and its metrics."""
+    alg, hparams, mask = parts.alg, parts.hparams, batch.mask[idx]  # mask: (b, T)
     # ALGO: the loss
     extra = {"rollout_logp": batch.rollout_logp[idx]} if alg.needs_rollout_logp else {}
     loss, metrics = alg.loss(logp, old_logp, batch.advantages[idx], mask, **hparams, **extra)
@@ -405,19 +414,35 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
         kl = kl_to_reference(logp, ref_logp, mask, aggregation_weights(alg, mask, hparams))
         loss = loss + cfg.kl_coef * kl
         metrics = {**metrics, "kl_ref": float(kl.detach())}
+    return loss, metrics
+
+
+def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
+            ref_logp: torch.Tensor | None, step: int, accumulated: bool = False) -> dict[str, float]:  # fmt: skip
+    """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
+    (+ the KL hook), backward, global-norm clip, optimiser step (`accumulated`: the gradients are there already,
+    `logp` their forwards' values). Returns the minibatch's metrics; raises Collapse on an exploding ratio or a
+    non-finite loss or gradient."""
+    mask = batch.mask[idx]  # (b, T)
+    with torch.no_grad():
+        d = torch.where(mask.bool(), old_logp - logp.detach(), 0.0)  # (b, T) log pi_old - log pi_theta
+        if float(d.abs().max()) > cfg.max_log_ratio:
+            raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
+    loss, metrics = _loss(cfg, parts, logp, old_logp, batch, idx, ref_logp)
     if not torch.isfinite(loss):
         raise Collapse(f"non-finite loss at step {step}")
+    if not accumulated:
+        _zero_grad(parts)
+        _backward(parts, loss)
     if (
         parts.trainer is not None
     ):  # a parallel layout: megatron reduces, the global norm clips (study/policy/parallel.py)
-        parts.trainer.zero_grad()
-        loss.backward()
         _, norm = parts.trainer.step()
         if not math.isfinite(norm):
             raise Collapse(f"non-finite gradient norm at step {step}")
         grad_norm = torch.tensor(norm)
     else:
-        grad_norm = _local_step(cfg, parts, loss, step)
+        grad_norm = _local_step(cfg, parts, step)
     n = float(mask.sum().clamp_min(1))
     with torch.no_grad():
         k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
@@ -425,11 +450,45 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
     return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm)}
 
 
-def _local_step(cfg: RunConfig, parts: Parts, loss: torch.Tensor, step: int) -> torch.Tensor:
-    """One process's backward, clip and optimiser step; returns the gradient norm before clipping."""
+def _update_micro(
+    cfg: RunConfig, parts: Parts, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
+    ref_logp: torch.Tensor | None, step: int, replay: Routes | None,
+) -> tuple[dict[str, float], Routes]:  # fmt: skip
+    """`_update` of the minibatch idx with this rank's rows forwarded in micro-batches of `micro_batch` sequences,
+    each backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as
+    constants. Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's
+    gradient is its rows' share of the whole minibatch's, and their sum is the whole minibatch's gradient
+    (tests/study/test_micro_batch.py). Returns the metrics and the routes free routing chose (gathered)."""
+    n = len(idx)
+    values, routes = [], []
+    _zero_grad(parts)
+    for pos in micro_chunks(local_positions(parts, n), cfg.micro_batch):
+        rows = idx[pos]
+        logp, free = forward_local(parts, batch, rows, None if replay is None else replay[rows])  # (m, T)
+        full = old_logp.detach().index_put((pos,), logp)  # (b, T): these rows differentiable, the others constant
+        _backward(parts, _loss(cfg, parts, full, old_logp, batch, idx, ref_logp)[0])
+        values.append(logp.detach())
+        routes.append(free)
+    logp, free = torch.cat(values), Routes.cat(routes)
+    if parts.trainer is not None:
+        logp, free = par.gather_rows(logp, n), Routes(par.gather_rows(free.experts, n))
+    return _update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free
+
+
+def _zero_grad(parts: Parts) -> None:
+    if parts.trainer is not None:
+        parts.trainer.zero_grad()
+    else:
+        parts.optimizer.zero_grad(set_to_none=True)
+
+
+def _backward(parts: Parts, loss: torch.Tensor) -> None:
+    (parts.scaler.scale(loss) if parts.scaler is not None else loss).backward()
+
+
+def _local_step(cfg: RunConfig, parts: Parts, step: int) -> torch.Tensor:
+    """One process's clip and optimiser step after the backward; returns the gradient norm before clipping."""
     scaler = parts.scaler
-    parts.optimizer.zero_grad(set_to_none=True)
-    (scaler.scale(loss) if scaler is not None else loss).backward()
     params = [p for p in parts.params if p.grad is not None]
     if scaler is not None:
         scaler.unscale_(params)

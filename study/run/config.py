@@ -105,6 +105,10 @@ class RunConfig:
     """Every this many steps, right after the weight sync, the rollout engine and the trainer score a few of the
     step's sequences teacher-forced: metrics sync_parity_mean_abs / sync_parity_max_abs (0 = never; a metric, never
     a stop). Not in the run id."""
+    micro_batch: int = 0
+    """Sequences per forward and backward of the training engine (each rank's share of a minibatch, and of the
+    pi_old pass, in forwards of at most this many; the minibatch's gradients accumulated over them before its one
+    optimizer step); 0 = a rank's whole share in one forward. The same update to rounding: not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     eval_every: int = 10
@@ -219,7 +223,7 @@ class RunConfig:
             _positive(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
-        for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every"):
+        for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every", "micro_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
@@ -396,7 +400,7 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
 # Fields that do not change what a run computes (`parallel`: to rounding, like the thread count's sums).
-NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every", "parallel")
+NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every", "parallel", "micro_batch")
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
     "train_precision": "",
