@@ -6,6 +6,7 @@ gathered). The loop that uses them is study/rl.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,12 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
     train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/core/precision.py)
     parallel = cfg.layout if cfg.layout != ParallelLayout() else None
-    policy = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)
+    # activation recompute (RunConfig.recompute): megatron's, through the model config; the trainer alone backpropagates
+    recompute = {} if cfg.recompute == "none" else {"recompute_granularity": cfg.recompute}
+    trained = dataclasses.replace(mcfg, extra={**mcfg.extra, **recompute})
+    policy = build_policy(
+        trained, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel
+    )
     load_initial(policy, init_state, parallel is not None)
     prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
     eps = precision_mod.adam_eps(train_prec)

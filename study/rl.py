@@ -458,7 +458,7 @@ def _update_micro(
     each backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as
     constants. Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's
     gradient is its rows' share of the whole minibatch's, and their sum is the whole minibatch's gradient
-    (tests/study/test_micro_batch.py). Returns the metrics and the routes free routing chose (gathered)."""
+    (tests/study/test_memory_switches.py). Returns the metrics and the routes free routing chose (gathered)."""
     n = len(idx)
     values, routes = [], []
     _zero_grad(parts)

@@ -1,7 +1,8 @@
-"""micro_batch: a minibatch forwarded and backpropagated in micro-batches, its gradients accumulated before its one
-optimiser step, is the same update as the whole minibatch at once (fp32: to rounding), for every registered
-algorithm (their losses are sums over sequences, which the accumulation relies on), and a run's metrics are the
-same; micro_batch is a runtime field, not in the run id."""
+"""The training engine's memory switches change no result. micro_batch: a minibatch forwarded and backpropagated in
+micro-batches, its gradients accumulated before its one optimiser step, is the same update as the whole minibatch at
+once (fp32: to rounding), for every registered algorithm (their losses are sums over sequences, which the
+accumulation relies on), and a run's metrics are the same. recompute = selective: megatron recomputes each layer's
+core attention in the backward, and a run's metrics are the same. Both are runtime fields, not in the run id."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import algorithms
-from study import rl
+from study import parts, rl
 from study.parts import forward_rows, old_pass_rows, setup
 from study.policy.optim import build_optimizer
 from study.run.config import load_config
@@ -98,3 +99,28 @@ def test_a_run_in_micro_batches_has_the_same_metrics_and_run_id(tmp_path: Path) 
 def test_micro_batch_is_validated() -> None:
     with pytest.raises(ValueError, match="micro_batch = -1: must be >= 0"):
         load_config(preset="tiny", sets=["micro_batch=-1"])
+
+
+def test_selective_recompute_gives_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    granularity: list[str | None] = []
+    build = parts.build_policy
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        model = build(*args, **kwargs)
+        granularity.append(model.config.recompute_granularity)
+        return model
+
+    monkeypatch.setattr(parts, "build_policy", recording)
+    sets = [*SETS, "algorithm=grpo_rr", "steps=2", "minibatches=2"]
+    plain, recomputed = (load_config(preset="tiny", sets=[*sets, f"recompute={r}"]) for r in ("none", "selective"))
+    assert recomputed.run_id == plain.run_id  # a runtime field
+    got = [pd.read_parquet(rl.run(cfg, tmp_path / cfg.recompute, progress=False) / "metrics.parquet")
+           for cfg in (plain, recomputed)]  # fmt: skip
+    assert granularity == [None, "selective"]
+    for column in ("reward_mean", "response_len_mean", "loss", "grad_norm", "approx_kl", "routing_slot_mismatch"):
+        assert list(got[1][column]) == pytest.approx(list(got[0][column]), rel=1e-6, abs=1e-9), column
+
+
+def test_recompute_is_validated() -> None:
+    with pytest.raises(ValueError, match="recompute = 'full'; valid: none, selective"):
+        load_config(preset="tiny", sets=["recompute=full"])
