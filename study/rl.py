@@ -9,7 +9,8 @@ algorithm decides):
  2. pi_old: log-probs recomputed by the training engine, ALGO with routing recorded or (R3) the engine's routes
     replayed; ALGO `old_logp_source: rollout` uses the engine's log-probs instead (section 5.4);
  3. minibatch updates: the batch split into M minibatches; for each: forward with ALGO the routing the algorithm asks
-    for (free / replay / rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step;
+    for (free / replay / rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step (`micro_batch` > 0: forward
+    and backward in micro-batches, the gradients accumulated before the step);
  4. sync: the weights pushed to the rollout engine;
  5. log: the metrics row (study/record.py; files written at checkpoints), a held-out evaluation every N steps;
  6. checkpoint every N steps (study/checkpoint.py).
