@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/bench_collect.py [--batches 8x4x32 32x8x64] [--repeats 9]
 
 `study.rl._collect` takes the step's prompts from the task stream, tokenizes them, has the engine generate, then
-decodes and scores every completion and lays the samples out as padded teacher-forcing tensors (`_pad`). This times
-those parts on the default study's task (chain_sum, the tiny preset's tokenizer from a scratch cold start) for
-P x G x T batches, with completions drawn as the engine returns them: random token ids of T/2..T tokens, their
+decodes and scores every completion and lays the samples out as padded teacher-forcing tensors (`study.batch.pad`).
+This times those parts on the default study's task (chain_sum, the tiny preset's tokenizer from a scratch cold start)
+for P x G x T batches, with completions drawn as the engine returns them: random token ids of T/2..T tokens, their
 log-probs and per-token routes (2 layers, top-2). Best of `--repeats`, ms per step. One torch thread.
 """
 
@@ -36,15 +36,15 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
 
-    from study import rl
+    from study import batch, parts
     from study.data import tasks
     from study.run.config import PRESET_RUNS, RunConfig
 
     cfg = RunConfig.from_dict({**PRESET_RUNS["tiny"], "coldstart": "scratch"})
-    tok, _ = rl.initial_policy(cfg, results=None)  # the scratch cold start's tokenizer (nothing is written)
-    stream, _ = rl.task_data(cfg)
+    tok, _ = parts.initial_policy(cfg, results=None)  # the scratch cold start's tokenizer (nothing is written)
+    stream, _ = parts.task_data(cfg)
     print(f"torch {torch.__version__}, 1 thread, load average {os.getloadavg()[0]:.2f}; task {cfg.task}")
-    print(f"{'batch':>10} {'take':>8} {'encode':>8} {'decode':>8} {'score':>8} {'_pad':>8}  (ms per step)")
+    print(f"{'batch':>10} {'take':>8} {'encode':>8} {'decode':>8} {'score':>8} {'pad':>8}  (ms per step)")
     rng = random.Random(0)
 
     def timed(best: dict[str, float], name: str, fn, *fn_args):  # type: ignore[no-untyped-def]
@@ -75,8 +75,8 @@ def main() -> None:
                  "routes": torch.randint(0, 4, (len(prompts[i // g]) + len(x) - 1, 2, 2), dtype=torch.uint8)}
                 for i, x in enumerate(responses)
             ]  # fmt: skip
-            timed(best, "_pad", rl._pad, samples, t)
-        row = " ".join(f"{1e3 * best[k]:8.2f}" for k in ("take", "encode", "decode", "score", "_pad"))
+            timed(best, "pad", batch.pad, samples, t)
+        row = " ".join(f"{1e3 * best[k]:8.2f}" for k in ("take", "encode", "decode", "score", "pad"))
         print(f"{p}x{g}x{t:<5} {row}")
 
 

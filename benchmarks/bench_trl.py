@@ -135,8 +135,8 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     from study.core.model_config import preset
     from study.core.weights import hf_config, megatron_to_hf
     from study.data import tasks
+    from study.parts import derive_seed
     from study.policy.model import build_policy
-    from study.rl import derive_seed
     from study.rollout.hf import fuse_experts
 
     torch.set_num_threads(threads)

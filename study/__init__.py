@@ -10,6 +10,9 @@ Rooms (each subpackage's `__init__` says its job; tests/test_imports.py keeps th
     core/       shared libraries, importing no other room: model_config.py (the policy's shape, presets, dtypes),
                 precision.py (precision as a study axis), weights.py (the weight mapping where policy and rollout meet)
     tools/      one-shot tools, `python -m study.tools.NAME`: plan, gpu_check, export, parity, budgets
-Entry points at the top, importing any room: rl.py (the RL loop), launch.py (in-process, local or SLURM through
-submitit), __main__.py (the CLI).
+The RL loop at the top, importing any room: rl.py (the loop, read top to bottom: setup, then the step) and what it
+is made of: parts.py (the run's parts, built once; the trainer's forwards of a batch's rows), batch.py (the step's
+samples as teacher-forcing tensors), record.py (the metric rows and their files), checkpoint.py (write, read,
+restore), lifecycle.py (preflight, the run directory's lock and manifest, every exit recorded, resume).
+Entry points at the top: launch.py (in-process, local or SLURM through submitit), __main__.py (the CLI).
 """

@@ -328,16 +328,10 @@ def layout_ranks(cfg: Any, res: Resources) -> Resources:
 
 
 def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
-    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.tools.plan) or that asks for
-    more ranks than study.rl runs (module docstring, point 7). ValueError naming the resource."""
-    from study import rl
+    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.tools.plan) or whose ranks
+    do not match its parallel layout (module docstring, point 7). ValueError naming the resource."""
     from study.tools import plan
 
-    if res.world_size > 1 and not getattr(rl, "MULTI_RANK", False):
-        raise ValueError(
-            f"nodes x tasks per node = {res.nodes} x {res.ranks_per_node} = {res.world_size} ranks, but study.rl "
-            "runs a run on one rank; valid: nodes = 1 and one task per node (gpus <= 1 or tasks_per_node = 1)"
-        )
     layout = getattr(cfg, "layout", None)
     if layout is not None and launcher != "in-process" and res.world_size != layout.world_size:
         raise ValueError(

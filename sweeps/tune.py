@@ -350,7 +350,7 @@ def open_storage(p: Plan) -> Any:
 def _sampler(p: Plan, algorithm: str, number: int) -> Any:
     import optuna
 
-    from study.rl import derive_seed
+    from study.parts import derive_seed
 
     seed = derive_seed("tune", p.sampler["seed"], algorithm, number) % 2**32
     if p.sampler["name"] == "random":

@@ -15,6 +15,8 @@ ROOMS = (
     "study.core", "study.run", "study.data", "study.policy", "study.rollout", "study.coldstart", "study.kernels",
     "study.tools",
 )  # fmt: skip
+# The RL loop at study/'s top: rl.py over the modules it is made of (none imports rl.py; the rooms import none of them)
+LOOP = ("study.rl", "study.parts", "study.batch", "study.record", "study.checkpoint", "study.lifecycle")
 
 
 def _module_name(path: Path) -> str:
@@ -68,7 +70,8 @@ def _violations(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
 def test_the_graph_sees_the_packages() -> None:
     """A walker that found nothing would pass every wall: it finds the rooms and known edges."""
     assert all(any(_in(m, room) for m in GRAPH) for room in ROOMS)
-    assert "study.policy.model" in GRAPH["study.rl"] and "study.rollout" in GRAPH["study.rl"]
+    assert "study.policy.model" in GRAPH["study.rl"] and "study.rollout" in GRAPH["study.parts"]
+    assert {"study.checkpoint", "study.lifecycle", "study.record", "study.parts"} <= GRAPH["study.rl"]
     assert "megatron" in GRAPH["study.policy.layers"] and "transformers" in GRAPH["study.rollout.hf"]
 
 
@@ -86,10 +89,22 @@ def test_the_graph_sees_the_packages() -> None:
         ("study.run", ("study.policy", "study.rollout", "study.coldstart", "study.kernels"), ()),
         ("algorithms", ("study",), ()),
         ("analysis", ("study",), ()),
+        *((room, LOOP, ()) for room in ROOMS if room != "study.tools"),
+        ("study.lifecycle", ("study.policy", "study.rollout", *LOOP), ()),
+        ("study.checkpoint", ("study.rollout", "study.parts", "study.lifecycle", "study.rl"), ()),
+        ("study.record", ("study.policy", "study.rollout", "study.coldstart", *LOOP), ()),
+        ("study.batch", ("study.rollout", *LOOP), ()),
+        ("study.parts", ("study.rl", "study.checkpoint", "study.record"), ()),
     ],
 )
 def test_walls(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...]) -> None:
     assert _violations(source, forbidden, allowed) == []
+
+
+def test_only_entry_points_and_tools_import_the_loop() -> None:
+    """study/rl.py is on top: within study/ only the launchers and the one-shot tools import it."""
+    users = {m for m, targets in GRAPH.items() if _in(m, "study") and "study.rl" in targets}
+    assert all(m in ("study.launch", "study.__main__") or _in(m, "study.tools") for m in users), sorted(users)
 
 
 def test_core_imports_no_other_room() -> None:
@@ -99,7 +114,7 @@ def test_core_imports_no_other_room() -> None:
 
 def test_science_modules_name_no_kernel() -> None:
     """Only the two places that choose the speed paths name a kernel module (study/kernels/__init__.py)."""
-    choosers = {"study.policy.layers", "study.rollout.hf", "study.rl"}  # rl only asks whether they built
+    choosers = {"study.policy.layers", "study.rollout.hf", "study.lifecycle"}  # lifecycle asks whether they built
     users = {m for m, targets in GRAPH.items() if not _in(m, "study.kernels") and any(_in(t, "study.kernels")
                                                                                      for t in targets)}  # fmt: skip
     assert users <= choosers, sorted(users - choosers)

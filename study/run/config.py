@@ -25,6 +25,8 @@ OLD_LOGP_SOURCES = ("recompute", "rollout")
 ENGINES = ("hf", "vllm")
 """The rollout engines a run may name: the one list of engine names (study/rollout registers a class under each)."""
 PROMPT_FILTERS = ("none", "mastered")
+RECOMPUTE = ("none", "selective")
+"""Activation recompute of the training engine (RunConfig.recompute)."""
 """Which training prompts leave the stream (RunConfig.prompt_filter)."""
 
 
@@ -105,6 +107,15 @@ class RunConfig:
     """Every this many steps, right after the weight sync, the rollout engine and the trainer score a few of the
     step's sequences teacher-forced: metrics sync_parity_mean_abs / sync_parity_max_abs (0 = never; a metric, never
     a stop). Not in the run id."""
+    micro_batch: int = 0
+    """Sequences per forward and backward of the training engine (each rank's share of a minibatch, and of the
+    pi_old pass, in forwards of at most this many; the minibatch's gradients accumulated over them before its one
+    optimizer step); 0 = a rank's whole share in one forward. The same update to rounding: not in the run id."""
+    recompute: str = "none"
+    """Activation recompute of the training engine: none, or selective (megatron's recompute_granularity =
+    "selective": each layer's core attention is recomputed in the backward instead of keeping its (B, heads, S, S)
+    scores). Megatron's "full" recompute is not offered: the loop backpropagates after the routing-replay context of
+    the forward has closed, so a recomputed forward would route freely. The same gradients: not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     eval_every: int = 10
@@ -213,13 +224,14 @@ class RunConfig:
         _choice("rollout_dtype", self.rollout_dtype, DTYPES)
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
         _choice("prompt_filter", self.prompt_filter, PROMPT_FILTERS)
+        _choice("recompute", self.recompute, RECOMPUTE)
         self._validate_precision()
         for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "eval_size", "eval_samples",
                      "collapse_window", "threads"):  # fmt: skip
             _positive(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
-        for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every"):
+        for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every", "micro_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
@@ -396,7 +408,14 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
 # Fields that do not change what a run computes (`parallel`: to rounding, like the thread count's sums).
-NOT_HASHED: tuple[str, ...] = ("checkpoint_every", "rollout_runtime", "sync_check_every", "parallel")
+NOT_HASHED: tuple[str, ...] = (
+    "checkpoint_every",
+    "rollout_runtime",
+    "sync_check_every",
+    "parallel",
+    "micro_batch",
+    "recompute",
+)
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
     "train_precision": "",

@@ -35,12 +35,8 @@ CHECKPOINT = Path("checkpoint") / "state.pt"
 
 def _load_state(path: Path) -> dict[str, Any]:
     """The run checkpoint, loaded with weights_only=True (tensors and plain values; no code runs)."""
-    import numpy as np
-
-    allowed = [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:
         raise ValueError(
             f"{path}: not a readable checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0]})"
@@ -80,7 +76,7 @@ def tokenizer_of(cfg: Any, results: Path) -> Any:
 
     directory = coldstart_dir(cfg, results)
     if directory is None:
-        from study.rl import initial_policy
+        from study.parts import initial_policy
 
         return initial_policy(cfg, results)[0]
     if not (directory / "tokenizer.json").is_file():

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from study import __main__ as study_main
-from study import launch, rl
+from study import launch, record, rl
 from study.run import rundir
 from study.run.config import FLOAT_RANGES, RunConfig, load_config
 
@@ -160,7 +160,7 @@ def test_any_exit_is_recorded(tmp_path: Path, monkeypatch, raised: type[BaseExce
     def setup(*args, **kwargs):
         raise raised("boom")
 
-    monkeypatch.setattr(rl, "_setup", setup)
+    monkeypatch.setattr(rl, "setup", setup)
     cfg = tiny()
     with pytest.raises(raised):
         rl.run(cfg, tmp_path, progress=False)
@@ -229,7 +229,7 @@ def test_damaged_state_is_one_line_naming_the_file(one_step: Path, tmp_path: Pat
 def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, tmp_path: Path, monkeypatch,
                                                                capsys) -> None:  # fmt: skip
     run_dir = interrupted(one_step, tmp_path)
-    (run_dir / rl.TOKEN_SAMPLES).unlink()
+    (run_dir / record.TOKEN_SAMPLES).unlink()
     leftovers = [run_dir / "checkpoint" / ".state.pt.x1.tmp", run_dir / ".metrics.parquet.x2.tmp"]
     for tmp in leftovers:  # what a kill during a write leaves
         tmp.write_bytes(b"partial")
@@ -239,12 +239,12 @@ def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, t
                         set_status(d, state, **f))  # fmt: skip
     assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert f"warning: {run_dir / rl.TOKEN_SAMPLES} is missing" in err
+    assert f"warning: {run_dir / record.TOKEN_SAMPLES} is missing" in err
     assert not any(t.exists() for t in leftovers), "leftover temporary files"
     assert ("running", 0) not in statuses and statuses[0] == ("running", 1), statuses  # never back to step 0
     assert rundir.read_status(run_dir)["state"] == "completed"
     assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
-    assert sorted(pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)["step"].unique()) == [2]
+    assert sorted(pd.read_parquet(run_dir / record.TOKEN_SAMPLES)["step"].unique()) == [2]
 
 
 def test_the_collapsing_step_keeps_its_row(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ Two levels:
    log-probs and (first minibatch) pi_theta log-probs must be the engine's for that very sample; flipping ONE
    sample's advantage must negate that sample's per-token gradient d loss / d logp and leave every other row's
    gradient bit-identical.
-2. Unit, on `rl._pad` + `token_logp` + `alg.loss` with a real tiny policy: flipping one sample's advantage changes
-   the parameter gradient by exactly -2 x that sample's own contribution.
+2. Unit, on `study.batch.pad` + `token_logp` + `alg.loss` with a real tiny policy: flipping one sample's advantage
+   changes the parameter gradient by exactly -2 x that sample's own contribution.
 """
 
 import dataclasses
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import algorithms
-from study import rl
+from study import parts, rl
+from study.batch import pad
 from study.core.model_config import preset
 from study.policy.model import build_policy, token_logp
 from study.run.config import load_config
@@ -34,7 +35,7 @@ def _one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, flip: 
     """One RL step of `name` with tagged advantages (sample `flip`'s tag negated); what the engine returned and, per
     minibatch, what the loss saw and its gradient w.r.t. logp."""
     rec: dict = {"rollouts": [], "mb": []}
-    real_get, real_engine = algorithms.get, rl.get_engine
+    real_get, real_engine = algorithms.get, parts.get_engine
 
     def get(n: str):  # type: ignore[no-untyped-def]
         alg = real_get(n)
@@ -67,7 +68,7 @@ def _one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, flip: 
         return eng
 
     monkeypatch.setattr(algorithms, "get", get)
-    monkeypatch.setattr(rl, "get_engine", engine)
+    monkeypatch.setattr(parts, "get_engine", engine)
     sets = [f"algorithm={name}", "coldstart=scratch", "steps=1", "eval_every=0", "checkpoint_every=0",
             f"prompts_per_step={B_PROMPTS}", f"group_size={G}", f"minibatches={M}", f"max_new_tokens={T}"]  # fmt: skip
     cfg = load_config(preset="tiny", sets=sets)
@@ -128,7 +129,7 @@ def test_flipping_one_advantage_flips_only_that_samples_gradient(
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "dr_grpo", "cispo"])
 def test_one_sample_parameter_gradient_through_pad(name: str) -> None:
-    """_pad + token_logp (+ response positions) + alg.loss on a real tiny policy: flipping A_k changes the parameter
+    """pad + token_logp (+ response positions) + alg.loss on a real tiny policy: flipping A_k changes the parameter
     gradient by exactly -2 x the gradient of sample k's own term."""
     torch.manual_seed(0)
     cfg = preset("tiny")
@@ -140,7 +141,7 @@ def test_one_sample_parameter_gradient_through_pad(name: str) -> None:
         p = torch.randint(3, 200, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
         r = torch.randint(3, 200, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
         samples.append({"prompt": p, "response": r, "logp": torch.zeros(len(r)), "adv": _tag(i), "routes": None})
-    batch = rl._pad(samples, 6)
+    batch = pad(samples, 6)
 
     def grads(adv: torch.Tensor, only: int | None = None) -> torch.Tensor:
         policy.zero_grad(set_to_none=True)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import algorithms
-from study import rl
+from study import batch, checkpoint, rl
 from study.data import tasks
+from study.parts import setup
 from study.run.config import load_config
 
 SETS = ["coldstart=scratch", "eval_every=0", "checkpoint_every=0", "prompt_filter=mastered"]
@@ -17,7 +18,7 @@ SETS = ["coldstart=scratch", "eval_every=0", "checkpoint_every=0", "prompt_filte
 def test_the_stream_skips_mastered_prompts_in_order() -> None:
     stream = tasks.make_task("chain_sum", terms=2, digits=1, seed=3)
     mastered = {stream[1].prompt, stream[2].prompt, stream[5].prompt}
-    items, pos, skipped = rl._take_unmastered(stream, 4, 0, mastered)
+    items, pos, skipped = batch.take_unmastered(stream, 4, 0, mastered)
     kept = [i for i in range(7) if stream[i].prompt not in mastered][:4]
     assert [it.prompt for it in items] == [stream[i].prompt for i in kept]
     assert pos == kept[-1] + 1 and skipped == pos - 4
@@ -26,9 +27,9 @@ def test_the_stream_skips_mastered_prompts_in_order() -> None:
 def test_a_stream_of_mastered_prompts_still_yields() -> None:
     """When every prompt is mastered the stream takes one after MAX_SKIPS_PER_PROMPT skips instead of looping."""
     stream = tasks.make_task("chain_sum", terms=2, digits=1, seed=3)
-    everything = {stream[i].prompt for i in range(2 * rl.MAX_SKIPS_PER_PROMPT + 2)}
-    items, pos, skipped = rl._take_unmastered(stream, 2, 0, everything)
-    assert len(items) == 2 and skipped == 2 * rl.MAX_SKIPS_PER_PROMPT and pos == skipped + 2
+    everything = {stream[i].prompt for i in range(2 * batch.MAX_SKIPS_PER_PROMPT + 2)}
+    items, pos, skipped = batch.take_unmastered(stream, 2, 0, everything)
+    assert len(items) == 2 and skipped == 2 * batch.MAX_SKIPS_PER_PROMPT and pos == skipped + 2
 
 
 def test_prompt_filter_is_validated() -> None:
@@ -45,7 +46,7 @@ def test_prompt_filter_enters_the_run_id_only_when_set() -> None:
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     cfg = load_config(preset="tiny", sets=SETS)
-    return cfg, rl._setup(cfg, tmp_path_factory.mktemp("filter"))
+    return cfg, setup(cfg, tmp_path_factory.mktemp("filter"))
 
 
 def test_collect_skips_mastered_prompts_with_the_real_engine(parts: tuple) -> None:
@@ -76,9 +77,9 @@ def test_the_mastered_set_is_checkpointed_and_restored(tmp_path: Path) -> None:
     cfg = load_config(preset="tiny", sets=[*SETS, "steps=2", "checkpoint_every=1"])
     run_dir = rl.run(cfg, tmp_path, progress=False)
     path = run_dir / "checkpoint" / "state.pt"
-    state = rl.load_checkpoint(path)
+    state = checkpoint.load(path)
     assert state["mastered"] == []  # a random-weight policy solves no group
     state["mastered"] = ["2 + 3 =", "9 - 4 ="]
     torch.save(state, path)
-    _, progress = rl._read_progress(run_dir, cfg)
+    _, progress = checkpoint.read(run_dir, cfg.checkpoint_every)
     assert progress.mastered == {"2 + 3 =", "9 - 4 ="} and progress.data_pos == state["data_pos"]

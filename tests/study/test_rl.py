@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import algorithms
-from study import rl
+from study import parts, record, rl
+from study.batch import pad
 from study.data import tasks
 from study.run.config import load_config
 from tests.shared import sharing_coldstart
@@ -34,7 +35,7 @@ def test_pad_lays_out_teacher_forcing_tensors() -> None:
         {"prompt": [5, 6], "response": [7, 8, 9], "logp": torch.tensor([-0.1, -0.2, -0.3]), "adv": 0.5, "routes": r0},
         {"prompt": [1, 2, 3], "response": [4], "logp": torch.tensor([-0.5]), "adv": -0.5, "routes": r1},
     ]
-    b = rl._pad(samples, 3)
+    b = pad(samples, 3)
     assert b.n == 2
     assert b.input_ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
     assert b.targets.tolist() == [[6, 7, 8, 9], [2, 3, 4, 0]]
@@ -47,9 +48,9 @@ def test_pad_lays_out_teacher_forcing_tensors() -> None:
     routes = b.engine_routes.experts
     assert routes.shape == (2, 4, 1, 2) and routes.dtype == torch.uint8
     assert torch.equal(routes[0], r0) and torch.equal(routes[1, :3], r1) and not routes[1, 3].any()
-    assert rl._pad([], 3) is None
+    assert pad([], 3) is None
     # parallel.tensor = 3 (sequence parallelism splits S over 3 ranks): S = 4 padded to 6, one more pad column each
-    p = rl._pad(samples, 3, multiple=3)
+    p = pad(samples, 3, multiple=3)
     assert p.input_ids.tolist() == [[5, 6, 7, 8, 0, 0], [1, 2, 3, 0, 0, 0]]
     assert p.targets.tolist() == [[6, 7, 8, 9, 0, 0], [2, 3, 4, 0, 0, 0]]
     assert p.attn_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
@@ -107,7 +108,7 @@ def test_token_samples_pair_trainer_and_engine_logprobs(tmp_path: Path, monkeypa
     evaluations = int(metrics["eval_in_dist"].notna().sum()) * len(tasks.EVAL_SPLITS)
     assert evaluations >= 4 and len(temps) == 3 + evaluations  # one rollout per step (no dynamic sampling)
     assert temps.count(1.0) == evaluations + (3 if temperature == 1.0 else 0)
-    tokens = pd.read_parquet(run_dir / rl.TOKEN_SAMPLES)
+    tokens = pd.read_parquet(run_dir / record.TOKEN_SAMPLES)
     assert sorted(tokens["step"].unique()) == [1, 2, 3]  # step 1, the eval step, the last step
     # the tiny batch (16 sequences) is under the 64-sequence cap: every response token is there, once
     per_step = tokens.groupby("step").size()
@@ -127,13 +128,14 @@ def test_pi_old_reuses_the_first_minibatch_forward(tmp_path: Path, monkeypatch, 
     """pi_old is recomputed for every row but the first minibatch's, whose update forward (same weights, same
     tokens) gives pi_old: per step the policy forwards 2B - B/M rows, and with one minibatch the ratio is exactly 1."""
     rows: list[int] = []
-    real = rl.token_logp
+    real = parts.token_logp
 
     def counting(model, input_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
         rows.append(input_ids.shape[0])
         return real(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(rl, "token_logp", counting)
+    monkeypatch.setattr(parts, "token_logp", counting)  # pi_old and the updates
+    monkeypatch.setattr(rl, "token_logp", counting)  # the reference and the sync check (off here)
     sets = ["coldstart=scratch", "steps=2", "eval_every=0", "checkpoint_every=0", f"minibatches={minibatches}"]
     cfg = load_config(preset="tiny", sets=sets)
     run_dir = rl.run(cfg, tmp_path, progress=False)
@@ -225,7 +227,9 @@ def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> 
     got = pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
     pd.testing.assert_frame_equal(got, expected, check_exact=True)
     pd.testing.assert_frame_equal(
-        pd.read_parquet(run_dir / rl.TOKEN_SAMPLES), pd.read_parquet(reference / rl.TOKEN_SAMPLES), check_exact=True
+        pd.read_parquet(run_dir / record.TOKEN_SAMPLES),
+        pd.read_parquet(reference / record.TOKEN_SAMPLES),
+        check_exact=True,
     )
 
 

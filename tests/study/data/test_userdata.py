@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import algorithms
-from study import rl
+from study import parts, rl
 from study.core.model_config import PRESETS
 from study.core.weights import export_hf
 from study.data import tasks
@@ -45,7 +45,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory, data: dict[str, Path]) -> P
     out = tmp_path_factory.mktemp("hf") / "ckpt"
     policy = build_policy(PRESETS["tiny"], seed=7)
     export_hf(policy, PRESETS["tiny"], out)
-    tok, _ = rl.initial_policy(load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", "coldstart=scratch"]),
+    tok, _ = parts.initial_policy(load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", "coldstart=scratch"]),
                                out)  # fmt: skip
     tok.save(out, model_max_length=PRESETS["tiny"].max_seq_len)
     torch.save(policy.state_dict(), out.parent / "expected.pt")
@@ -128,7 +128,7 @@ def test_kl_penalty_from_the_same_state() -> None:
 
 def test_hf_checkpoint_is_the_initial_policy(data: dict[str, Path], hf_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", f"coldstart={hf_dir}"])
-    tok, checkpoint = rl.initial_policy(cfg, tmp_path)
+    tok, checkpoint = parts.initial_policy(cfg, tmp_path)
     state = dict(checkpoint.tensors())  # streamed, mapped to Megatron names
     expected = torch.load(hf_dir.parent / "expected.pt", weights_only=True)
     weights = {k for k, v in expected.items() if torch.is_tensor(v) and not k.endswith("_extra_state")}

@@ -197,19 +197,19 @@ def test_one_process_adam_state_round_trip(reference):
 # The RL loop resumed under another layout
 # ---------------------------------------------------------------------------------------------------------------------
 STOP_AFTER_FIRST_CHECKPOINT = """
-from study import rl
+from study import checkpoint
 from study.run import rundir
 
-_checkpoint = rl._checkpoint
+_save = checkpoint.save
 
 
 def stop_after(run_dir, parts, log):  # a run killed right after its step-1 checkpoint (every rank alike)
-    _checkpoint(run_dir, parts, log)
+    _save(run_dir, parts, log)
     if log.step == 1:
         raise rundir.Stopped("stopped after the step-1 checkpoint (test)")
 
 
-rl._checkpoint = stop_after
+checkpoint.save = stop_after
 """
 
 
@@ -217,8 +217,8 @@ def _one_process_run(results, sets: list[str], *, stop: bool) -> None:
     import subprocess
     import sys
 
-    script = (STOP_AFTER_FIRST_CHECKPOINT if stop else "from study import rl\n") + (
-        "import sys\nfrom study.run.config import load_config\n"
+    script = (STOP_AFTER_FIRST_CHECKPOINT if stop else "") + (
+        "import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
         "try:\n    rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n"
         "except rl.rundir.Stopped:\n    pass\n"
     )
@@ -303,7 +303,7 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
 
     import pandas as pd
 
-    from study import rl
+    from study import checkpoint
     from study.run import rundir
     from study.run.config import load_config
     from study.tools import export
@@ -317,7 +317,7 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
 
     _two_rank_run(tmp_path / "dp2", [*sets, "parallel.data=2"], stop=True)
     run = tmp_path / "dp2" / "runs" / run_id
-    state = rl.load_checkpoint(run / "checkpoint" / "state.pt")
+    state = checkpoint.load(run / "checkpoint" / "state.pt")
     assert state["model"] is None and state["optimizer"] is None and state["distributed"] == "dist-step1"
     shutil.copytree(tmp_path / "dp2", tmp_path / "dp2_to_one", symlinks=True)
 
@@ -335,8 +335,8 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
         assert list(got[column]) == list(want[column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
         assert list(got[column]) == pytest.approx(list(want[column]), rel=1e-4, abs=1e-6), column
-    assert rl.load_checkpoint(run / "checkpoint" / "state.pt")["model"] is None
-    reference = rl.load_checkpoint(tmp_path / "reference" / "runs" / run_id / "checkpoint" / "state.pt")["model"]
+    assert checkpoint.load(run / "checkpoint" / "state.pt")["model"] is None
+    reference = checkpoint.load(tmp_path / "reference" / "runs" / run_id / "checkpoint" / "state.pt")["model"]
     weights, step = export.policy_state(load_config(preset="tiny", sets=sets), run, tmp_path / "dp2", None)
     tensors = {name for name, value in reference.items() if isinstance(value, torch.Tensor)}  # (and extra states)
     assert step == 2 and set(reference) == set(weights) and len(tensors) > 10

@@ -233,7 +233,6 @@ def test_parallel_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(sets=sets)
     # the loop refuses, before any compute: a world the launcher did not start, what it does not run at a layout
-    # yet, and a resume under another layout that cannot be resharded
     with pytest.raises(ValueError, match="needs 2 ranks, the launcher started 1"):
         rl.run(cfg, tmp_path, progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -248,11 +247,3 @@ def test_parallel_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert not (tmp_path / "runs").exists()  # nothing written
     run_dir = tmp_path / "runs" / base.run_id
     run_dir.mkdir(parents=True)
-    (run_dir / "manifest.json").write_text('{"parallel": {"expert": 2, "data": 2}}')
-    # a resume under another layout reshards its distributed checkpoint
-    # (tests/study/policy/test_parallel_checkpoint.py), but not a checkpoint of per-rank optimizer files from before
-    # distributed checkpoints
-    (run_dir / "checkpoint").mkdir()
-    (run_dir / "checkpoint" / "rank0-step1.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"started with parallel = .*'expert': 2.*resume with the recorded parallel"):
-        rl.run(base, tmp_path, progress=False)

@@ -1,0 +1,209 @@
+"""A run's life around the loop (study/rl.py): what is checked before anything is written (`preflight`: the machine,
+the cold start, the parallel layout against the launcher's world and the run's record), the run directory taken and
+written (`claimed`: the lock, config.yaml, the manifest), every exit recorded (`recorded_exit`), and a killed run's
+config read back for its resume (`resume_config`).
+
+One process per run: a second one raises rundir.RunLocked naming the holder (rundir.run_lock). Under a parallel
+layout every rank trains and rank 0 alone writes the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import algorithms
+from study.core import precision as precision_mod
+from study.core.model_config import ParallelLayout
+from study.run import rundir
+from study.run.config import RunConfig
+
+FINISHED = ("completed", "collapsed")
+
+
+def is_rank0() -> bool:
+    """Whether this process writes the run directory: rank 0 of a launcher's world, or the one process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether the run has ended with a result (completed or collapsed): rerunning it does nothing."""
+    status = rundir.read_status(run_dir)
+    return status is not None and status["state"] in FINISHED
+
+
+# -- before anything is written ---------------------------------------------------------------------------------------
+def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
+    """What a config cannot say about itself, checked on the machine that runs it before anything is written
+    (ValueError naming the field): the parallel layout (`check_layout`), the thread count against this machine's
+    CPUs, and a named cold start's files (a sweep may name one that a job before it makes, so RunConfig.validate
+    leaves them to here)."""
+    check_layout(cfg, results)
+    cpus = os.cpu_count() or 1
+    if cfg.threads > cpus:
+        raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
+    if cfg.coldstart not in ("auto", "scratch"):
+        from study.coldstart import hf_import
+
+        directory = Path(cfg.coldstart)
+        if not directory.is_dir():
+            raise ValueError(f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
+                             "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+        if not (directory / "policy.pt").is_file() and not hf_import.is_hf_checkpoint(directory):
+            raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
+                             "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
+                             "*.safetensors)")  # fmt: skip
+
+
+def check_layout(cfg: RunConfig, results: Path) -> None:
+    """What the loop runs under a layout, and the world the launcher started. A resume under another layout than the
+    one the manifest records is resharded from the checkpoint (study/checkpoint.py)."""
+    layout = cfg.layout
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if layout.world_size != world:
+        raise ValueError(f"parallel = {cfg.parallel} needs {layout.world_size} ranks, the launcher started {world} "
+                         "(torchrun --nproc_per_node, or the launcher's tasks_per_node)")  # fmt: skip
+    if layout == ParallelLayout():
+        return
+    alg = algorithms.get(cfg.algorithm)
+    rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
+    why = (
+        f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary" if alg.dynamic_sampling
+        else f"a minibatch of {rows} sequences does not split evenly over parallel.data = {layout.data}"
+        if rows % layout.data
+        else "router_lr_scale != 1 (one optimizer group)" if cfg.router_lr_scale != 1.0
+        else "fp16 (loss scaling)" if cfg.train_dtype == "fp16"
+        else "emulated precision" if cfg.precisions[0].emulated
+        else "coldstart = 'scratch' and parallel.expert > 1 (megatron draws each rank's experts from one RNG "
+        "stream: not the one-process run's initial weights)" if cfg.coldstart == "scratch" and layout.expert > 1
+        else ""
+    )  # fmt: skip
+    if why:
+        raise ValueError(f"parallel = {cfg.parallel}: the RL loop does not run this layout with {why}")
+    if cfg.coldstart == "auto":
+        from study.coldstart import is_complete, resolve_settings
+        from study.coldstart.store import run_coldstart
+
+        settings = resolve_settings(cfg.model, cfg.task, **run_coldstart(cfg))
+        if not is_complete(Path(results) / "coldstart" / settings.dirname):
+            raise ValueError(f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
+                             "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
+
+
+# -- the run directory ------------------------------------------------------------------------------------------------
+@contextmanager
+def claimed(cfg: RunConfig, run_dir: Path) -> Iterator[bool]:
+    """The run directory, held by this process for the body (rundir.run_lock): yields False when another process
+    finished the run before the lock was taken (nothing to do), else writes config.yaml, the manifest (once) and the
+    status `running` at the step the run had reached (a resume restores its checkpoint's step next, not step 0), and
+    yields True with every exit of the body recorded (`recorded_exit`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with rundir.run_lock(run_dir):
+        status = rundir.read_status(run_dir)
+        if status is not None and status["state"] in FINISHED:
+            yield False
+            return
+        rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        if not (run_dir / "manifest.json").exists():
+            rundir.write_json(run_dir / "manifest.json", manifest(cfg))
+        rundir.set_status(run_dir, "running", step=(status or {}).get("step", 0))
+        with recorded_exit(run_dir):
+            yield True
+
+
+@contextmanager
+def recorded_exit(run_dir: Path) -> Iterator[None]:
+    """Any exit of the body recorded in status.json: a deliberate stop (rundir.Stopped, KeyboardInterrupt, SystemExit)
+    as `stopped`, every other exception, BaseExceptions such as a native library's panic included, as `failed` with
+    its traceback (status.json and failure.json); re-raised. A body that returns clears an earlier attempt's
+    failure.json (the loop records `completed` or `collapsed` itself)."""
+    try:
+        yield
+    except (rundir.Stopped, KeyboardInterrupt, SystemExit) as exc:
+        rundir.set_status(run_dir, "stopped", step=_last_step(run_dir), reason=f"{type(exc).__name__}: {exc}")
+        raise
+    except BaseException as exc:  # any other exit, a native panic (not an Exception) included
+        rundir.set_status(run_dir, "failed", step=_last_step(run_dir), error=f"{type(exc).__name__}: {exc}",
+                          traceback=traceback.format_exc())  # fmt: skip
+        raise
+    (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        return int((rundir.read_status(run_dir) or {}).get("step", 0))
+    except (rundir.RunStateError, TypeError, ValueError):
+        return 0
+
+
+def manifest(cfg: RunConfig) -> dict:
+    """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with which engine ran emulated
+    (study/core/precision.py), whether the optional C kernels ran, and the parallel layout (a runtime choice, not in
+    the run id)."""
+    return {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions),
+            "native_kernels": _kernels_available(), "parallel": cfg.layout.to_dict()}  # fmt: skip
+
+
+def recorded_layout(run_dir: Path) -> ParallelLayout | None:
+    """The layout the run's manifest records as its latest (None: a fresh run)."""
+    path = run_dir / "manifest.json"
+    if not path.exists():
+        return None
+    record = rundir.read_json(path)
+    resumed = record.get("parallel_resumed") or []
+    recorded = resumed[-1]["parallel"] if resumed else record.get("parallel")
+    return None if recorded is None else ParallelLayout.from_mapping(recorded)
+
+
+def record_layout(cfg: RunConfig, run_dir: Path, resumed_step: int | None) -> None:
+    """A run resumed under another layout than its manifest's: from the checkpoint's step on (`parallel_resumed`),
+    or all of it when it starts again from step 0 (`resumed_step` None). Rank 0 only; nothing when unchanged."""
+    if (recorded_layout(run_dir) or cfg.layout) == cfg.layout:
+        return
+    record = rundir.read_json(run_dir / "manifest.json")
+    if resumed_step is None:
+        record["parallel"] = cfg.layout.to_dict()
+    else:
+        resumed = {"step": resumed_step, "parallel": cfg.layout.to_dict()}
+        record["parallel_resumed"] = [*record.get("parallel_resumed", []), resumed]
+    rundir.write_json(run_dir / "manifest.json", record)
+
+
+def _kernels_available() -> bool:
+    """Whether the optional C kernels are on and built here (study/kernels/; results agree with the torch paths to
+    ~1e-6): the manifest's `native_kernels`."""
+    try:
+        from study import kernels
+    except ImportError:
+        return False
+    return kernels.available()
+
+
+# -- resume -----------------------------------------------------------------------------------------------------------
+def resume_config(run_dir: Path) -> RunConfig:
+    """The config of a killed run, read from its directory: RunStateError naming the file when it is missing,
+    unreadable, or edited (it no longer hashes to the directory's run id)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise rundir.RunStateError(f"{run_dir}: no such run directory (RESULTS/runs/RUN_ID)")
+    if not path.is_file():
+        raise rundir.RunStateError(f"{run_dir}: not a run directory (no config.yaml); give RESULTS/runs/RUN_ID")
+    try:
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a mapping of config fields")
+        cfg = RunConfig.from_dict(data, where=str(path))
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise rundir.RunStateError(f"{path}: cannot be read as this run's config ({err}); restore it, or "
+                                   f"{rundir.RESTART}") from None  # fmt: skip
+    if cfg.run_id != run_dir.name:
+        raise rundir.RunStateError(
+            f"{path} was edited: it hashes to run {cfg.run_id}, not to {run_dir.name}; restore it, or run the edited "
+            f"config as a new run (`python -m study run {path} --results {run_dir.parent.parent}`)"
+        )
+    return cfg

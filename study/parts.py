@@ -1,0 +1,250 @@
+"""What a run is made of, built once at its start (`setup`: the cold start's tokenizer and weights, the policy and
+its optimiser, the routing controller, the rollout engine, the task data, the KL reference), and the trainer's
+forwards of a batch's rows (one process: those rows; a parallel layout: this rank's share, then every rank's
+gathered). The loop that uses them is study/rl.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import algorithms
+from algorithms import Algorithm
+from study import lifecycle
+from study.batch import Batch
+from study.core import precision as precision_mod
+from study.core.model_config import ModelConfig, ParallelLayout
+from study.data import tasks
+from study.data.tokenizer import TaskTokenizer
+from study.policy import parallel as par
+from study.policy.model import build_policy, token_logp
+from study.policy.optim import DynamicLossScaler, build_optimizer
+from study.policy.routing import Routes, RoutingController
+from study.rollout import engine_class, get_engine
+from study.run.config import RunConfig
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any values (the run's seed and what draws: "init", ("rollout", seed, step, attempt), ...):
+    every random draw of a run is a function of them, so a resumed run redraws what an uninterrupted one draws."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, Any]:
+    """Tokenizer and weights of the cold start: a Megatron state dict (policy.pt), an HF checkpoint read lazily
+    (study.coldstart.hf_import.HFCheckpoint: streamed into the policy by `load_initial`), or None (random init from
+    the cold-start seed)."""
+    mcfg = cfg.model_config()
+    if cfg.coldstart == "scratch":
+        from study.data.tokenizer import build_tokenizer, train_tokenizer
+
+        if cfg.task == "user":  # user data hook: a tokenizer of the user's training text
+            train, _ = cfg.user_split()
+            return train_tokenizer([it.prompt + it.solution for it in train], vocab_size=mcfg.vocab_size), None
+        return build_tokenizer(mcfg.vocab_size, [cfg.task], n_per_task=400), None
+    if cfg.coldstart == "auto":
+        from study.coldstart import ensure_coldstart
+        from study.coldstart.store import run_coldstart
+
+        directory = ensure_coldstart(cfg.model, cfg.task, results, **run_coldstart(cfg))
+    else:
+        directory = Path(cfg.coldstart)
+    if not (directory / "policy.pt").is_file():
+        from study.coldstart import hf_import
+
+        if hf_import.is_hf_checkpoint(directory):  # HF hook: a local Qwen3-MoE checkpoint
+            hf_import.check_checkpoint(directory, cfg.model)
+            return hf_import.load_checkpoint(directory, mcfg)
+        raise FileNotFoundError(
+            f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`) and no HF checkpoint "
+            "(config.json + *.safetensors)"
+        )
+    return TaskTokenizer.load(directory), torch.load(directory / "policy.pt", weights_only=True)
+
+
+def load_initial(model: torch.nn.Module, init_state: Any, parallel: bool = False) -> None:
+    """Load `initial_policy`'s weights into `model`: a state dict whole, an HF checkpoint tensor by tensor; under a
+    parallel layout sliced into this rank's shard (an HF checkpoint streamed, each rank keeping its slice)."""
+    if init_state is None:
+        return
+    if isinstance(init_state, dict) and parallel:
+        par.load_full_state(model, init_state, strict=False)
+    elif isinstance(init_state, dict):
+        model.load_state_dict(init_state, strict=False)
+    elif parallel:
+        par.load_streamed(model, init_state.tensors())
+    else:
+        init_state.load_into(model)
+
+
+def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
+    """(training stream with `take(n, start)`, held-out sets by split: `in_dist` drawn with the training knobs,
+    `hard` with HARD_KNOBS). task = "user": the user's training rows cycled in a seed-dependent order per epoch, and
+    their held-out split (or eval_data) as `in_dist`."""
+    if cfg.task == "user":
+        train, held = cfg.user_split()
+        return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
+    stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
+    return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size,
+                                          knobs=cfg.task_knobs if split == "in_dist" else None)
+                    for split in tasks.EVAL_SPLITS}  # fmt: skip
+
+
+@dataclass
+class Parts:
+    """What a run is made of, built once at its start (`setup`)."""
+
+    alg: Algorithm
+    hparams: dict[str, Any]
+    mcfg: ModelConfig
+    tok: TaskTokenizer
+    policy: torch.nn.Module
+    prec: Any  # the trainer's precision handle (study/core/precision.py): re-rounds emulated parameters after a step
+    optimizer: torch.optim.Optimizer
+    scaler: DynamicLossScaler | None  # fp16 loss scaling
+    params: list[torch.nn.Parameter]  # walked after every backward: listed once here, not a module walk each time
+    routing: RoutingController
+    engine: Any  # the rollout engine (study/rollout/); None on a parallel layout's ranks other than 0
+    stream: Any
+    evals: dict[str, list[tasks.TaskItem]]
+    ref: torch.nn.Module | None  # KL hook: the frozen initial policy
+    ref_prec: Any  # keep alive with `ref`: it owns the reference's emulation hooks
+    emulated: bool  # precision hook: whether either engine runs emulated (a label on every row)
+    trainer: par.ShardedTrainer | None = None  # a parallel layout: megatron's DDP and the optimizer over the shards
+
+
+def setup(cfg: RunConfig, results: Path) -> Parts:
+    """Build the run's parts: tokenizer and cold-start weights, policy, optimiser, routing controller, rollout
+    engine, task data and (KL hook) the reference policy."""
+    alg = algorithms.get(cfg.algorithm)
+    if alg.routing == "rollout_replay" and not engine_class(cfg.rollout_engine).supports_routes():  # before compute
+        raise NotImplementedError(
+            f"algorithm {cfg.algorithm} replays the rollout engine's routes (R3), which rollout_engine = "
+            f"{cfg.rollout_engine!r} cannot return here (vLLM returns routed experts on CUDA only); valid: "
+            "rollout_engine = 'hf', or a GPU"
+        )
+    mcfg = cfg.model_config()
+    tok, init_state = initial_policy(cfg, results)
+    if tok.vocab_size > mcfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} ids, model.vocab_size is {mcfg.vocab_size}")
+    train_prec, rollout_prec = cfg.precisions  # precision hook: real or emulated, per engine (study/core/precision.py)
+    parallel = cfg.layout if cfg.layout != ParallelLayout() else None
+    # activation recompute (RunConfig.recompute): megatron's, through the model config; the trainer alone backpropagates
+    recompute = {} if cfg.recompute == "none" else {"recompute_granularity": cfg.recompute}
+    trained = dataclasses.replace(mcfg, extra={**mcfg.extra, **recompute})
+    policy = build_policy(
+        trained, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel
+    )
+    load_initial(policy, init_state, parallel is not None)
+    prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
+    eps = precision_mod.adam_eps(train_prec)
+    trainer = None
+    if parallel is not None:  # the shards' optimizer (study/policy/parallel.py); checks in lifecycle.check_layout
+        trainer = par.ShardedTrainer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
+                                     grad_clip=cfg.grad_clip)  # fmt: skip
+        optimizer = trainer.optimizer
+    else:
+        optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
+                                    router_lr_scale=cfg.router_lr_scale)  # fmt: skip
+    engine_kw = precision_mod.engine_kwargs(rollout_prec)
+    if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
+        engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
+    device = next(policy.parameters()).device  # the hf engine on the policy's device (CUDA: this rank's GPU)
+    if cfg.rollout_engine == "hf" and device.type != "cpu":
+        engine_kw["device"] = device
+    # one engine, on rank 0: it rolls out the global batch and broadcasts it (`broadcast`)
+    engine = (
+        get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw) if lifecycle.is_rank0() else None
+    )
+    stream, evals = task_data(cfg)
+    ref, ref_prec = None, None
+    if cfg.kl_coef > 0:  # KL hook: a frozen copy of the initial policy, the trainer's seed, weights and precision
+        ref = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)
+        load_initial(ref, init_state, parallel is not None)
+        ref_prec = precision_mod.apply_precision(ref, train_prec)
+        ref.requires_grad_(False)
+    return Parts(
+        alg=alg, hparams=alg.check_hparams(cfg.hparams), mcfg=mcfg, tok=tok, policy=policy, prec=prec,
+        optimizer=optimizer, scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
+        params=list(policy.parameters()), routing=RoutingController(policy), engine=engine, stream=stream,
+        evals=evals, ref=ref, ref_prec=ref_prec, emulated=train_prec.emulated or rollout_prec.emulated,
+        trainer=trainer,
+    )  # fmt: skip
+
+
+def _old_pass(
+    policy: torch.nn.Module, routing: RoutingController, batch: Batch, idx: torch.Tensor, r3: bool
+) -> tuple[torch.Tensor, Routes, torch.Tensor]:
+    """pi_old's forward of the rows idx, the engine's routes replayed (R3) or free routing recorded: response
+    log-probs (b, T), the routes free routing chose and each token's router entropy (b, S, L)."""
+    with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
+        logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
+                          positions=batch.pos[idx], temperature=batch.temperature)  # fmt: skip
+    # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
+    return logp.cpu(), routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
+
+
+def micro_chunks(rows: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, ...]:
+    """`rows` in forwards of at most `micro_batch` sequences (0: one forward of them all)."""
+    return (rows,) if micro_batch <= 0 or micro_batch >= len(rows) else torch.split(rows, micro_batch)
+
+
+def local_positions(parts: Parts, n: int) -> torch.Tensor:
+    """The positions, in an n-row global minibatch, of the rows this rank forwards (study/policy/parallel.py
+    data_rows: a contiguous share; at one process all of them)."""
+    return torch.arange(n) if parts.trainer is None else par.data_rows(n)
+
+
+def old_pass_rows(
+    parts: Parts, batch: Batch, idx: torch.Tensor, r3: bool, micro_batch: int = 0
+) -> tuple[torch.Tensor, Routes, torch.Tensor]:
+    """`_old_pass` of the global rows idx, in forwards of at most `micro_batch` rows: at one process those rows;
+    under a parallel layout this rank's share, then every rank's gathered (log-probs differentiable in this rank's
+    rows)."""
+    n, local = len(idx), idx[local_positions(parts, len(idx))]
+    passes = [_old_pass(parts.policy, parts.routing, batch, rows, r3) for rows in micro_chunks(local, micro_batch)]
+    if len(passes) == 1:
+        logp, routes, entropy = passes[0]
+    else:
+        logp, entropy = torch.cat([p[0] for p in passes]), torch.cat([p[2] for p in passes])
+        routes = Routes.cat([p[1] for p in passes])
+    if parts.trainer is None:
+        return logp, routes, entropy
+    return par.gather_rows(logp, n), Routes(par.gather_rows(routes.experts, n)), par.gather_rows(entropy, n)
+
+
+def forward_local(parts: Parts, batch: Batch, rows: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
+    """An update's forward of the rows `rows` on this rank: `replay` (routes of those rows) forced, or None: free
+    routing recorded. Returns the log-probs (b, T) on the CPU and the routes free routing chose."""
+    routing = parts.routing
+    with routing.replaying(replay) if replay is not None else routing.recording():
+        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
+                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows],
+                          temperature=batch.temperature).cpu()  # fmt: skip
+    return logp, routing.free_routes() if replay is not None else routing.routes()
+
+
+def forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
+    """An update's forward of the global rows idx (`forward_local` of this rank's share): `replay`'s routes of them
+    forced (None: free routing recorded). Returns the log-probs (b, T) and the routes free routing chose (gathered
+    over ranks, like `old_pass_rows`)."""
+    rows = idx[local_positions(parts, len(idx))]
+    logp, free = forward_local(parts, batch, rows, None if replay is None else replay[rows])
+    if parts.trainer is None:
+        return logp, free
+    return par.gather_rows(logp, len(idx)), Routes(par.gather_rows(free.experts, len(idx)))
+
+
+def broadcast(obj: Any, parts: Parts) -> Any:
+    """rank 0's `obj` on every rank (a parallel layout), else `obj`."""
+    if parts.trainer is None:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

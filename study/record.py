@@ -1,0 +1,156 @@
+"""What a run records: where it stands (`Progress`: position, cumulative compute, the metric rows so far), the rows'
+per-step summaries computed from the step's tensors, and the three tables they are written to (metrics.parquet,
+routing_layers.parquet, token_samples.parquet; the vocabulary is study/run/metrics.py)."""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from study.run import rundir
+from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
+
+METRICS = "metrics.parquet"
+LAYERS = "routing_layers.parquet"
+TOKEN_SAMPLES = "token_samples.parquet"
+TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
+METRICS_EVERY_S = 30.0  # the metric files are also rewritten at least this often (live monitoring)
+
+
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint saves and a resume restores, and the rows written so far."""
+
+    step: int = 0
+    data_pos: int = 0
+    mastered: set[str] = field(default_factory=set)  # prompt_filter = mastered: prompts the stream skips
+    compute: float = 0.0  # cumulative FLOPs estimate
+    wall: float = 0.0  # cumulative seconds of the steps
+    rows: list[dict[str, float]] = field(default_factory=list)
+    layer_rows: list[dict[str, float]] = field(default_factory=list)
+    token_frames: list[pd.DataFrame] = field(default_factory=list)  # trainer vs engine log-probs of sampled tokens
+
+
+@torch.no_grad()
+def mismatch(train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The training-inference mismatch of the step's response tokens: delta = logp_train_old - logp_rollout."""
+    m = mask.bool()
+    d = (train_old - rollout_logp)[m]
+    if d.numel() == 0:
+        return {}
+    return {
+        "mismatch_mean_abs": float(d.abs().mean()),
+        "mismatch_max_abs": float(d.abs().max()),
+        "mismatch_k3": float((d.exp() - 1 - d).mean()),
+        "mismatch_frac_gt2": float((d.abs() > math.log(2.0)).float().mean()),
+    }
+
+
+@torch.no_grad()
+def token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> pd.DataFrame:
+    """The first TOKEN_SAMPLE_SEQS sequences' response tokens: trainer (pi_old recompute) vs engine log-probs."""
+    m = mask[:TOKEN_SAMPLE_SEQS].bool()
+    sample, pos = m.nonzero(as_tuple=True)
+    frame = pd.DataFrame(
+        {
+            "step": np.full(len(sample), step, dtype=np.int64),
+            "sample": sample.numpy().astype(np.int64),
+            "pos": pos.numpy().astype(np.int64),
+            "trainer_logp": train_old[:TOKEN_SAMPLE_SEQS][m].float().numpy().astype(np.float32),
+            "engine_logp": rollout_logp[:TOKEN_SAMPLE_SEQS][m].float().numpy().astype(np.float32),
+        }
+    )
+    return frame[list(TOKEN_SAMPLE_COLUMNS)]
+
+
+def mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
+    """The step's routing volatility, old vs new policy after each update: the mean over the minibatches that follow
+    at least one update (the off-policy minibatches 2..M; the first one's forward is pi_old's own, a structural zero
+    that would dilute the mean by (M-1)/M). NaN with one minibatch: no update precedes any forward of the rollouts."""
+    if not vols:
+        return dict.fromkeys(("routing_slot_mismatch", "routing_set_flip_rate", "routing_token_flip_rate"), math.nan)
+    return {f"routing_{m}": float(np.mean([v[m] for v in vols])) for m in ("slot_mismatch", "set_flip_rate",
+                                                                           "token_flip_rate")}  # fmt: skip
+
+
+def layer_rows(step: int, vols: list[dict[str, float]], load: dict[str, float], num_layers: int) -> list[dict]:
+    """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
+    then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
+    moved = vols[0] if vols else {}  # no update-minibatch (one minibatch): NaN volatility
+    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
+                                               if f"{m}_l{layer}" in moved else load.get(f"{m}_l{layer}", math.nan)
+                                               for m in LAYER_METRICS}}
+            for layer in range(num_layers)]  # fmt: skip
+
+
+def write_metrics(run_dir: Path, log: Progress) -> None:
+    """The three tables, each written atomically (the rows so far)."""
+    if not log.rows:
+        return
+    frame = pd.DataFrame(log.rows, columns=list(STEP_METRICS) + sorted({k for r in log.rows for k in r} -
+                                                                       set(STEP_METRICS)))  # fmt: skip
+    frame["step"] = frame["step"].astype("int64")
+    rundir.atomic_write(run_dir / METRICS, lambda tmp: frame.to_parquet(tmp, index=False))
+    if log.layer_rows:
+        layers = pd.DataFrame(log.layer_rows)
+        rundir.atomic_write(run_dir / LAYERS, lambda tmp: layers.to_parquet(tmp, index=False))
+    if log.token_frames:
+        tokens = pd.concat(log.token_frames, ignore_index=True)
+        rundir.atomic_write(run_dir / TOKEN_SAMPLES, lambda tmp: tokens.to_parquet(tmp, index=False))
+
+
+def maybe_write(run_dir: Path, log: Progress, tracker: Any, *, due: bool, last_write: float) -> float:
+    """Write the metric files when `due` (every checkpoint step, before the checkpoint: resume keeps the rows up to
+    it; the last step), and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole
+    table every step cost 9% of a tiny step. The trackers flush with them. Returns the time of the last write."""
+    if due or time.monotonic() - last_write >= METRICS_EVERY_S:
+        write_metrics(run_dir, log)
+        tracker.flush()
+        return time.monotonic()
+    return last_write
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class ProgressBar:
+    """The run's tqdm bar on stderr (nothing when disabled)."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="rl", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def tick(self, row: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row['clip_frac']:.2g}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class NoTracker:
+    """The trackers of a rank other than 0 (rank 0 alone logs): nothing."""
+
+    def log(self, row: dict[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, outcome: str) -> None:
+        pass

@@ -1,0 +1,111 @@
+"""Device discipline of the loop: the trainer's tensors live on the model's device (a GPU on CUDA), the batch and the
+engines' outputs on the CPU, and the loop brings the trainer's results to the CPU before the two meet.
+
+On the CPU the trainer's device is a fence: every tensor the policy computes is an `OnDevice` tensor, a subclass that
+raises, as CUDA does, when an op mixes it with a plain CPU tensor of one or more dimensions (0-dim CPU tensors mix,
+as they do with CUDA ones, and CPU indices may index it); `.cpu()` and `.to("cpu")` return a plain tensor. One tiny
+run under the fence: GRPO with routing replay and the KL reference, two minibatches, the post-sync parity check at
+every step, an evaluation and a checkpoint at every step, stopped after step 1 and resumed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+
+from study import parts, rl
+from study.run import rundir
+from study.run.config import load_config
+
+_TO_CPU = {torch.Tensor.cpu, torch.Tensor.to}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+class DeviceMix(RuntimeError):
+    """An op mixed the trainer's device with the CPU."""
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _to_cpu(func: Any, args: tuple, kwargs: dict) -> bool:
+    if func is torch.Tensor.cpu:
+        return True
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing for one on the trainer's device (module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _TO_CPU and _to_cpu(func, args, kwargs):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+                return out.as_subclass(torch.Tensor)  # a new plain tensor, on the same autograd graph
+        checked = [args[0], *_tensors(args[2:])] if func in _INDEXING else _tensors((args, kwargs))
+        if any(isinstance(t, OnDevice) for t in checked):
+            plain = [t for t in checked if not isinstance(t, OnDevice) and t.dim() > 0]
+            if plain:
+                raise DeviceMix(f"{getattr(func, '__name__', func)} mixes the trainer's device with CPU tensors of "
+                                f"shapes {[tuple(t.shape) for t in plain]}")  # fmt: skip
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_the_fence_refuses_what_cuda_refuses() -> None:
+    """The fence itself: mixing raises, a 0-dim CPU tensor and CPU indices do not, .cpu() leaves it."""
+    x = torch.arange(6.0).as_subclass(OnDevice)
+    with pytest.raises(DeviceMix):
+        x - torch.ones(6)
+    with pytest.raises(DeviceMix):
+        torch.cat([x, torch.ones(2)])
+    assert isinstance(x * torch.tensor(2.0), OnDevice) and isinstance(x[torch.tensor([True] * 3 + [False] * 3)],
+                                                                       OnDevice)  # fmt: skip
+    back = x.cpu()
+    assert (
+        type(back) is torch.Tensor
+        and type(x.to("cpu")) is torch.Tensor
+        and torch.equal(back - torch.ones(6), (x - 1).cpu())
+    )
+
+
+def _fenced(build):  # type: ignore[no-untyped-def]
+    def build_policy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        model = build(*args, **kwargs)
+        model.register_forward_hook(lambda _module, _args, out: out.as_subclass(OnDevice))
+        return model
+
+    return build_policy
+
+
+def test_a_run_keeps_the_trainers_tensors_apart_from_the_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parts, "build_policy", _fenced(parts.build_policy))  # the policy and the KL reference
+    sets = ["coldstart=scratch", "algorithm=grpo_rr", "steps=2", "minibatches=2", "sync_check_every=1",
+            "eval_every=1", "checkpoint_every=1", "kl_coef=0.1", "prompts_per_step=2", "group_size=4",
+            "max_new_tokens=8", "eval_size=4", "eval_samples=1"]  # fmt: skip
+    cfg = load_config(preset="tiny", sets=sets)
+
+    def stop(step: int, row: dict) -> None:
+        if step == 1:
+            raise rundir.Stopped("stopped after step 1 (test)")
+
+    with pytest.raises(rundir.Stopped):
+        rl.run(cfg, tmp_path, progress=False, on_eval=stop)
+    run_dir = rl.run(cfg, tmp_path, progress=False)  # resumed from the step-1 checkpoint
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    metrics = pd.read_parquet(run_dir / "metrics.parquet").set_index("step")
+    assert metrics.loc[[1, 2], "sync_parity_max_abs"].lt(1e-3).all()  # fp32 on both sides: the sync is exact
+    assert metrics.loc[[1, 2], "kl_ref"].notna().all() and metrics["eval_in_dist"].notna().all()
