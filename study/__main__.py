@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         if failure is not None and failure.is_file() and failure.stat().st_mtime >= started:
             print(f"(the run failed; its traceback is in {failure})", file=sys.stderr)
         return 2
+    except (rundir.Stopped, KeyboardInterrupt) as err:  # recorded `stopped` by the run: one line, no traceback
+        why = str(err) or type(err).__name__
+        where = f"{run_dir}; resume with `python -m study resume {run_dir}`" if run_dir is not None else "the run"
+        print(f"stopped ({why}): {where}", file=sys.stderr)
+        return 128 + err.signum if isinstance(err, rundir.Terminated) else 130
     status = rundir.read_status(Path(run_dir))
     print(f"{status['state']}: {run_dir}")
     return 0

@@ -29,7 +29,6 @@ import resource
 import shutil
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,15 +114,8 @@ def run(
             rundir.write_json(run_dir / "manifest.json", manifest)
         # the step it had reached (a resume restores its checkpoint's step next, `_train`), not back to 0
         rundir.set_status(run_dir, "running", step=(status or {}).get("step", 0))
-        try:
+        with rundir.recorded(run_dir, lambda: _last_step(run_dir)):  # every exit recorded, SIGTERM = stopped
             _train(cfg, run_dir, Path(results), progress=progress, on_eval=on_eval, tracking=tracking)
-        except (rundir.Stopped, KeyboardInterrupt, SystemExit) as exc:
-            rundir.set_status(run_dir, "stopped", step=_last_step(run_dir), reason=f"{type(exc).__name__}: {exc}")
-            raise
-        except BaseException as exc:  # any other exit, a native panic (not an Exception) included
-            rundir.set_status(run_dir, "failed", step=_last_step(run_dir), error=f"{type(exc).__name__}: {exc}",
-                              traceback=traceback.format_exc())  # fmt: skip
-            raise
         (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)  # finished: an earlier attempt's failure is history
     return run_dir
 
@@ -530,6 +522,11 @@ def _read_progress(run_dir: Path, cfg: RunConfig) -> tuple[dict[str, Any] | None
             if "step" not in frame.columns:
                 raise ValueError("no 'step' column")
         except Exception as err:  # pyarrow raises its own types for cut-short and garbage files
+            if not required:  # a damaged optional file is a missing one: a warning, the checkpoint is intact
+                print(f"warning: {file} is unreadable ({_first_line(err)}), treated as missing: its rows of steps up "
+                      f"to the checkpoint (step {done}) are lost; the run continues and writes the rows after it",
+                      file=sys.stderr)  # fmt: skip
+                return None
             raise rundir.RunStateError(f"{file}: unreadable, cut short or not this run's table "
                                        f"({_first_line(err)}); {rundir.RESTART}") from None  # fmt: skip
         frame = frame[frame["step"] <= done]

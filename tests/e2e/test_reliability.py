@@ -3,13 +3,16 @@
 Config errors are checked on the config alone; the run-state cases share one tiny run (one RL step from random
 weights) whose directory each test copies and damages."""
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -264,3 +267,80 @@ def test_result_files_take_the_umasks_mode(one_step: Path) -> None:
     files = [p for p in one_step.rglob("*") if p.is_file()]
     assert {p.name for p in files} >= {"status.json", "metrics.parquet", "state.pt", "config.yaml", "manifest.json"}
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~umask) for p in files}
+
+
+# -- untrusted files, every exit recorded, damaged optional files ----------------------------------------------------
+def test_a_planted_lock_link_writes_nothing_outside(one_step: Path, tmp_path: Path, capsys) -> None:
+    run_dir = interrupted(one_step, tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run_dir / rundir.LOCK_FILE).symlink_to(victim)
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert f"{run_dir / rundir.LOCK_FILE}: a symbolic link (to {victim})" in line
+    assert victim.read_text() == "precious\n"
+    assert rundir.read_status(run_dir)["state"] == "running"  # refused before the run wrote anything
+
+
+def _study_run(results: Path, *sets: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+    return subprocess.Popen([*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
+    cfg = tiny("steps=30")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    proc = _study_run(tmp_path, "steps=30")
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if rundir.read_status(run_dir)["step"] >= 1:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+    status = rundir.read_status(run_dir)
+    assert status["state"] == "stopped" and status["reason"] == "Terminated: SIGTERM received"
+    assert not (run_dir / rundir.LOCK_FILE).exists() and not (run_dir / rundir.CRASH_FILE).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> typing.Iterator[Path]:
+    """A 1 MiB tmpfs: room for a tiny run's small files, not for its 3.6 MB checkpoint (needs root, else skipped)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
+    cfg = tiny("steps=2")
+    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written"):
+        rl.run(cfg, small_disk, progress=False)
+    run_dir = small_disk / "runs" / cfg.run_id
+    status = rundir.read_status(run_dir)
+    assert (
+        status["state"] == "failed"
+        and f"{run_dir / 'checkpoint' / 'state.pt'}: could not be written" in (status["error"])
+    )
+    assert json.loads((run_dir / rundir.FAILURE_FILE).read_text())["error"] == status["error"]
+    assert not list((run_dir / "checkpoint").glob(".*.tmp")), "the failed temporary checkpoint was left"
+
+
+@pytest.mark.parametrize("name", ["routing_layers.parquet", rl.TOKEN_SAMPLES])
+def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path, tmp_path: Path, name: str,
+                                                                  capsys) -> None:  # fmt: skip
+    run_dir = interrupted(one_step, tmp_path)
+    table = run_dir / name
+    table.write_bytes(table.read_bytes()[: table.stat().st_size // 2])
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {table} is unreadable" in err and "treated as missing" in err and "move its directory" not in err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert sorted(pd.read_parquet(table)["step"].unique()) == [2]
