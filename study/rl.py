@@ -49,7 +49,7 @@ from study.policy.model import build_policy, current_layout, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
 from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
 from study.rollout import engine_class, get_engine
-from study.run import rundir
+from study.run import machine, rundir
 from study.run.config import RunConfig
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, forward_flops
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
@@ -134,6 +134,7 @@ def preflight(cfg: RunConfig) -> None:
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
         raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
+    machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
     if cfg.coldstart not in ("auto", "scratch"):
         from study.coldstart import hf_import
 

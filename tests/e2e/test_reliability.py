@@ -344,3 +344,51 @@ def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path
     assert f"warning: {table} is unreadable" in err and "treated as missing" in err and "move its directory" not in err
     assert rundir.read_status(run_dir)["state"] == "completed"
     assert sorted(pd.read_parquet(table)["step"].unique()) == [2]
+
+
+# -- sizes are checked before anything is written ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["model.num_experts=1000000000"], "model.num_experts = 1000000000"),
+        (["prompts_per_step=100000000"], "prompts_per_step = 100000000"),
+        (["model.max_seq_len=1000000000"], "model.max_seq_len = 1000000000"),
+        (["model.vocab_size=1000000000"], "model.vocab_size = 1000000000"),
+    ],
+)
+def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(tmp_path: Path, sets: list[str], field: str,
+                                                                   capsys) -> None:  # fmt: skip
+    argv = ["run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
+    line = error_line(capsys, [*argv, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))])
+    assert line.startswith(f"error: {field}: the run needs about ") and "planner's estimate" in line, line
+    assert "more than this machine's" in line
+    assert not list(tmp_path.iterdir()), "something was written before the refusal"
+
+
+def test_yaml_nested_too_deep_is_refused_everywhere(tmp_path: Path, capsys) -> None:
+    from sweeps import expand
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("lr: " + "[" * 5000 + "]" * 5000 + "\n")
+    nested = "nested deeper than 64 levels"
+    assert nested in error_line(capsys, ["run", str(deep), "--results", str(tmp_path / "r")])
+    assert nested in error_line(capsys, ["plan", "--config", str(deep), "--gpus", "8", "--gpu-mem", "80"])
+    assert expand.main([str(deep)]) == 2 and nested in capsys.readouterr().err
+    assert nested in error_line(capsys, ["run", "--set", "lr=" + "[" * 5000, "--results", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--gpu-mem", "inf", "--gpu-mem = inf: valid: a finite number of GB > 0"),
+        ("--gpu-mem", "nan", "--gpu-mem = nan: valid"),
+        ("--gpu-mem", "-80", "--gpu-mem = -80.0: valid"),
+        ("--prompt-len", "-5", "--prompt-len = -5: valid: an integer in [1, "),
+        ("--response-len", "0", "--response-len = 0: valid"),
+        ("--gpus", "100000000000", "--gpus = 100000000000: valid: an integer in [1, 1048576]"),
+        ("--gpus", "0", "--gpus = 0: valid"),
+    ],
+)
+def test_plan_refuses_absurd_options(option: str, value: str, message: str, capsys) -> None:
+    argv = ["plan", "--model", "tiny", "--gpus", "8", "--gpu-mem", "80", option, value]
+    assert message in error_line(capsys, argv)
