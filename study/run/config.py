@@ -508,6 +508,10 @@ PRESET_RUNS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+MAX_SET_CHARS = 1 << 16
+"""Longest value a `--set key=value` may have."""
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     """`key=value` strings to a dict; values parsed as YAML scalars; `hparams.eps_low=0.1` and
     `model.num_experts=16` nest. Applied in order (merge_field): `model=default` then `model.num_experts=16` is
@@ -517,6 +521,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        if len(raw) > MAX_SET_CHARS:
+            raise ValueError(f"--set {key}=...: a value of {len(raw)} characters; valid: at most {MAX_SET_CHARS} "
+                             "(put a long value in a config file)")  # fmt: skip
         try:
             value = _scalar(raw)
         except yaml.YAMLError as err:

@@ -392,3 +392,16 @@ def test_yaml_nested_too_deep_is_refused_everywhere(tmp_path: Path, capsys) -> N
 def test_plan_refuses_absurd_options(option: str, value: str, message: str, capsys) -> None:
     argv = ["plan", "--model", "tiny", "--gpus", "8", "--gpu-mem", "80", option, value]
     assert message in error_line(capsys, argv)
+
+
+def test_a_huge_value_is_not_echoed_whole(tmp_path: Path, capsys) -> None:
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", "lr=" + "x" * 5_000_000, "--results",
+                               str(tmp_path)])  # fmt: skip
+    assert (
+        line == "error: --set lr=...: a value of 5000000 characters; valid: at most 65536 (put a long value in a "
+        "config file)"
+    )
+    big = tmp_path / "big.yaml"
+    big.write_text(f"lr: {'x' * 100_000}\n")
+    line = error_line(capsys, ["run", str(big), "--results", str(tmp_path)])
+    assert line.startswith("error: ") and "characters left out" in line and len(line) < 3000
