@@ -87,14 +87,31 @@ def main(argv: list[str] | None = None) -> int:
             tracking = saved_tracking(args.run_dir, trackers) if trackers else None
             rl.resume(args.run_dir, progress=not args.quiet, tracking=tracking)
     except (ValueError, OSError, rundir.RunLocked) as err:  # bad input or damaged state (RunStateError): one line
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {clip(str(err))}", file=sys.stderr)
         failure = None if run_dir is None else run_dir / rundir.FAILURE_FILE
         if failure is not None and failure.is_file() and failure.stat().st_mtime >= started:
             print(f"(the run failed; its traceback is in {failure})", file=sys.stderr)
         return 2
+    except (rundir.Stopped, KeyboardInterrupt) as err:  # recorded `stopped` by the run: one line, no traceback
+        why = str(err) or type(err).__name__
+        where = f"{run_dir}; resume with `python -m study resume {run_dir}`" if run_dir is not None else "the run"
+        print(f"stopped ({why}): {where}", file=sys.stderr)
+        return 128 + err.signum if isinstance(err, rundir.Terminated) else 130
     status = rundir.read_status(Path(run_dir))
     print(f"{status['state']}: {run_dir}")
     return 0
+
+
+MAX_ERROR_CHARS = 2000
+"""An error line longer than this (a huge value quoted in it) is printed with its middle left out."""
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text`, or its start and end with the middle replaced by a note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 3 // 4], text[-limit // 4 :]
+    return f"{head} ... ({len(text) - len(head) - len(tail)} characters left out) ... {tail}"
 
 
 def study_tracking_of(cfg, trackers, study):  # type: ignore[no-untyped-def]

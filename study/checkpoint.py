@@ -172,6 +172,11 @@ def read(run_dir: Path, first_checkpoint: int) -> tuple[dict[str, Any] | None, P
             if "step" not in frame.columns:
                 raise ValueError("no 'step' column")
         except Exception as err:  # pyarrow raises its own types for cut-short and garbage files
+            if not required:  # a damaged optional file is a missing one: a warning, the checkpoint is intact
+                print(f"warning: {file} is unreadable ({first_line(err)}), treated as missing: its rows of steps up "
+                      f"to the checkpoint (step {done}) are lost; the run continues and writes the rows after it",
+                      file=sys.stderr)  # fmt: skip
+                return None
             raise rundir.RunStateError(f"{file}: unreadable, cut short or not this run's table "
                                        f"({first_line(err)}); {rundir.RESTART}") from None  # fmt: skip
         frame = frame[frame["step"] <= done]

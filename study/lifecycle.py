@@ -10,7 +10,6 @@ layout every rank trains and rank 0 alone writes the run directory.
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import algorithms
 from study.core import precision as precision_mod
 from study.core.model_config import ParallelLayout
-from study.run import rundir
+from study.run import machine, rundir
 from study.run.config import RunConfig
 
 FINISHED = ("completed", "collapsed")
@@ -45,6 +44,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
         raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
+    machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
     if cfg.coldstart not in ("auto", "scratch"):
         from study.coldstart import hf_import
 
@@ -116,19 +116,13 @@ def claimed(cfg: RunConfig, run_dir: Path) -> Iterator[bool]:
 
 @contextmanager
 def recorded_exit(run_dir: Path) -> Iterator[None]:
-    """Any exit of the body recorded in status.json: a deliberate stop (rundir.Stopped, KeyboardInterrupt, SystemExit)
-    as `stopped`, every other exception, BaseExceptions such as a native library's panic included, as `failed` with
-    its traceback (status.json and failure.json); re-raised. A body that returns clears an earlier attempt's
-    failure.json (the loop records `completed` or `collapsed` itself)."""
-    try:
+    """Any exit of the body recorded in status.json (rundir.recorded): a deliberate stop (rundir.Stopped, Ctrl-C,
+    SIGTERM or SIGHUP, SystemExit) as `stopped`, every other exception, BaseExceptions such as a native library's panic
+    included, as `failed` with its traceback (status.json and failure.json), after the temporary files of failed
+    writes are removed; re-raised. A body that returns clears an earlier attempt's failure.json (the loop records
+    `completed` or `collapsed` itself)."""
+    with rundir.recorded(run_dir, lambda: _last_step(run_dir)):
         yield
-    except (rundir.Stopped, KeyboardInterrupt, SystemExit) as exc:
-        rundir.set_status(run_dir, "stopped", step=_last_step(run_dir), reason=f"{type(exc).__name__}: {exc}")
-        raise
-    except BaseException as exc:  # any other exit, a native panic (not an Exception) included
-        rundir.set_status(run_dir, "failed", step=_last_step(run_dir), error=f"{type(exc).__name__}: {exc}",
-                          traceback=traceback.format_exc())  # fmt: skip
-        raise
     (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)
 
 

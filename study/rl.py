@@ -394,6 +394,7 @@ def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: Task
         "zero_var_group_frac": n_zero / n_groups,
         "zero_var_solved_frac": n_solved / n_groups,
         "prompts_skipped_mastered": float(skipped) if cfg.prompt_filter == "mastered" else math.nan,
+        "scorer_failures": float(tasks.take_scorer_failures()),  # verifiers that failed or timed out: scored 0
         "tokens": float(sum(lengths_all)),
         "time_rollout_s": time.perf_counter() - t0,
     }

@@ -16,13 +16,19 @@ algorithm, then the axis values. The file must exist and hold every algorithm th
 A sweep's `vars:` names site values with their defaults (`vars: {checkpoint: checkpoints/Qwen3-30B-A3B-Base}`); a
 string `{checkpoint}` anywhere in `base` or `axes` is replaced by the value, which the command line overrides
 (`--var checkpoint=/data/Qwen3-30B-A3B-Base`; Snakemake: `--config checkpoint=...`). A value given for a name the
-sweep does not declare is ignored, so one Snakemake config serves every sweep.
+sweep does not declare is ignored, so one Snakemake config serves every sweep; a `{name}` the sweep does not declare
+is an error.
+
+A sweep expands to at most MAX_RUNS runs (counted before any is built); a larger one is refused naming its size,
+unless the sweep says `max_runs: N` (or `--max-runs N`). An axis lists each value once.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -33,8 +39,11 @@ import yaml
 
 import algorithms
 from study.run import rundir
-from study.run.config import PRESET_RUNS, RunConfig, merge_field
+from study.run.config import PRESET_RUNS, RunConfig, load_yaml, merge_field
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
+
+MAX_RUNS = 10_000
+"""Most runs a sweep may expand to unless it raises the cap (`max_runs:` or --max-runs)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class Sweep:
     """The `tune:` section of a tuning sweep (sweeps/tune.py), or None."""
     per_algorithm: dict[str, dict[str, Any]] | None = None
     """algorithm -> RunConfig fields of that algorithm's runs (the sweep's `per_algorithm:`), or None."""
+    max_runs: int = MAX_RUNS
+    """The cap on the sweep's size (its `max_runs:`, else MAX_RUNS)."""
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sweep") -> Sweep:
@@ -64,10 +75,38 @@ class Sweep:
         if mode == "zip" and len({len(v) for v in axes.values()}) > 1:
             lengths = ", ".join(f"{k}: {len(v)}" for k, v in axes.items())
             raise SweepError(f"{where}: mode = 'zip' needs axes of equal length; got {lengths}")
+        for name, values in axes.items():
+            seen: set[str] = set()
+            for value in values:
+                key = json.dumps(value, sort_keys=True, default=str)
+                if key in seen:
+                    raise SweepError(f"{where}: axes.{name} lists {_short(value)} twice; valid: each value once")
+                seen.add(key)
+        max_runs = data.get("max_runs", MAX_RUNS)
         tuned = data.get("tuned")
         tuned_values = load_tuned(tuned, where=f"{where}: tuned") if tuned else None
-        return cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
-                   tuned_values, data.get("tune"), data.get("per_algorithm"))  # fmt: skip
+        sweep = cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
+                    tuned_values, data.get("tune"), data.get("per_algorithm"), max_runs)  # fmt: skip
+        sweep.check_size()
+        return sweep
+
+    def size(self) -> int:
+        """Runs the axes make (before identical ones collapse), counted without building them."""
+        lengths = [len(v) for v in self.axes.values()]
+        if not lengths:
+            return 1
+        return math.prod(lengths) if self.mode == "grid" else lengths[0]
+
+    def check_size(self, max_runs: int | None = None) -> None:
+        """SweepError naming the size and the override when the sweep makes more than `max_runs` (default: its
+        own cap) runs."""
+        cap = self.max_runs if max_runs is None else max_runs
+        size = self.size()
+        if size > cap:
+            shape = " x ".join(f"{len(v)} {k}" for k, v in self.axes.items())
+            raise SweepError(f"{self.source}: the sweep makes {size} runs ({shape}), more than max_runs = {cap}; "
+                             "valid: fewer axis values, or raise the cap with `max_runs: N` in the sweep "
+                             "(or --max-runs N) if you mean it")  # fmt: skip
 
     def combinations(self) -> list[dict[str, Any]]:
         """The axis values of every run, in file order (grid: last axis fastest)."""
@@ -136,9 +175,9 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     if not path.is_file():
         raise SweepError(f"{where} = {str(path)!r}: no such file; write it with {tune_command(str(path))}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SweepError(f"{where} = {str(path)!r}: not valid YAML: {err}") from err
+        data = load_yaml(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SweepError(f"{where} = {str(path)!r}: not valid YAML: {_one_line(err)}") from None
     validate_tuned_file(data, where=f"{where} = {str(path)!r}")
     out = {}
     for name, entry in data["algorithms"].items():
@@ -150,23 +189,42 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     return out
 
 
-def load_sweep(path: str | Path, variables: dict[str, str] | None = None) -> Sweep:
+def load_sweep(path: str | Path, variables: dict[str, str] | None = None, *, max_runs: int | None = None) -> Sweep:
     """Parse and validate a sweep file (errors name the file, the field and the valid values); `variables` override
-    its `vars:` (module docstring)."""
+    its `vars:` (module docstring); `max_runs` overrides its size cap."""
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path}: not valid YAML: {err}") from err
-    return Sweep.from_dict(substitute_vars(data, variables, where=str(path)), where=str(path))
+        data = load_yaml(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SweepError(f"{path}: not valid YAML: {_one_line(err)}") from None
+    data = substitute_vars(data, variables, where=str(path))
+    if max_runs is not None and isinstance(data, dict):
+        data = {**data, "max_runs": max_runs}
+    return Sweep.from_dict(data, where=str(path))
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:500]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def substitute_vars(data: Any, variables: dict[str, str] | None, *, where: str = "sweep") -> Any:
     """`data` with every `{name}` of its `vars:` (the sweep's default, or `variables`' value) replaced in the
-    strings of `base` and `axes`. A given value must be a non-empty string."""
-    if not isinstance(data, dict) or not isinstance(data.get("vars"), dict):
+    strings of `base` and `axes`. A given value must be a non-empty string; a `{name}` left in them that `vars:` does
+    not declare is a SweepError naming it."""
+    if not isinstance(data, dict):
+        return data
+    if not isinstance(data.get("vars"), dict):
+        _check_placeholders(data, {}, where)
         return data
     values = dict(data["vars"])
     for name, value in (variables or {}).items():
@@ -186,7 +244,29 @@ def substitute_vars(data: Any, variables: dict[str, str] | None, *, where: str =
             return {k: sub(v) for k, v in node.items()}
         return node
 
-    return {**data, **{key: sub(data[key]) for key in ("base", "axes") if key in data}, "vars": values}
+    out = {**data, **{key: sub(data[key]) for key in ("base", "axes") if key in data}, "vars": values}
+    _check_placeholders(out, values, where)
+    return out
+
+
+def _check_placeholders(data: dict[str, Any], values: dict[str, Any], where: str) -> None:
+    def walk(node: Any, at: str) -> None:
+        if isinstance(node, str):
+            match = _PLACEHOLDER.search(node)
+            if match:
+                name, declared = match.group(1), ", ".join(values) or "none"
+                raise SweepError(f"{where}: {at} = {_short(node)}: placeholder {{{name}}} is not declared in vars:; "
+                                 f"valid: {declared} (declare it: vars: {{{name}: DEFAULT}})")  # fmt: skip
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{at}[{i}]")
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{at}.{k}")
+
+    for key in ("base", "axes"):
+        if key in data:
+            walk(data[key], key)
 
 
 def expand(path: str | Path) -> dict[str, RunConfig]:
@@ -216,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output YAML path for --write-config")
     parser.add_argument("--write-configs", metavar="DIR", help="write every run's resolved config to DIR/RUN_ID.yaml")
     parser.add_argument("--run-ids", metavar="FILE", help="write the study's run ids to FILE, one a line")
+    parser.add_argument("--max-runs", type=int, default=None, metavar="N",
+                        help=f"allow a sweep of up to N runs (default: its max_runs:, else {MAX_RUNS})")  # fmt: skip
     parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
                         help="a value of the sweep's vars (--var checkpoint=/data/Qwen3-30B-A3B-Base)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -227,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--var {item!r}: must be NAME=VALUE")
             variables[name] = value
         for path in args.sweep:
-            sweep = load_sweep(path, variables)
+            sweep = load_sweep(path, variables, max_runs=args.max_runs)
             runs = sweep.expand()
             if args.write_config:
                 if args.write_config not in runs:

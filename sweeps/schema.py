@@ -40,7 +40,7 @@ from study.data import tasks
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
-TOP_LEVEL = ("name", "preset", "base", "per_algorithm", "axes", "mode", "description", "tuned", "tune")
+TOP_LEVEL = ("name", "preset", "base", "per_algorithm", "axes", "mode", "description", "tuned", "tune", "max_runs")
 OBJECTIVES = tuple(f"eval_{split}" for split in tasks.EVAL_SPLITS)  # held-out eval columns of metrics.parquet
 PRUNERS = ("median", "percentile", "threshold", "none")
 SAMPLERS = ("tpe", "random")
@@ -142,6 +142,7 @@ def sweep_schema() -> dict[str, Any]:
             "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
             "mode": {"enum": list(MODES)},
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
+            "max_runs": {"type": "integer", "minimum": 1},
             "tune": tune_schema(),
             "vars": {
                 "type": "object",
@@ -303,14 +304,18 @@ def _validate(schema: dict[str, Any], data: Any, where: str) -> None:
 
 NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 """A study name: one folder name under the results root (no path, no leading dot: not `.` or `..`)."""
-RESERVED_NAMES = ("runs", "coldstart", "all")
-"""Folders of the results root that are not studies (runs/, coldstart/) and the report's name for every run (all/).
-(`tune` is a study name: the tuning sweep's study folder results/tune/ holds its storage, results/tune/tune/.)"""
+RESERVED_NAMES = ("runs", "coldstart", "all", "mlruns")
+"""Folders of the results root that are not studies (runs/, coldstart/, MLflow's file store mlruns/) and the report's
+name for every run (all/). `tune` (the tuning stores' folder, results/tune/<name>/) is reserved for tuning sweeps
+(those with a `tune:` section): sweeps/tune.yaml's study is `tune`."""
 
 
 def validate_sweep(data: Any, *, where: str = "sweep") -> None:
     """Raise SweepError listing every schema violation of `data` (a parsed sweep file)."""
     name = data.get("name") if isinstance(data, dict) else None
+    if name == "tune" and isinstance(data, dict) and "tune" not in data:
+        raise SweepError(f"{where}: name = 'tune': reserved for tuning sweeps (results/tune/ holds the tuning "
+                         "stores); valid: another name")  # fmt: skip
     if isinstance(name, str) and (name in RESERVED_NAMES or not re.fullmatch(NAME_PATTERN, name)):
         raise SweepError(f"{where}: name = {name!r}: a study's folder under the results root; valid: letters, "
                          f"digits, _ . - not starting with a dot, and not one of {', '.join(RESERVED_NAMES)} "

@@ -7,9 +7,13 @@ metadata. The format is compact and has no chat template, so a tiny model traine
     solution: "4-1=3\\n3-7=-4\\n#### -4"
 
 The solution works the problem one operation per line and ends with the answer after the delimiter `####`
-(GSM8K's). `extract_answer` takes the text after the last `####` up to the end of that line; `score` hands it to
-reasoning-gym's own verifier for the task. A response cut at the length limit is scored as it stands: cut before the
-delimiter it has no answer, cut inside the answer it has a wrong one.
+(GSM8K's). `extract_answer` takes the text after the last `####` up to the end of that line; `score` scores it as
+reasoning-gym's verifier for the task does. Nothing a response or a user's row says ever runs: the generated tasks,
+`exact`, `numeric` and `puzzle24` are scored here on grammars of this module's own (study.data.arith for expressions,
+no `eval`, no sympy), and every other reasoning-gym verifier runs in a locked-down worker process with a time limit
+(study.data.sandbox); a verifier that times out or fails scores 0 and is counted (`take_scorer_failures`).
+A response cut at the length limit is scored as it stands: cut before the delimiter it has no answer, cut inside the
+answer it has a wrong one.
 
 Rewards are binary by default: 1.0 when the verifier gives full credit, else 0.0 (`partial_credit=True` passes the
 verifier's raw score through). reasoning-gym's partial credits are format shaping (countdown pays 0.01 for no answer
@@ -42,17 +46,19 @@ import hashlib
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
 import reasoning_gym
-from reasoning_gym import utils as rg_utils
 from reasoning_gym.factory import DATASETS as RG_DATASETS
-from reasoning_gym.factory import get_score_answer_fn
+
+from study.data import arith, sandbox
 
 ANSWER_DELIMITER = "####"
 """The answer follows the last occurrence of this marker in a response, up to the end of its line."""
@@ -464,32 +470,129 @@ def extract_answer(response: str) -> str | None:
     return response[at + len(ANSWER_DELIMITER) :].split("\n", 1)[0].strip()
 
 
-# reasoning-gym's countdown verifier evaluates the answer with sympy's eval-based parser; evaluate only answers in
-# the task's own grammar (no '**': a power is not a countdown operator and can take unbounded time).
-_COUNTDOWN_GRAMMAR = re.compile(r"[0-9+\-*/() ]{1,200}")
+def _decimal_reward(answer: str | None, oracle: str) -> float:
+    """reasoning-gym's `compute_decimal_reward`: 1.0 when the numbers are equal as decimals (sign, leading zeros,
+    trailing decimals and commas tolerated), else len(oracle) / len(answer) when the oracle is a substring."""
+    if not answer:
+        return 0.0
+    answer, oracle = answer.replace(",", ""), oracle.replace(",", "")
+    try:
+        if Decimal(answer) == Decimal(oracle):
+            return 1.0
+    except (InvalidOperation, ValueError):
+        pass
+    return len(oracle) / len(answer) if oracle in answer else 0.0
 
 
-@cache
-def _rg_scorer(name: str) -> Any:
-    return get_score_answer_fn(name)
+def _substring_reward(answer: str | None, oracle: str) -> float:
+    """reasoning-gym's default scorer: 1.0 for the oracle, len(oracle) / len(answer) when it is a substring."""
+    if not answer:
+        return 0.0
+    return 1.0 if answer == oracle else (len(oracle) / len(answer) if oracle in answer else 0.0)
+
+
+def _gsm_reward(answer: str | None, oracle: str) -> float:
+    """reasoning-gym's gsm_symbolic scorer: the first number of the answer against the oracle, 0.01 when unequal."""
+    match = re.search(r"\b-?\d+(?:\.\d+)?\b", answer) if answer is not None else None
+    if match is None:
+        return 0.0
+    try:
+        return 1.0 if float(match.group(0)) == float(oracle) else 0.01
+    except ValueError:
+        return 0.0
+
+
+def _expression_reward(answer: str | None, numbers: Sequence[int], target: float, *, no_answer: float) -> float:
+    """countdown's scorer on study.data.arith's grammar: 1.0 when the expression uses exactly `numbers` and reaches
+    `target` (np.isclose's tolerance, as reasoning-gym's), 0.05 for a wrong one, 0.01 when it does not parse."""
+    if answer is None or not answer.strip():
+        return no_answer
+    try:
+        value = float(arith.evaluate(answer))
+    except (arith.ExpressionError, OverflowError):
+        return 0.01
+    if sorted(arith.integers(answer)) != sorted(int(n) for n in numbers):
+        return 0.05
+    return 1.0 if abs(value - float(target)) <= 1e-6 + 1e-5 * abs(float(target)) else 0.05
+
+
+def _puzzle24_reward(answer: str | None) -> float:
+    """puzzle24's scorer on study.data.arith's grammar: 1.0 when four numbers in reasoning-gym's default range
+    [1, 10] make exactly 24, else 0.01."""
+    if answer is None:
+        return 0.01
+    try:
+        value = arith.evaluate(answer.strip())
+    except arith.ExpressionError:
+        return 0.01
+    used = arith.integers(answer)
+    return 1.0 if value == 24 and len(used) == 4 and all(1 <= n <= 10 for n in used) else 0.01
+
+
+def _native(verifier: str, answer: str | None, item: TaskItem) -> float | None:
+    """The score of the verifiers this module scores itself, on grammars of its own (no third-party parser, nothing
+    in `answer` runs); None for every other verifier."""
+    oracle = item.answer.strip() if verifier in ("exact", "numeric") else item.answer
+    if verifier == "exact":
+        return float(answer is not None and answer == oracle)
+    if verifier in ("numeric", "chain_sum"):
+        return _decimal_reward(answer, oracle)
+    if verifier == "basic_arithmetic":
+        return _substring_reward(answer, oracle)
+    if verifier == "gsm_symbolic":
+        return _gsm_reward(answer, oracle)
+    if verifier == "countdown":
+        meta = item.metadata
+        if not isinstance(meta.get("numbers"), list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in meta["numbers"]
+        ):
+            raise ValueError("countdown needs metadata.numbers, a list of integers")
+        if not isinstance(meta.get("target"), int | float) or isinstance(meta.get("target"), bool):
+            raise ValueError("countdown needs metadata.target, a number")
+        return _expression_reward(answer, meta["numbers"], meta["target"], no_answer=0.01)
+    if verifier == "puzzle24":
+        return _puzzle24_reward(answer)
+    return None
+
+
+NATIVE_VERIFIERS: tuple[str, ...] = (*USER_VERIFIERS, *TASKS, "puzzle24")
+"""Verifiers scored in process on this module's own grammars; every other one runs in study.data.sandbox."""
 
 
 def _verifier_score(verifier: str, answer: str | None, item: TaskItem) -> float:
-    """The verifier's raw score of `answer` for `item`."""
-    if verifier == "exact":
-        return float(answer is not None and answer == item.answer.strip())
-    if verifier == "numeric":
-        return float(rg_utils.compute_decimal_reward(answer, oracle_answer=item.answer.strip(), strip_commas=True))
-    if verifier == "countdown" and answer is not None and (not _COUNTDOWN_GRAMMAR.fullmatch(answer) or "**" in answer):
-        answer = ""  # scored as reasoning-gym scores an unparseable answer
+    """The verifier's raw score of `answer` for `item`; sandbox.ScorerFailure when a sandboxed scorer times out,
+    fails or its worker dies, ValueError when a native verifier lacks the metadata it reads."""
+    native = _native(verifier, answer, item)
+    if native is not None:
+        return native
     entry = {"question": item.metadata.get("question", item.prompt), "answer": item.answer, "metadata": item.metadata}
-    return float(_rg_scorer(verifier)(answer, entry))
+    return sandbox.sandbox_for(verifier).score(verifier, answer, entry)
+
+
+_failures = 0
+_failures_lock = threading.Lock()
+
+
+def take_scorer_failures() -> int:
+    """Responses `score` gave 0 because their verifier timed out or failed since the last call (the step metric
+    `scorer_failures`), and reset the count."""
+    global _failures
+    with _failures_lock:
+        n, _failures = _failures, 0
+    return n
 
 
 def score(item: TaskItem, response: str, *, partial_credit: bool = False) -> float:
     """Reward in [0, 1] of `response` (the generated text, as it stands, truncated or not) for `item`: the item's
-    verifier applied to `extract_answer(response)`; 1.0 or 0.0 unless `partial_credit`."""
-    raw = _verifier_score(item.verifier, extract_answer(response), item)
+    verifier applied to `extract_answer(response)`; 1.0 or 0.0 unless `partial_credit`. A verifier that times out or
+    fails scores 0 and is counted (`take_scorer_failures`); it never raises."""
+    global _failures
+    try:
+        raw = _verifier_score(item.verifier, extract_answer(response), item)
+    except Exception:
+        with _failures_lock:
+            _failures += 1
+        return 0.0
     if partial_credit:
         return min(max(raw, 0.0), 1.0)
     return 1.0 if raw >= 1.0 else 0.0
@@ -582,13 +685,13 @@ def load_user_data(
             task="user", prompt=prompt, solution=solution, answer=answer, verifier=verifier, metadata=dict(metadata)
         )
         try:
-            ok = score(item, solution)
-        except Exception as e:  # a reasoning-gym scorer missing the metadata it reads (KeyError, TypeError, ...)
+            ok = _verifier_score(verifier, extract_answer(solution), item)
+        except Exception as e:  # a scorer missing the metadata it reads, timing out on the row, ...
             raise ValueError(
-                f"{where}: verifier {verifier!r} failed on this row ({type(e).__name__}: {e}); "
+                f"{where}: verifier {verifier!r} failed on this row ({type(e).__name__}: {str(e)[:300]}); "
                 f"check fields {answer_field!r} and {metadata_field!r}"
             ) from None
-        if ok != 1.0:
+        if ok < 1.0:
             raise ValueError(
                 f"{where}: verifier {verifier!r} does not accept the row's own "
                 f"{solution_field if row.get(solution_field) is not None else answer_field!r} "

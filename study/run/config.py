@@ -527,6 +527,10 @@ PRESET_RUNS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+MAX_SET_CHARS = 1 << 16
+"""Longest value a `--set key=value` may have."""
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     """`key=value` strings to a dict; values parsed as YAML scalars; `hparams.eps_low=0.1` and
     `model.num_experts=16` nest. Applied in order (merge_field): `model=default` then `model.num_experts=16` is
@@ -536,6 +540,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
+        if len(raw) > MAX_SET_CHARS:
+            raise ValueError(f"--set {key}=...: a value of {len(raw)} characters; valid: at most {MAX_SET_CHARS} "
+                             "(put a long value in a config file)")  # fmt: skip
         try:
             value = _scalar(raw)
         except yaml.YAMLError as err:
@@ -554,7 +561,7 @@ def _scalar(raw: str) -> Any:
             return parse(raw)
         except ValueError:
             pass
-    return yaml.safe_load(raw) if raw else ""
+    return load_yaml(raw) if raw else ""
 
 
 def load_config(path: str | Path | None = None, *, preset: str | None = None, sets: list[str] = ()) -> RunConfig:
@@ -578,6 +585,49 @@ def _yaml_error(err: yaml.YAMLError) -> str:
     return " ".join(str(err).split())
 
 
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists a config or sweep file may have (a run config needs 3)."""
+
+MAX_YAML_BYTES = 8 << 20
+"""Largest config or sweep file read, bytes."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {line}; first on line {seen[key]})", key_node.start_mark
+                )
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document, parsed safely and strictly: at most MAX_YAML_BYTES, nested at most MAX_YAML_DEPTH deep
+    (checked on the event stream, before any recursive step), no duplicate key. yaml.YAMLError on any violation."""
+    if len(text) > MAX_YAML_BYTES:
+        raise yaml.YAMLError(f"larger than {MAX_YAML_BYTES} bytes")
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError(
+                    f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1}); valid: a "
+                    "mapping of config fields"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+
+
 def read_yaml_file(path: str | Path, *, what: str) -> Any:
     """The YAML document in `path`; a missing file, a directory or invalid YAML is a ValueError naming the path and
     `what` it should be."""
@@ -591,6 +641,6 @@ def read_yaml_file(path: str | Path, *, what: str) -> Any:
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: unreadable ({err}); give {what}") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({_yaml_error(err)})") from None

@@ -15,6 +15,8 @@ STEP_METRICS: dict[str, str] = {
     "evaluation of the starting policy (the cold start), what RL is measured from",
     "reward_mean": "mean task reward of the step's responses (before any reward shaping)",
     "reward_std": "standard deviation of that reward",
+    "scorer_failures": "responses of the step (evaluation included) whose verifier timed out or failed, each scored "
+    "0 (study.data.tasks.take_scorer_failures); the run goes on",
     "eval_in_dist": "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)",
     "eval_hard": "the same on the harder, longer held-out set",
     "response_len_mean": "mean response length in tokens (stop token included)",

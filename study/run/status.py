@@ -29,14 +29,17 @@ from typing import Any
 
 import yaml
 
-from study.run.rundir import STATES
+from study.run.rundir import CRASH_FILE, STATES, lock_held
 from study.run.trackers import flatten
 
 PENDING = "pending"
 """A run the study lists that has no run directory yet."""
 UNREADABLE = "unreadable"
-"""A run directory without a readable status.json."""
-ORDER = (*STATES, PENDING, UNREADABLE)
+"""A run directory without a readable status.json or config.yaml."""
+DIED = "died"
+"""A run recorded `running` whose lock no process holds any more (killed with SIGKILL, out of memory, a native
+crash): resumable with `python -m study resume RUN_DIR`."""
+ORDER = (*STATES, DIED, PENDING, UNREADABLE)
 NOT_AXES = ("algorithm", "checkpoint_every", "threads")
 
 
@@ -81,12 +84,24 @@ def studies(results: Path) -> list[str]:
                   if p.is_dir() and ((p / "configs").is_dir() or (p / "run_ids.txt").is_file()))  # fmt: skip
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+MAX_CONFIG_BYTES = 1 << 20
+"""A config.yaml larger than this is reported unreadable instead of parsed."""
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the YAML mapping at `path`, None), or ({}, why it cannot be read); ({}, None) when there is no file."""
+    if not path.exists() and not path.is_symlink():
+        return {}, None
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    except Exception as exc:  # unreadable, not UTF-8, not YAML, nested past the parser's depth: reported, never raised
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return {}, f"{path.name} unreadable: {type(exc).__name__}: {first}"
+    if not isinstance(data, dict):
+        return {}, f"{path.name} unreadable: not a mapping of config fields"
+    return data, None
 
 
 def _float(value: Any) -> float | None:
@@ -142,6 +157,13 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
     if line.state in ("failed", "collapsed", "stopped"):
         why = status.get("reason") or status.get("error") or ""
         line.reason = str(why).strip().splitlines()[-1] if str(why).strip() else line.reason
+    elif line.state == "running" and lock_held(run_dir) is False:  # the kernel released its lock: the process is gone
+        line.state = DIED
+        crashed = (run_dir / CRASH_FILE).is_file() and (run_dir / CRASH_FILE).stat().st_size > 0
+        how = f"a native crash, its stack in {CRASH_FILE}" if crashed else "killed, e.g. kill -9 or out of memory"
+        line.reason = (
+            f"its process ended without recording an exit ({how}); resumable: python -m study resume {run_dir}"
+        )
     elif line.state == "running" and isinstance(status.get("time"), int | float):
         line.updated_ago_s = max(now - float(status["time"]), 0.0)
         line.reason = line.reason or f"last step recorded {_duration(line.updated_ago_s)} ago"
@@ -160,12 +182,15 @@ def collect(results: str | Path, study: str | None = None) -> list[RunLine]:
         ids = (
             sorted(p.name for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")) if runs.is_dir() else []
         )
-    configs = {}
+    configs, unreadable = {}, {}
     for run_id in ids:
-        config = _read_yaml(runs / run_id / "config.yaml")
+        config, why = _read_yaml(runs / run_id / "config.yaml")
         if not config and study:
-            config = _read_yaml(results / study / "configs" / f"{run_id}.yaml")
+            config, why2 = _read_yaml(results / study / "configs" / f"{run_id}.yaml")
+            why = why or why2
         configs[run_id] = config
+        if why:
+            unreadable[run_id] = why
     flat = {run_id: flatten(c) for run_id, c in configs.items()}
     keys = sorted({k for f in flat.values() for k in f if k.split(".")[0] not in NOT_AXES})
     axes = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat.values() if f}) > 1]
@@ -173,6 +198,8 @@ def collect(results: str | Path, study: str | None = None) -> list[RunLine]:
     lines = []
     for run_id in ids:
         line = read_line(runs / run_id, run_id, configs[run_id], now)
+        if run_id in unreadable:
+            line.state, line.reason = UNREADABLE, unreadable[run_id]
         line.axes = {k: _text(flat[run_id].get(k)) for k in axes}
         lines.append(line)
     return lines

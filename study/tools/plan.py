@@ -456,6 +456,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="print every candidate (default: the 20 best)")
     args = p.parse_args(argv)
     try:
+        _check_plan_args(args)
         run = None
         if args.config or args.sets:
             from study.run.config import load_config
@@ -501,6 +502,26 @@ def plan_main(argv: list[str] | None = None) -> int:
         table = format_table(published, args.gpu_mem).splitlines()
         print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))
     return 0 if n_fit else 1
+
+
+MAX_GPUS = 1 << 20
+"""Most GPUs `study plan` accepts (more is a typo, and its layout search would not end)."""
+
+
+def _check_plan_args(args: Any) -> None:
+    """ValueError naming the option: GPU counts in 1..MAX_GPUS, memory finite and > 0, lengths and sizes >= 1."""
+    import math
+
+    for option, value, lo, hi in (("--gpus", args.gpus, 1, MAX_GPUS), ("--gpus-per-node", args.gpus_per_node, 1, 1024)):
+        if not lo <= value <= hi:
+            raise ValueError(f"{option} = {value}: valid: an integer in [{lo}, {hi}]")
+    for option, value, lo in (("--gpu-mem", args.gpu_mem, 0.0), ("--reserve-gb", args.reserve_gb, -1e-300)):
+        if not math.isfinite(value) or value <= lo:
+            raise ValueError(f"{option} = {value}: valid: a finite number of GB {'> 0' if lo == 0 else '>= 0'}")
+    for option in ("prompt_len", "response_len", "prompts", "group_size", "micro_batch", "engine_tp", "engine_ep"):
+        value = getattr(args, option)
+        if value is not None and not 1 <= value <= 1 << 30:
+            raise ValueError(f"--{option.replace('_', '-')} = {value}: valid: an integer in [1, {1 << 30}]")
 
 
 def _parse_model(text: Any) -> Any:

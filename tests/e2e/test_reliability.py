@@ -3,13 +3,16 @@
 Config errors are checked on the config alone; the run-state cases share one tiny run (one RL step from random
 weights) whose directory each test copies and damages."""
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -264,3 +267,141 @@ def test_result_files_take_the_umasks_mode(one_step: Path) -> None:
     files = [p for p in one_step.rglob("*") if p.is_file()]
     assert {p.name for p in files} >= {"status.json", "metrics.parquet", "state.pt", "config.yaml", "manifest.json"}
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~umask) for p in files}
+
+
+# -- untrusted files, every exit recorded, damaged optional files ----------------------------------------------------
+def test_a_planted_lock_link_writes_nothing_outside(one_step: Path, tmp_path: Path, capsys) -> None:
+    run_dir = interrupted(one_step, tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run_dir / rundir.LOCK_FILE).symlink_to(victim)
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert f"{run_dir / rundir.LOCK_FILE}: a symbolic link (to {victim})" in line
+    assert victim.read_text() == "precious\n"
+    assert rundir.read_status(run_dir)["state"] == "running"  # refused before the run wrote anything
+
+
+def _study_run(results: Path, *sets: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+    return subprocess.Popen([*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
+    cfg = tiny("steps=30")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    proc = _study_run(tmp_path, "steps=30")
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if rundir.read_status(run_dir)["step"] >= 1:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+    status = rundir.read_status(run_dir)
+    assert status["state"] == "stopped" and status["reason"] == "Terminated: SIGTERM received"
+    assert not (run_dir / rundir.LOCK_FILE).exists() and not (run_dir / rundir.CRASH_FILE).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> typing.Iterator[Path]:
+    """A 1 MiB tmpfs: room for a tiny run's small files, not for its 3.6 MB checkpoint (needs root, else skipped)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
+    cfg = tiny("steps=2")
+    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written"):
+        rl.run(cfg, small_disk, progress=False)
+    run_dir = small_disk / "runs" / cfg.run_id
+    status = rundir.read_status(run_dir)
+    assert (
+        status["state"] == "failed"
+        and f"{run_dir / 'checkpoint' / 'state.pt'}: could not be written" in (status["error"])
+    )
+    assert json.loads((run_dir / rundir.FAILURE_FILE).read_text())["error"] == status["error"]
+    assert not list((run_dir / "checkpoint").glob(".*.tmp")), "the failed temporary checkpoint was left"
+
+
+@pytest.mark.parametrize("name", ["routing_layers.parquet", rl.TOKEN_SAMPLES])
+def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path, tmp_path: Path, name: str,
+                                                                  capsys) -> None:  # fmt: skip
+    run_dir = interrupted(one_step, tmp_path)
+    table = run_dir / name
+    table.write_bytes(table.read_bytes()[: table.stat().st_size // 2])
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {table} is unreadable" in err and "treated as missing" in err and "move its directory" not in err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert sorted(pd.read_parquet(table)["step"].unique()) == [2]
+
+
+# -- sizes are checked before anything is written ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["model.num_experts=1000000000"], "model.num_experts = 1000000000"),
+        (["prompts_per_step=100000000"], "prompts_per_step = 100000000"),
+        (["model.max_seq_len=1000000000"], "model.max_seq_len = 1000000000"),
+        (["model.vocab_size=1000000000"], "model.vocab_size = 1000000000"),
+    ],
+)
+def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(tmp_path: Path, sets: list[str], field: str,
+                                                                   capsys) -> None:  # fmt: skip
+    argv = ["run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
+    line = error_line(capsys, [*argv, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))])
+    assert line.startswith(f"error: {field}: the run needs about ") and "planner's estimate" in line, line
+    assert "more than this machine's" in line
+    assert not list(tmp_path.iterdir()), "something was written before the refusal"
+
+
+def test_yaml_nested_too_deep_is_refused_everywhere(tmp_path: Path, capsys) -> None:
+    from sweeps import expand
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("lr: " + "[" * 5000 + "]" * 5000 + "\n")
+    nested = "nested deeper than 64 levels"
+    assert nested in error_line(capsys, ["run", str(deep), "--results", str(tmp_path / "r")])
+    assert nested in error_line(capsys, ["plan", "--config", str(deep), "--gpus", "8", "--gpu-mem", "80"])
+    assert expand.main([str(deep)]) == 2 and nested in capsys.readouterr().err
+    assert nested in error_line(capsys, ["run", "--set", "lr=" + "[" * 5000, "--results", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--gpu-mem", "inf", "--gpu-mem = inf: valid: a finite number of GB > 0"),
+        ("--gpu-mem", "nan", "--gpu-mem = nan: valid"),
+        ("--gpu-mem", "-80", "--gpu-mem = -80.0: valid"),
+        ("--prompt-len", "-5", "--prompt-len = -5: valid: an integer in [1, "),
+        ("--response-len", "0", "--response-len = 0: valid"),
+        ("--gpus", "100000000000", "--gpus = 100000000000: valid: an integer in [1, 1048576]"),
+        ("--gpus", "0", "--gpus = 0: valid"),
+    ],
+)
+def test_plan_refuses_absurd_options(option: str, value: str, message: str, capsys) -> None:
+    argv = ["plan", "--model", "tiny", "--gpus", "8", "--gpu-mem", "80", option, value]
+    assert message in error_line(capsys, argv)
+
+
+def test_a_huge_value_is_not_echoed_whole(tmp_path: Path, capsys) -> None:
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", "lr=" + "x" * 5_000_000, "--results",
+                               str(tmp_path)])  # fmt: skip
+    assert (
+        line == "error: --set lr=...: a value of 5000000 characters; valid: at most 65536 (put a long value in a "
+        "config file)"
+    )
+    big = tmp_path / "big.yaml"
+    big.write_text(f"lr: {'x' * 100_000}\n")
+    line = error_line(capsys, ["run", str(big), "--results", str(tmp_path)])
+    assert line.startswith("error: ") and "characters left out" in line and len(line) < 3000

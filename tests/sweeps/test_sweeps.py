@@ -88,8 +88,10 @@ def test_run_ids_are_stable_and_shared_across_studies():
     assert list(a) == list(
         Sweep.from_dict(sweep(name="a", axes={"algorithm": ["grpo", "gspo"], "seed": [0, 1]})).expand()
     )
-    dup = Sweep.from_dict(sweep(axes={"seed": [0, 0]})).expand()  # identical runs run once
-    assert len(dup) == 1
+    with pytest.raises(SweepError, match=r"axes\.seed lists 0 twice"):  # a value listed twice is a typo
+        Sweep.from_dict(sweep(axes={"seed": [0, 0]}))
+    same = Sweep.from_dict(sweep(axes={"model": ["tiny", {"preset": "tiny"}]})).expand()  # identical runs run once
+    assert len(same) == 1
     assert all(run_id.startswith(cfg.algorithm + "-") for run_id, cfg in a.items())
 
 

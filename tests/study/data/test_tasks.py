@@ -279,7 +279,7 @@ def test_user_data_with_a_reasoning_gym_verifier(tmp_path: Path) -> None:
     (item,) = load_user_data(_jsonl(tmp_path / "d.jsonl", rows), verifier="countdown")
     assert score(item, "#### 3*(5+4)") == 1.0 and score(item, "#### 3*5+4") == 0.0
     del rows[0]["metadata"]  # countdown's scorer reads metadata.numbers: the error points at the field
-    with pytest.raises(ValueError, match=r"d.jsonl:1: verifier 'countdown' does not accept .*check .*'metadata'"):
+    with pytest.raises(ValueError, match=r"d.jsonl:1: verifier 'countdown' failed .*metadata.numbers.*'metadata'"):
         load_user_data(_jsonl(tmp_path / "d.jsonl", rows), verifier="countdown")
     (chain,) = load_user_data(
         _jsonl(tmp_path / "c.jsonl", [{"prompt": "sum 1+2\n", "answer": "3"}]), verifier="chain_sum"
