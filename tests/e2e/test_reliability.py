@@ -333,7 +333,7 @@ def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
     assert not list((run_dir / "checkpoint").glob(".*.tmp")), "the failed temporary checkpoint was left"
 
 
-@pytest.mark.parametrize("name", ["routing_layers.parquet", rl.TOKEN_SAMPLES])
+@pytest.mark.parametrize("name", ["routing_layers.parquet", record.TOKEN_SAMPLES])
 def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path, tmp_path: Path, name: str,
                                                                   capsys) -> None:  # fmt: skip
     run_dir = interrupted(one_step, tmp_path)
