@@ -35,7 +35,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             python3 -m venv .venv-gpu || { log "python3 -m venv failed"; exit 2; }
             # vLLM's CUDA wheel pins its own CUDA torch; megatron-core and the harness's other dependencies beside it
             # (the harness itself runs from this checkout through PYTHONPATH).
-            .venv-gpu/bin/pip install -q "vllm>=0.11" "megatron-core==0.16.1" "transformers>=5.16.1,<5.20" \
+            .venv-gpu/bin/pip install -q "vllm==0.32.0" "megatron-core==0.16.1" "transformers>=5.16.1,<5.20" \
                 "tokenizers>=0.22" "reasoning-gym==0.1.25" "pandas>=2.2" "pyarrow>=15" "matplotlib>=3.8" \
                 "scipy>=1.12" "tqdm>=4.66" "submitit>=1.5" "pyyaml>=6" "optuna==5.0.0" jinja2 >&2 \
                 || NOTE="pip install into .venv-gpu failed (see the log); "
