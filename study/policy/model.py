@@ -30,6 +30,7 @@ Choices that matter for parity and for the study:
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from typing import TYPE_CHECKING
@@ -49,6 +50,31 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------------------------------
 # Process group and megatron parallel state
 # ---------------------------------------------------------------------------------------------------------------------
+DIST_TIMEOUT_ENV = "STUDY_DIST_TIMEOUT_MIN"
+DIST_TIMEOUT_MIN = 120
+"""Minutes a collective may wait for a peer (the process groups' timeout; NCCL's watchdog ends the ranks after it).
+It must cover the longest phase that one rank runs alone while the others wait in a collective: rank 0 starting
+the vLLM engine (loading the bf16 weights), evaluating and rolling out a step's batch. NCCL's default is 10 minutes,
+megatron's groups' 30; `STUDY_DIST_TIMEOUT_MIN` in the environment sets another value for every rank."""
+
+
+def dist_timeout() -> datetime.timedelta:
+    """The process groups' timeout: `STUDY_DIST_TIMEOUT_MIN` minutes, default `DIST_TIMEOUT_MIN`."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return datetime.timedelta(minutes=DIST_TIMEOUT_MIN)
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = math.nan
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(
+            f"{DIST_TIMEOUT_ENV} = {raw!r}: must be a positive number of minutes "
+            f"(default {DIST_TIMEOUT_MIN}, covering rank 0's engine start, evaluation and rollout)"
+        )
+    return datetime.timedelta(minutes=minutes)
+
+
 def init_distributed(
     layout: ParallelLayout | None = None, *, tensor_parallel: int | None = None, expert_parallel: int | None = None
 ) -> ParallelLayout:
@@ -56,7 +82,8 @@ def init_distributed(
 
     Without a launcher (no WORLD_SIZE in the environment) this is one process: a world of size 1 on an in-memory
     store (no port). Under torchrun or submitit's tasks it joins the launcher's group (env://). The backend is NCCL
-    on CUDA, gloo on CPU; the compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
+    on CUDA, gloo on CPU; every group (the world's and megatron's) times out after `dist_timeout()`. The
+    compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
     rank per layout size (`tensor_parallel` / `expert_parallel`, the older keywords, set those two with data the
     rest of the world). The world must be the layout's size; calling again with another layout is an error.
     """
@@ -68,6 +95,7 @@ def init_distributed(
     megatron_compat.apply()
     megatron_compat.apply_parallel()
     cuda = torch.cuda.is_available()
+    timeout = dist_timeout()  # before anything starts: a bad value fails here
     if not torch.distributed.is_initialized():
         if parallel_state.model_parallel_is_initialized():
             # its groups belong to a world that was destroyed (an in-process vLLM engine's shutdown destroys the
@@ -77,9 +105,10 @@ def init_distributed(
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            torch.distributed.init_process_group(backend, init_method="env://")
+            torch.distributed.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=timeout)  # fmt: skip
     world = torch.distributed.get_world_size()
     if layout is None:
         tp, ep = tensor_parallel or 1, expert_parallel or 1
@@ -101,6 +130,7 @@ def init_distributed(
         tensor_model_parallel_size=layout.tensor,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)),
     )
     return layout
 
@@ -465,6 +495,7 @@ __all__ = [
     "LAYERS",
     "build_policy",
     "count_parameters",
+    "dist_timeout",
     "init_distributed",
     "logits",
     "model_device",
