@@ -1,0 +1,64 @@
+"""The vllm engine's shared memory (the sync bucket; on CUDA the routed experts) is checked against the space free
+in /dev/shm before any process starts, with a message naming the size, the space and the fixes. The space is the
+real statvfs of a directory with its free blocks set low (a container's 64 MiB /dev/shm)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from study.core.model_config import PRESETS, ModelConfig
+from study.rollout import vllm_engine
+from study.run.rollout_runtime import EngineSettings
+
+MIB = 1 << 20
+
+
+def _small_shm(monkeypatch, directory: str, free_bytes: int) -> None:
+    real = os.statvfs
+
+    def statvfs(path):  # type: ignore[no-untyped-def]
+        st = real(path)
+        if os.path.realpath(path) != os.path.realpath(directory):
+            return st
+        blocks = free_bytes // st.f_frsize
+        return os.statvfs_result((st.f_bsize, st.f_frsize, blocks, blocks, blocks, *tuple(st)[5:]))
+
+    monkeypatch.setattr(vllm_engine.os, "statvfs", statvfs)
+
+
+def test_the_engine_refuses_to_start_on_a_small_shm(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(vllm_engine, "SHM_DIR", str(tmp_path))
+    _small_shm(monkeypatch, str(tmp_path), 64 * MIB)
+    started = []
+    monkeypatch.setattr(vllm_engine._Replica, "__init__", lambda self, env: started.append(env))
+    with pytest.raises(RuntimeError) as err:
+        vllm_engine.VLLMEngine(PRESETS["tiny"], runtime={"bucket_mb": 256})
+    msg = str(err.value)
+    assert "needs 320 MiB" in msg and "sync bucket 256 MiB" in msg and "64 MiB are free" in msg, msg
+    assert "--shm-size" in msg and "rollout_runtime.bucket_mb" in msg and "\n" not in msg
+    assert not started  # before any server process
+
+
+def test_a_smaller_bucket_fits() -> None:
+    need = vllm_engine.shared_memory_need(PRESETS["tiny"], EngineSettings.parse({"bucket_mb": 1}), "fp32",
+                                          max_num_seqs=4, routes=False)  # fmt: skip
+    assert need["sync bucket"] >= 1 * MIB and "routed experts" not in need
+
+
+def test_the_routed_experts_are_counted_on_cuda(tmp_path, monkeypatch) -> None:
+    """Qwen3-30B-A3B's shape (48 layers, top-8 of 128): a byte per layer and slot of every full-length sequence; the
+    bucket is at least the largest tensor (the embedding, 594 MiB in bf16)."""
+    cfg = ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
+                      num_query_groups=4, head_dim=128, num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,
+                      max_seq_len=9216)  # fmt: skip
+    need = vllm_engine.shared_memory_need(cfg, EngineSettings(), "bf16", max_num_seqs=256, routes=True)
+    assert need["routed experts"] == 256 * 9216 * 48 * 8
+    _small_shm(monkeypatch, str(tmp_path), 1024 * MIB)
+    with pytest.raises(
+        RuntimeError, match=r"needs 1522 MiB .*sync bucket 594 MiB, routed experts 864 MiB.*1024 MiB are free"
+    ):
+        vllm_engine.check_shared_memory(need, directory=str(tmp_path))
+    _small_shm(monkeypatch, str(tmp_path), 2048 * MIB)
+    vllm_engine.check_shared_memory(need, directory=str(tmp_path))
