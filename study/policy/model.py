@@ -58,6 +58,38 @@ the vLLM engine (loading the bf16 weights), evaluating and rolling out a step's 
 megatron's groups' 30; `STUDY_DIST_TIMEOUT_MIN` in the environment sets another value for every rank."""
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def dist_backend(requested: str = "auto") -> str:
+    """The process-group backend: NCCL where CUDA is available, else gloo ("auto"); or the one `requested`
+    (NCCL needs CUDA)."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in BACKENDS:
+        raise ValueError(f"backend = {requested!r}; valid: auto, {', '.join(BACKENDS)}")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend = 'nccl' needs CUDA, and none is available here; valid here: auto, gloo")
+    return requested
+
+
+def local_device_index() -> int:
+    """This rank's GPU among those visible: LOCAL_RANK modulo the visible count. A node whose tasks each see all
+    its GPUs gives local rank r GPU r; a scheduler that gives each task one GPU (CUDA_VISIBLE_DEVICES set per
+    task) leaves one visible, index 0, whatever the local rank."""
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local = int(raw)
+    except ValueError:
+        local = -1
+    if local < 0:
+        raise ValueError(f"LOCAL_RANK = {raw!r}: must be an integer >= 0")
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise ValueError("no CUDA device is visible (CUDA_VISIBLE_DEVICES) to this rank")
+    return local % count
+
+
 def dist_timeout() -> datetime.timedelta:
     """The process groups' timeout: `STUDY_DIST_TIMEOUT_MIN` minutes, default `DIST_TIMEOUT_MIN`."""
     raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
@@ -101,9 +133,9 @@ def init_distributed(
             # its groups belong to a world that was destroyed (an in-process vLLM engine's shutdown destroys the
             # default group): stale handles, rebuilt below for the new world
             parallel_state.destroy_model_parallel()
-        backend = "nccl" if cuda else "gloo"
+        backend = dist_backend()
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_device_index())
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             torch.distributed.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
@@ -495,8 +527,10 @@ __all__ = [
     "LAYERS",
     "build_policy",
     "count_parameters",
+    "dist_backend",
     "dist_timeout",
     "init_distributed",
+    "local_device_index",
     "logits",
     "model_device",
     "norm_topk_prob",

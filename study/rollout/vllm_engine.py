@@ -77,6 +77,28 @@ def shared_memory_need(cfg: ModelConfig, settings: EngineSettings, dtype: str, *
     return need
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def server_env(env: Mapping[str, str], *, sleeps: bool) -> dict[str, str]:
+    """The environment of a server process from the client's `env`: where the engine sleeps (fact 8), torch's
+    allocator settings without `expandable_segments` (vLLM's sleep mode allocates through a memory pool of its own,
+    which refuses expandable segments); the trainer's process keeps its own settings. A variable left empty is
+    dropped."""
+    out = dict(env)
+    if not sleeps:
+        return out
+    for var in ALLOC_CONF_VARS:
+        if var not in out:
+            continue
+        kept = [o for o in out[var].split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
+        if kept:
+            out[var] = ",".join(kept)
+        else:
+            del out[var]
+    return out
+
+
 def check_shared_memory(need: Mapping[str, int], directory: str | None = None) -> None:
     """Raise a one-line RuntimeError when `directory` (a tmpfs) has less space free than the parts of `need` add up
     to: it names each part, the space free and the fixes. Nothing is checked where the directory does not exist (the
@@ -100,11 +122,11 @@ def check_shared_memory(need: Mapping[str, int], directory: str | None = None) -
 class _Replica:
     """One server process and the socket to it."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, sleeps: bool = False) -> None:
         ours, theirs = socket.socketpair()
         from multiprocessing.connection import Connection
 
-        env = {**os.environ, **env, "STUDY_VLLM_FD": str(theirs.fileno())}
+        env = {**server_env({**os.environ, **env}, sleeps=sleeps), "STUDY_VLLM_FD": str(theirs.fileno())}
         self.proc = subprocess.Popen([sys.executable, "-m", "study.rollout.vllm_server"], env=env,
                                      pass_fds=(theirs.fileno(),))  # fmt: skip
         theirs.close()
@@ -247,7 +269,7 @@ class VLLMEngine(RolloutEngine):
         try:
             for gpus in devices:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)} if gpus else {}
-                self.replicas.append(_Replica(env))
+                self.replicas.append(_Replica(env, sleeps=self.sleeps))
             for r in self.replicas:
                 r.send("start", llm_kwargs=kwargs, threads=threads)
             infos = [r.recv() for r in self.replicas]

@@ -32,7 +32,7 @@ def test_the_engine_refuses_to_start_on_a_small_shm(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(vllm_engine, "SHM_DIR", str(tmp_path))
     _small_shm(monkeypatch, str(tmp_path), 64 * MIB)
     started = []
-    monkeypatch.setattr(vllm_engine._Replica, "__init__", lambda self, env: started.append(env))
+    monkeypatch.setattr(vllm_engine._Replica, "__init__", lambda self, env, **kw: started.append(env))
     with pytest.raises(RuntimeError) as err:
         vllm_engine.VLLMEngine(PRESETS["tiny"], runtime={"bucket_mb": 256})
     msg = str(err.value)
@@ -62,3 +62,24 @@ def test_the_routed_experts_are_counted_on_cuda(tmp_path, monkeypatch) -> None:
         vllm_engine.check_shared_memory(need, directory=str(tmp_path))
     _small_shm(monkeypatch, str(tmp_path), 2048 * MIB)
     vllm_engine.check_shared_memory(need, directory=str(tmp_path))
+
+
+def test_a_sleeping_engine_runs_without_expandable_segments() -> None:
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512",
+           "PYTORCH_ALLOC_CONF": "expandable_segments:True", "OTHER": "1"}  # fmt: skip
+    assert vllm_engine.server_env(env, sleeps=True) == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
+                                                        "OTHER": "1"}  # fmt: skip
+    assert vllm_engine.server_env(env, sleeps=False) == env  # an engine that stays awake keeps them
+
+
+def test_the_server_process_gets_the_cleaned_environment(monkeypatch) -> None:
+    seen = {}
+
+    class Popen:
+        def __init__(self, cmd, env, pass_fds):  # type: ignore[no-untyped-def]
+            seen.update(env)
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(vllm_engine.subprocess, "Popen", Popen)
+    vllm_engine._Replica({"CUDA_VISIBLE_DEVICES": "0"}, sleeps=True).conn.close()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in seen and seen["CUDA_VISIBLE_DEVICES"] == "0"
