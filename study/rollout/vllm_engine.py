@@ -351,6 +351,7 @@ class VLLMEngine(RolloutEngine):
                     wait += time.perf_counter() - w0
                     metas, offset, buckets, sent = [], 0, buckets + 1, sent + len(metas)
                 self._buf[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
+                del tensor  # a streamed source's full tensor goes before the next is gathered
                 metas.append((name, vdtype, shape, offset))
                 offset += -(-nbytes // _ALIGN) * _ALIGN
                 total += nbytes
