@@ -339,7 +339,8 @@ def layout_ranks(cfg: Any, res: Resources) -> Resources:
 def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
     """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.tools.plan) or that asks for
     more ranks than study.rl runs (module docstring, point 7). ValueError naming the resource."""
-    from study.tools import plan, rl
+    from study import rl
+    from study.tools import plan
 
     if res.world_size > 1 and not getattr(rl, "MULTI_RANK", False):
         raise ValueError(
