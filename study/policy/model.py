@@ -189,6 +189,21 @@ def norm_topk_prob(cfg: ModelConfig) -> bool:
     return cfg.moe_top_k > 1
 
 
+def device_paths(cuda: bool | None = None) -> dict[str, object]:
+    """The MoE paths megatron takes on this device (`cuda` None: whether CUDA is available), chosen here only:
+    - the token dispatcher: all-to-all on CUDA (tokens go only to the ranks of their experts; it needs CUDA
+      streams), the all-gather dispatcher on the CPU;
+    - initialisation: on the GPU under CUDA (each tensor-parallel shard drawn on its rank from megatron's
+      model-parallel RNG; runs load their cold start's weights over it), on the CPU from full master weights there;
+    - experts: megatron's SequentialMLP (study/policy/experts.py computes it in one autograd Function) on both. The
+      local spec's grouped GEMM (megatron's GroupedMLP) needs the separately built `grouped_gemm` CUDA package and
+      names its weights `weight1` / `weight2`, which the HF weight map, the weight sync and the checkpoints do not
+      read; TransformerEngine's grouped experts need TransformerEngine, which the CUDA stack leaves out
+      (study/policy/compat.py)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return {"dispatcher": "alltoall" if cuda else "allgather", "cpu_init": not cuda, "grouped_gemm": False}
+
+
 def transformer_config(
     cfg: ModelConfig,
     *,
@@ -216,6 +231,7 @@ def transformer_config(
             sequence_parallel=parallel.tensor > 1,
             calculate_per_token_loss=True,
         )
+    fast = device_paths()
     extra = dict(cfg.extra)
     aux = float(extra.pop("moe_aux_loss_coeff", 0.0))
     if aux < 0:
@@ -244,7 +260,7 @@ def transformer_config(
         moe_router_pre_softmax=cfg.moe_top_k == 1,
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=fast["dispatcher"],
         moe_grouped_gemm=False,
         moe_router_dtype=None if dtype == "fp32" else "fp32",
         moe_enable_routing_replay=routing_replay,
@@ -253,8 +269,8 @@ def transformer_config(
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
         attention_softmax_in_fp32=True,
-        # Plain-PyTorch paths (no TransformerEngine / Apex / fused CUDA kernels on CPU).
-        use_cpu_initialization=True,
+        # Plain-PyTorch paths (no TransformerEngine / Apex / fused CUDA kernels); on CUDA initialised on the GPU.
+        use_cpu_initialization=fast["cpu_init"],
         perform_initialization=True,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
@@ -527,6 +543,7 @@ __all__ = [
     "LAYERS",
     "build_policy",
     "count_parameters",
+    "device_paths",
     "dist_backend",
     "dist_timeout",
     "init_distributed",

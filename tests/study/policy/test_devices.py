@@ -123,3 +123,17 @@ def test_the_launcher_takes_the_rank_check_backend(tmp_path, capsys):
     assert "valid: local, slurm" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--rank-check", "--rank-check-backend", "mpi", "--launcher", "local", "--results", str(tmp_path)])
+
+
+def test_cuda_takes_megatrons_fast_moe_paths_and_the_cpu_keeps_its_own(monkeypatch):
+    from study.core.model_config import PRESETS
+    from study.policy.model import device_paths, transformer_config
+
+    cpu = transformer_config(PRESETS["tiny"], dtype="bf16")
+    assert (cpu.moe_token_dispatcher_type, cpu.use_cpu_initialization, cpu.moe_grouped_gemm) == ("allgather", True,
+                                                                                                  False)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = transformer_config(PRESETS["tiny"], dtype="bf16")
+    assert (gpu.moe_token_dispatcher_type, gpu.use_cpu_initialization) == ("alltoall", False)
+    assert not gpu.moe_grouped_gemm  # the local spec's GroupedMLP renames the expert weights (device_paths' doc)
+    assert device_paths(cuda=True)["dispatcher"] == "alltoall" and device_paths(cuda=False)["cpu_init"]
