@@ -99,6 +99,28 @@ def server_env(env: Mapping[str, str], *, sleeps: bool) -> dict[str, str]:
     return out
 
 
+def release_for_engine(settings: EngineSettings, device: Any = None) -> dict[str, float]:
+    """Before a colocated engine wakes on this process's GPU (every rank whose GPU hosts a replica calls it): hand the
+    trainer's cached, unused blocks back to the driver (torch.cuda.empty_cache; the trainer's live tensors stay)
+    and check that vLLM's share, gpu_memory x the GPU, is free, as vLLM requires, with a one-line RuntimeError
+    naming both and the fixes otherwise. Returns {"free_gb", "need_gb"}; nothing to do without CUDA.
+
+    The loop's part of the colocated order (study/rl.py): every rank calls this before rank 0's engine wakes, and
+    waits at a barrier after it sleeps again, so that no rank starts its update forward while vLLM holds the GPUs."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    need = settings.gpu_memory * total
+    if free < need:
+        raise RuntimeError(
+            f"colocated vllm engine: rollout_runtime.gpu_memory = {settings.gpu_memory:g} needs {need / 1e9:.1f} GB "
+            f"free on the GPU, {free / 1e9:.1f} GB are free beside the trainer's state; valid: a smaller gpu_memory "
+            "(study.tools.plan prints what fits), more GPUs for the trainer's shards, or placement = 'separate'"
+        )
+    return {"free_gb": free / 1e9, "need_gb": need / 1e9}
+
+
 def check_shared_memory(need: Mapping[str, int], directory: str | None = None) -> None:
     """Raise a one-line RuntimeError when `directory` (a tmpfs) has less space free than the parts of `need` add up
     to: it names each part, the space free and the fixes. Nothing is checked where the directory does not exist (the
@@ -328,6 +350,7 @@ class VLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         dtype, vdtype = TORCH_DTYPES[self.dtype], _VLLM_DTYPES[self.dtype]
         if self._asleep:
+            release_for_engine(self.settings)  # the trainer's cached blocks back first, and room for vLLM checked
             self._all("wake", tags=["weights"])  # fact 8: the weights' memory back (contents to be overwritten)
         self._all("sync_begin")
         seen: set[str] = set()

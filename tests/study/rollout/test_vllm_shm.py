@@ -83,3 +83,19 @@ def test_the_server_process_gets_the_cleaned_environment(monkeypatch) -> None:
     monkeypatch.setattr(vllm_engine.subprocess, "Popen", Popen)
     vllm_engine._Replica({"CUDA_VISIBLE_DEVICES": "0"}, sleeps=True).conn.close()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in seen and seen["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_before_a_colocated_engine_wakes_the_trainers_cache_goes_and_its_share_is_checked(monkeypatch) -> None:
+    """CUDA's answers patched: 80 GB, the trainer's 50 GB resident; empty_cache runs before the free memory is read."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (30e9, 80e9))
+    got = vllm_engine.release_for_engine(EngineSettings.parse({"gpu_memory": 0.3}))
+    assert calls == ["empty_cache", "mem_get_info"] and got == {"free_gb": 30.0, "need_gb": 24.0}
+    with pytest.raises(RuntimeError, match=r"gpu_memory = 0.5 needs 40.0 GB free on the GPU, 30.0 GB are free"):
+        vllm_engine.release_for_engine(EngineSettings.parse({"gpu_memory": 0.5}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_engine.release_for_engine(EngineSettings()) == {}
