@@ -25,6 +25,11 @@ Per GPU, in bytes (`Precision`):
   leaves 5-15% of what it reserved unused), and a reserve for the CUDA context and communication buffers
   (`reserve_gb`, 5 GB).
 
+A run (`check_run_fits`) is planned as the loop runs it: at its own `parallel` layout when it sets one (sequence
+parallelism with TP, the distributed optimizer, activation recompute only where the run sets `recompute`), with its
+engine's layout (`rollout_runtime`, in EngineSettings' vocabulary: `EngineLayout`), and at its micro-batch
+(`micro_batch`; 0 = each rank's whole share of a minibatch in one forward; a run config without the field: 1).
+
 Candidates never offload to the host (the project's trainer does not); `Layout.offload` (optimizer state and main
 parameters in host memory, as verl and slime run this model) exists to compare published layouts.
 
