@@ -5,6 +5,11 @@
 # says what each part measures). Results: one JSON file, $OUT/gpu_check.json ($OUT unset: ./gpu_check.json).
 #
 #     scripts/gpu_check.sh                   # OUT=/some/dir scripts/gpu_check.sh
+#     scripts/gpu_check.sh --install-only    # the environment alone (its own step, before a timed check)
+#
+# The environment is installed first, as a step of its own, with the pinned wheels (nothing is downloaded once the
+# check runs); the time limit (GPU_CHECK_LIMIT_S, 480 s) counts from the end of the install: the preflight part
+# (seconds) first, then each part isolated, one verdict line each and the JSON summary after every part.
 #
 # Python: $GPU_PYTHON if set; else the project's .venv when its torch sees CUDA; else .venv-gpu, created on first use
 # with the CUDA wheels of torch and vLLM (pip, from the package registry only: the GPU machines here reach nothing
@@ -15,8 +20,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT_FILE=${OUT:-$ROOT}/gpu_check.json
 mkdir -p "$(dirname "$OUT_FILE")"
-LIMIT_S=${GPU_CHECK_LIMIT_S:-480}  # the whole script, install included
-START=$(date +%s)
+LIMIT_S=${GPU_CHECK_LIMIT_S:-480}  # the check, from the end of the install
+INSTALL_ONLY=0
+if [[ ${1:-} == --install-only ]]; then INSTALL_ONLY=1; shift; fi
 log() { echo "gpu-check: $*" >&2; }
 
 NOTE=""
@@ -35,7 +41,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             python3 -m venv .venv-gpu || { log "python3 -m venv failed"; exit 2; }
             # vLLM's CUDA wheel pins its own CUDA torch; megatron-core and the harness's other dependencies beside it
             # (the harness itself runs from this checkout through PYTHONPATH).
-            .venv-gpu/bin/pip install -q "vllm>=0.11" "megatron-core==0.16.1" "transformers>=5.16.1,<5.20" \
+            .venv-gpu/bin/pip install -q "vllm==0.32.0" "megatron-core==0.16.1" "transformers>=5.16.1,<5.20" \
                 "tokenizers>=0.22" "reasoning-gym==0.1.25" "pandas>=2.2" "pyarrow>=15" "matplotlib>=3.8" \
                 "scipy>=1.12" "tqdm>=4.66" "submitit>=1.5" "pyyaml>=6" "optuna==5.0.0" jinja2 >&2 \
                 || NOTE="pip install into .venv-gpu failed (see the log); "
@@ -49,8 +55,12 @@ else
     [[ -x $PY ]] || PY=python3
 fi
 
+if (( INSTALL_ONLY )); then
+    "$PY" -c "import torch, megatron.core; print('environment:', torch.__version__, torch.version.cuda)" || exit 2
+    exit 0
+fi
+START=$(date +%s)
 LEFT=$(( LIMIT_S - ($(date +%s) - START) ))
-(( LEFT > 30 )) || { log "no time left after the install (${LIMIT_S} s limit)"; exit 1; }
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} GPU_CHECK_NOTE=$NOTE
 timeout --signal=TERM --kill-after=15 "$LEFT" "$PY" -m study.tools.gpu_check --out "$OUT_FILE" "$@"
 RC=$?

@@ -23,7 +23,8 @@
    environment from SLURM's (MASTER_ADDR: the first node, MASTER_PORT from the job id, RANK, WORLD_SIZE,
    LOCAL_RANK, LOCAL_WORLD_SIZE; every GPU of the node stays visible to each rank). A requeue (point 3) requeues
    the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
-   ranks' agreement check (a gloo all_reduce), to try a cluster's placement without a run.
+   ranks' agreement check (an all_reduce over NCCL where the job sees CUDA, else gloo; `--rank-check-backend`), to
+   try a cluster's placement without a run.
 7. Before a GPU job is asked for, the run must fit: study.tools.plan.check_run_fits with the job's GPUs (nodes x GPUs
    per node) of `--gpu-mem-gb` each; a job of several ranks must match the run's `parallel` layout (its world
    size; without `--nodes`/`--tasks-per-node` the job gets one task per rank of the layout, and the launcher
@@ -104,12 +105,13 @@ def distributed_env() -> dict[str, str]:
 
 
 class RankCheck:
-    """The submitted callable of `--rank-check`: every rank exports the distributed env, joins a gloo group and
-    all-reduces (rank + 1), and all-gathers what each rank was told; returns the rank's view. `hold_s`: seconds the
-    first attempt waits afterwards (a time-out test: the requeued attempt does not wait)."""
+    """The submitted callable of `--rank-check`: every rank exports the distributed env, joins a group of `backend`
+    ("auto": NCCL where the job sees CUDA, as a run's ranks join; or gloo / nccl) and all-reduces (rank + 1), and
+    all-gathers what each rank was told; returns the rank's view, with the backend. `hold_s`: seconds the first
+    attempt waits afterwards (a time-out test: the requeued attempt does not wait)."""
 
-    def __init__(self, hold_s: float = 0.0, attempt: int = 0) -> None:
-        self.hold_s, self.attempt = hold_s, attempt
+    def __init__(self, hold_s: float = 0.0, attempt: int = 0, backend: str = "auto") -> None:
+        self.hold_s, self.attempt, self.backend = hold_s, attempt, backend
 
     def __call__(self) -> dict[str, Any]:
         import socket
@@ -118,11 +120,18 @@ class RankCheck:
         import torch
         import torch.distributed as dist
 
+        from study.policy.model import dist_backend, dist_timeout, local_device_index
+
         _in_job()
         env = distributed_env()
-        dist.init_process_group("gloo", init_method="env://")
+        backend = dist_backend(self.backend)
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", local_device_index())
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", timeout=dist_timeout())
         try:
-            total = torch.tensor([float(dist.get_rank() + 1)])
+            total = torch.tensor([float(dist.get_rank() + 1)], device=device)
             dist.all_reduce(total)
             seen: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(seen, {"env": env, "host": socket.gethostname()})
@@ -131,10 +140,10 @@ class RankCheck:
         if self.hold_s and not self.attempt:
             time.sleep(self.hold_s)
         return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]), "sum": float(total), "env": env,
-                "views": seen, "attempt": self.attempt}  # fmt: skip
+                "views": seen, "attempt": self.attempt, "backend": backend}  # fmt: skip
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        return submitit.helpers.DelayedSubmission(RankCheck(self.hold_s, self.attempt + 1))
+        return submitit.helpers.DelayedSubmission(RankCheck(self.hold_s, self.attempt + 1, self.backend))
 
 
 class Run:
@@ -343,15 +352,19 @@ def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
         plan.check_run_fits(cfg, gpus=res.nodes * res.gpus, gpu_mem_gb=res.gpu_mem_gb, gpus_per_node=res.gpus)
 
 
-def launch_rank_check(results: str | Path, launcher: str, res: Resources, hold_s: float = 0.0) -> list[dict]:
-    """Submit RankCheck with `res`'s nodes and tasks and block; returns every rank's view (rank order)."""
+def launch_rank_check(results: str | Path, launcher: str, res: Resources, hold_s: float = 0.0,
+                      backend: str = "auto") -> list[dict]:  # fmt: skip
+    """Submit RankCheck (of `backend`) with `res`'s nodes and tasks and block; returns every rank's view (rank
+    order)."""
     folder = Path(results) / "rank-check" / "submitit"
     if launcher not in ("local", "slurm"):
         raise ValueError(f"launcher = {launcher!r}: the rank check starts a job's tasks; valid: local, slurm")
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGINT, signal.SIGTERM)}
     job = None
     try:
-        job = executor(launcher, folder, res, job_name="rank-check").submit(RankCheck(hold_s))
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--rank-check-backend = {backend!r}; valid: auto, gloo, nccl")
+        job = executor(launcher, folder, res, job_name="rank-check").submit(RankCheck(hold_s, backend=backend))
         print(f"submitted {launcher} job {job.job_id}; logs: {folder}", file=sys.stderr, flush=True)
         return job.results()
     except Cancelled:
@@ -439,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead of a run: start the ranks and check they agree on the distributed env",
     )
+    parser.add_argument("--rank-check-backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="the rank check's process group: auto (NCCL where the job sees CUDA, as a run's ranks; "
+                             "else gloo), gloo or nccl")  # fmt: skip
     parser.add_argument("--time-min", type=int, default=Resources.time_min, help="time limit per job, minutes")
     parser.add_argument("--mem-gb", type=float, default=Resources.mem_gb, help="memory per run, GB")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs per run (default: the config's `threads`)")
@@ -463,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                             tasks_per_node=args.tasks_per_node, time_min=args.time_min, mem_gb=args.mem_gb,
                             cpus=args.cpus or 1, max_timeouts=args.max_timeouts,
                             signal_delay_s=args.signal_delay_s)  # fmt: skip
-            views = launch_rank_check(args.results, args.launcher, res)
+            views = launch_rank_check(args.results, args.launcher, res, backend=args.rank_check_backend)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -471,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             print(str(err), file=sys.stderr)
             return 1
         for view in views:
-            print(json.dumps({k: view[k] for k in ("rank", "world_size", "sum", "env")}))
+            print(json.dumps({k: view[k] for k in ("rank", "world_size", "sum", "env", "backend")}))
         n = len(views)
         agree = all(v["sum"] == n * (n + 1) / 2 and v["world_size"] == n for v in views)
         print(f"{n} ranks {'agree' if agree else 'DISAGREE'}")

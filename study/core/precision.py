@@ -5,8 +5,11 @@ slightly different log-probs in low precision. Real low-precision compute is wha
 fast (bf16 with AVX-512 BF16) or impractically slow (fp16: no native GEMM kernels, ~0.5 GFLOP/s), depending on the
 ISA. `emulated` computes in fp32 and rounds to the target dtype at the points where a GPU rounds:
 
-1. Parameters are stored rounded (fp32 tensors holding bf16/fp16 values); after every optimizer step the trainer
-   re-rounds them (`PrecisionHandle.round_parameters_`), like pure-bf16 AdamW that writes bf16 parameters.
+1. Parameters are stored rounded (fp32 tensors holding bf16/fp16 values), and training is mixed precision as in the
+   real mode and megatron's: the optimizer steps fp32 master copies and writes each update back rounded
+   (study/policy/optim.py `MasterWeightAdamW`, which reads the mark `apply_precision` leaves on each rounded
+   parameter). `PrecisionHandle.round_parameters_` rounds the stored parameters after a load (and is a no-op after
+   a step, whose write-back is rounded already).
 2. The inputs and outputs of every matmul-family op (F.linear, matmul/@, mm, bmm, baddbmm, addmm, einsum, and
    scaled_dot_product_attention's q/k/v and output) are rounded: tensor cores read low-precision operands, accumulate
    in fp32 and round the output. Rounding an op's inputs catches the elementwise results in between (SwiGLU's
@@ -22,7 +25,7 @@ ISA. `emulated` computes in fp32 and rounds to the target dtype at the points wh
    megatron's linear Function. fp16 (real or emulated) trains with `study.policy.model.DynamicLossScaler`.
 
 Not modelled: the accumulation order of a particular kernel (sums of k > 2 terms in the target dtype are rounded
-once here, not per add), the AdamW moments' dtype (fp32 here), and kernels that keep scores in fp32 differ from
+once here, not per add), and kernels that keep scores in fp32 differ from
 megatron's unfused attention in the real modes too. tests/study/core/test_precision.py and benchmarks/bench_precision.py
 measure how close emulated log-probs are to real CPU low-precision ones.
 
@@ -47,6 +50,9 @@ PRECISION_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16_fp32head")
 """Numeric formats of one engine: parameters and compute in fp32, bf16, fp16, or bf16 with an fp32 LM head."""
 MODES: tuple[str, ...] = ("real", "emulated")
 """real: the engine computes in the dtype; emulated: fp32 compute rounded where a GPU rounds (module docstring)."""
+ROUND_ATTR = "study_round_to"
+"""The attribute of an fp32 parameter whose stored values are rounded to this dtype (emulated mode): the optimizer
+writes its updates back rounded (study/policy/optim.py)."""
 PRECISIONS: tuple[str, ...] = PRECISION_NAMES + tuple(f"{n}-emulated" for n in PRECISION_NAMES)
 """Canonical labels (`Precision.label`): the valid values of RunConfig.train_precision / rollout_precision."""
 
@@ -207,10 +213,12 @@ class PrecisionHandle:
                 p.copy_(round_to(p, self.precision.torch_dtype))
 
     def remove(self) -> None:
-        """Remove every hook (parameters keep their values and dtypes)."""
+        """Remove every hook and rounding mark (parameters keep their values and dtypes)."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for p in self.rounded:
+            p.__dict__.pop(ROUND_ATTR, None)
 
 
 def _model_kind(model: torch.nn.Module) -> str:
@@ -265,6 +273,8 @@ def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] |
     island_params = {id(p) for p in _head(model)[1].parameters()} if precision.fp32_head else set()
     handle.rounded = [p for p in model.parameters() if id(p) not in island_params]
     handle.round_parameters_()
+    for p in handle.rounded:  # the optimizer writes its fp32 master weights back rounded (study/policy/optim.py)
+        setattr(p, ROUND_ATTR, dtype)
     for p in handle.rounded:
         if p.requires_grad:
             handle.handles.append(p.register_hook(lambda g: round_to(g, dtype)))
@@ -349,6 +359,7 @@ __all__ = [
     "MODES",
     "PRECISIONS",
     "PRECISION_NAMES",
+    "ROUND_ATTR",
     "Precision",
     "PrecisionHandle",
     "adam_eps",

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
 
 
 def iter_hf_weights(
-    model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig
+    model_or_state: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight of a Megatron GPTModel (or its state dict), in the model's order (layer by
     layer), without copying: each tensor is a view of the Megatron weight (the QKV split's q/k/v may be
@@ -120,42 +120,50 @@ def iter_hf_weights(
 
     The source of a streamed weight sync (study.rollout.vllm_engine): consumers copy what they need while the
     iteration runs and keep no reference, so no full copy of the model ever exists. A sharded trainer plugs in a
-    generator of the same shape (full HF tensors, one at a time).
+    generator of the same shape (full HF tensors, one at a time), or passes its (megatron name, full tensor) pairs,
+    consumed one at a time.
     """
-    src = _state_of(model_or_state)
-    F = cfg.moe_ffn_hidden_size
-    for name, tensor in src.items():
+    if isinstance(model_or_state, torch.nn.Module | Mapping):
+        pairs: Iterable[tuple[str, torch.Tensor]] = _state_of(model_or_state).items()
+    else:
+        pairs = model_or_state
+    for name, tensor in pairs:
         if _skippable(name):
             continue
-        t = tensor.detach()
-        if name in _GLOBAL_RENAMES:
-            yield _GLOBAL_RENAMES[name], t
-            continue
-        m = _MG_LAYER.fullmatch(name)
-        if m is None:
-            raise KeyError(f"no HF name for Megatron parameter {name!r}")
-        layer, rest = int(m.group(1)), m.group(2)
-        prefix = f"model.layers.{layer}."
-        if rest in _LAYER_RENAMES:
-            yield prefix + _LAYER_RENAMES[rest], t
-        elif rest == "self_attention.linear_qkv.weight":
-            q, k, v = split_qkv(t, cfg)
-            yield prefix + "self_attn.q_proj.weight", q
-            yield prefix + "self_attn.k_proj.weight", k
-            yield prefix + "self_attn.v_proj.weight", v
-        elif (e := _MG_LOCAL_EXPERT.fullmatch(rest) or _MG_GROUPED_EXPERT.fullmatch(rest)) is not None:
-            if e.re is _MG_LOCAL_EXPERT:
-                expert, fc = int(e.group(1)), e.group(2)
-            else:
-                fc, expert = e.group(1), int(e.group(2))
-            ep = f"{prefix}mlp.experts.{expert}."
-            if fc == "1":  # (2F, H) = [gate; up]
-                yield ep + "gate_proj.weight", t[:F]
-                yield ep + "up_proj.weight", t[F:]
-            else:  # (H, F)
-                yield ep + "down_proj.weight", t
-        else:
-            raise KeyError(f"no HF name for Megatron parameter {name!r}")
+        pieces = _hf_pieces(name, tensor.detach(), cfg)
+        del tensor  # a streamed source's full tensor lives on in the pieces only, until the consumer drops them
+        pieces.reverse()
+        while pieces:
+            yield pieces.pop()
+
+
+def _hf_pieces(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The (HF name, view of `t`) pairs of the Megatron weight `name`."""
+    if name in _GLOBAL_RENAMES:
+        return [(_GLOBAL_RENAMES[name], t)]
+    m = _MG_LAYER.fullmatch(name)
+    if m is None:
+        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+    layer, rest = int(m.group(1)), m.group(2)
+    prefix = f"model.layers.{layer}."
+    if rest in _LAYER_RENAMES:
+        return [(prefix + _LAYER_RENAMES[rest], t)]
+    if rest == "self_attention.linear_qkv.weight":
+        q, k, v = split_qkv(t, cfg)
+        return [(prefix + "self_attn.q_proj.weight", q), (prefix + "self_attn.k_proj.weight", k),
+                (prefix + "self_attn.v_proj.weight", v)]  # fmt: skip
+    e = _MG_LOCAL_EXPERT.fullmatch(rest) or _MG_GROUPED_EXPERT.fullmatch(rest)
+    if e is None:
+        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+    if e.re is _MG_LOCAL_EXPERT:
+        expert, fc = int(e.group(1)), e.group(2)
+    else:
+        fc, expert = e.group(1), int(e.group(2))
+    ep = f"{prefix}mlp.experts.{expert}."
+    if fc == "1":  # (2F, H) = [gate; up]
+        F = cfg.moe_ffn_hidden_size
+        return [(ep + "gate_proj.weight", t[:F]), (ep + "up_proj.weight", t[F:])]
+    return [(ep + "down_proj.weight", t)]  # (H, F)
 
 
 def megatron_to_hf(

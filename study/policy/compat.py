@@ -1,8 +1,13 @@
 """CPU compatibility shims for megatron-core 0.16.1, all in one place.
 
-megatron-core is written for CUDA machines. With the local (non-TransformerEngine) layer spec it computes fine on
-CPU except for four places that assume a GPU. `apply()` patches them, only when CUDA is unavailable, and is
-idempotent. On a CUDA machine it does nothing, so the same code runs unchanged there.
+megatron-core is written for CUDA machines with TransformerEngine. The policy runs megatron's local
+(non-TransformerEngine) layer spec on every device: the CUDA stack is torch, megatron-core and vLLM, without
+TransformerEngine or apex (the `cuda` extra installs none of them). Two kinds of patch follow:
+- stand-ins for the CUDA device (points 1-3, 6, 7): `apply()` makes them only where CUDA is unavailable;
+- names and behaviours megatron lacks without TransformerEngine (points 4, 5, 8): on every device, since a CUDA
+  machine without TransformerEngine reads the same undefined names (the router's gating GEMM raises
+  `NameError: te_general_gemm` on the first forward otherwise).
+`apply()` is idempotent and decides the device once per process.
 
 1. `torch.cuda.current_device()` used as a device (about 175 call sites, e.g. the rotary embedding's
    `inv_freq.to(device=torch.cuda.current_device())`, router buffers, token dispatchers): on a CPU-only torch it
@@ -14,9 +19,10 @@ idempotent. On a CUDA machine it does nothing, so the same code runs unchanged t
 3. Causal masks built with a hard-coded `device="cuda"` (`transformer.utils.get_default_causal_mask` and
    `get_sliding_window_causal_mask`, imported by name into `fusions.fused_softmax`, which builds the causal mask
    when no attention mask is passed). Patched in both modules to build the same masks on the CPU.
-4. `NameError: te_general_gemm` in `transformer.moe.moe_utils.RouterGatingLinearFunction`: the name is imported
-   only inside `try: import transformer_engine`, yet read unconditionally by the router's gating GEMM. Defined as
-   None when TransformerEngine is absent, so the router takes its plain `torch.mm` branch.
+4. (every device, where TransformerEngine is absent) `NameError: te_general_gemm` in
+   `transformer.moe.moe_utils.RouterGatingLinearFunction`: the name is imported only inside
+   `try: import transformer_engine`, yet read unconditionally by the router's gating GEMM. Defined as None when
+   TransformerEngine is absent, so the router takes its plain `torch.mm` branch.
 
 6. megatron's optimizer (`get_megatron_optimizer`: Adam, the fp32 / bf16-with-fp32-main-params optimizer and the
    distributed optimizer) assumes CUDA in two ways:
@@ -93,6 +99,7 @@ SHIMS: tuple[tuple[str, str], ...] = (
 )
 
 _APPLIED = False
+_DECIDED = False
 _PARALLEL_APPLIED = False
 # The attributes the shims replaced, as they were (MISSING where megatron leaves the name undefined); tests use them
 # to show each shim is still needed.
@@ -119,23 +126,24 @@ def is_shim(obj: Any) -> bool:
 
 
 def applied() -> bool:
-    """Whether `apply()` has patched megatron in this process (False on CUDA machines)."""
+    """Whether `apply()` has patched megatron's CUDA assumptions for the CPU in this process (False on CUDA)."""
     return _APPLIED
 
 
 def apply() -> bool:
-    """Patch megatron-core for CPU when CUDA is unavailable (and `apply_parallel()` on every device); idempotent.
-    Returns whether the CPU shims are active."""
-    global _APPLIED
+    """Patch megatron-core where TransformerEngine is absent (`apply_parallel()`, every device) and, when CUDA is
+    unavailable, stand in for the CUDA device; idempotent. The device is decided by the first call in a process.
+    Returns whether the CPU stand-ins are active."""
+    global _APPLIED, _DECIDED
     apply_parallel()  # on every device
-    if _APPLIED:
-        return True
+    if _DECIDED:
+        return _APPLIED
+    _DECIDED = True
     if torch.cuda.is_available():
         return False
     _patch_current_device()
     _patch_rng_tracker()
     _patch_causal_masks()
-    _patch_te_general_gemm()
     _patch_optimizer()
     _patch_checkpoint_staging()
     _APPLIED = True
@@ -330,7 +338,7 @@ def _patch_checkpoint_staging() -> None:
 
 # 5. Sequence parallelism in megatron's torch norm (every device) -----------------------------------------------------
 def apply_parallel() -> None:
-    """Let megatron's torch norm run under sequence parallelism (module doc, point 5); idempotent, any device."""
+    """The patches every device needs without TransformerEngine (module doc, points 4, 5, 8); idempotent."""
     global _PARALLEL_APPLIED
     if _PARALLEL_APPLIED:
         return
@@ -353,6 +361,7 @@ def apply_parallel() -> None:
     _replace(
         WrappedTorchNorm, "megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__", staticmethod(__new__)
     )
+    _patch_te_general_gemm()
     _patch_torch_adam_step()
     _PARALLEL_APPLIED = True
 

@@ -30,6 +30,7 @@ Choices that matter for parity and for the study:
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from typing import TYPE_CHECKING
@@ -49,6 +50,63 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------------------------------
 # Process group and megatron parallel state
 # ---------------------------------------------------------------------------------------------------------------------
+DIST_TIMEOUT_ENV = "STUDY_DIST_TIMEOUT_MIN"
+DIST_TIMEOUT_MIN = 120
+"""Minutes a collective may wait for a peer (the process groups' timeout; NCCL's watchdog ends the ranks after it).
+It must cover the longest phase that one rank runs alone while the others wait in a collective: rank 0 starting
+the vLLM engine (loading the bf16 weights), evaluating and rolling out a step's batch. NCCL's default is 10 minutes,
+megatron's groups' 30; `STUDY_DIST_TIMEOUT_MIN` in the environment sets another value for every rank."""
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+def dist_backend(requested: str = "auto") -> str:
+    """The process-group backend: NCCL where CUDA is available, else gloo ("auto"); or the one `requested`
+    (NCCL needs CUDA)."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in BACKENDS:
+        raise ValueError(f"backend = {requested!r}; valid: auto, {', '.join(BACKENDS)}")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend = 'nccl' needs CUDA, and none is available here; valid here: auto, gloo")
+    return requested
+
+
+def local_device_index() -> int:
+    """This rank's GPU among those visible: LOCAL_RANK modulo the visible count. A node whose tasks each see all
+    its GPUs gives local rank r GPU r; a scheduler that gives each task one GPU (CUDA_VISIBLE_DEVICES set per
+    task) leaves one visible, index 0, whatever the local rank."""
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local = int(raw)
+    except ValueError:
+        local = -1
+    if local < 0:
+        raise ValueError(f"LOCAL_RANK = {raw!r}: must be an integer >= 0")
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise ValueError("no CUDA device is visible (CUDA_VISIBLE_DEVICES) to this rank")
+    return local % count
+
+
+def dist_timeout() -> datetime.timedelta:
+    """The process groups' timeout: `STUDY_DIST_TIMEOUT_MIN` minutes, default `DIST_TIMEOUT_MIN`."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return datetime.timedelta(minutes=DIST_TIMEOUT_MIN)
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = math.nan
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(
+            f"{DIST_TIMEOUT_ENV} = {raw!r}: must be a positive number of minutes "
+            f"(default {DIST_TIMEOUT_MIN}, covering rank 0's engine start, evaluation and rollout)"
+        )
+    return datetime.timedelta(minutes=minutes)
+
+
 def init_distributed(
     layout: ParallelLayout | None = None, *, tensor_parallel: int | None = None, expert_parallel: int | None = None
 ) -> ParallelLayout:
@@ -56,7 +114,8 @@ def init_distributed(
 
     Without a launcher (no WORLD_SIZE in the environment) this is one process: a world of size 1 on an in-memory
     store (no port). Under torchrun or submitit's tasks it joins the launcher's group (env://). The backend is NCCL
-    on CUDA, gloo on CPU; the compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
+    on CUDA, gloo on CPU; every group (the world's and megatron's) times out after `dist_timeout()`. The
+    compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
     rank per layout size (`tensor_parallel` / `expert_parallel`, the older keywords, set those two with data the
     rest of the world). The world must be the layout's size; calling again with another layout is an error.
     """
@@ -68,18 +127,20 @@ def init_distributed(
     megatron_compat.apply()
     megatron_compat.apply_parallel()
     cuda = torch.cuda.is_available()
+    timeout = dist_timeout()  # before anything starts: a bad value fails here
     if not torch.distributed.is_initialized():
         if parallel_state.model_parallel_is_initialized():
             # its groups belong to a world that was destroyed (an in-process vLLM engine's shutdown destroys the
             # default group): stale handles, rebuilt below for the new world
             parallel_state.destroy_model_parallel()
-        backend = "nccl" if cuda else "gloo"
+        backend = dist_backend()
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_device_index())
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            torch.distributed.init_process_group(backend, init_method="env://")
+            torch.distributed.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=timeout)  # fmt: skip
     world = torch.distributed.get_world_size()
     if layout is None:
         tp, ep = tensor_parallel or 1, expert_parallel or 1
@@ -101,6 +162,7 @@ def init_distributed(
         tensor_model_parallel_size=layout.tensor,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)),
     )
     return layout
 
@@ -125,6 +187,21 @@ def current_layout() -> ParallelLayout:
 def norm_topk_prob(cfg: ModelConfig) -> bool:
     """Qwen3-MoE's `norm_topk_prob` that computes the same gate as `build_policy(cfg)` (False only for top-1)."""
     return cfg.moe_top_k > 1
+
+
+def device_paths(cuda: bool | None = None) -> dict[str, object]:
+    """The MoE paths megatron takes on this device (`cuda` None: whether CUDA is available), chosen here only:
+    - the token dispatcher: all-to-all on CUDA (tokens go only to the ranks of their experts; it needs CUDA
+      streams), the all-gather dispatcher on the CPU;
+    - initialisation: on the GPU under CUDA (each tensor-parallel shard drawn on its rank from megatron's
+      model-parallel RNG; runs load their cold start's weights over it), on the CPU from full master weights there;
+    - experts: megatron's SequentialMLP (study/policy/experts.py computes it in one autograd Function) on both. The
+      local spec's grouped GEMM (megatron's GroupedMLP) needs the separately built `grouped_gemm` CUDA package and
+      names its weights `weight1` / `weight2`, which the HF weight map, the weight sync and the checkpoints do not
+      read; TransformerEngine's grouped experts need TransformerEngine, which the CUDA stack leaves out
+      (study/policy/compat.py)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return {"dispatcher": "alltoall" if cuda else "allgather", "cpu_init": not cuda, "grouped_gemm": False}
 
 
 def transformer_config(
@@ -154,6 +231,7 @@ def transformer_config(
             sequence_parallel=parallel.tensor > 1,
             calculate_per_token_loss=True,
         )
+    fast = device_paths()
     extra = dict(cfg.extra)
     aux = float(extra.pop("moe_aux_loss_coeff", 0.0))
     if aux < 0:
@@ -182,7 +260,7 @@ def transformer_config(
         moe_router_pre_softmax=cfg.moe_top_k == 1,
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=fast["dispatcher"],
         moe_grouped_gemm=False,
         moe_router_dtype=None if dtype == "fp32" else "fp32",
         moe_enable_routing_replay=routing_replay,
@@ -191,8 +269,8 @@ def transformer_config(
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
         attention_softmax_in_fp32=True,
-        # Plain-PyTorch paths (no TransformerEngine / Apex / fused CUDA kernels on CPU).
-        use_cpu_initialization=True,
+        # Plain-PyTorch paths (no TransformerEngine / Apex / fused CUDA kernels); on CUDA initialised on the GPU.
+        use_cpu_initialization=fast["cpu_init"],
         perform_initialization=True,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
@@ -465,7 +543,11 @@ __all__ = [
     "LAYERS",
     "build_policy",
     "count_parameters",
+    "device_paths",
+    "dist_backend",
+    "dist_timeout",
     "init_distributed",
+    "local_device_index",
     "logits",
     "model_device",
     "norm_topk_prob",

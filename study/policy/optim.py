@@ -3,13 +3,23 @@
 Torch's fused AdamW over every trainable parameter (one kernel over all of them): one process's optimizer; a run at a
 parallel layout steps megatron's (study/policy/parallel.py ShardedTrainer). fp16 training needs loss scaling:
 `DynamicLossScaler` (megatron's DynamicGradScaler needs CUDA).
+
+Low-precision training is megatron's mixed precision: the forward and backward compute in bf16 (or fp16) over
+parameters stored in that dtype, while AdamW steps fp32 master copies of them and writes each update back rounded
+(`MasterWeightAdamW`; megatron's Float16OptimizerWithFloat16Params at a parallel layout). An update far below the
+weight's bf16 spacing (lr 1e-6 on a weight of 0.02, whose spacing is 1.2e-4) accumulates in the master copy instead
+of rounding away. Emulated precision (study/core/precision.py) is the same scheme over fp32 parameters that hold
+rounded values: apply_precision marks them, and the update written back is rounded to the target dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+
+from study.core.precision import ROUND_ATTR
 
 
 def build_optimizer(
@@ -22,7 +32,9 @@ def build_optimizer(
     router_lr_scale: float = 1.0,
 ) -> torch.optim.AdamW:
     """Torch AdamW over every trainable parameter, its fused kernel where torch has one (CPU and CUDA, fp32 / fp16 /
-    bf16). `eps` defaults to 1e-8, or 1e-6 for fp16 parameters (1e-8 is below fp16's smallest subnormal).
+    bf16): over the parameters themselves when they are fp32, over fp32 master copies (`MasterWeightAdamW`, module
+    doc) when any is bf16 / fp16 or stored rounded (emulated precision). `eps` defaults to 1e-8, or 1e-6 for fp16
+    parameters (1e-8 is below fp16's smallest subnormal).
     `router_lr_scale` != 1 puts the MoE routers' weights (`*.mlp.router.weight`) in a parameter group of their own at
     lr x scale: a knob that moves the routing (the study's routing-volatility axis) while the rest trains at `lr`.
 
@@ -44,7 +56,75 @@ def build_optimizer(
         eps = 1e-6 if any(p.dtype == torch.float16 for p in params) else 1e-8
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 for p in params)  # fmt: skip
-    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused or None)
+    kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused or None)
+    if any(p.dtype != torch.float32 or getattr(p, ROUND_ATTR, None) is not None for p in params):
+        return MasterWeightAdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of the model's parameters (module doc): `step` steps the masters with the
+    model's gradients upcast and writes them back in the parameters' dtype (rounded to `ROUND_ATTR`'s dtype where a
+    parameter carries one). Its param_groups, states and state dict are torch AdamW's over the masters, in the model
+    parameters' order, plus "master_params" (the fp32 weights, restored by `load_state_dict`). `zero_grad` clears the
+    model's gradients, which the caller clips and unscales as usual."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], **kwargs: Any) -> None:
+        groups = list(params)
+        if groups and not isinstance(groups[0], Mapping):
+            groups = [{"params": groups}]
+        self.model_params: list[torch.nn.Parameter] = []
+        self.masters: list[torch.Tensor] = []
+        master_groups = []
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                m = p.detach().float().clone()
+                self.model_params.append(p)
+                self.masters.append(m)
+                masters.append(m)
+            master_groups.append({**group, "params": masters})
+        super().__init__(master_groups, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        loss = super().step(closure)
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if m.grad is None:
+                continue
+            dtype = getattr(p, ROUND_ATTR, None)
+            p.copy_(m if dtype is None else m.to(dtype).float())  # the cast rounds to the parameter's dtype
+            m.grad = None
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["master_params"] = [m.clone() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """torch AdamW's states; the masters from "master_params", or (a state dict without them) from the model's
+        current weights (load those first)."""
+        state = dict(state_dict)
+        masters = state.pop("master_params", None)
+        super().load_state_dict(state)
+        with torch.no_grad():
+            if masters is None:
+                masters = [p.detach() for p in self.model_params]
+            if len(masters) != len(self.masters):
+                raise ValueError(f"the state has {len(masters)} master weights, the optimizer {len(self.masters)}")
+            for m, saved in zip(self.masters, masters, strict=True):
+                m.copy_(saved.float())
 
 
 class DynamicLossScaler:

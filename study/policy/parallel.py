@@ -143,26 +143,155 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(full_weights(model))
 
 
-def full_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights in the rollout engine's (HF Qwen3-MoE) names, full tensors: the generator a weight sync
-    and HF export take from a sharded model (collective, like `full_weights`: every rank must iterate it to the
-    end). Each name and shape is checked against the HF model of the policy's shape
-    (study.core.weights.hf_param_shapes), and every HF weight comes exactly once (checked at the end). The full
-    megatron weights are gathered once at the start (one copy of the model; study.core.weights.iter_hf_weights then
-    yields views of them)."""
+def full_hf_weights(model: torch.nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights in the rollout engine's (HF Qwen3-MoE) names, full tensors, on global rank `dst` (the
+    rank that hosts the engine); every other rank yields nothing. Collective: every rank must iterate it to the end.
+    Streamed (`stream_full_weights`): one full megatron weight at a time exists on `dst`, gathered from the shards
+    only through the groups that hold `dst` (the sync's extra memory is the largest full tensor, plus the engine's
+    bucket; a rank outside those groups sends nothing and holds nothing). On `dst` each name and shape is checked
+    against the HF model of the policy's shape (study.core.weights.hf_param_shapes), and every HF weight comes
+    exactly once (checked at the end)."""
     from study.core.weights import hf_param_shapes, iter_hf_weights
 
     cfg = model.study_config
     shapes, seen = hf_param_shapes(cfg), set()
-    for hf_name, tensor in iter_hf_weights(full_state_dict(model), cfg):
+    is_dst = not torch.distributed.is_initialized() or torch.distributed.get_rank() == dst
+    for hf_name, tensor in iter_hf_weights(
+        ((n, t) for n, t in stream_full_weights(model, dst=dst) if t is not None), cfg
+    ):
+        if not is_dst:
+            continue
         want = shapes.get(hf_name)
         if want is None or tuple(tensor.shape) != tuple(want):
             raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, the HF model of this shape has {want}")
         seen.add(hf_name)
         yield hf_name, tensor
+        del tensor  # the full tensor goes before the next is gathered
     missing = set(shapes) - seen
-    if missing:
+    if is_dst and missing:
         raise KeyError(f"the policy's export misses HF weights {sorted(missing)[:4]} ({len(missing)} in all)")
+
+
+def stream_full_weights(model: torch.nn.Module, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(megatron name, full tensor) of every weight in the one-process model's order, experts in global order, on
+    global rank `dst`; elsewhere (name, None) after this rank's part in gathering it. Collective over every rank.
+
+    Each full tensor is gathered straight into one buffer on `dst` (no copy besides: a column-parallel weight's
+    shards are its row blocks; a row-parallel weight's are gathered transposed and yielded as the transpose's view;
+    the gated fc1's [gate_r; up_r] shards go to the gate and up halves), only through the tensor- or
+    expert-tensor-parallel group that holds `dst`. Under expert parallelism each expert goes from its owner to `dst`
+    point to point, one at a time. The tensors yielded are read-only views (weights or gather buffers): consume
+    them before the next."""
+    from megatron.core import parallel_state as ps
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    me = torch.distributed.get_rank()
+    tp, _, etp, _, _ = _sizes()
+    ep = _ep_size()
+    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+    with_dst = {"tp": dst in torch.distributed.get_process_group_ranks(tp_group),
+                "etp": dst in torch.distributed.get_process_group_ranks(etp_group)}  # fmt: skip
+    if ep > 1:  # the ranks whose expert shards make up dst's experts: dst's expert-data replica (module doc)
+        ep_group = ps.get_expert_model_parallel_group()
+        ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
+        replica = _object_from(dst, ps.get_expert_data_parallel_rank())  # dst's expert-data-parallel rank
+        feeds = ps.get_expert_data_parallel_rank() == replica
+        owners = _object_from(dst, ep_ranks)  # dst's expert-parallel group, in expert-parallel rank order
+        etp_root = torch.distributed.get_process_group_ranks(etp_group)[0]
+        per_rank = _experts_per_rank(model)
+    pending: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in model.named_parameters():
+        expert = _is_expert(name)
+        m = _LOCAL_EXPERT.fullmatch(name)
+        if not (expert and m and ep > 1):
+            kind = "etp" if expert else "tp"
+            size = etp if expert else tp
+            sharded = getattr(param, "tensor_model_parallel", False) and size > 1
+            if not sharded:
+                yield name, (param.detach() if me == dst else None)
+            elif with_dst[kind]:
+                yield name, _gather_to(param, name, model, tp_group if kind == "tp" else etp_group, dst)
+            else:
+                yield name, None
+            continue
+        head, local, tail = m.group(1), int(m.group(2)), m.group(3)
+        pending.setdefault(head + tail, []).append((name, param))
+        if local < per_rank - 1:
+            continue
+        mine = pending.pop(head + tail)  # this rank's local experts of the layer's weight, in order
+        for r, owner in enumerate(owners):
+            for e in range(per_rank):
+                g = f"{head}{r * per_rank + e}{tail}"
+                full = None
+                local_name, local_param = mine[e]
+                if feeds and _sizes()[4] == r:  # this rank holds a shard of expert g (or all of it)
+                    sharded = getattr(local_param, "tensor_model_parallel", False) and etp > 1
+                    full = (_gather_to(local_param, local_name, model, etp_group, etp_root) if sharded
+                            else local_param.detach())  # fmt: skip
+                    if me == etp_root and owner != dst:
+                        torch.distributed.send(full.contiguous(), dst=dst)
+                        full = None
+                if me == dst and owner != dst:
+                    full = torch.empty(local_param.shape if not (getattr(local_param, "tensor_model_parallel",
+                                       False) and etp > 1) else _full_shape(local_param, etp), dtype=local_param.dtype,
+                                       device=local_param.device)  # fmt: skip
+                    torch.distributed.recv(full, src=owner)
+                yield g, (full if me == dst else None)
+
+
+def _object_from(src: int, obj: Any) -> Any:
+    """`obj` as global rank `src` has it, on every rank."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _full_shape(param: torch.nn.Parameter, parts: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    shape[param.partition_dim] *= parts
+    return tuple(shape)
+
+
+def _gather_to(
+    param: torch.nn.Parameter, name: str, model: torch.nn.Module, group: Any, dst: int
+) -> torch.Tensor | None:
+    """`param`'s full tensor gathered over `group` into one buffer on global rank `dst` (a member of `group`); None
+    elsewhere (stream_full_weights' doc). Point to point, each shard received straight into its block of the buffer
+    (a collective gather may stage the blocks in a buffer of its own: gloo's does)."""
+    ranks = torch.distributed.get_process_group_ranks(group)
+    parts = len(ranks)
+    t = param.detach()
+    root = dst == torch.distributed.get_rank()
+    dim = param.partition_dim
+    if dim == 0 and _gated(name, model):  # [gate_r; up_r] per rank -> [gate; up]
+        sends = t.chunk(2, 0)
+        full = torch.empty(_full_shape(param, parts), dtype=t.dtype, device=t.device) if root else None
+        blocks = [b for half in full.chunk(2, 0) for b in half.chunk(parts, 0)] if root else []
+    elif dim == 0:
+        sends = (t,)
+        full = torch.empty(_full_shape(param, parts), dtype=t.dtype, device=t.device) if root else None
+        blocks = list(full.chunk(parts, 0)) if root else []
+    elif t.dim() == 2 and dim == 1:  # gathered transposed: the shards are row blocks of the transpose
+        sends = (t.t(),)
+        full_t = torch.empty(t.shape[1] * parts, t.shape[0], dtype=t.dtype, device=t.device) if root else None
+        blocks = list(full_t.chunk(parts, 0)) if root else []
+        full = full_t.t() if root else None
+    else:
+        raise ValueError(f"{name}: partition_dim {dim} of a {t.dim()}-d weight is not streamed")
+    for k, piece in enumerate(sends):  # blocks: piece k of every rank in group order, piece after piece
+        if not root:
+            torch.distributed.send(piece.contiguous(), dst=dst)
+            continue
+        for i, rank in enumerate(ranks):
+            block = blocks[k * parts + i]
+            if rank == dst:
+                block.copy_(piece)
+            else:
+                torch.distributed.recv(block, src=rank)
+    return full
 
 
 def _shard_params(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Parameter]]:
@@ -315,6 +444,14 @@ class ShardedTrainer:
         if config.fp16:
             raise ValueError("train_dtype = 'fp16' with a parallel layout: megatron's loss scaler is not wired here; "
                              "valid: fp32 or bf16")  # fmt: skip
+        from study.core.precision import ROUND_ATTR
+
+        if any(getattr(p, ROUND_ATTR, None) is not None for p in model.parameters()):
+            raise ValueError(
+                "train_precision = an emulated low precision with a parallel layout: megatron's optimizer keeps no "
+                "fp32 master copy of fp32 weights stored rounded, so its updates would round away; valid: fp32, bf16 "
+                "or bf16_fp32head (real, megatron's fp32 main parameters)"
+            )
         eps = 1e-8 if eps is None else eps  # build_optimizer's default (fp16, its 1e-6, is refused above)
         self.model, self.grad_clip = model, grad_clip
         self.hparams = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}

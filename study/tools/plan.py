@@ -16,12 +16,19 @@ Per GPU, in bytes (`Precision`):
 - activations: the tensors one micro-batch keeps for backward, counted per token and layer for this architecture
   (`activation_elems_per_token_layer`), TP-split where megatron splits them (everything with SP), plus the output
   layer's logits; with full recompute only each layer's input is kept, plus one layer's full set during backward;
-- the engine: its share of the weights (engine TP and EP) and the KV cache of its share of the rollout batch; a
-  colocated engine sleeps while the trainer updates (vLLM sleep mode), so the peak is the larger of the two, not
-  their sum (`colocated_sleep=False` adds them);
+- the engine: its share of the weights (engine TP and EP) and its KV cache: what vLLM's share of the GPU
+  (`gpu_memory`) leaves after the weights, or without a share the KV of its part of the rollout batch at full
+  length; a colocated engine sleeps while the trainer updates (vLLM sleep mode), while the trainer never offloads:
+  the peak is the larger of the trainer with its activations and the trainer's weights, gradients and optimizer
+  state beside the awake engine (`colocated_sleep=False`: all of both);
 - allocator fragmentation, a fraction of the peak (`fragmentation`, 10%: PyTorch's caching allocator typically
   leaves 5-15% of what it reserved unused), and a reserve for the CUDA context and communication buffers
   (`reserve_gb`, 5 GB).
+
+A run (`check_run_fits`) is planned as the loop runs it: at its own `parallel` layout when it sets one (sequence
+parallelism with TP, the distributed optimizer, activation recompute only where the run sets `recompute`), with its
+engine's layout (`rollout_runtime`, in EngineSettings' vocabulary: `EngineLayout`), and at its micro-batch
+(`micro_batch`; 0 = each rank's whole share of a minibatch in one forward; a run config without the field: 1).
 
 Candidates never offload to the host (the project's trainer does not); `Layout.offload` (optimizer state and main
 parameters in host memory, as verl and slime run this model) exists to compare published layouts.
@@ -164,13 +171,43 @@ class Workload:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """The rollout engine (vLLM): tensor-parallel size and expert-parallel size per replica; the replicas split the
-    rollout batch."""
+    """The rollout engine (vLLM) in the vocabulary of a run's `rollout_runtime` (study/run/rollout_runtime.py
+    EngineSettings): tensor-parallel size `tp` per replica, experts tensor-sliced (`ep` 1) or split over the
+    replica's TP ranks (`ep` = tp), `dp` replicas on the GPUs of rank 0's node (0: a replica on every GPU group of
+    the world); the replicas split the rollout batch."""
 
     tp: int = 1
     ep: int = 1
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    dp: int = 0
+    gpu_memory: float = 0.0
+    """vLLM's share of each engine GPU (rollout_runtime.gpu_memory): its KV cache is what the weights leave of it
+    (`estimate` with the GPU's memory); 0: the KV cache of every sequence at full length."""
+
+    def __post_init__(self) -> None:
+        if self.ep not in (1, self.tp):
+            raise ValueError(f"engine ep = {self.ep}: valid: 1 or tp = {self.tp} (rollout_runtime.ep)")
+
+    @classmethod
+    def from_settings(cls, settings: Any, dtype: str = "bf16") -> EngineLayout:
+        """The layout of an EngineSettings (a run's rollout_runtime)."""
+        return cls(tp=settings.tp, ep=settings.ep, dp=settings.dp, dtype=dtype, kv_dtype=dtype,
+                   gpu_memory=settings.gpu_memory)  # fmt: skip
+
+    def runtime(self) -> dict[str, Any]:
+        """The rollout_runtime keys that give this layout."""
+        out: dict[str, Any] = {"tp": self.tp, "ep": self.ep, "dp": max(1, self.dp)}
+        return {**out, "gpu_memory": self.gpu_memory} if self.gpu_memory else out
+
+    def check(self, cfg: ModelConfig, gpus_per_node: int) -> str | None:
+        """Why the vllm engine would refuse this layout for `cfg` (None: it starts)."""
+        if cfg.num_query_groups % self.tp or cfg.num_experts % self.ep:
+            return (f"engine tp = {self.tp}, ep = {self.ep} must divide model.num_query_groups = "
+                    f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}")  # fmt: skip
+        if self.tp * max(1, self.dp) > gpus_per_node:
+            return f"engine tp x dp = {self.tp} x {max(1, self.dp)} GPUs, rank 0's node has {gpus_per_node}"
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -219,8 +256,17 @@ class Estimate:
         return self.engine_weights + self.engine_kv
 
     @property
+    def static(self) -> float:
+        """What the trainer keeps on the GPU while the engine rolls out: weights, gradients (megatron's persistent
+        buffer) and optimizer state; an offloading layout (published ones, not the project's trainer) keeps the
+        weights only."""
+        return self.weights + (0.0 if self.layout.offload else self.grads + self.optimizer)
+
+    @property
     def total(self) -> float:
-        peak = max(self.train, self.engine) if self.colocated_sleep else self.train + self.engine
+        """The peak: colocated, the engine (awake while rolling out) beside the trainer's static state, or the
+        trainer with its activations while the engine sleeps; separate, both."""
+        peak = max(self.train, self.static + self.engine) if self.colocated_sleep else self.train + self.engine
         return (peak + self.extra) * (1 + self.fragmentation) + self.reserve
 
     def fits(self, budget_bytes: float) -> bool:
@@ -237,8 +283,10 @@ def estimate(
     colocated_sleep: bool = True,
     reserve_gb: float = 5.0,
     fragmentation: float = 0.1,
+    gpu_mem_gb: float | None = None,
 ) -> Estimate:
-    """Per-GPU memory of `layout` for `cfg` running `work` (module docstring)."""
+    """Per-GPU memory of `layout` for `cfg` running `work` (module docstring); `gpu_mem_gb` with an engine's
+    `gpu_memory`: vLLM's KV cache is what its weights leave of its share."""
     precision = precision or Precision()
     engine = engine or EngineLayout()
     counts = param_counts(cfg)
@@ -256,7 +304,7 @@ def estimate(
     # experts over EP); the replicas split the rollout batch; the KV cache keeps every sequence at full length.
     e_dense, e_expert = counts.per_rank(engine.tp, engine.ep)
     replica_gpus = max(engine.tp, engine.ep)
-    replicas = max(1, layout.world // replica_gpus)
+    replicas = engine.dp or max(1, layout.world // replica_gpus)
     engine_weights = (e_dense + e_expert) * DTYPE_BYTES[engine.dtype]
     kv_heads = max(1, cfg.num_query_groups // engine.tp)  # vLLM replicates KV heads when TP > groups
     seqs = -(-work.sequences // replicas)  # ceil
@@ -264,6 +312,8 @@ def estimate(
     engine_kv = (
         per_gpu_seqs * work.seq_len * cfg.num_layers * 2 * kv_heads * cfg.head_dim * DTYPE_BYTES[engine.kv_dtype]
     )
+    if engine.gpu_memory and gpu_mem_gb:
+        engine_kv = max(0.0, engine.gpu_memory * gpu_mem_gb * GB - engine_weights)
     return Estimate(layout=layout, params=dense + expert, weights=weights, grads=grads, optimizer=optimizer,
                     activations=activations, engine_weights=engine_weights, engine_kv=engine_kv,
                     reserve=reserve_gb * GB, colocated_sleep=colocated_sleep, fragmentation=fragmentation)  # fmt: skip
@@ -307,17 +357,17 @@ def _powers_of_two(n: int) -> list[int]:
     return out
 
 
-def default_engine(cfg: ModelConfig, gpus: int, dtype: str = "bf16") -> EngineLayout:
-    """A colocated MoE engine's usual layout (verl runs this model at vLLM TP 1, DP 4, EP 4): TP 1, and experts
-    over the fewest GPUs (a power of two up to 8 dividing the experts and the GPU count) that bring one GPU's share of
-    the weights to 10 GB or less, leaving the rest to the KV cache."""
-    ep = 1
+def default_engine(cfg: ModelConfig, gpus: int, dtype: str = "bf16", *, gpus_per_node: int = 8) -> EngineLayout:
+    """A colocated MoE engine's layout that the vllm engine runs (EngineLayout's vocabulary): the fewest GPUs per
+    replica, tp = ep a power of two dividing the query groups, the experts and the node, that bring one GPU's share
+    of the weights to 16 GB or less; as many replicas as rank 0's node holds."""
+    node = max(1, min(gpus, gpus_per_node))
     counts = param_counts(cfg)
-    while ep < min(gpus, 8) and cfg.num_experts % (ep * 2) == 0 and gpus % (ep * 2) == 0:
-        if sum(counts.per_rank(1, ep)) * DTYPE_BYTES[dtype] <= 10 * GB:
-            break
-        ep *= 2
-    return EngineLayout(tp=1, ep=ep, dtype=dtype, kv_dtype=dtype)
+    t = 1
+    while (sum(counts.per_rank(t, t)) * DTYPE_BYTES[dtype] > 16 * GB and t * 2 <= node
+           and cfg.num_query_groups % (t * 2) == 0 and cfg.num_experts % (t * 2) == 0):  # fmt: skip
+        t *= 2
+    return EngineLayout(tp=t, ep=t, dtype=dtype, kv_dtype=dtype, dp=node // t, gpu_memory=0.3)
 
 
 def plan(
@@ -338,8 +388,9 @@ def plan(
         raise ValueError(f"gpu_mem = {gpu_mem_gb!r}: must be > 0 (GB per GPU)")
     engine = engine or default_engine(cfg, gpus, dtype)
     precision = Precision.of(dtype)
-    found = [estimate(cfg, layout, work, precision=precision, engine=engine, reserve_gb=reserve_gb)
-             for layout in candidate_layouts(cfg, gpus, gpus_per_node=gpus_per_node)]  # fmt: skip
+    layouts = candidate_layouts(cfg, gpus, gpus_per_node=gpus_per_node)
+    found = [estimate(cfg, layout, work, precision=precision, engine=engine, reserve_gb=reserve_gb,
+                      gpu_mem_gb=gpu_mem_gb) for layout in layouts]  # fmt: skip
     budget = gpu_mem_gb * GB
     return sorted(found, key=lambda e: (not e.fits(budget), e.total))
 
@@ -354,26 +405,91 @@ def run_workload(run: Any, *, prompt_len: int = 1024, micro_batch: int = 1) -> W
                     response_len=run.max_new_tokens, micro_batch=micro_batch)  # fmt: skip
 
 
+def run_layout(run: Any) -> Layout | None:
+    """The planner's Layout of a run's `parallel` section (None: one process, the planner picks): megatron's
+    sequence parallelism with TP, the distributed optimizer (study/policy/parallel.py ShardedTrainer's default), and
+    activation recompute only where the run sets it (the loop offers megatron's selective recompute, which keeps no
+    attention scores; the planner counts flash attention's, none, so only a full recompute changes its count)."""
+    par = run.layout
+    if par.world_size == 1:
+        return None
+    return Layout(tp=par.tensor, ep=par.expert, dp=par.data, sp=par.tensor > 1, dist_opt=True,
+                  recompute=getattr(run, "recompute", "none") == "full")  # fmt: skip
+
+
+def run_engine(run: Any, gpus: int, gpus_per_node: int) -> EngineLayout:
+    """The engine layout of a run: its rollout_runtime's for the vllm engine, else `default_engine`'s."""
+    if run.rollout_engine != "vllm":
+        return default_engine(run.model_config(), gpus, run.rollout_dtype, gpus_per_node=gpus_per_node)
+    from study.run.rollout_runtime import EngineSettings
+
+    return EngineLayout.from_settings(EngineSettings.parse(run.rollout_runtime), run.rollout_dtype)
+
+
 def check_run_fits(
     run: Any, *, gpus: int, gpu_mem_gb: float, gpus_per_node: int = 8, prompt_len: int = 1024
 ) -> Estimate:
-    """The smallest-memory layout on which `run` (a RunConfig) fits on `gpus` GPUs of `gpu_mem_gb`; ValueError
-    naming the run, the cluster and the nearest layout's numbers when none does (raised before any job is asked
-    for: study.launch calls it)."""
+    """The smallest-memory layout on which `run` (a RunConfig) fits on `gpus` GPUs of `gpu_mem_gb`: its own
+    `parallel` layout when it sets one, with its engine layout (`rollout_runtime`). ValueError naming the run, the
+    cluster and the numbers when none does or the engine's layout cannot run (raised before any job is asked for:
+    study.launch calls it). A colocated vllm engine's `gpu_memory` must hold its weights and leave the trainer's
+    static state room (vLLM refuses to start with less than gpu_memory x the GPU free)."""
     cfg = run.model_config()
     dtype = run.train_dtype
-    work = run_workload(run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)))
-    estimates = plan(cfg, gpus, gpu_mem_gb, work, dtype=dtype, gpus_per_node=min(gpus_per_node, gpus))
+    node = min(gpus_per_node, gpus)
+    engine = run_engine(run, gpus, node)
+    why = engine.check(cfg, node) if run.rollout_engine == "vllm" else None
+    if why:
+        raise ValueError(f"run {run.run_id}: rollout_runtime: {why}")
+    micro = getattr(run, "micro_batch", 1)
+    layout = run_layout(run)
+    dp = layout.dp if layout is not None else 1
+    if not micro:  # 0: each rank forwards its whole share of a minibatch at once
+        micro = max(1, run.prompts_per_step * run.group_size // run.minibatches // dp)
+    work = run_workload(run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)),
+                        micro_batch=micro)  # fmt: skip
+    if layout is not None:
+        if layout.world != gpus:
+            raise ValueError(f"run {run.run_id}: parallel = {run.parallel} has {layout.world} ranks, the job "
+                             f"{gpus} GPU(s); valid: one GPU per rank")  # fmt: skip
+        bad = layout.check(cfg)
+        if bad:
+            raise ValueError(f"run {run.run_id}: parallel = {run.parallel}: {bad}")
+        estimates = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=engine, gpu_mem_gb=gpu_mem_gb)]
+    else:
+        estimates = plan(cfg, gpus, gpu_mem_gb, work, dtype=dtype, gpus_per_node=node, engine=engine)
+
     fit = fitting(estimates, gpu_mem_gb)
     if fit:
+        _check_engine_memory(run, fit[0], gpu_mem_gb)
         return fit[0]
     best = min(estimates, key=lambda e: e.total) if estimates else None
     near = f"; the smallest, {best.layout.label()}, needs {best.total / GB:.1f} GB per GPU" if best else ""
     raise ValueError(
         f"run {run.run_id}: model {run.model!r} ({param_counts(cfg).total / 1e9:.2f}B parameters) does not fit on "
-        f"{gpus} GPU(s) of {gpu_mem_gb:g} GB with any layout{near}; valid: more GPUs (nodes x gpus per node) or "
-        f"GPUs with more memory (see `python -m study plan`)"
+        f"{gpus} GPU(s) of {gpu_mem_gb:g} GB with {'its parallel layout' if layout else 'any layout'}{near}; valid: "
+        f"more GPUs (nodes x gpus per node), GPUs with more memory, or a smaller micro-batch (see `python -m study "
+        "plan`)"
     )
+
+
+def _check_engine_memory(run: Any, est: Estimate, gpu_mem_gb: float) -> None:
+    """A colocated vllm engine's gpu_memory against its weights and the trainer's static state (check_run_fits)."""
+    if run.rollout_engine != "vllm":
+        return
+    from study.run.rollout_runtime import EngineSettings
+
+    st = EngineSettings.parse(run.rollout_runtime)
+    budget = st.gpu_memory * gpu_mem_gb * GB
+    if budget < est.engine_weights * 1.1:
+        raise ValueError(f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} gives vLLM "
+                         f"{budget / GB:.1f} GB per GPU, its weights take {est.engine_weights / GB:.1f} GB; valid: a "
+                         "larger gpu_memory or engine tp")  # fmt: skip
+    if st.placement == "colocated" and budget + est.static + est.reserve > gpu_mem_gb * GB:
+        raise ValueError(f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} ({budget / GB:.1f} GB) "
+                         f"beside the trainer's {est.static / GB:.1f} GB that stays on the GPU exceeds "
+                         f"{gpu_mem_gb:g} GB; valid: gpu_memory <= "
+                         f"{(gpu_mem_gb * GB - est.static - est.reserve) / (gpu_mem_gb * GB):.2f}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -498,6 +614,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     if cfg == PRESETS["qwen3-30b-a3b"]:
         print("published layouts of this model (each on its own GPU count, this batch and engine):")
         published = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=default_engine(cfg, gpus),
+                              gpu_mem_gb=args.gpu_mem,
                               reserve_gb=args.reserve_gb) for gpus, layout in PUBLISHED.values()]  # fmt: skip
         table = format_table(published, args.gpu_mem).splitlines()
         print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))

@@ -238,3 +238,51 @@ def test_a_destroyed_world_leaves_no_stale_megatron_groups():
     assert ps.model_parallel_is_initialized()  # megatron does not notice
     init_distributed()
     assert torch.distributed.get_process_group_ranks(ps.get_data_parallel_group()) == [0]
+
+
+CUDA_BRANCH = r"""
+import torch
+
+cuda_available = torch.cuda.is_available
+torch.cuda.is_available = lambda: True  # the device decision sees a GPU
+from megatron.core.transformer.moe import moe_utils
+
+from study.policy import compat
+
+assert compat.apply() is False, "the CUDA branch makes no CPU stand-ins"
+assert not compat.applied()
+# the router's gating GEMM, as every MoE forward on a GPU without TransformerEngine runs it (on CPU tensors)
+x = torch.randn(6, 16, requires_grad=True)
+w = torch.randn(4, 16, requires_grad=True)
+moe_utils.router_gating_linear(x, w, None, torch.float32).sum().backward()
+assert x.grad is not None and w.grad is not None
+
+# the whole policy on CPU tensors: the device stand-ins (and only those) in place of a GPU, the rest as on CUDA
+torch.cuda.is_available = cuda_available
+compat._patch_current_device()
+compat._patch_rng_tracker()
+compat._patch_causal_masks()
+assert compat.apply() is False, "the device is decided once per process"
+from study.core.model_config import preset
+from study.policy.model import build_policy, token_logp
+
+for layers in ("fast", "megatron"):
+    model = build_policy(preset("tiny"), seed=0, layers=layers)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    logp = token_logp(model, ids[:, :-1], ids[:, 1:])  # (2, 8)
+    logp.sum().backward()
+    assert torch.isfinite(logp).all()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+print("cuda-branch-ok")
+"""
+
+
+def test_the_cuda_branch_runs_the_policy_without_transformer_engine():
+    """On CUDA the local spec runs without TransformerEngine: the names megatron leaves undefined then (the router's
+    `te_general_gemm`) are defined on every device, not only by the CPU stand-ins."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CUDA_BRANCH], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cuda-branch-ok" in out.stdout

@@ -59,10 +59,10 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
     cfg = resolve_model("qwen3-30b-a3b")
     work = plan.Workload(prompts=64, group_size=8, prompt_len=1024, response_len=4096)
     for gpus, layout in plan.PUBLISHED.values():
-        est = plan.estimate(cfg, layout, work, engine=plan.default_engine(cfg, gpus))
+        est = plan.estimate(cfg, layout, work, engine=plan.default_engine(cfg, gpus), gpu_mem_gb=80)
         assert est.fits(80 * plan.GB), layout.label()
     verl = dataclasses.replace(plan.PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
-    assert not plan.estimate(cfg, verl, work, engine=plan.default_engine(cfg, 16)).fits(80 * plan.GB)
+    assert not plan.estimate(cfg, verl, work, engine=plan.default_engine(cfg, 16), gpu_mem_gb=80).fits(80 * plan.GB)
     assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     assert "TP4 EP4 DP4 +SP +DistOpt +Recompute" in out and "layouts fit on 16 GPU(s) of 80 GB" in out
@@ -78,3 +78,41 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
+
+
+def test_a_colocated_peak_counts_the_trainers_state_beside_the_engine() -> None:
+    """The trainer never offloads: while the engine rolls out, its weights, gradients and optimizer state stay."""
+    cfg = resolve_model("qwen3-30b-a3b")
+    work = plan.Workload(prompts=64, group_size=8, prompt_len=1024, response_len=8192)
+    layout = plan.Layout(tp=4, ep=16, dp=4, sp=True, dist_opt=True)
+    engine = plan.EngineLayout(tp=4, ep=4, dp=2, gpu_memory=0.3)
+    est = plan.estimate(cfg, layout, work, engine=engine, gpu_mem_gb=80, reserve_gb=0, fragmentation=0)
+    assert est.static == pytest.approx(est.weights + est.grads + est.optimizer)
+    assert est.engine == pytest.approx(0.3 * 80 * plan.GB)  # vLLM's share: its weights and what they leave for KV
+    assert est.total == pytest.approx(max(est.train, est.static + est.engine))
+    assert est.static + est.engine > est.train  # at this micro-batch the rollout is the peak
+    with pytest.raises(ValueError, match=r"engine ep = 2: valid: 1 or tp = 4"):
+        plan.EngineLayout(tp=4, ep=2)
+
+
+def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
+    from study.run.config import RunConfig
+
+    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_dtype="bf16",
+                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, rollout_engine="vllm",
+                    rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
+                    parallel={"tensor": 4, "expert": 16, "data": 4})  # fmt: skip
+    est = plan.check_run_fits(run, gpus=16, gpu_mem_gb=80)
+    assert est.layout == plan.Layout(tp=4, ep=16, dp=4, sp=True, dist_opt=True)
+    with pytest.raises(ValueError, match=r"parallel = .* has 16 ranks, the job 8 GPU"):
+        plan.check_run_fits(run, gpus=8, gpu_mem_gb=80)
+    with pytest.raises(ValueError, match=r"rollout_runtime: engine tp = 8"):
+        plan.check_run_fits(run.replace(rollout_runtime={"tp": 8, "gpu_memory": 0.3}), gpus=16, gpu_mem_gb=80)
+    with pytest.raises(
+        ValueError, match=r"with its parallel layout; the smallest, TP4 EP16 DP4 \+SP \+DistOpt, needs 97"
+    ):
+        plan.check_run_fits(run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.6}), gpus=16,
+                            gpu_mem_gb=80)  # fmt: skip
+    with pytest.raises(ValueError, match=r"its weights take 15.3 GB"):
+        plan.check_run_fits(run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.15}), gpus=16,
+                            gpu_mem_gb=80)  # fmt: skip
