@@ -167,10 +167,11 @@ def train(
             row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
 
             # 1. collect: rollouts, rewards, advantages (rank 0's engine; the batch broadcast to every rank)
-            collected = broadcast(_collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step,
-                                            log.mastered) if engine is not None else None, parts)  # fmt: skip
+            collected = None
             if engine is not None:
-                engine.offload()  # colocated vLLM on CUDA: the GPU to the trainer until the sync
+                collected = _collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step, log.mastered)
+                engine.offload()  # colocated vLLM on CUDA: asleep before the broadcast lets any rank start its forward
+            collected = broadcast(collected, parts)
             log.data_pos = collected.data_pos
             log.mastered.update(collected.mastered)
             log.compute += collected.flops
@@ -536,6 +537,9 @@ def _sync_engine(parts: Parts) -> None:
     if parts.trainer is None:
         parts.engine.load_weights(iter_hf_weights(parts.policy, parts.mcfg))  # streamed: no copy of the model
         return
+    if torch.cuda.is_available():  # colocated order: every rank's cached blocks back to the driver, then rank 0's
+        torch.cuda.empty_cache()  # engine wakes (it checks that its gpu_memory share is free first)
+    torch.distributed.barrier()
     weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
     if parts.engine is not None:
         parts.engine.load_weights(weights)
