@@ -74,7 +74,7 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
     from study.run.config import RunConfig
 
     run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8)  # fmt: skip
+                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
@@ -99,11 +99,13 @@ def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
     from study.run.config import RunConfig
 
     run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, rollout_engine="vllm",
+                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
                     rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
                     parallel={"tensor": 4, "expert": 16, "data": 4})  # fmt: skip
     est = plan.check_run_fits(run, gpus=16, gpu_mem_gb=80)
     assert est.layout == plan.Layout(tp=4, ep=16, dp=4, sp=True, dist_opt=True)
+    with pytest.raises(ValueError, match=r"smaller micro-batch"):  # the loop's default: a rank's whole share at once
+        plan.check_run_fits(run.replace(micro_batch=0), gpus=16, gpu_mem_gb=80)
     with pytest.raises(ValueError, match=r"parallel = .* has 16 ranks, the job 8 GPU"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=80)
     with pytest.raises(ValueError, match=r"rollout_runtime: engine tp = 8"):
