@@ -1,4 +1,4 @@
-"""The ScaleRL compute-scaling fit (arXiv 2510.13786), as PAPER.md specifies it.
+"""The ScaleRL compute-scaling fit (arXiv 2510.13786), as the GSPO study's specification gives it (docs/references.md).
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 

@@ -1,4 +1,5 @@
-"""The report's scorecard: a verdict per claim C1-C6 of PAPER.md, with its evidence and the rule that produced it.
+"""The report's scorecard: a verdict per claim C1-C6 of the GSPO paper (docs/references.md), with its evidence and
+the rule that produced it.
 
 Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale) and comes with the numbers it
 was decided on (point estimate, 95% Student t interval over seeds, n) and the rule as a sentence, so a
@@ -773,7 +774,8 @@ REGIME_CLAIMS = ("C3", "C4", "C5")
 
 
 def scorecard(study: Study, rules: Rules = RULES) -> list[ClaimResult]:
-    """Every claim C1-C6 of PAPER.md evaluated on `study`; `rules` sets the regime thresholds of C3-C5."""
+    """Every claim C1-C6 of the GSPO paper (docs/references.md) evaluated on `study`; `rules` sets the regime
+    thresholds of C3-C5."""
     return [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
 
 

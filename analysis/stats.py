@@ -406,7 +406,7 @@ def start_points(
 ) -> pd.DataFrame:
     """Per configuration: `metric` at step 0 (START_STEP, the starting policy's evaluation, at compute 0), mean and
     t interval over the seeds that have it (`mean_band`, as the curves' bands). Columns as
-    `aggregate_curves`' (x = 0); empty when no run of the metric has a step-0 row (older runs)."""
+    `aggregate_curves`' (x = 0); empty when no run of the metric has a step-0 row."""
     by = list(by) if by is not None else group_columns(long)
     cols = [*by, x, "mean", "low", "high", "n"]
     rows = metric_rows(long, metric)

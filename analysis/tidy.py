@@ -1,6 +1,6 @@
 """Load a study's run directories into one tidy table (and a per-run table), written as parquet.
 
-The run-directory contract (issue 4) is what this module reads, `results/runs/{run_id}/`:
+The run-directory contract is what this module reads, `results/runs/{run_id}/`:
 
 - a resolved config (`config.yaml` / `config.yml` / `config.json`, or `resolved_config.*`): nested keys are flattened
   to dotted names (`model.num_layers`); the algorithm is `algorithm` (or `algorithm.name`), the seed `seed` (or any
@@ -13,7 +13,7 @@ The run-directory contract (issue 4) is what this module reads, `results/runs/{r
 - `metrics.parquet`, one row per step, with at least `step`, `compute_flops`, `wall_s` and any number of numeric
   metric columns (`reward_mean`, `clip_frac`, ...); runs that evaluate (eval_every > 0) start with a row at step 0
   (START_STEP) holding only the starting policy's evaluation (eval metrics, lr; compute_flops = wall_s = 0, every
-  other metric NaN, so it adds rows to the long table for those metrics only); older runs have none;
+  other metric NaN, so it adds rows to the long table for those metrics only); runs without one have none;
 - optionally `routing_layers.parquet` (per-layer routing table: `step`, `layer` and numeric metric columns);
 - optionally `token_samples.parquet` (one row per response token of a subset of rollouts: `step`, `sample`, `pos`,
   `trainer_logp` (the training engine's pi_old recompute), `engine_logp` (the rollout engine's log-prob)); runs
@@ -354,7 +354,7 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
         errors.append(f"{METRICS_FILE}: no '{STEP}' column")
         metrics = None
     tokens = sequences = None
-    if (path / TOKENS_FILE).exists():  # optional: older runs have none
+    if (path / TOKENS_FILE).exists():  # optional
         try:
             seed = zlib.crc32(path.name.encode())  # the same subset on every load
             tokens, sequences = read_token_samples(path / TOKENS_FILE, max_rows=max_token_rows, seed=seed)

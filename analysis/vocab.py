@@ -1,4 +1,4 @@
-"""The metric and axis names analysis reads (issue 4's fixed vocabulary, as analysis uses it), defined once.
+"""The metric and axis names analysis reads (the run directory's fixed vocabulary, as analysis uses it), defined once.
 
 Every metric name read anywhere in analysis/ is a constant of this module: no other module spells one out.
 

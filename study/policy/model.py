@@ -7,7 +7,7 @@ RMSNorm, no biases, untied embeddings, every layer an MoE of SwiGLU experts with
 Choices that matter for parity and for the study:
 1. Router: top-k over the logits, then softmax over the k chosen logits (`moe_router_pre_softmax=False`). That is
    equal to Qwen3-MoE's softmax-then-top-k with `norm_topk_prob=True`, and under Routing Replay it makes the gate a
-   softmax over the current logits of the forced experts, so the router keeps learning (PAPER.md). Exception:
+   softmax over the current logits of the forced experts, so the router keeps learning (the GSPO paper). Exception:
    top-1 needs megatron's pre-softmax path (a softmax over one logit has zero gradient): the gate is then the full
    softmax probability of the chosen expert, i.e. Qwen3-MoE with `norm_topk_prob=False`; see `norm_topk_prob()`.
 2. No load-balancing aux loss by default (`moe_router_load_balancing_type="none"`, coefficient 0): the paper's RL
@@ -115,9 +115,9 @@ def init_distributed(
     Without a launcher (no WORLD_SIZE in the environment) this is one process: a world of size 1 on an in-memory
     store (no port). Under torchrun or submitit's tasks it joins the launcher's group (env://). The backend is NCCL
     on CUDA, gloo on CPU; every group (the world's and megatron's) times out after `dist_timeout()`. The
-    compatibility shims (study/policy/compat.py) are applied first. `layout` None is one
-    rank per layout size (`tensor_parallel` / `expert_parallel`, the older keywords, set those two with data the
-    rest of the world). The world must be the layout's size; calling again with another layout is an error.
+    compatibility shims (study/policy/compat.py) are applied first. `layout` None is one rank per layout size
+    (`tensor_parallel` / `expert_parallel` set those two, with data the rest of the world). The world must be the
+    layout's size; calling again with another layout is an error.
     """
     from megatron.core import parallel_state
 

@@ -528,7 +528,7 @@ PUBLISHED: dict[str, tuple[int, Layout]] = {
     "verl GSPO (2x8)": (16, Layout(tp=4, ep=4, dp=4, sp=True, dist_opt=True, recompute=True, offload=True)),
     "NeMo-RL GRPO (8x8)": (64, Layout(tp=2, ep=8, dp=32, sp=True, dist_opt=True, recompute=False)),
 }
-"""The published layouts for Qwen3-30B-A3B (/work/shared/REFERENCES.md): GPUs and trainer layout (verl offloads
+"""The published layouts for Qwen3-30B-A3B (docs/references.md): GPUs and trainer layout (verl offloads
 parameters and optimizer; counted here as the optimizer state off the GPU)."""
 
 

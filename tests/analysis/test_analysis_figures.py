@@ -110,8 +110,8 @@ def _layout_problems(fig):
 
 @pytest.fixture(scope="module")
 def small_study(tmp_path_factory):
-    # issue 22's default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
-    # noisy rewards: the eval panels' ticks overlapped ("3x10^-4 4x10^-4 6x10^-4") and legends covered data
+    # a laptop default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
+    # noisy rewards: the eval panels' ticks must not overlap ("3x10^-4 4x10^-4 6x10^-4") nor legends cover data
     from analysis import synthetic, tidy
 
     C = synthetic.Curve
@@ -175,7 +175,7 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert _layout_problems(made.fig) == []
     assert made.fig.axes[1].xaxis.get_major_locator()()[0] == 0.0  # "0" is the first tick
 
-    # older runs (no step-0 row): a plain log axis from the first evaluation, and the caption says why
+    # runs without a step-0 row: a plain log axis from the first evaluation, and the caption says why
     from analysis import synthetic, tidy
 
     synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=30, start_eval=False)

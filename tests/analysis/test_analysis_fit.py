@@ -73,7 +73,7 @@ def test_fit_study_on_tidy_data(study):
 
 
 def test_flat_data_are_not_identified():
-    # issue 22: on flat data GSPO's fit rose to A = 1 with B at its bound of 20 and A's interval [0.078, 1.000]
+    # on flat data an unguarded fit rises to A = 1 with B at its bound of 20 and A's interval [0.078, 1.000]
     rng = np.random.default_rng(11)
     flat = 0.1 + 0.035 * rng.standard_normal((3, GRID.size))
     f = fit.fit_curves(GRID, flat, n_boot=100)

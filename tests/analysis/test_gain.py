@@ -19,7 +19,9 @@ def test_heldout_gain_is_the_last_evaluation_minus_the_step0_one(tmp_path):
 
     new, old = _with_and_without_start(tmp_path)
     per_run = gain.per_run(new.long).set_index("run_id")
-    assert len(per_run) == len(new.runs) and gain.per_run(old.long).empty  # older runs: no gain, no row
+    assert (
+        len(per_run) == len(new.runs) and gain.per_run(old.long).empty
+    )  # runs without a step-0 evaluation: no gain, no row
     for rid, row in per_run.iterrows():
         m = pq.read_table(tmp_path / "True" / "runs" / rid / "metrics.parquet").to_pandas()
         ev = m.dropna(subset=["eval_in_dist"])

@@ -194,8 +194,8 @@ def test_blocks_write_themselves_in_both_formats(tmp_path) -> None:
 
 
 def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
-    # issue 22: the first screen was the study table, provenance, packages, the configuration and the runs, values
-    # as JSON; the reader came for the verdicts and Figures 1-3
+    # the reader comes for the verdicts and Figures 1-3, not the study table, provenance, packages, the configuration
+    # and the runs
     _, rep = built
     page, md = rep.html.read_text(), rep.markdown.read_text()
     order = ["id='headline'", "<figure id='figure1_reward'", "<figure id='figure3_routing_replay'", "id='scorecard'",

@@ -1,4 +1,4 @@
-"""RL learns (issue 22): on the tiny preset and an easy verifiable task, GRPO and GSPO raise held-out pass@1 by a
+"""RL learns: on the tiny preset and an easy verifiable task, GRPO and GSPO raise held-out pass@1 by a
 stated margin within a stated number of steps. A change that stops the loop from learning fails here, in the slow
 tier that CI runs, in the spirit of the recipe tests of RL frameworks (a run with metric thresholds).
 

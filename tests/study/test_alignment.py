@@ -1,4 +1,4 @@
-"""Rewards, advantages, response masks and minibatch indices line up through the RL loop's own code path (issue 22).
+"""Rewards, advantages, response masks and minibatch indices line up through the RL loop's own code path.
 
 Two levels:
 1. End to end through `rl.run` (tiny preset, scratch weights, one step, 4 minibatches): each sample gets a unique

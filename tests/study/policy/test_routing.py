@@ -1,4 +1,4 @@
-"""Routing record/replay on the Megatron policy, the routing-volatility metrics (PAPER.md), and expert load: load
+"""Routing record/replay on the Megatron policy, the routing-volatility metrics (the GSPO paper), and expert load: load
 imbalance and router entropy."""
 
 import math
@@ -63,7 +63,8 @@ def test_record_then_replay_after_perturbing_the_router(model):
 
 
 def test_gate_is_softmax_over_current_logits_of_forced_experts(model):
-    """PAPER.md: under replay the gate weights are a softmax over the current router logits of the forced experts."""
+    """The GSPO paper: under replay the gate weights are a softmax over the current router logits of the forced
+    experts."""
     ctl = RoutingController(model)
     ids = _batch(2, 9)
     seen = []

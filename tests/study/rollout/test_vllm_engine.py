@@ -199,7 +199,7 @@ def test_bf16_engine_shows_a_measurable_mismatch(vllm_engine, megatron, prompts)
         bf16.close()
     ps = [prompts[i] for i in r.prompt_index]
     d = torch.cat(megatron_logp(megatron, ps, r.tokens)) - torch.cat(r.logprobs)  # delta = logp_train - logp_rollout
-    mean_abs, k3 = d.abs().mean().item(), (d.exp() - 1 - d).mean().item()  # PAPER.md mismatch metrics
+    mean_abs, k3 = d.abs().mean().item(), (d.exp() - 1 - d).mean().item()  # the paper's mismatch metrics
     assert 1e-3 < mean_abs < 0.2, mean_abs
     assert 0 < k3 < 0.05, k3
 
