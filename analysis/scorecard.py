@@ -1,7 +1,10 @@
 """The report's scorecard: a verdict per claim C1-C6 of the GSPO paper (docs/references.md), with its evidence and
 the rule that produced it.
 
-Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale) and comes with the numbers it
+Every verdict is one of "supported", "contradicted", "inconclusive" (at this scale) or "not tested in regime" (the
+claim's precondition, a measured quantity of the runs it compares, was not reached: C3 and C4 need the routing
+volatility of the off-policy minibatches at or above `Rules.min_volatility`, C5 the engine/trainer mismatch at or
+above `Rules.min_mismatch`; the verdict then names the measured value and the threshold) and comes with the numbers it
 was decided on (point estimate, 95% Student t interval over seeds, n) and the rule as a sentence, so a
 reader can disagree with the rule rather than with a hidden threshold. The verdict is read off the interval by the
 claim's `Decision`s (DECISIONS, analysis.verdicts) and the rule quotes their own sentences, so prose and code
