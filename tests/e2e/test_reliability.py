@@ -1,4 +1,4 @@
-"""Bad and hostile input (issue 25, "Failures found"): each failure a new user met, and what happens now.
+"""Bad and hostile input: each failure a new user met, and what happens now.
 
 Config errors are checked on the config alone; the run-state cases share one tiny run (one RL step from random
 weights) whose directory each test copies and damages."""
