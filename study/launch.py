@@ -245,6 +245,7 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
                              signal_delay_s=res.signal_delay_s)  # fmt: skip
         return ex
     if launcher == "slurm":
+        check_slurm_commands()  # not submitit's traceback
         ex = submitit.SlurmExecutor(folder, max_num_timeout=res.max_timeouts)
         params: dict[str, Any] = {
             "job_name": job_name,
@@ -293,19 +294,65 @@ def cluster_shortfall(res: Resources, nodes: list[str], rule: str) -> str | None
     return None
 
 
+NO_SLURM_FIX = ("valid: run where SLURM's client commands reach a controller (a cluster's login node; "
+               "scripts/slurm/start.sh starts a one-machine cluster), or --launcher local / in-process on this "
+               "machine")  # fmt: skip
+
+
 def check_cluster(res: Resources, rule: str) -> None:
-    """Before submitting a SLURM job: ValueError when no node of the cluster could run it (`cluster_shortfall`), not
-    a job that sbatch refuses with a bare gres error or that pends for ever. Skipped when sinfo does not answer."""
-    if shutil.which("sinfo") is None:
-        return
-    cmd = ["sinfo", "-h", "-N", "-o", "%G|%m|%c", *(["-p", res.partition] if res.partition else [])]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return
-    why = cluster_shortfall(res, out.stdout.splitlines(), rule) if out.returncode == 0 else None
+    """Before submitting a SLURM job (and before anything is written): SLURM answers here (`slurm_nodes`), and some
+    node of the cluster could run the job, else ValueError (`cluster_shortfall`), not a job that sbatch refuses with
+    a bare gres error or that pends for ever."""
+    why = cluster_shortfall(res, slurm_nodes(res.partition), rule)
     if why:
         raise ValueError(f"SLURM: {why}")
+
+
+def slurm_nodes(partition: str = "") -> list[str]:
+    """The cluster's nodes as `sinfo -h -N -o '%G|%m|%c'` lines; ValueError naming the launcher and the fix when
+    there is no SLURM here (its client commands not on PATH) or its controller does not answer."""
+    check_slurm_commands()
+    cmd = ["sinfo", "-h", "-N", "-o", "%G|%m|%c", *(["-p", partition] if partition else [])]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"--launcher slurm: the SLURM controller did not answer `sinfo` within 30 s; "
+                         f"{NO_SLURM_FIX}") from None  # fmt: skip
+    except OSError as err:
+        raise ValueError(f"--launcher slurm: `sinfo` could not run ({err}); {NO_SLURM_FIX}") from None
+    if out.returncode != 0:
+        said = next((ln.strip() for ln in out.stderr.splitlines() if ln.strip()), f"exit status {out.returncode}")
+        raise ValueError(f"--launcher slurm: the SLURM controller does not answer (`sinfo`: {said[:300]}); "
+                         f"{NO_SLURM_FIX}")  # fmt: skip
+    return out.stdout.splitlines()
+
+
+def check_slurm_commands() -> None:
+    """ValueError naming the launcher and the fix when SLURM's client commands are not on PATH."""
+    missing = [cmd for cmd in ("sbatch", "srun", "sinfo") if shutil.which(cmd) is None]
+    if missing:
+        raise ValueError(f"--launcher slurm: no SLURM on this machine ({', '.join(missing)} not on PATH); "
+                         f"{NO_SLURM_FIX}")  # fmt: skip
+
+
+def json_mapping(option: str, text: str) -> dict[str, Any]:
+    """A JSON mapping given as a command-line option; ValueError naming the option and where the text stops being
+    JSON."""
+    from study.run.rundir import json_problem
+
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{option} = {clip_value(text)}: {json_problem(err)}; valid: a JSON mapping, e.g. "
+                         "'{\"tp\": 2}'") from None  # fmt: skip
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} = {clip_value(text)}: a JSON {type(value).__name__}; valid: a JSON mapping")
+    return value
+
+
+def clip_value(text: str, limit: int = 200) -> str:
+    """`text` quoted, or its start and length when it is longer than `limit`."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def launch(
@@ -479,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                             tasks_per_node=args.tasks_per_node, time_min=args.time_min, mem_gb=args.mem_gb,
                             cpus=args.cpus or 1, max_timeouts=args.max_timeouts,
                             signal_delay_s=args.signal_delay_s)  # fmt: skip
+            if args.launcher == "slurm":
+                slurm_nodes(res.partition)
             views = launch_rank_check(args.results, args.launcher, res, backend=args.rank_check_backend)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -505,9 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is not None and args.rollout_runtime.strip():  # a profile's: checked always, applied to vllm runs
             from study.run.rollout_runtime import EngineSettings
 
-            runtime = json.loads(args.rollout_runtime)
-            if not isinstance(runtime, dict):
-                raise ValueError(f"--rollout-runtime = {args.rollout_runtime!r}: must be a JSON mapping")
+            runtime = json_mapping("--rollout-runtime", args.rollout_runtime)
             EngineSettings.parse(runtime, field="--rollout-runtime")
             if cfg.rollout_engine == "vllm":
                 cfg = cfg.replace(rollout_runtime={**cfg.rollout_runtime, **runtime})  # validated; same run id
@@ -524,14 +571,12 @@ def main(argv: list[str] | None = None) -> int:
             from study.coldstart import resolve_settings
             from study.coldstart.store import parse_model
 
-            extra = json.loads(args.coldstart_settings)
-            if not isinstance(extra, dict):
-                raise ValueError(f"--coldstart-settings = {args.coldstart_settings!r}; valid: a JSON mapping")
+            extra = json_mapping("--coldstart-settings", args.coldstart_settings)
             coldstart = (parse_model(args.coldstart[0]), args.coldstart[1])
             resolve_settings(*coldstart, threads=res.cpus, **extra)  # settings errors: before any job
         if args.launcher == "slurm":
             check_cluster(res, rule="coldstart" if args.coldstart else "run")
-    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError, json.JSONDecodeError) as err:  # no job yet
+    except (ValueError, FileNotFoundError, argparse.ArgumentTypeError) as err:  # no job yet
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import algorithms
 from study.core import precision as precision_mod
 from study.core.model_config import ParallelLayout
+from study.data.tokenizer import TaskTokenizer
 from study.run import machine, rundir
 from study.run.config import RunConfig
 
@@ -37,25 +38,90 @@ def finished(run_dir: Path) -> bool:
 # -- before anything is written ---------------------------------------------------------------------------------------
 def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     """What a config cannot say about itself, checked on the machine that runs it before anything is written
-    (ValueError naming the field): the parallel layout (`check_layout`), the thread count against this machine's
-    CPUs, and a named cold start's files (a sweep may name one that a job before it makes, so RunConfig.validate
-    leaves them to here)."""
+    (ValueError naming the field or the file): the parallel layout (`check_layout`), the thread count against this
+    machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
+    it makes, so RunConfig.validate leaves them to here), the user data's prompts against the model's length, and a
+    resumed run's manifest.json."""
     check_layout(cfg, results)
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
         raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
     machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
     if cfg.coldstart not in ("auto", "scratch"):
-        from study.coldstart import hf_import
+        check_coldstart_dir(cfg)
+    if cfg.task == "user":
+        check_prompt_lengths(cfg)
+    if (run_dir / "manifest.json").exists():  # a resume: the record of the layout the run last ran under
+        try:
+            recorded_layout(run_dir)
+        except rundir.RunStateError as err:
+            raise rundir.RunStateError(f"{err}; restore it, or {rundir.RESTART}") from None
 
-        directory = Path(cfg.coldstart)
-        if not directory.is_dir():
-            raise ValueError(f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
-                             "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
-        if not (directory / "policy.pt").is_file() and not hf_import.is_hf_checkpoint(directory):
-            raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
-                             "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
-                             "*.safetensors)")  # fmt: skip
+
+def check_coldstart_dir(cfg: RunConfig) -> None:
+    """A named cold start (`coldstart: DIR`): a cold-start directory (policy.pt, a state dict of tensors, checked
+    without running anything it holds) or an HF checkpoint, with the tokenizer the run encodes with (tokenizer.json)."""
+    from study.coldstart import hf_import, read_policy_file
+
+    directory = Path(cfg.coldstart)
+    if not directory.is_dir():
+        raise ValueError(f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
+                         "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+    policy = directory / "policy.pt"
+    if not policy.is_file() and not hf_import.is_hf_checkpoint(directory):
+        raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
+                         "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
+                         "*.safetensors)")  # fmt: skip
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"coldstart = {cfg.coldstart!r}: {directory / 'tokenizer.json'} is missing; the run encodes "
+                         "with the cold start's tokenizer (tokenizer.json, with tokenizer_config.json and "
+                         "special_tokens_map.json, as `python -m study coldstart` and `python -m study export` "
+                         "write them)")  # fmt: skip
+    if policy.is_file():
+        try:
+            read_policy_file(policy, mmap=True)  # the pickle read and checked; the weights mapped, not read
+        except ValueError as err:
+            raise ValueError(f"coldstart = {cfg.coldstart!r}: {err}") from None
+
+
+def check_prompt_lengths(cfg: RunConfig) -> None:
+    """task = "user": every prompt the run uses (the rows of `data`, the first eval_size of `eval_data`) leaves
+    room for max_new_tokens within model.max_seq_len, in the tokens of the run's tokenizer (`user_tokenizer`);
+    ValueError naming the file and the row. `scratch`'s tokenizer (byte-level, no chat template) spends at most a
+    token a byte plus <bos>, so it is trained here only when a prompt is longer than that bound."""
+    from study.data import tasks
+
+    limit = cfg.model_config().max_seq_len - cfg.max_new_tokens
+    scratch = cfg.coldstart == "scratch"
+    tok = None if scratch else user_tokenizer(cfg)
+    for name in ("data", "eval_data"):
+        rows = cfg.user_rows(name)
+        for i, item in enumerate(rows if name == "data" else rows[: cfg.eval_size]):
+            if scratch and len(item.prompt.encode()) + 1 <= limit:
+                continue
+            if tok is None:
+                tok = user_tokenizer(cfg)
+            n = len(tok.encode_prompt(item.prompt))
+            if n > limit:
+                path = getattr(cfg, name)
+                where = tasks._read_rows(Path(path))[i][0]  # the row's label as the loader's errors give it
+                raise ValueError(
+                    f"{name} = {path!r}: {where}: the prompt is {n} tokens, and with max_new_tokens = "
+                    f"{cfg.max_new_tokens} a sequence needs {n + cfg.max_new_tokens} > model.max_seq_len = "
+                    f"{cfg.model_config().max_seq_len}; valid: prompts of at most {limit} tokens (shorten or drop the "
+                    "row), a smaller max_new_tokens or a larger model.max_seq_len"
+                )
+
+
+def user_tokenizer(cfg: RunConfig) -> TaskTokenizer:
+    """The tokenizer a task = "user" run encodes with: its named cold start's, or for `scratch` the one trained on
+    its training rows (prompt + solution), as the run builds it."""
+    from study.data.tokenizer import train_tokenizer
+
+    if cfg.coldstart == "scratch":
+        train, _ = cfg.user_split()
+        return train_tokenizer([it.prompt + it.solution for it in train], vocab_size=cfg.model_config().vocab_size)
+    return TaskTokenizer.load(cfg.coldstart)
 
 
 def check_layout(cfg: RunConfig, results: Path) -> None:

@@ -42,11 +42,10 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, Any]:
     the cold-start seed)."""
     mcfg = cfg.model_config()
     if cfg.coldstart == "scratch":
-        from study.data.tokenizer import build_tokenizer, train_tokenizer
+        from study.data.tokenizer import build_tokenizer
 
         if cfg.task == "user":  # user data hook: a tokenizer of the user's training text
-            train, _ = cfg.user_split()
-            return train_tokenizer([it.prompt + it.solution for it in train], vocab_size=mcfg.vocab_size), None
+            return lifecycle.user_tokenizer(cfg), None
         return build_tokenizer(mcfg.vocab_size, [cfg.task], n_per_task=400), None
     if cfg.coldstart == "auto":
         from study.coldstart import ensure_coldstart
@@ -65,7 +64,9 @@ def initial_policy(cfg: RunConfig, results: Path) -> tuple[TaskTokenizer, Any]:
             f"coldstart = {directory}: no policy.pt (run `python -m study coldstart`) and no HF checkpoint "
             "(config.json + *.safetensors)"
         )
-    return TaskTokenizer.load(directory), torch.load(directory / "policy.pt", weights_only=True)
+    from study.coldstart import read_policy_file  # tensors and plain values only: a hostile pickle is refused
+
+    return TaskTokenizer.load(directory), read_policy_file(directory / "policy.pt")
 
 
 def load_initial(model: torch.nn.Module, init_state: Any, parallel: bool = False) -> None:

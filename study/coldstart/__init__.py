@@ -1,7 +1,15 @@
 """A run's first weights: the SFT cold start (sft.py), its store and lock (store.py), a local HF checkpoint
 (hf_import.py)."""
 
-from study.coldstart.sft import PRESET_DEFAULTS, STATUSES, Check, ColdStartSettings, resolve_settings, train_coldstart
+from study.coldstart.sft import (
+    PRESET_DEFAULTS,
+    STATUSES,
+    Check,
+    ColdStartSettings,
+    read_policy_file,
+    resolve_settings,
+    train_coldstart,
+)
 from study.coldstart.store import ColdStartError, coldstart_main, ensure_coldstart, is_complete, read_record
 
 __all__ = [
@@ -13,6 +21,7 @@ __all__ = [
     "coldstart_main",
     "ensure_coldstart",
     "is_complete",
+    "read_policy_file",
     "read_record",
     "resolve_settings",
     "train_coldstart",

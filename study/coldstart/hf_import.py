@@ -26,6 +26,7 @@ import torch
 from study.core.model_config import ModelConfig
 from study.core.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
 from study.data.tokenizer import TaskTokenizer
+from study.run.rundir import json_problem
 
 __all__ = ["HFCheckpoint", "check_checkpoint", "is_hf_checkpoint", "load_checkpoint"]
 
@@ -36,7 +37,10 @@ def shard_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"coldstart = {str(directory)!r}: {index}: {json_problem(err)}") from None
         files = list(dict.fromkeys(weight_map.values()))
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:

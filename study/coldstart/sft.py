@@ -20,7 +20,8 @@ temperature 1 from the hf rollout engine) is inside a configured band (default 0
 
 Directory contents:
 
-    policy.pt             Megatron GPTModel state dict (torch.save; torch.load(weights_only=True);
+    policy.pt             Megatron GPTModel state dict (torch.save; read with `read_policy_file`, which refuses a
+                          file holding anything but tensors and plain values without running it;
                           policy.load_state_dict(state, strict=False))
     tokenizer.json, tokenizer_config.json, special_tokens_map.json     TaskTokenizer.load(directory)
     config.json, model.safetensors    HF Qwen3-MoE export: AutoModelForCausalLM / AutoTokenizer.from_pretrained
@@ -215,6 +216,33 @@ def _init_policy_path(init: str | Path) -> Path:
     return path
 
 
+def read_policy_file(path: str | Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """A cold start's policy.pt (or an init .pt): torch.load(weights_only=True), tensors and plain values only, so a
+    file that holds anything else (a hostile pickle) is refused without running it. ValueError naming the file on
+    any failure. `mmap`: map the tensors' storage instead of reading it (the pickle is still read and checked whole;
+    a check that costs the pickle, not the weights)."""
+    path = Path(path)
+    try:
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+        except RuntimeError as err:  # torch.save's legacy (non-zip) format cannot be mapped: read it
+            if not mmap or "_use_new_zipfile_serialization" not in str(err):
+                raise
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:
+        if "Weights only load failed" in str(err):
+            why = ("refused, not loaded: it holds objects other than tensors and plain values (a tampered or foreign "
+                   "file); valid: a state dict of tensors, as `python -m study coldstart` writes")  # fmt: skip
+        else:
+            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+            why = f"not a readable state dict, cut short or another format ({type(err).__name__}: {first[:300]})"
+        raise ValueError(f"{path}: {why}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a state dict (a mapping of parameter names to tensors), a "
+                         f"{type(state).__name__}")  # fmt: skip
+    return state
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -389,7 +417,7 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
 
         model = build_policy(cfg, seed=settings.seed, dtype="fp32")
         if init_path is not None:
-            load_policy(model, torch.load(init_path, weights_only=True), where=str(init_path))
+            load_policy(model, read_policy_file(init_path), where=str(init_path))
         model.train()
         optimizer = build_optimizer(model, lr=settings.lr, weight_decay=settings.weight_decay)
         warmup = max(settings.warmup_steps, 1)

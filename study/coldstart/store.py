@@ -23,9 +23,10 @@ from typing import Any
 
 import yaml
 
-from study.coldstart.sft import ColdStartSettings, resolve_settings, train_coldstart
+from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
 from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
+from study.run.rundir import json_problem
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -45,7 +46,11 @@ def read_record(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "coldstart.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: {json_problem(err)}; restore it, or delete {directory} to make the cold start "
+                         "again") from None  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -214,6 +219,7 @@ __all__ = [
     "ensure_coldstart",
     "is_complete",
     "parse_model",
+    "read_policy_file",
     "read_record",
     "with_sets",
 ]

@@ -311,19 +311,22 @@ class RunConfig:
         field."""
         from study.data import tasks
 
-        loaded = {}
-        for name in ("data", "eval_data"):
-            path = getattr(self, name)
-            if not path:
-                continue
-            try:
-                loaded[name] = _load_user_data(path, self.verifier, _file_digest(path))
-            except (OSError, ValueError) as e:
-                raise ValueError(f"{name} = {path!r}: {e}") from None
+        loaded = {name: self.user_rows(name) for name in ("data", "eval_data") if getattr(self, name)}
         try:
             return tasks.split_user_data(loaded["data"], eval_size=self.eval_size, eval_items=loaded.get("eval_data"))
         except ValueError as e:
             raise ValueError(f"data = {self.data!r}: {e}") from None
+
+    def user_rows(self, name: str = "data") -> tuple[Any, ...]:
+        """The items of task = "user"'s file `name` ("data" or "eval_data"), one per row in the file's order
+        (study.data.tasks.load_user_data, cached by content); () when the field is empty. Errors name the field."""
+        path = getattr(self, name)
+        if not path:
+            return ()
+        try:
+            return _load_user_data(path, self.verifier, _file_digest(path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{name} = {path!r}: {e}") from None
 
     def _validate_coldstart(self) -> None:
         """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model's shape; other

@@ -147,7 +147,20 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """A JSON file of the run directory; RunStateError naming the file and where its text stops being JSON."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+        raise RunStateError(f"{path}: {json_problem(err)}") from None
+
+
+def json_problem(err: ValueError) -> str:
+    """Where and why a text is not JSON: `not valid JSON at line 2, column 12 (Expecting value)`."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {err.start}: {err.reason})"
+    return f"not valid JSON ({err})"
 
 
 def write_yaml(path: Path, data: Any) -> None:
@@ -171,7 +184,9 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         status = read_json(path)
-    except (OSError, ValueError) as err:
+    except RunStateError as err:
+        raise RunStateError(f"{err}; {RESTART}") from None
+    except OSError as err:
         raise RunStateError(f"{path}: unreadable ({err}); {RESTART}") from None
     if not isinstance(status, dict) or status.get("state") not in STATES:
         raise RunStateError(f"{path}: not a run status (state must be one of {', '.join(STATES)}); {RESTART}")

@@ -41,7 +41,7 @@ def budget_table(
     threads: int = 1,
 ) -> pd.DataFrame:
     """pass@1 of the cold start in `coldstart_dir` at each of `budgets` (rows in budget order; see the module doc)."""
-    from study.coldstart.sft import eval_pass_at_1, load_policy
+    from study.coldstart.sft import eval_pass_at_1, load_policy, read_policy_file
     from study.core.model_config import model_spec, resolve_model
     from study.data import tasks
     from study.data.tokenizer import TaskTokenizer
@@ -68,7 +68,7 @@ def budget_table(
     torch.set_num_threads(threads)
     try:
         model = build_policy(cfg, seed=0, dtype="fp32")
-        load_policy(model, torch.load(directory / "policy.pt", weights_only=True), where=str(directory))
+        load_policy(model, read_policy_file(directory / "policy.pt"), where=str(directory))
         model.eval()
         engine = get_engine("hf", cfg, dtype="fp32")
         rows = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -102,7 +103,9 @@ def policy_state(cfg: Any, run_dir: Path, results: Path, step: int | None) -> tu
         raise ValueError(f"--step = {step}: {run_dir.name} keeps its latest checkpoint only; valid: "
                          f"{', '.join(map(str, have)) or 'none'}")  # fmt: skip
     if step == 0:
-        return torch.load(start / "policy.pt", weights_only=True, map_location="cpu"), 0
+        from study.coldstart import read_policy_file
+
+        return read_policy_file(start / "policy.pt"), 0
     return _full_model(cfg, state, path), step
 
 
@@ -151,27 +154,62 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> 
     state, got = policy_state(cfg, run_dir, results, step)
     tok = tokenizer_of(cfg, results)
     mcfg = cfg.model_config()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    status = rundir.read_status(run_dir) or {}
+    manifest = rundir.read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").is_file() else {}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        raise ValueError(f"--hf = {str(out)!r}: cannot write in {out.parent} ({_write_reason(err)}); valid: a "
+                         f"writable folder with room for about {_size(state)}") from None  # fmt: skip
+    writing = "model.safetensors"  # what export_hf writes first
     try:
         export_hf(state, mcfg, tmp)
+        writing = "tokenizer.json"
         tok.save(tmp, model_max_length=mcfg.max_seq_len)
         generation = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                       "do_sample": True, "temperature": cfg.temperature, "top_k": 0, "top_p": 1.0,
                       "max_new_tokens": cfg.max_new_tokens}  # fmt: skip
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        status = rundir.read_status(run_dir) or {}
-        manifest = rundir.read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").is_file() else {}
+        writing = "generation_config.json"
+        (tmp / writing).write_text(json.dumps(generation, indent=2) + "\n")
         source = {"run_id": run_dir.name, "algorithm": cfg.algorithm, "step": got, "steps": cfg.steps,
                   "state": status.get("state"), "git_sha": manifest.get("git_sha"), "model": cfg.model,
                   "task": cfg.task, "prompt_format": "<bos> + prompt, as the run encoded it"}  # fmt: skip
-        (tmp / "moe_rl_study.json").write_text(json.dumps(source, indent=2, default=str) + "\n")
+        writing = "moe_rl_study.json"
+        (tmp / writing).write_text(json.dumps(source, indent=2, default=str) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
+    except Exception as err:
+        if not _is_write_error(err):
+            raise
+        name = Path(getattr(err, "filename", None) or writing).name
+        name = writing if name.startswith(".") else name  # a temporary file's: the file it was to become
+        raise ValueError(f"--hf = {str(out)!r}: {out / name} could not be written ({_write_reason(err)}); the "
+                         "partial export was removed; valid: a writable folder with room for about "
+                         f"{_size(state)}") from None  # fmt: skip
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export's partial folder, which frees its space
     return out
+
+
+def _is_write_error(err: BaseException) -> bool:
+    """An OSError of the export's writes, or safetensors' own error for one (it reports I/O errors as text)."""
+    return isinstance(err, OSError) or (type(err).__name__ == "SafetensorError" and "I/O error" in str(err))
+
+
+def _write_reason(err: BaseException) -> str:
+    """`No space left on device`, `Read-only file system`, ...: the OS's words for a failed write."""
+    if isinstance(err, OSError) and err.errno:
+        return os.strerror(err.errno)
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return text.split("I/O error: ")[-1].split(" (os error")[0]
+
+
+def _size(state: dict[str, torch.Tensor]) -> str:
+    """The fp32 weights' size (what model.safetensors holds): `1.3 MB`, `122.1 GB`."""
+    size = sum(4 * t.numel() for t in state.values() if isinstance(t, torch.Tensor))
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Bad and hostile input (issue 25, "Failures found"): each failure a new user met, and what happens now.
+"""Bad and hostile input: each failure a new user met, and what happens now.
 
 Config errors are checked on the config alone; the run-state cases share one tiny run (one RL step from random
 weights) whose directory each test copies and damages."""
@@ -23,6 +23,7 @@ import yaml
 
 from study import __main__ as study_main
 from study import launch, record, rl
+from study.coldstart import coldstart_main
 from study.run import rundir
 from study.run.config import FLOAT_RANGES, RunConfig, load_config
 
@@ -405,3 +406,125 @@ def test_a_huge_value_is_not_echoed_whole(tmp_path: Path, capsys) -> None:
     big.write_text(f"lr: {'x' * 100_000}\n")
     line = error_line(capsys, ["run", str(big), "--results", str(tmp_path)])
     assert line.startswith("error: ") and "characters left out" in line and len(line) < 3000
+
+
+# -- the rest of the table: export's disk, SLURM missing, cold-start folders, JSON positions, prompt lengths ----------
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> typing.Iterator[Path]:
+    """A directory nothing can be written in: a read-only tmpfs for root (whom modes do not stop; skipped where
+    mounting is not allowed), else mode 0555."""
+    path = tmp_path / "read_only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("disk", ["read_only", "full"])
+def test_export_to_a_read_only_or_full_disk_is_one_line(one_step: Path, request, disk: str, capsys) -> None:
+    parent = request.getfixturevalue("read_only_dir" if disk == "read_only" else "small_disk")
+    out = parent / "hf"
+    line = error_line(capsys, ["export", str(one_step), "--hf", str(out)])
+    full = f"{out / 'model.safetensors'} could not be written (No space left on device); the partial export was removed"
+    why = f"cannot write in {parent} (" if disk == "read_only" else full  # read-only file system, or permission
+    assert why in line and line.startswith(f"error: --hf = '{out}': "), line
+    assert not out.exists() and not list(parent.iterdir()), "a partial export was left"
+
+
+def test_the_slurm_launcher_without_slurm_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, tiny().to_dict())
+    argv = [str(config), "--results", str(tmp_path / "results"), "--launcher", "slurm"]
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch, srun or sinfo
+    line = error_line(capsys, argv, main=launch.main)
+    assert line.startswith("error: --launcher slurm: no SLURM on this machine (sbatch, srun, sinfo not on PATH)")
+    assert "--launcher local / in-process" in line, line
+    monkeypatch.undo()
+    if shutil.which("sinfo") is None:
+        pytest.skip("SLURM's client commands are not installed: the unreachable controller is not tried")
+    conf = tmp_path / "slurm.conf"  # a controller no one listens for
+    conf.write_text(
+        "ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort=1\nMessageTimeout=2\n"
+        "NodeName=localhost CPUs=1 State=UNKNOWN\nPartitionName=debug Nodes=localhost Default=YES\n"
+    )
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    line = error_line(capsys, argv, main=launch.main)
+    assert line.startswith("error: --launcher slurm: the SLURM controller does not answer (`sinfo`: "), line
+    assert not (tmp_path / "results").exists(), "something was written before the refusal"
+
+
+def coldstart_folder(path: Path, *, state: typing.Any, tokenizer: bool = True) -> Path:
+    """A cold-start folder: policy.pt holding `state`, and (with `tokenizer`) the tokenizer of a scratch run."""
+    from study.data.tokenizer import build_tokenizer
+
+    path.mkdir()
+    torch.save(state, path / "policy.pt")
+    if tokenizer:
+        build_tokenizer(1024, ["chain_sum"], n_per_task=50).save(path)
+    return path
+
+
+def test_a_hostile_pickle_in_a_coldstart_folder_is_refused_unrun(tmp_path: Path, monkeypatch, capsys) -> None:
+    from study import parts
+
+    pwned = tmp_path / "pwned"
+    monkeypatch.setenv("PWNED", str(pwned))
+    folder = coldstart_folder(tmp_path / "hostile", state={"decoder.weight": Hostile()})
+    refused = f"{folder / 'policy.pt'}: refused, not loaded: it holds objects other than tensors"
+    results = tmp_path / "results"
+    argv = ["run", "--preset", "tiny", "--results", str(results), "--set", f"coldstart={folder}", "--quiet"]
+    line = error_line(capsys, argv)  # the run's preflight: before anything is written
+    assert refused in line and "weights_only" not in line, line
+    assert not results.exists() and not pwned.exists()
+    with pytest.raises(ValueError, match=refused):  # the loader a run's own cold start goes through
+        parts.initial_policy(tiny(f"coldstart={folder}"), results)
+    assert coldstart_main(["--init", str(folder), "--results", str(results), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert refused in err and "Traceback" not in err and "weights_only" not in err, err
+    assert not pwned.exists(), "the pickle's code ran"
+
+
+def test_a_coldstart_folder_without_its_tokenizer_fails_the_preflight(tmp_path: Path) -> None:
+    folder = coldstart_folder(tmp_path / "start", state={}, tokenizer=False)
+    with pytest.raises(ValueError, match=rf"{folder / 'tokenizer.json'} is missing; the run encodes with"):
+        rl.run(tiny(f"coldstart={folder}"), tmp_path / "results", progress=False)
+    assert not (tmp_path / "results").exists(), "something was written before the refusal"
+
+
+def test_json_errors_name_the_file_or_option_and_the_position(one_step: Path, tmp_path: Path, capsys) -> None:
+    run_dir = interrupted(one_step, tmp_path)
+    manifest = run_dir / "manifest.json"
+    manifest.write_text('{"git_sha": "abc",\n "seed": 0,,\n}\n')
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert f"{manifest}: not valid JSON at line 2, column 12 (Expecting property name" in line, line
+    assert "restore it, or to start the run again" in line
+    assert rundir.read_status(run_dir)["state"] == "running", "refused after the run wrote its status"
+    line = error_line(capsys, ["export", str(run_dir), "--hf", str(tmp_path / "hf")])
+    assert f"{manifest}: not valid JSON at line 2, column 12" in line and not (tmp_path / "hf").exists()
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, tiny().to_dict())
+    line = error_line(capsys, [str(config), "--rollout-runtime", '{"tp": 2,}'], main=launch.main)
+    assert line.startswith("error: --rollout-runtime = '{\"tp\": 2,}': not valid JSON at line 1, column 10"), line
+    line = error_line(capsys, ["--coldstart", "tiny", "chain_sum", "--coldstart-settings", '{"band": [0.1 0.5]}'],
+                      main=launch.main)  # fmt: skip
+    assert "error: --coldstart-settings = '{\"band\": [0.1 0.5]}': not valid JSON at line 1, column 15" in line, line
+
+
+def test_an_over_long_prompt_is_refused_naming_the_file_and_row(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{i} + 1 =\n", "answer": str(i + 1)} for i in range(12)]
+    rows[7]["prompt"] = "Add: " + " + ".join(str(d) for d in range(10)) * 40 + "\n"  # single-digit tokens: > 256
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny("task=user", f"data={data}", "verifier=exact", "eval_size=2")
+    cut = rf"data = '{data}': {data}:8: the prompt is \d+ tokens, and with max_new_tokens = 48 a sequence needs"
+    with pytest.raises(ValueError, match=cut):
+        rl.run(cfg, tmp_path / "results", progress=False)
+    assert not (tmp_path / "results").exists(), "something was written before the refusal"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from study import launch
@@ -63,13 +64,20 @@ def final_sacct_states(job_id: str, timeout: float = 120) -> list[str]:
     return states
 
 
+MISFIT = "size mismatch for embedding.word_embeddings.weight"
+
+
 def bad_config(tmp_path: Path) -> Path:
-    """A run that fails at its first line of compute (a cold start without its tokenizer): the traceback must reach
-    the caller. (A cold start that is not there at all is refused before the run directory is written.)"""
-    broken = tmp_path / "no-tokenizer-here"
+    """A run that fails at its first line of compute (a cold start of another shape: its policy.pt does not fit the
+    policy): the traceback must reach the caller. (A cold start that is not there, or lacks its tokenizer, is refused
+    before the run directory is written.)"""
+    from study.data.tokenizer import build_tokenizer
+
+    broken = tmp_path / "another-shape"
     broken.mkdir()
-    (broken / "policy.pt").write_bytes(b"not a checkpoint")
     cfg = smoke_config(coldstart=str(broken))
+    build_tokenizer(cfg.model_config().vocab_size, [cfg.task], n_per_task=50).save(broken)
+    torch.save({"embedding.word_embeddings.weight": torch.zeros(3, 3)}, broken / "policy.pt")
     return write_config(cfg, tmp_path / "bad.yaml")
 
 
@@ -122,13 +130,13 @@ def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> 
     proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", launcher, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr
-    assert "FileNotFoundError: tokenizer: no tokenizer.json in " in proc.stderr and "no-tokenizer-here" in proc.stderr
-    assert "in initial_policy\n    return TaskTokenizer.load(directory)" in proc.stderr  # the remote frames, verbatim
+    assert "RuntimeError: Error(s) in loading state_dict" in proc.stderr and MISFIT in proc.stderr
+    assert "in load_initial" in proc.stderr and "model.load_state_dict(init_state, strict=False)" in proc.stderr
     (run_dir,) = (tmp_path / "results" / "runs").iterdir()
     assert state(run_dir) == "failed"
     if launcher == "local":  # the job's own stdout/stderr, under the run directory
         (err_log,) = (run_dir / "submitit").glob("*_log.err")
-        assert "no tokenizer.json in" in err_log.read_text()
+        assert MISFIT in err_log.read_text()
 
 
 def test_the_cpu_profile_differs_from_the_gpu_one_only_in_what_a_job_asks_for() -> None:
@@ -237,8 +245,8 @@ def test_a_failing_slurm_job_surfaces_the_remote_traceback(tmp_path: Path) -> No
     proc = run_launch(bad_config(tmp_path), tmp_path / "results", "--launcher", "slurm", "--mem-gb", "1", timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "failed during processing with trace:" in proc.stderr
-    assert "Traceback (most recent call last)" in proc.stderr and "no tokenizer.json in" in proc.stderr
-    assert "study/rl.py" in proc.stderr and "in initial_policy" in proc.stderr  # frames of the remote process
+    assert "Traceback (most recent call last)" in proc.stderr and MISFIT in proc.stderr
+    assert "study/rl.py" in proc.stderr and "in load_initial" in proc.stderr  # frames of the remote process
 
 
 @needs_slurm
