@@ -9,9 +9,9 @@ No gradient is ever zeroed, so clip_frac is 0 by the metric's definition; `is_tr
 whose weight was truncated.
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -24,6 +24,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 @register("cispo", label="CISPO", color="#56B4E9")
 def cispo_loss(
@@ -34,6 +37,8 @@ def cispo_loss(
     *,
     eps_max: Annotated[float, Range(gt=0.0)] = 5.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     w = log_ratio(logp, old_logp, mask).exp()  # (B, T)
     adv = per_token(advantages, mask)  # (B, T)

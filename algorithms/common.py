@@ -6,7 +6,10 @@ response tokens). Everything is computed in fp32 whatever the input dtype.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where a tensor is computed: the registry's metadata is read without loading torch
+    import torch
 
 # The metrics every loss returns (the fixed vocabulary; variants may add extras).
 LOSS_METRICS: dict[str, str] = {
@@ -38,6 +41,8 @@ def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) ->
 
     `where` (not multiply) so that padding holding -inf or NaN cannot leak into values or gradients.
     """
+    import torch
+
     return torch.where(mask.bool(), logp.float() - old_logp.float(), 0.0)
 
 
@@ -48,11 +53,15 @@ def lengths(mask: torch.Tensor) -> torch.Tensor:
 
 def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(1/|y_i|) sum_t x_{i,t} over response tokens (B,)."""
+    import torch
+
     return torch.where(mask.bool(), x, 0.0).sum(-1) / lengths(mask)
 
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over every response token of the batch (scalar)."""
+    import torch
+
     return torch.where(mask.bool(), x, 0.0).sum() / mask.float().sum().clamp_min(1.0)
 
 
@@ -72,35 +81,43 @@ def per_sequence(advantages: torch.Tensor, name: str) -> torch.Tensor:
     return advantages.float()
 
 
-@torch.no_grad()
 def clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Token-weighted active-clip fractions from boolean (B, T) masks of clipped tokens."""
-    m = mask.bool()
-    n = m.sum().clamp_min(1)
-    lo = (low & m).sum() / n
-    hi = (high & m).sum() / n
-    return {"clip_frac": lo + hi, "clip_frac_low": lo, "clip_frac_high": hi}
+    import torch
+
+    with torch.no_grad():
+        m = mask.bool()
+        n = m.sum().clamp_min(1)
+        lo = (low & m).sum() / n
+        hi = (high & m).sum() / n
+        return {"clip_frac": lo + hi, "clip_frac_low": lo, "clip_frac_high": hi}
 
 
-@torch.no_grad()
 def no_clip_metrics(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Clip fractions of a variant that never zeroes a gradient by clipping."""
-    zero = torch.zeros((), device=mask.device)
-    return {"clip_frac": zero, "clip_frac_low": zero, "clip_frac_high": zero}
+    import torch
+
+    with torch.no_grad():
+        zero = torch.zeros((), device=mask.device)
+        return {"clip_frac": zero, "clip_frac_low": zero, "clip_frac_high": zero}
 
 
-@torch.no_grad()
 def ratio_metrics(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean / max / min of `ratio` where `valid` (any shape); 1.0 when nothing is valid."""
-    r = ratio.detach().float()[valid.bool()]
-    if r.numel() == 0:
-        one = torch.ones((), device=ratio.device)
-        return {"ratio_mean": one, "ratio_max": one, "ratio_min": one}
-    return {"ratio_mean": r.mean(), "ratio_max": r.max(), "ratio_min": r.min()}
+    import torch
+
+    with torch.no_grad():
+        r = ratio.detach().float()[valid.bool()]
+        if r.numel() == 0:
+            one = torch.ones((), device=ratio.device)
+            return {"ratio_mean": one, "ratio_max": one, "ratio_min": one}
+        return {"ratio_mean": r.mean(), "ratio_max": r.max(), "ratio_min": r.min()}
 
 
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     """One device sync for all metrics."""
+    import torch
+
     keys = list(metrics)
     values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist()
     return dict(zip(keys, values, strict=True))

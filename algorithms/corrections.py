@@ -21,27 +21,29 @@ from __future__ import annotations
 
 import inspect
 import math
-import typing
 from collections.abc import Callable
-from typing import Annotated, Any
-
-import torch
+from typing import TYPE_CHECKING, Annotated, Any
 
 from algorithms.common import check_inputs, per_token, token_mean
-from algorithms.registry import LossFn, Range
+from algorithms.registry import LossFn, Range, hparam_parameters
 
-WeightFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+if TYPE_CHECKING:
+    import torch
+
+WeightFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 def _delta(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log rho_t = old_logp - rollout_logp on response tokens, 0 on padding (B, T)."""
+    import torch
+
     return torch.where(mask.bool(), old_logp.float() - rollout_logp.float(), 0.0)
 
 
 def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any, float]], weights: WeightFn) -> LossFn:
     """Wrap `loss_fn` so its advantages are scaled by `weights(...)`, adding `params` as hyper-parameters."""
     base_sig = inspect.signature(loss_fn)
-    hints = typing.get_type_hints(loss_fn, include_extras=True)
+    base_hparams = {p.name: p for p in hparam_parameters(loss_fn)}  # annotations evaluated: Range stays readable
     taken = set(base_sig.parameters) & set(params)
     if taken:
         raise ValueError(f"{name}: hyper-parameter name(s) {sorted(taken)} already used by {loss_fn.__name__}")
@@ -56,6 +58,8 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
         rollout_logp: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        import torch
+
         if rollout_logp is None:
             raise ValueError(f"{name} needs rollout_logp (B, T): the inference engine's log-probs")
         check_inputs(logp, old_logp, advantages, mask)
@@ -74,18 +78,20 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
         values = torch.stack([v.float().reshape(()) for v in extra.values()]).tolist()
         return loss, {**metrics, **dict(zip(extra, values, strict=True))}
 
-    new_params = [p for p in base_sig.parameters.values() if p.name != "rollout_logp"]
+    new_params = [base_hparams.get(p.name, p) for p in base_sig.parameters.values() if p.name != "rollout_logp"]
     for key, (annotation, default) in params.items():
         new_params.append(
             inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         )
     new_params.append(
-        inspect.Parameter("rollout_logp", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None)
+        inspect.Parameter(
+            "rollout_logp", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="torch.Tensor | None"
+        )
     )
     corrected.__signature__ = base_sig.replace(parameters=new_params)  # type: ignore[attr-defined]
     corrected.__annotations__ = {
-        **{k: v for k, v in hints.items() if k != "rollout_logp"},
-        **{k: a for k, (a, _) in params.items()},
+        **{p.name: p.annotation for p in new_params if p.annotation is not inspect.Parameter.empty},
+        **({"return": base_sig.return_annotation} if base_sig.return_annotation is not inspect.Signature.empty else {}),
     }
     corrected.__name__ = f"{loss_fn.__name__}_{name.lower()}"
     corrected.__qualname__ = corrected.__name__

@@ -8,17 +8,22 @@ Differences from grpo:
    the cache, -1 beyond Lmax; Lcache = 0.2 Lmax (the paper's 4096 of 20480).
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import to_floats, token_mean
 from algorithms.grpo import clipped_token_objective
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_frac: float = 0.2) -> torch.Tensor:
     """DAPO's soft overlong punishment R_length(L) for response lengths (B,)."""
+    import torch
+
     cache = cache_frac * max_len
     length = lengths.float()
     soft = ((max_len - cache) - length) / cache  # inside the cache: linear from 0 down to -1

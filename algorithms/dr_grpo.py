@@ -8,13 +8,16 @@ Differences from grpo:
 3. symmetric clip range 0.2 / 0.2 (the paper keeps PPO's default).
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import group_centered_advantages, to_floats
 from algorithms.grpo import clipped_token_objective
 from algorithms.registry import Range, register
+
+if TYPE_CHECKING:
+    import torch
 
 
 @register("dr_grpo", label="Dr. GRPO", color="#332288", advantages=group_centered_advantages)
@@ -28,6 +31,8 @@ def dr_grpo_loss(
     eps_high: Annotated[float, Range(ge=0.0)] = 0.2,
     norm_len: Annotated[int, Range(ge=0)] = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     obj, metrics = clipped_token_objective(logp, old_logp, advantages, mask, eps_low, eps_high)  # (B, T)
     const = float(norm_len or mask.shape[-1])
     loss = -(torch.where(mask.bool(), obj, 0.0).sum(-1) / const).mean()

@@ -8,9 +8,9 @@ Differences from grpo:
 3. sequence-level advantages; a clipped token drops out of the gradient while the rest keep weight R_i / |y_i|.
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -23,6 +23,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 @register("gmpo", label="GMPO", color="#999933", ratio_level="sequence")
 def gmpo_loss(
@@ -34,6 +37,8 @@ def gmpo_loss(
     eps_low: Annotated[float, Range(ge=0.0)] = 0.4,
     eps_high: Annotated[float, Range(ge=0.0)] = 0.4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     adv = per_sequence(advantages, "gmpo")  # (B,)
     lr = log_ratio(logp, old_logp, mask)  # (B, T)

@@ -9,9 +9,9 @@ The reference every other variant states its difference from:
 5. free routing (no Routing Replay; see grpo_rr), no KL term.
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -24,6 +24,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 def clipped_token_objective(
     logp: torch.Tensor,
@@ -34,6 +37,8 @@ def clipped_token_objective(
     eps_high: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO term min(w A, clip(w, 1-eps_low, 1+eps_high) A) (B, T) and its clip/ratio metrics."""
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     w = log_ratio(logp, old_logp, mask).exp()  # (B, T)  w_{i,t}
     adv = per_token(advantages, mask)  # (B, T)  A_{i,t}

@@ -9,9 +9,9 @@ Differences from grpo:
    every token of a response equally: (1/G) sum_i s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_{i,t}).
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -24,6 +24,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 @register("gspo", label="GSPO", color="#009E73", ratio_level="sequence")
 def gspo_loss(
@@ -35,6 +38,8 @@ def gspo_loss(
     eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 3e-4,
     eps_high: Annotated[float, Range(ge=0.0)] = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     adv = per_sequence(advantages, "gspo")  # (B,)  A_i
     s = seq_mean(log_ratio(logp, old_logp, mask), mask).exp()  # (B,)  s_i = exp(mean_t l_{i,t})

@@ -7,9 +7,9 @@ Differences from gspo:
 With A_{i,t} = A_i it equals gspo in value, clipping decision and gradient (tested).
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -22,6 +22,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 @register("gspo_token", label="GSPO-token", color="#44AA99")
 def gspo_token_loss(
@@ -33,6 +36,8 @@ def gspo_token_loss(
     eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 3e-4,
     eps_high: Annotated[float, Range(ge=0.0)] = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     adv = per_token(advantages, mask)  # (B, T)
     log_s = seq_mean(log_ratio(logp, old_logp, mask), mask)  # (B,)  log s_i

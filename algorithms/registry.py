@@ -14,11 +14,12 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from algorithms.common import group_normalized_advantages
+
+if TYPE_CHECKING:  # the registry's metadata (names, routing, hyper-parameters) is read without loading torch
+    import torch
 
 Routing = Literal["free", "replay", "rollout_replay"]
 RatioLevel = Literal["token", "sequence"]
@@ -58,8 +59,8 @@ class Range:
         return f"{lo}, {hi}"
 
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-AdvantageFn = Callable[[torch.Tensor, int], torch.Tensor]
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+AdvantageFn = Callable[["torch.Tensor", int], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -134,23 +135,29 @@ class Algorithm:
         return replace(self, hparams=MappingProxyType(merged))
 
 
-def loss_hparams(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Range]]:
-    """Defaults and ranges of a loss's keyword-only parameters (its hyper-parameters)."""
-    sig = inspect.signature(fn)
-    try:
-        hints = typing.get_type_hints(fn, include_extras=True)
-    except Exception:  # a wrapper's synthetic signature carries its own annotations
-        hints = {}
-    defaults: dict[str, Any] = {}
-    ranges: dict[str, Range] = {}
-    for p in sig.parameters.values():
+def hparam_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """A loss's hyper-parameters (its keyword-only parameters but the inputs), each annotation evaluated in the
+    loss's own module. Only these are evaluated: the tensor annotations stay strings, so reading a loss's
+    hyper-parameters never imports torch."""
+    params = []
+    for p in inspect.signature(fn).parameters.values():
         if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in LOSS_INPUTS:
             continue
+        if isinstance(p.annotation, str):  # postponed (`from __future__ import annotations`): as get_type_hints does
+            p = p.replace(annotation=eval(p.annotation, getattr(inspect.unwrap(fn), "__globals__", {})))
+        params.append(p)
+    return params
+
+
+def loss_hparams(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Range]]:
+    """Defaults and ranges of a loss's keyword-only parameters (its hyper-parameters)."""
+    defaults: dict[str, Any] = {}
+    ranges: dict[str, Range] = {}
+    for p in hparam_parameters(fn):
         if p.default is inspect.Parameter.empty:
             raise TypeError(f"{getattr(fn, '__name__', fn)}: hyper-parameter '{p.name}' needs a default")
         defaults[p.name] = p.default
-        annotation = hints.get(p.name, p.annotation)
-        for meta in getattr(annotation, "__metadata__", ()):
+        for meta in getattr(p.annotation, "__metadata__", ()):
             if isinstance(meta, Range):
                 ranges[p.name] = meta
     return defaults, ranges

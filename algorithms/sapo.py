@@ -8,9 +8,9 @@ Aggregation is grpo's seq-mean-token-mean. clip_frac is 0 (no hard clipping); `s
 slope df/dw = 4 sigmoid (1 - sigmoid) over response tokens.
 """
 
-from typing import Annotated
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from algorithms.common import (
     check_inputs,
@@ -24,6 +24,9 @@ from algorithms.common import (
 )
 from algorithms.registry import Range, register
 
+if TYPE_CHECKING:
+    import torch
+
 
 @register("sapo", label="SAPO", color="#E69F00")
 def sapo_loss(
@@ -35,6 +38,8 @@ def sapo_loss(
     tau_pos: Annotated[float, Range(gt=0.0)] = 1.0,
     tau_neg: Annotated[float, Range(gt=0.0)] = 1.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    import torch
+
     check_inputs(logp, old_logp, advantages, mask)
     w = log_ratio(logp, old_logp, mask).exp()  # (B, T)
     adv = per_token(advantages, mask)  # (B, T)

@@ -43,14 +43,15 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from study.core.model_config import ModelConfig, ModelSpec, base_preset, model_label, model_spec, resolve_model
 from study.data import tasks
 from study.data.tokenizer import EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TaskTokenizer, build_tokenizer
 from study.run.rundir import atomic_write, manifest, write_json
+
+if TYPE_CHECKING:  # imported where a tensor is made: a run's plan reads the settings without loading torch
+    import torch
 
 FORMAT_VERSION = 1
 """Bumped when the directory layout or the training recipe changes meaning (it is part of the hash)."""
@@ -261,6 +262,8 @@ def collate(
 
     `targets[b, t]` is token t + 1 of example b; `loss_mask[b, t]` is 1 where that target is a response token
     (solution or <eos>), 0 on prompt tokens and padding (whose targets are <pad> = 0, a valid id)."""
+    import torch
+
     examples = [tok.encode_example(item.prompt, item.solution) for item in items]
     longest = max(len(ids) for ids, _ in examples)
     if longest > max_len:
@@ -320,6 +323,8 @@ def eval_pass_at_1(
 
 def probe_logp(model: torch.nn.Module, tok: TaskTokenizer, item: tasks.TaskItem) -> float:
     """Teacher-forced log-prob of `item`'s reference response under `model` (a fingerprint of the weights)."""
+    import torch
+
     from study.policy.model import token_logp
 
     input_ids, targets, mask = collate(tok, [item], max_len=model.study_config.max_seq_len)  # (1, S) each
@@ -336,6 +341,8 @@ def _band_distance(value: float, band: tuple[float, float]) -> float:
 
 @contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -391,6 +398,7 @@ def check_policy(engine: Any, model: torch.nn.Module, tok: TaskTokenizer, items:
 
 def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: bool = False) -> dict[str, Any]:
     """Train per `settings` and write the directory's files into `out_dir` (coldstart.json last); its record."""
+    import torch
     from tqdm import tqdm
 
     from study.core.weights import export_hf

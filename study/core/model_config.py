@@ -13,15 +13,26 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DType = Literal["fp32", "bf16", "fp16"]
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """The numeric formats an engine computes in (the dtype fields of a run)."""
-TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""Each of DTYPES as a torch dtype: the one map every module uses."""
+TORCH_DTYPES: dict[str, torch.dtype]
+"""Each of DTYPES as a torch dtype: the one map every module uses (made on first use by `__getattr__`, so that a
+run's plan reads this module without loading torch)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TORCH_DTYPES":
+        import torch
+
+        globals()[name] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,8 @@ PRESETS: dict[str, ModelConfig] = {
 def route_index_dtype(num_experts: int) -> torch.dtype:
     """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, int16 up to 2^15,
     int32 beyond): the dtype of every stored route, trainer's and engine's."""
+    import torch
+
     if num_experts <= 256:
         return torch.uint8
     if num_experts <= 2**15:

@@ -36,15 +36,13 @@ config, the manifest and the figures carry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-
-from study.core.model_config import TORCH_DTYPES
+if TYPE_CHECKING:  # imported where a tensor is computed: a run's config reads the spellings without loading torch
+    import torch
 
 PRECISION_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16_fp32head")
 """Numeric formats of one engine: parameters and compute in fp32, bf16, fp16, or bf16 with an fp32 LM head."""
@@ -111,6 +109,8 @@ class Precision:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        from study.core.model_config import TORCH_DTYPES
+
         return TORCH_DTYPES[self.dtype]
 
     @property
@@ -130,6 +130,8 @@ class Precision:
 def round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 `t` rounded to `dtype` (round-to-nearest-even, fp16 overflow -> inf) and back to fp32; differentiable
     (the gradient is rounded the same way). Anything else (integers, bool, other dtypes) is returned unchanged."""
+    import torch
+
     if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and dtype != torch.float32:
         return t.to(dtype).to(torch.float32)
     return t
@@ -137,6 +139,8 @@ def round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _round_tree(obj: Any, dtype: torch.dtype) -> Any:
     """round_to over tensors, tuples and lists (module outputs such as megatron's (output, bias))."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return round_to(obj, dtype)
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
@@ -146,24 +150,29 @@ def _round_tree(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-# Matmul-family ops -> positions of the operands to round (None: every tensor argument).
-_MATMULS: dict[Callable[..., Any], tuple[int, ...] | None] = {
-    F.linear: (0, 1),
-    torch.matmul: (0, 1),
-    torch.Tensor.matmul: (0, 1),
-    torch.Tensor.__matmul__: (0, 1),
-    torch.Tensor.__rmatmul__: (0, 1),
-    torch.mm: (0, 1),
-    torch.Tensor.mm: (0, 1),
-    torch.bmm: (0, 1),
-    torch.Tensor.bmm: (0, 1),
-    torch.baddbmm: (1, 2),  # (input, batch1, batch2): input is beta-scaled and often an empty buffer
-    torch.Tensor.baddbmm: (1, 2),
-    torch.addmm: (1, 2),
-    torch.Tensor.addmm: (1, 2),
-    torch.einsum: None,
-    F.scaled_dot_product_attention: (0, 1, 2),  # q, k, v; never the (additive, -inf) mask
-}
+@functools.cache
+def _matmuls() -> dict[Callable[..., Any], tuple[int, ...] | None]:
+    """Matmul-family ops -> positions of the operands to round (None: every tensor argument)."""
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        F.linear: (0, 1),
+        torch.matmul: (0, 1),
+        torch.Tensor.matmul: (0, 1),
+        torch.Tensor.__matmul__: (0, 1),
+        torch.Tensor.__rmatmul__: (0, 1),
+        torch.mm: (0, 1),
+        torch.Tensor.mm: (0, 1),
+        torch.bmm: (0, 1),
+        torch.Tensor.bmm: (0, 1),
+        torch.baddbmm: (1, 2),  # (input, batch1, batch2): input is beta-scaled and often an empty buffer
+        torch.Tensor.baddbmm: (1, 2),
+        torch.addmm: (1, 2),
+        torch.Tensor.addmm: (1, 2),
+        torch.einsum: None,
+        F.scaled_dot_product_attention: (0, 1, 2),  # q, k, v; never the (additive, -inf) mask
+    }
 
 
 # Modules whose ops a real run computes in the target dtype one by one (RoPE, SwiGLU, activations): inside them every
@@ -173,26 +182,37 @@ _ELEMENTWISE: frozenset[str] = frozenset({"SelfAttention", "MLP", "Qwen3MoeAtten
 _FP32_INSIDE: frozenset[str] = frozenset({"FusedScaleMaskSoftmax"})
 
 
-class _RoundingMode(TorchFunctionMode):
-    """Rounds the operands and outputs of matmul-family ops to `dtype`, unless suspended (inside an fp32 island)."""
+@functools.cache
+def _rounding_mode_type() -> type:
+    """The torch function mode of the emulated precision, made on first use: a run's config reads this module's
+    spellings (Precision, PRECISIONS) without loading torch."""
+    import torch
+    from torch.overrides import TorchFunctionMode
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.suspended = 0
-        self.elementwise = 0
-        """> 0 inside modules whose every op a real run computes in the target dtype: round every op's output."""
+    matmuls = _matmuls()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        where = _MATMULS.get(func, ())
-        if self.suspended:
-            return func(*args, **kwargs)
-        if where == ():
-            out = func(*args, **kwargs)
-            return _round_tree(out, self.dtype) if self.elementwise and isinstance(out, torch.Tensor) else out
-        args = tuple(_round_tree(a, self.dtype) if where is None or i in where else a for i, a in enumerate(args))
-        return _round_tree(func(*args, **kwargs), self.dtype)
+    class _RoundingMode(TorchFunctionMode):
+        """Rounds the operands and outputs of matmul-family ops to `dtype`, unless suspended (inside an fp32 island)."""
+
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.dtype = dtype
+            self.suspended = 0
+            self.elementwise = 0
+            """> 0 inside modules whose every op a real run computes in the target dtype: round every op's output."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            where = matmuls.get(func, ())
+            if self.suspended:
+                return func(*args, **kwargs)
+            if where == ():
+                out = func(*args, **kwargs)
+                return _round_tree(out, self.dtype) if self.elementwise and isinstance(out, torch.Tensor) else out
+            args = tuple(_round_tree(a, self.dtype) if where is None or i in where else a for i, a in enumerate(args))
+            return _round_tree(func(*args, **kwargs), self.dtype)
+
+    return _RoundingMode
 
 
 class PrecisionHandle:
@@ -208,6 +228,8 @@ class PrecisionHandle:
     def round_parameters_(self) -> None:
         """Re-round the stored parameters to the target dtype (emulated mode; call after each optimizer step and
         after loading weights). A no-op in real mode."""
+        import torch
+
         with torch.no_grad():
             for p in self.rounded:
                 p.copy_(round_to(p, self.precision.torch_dtype))
@@ -227,6 +249,8 @@ def _model_kind(model: torch.nn.Module) -> str:
 
 def _head(model: torch.nn.Module) -> tuple[str, torch.nn.Module]:
     """(name, module) of the LM head: megatron's output_layer or transformers' lm_head."""
+    import torch
+
     for name in ("output_layer", "lm_head"):
         if isinstance(getattr(model, name, None), torch.nn.Module):
             return name, getattr(model, name)
@@ -253,6 +277,8 @@ def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] |
     real + plain dtype: nothing to do. real bf16_fp32head: the LM head is cast to fp32 and its input upcast.
     emulated: parameters rounded in place, rounding hooks installed (module docstring). Returns the handle.
     """
+    from study.core.model_config import TORCH_DTYPES
+
     precision = Precision.parse(precision)
     handle = PrecisionHandle(model, precision)
     want = TORCH_DTYPES[precision.storage_dtype]
@@ -279,7 +305,7 @@ def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] |
         if p.requires_grad:
             handle.handles.append(p.register_hook(lambda g: round_to(g, dtype)))
 
-    mode = _RoundingMode(dtype)
+    mode = _rounding_mode_type()(dtype)
 
     def enter(_m: torch.nn.Module, _args: Any) -> None:
         mode.__enter__()

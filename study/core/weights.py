@@ -39,19 +39,19 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from study.core.model_config import (
     PRESETS,
     SHAPE_FIELDS,
-    TORCH_DTYPES,
     ModelConfig,
     ModelSpec,
     model_spec,
     resolve_model,
 )
+
+if TYPE_CHECKING:  # imported where a tensor is touched: a checkpoint's config.json is checked without torch
+    import torch
 
 _HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -79,6 +79,8 @@ _GLOBAL_RENAMES: dict[str, str] = {
 
 
 def _state_of(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
     if isinstance(model_or_state, torch.nn.Module):
         return dict(model_or_state.state_dict())
     return dict(model_or_state)
@@ -102,6 +104,8 @@ def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """HF q (nq d, H), k (g d, H), v (g d, H) -> Megatron linear_qkv ((nq + 2 g) d, H), interleaved per group."""
+    import torch
+
     g, d = cfg.num_query_groups, cfg.head_dim
     r = cfg.num_attention_heads // g
     hidden = q.shape[-1]
@@ -123,6 +127,8 @@ def iter_hf_weights(
     generator of the same shape (full HF tensors, one at a time), or passes its (megatron name, full tensor) pairs,
     consumed one at a time.
     """
+    import torch
+
     if isinstance(model_or_state, torch.nn.Module | Mapping):
         pairs: Iterable[tuple[str, torch.Tensor]] = _state_of(model_or_state).items()
     else:
@@ -171,6 +177,8 @@ def megatron_to_hf(
 ) -> dict[str, torch.Tensor]:
     """Megatron GPTModel (or its state dict) -> HF Qwen3-MoE checkpoint state dict (per-expert names): contiguous
     copies of `iter_hf_weights`, checked complete."""
+    import torch
+
     out = {name: t.clone(memory_format=torch.contiguous_format) for name, t in iter_hf_weights(model_or_state, cfg)}
     _check_complete(out, cfg)
     return out
@@ -192,6 +200,8 @@ def hf_to_megatron(
     `partial=True` maps a part of a checkpoint (the streaming loader's: every fused tensor's parts together) without
     the completeness check; `copy=False` returns renamed tensors as views of the inputs instead of clones.
     """
+    import torch
+
     if not partial:
         _check_complete(dict(hf_state), cfg)
     clone = (lambda t: t.clone()) if copy else (lambda t: t)
@@ -337,6 +347,8 @@ def export_hf(
     its `model.` / `lm_head.` names). Returns `out_dir`.
     """
     from safetensors.torch import save_file
+
+    from study.core.model_config import TORCH_DTYPES
 
     state = _state_of(model_or_state)
     is_hf = all(k.startswith(("model.", "lm_head.")) for k in state)

@@ -25,7 +25,14 @@ from tests.shared import sharing_coldstart
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "sweeps").glob("*.yaml"))
 SWEEP_FILES = [p for p in SHIPPED if p.name not in ("config.yaml", "config.schema.yaml")]
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+# `python -m snakemake` that says on leaving whether it imported torch: planning a workflow must not (its dry runs
+# would each load torch; tests/sweeps/test_torch_free.py names the import chain when one does)
+SNAKEMAKE = [
+    sys.executable,
+    "-c",
+    "import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+    "sys.argv[0] = 'snakemake'; from snakemake.cli import main; main()",
+]
 
 
 def sweep(**overrides):
@@ -192,6 +199,11 @@ def _snakemake(*args, cwd=ROOT, timeout=300):
     return subprocess.run([*SNAKEMAKE, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
+def planned_without_torch(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a `_snakemake` process said on leaving that it never imported torch."""
+    return "torch imported: False" in proc.stderr.splitlines()
+
+
 def job_counts(stdout: str) -> dict[str, int]:
     """The "Job stats" table of a dry run: rule -> number of jobs."""
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", stdout, re.M) if m[1] != "total"}
@@ -228,6 +240,7 @@ def test_snakemake_dry_run(name, profile, tmp_path):
         args.append(f"sweep=sweeps/{name}.yaml")
     proc = _snakemake(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert planned_without_torch(proc), proc.stderr[-2000:]
     sweep_path = ROOT / "sweeps" / f"{name}.yaml"
     coldstarts = expected_coldstarts(sweep_path)
     counts = job_counts(proc.stdout)
@@ -259,6 +272,7 @@ def test_length_and_precision_studies_plan_their_extra_tables(name, profile, ext
     args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"])]
     proc = _snakemake(*args, "--config", f"results={tmp_path}", f"sweep=sweeps/{name}.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert planned_without_torch(proc), proc.stderr[-2000:]
     counts = job_counts(proc.stdout)
     assert counts["run"] == len(load_sweep(ROOT / "sweeps" / f"{name}.yaml").expand())
     for rule in ("coldstart_budgets", "precision_parity"):

@@ -6,6 +6,9 @@ tier; measured 4.8e-7 too)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from study.__main__ import main as study_main
 from study.policy.model import build_policy, token_logp
 from study.run.config import load_config
 from study.tools.export import CHECKPOINT, _load_state
-from tests.shared import require
+from tests.shared import ROOT, require
 
 PROMPTS = ["3 + 4 =\n", "12 + 7 + 5 =\n"]
 TOL = 1e-5
@@ -90,26 +93,41 @@ def test_bad_exports_are_errors(hf_dir: Path, run_dir: Path, tmp_path: Path, cap
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-@pytest.mark.slow
-def test_vllm_serves_the_export(hf_dir: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    require("vllm")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+# vllm.LLM serving the export, in its own interpreter: an LLM built in the test process writes LD_PRELOAD,
+# LD_LIBRARY_PATH, LOCAL_WORLD_SIZE and VLLM_* into os.environ and its shutdown destroys torch.distributed's default
+# group (tests/study/rollout/test_vllm_import.py measures what it leaves behind). Prints each prompt's ids, the sampled
+# ids and their log-probs as JSON.
+SERVE = r"""
+import json, sys
+from vllm import LLM, SamplingParams
 
+hf_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
+max_len = json.load(open(f"{hf_dir}/config.json"))["max_position_embeddings"]
+llm = LLM(model=hf_dir, dtype="float32", enforce_eager=True, max_model_len=max_len, seed=0,
+          kv_cache_memory_bytes=64 << 20, enable_chunked_prefill=False, max_num_seqs=4)
+outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=3))
+print(json.dumps([{"prompt": list(o.prompt_token_ids), "response": list(o.outputs[0].token_ids),
+                   "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                  for o in outs]))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_export(hf_dir: Path, run_dir: Path) -> None:
+    require("vllm")
     from study.data.tokenizer import TaskTokenizer
 
-    max_len = json.loads((hf_dir / "config.json").read_text())["max_position_embeddings"]
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=max_len, seed=0,
-              kv_cache_memory_bytes=64 << 20, enable_chunked_prefill=False, max_num_seqs=4)  # fmt: skip
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=3))
-    finally:
-        del llm
+    environ, world = dict(os.environ), torch.distributed.is_initialized()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in that interpreter, not a third
+    proc = subprocess.run([sys.executable, "-c", SERVE, str(hf_dir), json.dumps(PROMPTS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the test process as it was: no variable of vLLM's, torch.distributed's world (rl.run's) still there
+    assert dict(os.environ) == environ and torch.distributed.is_initialized() == world
+    outs = json.loads(proc.stdout.strip().splitlines()[-1])
     ours = TaskTokenizer.load(hf_dir)
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        assert list(out.prompt_token_ids) == ours.encode_prompt(prompt)  # vLLM encodes with the exported tokenizer
-        sample = out.outputs[0]
-        response = list(sample.token_ids)
-        got = torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, response, strict=True)])
-        want = policy_logp(run_dir, list(out.prompt_token_ids), response)
-        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        assert out["prompt"] == ours.encode_prompt(prompt)  # vLLM encodes with the exported tokenizer
+        assert len(out["response"]) > 0
+        want = policy_logp(run_dir, out["prompt"], out["response"])
+        torch.testing.assert_close(torch.tensor(out["logprobs"], dtype=want.dtype), want, atol=TOL, rtol=0)
