@@ -506,6 +506,9 @@ class Check:
             t = time.perf_counter()
             rl.run(cfg, work / "continuing", progress=False, on_eval=snapshot)
             run_s = time.perf_counter() - t
+            if not resumed.is_dir():
+                raise RuntimeError(f"the run ended {rundir.read_status(continuing)['state']} before its step-2 "
+                                   "checkpoint: nothing to resume")  # fmt: skip
             t = time.perf_counter()
             rl.resume(resumed, progress=False)
             resume_s = time.perf_counter() - t
@@ -653,8 +656,13 @@ def _weights_moved(
                            "moved_fraction": round(moved, 5)}  # fmt: skip
     masters = opt.get("master_params")
     if masters is None:
-        out["masters"] = "none: fp32 weights step in place"
-        out["moved"] = storage == {torch.float32} and moved > 0
+        fp32 = storage == {torch.float32}
+        out["masters"] = (
+            "none: fp32 weights step in place"
+            if fp32
+            else "none: the low-precision weights step in place and updates below half a spacing round away"
+        )
+        out["moved"] = fp32 and moved > 0
         return out
     by_name = dict(zip(names, masters, strict=True))
     rounded = all(torch.equal(model[n], by_name[n].to(model[n].dtype)) for n in decoder)
