@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared pass (at most 8 minutes on one H200) over what a GPU run needs, on a small Qwen3-MoE
-# shape (4 layers, 32 experts top-8): the CUDA install, Megatron bf16 forward/backward, vLLM CUDA generation with
-# log-prob parity against the trainer, weight sync, R3 routes, one RL step and its time split (study/tools/gpu_check.py
-# says what each part measures). Results: one JSON file, $OUT/gpu_check.json ($OUT unset: ./gpu_check.json).
+# The GPU check: one prepared pass, at most 8 minutes on one H100 from cold, over what a GPU run needs, on a small
+# Qwen3-MoE shape (4 layers, 32 experts top-8). Parts, each in a process of its own with a time budget (seconds on
+# an H100, 455 in all; study/tools/gpu_check.py says what each measures): preflight 20, install 10, megatron 40,
+# sharded 40 (distributed optimizer, distributed checkpoint, streamed sync), qwen_layer 45, vllm_parity 80,
+# weight_sync 15, r3_routes 15, rl 190 (GRPO + R3 through vLLM, checkpoint and resume, sync parity, bf16 master
+# weights). One verdict line per part, then a JSON summary; results in $OUT/gpu_check.json ($OUT unset: the
+# checkout), the parts' output in gpu_check.log beside it.
 #
 #     scripts/gpu_check.sh                   # OUT=/some/dir scripts/gpu_check.sh
+#     scripts/gpu_check.sh --parts preflight,sharded --budget sharded=60
 #     scripts/gpu_check.sh --install-only    # the environment alone (its own step, before a timed check)
 #
 # The environment is installed first, as a step of its own, with the pinned wheels (nothing is downloaded once the
-# check runs); the time limit (GPU_CHECK_LIMIT_S, 480 s) counts from the end of the install: the preflight part
-# (seconds) first, then each part isolated, one verdict line each and the JSON summary after every part.
+# check runs); the time limit (GPU_CHECK_LIMIT_S, 480 s) counts from the end of the install.
 #
 # Python: $GPU_PYTHON if set; else the project's .venv when its torch sees CUDA; else .venv-gpu, created on first use
-# with the CUDA wheels of torch and vLLM (pip, from the package registry only: the GPU machines here reach nothing
-# else; the project's .venv holds CPU builds of torch and vLLM, which cannot use the GPU). Without a GPU every
-# CUDA part is recorded `skip` with the reason and the rest run on the CPU in fp32, so the script is checked anywhere.
+# with the CUDA wheels of torch and vLLM (the `cuda` extra's vllm==0.32.0, which pins its CUDA torch; pip, from the
+# package registry only: the GPU machines here reach nothing else; the project's .venv holds CPU builds of torch and
+# vLLM, which cannot use the GPU). Without a GPU every CUDA part is recorded `skip` with the reason and the rest run on
+# the CPU in fp32, so the script is checked anywhere.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
