@@ -222,6 +222,8 @@ def read_policy_file(path: str | Path, *, mmap: bool = False) -> dict[str, torch
     file that holds anything else (a hostile pickle) is refused without running it. ValueError naming the file on
     any failure. `mmap`: map the tensors' storage instead of reading it (the pickle is still read and checked whole;
     a check that costs the pickle, not the weights)."""
+    import torch
+
     path = Path(path)
     try:
         try:
