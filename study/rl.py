@@ -457,9 +457,15 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
     with torch.no_grad():
         k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
         entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
-        gt2 = float((-d > math.log(2.0)).sum() / n)  # pi_theta / pi_old > 2 (d is 0 off the mask)
     return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm),
-            "ratio_gt2_frac": gt2}  # fmt: skip
+            "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask)}  # fmt: skip
+
+
+def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of the response tokens (`mask` (b, T)) whose importance ratio pi_theta / pi_old =
+    exp(logp - old_logp) exceeds 2 (R3's measure of extreme ratios; `logp`, `old_logp` (b, T))."""
+    above = (logp - old_logp > math.log(2.0)) & mask.bool()  # (b, T)
+    return float(above.sum() / mask.sum().clamp_min(1))
 
 
 def _update_micro(

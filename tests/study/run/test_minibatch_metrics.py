@@ -4,7 +4,9 @@ changed-token share over the off-policy minibatches, the gradient-norm spike, an
 import math
 
 import pytest
+import torch
 
+from study.rl import ratio_gt2_frac
 from study.run.metrics import MINIBATCH_COLUMNS, MINIBATCH_METRICS, STEP_METRICS, minibatch_column, minibatch_metrics
 
 
@@ -37,3 +39,12 @@ def test_columns_stop_at_the_cap_and_the_names_are_documented() -> None:
     assert out["grad_norm_spike"] == pytest.approx(max(range(1, MINIBATCH_COLUMNS + 5)) / 10.5)  # all of them
     assert {"routing_token_changed_frac", "grad_norm_spike", "ratio_gt2_frac"} <= set(STEP_METRICS)
     assert set(MINIBATCH_METRICS) <= set(STEP_METRICS)  # each per-index column is a step metric of one minibatch
+
+
+def test_ratio_gt2_frac_by_hand() -> None:
+    # ratios e^(logp - old): 3 (above 2), 1/3 (below: one-sided), exactly 2 (not above), 2.5 on a masked-out token
+    logp = torch.log(torch.tensor([[3.0, 1.0, 2.0], [2.5, 1.0, 1.0]]))
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]) + torch.log(torch.tensor([[1.0, 3.0, 1.0], [1.0, 1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    assert ratio_gt2_frac(logp, old, mask) == pytest.approx(1 / 4)
+    assert ratio_gt2_frac(logp, old, torch.zeros(2, 3)) == 0.0
