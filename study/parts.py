@@ -159,6 +159,8 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     device = next(policy.parameters()).device  # the hf engine on the policy's device (CUDA: this rank's GPU)
     if cfg.rollout_engine == "hf" and device.type != "cpu":
         engine_kw["device"] = device
+    if cfg.engine_router_noise:  # the hf engine's routing perturbed (a train/inference routing mismatch)
+        engine_kw["router_noise"] = cfg.engine_router_noise
     # one engine, on rank 0: it rolls out the global batch and broadcasts it (`broadcast`)
     engine = (
         get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw) if lifecycle.is_rank0() else None

@@ -56,10 +56,10 @@ from study.parts import (
 )
 from study.policy import parallel as par
 from study.policy.model import token_logp
-from study.policy.routing import Routes, RoutingController, expert_load, routing_volatility
+from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
 from study.run import rundir
 from study.run.config import RunConfig
-from study.run.metrics import STEP_METRICS, forward_flops
+from study.run.metrics import STEP_METRICS, forward_flops, minibatch_metrics
 from study.run.trackers import ENV as TRACKERS_ENV
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 
@@ -242,6 +242,8 @@ def train(
             t2 = time.perf_counter()
             sums: dict[str, float] = {}
             vols: list[dict[str, float]] = []
+            per_mb: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
+            resp = response_inputs(batch.pos, batch.mask, ids.shape[1])  # (B, S) the response tokens' positions
             replay = old_routes if alg.routing != "free" else None  # ALGO routing: free, or pi_old's (R3: engine's)
             for i, idx in enumerate(chunks):
                 ref = None if ref_logp is None else ref_logp[idx]
@@ -250,13 +252,18 @@ def train(
                 else:
                     logp, new_free = (logp_first, None) if i == 0 else forward_rows(parts, batch, idx, replay)
                     mb = _update(cfg, parts, logp, old_logp[idx], batch, idx, ref, step)
+                per_mb.append({k: mb[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in mb})
                 if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
                     vols.append(routing_volatility(free_old[idx], new_free, am[idx]))  # old vs new policy's choice
+                    changed = routing_volatility(free_old[idx], new_free, resp[idx], per_layer=False)
+                    per_mb[-1].update(routing_slot_mismatch=vols[-1]["slot_mismatch"],
+                                      routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
                 for key, value in mb.items():
                     sums[key] = sums.get(key, 0.0) + value
                 log.compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
             row.update({k: v / len(chunks) for k, v in sums.items()})
             row.update(record.mean_volatility(vols))
+            row.update(minibatch_metrics(per_mb))
             log.layer_rows += record.layer_rows(step, vols, load, routing.num_layers)
             row["time_update_s"] = t_first + time.perf_counter() - t2
 
@@ -450,7 +457,15 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
     with torch.no_grad():
         k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
         entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
-    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm)}
+    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm),
+            "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask)}  # fmt: skip
+
+
+def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of the response tokens (`mask` (b, T)) whose importance ratio pi_theta / pi_old =
+    exp(logp - old_logp) exceeds 2 (R3's measure of extreme ratios; `logp`, `old_logp` (b, T))."""
+    above = (logp - old_logp > math.log(2.0)) & mask.bool()  # (b, T)
+    return float(above.sum() / mask.sum().clamp_min(1))
 
 
 def _update_micro(

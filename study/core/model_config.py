@@ -127,6 +127,17 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
+def dense_control(cfg: ModelConfig) -> ModelConfig:
+    """The dense control of an MoE shape: one expert, top-1, of width moe_top_k x moe_ffn_hidden_size, so every token
+    passes through one SwiGLU MLP with as many parameters as the k experts it activates in `cfg` (3 x hidden x k x
+    F per layer), the attention, norms and vocabulary unchanged. What the policy builds most simply: the same MoE
+    layer with nothing to route (its one-expert router gives gate 1 to every token, and its single logit learns
+    nothing), so the loop, the engines and the cold start run unchanged. Active parameters per token: `cfg`'s less
+    the router's other E - 1 logits (num_layers x hidden x (E - 1)). As a sweep's model, the overrides
+    {num_experts: 1, moe_top_k: 1, moe_ffn_hidden_size: k F} of `cfg`'s spec."""
+    return cfg.replace(num_experts=1, moe_top_k=1, moe_ffn_hidden_size=cfg.moe_top_k * cfg.moe_ffn_hidden_size)
+
+
 def route_index_dtype(num_experts: int) -> torch.dtype:
     """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, int16 up to 2^15,
     int32 beyond): the dtype of every stored route, trainer's and engine's."""

@@ -491,6 +491,18 @@ def routing_volatility(
     return out
 
 
+def response_inputs(pos: torch.Tensor, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(B, S) bool: the input positions whose forward gives a response token's log-prob, from a batch's `pos` (B, T)
+    (the index into the (B, S) targets of response token t) and response `mask` (B, T): the last prompt token and
+    every response token but the last. Over these a changed expert changes a log-prob of the loss directly (a
+    changed expert at any earlier position reaches them through attention too)."""
+    out = torch.zeros(pos.shape[0], seq_len, dtype=torch.bool)
+    rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)  # (B, T)
+    sel = mask.bool()
+    out[rows[sel], pos[sel]] = True
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Expert load (LOAD_METRICS)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -555,5 +567,6 @@ __all__ = [
     "expert_load",
     "load_imbalance",
     "mean_router_entropy",
+    "response_inputs",
     "routing_volatility",
 ]

@@ -18,11 +18,16 @@ after it run, in order of preference:
 - `_FusedDecoder`: the same arithmetic as the model's decoder layers written out on their parameters with fewer
   ops (bit-identical; 25-40% off a tiny 8 x 4 x 32 rollout, docs/performance.md);
 - the decoder layers themselves where neither would be exact (emulated precisions, hooks, another attention).
+
+`router_noise` > 0 (a run's `engine_router_noise`) adds Gaussian noise to every router's logits in `generate` (a
+hook on each router, so the decoder layers run): the engine routes differently from the trainer at the same
+weights, a train/inference routing mismatch the trainer does not have. `score` routes without it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -30,6 +35,9 @@ import torch
 from study.core.model_config import TORCH_DTYPES, ModelConfig, route_index_dtype
 from study.core.weights import hf_config, hf_param_names
 from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
+
+NOISE_SEED_OFFSET = 0x9E3779B97F4A7C15
+"""Added to a `generate` call's seed to seed its router noise (`router_noise`), a stream apart from the sampling's."""
 
 try:  # the optional C kernels: without study/kernels/ the fused torch step runs
     from study import kernels
@@ -433,11 +441,17 @@ class HFEngine(RolloutEngine):
         experts_implementation: str | None = None,
         precision: str | None = None,
         native_decode: bool = True,
+        router_noise: float = 0.0,
     ) -> None:
         """`precision` (study.core.precision labels, e.g. "bf16-emulated", "bf16_fp32head"): None = `dtype`, real.
-        `native_decode`: decode steps in C where it runs (study/kernels/decode.py), else in torch ops."""
+        `native_decode`: decode steps in C where it runs (study/kernels/decode.py), else in torch ops.
+        `router_noise`: the standard deviation of Gaussian noise `generate` adds to every router's logits (a
+        train/inference routing mismatch; `_noisy_routers`); 0 = none."""
         super().__init__(cfg, dtype=dtype)
+        if not (math.isfinite(router_noise) and router_noise >= 0):
+            raise ValueError(f"router_noise = {router_noise}: must be a finite number >= 0 (0 = off)")
         self.native_decode = native_decode
+        self.router_noise = float(router_noise)
         self.device = torch.device(device)
         # precision hook (study/core/precision.py): emulated runs build in fp32 and round; the fp32 head is cast
         from study.core.precision import Precision, apply_precision
@@ -492,6 +506,26 @@ class HFEngine(RolloutEngine):
             handles.append(router.register_forward_hook(hook))
         return handles
 
+    def _noisy_routers(self, seed: int) -> list:
+        """Forward hooks that reroute every router on its logits plus Gaussian noise of std `router_noise`: the top-k
+        and the gate weights of Qwen3MoeTopKRouter's forward computed again on the noisy logits. The noise comes
+        from its own generator, seeded from `seed` (the sampling draws keep theirs). A hook on the routers makes the
+        fused and C decode steps ineligible, so the decoder layers run (they call the hooked routers)."""
+        gen = torch.Generator(device=self.device).manual_seed((seed + NOISE_SEED_OFFSET) % 2**63)
+        std = self.router_noise
+
+        def hook(router, _inp, out):  # type: ignore[no-untyped-def]
+            logits = out[0]  # (tokens, E)
+            noise = torch.randn(logits.shape, generator=gen, device=logits.device, dtype=torch.float32)
+            noisy = (logits.float() + std * noise).to(logits.dtype)
+            probs = torch.softmax(noisy, dtype=torch.float, dim=-1)
+            top_w, top_i = torch.topk(probs, router.top_k, dim=-1)
+            if router.norm_topk_prob:
+                top_w /= top_w.sum(dim=-1, keepdim=True)
+            return noisy, top_w.to(noisy.dtype), top_i
+
+        return [router.register_forward_hook(hook) for router in self._routers]
+
     # -- sampling --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -528,8 +562,9 @@ class HFEngine(RolloutEngine):
         gen = torch.Generator(device=dev).manual_seed(seed)
         store: list[list[torch.Tensor]] = [[] for _ in self._routers]
         shape = [(len(prompts), P)]
+        handles = self._noisy_routers(seed) if self.router_noise else []  # first: the route hooks record their routes
         use_fused = _FusedDecoder.eligible(self.model, self.precision)  # before the route hooks go on
-        handles = self._hook_routes(store, shape) if return_routes else []
+        handles += self._hook_routes(store, shape) if return_routes else []
         try:
             cache = DynamicCache(config=self.model.config)
             cache.layers = [_growing_layer()(P + max_new_tokens) for _ in cache.layers]

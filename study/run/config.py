@@ -118,6 +118,11 @@ class RunConfig:
     the forward has closed, so a recomputed forward would route freely. The same gradients: not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
+    engine_router_noise: float = 0.0
+    """A train/inference routing mismatch the trainer does not have (R3's regime): the standard deviation of Gaussian
+    noise the rollout engine adds to every MoE router's logits before its top-k (the gates then softmax the noisy
+    logits), drawn from the seed of each `generate` call (the run's seed and step: rollouts, and the held-out
+    evaluations alike); the engine's `score` and the trainer route without it. 0 = off; rollout_engine = 'hf' only."""
     eval_every: int = 10
     """Evaluate on the held-out sets every this many steps (and at the end); 0 = never."""
     eval_size: int = 32
@@ -247,6 +252,10 @@ class RunConfig:
         model = self.model_config()
         if self.max_new_tokens >= model.max_seq_len:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be < model.max_seq_len {model.max_seq_len}")
+        if self.engine_router_noise and self.rollout_engine != "hf":
+            raise ValueError(f"engine_router_noise = {self.engine_router_noise} perturbs the router logits of "
+                             f"rollout_engine = 'hf' only (rollout_engine = {self.rollout_engine!r} has no hook for "
+                             "it); valid: engine_router_noise = 0, or rollout_engine = 'hf'")  # fmt: skip
         if self.old_logp_source == "rollout" and alg.routing == "replay":
             raise ValueError(
                 f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
@@ -407,6 +416,7 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
     "reward_floor": ((-1.0, "["), (1.0, "]"), " (-1 = off)"),
     "max_log_ratio": ((0.0, "("), (_INF, ")"), ""),
     "kl_coef": ((0.0, "["), (_INF, ")"), " (0 = no KL penalty)"),
+    "engine_router_noise": ((0.0, "["), (_INF, ")"), " (0 = off)"),
 }
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
@@ -431,6 +441,7 @@ HASHED_IF_SET: dict[str, Any] = {
     "router_lr_scale": 1.0,
     "prompt_filter": "none",
     "eval_temperature": 1.0,
+    "engine_router_noise": 0.0,
 }
 
 

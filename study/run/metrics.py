@@ -2,10 +2,13 @@
 
 Analysis reads these names and never an algorithm's; every variant logs every one (a value that does not apply is
 NaN, e.g. eval columns between evaluations). Loss metrics (algorithms.LOSS_METRICS and a variant's extras) are means
-over the step's minibatches.
+over the step's minibatches; MINIBATCH_METRICS are also written per minibatch index, as `{name}_mb{m}` columns.
 """
 
 from __future__ import annotations
+
+import math
+import statistics
 
 from algorithms import LOSS_METRICS
 from study.core.model_config import ModelConfig
@@ -46,6 +49,15 @@ STEP_METRICS: dict[str, str] = {
     "computed alongside under replay)",
     "routing_set_flip_rate": "old vs new policy: router set-flip rate",
     "routing_token_flip_rate": "old vs new policy: token any-layer flip rate",
+    "routing_token_changed_frac": "old vs new policy: fraction of the response's positions (the inputs whose forward "
+    "gives a response token's log-prob) with at least one expert changed in any MoE layer, R3's measure; mean over "
+    "the minibatches 2..M like routing_slot_mismatch (routing_token_flip_rate is the same over every real token, "
+    "the prompt's included)",
+    "ratio_gt2_frac": "fraction of response tokens whose importance ratio pi_theta / pi_old exceeds 2 at their "
+    "minibatch update's forward, mean over minibatches (the first included: exactly 0 there when pi_old is the "
+    "recompute)",
+    "grad_norm_spike": "the step's largest minibatch gradient norm (before clipping) over the median of its "
+    "minibatches' norms: 1 with one minibatch, NaN when the median is 0 (no signal)",
     "engine_routing_slot_mismatch": "rollout engine vs trainer routing of the same tokens (NaN when the engine "
     "returns no routes)",
     "expert_load_imbalance": "trainer expert load: per MoE layer, the most tokens any expert got over the mean per "
@@ -83,6 +95,44 @@ LAYER_METRICS: dict[str, str] = {
     "returns no routes)",
 }
 """The per-layer routing table's metrics (routing_layers.parquet: step, layer, then these)."""
+
+MINIBATCH_METRICS: dict[str, str] = {
+    "routing_slot_mismatch": "routing_slot_mismatch of minibatch m alone: its update forward after m - 1 updates on "
+    "the rollout batch (m >= 2)",
+    "routing_token_changed_frac": "routing_token_changed_frac of minibatch m alone (m >= 2)",
+    "ratio_gt2_frac": "ratio_gt2_frac of minibatch m alone",
+    "clip_frac": "clip_frac of minibatch m alone",
+    "grad_norm": "grad_norm of minibatch m alone",
+}
+"""Per-minibatch columns of metrics.parquet, `{name}_mb{m}` for the minibatch index m = 1..min(M, MINIBATCH_COLUMNS)
+(the routing ones from m = 2; the first minibatch's forward is pi_old's own): how a measure grows with the updates
+since pi_old (m - 1) where the step's mean over minibatches hides it. A run with M minibatches writes these columns
+for its own indices only."""
+
+MINIBATCH_COLUMNS = 16
+"""Highest minibatch index with its own `{name}_mb{m}` columns; later minibatches enter the step's means only."""
+
+
+def minibatch_column(name: str, m: int) -> str:
+    """The metrics.parquet column of MINIBATCH_METRICS `name` at minibatch index m (1-based)."""
+    return f"{name}_mb{m}"
+
+
+def minibatch_metrics(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics that come from its minibatches one by one (`per_minibatch[i]`: MINIBATCH_METRICS values of
+    minibatch i + 1, the routing ones from the second on): routing_token_changed_frac (mean over minibatches 2..M,
+    NaN with one), grad_norm_spike, and the `{name}_mb{m}` columns up to MINIBATCH_COLUMNS."""
+    changed = [mb["routing_token_changed_frac"] for mb in per_minibatch[1:] if "routing_token_changed_frac" in mb]
+    norms = [mb["grad_norm"] for mb in per_minibatch]
+    median = statistics.median(norms) if norms else math.nan
+    out = {
+        "routing_token_changed_frac": statistics.fmean(changed) if changed else math.nan,
+        "grad_norm_spike": max(norms) / median if norms and median > 0 else math.nan,
+    }
+    for m, mb in enumerate(per_minibatch[:MINIBATCH_COLUMNS], start=1):
+        out.update({minibatch_column(name, m): value for name, value in mb.items() if name in MINIBATCH_METRICS})
+    return out
+
 
 TOKEN_SAMPLE_COLUMNS: dict[str, str] = {
     "step": "RL step",

@@ -94,6 +94,8 @@ def test_a_run_in_micro_batches_has_the_same_metrics_and_run_id(tmp_path: Path) 
         assert list(got[1][column]) == list(got[0][column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
         assert list(got[1][column]) == pytest.approx(list(got[0][column]), rel=1e-4, abs=1e-7), column
+    for column in ("routing_token_changed_frac", "ratio_gt2_frac", "grad_norm_spike", "grad_norm_mb2"):
+        assert list(got[1][column]) == pytest.approx(list(got[0][column]), rel=1e-4, abs=1e-7, nan_ok=True), column
 
 
 def test_micro_batch_is_validated() -> None:

@@ -14,6 +14,7 @@ from study.policy.routing import (
     expert_load,
     load_imbalance,
     mean_router_entropy,
+    response_inputs,
     routing_volatility,
 )
 
@@ -214,6 +215,23 @@ def test_volatility_metrics_hand_made():
         routing_volatility(x, y[:, :2])
     with pytest.raises(ValueError):
         routing_volatility(x, y, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_response_inputs_are_the_positions_that_give_the_responses_logprobs():
+    # The pad layout of tests/study/test_rl.py: prompts [5, 6] + response [7, 8, 9], and [1, 2, 3] + [4]; inputs
+    # [[5, 6, 7, 8], [1, 2, 3, 0]], pos [[1, 2, 3], [2, 3, 3]], mask [[1, 1, 1], [1, 0, 0]].
+    pos = torch.tensor([[1, 2, 3], [2, 3, 3]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    got = response_inputs(pos, mask, 4)
+    assert got.tolist() == [[False, True, True, True], [False, False, True, False]]  # the last prompt token on
+    # R3's measure over them: token 0 of sample 0 (a prompt token) changed counts nowhere, token 2 of sample 1 counts
+    x = torch.zeros(2, 4, 2, 2, dtype=torch.uint8)
+    x[..., 1] = 1
+    y = x.clone()
+    y[0, 0, 0] = torch.tensor([2, 3])  # a prompt token off the response positions
+    y[1, 2, 1, 1] = 3  # sample 1's one response position, second layer
+    assert routing_volatility(x, y, got)["token_flip_rate"] == pytest.approx(1 / 4)
+    assert routing_volatility(x, y)["token_flip_rate"] == pytest.approx(2 / 8)
 
 
 def test_replay_in_bf16():

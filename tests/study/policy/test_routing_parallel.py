@@ -165,7 +165,8 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path, easy_coldstart):
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
         assert list(a[column]) == list(b[column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
-                   "expert_load_imbalance", "router_entropy"):  # fmt: skip
+                   "expert_load_imbalance", "router_entropy", "routing_token_changed_frac", "ratio_gt2_frac",
+                   "grad_norm_spike", "routing_slot_mismatch_mb2", "grad_norm_mb1"):  # fmt: skip
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
     assert (a["grad_norm"] > 0).all()  # both steps updated the policy (the cold start earns rewards)
     assert max(b["sync_parity_max_abs"]) < 1e-4 and max(a["sync_parity_max_abs"]) < 1e-4  # fp32 engine and trainer

@@ -45,6 +45,12 @@ def test_run_id_is_a_content_hash() -> None:
         (["old_logp_source=engine"], "old_logp_source = 'engine'; valid: recompute, rollout"),
         (["algorithm=grpo_rr", "old_logp_source=rollout"], "replays the routes of the pi_old recompute"),
         (["group_size=1"], "group_size = 1: must be >= 2"),
+        (["engine_router_noise=-0.5"], r"engine_router_noise = -0.5: must be a finite number in \[0, inf\)"),
+        (
+            ["engine_router_noise=0.5", "rollout_engine=vllm"],
+            "engine_router_noise = 0.5 perturbs the router logits of "
+            "rollout_engine = 'hf' only .* valid: engine_router_noise = 0, or rollout_engine = 'hf'",
+        ),
         (["minibatches=3"], "minibatches = 3 must divide"),
         (["steps=zero"], "steps = 'zero': must be int"),
         (["stepz=3"], r"unknown field\(s\) \['stepz'\]; valid: algorithm, "),
