@@ -63,5 +63,5 @@ def test_launch_checks_the_profile_runtime_before_any_job(tmp_path, capsys) -> N
     assert main([str(cfg), "--results", str(tmp_path), "--rollout-runtime", '{"placement": "nowhere"}']) == 2
     assert "--rollout-runtime.placement = 'nowhere'; valid: colocated, separate" in capsys.readouterr().err
     assert main([str(cfg), "--results", str(tmp_path), "--rollout-runtime", "[1]"]) == 2
-    assert "must be a JSON mapping" in capsys.readouterr().err
+    assert "--rollout-runtime = '[1]': a JSON list; valid: a JSON mapping" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing ran
