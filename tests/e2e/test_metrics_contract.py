@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import scorecard, tidy
+from analysis import gain, scorecard, tidy
 from study import rl
 from study.run.config import load_config
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
@@ -99,5 +99,5 @@ def test_the_scorecard_finds_every_metric_it_reads(study: tidy.Study) -> None:
         assert "not logged" not in card.reason, f"{card.claim}: {card.reason}"
     for claim in ("C1", "C2"):
         assert not cards[claim].reason.startswith(scorecard.NOT_IN_STUDY), f"{claim}: {cards[claim].reason}"
-    gain = scorecard.heldout_gain(study)
-    assert not gain.reason and len(gain.table) == 2 and gain.table["gain"].notna().all(), gain
+    held_out = gain.heldout_gain(study)
+    assert not held_out.reason and len(held_out.table) == 2 and held_out.table["gain"].notna().all(), held_out
