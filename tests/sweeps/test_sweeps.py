@@ -404,20 +404,28 @@ def test_analysis_report_refuses_a_bad_study_or_results_dir(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(tmp_path):
     """Snakemake deletes a failed job's declared output (the run's status.json); the run's failure.json stays, the
-    workflow names the run, and the report of the study so far lists it as failed with its error."""
-    broken = tmp_path / "broken_coldstart"
+    workflow names the run, and the report of the study so far lists it as failed with its error. The run fails at
+    its first line of compute: a cold start of another shape (one that is not there, or lacks its tokenizer, is
+    refused before the run directory is written)."""
+    import torch
+
+    from study.data.tokenizer import build_tokenizer
+
+    broken = tmp_path / "another-shape"
     broken.mkdir()
-    (broken / "policy.pt").write_bytes(b"not a checkpoint")
     sweep_file = tmp_path / "failing.yaml"
     sweep_file.write_text(yaml.safe_dump(sweep(name="failing", base={"steps": 1, "coldstart": str(broken)})))
+    ((run_id, cfg),) = load_sweep(sweep_file).expand().items()
+    build_tokenizer(cfg.model_config().vocab_size, [cfg.task], n_per_task=50).save(broken)
+    torch.save({"embedding.word_embeddings.weight": torch.zeros(3, 3)}, broken / "policy.pt")
     results = tmp_path / "results"
     proc = _snakemake("--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}")
     assert proc.returncode != 0
-    (run_id,) = load_sweep(sweep_file).expand()
     run_dir = results / "runs" / run_id
     assert not (run_dir / "status.json").exists()  # Snakemake's doing
     record = json.loads((run_dir / "failure.json").read_text())
-    assert record["state"] == "failed" and str(broken) in record["error"] and "Traceback" in record["traceback"]
+    assert record["state"] == "failed" and "Error(s) in loading state_dict" in record["error"]
+    assert "Traceback" in record["traceback"]
     out = proc.stdout + proc.stderr
     assert f"run {run_id} failed: " in out and "with the failed run(s): " in out, out[-3000:]
     report = (results / "failing" / "report" / "index.md").read_text()
