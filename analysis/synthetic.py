@@ -291,7 +291,7 @@ def make_study(
 
 
 ROUTER_LR_SCALES = (1.0, 30.0, 100.0, 300.0)
-"""The routing study's router learning-rate scales (sweeps/routing.yaml)."""
+"""Router learning-rate scales of a synthetic routing study (the knob `router_lr_scale`)."""
 
 
 def routing_truth(scale: float) -> dict[str, Curve]:

@@ -19,6 +19,11 @@ string `{checkpoint}` anywhere in `base` or `axes` is replaced by the value, whi
 sweep does not declare is ignored, so one Snakemake config serves every sweep; a `{name}` the sweep does not declare
 is an error.
 
+A grid sweep's `exclude:` lists partial combinations to leave out: each entry maps axes to lists of their values, and
+a run is left out when its value on every axis of some entry is among that entry's values (`exclude: [{algorithm:
+[grpo_rr, gspo_rr], model: [dense]}]` drops the replay runs of the dense shape only). An entry naming an axis the
+sweep does not have, or a value the axis does not list, is an error.
+
 A sweep expands to at most MAX_RUNS runs (counted before any is built); a larger one is refused naming its size,
 unless the sweep says `max_runs: N` (or `--max-runs N`). An axis lists each value once.
 """
@@ -64,6 +69,8 @@ class Sweep:
     """algorithm -> RunConfig fields of that algorithm's runs (the sweep's `per_algorithm:`), or None."""
     max_runs: int = MAX_RUNS
     """The cap on the sweep's size (its `max_runs:`, else MAX_RUNS)."""
+    exclude: tuple[dict[str, list[Any]], ...] = ()
+    """Partial combinations left out of a grid (the sweep's `exclude:`): axis -> the values that match."""
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "sweep") -> Sweep:
@@ -83,19 +90,37 @@ class Sweep:
                     raise SweepError(f"{where}: axes.{name} lists {_short(value)} twice; valid: each value once")
                 seen.add(key)
         max_runs = data.get("max_runs", MAX_RUNS)
+        exclude = tuple(data.get("exclude") or ())
+        if exclude and mode != "grid":
+            raise SweepError(f"{where}: exclude applies to mode = 'grid'; valid: drop exclude, or mode: grid")
+        for i, entry in enumerate(exclude):
+            for name, values in entry.items():
+                if name not in axes:
+                    raise SweepError(f"{where}: exclude[{i}].{name} is not an axis; valid: {', '.join(axes)}")
+                listed = [json.dumps(v, sort_keys=True, default=str) for v in axes[name]]
+                for value in values:
+                    if json.dumps(value, sort_keys=True, default=str) not in listed:
+                        raise SweepError(f"{where}: exclude[{i}].{name} = {_short(value)} is not a value of "
+                                         f"axes.{name}; valid: {', '.join(_short(v) for v in axes[name])}")  # fmt: skip
         tuned = data.get("tuned")
         tuned_values = load_tuned(tuned, where=f"{where}: tuned") if tuned else None
         sweep = cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
-                    tuned_values, data.get("tune"), data.get("per_algorithm"), max_runs)  # fmt: skip
+                    tuned_values, data.get("tune"), data.get("per_algorithm"), max_runs, exclude)  # fmt: skip
         sweep.check_size()
         return sweep
 
     def size(self) -> int:
-        """Runs the axes make (before identical ones collapse), counted without building them."""
+        """Runs the axes make (before identical ones collapse), counted without building them (`exclude` is
+        counted by enumerating the grid only when it is within 100x the cap)."""
         lengths = [len(v) for v in self.axes.values()]
         if not lengths:
             return 1
-        return math.prod(lengths) if self.mode == "grid" else lengths[0]
+        if self.mode != "grid":
+            return lengths[0]
+        full = math.prod(lengths)
+        if not self.exclude or full > 100 * self.max_runs:
+            return full
+        return len(self.combinations())
 
     def check_size(self, max_runs: int | None = None) -> None:
         """SweepError naming the size and the override when the sweep makes more than `max_runs` (default: its
@@ -114,7 +139,8 @@ class Sweep:
         if not names:
             return [{}]
         rows = itertools.product(*self.axes.values()) if self.mode == "grid" else zip(*self.axes.values(), strict=True)
-        return [dict(zip(names, row, strict=True)) for row in rows]
+        combos = [dict(zip(names, row, strict=True)) for row in rows]
+        return [c for c in combos if not any(_matches(c, entry) for entry in self.exclude)]
 
     def run_data(self, combo: dict[str, Any]) -> dict[str, Any]:
         """Preset, then base, then the run's algorithm's `per_algorithm` fields, then its tuned values, then the axis
@@ -155,6 +181,12 @@ class Sweep:
                 raise SweepError(f"{where}: {err}" if not str(err).startswith(where) else str(err)) from err
             runs.setdefault(cfg.run_id, cfg)
         return runs
+
+
+def _matches(combo: dict[str, Any], entry: dict[str, list[Any]]) -> bool:
+    """Whether the combination's value on every axis of the `exclude` entry is among the entry's values."""
+    key = lambda v: json.dumps(v, sort_keys=True, default=str)  # noqa: E731
+    return all(key(combo[name]) in {key(v) for v in values} for name, values in entry.items())
 
 
 def tune_command(path: str) -> str:

@@ -14,6 +14,8 @@ A sweep file:
       model: [default, {preset: default, num_experts: 32, moe_top_k: 8}]   # shapes: a preset, or one with overrides
       model.num_experts: [8, 32]   # a dotted axis: one key of a mapping field (model, hparams, task_knobs)
     mode: grid                 # grid: the cross product of the axes; zip: the i-th value of every axis together
+    exclude:                   # optional, grid only: leave out the combinations matching an entry (axis -> value
+      - {algorithm: [grpo_rr], model: [default]}   # or list of values; a combination matches when every key does)
     tuned: results/tune/tune/best.yaml   # optional: tuned lr/hparams per algorithm (python -m sweeps.tune writes it)
     tune: {trials: 4, ...}     # optional: makes this a tuning sweep (sweeps/tune.py documents the section)
 
@@ -40,7 +42,19 @@ from study.data import tasks
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
 
 MODES = ("grid", "zip")
-TOP_LEVEL = ("name", "preset", "base", "per_algorithm", "axes", "mode", "description", "tuned", "tune", "max_runs")
+TOP_LEVEL = (
+    "name",
+    "preset",
+    "base",
+    "per_algorithm",
+    "axes",
+    "mode",
+    "exclude",
+    "description",
+    "tuned",
+    "tune",
+    "max_runs",
+)
 OBJECTIVES = tuple(f"eval_{split}" for split in tasks.EVAL_SPLITS)  # held-out eval columns of metrics.parquet
 PRUNERS = ("median", "percentile", "threshold", "none")
 SAMPLERS = ("tpe", "random")
@@ -141,6 +155,14 @@ def sweep_schema() -> dict[str, Any]:
             },
             "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
             "mode": {"enum": list(MODES)},
+            "exclude": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "additionalProperties": {"type": "array", "minItems": 1},
+                },
+            },
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
             "max_runs": {"type": "integer", "minimum": 1},
             "tune": tune_schema(),

@@ -76,3 +76,39 @@ def test_mistakes_in_a_sweep_file_are_named(tmp_path: Path, text: str, match: st
 
     with pytest.raises(SweepError, match=match):
         load_sweep(_sweep(tmp_path, text))
+
+
+def test_exclude_leaves_out_only_the_matching_combinations(tmp_path: Path) -> None:
+    """`exclude` drops a grid's combinations whose values match an entry on every axis it names (here the replay
+    runs of the dense shape), and nothing else."""
+    from sweeps.expand import load_sweep
+
+    dense = "{preset: tiny, num_experts: 1, moe_top_k: 1, moe_ffn_hidden_size: 256}"
+    text = (f"name: s\npreset: tiny\naxes:\n  algorithm: [grpo, grpo_rr, gspo]\n  model: [tiny, {dense}]\n"
+            f"  seed: [0, 1]\nexclude:\n  - {{algorithm: [grpo_rr, gspo], model: [{dense}]}}\n")  # fmt: skip
+    sweep = load_sweep(_sweep(tmp_path, text))
+    kept = {(c["algorithm"], c["model"] == "tiny", c["seed"]) for c in sweep.combinations()}
+    assert kept == {(a, True, s) for a in ("grpo", "grpo_rr", "gspo") for s in (0, 1)} | {
+        ("grpo", False, 0),
+        ("grpo", False, 1),
+    }
+    assert sweep.size() == len(sweep.expand()) == 8
+
+
+@pytest.mark.parametrize(
+    ("exclude", "match"),
+    [
+        ("[{lr: [1]}]", r"exclude\[0\].lr is not an axis; valid: algorithm, seed"),
+        ("[{seed: [7]}]", r"exclude\[0\].seed = 7 is not a value of axes.seed; valid: 0, 1"),
+        ("[{seed: 0}]", r"exclude\[0\].seed"),
+    ],
+)
+def test_an_exclude_entry_names_an_axis_and_its_values(tmp_path: Path, exclude: str, match: str) -> None:
+    from sweeps.expand import load_sweep
+
+    text = f"name: s\npreset: tiny\naxes:\n  algorithm: [grpo]\n  seed: [0, 1]\nexclude: {exclude}\n"
+    with pytest.raises(SweepError, match=match):
+        load_sweep(_sweep(tmp_path, text))
+    zipped = "name: s\npreset: tiny\nmode: zip\naxes:\n  seed: [0, 1]\nexclude: [{seed: [0]}]\n"
+    with pytest.raises(SweepError, match=r"exclude applies to mode = 'grid'"):
+        load_sweep(_sweep(tmp_path, zipped))
