@@ -548,19 +548,31 @@ def kl_to_reference(
 # ---------------------------------------------------------------------------------------------------------------------
 def _sync_engine(parts: Parts) -> None:
     """The policy's weights to the rollout engine: every rank takes part in gathering the full tensors (a parallel
-    layout), rank 0's engine loads them."""
+    layout), rank 0's engine loads them.
+
+    The colocated order (an engine sharing the trainer's GPUs; tests/study/test_colocated_order.py runs it): the
+    engine sleeps (`engine.offload()`) right after the rollout, before the batch is broadcast, so no rank forwards
+    while it is awake; the update runs; every rank hands its cached blocks back (`_free_trainer_cache`) and meets
+    the others at a barrier; then the engine wakes inside `load_weights`, fed a stream (one tensor at a time, never
+    a copy of the whole model)."""
+    _free_trainer_cache()
     if parts.trainer is None:
-        parts.engine.load_weights(iter_hf_weights(parts.policy, parts.mcfg))  # streamed: no copy of the model
-        return
-    if torch.cuda.is_available():  # colocated order: every rank's cached blocks back to the driver, then rank 0's
-        torch.cuda.empty_cache()  # engine wakes (it checks that its gpu_memory share is free first)
-    torch.distributed.barrier()
-    weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
+        weights = iter_hf_weights(parts.policy, parts.mcfg)  # views of the policy's weights: no copy of the model
+    else:
+        torch.distributed.barrier()  # no engine wakes before every rank has released its cache
+        weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
     if parts.engine is not None:
         parts.engine.load_weights(weights)
     else:
         for _ in weights:
             pass
+
+
+def _free_trainer_cache() -> None:
+    """The trainer's cached, unused GPU blocks back to the driver before the engine wakes (it checks that its
+    gpu_memory share is free first); nothing without CUDA."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()

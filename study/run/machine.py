@@ -1,7 +1,8 @@
 """Does a run fit the machine that is about to run it? Checked before anything is written (rl.preflight).
 
-The estimate is the planner's (study.tools.plan.cpu_run_estimate: the trainer's weights, grads and AdamW state, the
-rollout engine's weights, the weight sync's transient, the rollout batch's KV cache, one minibatch's activations),
+The estimate is the planner's (study.tools.plan.cpu_run_estimate: the process and what the run loads, the trainer's
+weights, grads and AdamW state, one minibatch's activations, the rollout engine's weights, and the larger of the
+rollout's and the weight sync's transients),
 plus the position tables both engines may build for `model.max_seq_len` positions (cos and sin, fp32, each). It is
 compared with the machine's memory: physical RAM (or the cgroup's limit, when lower) plus the visible GPUs' memory
 when the run trains on a GPU. A run over it is refused with the estimate, the machine's memory and the field that

@@ -33,9 +33,10 @@ engine's layout (`rollout_runtime`, in EngineSettings' vocabulary: `EngineLayout
 Candidates never offload to the host (the project's trainer does not); `Layout.offload` (optimizer state and main
 parameters in host memory, as verl and slime run this model) exists to compare published layouts.
 
-`cpu_run_estimate` is the same arithmetic for a CPU run of study/rl.py as it runs today (fp32, one process, the
-hf engine holding its own fp32 copy, weight sync through one full HF-named copy plus the engine's stacked experts):
-benchmarks/bench_plan.py measures it against a run's peak RSS.
+`cpu_run_estimate` is the same arithmetic, per rank, for a CPU run of study/rl.py (fp32, the hf engine on rank 0
+holding its own copy, one process or a gloo layout), plus what a CPU process holds besides tensors (the imported
+libraries, code loaded on first use) and what the C allocator keeps resident: benchmarks/bench_plan.py measures it
+against real runs' peak RSS (docs/performance.md, "The memory planner against measured runs").
 """
 
 from __future__ import annotations
@@ -493,31 +494,96 @@ def _check_engine_memory(run: Any, est: Estimate, gpu_mem_gb: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A CPU run of study/rl.py as it is today (benchmarks/bench_plan.py measures it)
+# A CPU run of study/rl.py, per rank (benchmarks/bench_plan.py measures it)
 # ---------------------------------------------------------------------------------------------------------------------
-def cpu_run_estimate(cfg: ModelConfig, work: Workload, *, minibatches: int) -> dict[str, float]:
-    """Bytes a CPU run (fp32, one process, hf engine, no KL reference) adds to the process at its peak, by part:
-    the trainer's weights, grads and AdamW m, v; the engine's fp32 weights; the weight sync's transient (the
-    HF-named full copy megatron_to_hf makes, plus the engine's stacked experts built from it); the KV cache of the
-    rollout batch; activations of one minibatch (rl.py runs a minibatch as one batch). The peak is the static
-    part plus the largest of the transients (sync, rollout, update), which do not overlap."""
+CPU_PROCESS_BYTES = 0.593e9
+"""A run's process before it builds anything: the interpreter with torch, megatron-core, transformers and the study
+imported (resident set, torch 2.13 CPU build; benchmarks/bench_plan.py measures it in every process it starts)."""
+
+CPU_RUNTIME_BYTES = {"engine": 0.079e9, "trainer": 0.036e9, "distributed": 0.020e9}
+"""What a run adds to its processes besides tensors, the same at every shape: code and state loaded on first use.
+`engine` (rank 0, which hosts the hf engine and writes the run directory): transformers' model and the C kernels,
+55 MB; the first rollout's code paths, 11 MB; the metrics writer's parquet libraries, 13 MB. `trainer` (every
+rank): megatron's model build, the first forward, backward and optimizer step, the tokenizer and task data.
+`distributed` (every rank of a parallel layout): gloo, megatron's DDP, optimizer and distributed-checkpoint code.
+Measured at the `tiny` shape (one process, and TP 2), where tensors are a few MB: each part is the growth of the
+resident set over the phase that loads it (benchmarks/bench_plan.py checks the sum at three shapes)."""
+
+
+def cpu_run_estimate(
+    cfg: ModelConfig, work: Workload, *, minibatches: int, parallel: Any = None, rank: int = 0
+) -> dict[str, float]:
+    """Bytes of one rank's process at its peak, by term, for a CPU run of study/rl.py (fp32, hf engine on rank 0,
+    no KL reference, a checkpoint at the last step) at the layout `parallel` (a ParallelLayout; None: one process).
+
+    - process, runtime: the imported libraries and what the run loads on first use (CPU_PROCESS_BYTES,
+      CPU_RUNTIME_BYTES): host memory on a GPU, where `reserve` stands for the CUDA context instead;
+    - weights, grads, optimizer: the rank's share of the policy, `estimate`'s terms at fp32 (the distributed
+      optimizer shards AdamW's m and v over the data-parallel ranks; fp32 weights need no main copy);
+    - param_buffer (a parallel layout): megatron's DDP moves the weights into one contiguous buffer at setup; the
+      freed originals stay resident (below);
+    - step_buffers (a parallel layout): megatron's step over gloo copies the gradient buffer for its reduction and
+      gathers the updated weights into a copy of the parameter buffer (4 bytes a local parameter each);
+    - activations: what one forward of the rank's share of a minibatch keeps for backward (rl.py forwards a
+      minibatch whole), the (B, T, V) fp32 logits, log-softmax and their gradient included (`training_activations`);
+    - engine_weights (rank 0): the hf engine's own fp32 copy of the model, beside the trainer's;
+    - rollout (rank 0): the engine's decode copy of its weights (the C decode step takes every matrix transposed,
+      the embedding and norms excepted) and the KV cache of every sequence at prompt + max_new_tokens;
+    - sync: the weight sync's transient: one process, the engine's stacked experts, built from views of the
+      policy's weights; a parallel layout, rank 0 holds every gathered full weight at once (the hf engine's
+      `load_weights` collects the stream into a dict before stacking the experts) plus the stacked experts, the
+      other ranks the largest full weight a gather builds;
+    - checkpoint (a parallel layout; one process streams torch.save): megatron's distributed checkpoint stages and
+      serializes what this rank writes (its unique shards; rank 0 also the replicated weights: weights, fp32 param,
+      m and v, 16 bytes a parameter, twice), then the one-process form: the data-parallel gather of the flat
+      param, m and v buffers (12 bytes a local parameter, and gloo's receive copy), the full m and v (8 bytes a
+      parameter of the model, cloned) and the full weights (4 bytes a parameter), which every rank holds until the
+      checkpoint is written.
+    The peak is the sum of these with the larger of rollout and sync: the C allocator keeps freed heap memory
+    resident (tensors under its mmap threshold, which rises to 32 MB, are heap memory), so the activations' high-
+    water mark stays resident after the update, and the next rollout or sync, and the last checkpoint, land on top.
+    On a GPU, torch's caching allocator keeps such blocks reserved in the same way (`fragmentation`)."""
     counts = param_counts(cfg)
-    n = counts.total
-    layout = Layout()
-    b = max(1, work.sequences // minibatches)
-    acts = training_activations(cfg, layout, dataclasses.replace(work, micro_batch=b), 4)
+    tp, ep, dp = (1, 1, 1) if parallel is None else (parallel.tensor, parallel.expert, parallel.data)
+    layout = Layout(tp=tp, ep=ep, dp=dp, sp=tp > 1, dist_opt=tp * dp > 1)
+    sharded = layout.world > 1
+    dense, expert = counts.per_rank(tp, ep)
+    local = dense + expert
+    rows = -(-max(1, work.sequences // minibatches) // dp)  # this rank's share of a minibatch
+    engine = rank == 0
+    emb = cfg.vocab_size * cfg.hidden_size
+    norms = cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) + cfg.hidden_size
     kv = work.sequences * work.seq_len * cfg.num_layers * 2 * cfg.num_query_groups * cfg.head_dim * 4
+    attn_qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim * cfg.hidden_size
+    largest = max(emb, attn_qkv, 2 * cfg.moe_ffn_hidden_size * cfg.hidden_size)  # full weights a gather builds
+    if not sharded:
+        sync = 4.0 * counts.experts
+    elif engine:
+        sync = 4.0 * (counts.total + counts.experts)
+    else:
+        sync = 4.0 * largest
+    checkpoint = 0.0
+    if sharded:
+        unique = (counts.vocab + counts.attention) / tp * (tp > 1) + counts.experts / ep * (ep > 1)
+        written = local if engine else unique  # rank 0 writes the replicas' copy of what every rank holds
+        checkpoint = 2 * 16.0 * written + 24.0 * local + 12.0 * counts.total
+    runtime = CPU_RUNTIME_BYTES["trainer"] + (CPU_RUNTIME_BYTES["engine"] if engine else 0.0)
     parts = {
-        "weights": 4.0 * n,
-        "grads": 4.0 * n,
-        "optimizer": 8.0 * n,
-        "engine_weights": 4.0 * n,
-        "sync_transient": 4.0 * (n + counts.experts),
-        "rollout_kv": float(kv),
-        "activations": acts,
+        "process": CPU_PROCESS_BYTES,
+        "runtime": runtime + (CPU_RUNTIME_BYTES["distributed"] if sharded else 0.0),
+        "weights": 4.0 * local,
+        "grads": 4.0 * local,
+        "optimizer": 8.0 * ((dense / dp + expert / layout.edp) if layout.dist_opt else local),
+        "param_buffer": 4.0 * local if sharded else 0.0,
+        "step_buffers": 8.0 * local if sharded else 0.0,
+        "activations": training_activations(cfg, layout, dataclasses.replace(work, micro_batch=rows), 4),
+        "engine_weights": 4.0 * counts.total if engine else 0.0,
+        "rollout": 4.0 * (counts.total - emb - norms) + kv if engine else 0.0,
+        "sync": sync,
+        "checkpoint": checkpoint,
     }
-    static = parts["weights"] + parts["grads"] + parts["optimizer"] + parts["engine_weights"]
-    parts["peak"] = static + max(parts["sync_transient"], parts["rollout_kv"], parts["activations"])
+    transient = max(parts["rollout"], parts["sync"])
+    parts["peak"] = sum(v for k, v in parts.items() if k not in ("rollout", "sync")) + transient
     return parts
 
 
