@@ -189,12 +189,18 @@ DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8
 """Line styles of the configurations of the other swept axes within one algorithm (colour = algorithm)."""
 
 
+def _key(values: Sequence[Any]) -> tuple[Any, ...]:
+    """Axis values as a lookup key: NaN (an axis a run's config lacks, e.g. a model field only a dense control sets)
+    as None, which equals itself (NaN does not, so a tuple holding one would never be found again)."""
+    return tuple(None if isinstance(v, float) and np.isnan(v) else v for v in values)
+
+
 def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, ...]]:
     """The value combinations of `extra_axes` in `curves`, sorted: their index picks the line style."""
     if not extra_axes:
         return [()]
     keys = curves[list(extra_axes)].drop_duplicates()
-    return sorted(keys.itertuples(index=False, name=None), key=natural_keys)
+    return sorted({_key(k) for k in keys.itertuples(index=False, name=None)}, key=natural_keys)
 
 
 def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, str]]:
@@ -224,7 +230,7 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
             for col in [ALGORITHM, *extra_axes]:
                 mask &= (curves[col] == key[col]).to_numpy()
             c = curves[mask]
-            ls = DASHES[combos[tuple(key[a] for a in extra_axes)] % len(DASHES)]
+            ls = DASHES[combos[_key([key[a] for a in extra_axes])] % len(DASHES)]
             label = _group_label(alg, {a: key[a] for a in extra_axes})
             ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
             ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
@@ -945,9 +951,9 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _configurations(study: Study, axes: Sequence[str]) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     """The value combinations of `axes` among the usable runs (natural order) and run_id -> its combination's index."""
     runs = study.runs[~study.runs["state"].isin(["failed", "unknown"])]
-    keys = sorted({tuple(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
+    keys = sorted({_key(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
     index = {k: i for i, k in enumerate(keys)}
-    of = {str(rid): index[tuple(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
+    of = {str(rid): index[_key(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
     return keys, of
 
 
