@@ -189,12 +189,18 @@ DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8
 """Line styles of the configurations of the other swept axes within one algorithm (colour = algorithm)."""
 
 
+def _key(values: Sequence[Any]) -> tuple[Any, ...]:
+    """Axis values as a lookup key: NaN (an axis a run's config lacks, e.g. a model field only a dense control sets)
+    as None, which equals itself (NaN does not, so a tuple holding one would never be found again)."""
+    return tuple(None if isinstance(v, float) and np.isnan(v) else v for v in values)
+
+
 def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, ...]]:
     """The value combinations of `extra_axes` in `curves`, sorted: their index picks the line style."""
     if not extra_axes:
         return [()]
     keys = curves[list(extra_axes)].drop_duplicates()
-    return sorted(keys.itertuples(index=False, name=None), key=natural_keys)
+    return sorted({_key(k) for k in keys.itertuples(index=False, name=None)}, key=natural_keys)
 
 
 def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, str]]:
@@ -224,7 +230,7 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
             for col in [ALGORITHM, *extra_axes]:
                 mask &= (curves[col] == key[col]).to_numpy()
             c = curves[mask]
-            ls = DASHES[combos[tuple(key[a] for a in extra_axes)] % len(DASHES)]
+            ls = DASHES[combos[_key([key[a] for a in extra_axes])] % len(DASHES)]
             label = _group_label(alg, {a: key[a] for a in extra_axes})
             ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
             ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
@@ -945,9 +951,9 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _configurations(study: Study, axes: Sequence[str]) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     """The value combinations of `axes` among the usable runs (natural order) and run_id -> its combination's index."""
     runs = study.runs[~study.runs["state"].isin(["failed", "unknown"])]
-    keys = sorted({tuple(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
+    keys = sorted({_key(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
     index = {k: i for i, k in enumerate(keys)}
-    of = {str(rid): index[tuple(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
+    of = {str(rid): index[_key(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
     return keys, of
 
 
@@ -1040,13 +1046,32 @@ def _err(t: pd.DataFrame, mean: str = "mean") -> np.ndarray:
     return np.where(np.isfinite(e), np.maximum(e, 0), 0)
 
 
+def _top_tags(fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *,
+              crowded: str) -> None:  # fmt: skip
+    """Tick labels on top of each of `axes` naming what each x in `xs` is (`tags`, 6 pt, lines split by newlines),
+    titled `title`; where neighbouring tags would overlap, none is written and the title says `crowded`."""
+    from matplotlib import ticker
+
+    fig.draw_without_rendering()  # the layout, so that the tags' room can be measured
+    inches = axes[0].transData.transform(np.c_[xs, np.zeros(len(xs))])[:, 0] / fig.dpi
+    width = [max(map(len, t.split("\n"))) * 0.6 * 6 / 72 for t in tags]  # 6 pt labels
+    order = np.argsort(inches)
+    room = all(
+        inches[b] - inches[a] >= 0.5 * (width[a] + width[b]) + 0.04 for a, b in itertools.pairwise(order)
+    )  # neighbouring tags must not overlap
+    for ax in axes:
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(list(xs), list(tags) if room else [""] * len(tags))
+        top.tick_params(labelsize=6, length=2)
+        top.xaxis.set_minor_locator(ticker.NullLocator())
+        top.set_xlabel(title if room else crowded, fontsize=7)
+
+
 @style.styled
 def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None = None, frac: float = 0.1) -> Made:
     """Per configuration of the non-algorithm swept axes, against its measured routing volatility (x, with its
     interval): top, the gaps the claims compare (Routing Replay partner minus the algorithm, GSPO minus the GRPO
     baseline) in final reward and in held-out gain; bottom, expert load imbalance and router entropy per algorithm."""
-    from matplotlib import ticker
-
     st = select(study, where)
     tables = routing_volatility_tables(st, frac=frac)
     vol, gaps, load = tables["volatility"], tables["gaps"], tables["routing_load"]
@@ -1120,19 +1145,7 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
             long_values.append(f"#{i + 1} = {vol.loc[i, 'config']}")
         else:
             tags.append("\n".join(text))
-    fig.draw_without_rendering()  # the layout, so that the tags' room can be measured
-    inches = ax_r.transData.transform(np.c_[xs.to_numpy(), np.zeros(len(xs))])[:, 0] / fig.dpi
-    width = [max(map(len, t.split("\n"))) * 0.6 * 6 / 72 for t in tags]  # 6 pt labels
-    order = np.argsort(inches)
-    room = all(
-        inches[b] - inches[a] >= 0.5 * (width[a] + width[b]) + 0.04 for a, b in itertools.pairwise(order)
-    )  # neighbouring tags must not overlap
-    for ax in (ax_r, ax_g):  # which configuration each dotted line is: its axis values, on top
-        top = ax.secondary_xaxis("top")
-        top.set_xticks(list(xs.to_numpy()), tags if room else [""] * len(tags))
-        top.tick_params(labelsize=6, length=2)
-        top.xaxis.set_minor_locator(ticker.NullLocator())
-        top.set_xlabel(names if room else "configurations: too close to label", fontsize=7)
+    _top_tags(fig, (ax_r, ax_g), xs.to_numpy(), tags, names, crowded="configurations: too close to label")
     _legend(fig, [ax_r, ax_l])
     what = "held-out gain" if (gaps["quantity"] == "held-out gain").any() else ""
     comparisons = "; ".join(f"{style.label(a)} minus {style.label(b)} ({c})" for a, b, c in pairs)
@@ -1158,6 +1171,465 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
     return Made(fig, "figure8_routing_volatility", caption, tables)
 
 
+# --- Figure 9 ---------------------------------------------------------------------------------------------------------
+MOE, DENSE = "MoE", "dense"
+"""The `model` column of Figure 9's tables: the MoE, or its dense control (a run whose model has one expert)."""
+HELD_OUT, FINAL = "held-out gain", "final reward"
+"""Figure 9's quantities (its tables' `quantity` column)."""
+
+
+def _model_of(study: Study, run_ids: Sequence[str]) -> list[str]:
+    """DENSE for a run whose config has one expert (vocab.NUM_EXPERTS_KEY = 1), else MOE."""
+    return [
+        DENSE if study.configs.get(str(r), {}).get(vocab.NUM_EXPERTS_KEY) in (1, 1.0, "1") else MOE for r in run_ids
+    ]
+
+
+def _base_of(alg: str, present: Sequence[str]) -> str | None:
+    """The arm at the fewest minibatches an algorithm's off-policy loss is measured from: itself, else the first of
+    its routing variants (the same loss under another routing mode, registry order) that ran there: replay is a no-op
+    with one minibatch, so a study leaves the replay arms out there."""
+    if alg in present:
+        return alg
+    return next((v for v in style.registry().routing_variants(alg) if v in present), None)
+
+
+def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
+    """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
+    control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
+    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward (mean over
+    its last `frac` of steps).
+
+    - `volatility`: per M, the MoE's volatility: mean over every MoE run at that M (all algorithms) with a 95% t
+      interval over runs; `threshold` (default analysis.regime.MIN_VOLATILITY) and whether the mean reaches it;
+    - `arms`: per model, algorithm, M and quantity, the mean over seeds with a 95% t interval;
+    - `gaps`: per M, each algorithm minus its Routing Replay partner (the pairs of C3 and C4, reversed: what dropping
+      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), with
+      95% Welch intervals, at the MoE's volatility of that M;
+    - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
+      the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
+      dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
+    - `collapse_rate` (only when some run collapsed, analysis.collapse): per model, algorithm and M, collapsed runs
+      of the runs, with a Wilson interval.
+    """
+    from analysis import regime, scorecard
+
+    threshold = regime.MIN_VOLATILITY if threshold is None else float(threshold)
+    axis = vocab.MINIBATCH_AXIS
+    varying = _varying(study)
+    if axis not in varying:
+        raise MissingData(
+            f"the off-policy figure compares minibatches per rollout batch ({axis!r}); this study does not sweep it "
+            f"(swept axes: {', '.join(varying) or 'none'})"
+        )
+    for m in (vocab.ROUTING_SLOT, vocab.REWARD):
+        _need_metric(study, m)
+    other = [a for a in varying if a != axis and a.split(".")[0] != "model"]
+    if other:
+        raise MissingData(
+            f"the off-policy figure reads one configuration besides {axis} and the model; this study "
+            f"also sweeps {', '.join(other)}: select one value of each (where=)"
+        )
+    keys, m_of = _configurations(study, [axis])
+    ms = [k[0] for k in keys]
+    runs = study.runs[study.runs[RUN_ID].astype(str).isin(m_of)].copy()
+    runs["model"] = _model_of(study, runs[RUN_ID].astype(str).tolist())
+    shape_cols = [a for a in varying if a.split(".")[0] == "model"]
+    moe = runs[runs["model"] == MOE]
+    if moe.empty:
+        raise MissingData(f"the off-policy figure needs MoE runs; every run's {vocab.NUM_EXPERTS_KEY} is 1")
+    if shape_cols and len(moe[shape_cols].astype(str).drop_duplicates()) > 1:
+        raise MissingData(
+            f"the off-policy figure reads one MoE shape; this study sweeps several ({', '.join(shape_cols)}"
+            "): select one (where=)"
+        )
+    arm = {
+        (mod, str(alg), m): grp[RUN_ID].astype(str).tolist()
+        for (mod, alg, m), grp in runs.groupby(["model", ALGORITHM, axis], observed=True, sort=False)
+    }
+
+    def values(per_run: pd.DataFrame) -> dict[str, float]:
+        return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
+
+    vol = values(stats.run_mean(study.long, vocab.ROUTING_SLOT))
+    quantities = {}
+    if vocab.EVAL_IN_DIST in study.metrics:
+        gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
+        if len(gains):
+            quantities[HELD_OUT] = values(gains)
+    quantities[FINAL] = values(stats.final_window(study.long, vocab.REWARD, frac=frac))
+
+    def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
+        return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)
+
+    rows = []
+    for m in ms:
+        ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
+        v = np.array([vol.get(r, np.nan) for r in ids], np.float64)
+        ci = stats.mean_ci(v[np.isfinite(v)])
+        rows.append(
+            {
+                axis: m,
+                "mean": ci.estimate,
+                "low": ci.low,
+                "high": ci.high,
+                "n": ci.n,
+                "threshold": threshold,
+                "in_regime": bool(ci.n > 0 and ci.estimate >= threshold),
+            }
+        )
+    volatility = pd.DataFrame(rows, columns=[axis, "mean", "low", "high", "n", "threshold", "in_regime"])
+    x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
+
+    algs = {mod: style.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
+    rows = []
+    for mod, q, m in itertools.product((MOE, DENSE), quantities, ms):
+        for alg in algs[mod]:
+            if (mod, alg, m) in arm:
+                ci = stats.mean_ci(of(quantities[q], mod, alg, m))
+                rows.append(
+                    {
+                        "model": mod,
+                        ALGORITHM: alg,
+                        axis: m,
+                        "quantity": q,
+                        "mean": ci.estimate,
+                        "low": ci.low,
+                        "high": ci.high,
+                        "n": ci.n,
+                    }
+                )
+    arms = pd.DataFrame(rows, columns=["model", ALGORITHM, axis, "quantity", "mean", "low", "high", "n"])
+
+    present = algs[MOE]
+    pairs = [(free, rr) for rr, free, claim in scorecard.comparison_pairs(present) if claim in ("C3", "C4")]
+    dense_alg = algs[DENSE][0] if algs[DENSE] else None
+    m0 = ms[0]
+    rows = []
+    for q, m in itertools.product(quantities, ms):
+        for free, rr in pairs:
+            if (MOE, free, m) in arm and (MOE, rr, m) in arm:
+                x, y = of(quantities[q], MOE, free, m), of(quantities[q], MOE, rr, m)
+                d = stats.mean_difference(x, y)
+                rows.append(
+                    {
+                        "comparison": f"{style.label(free)} - {style.label(rr)}",
+                        "minuend": free,
+                        "subtrahend": rr,
+                        "model": MOE,
+                        axis: m,
+                        "volatility": x_of[m],
+                        "quantity": q,
+                        "estimate": d.estimate,
+                        "low": d.low,
+                        "high": d.high,
+                        "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
+                    }
+                )
+        if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
+            x, y = of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)
+            d = stats.mean_difference(x, y)
+            rows.append(
+                {
+                    "comparison": f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}",
+                    "minuend": dense_alg,
+                    "subtrahend": dense_alg,
+                    "model": DENSE,
+                    axis: m,
+                    "volatility": x_of[m],
+                    "quantity": q,
+                    "estimate": d.estimate,
+                    "low": d.low,
+                    "high": d.high,
+                    "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
+                }
+            )
+    gap_cols = [
+        "comparison",
+        "minuend",
+        "subtrahend",
+        "model",
+        axis,
+        "volatility",
+        "quantity",
+        "estimate",
+        "low",
+        "high",
+        "n",
+    ]
+    gaps = pd.DataFrame(rows, columns=gap_cols)
+
+    rows = []
+    at0 = [a for (md, a, m) in arm if md == MOE and m == m0]
+    for q, alg, m in itertools.product(quantities, present, ms[1:]):
+        base = _base_of(alg, at0)
+        if (MOE, alg, m) not in arm or base is None:
+            continue
+        groups = [of(quantities[q], MOE, alg, m), of(quantities[q], MOE, base, m0)]
+        loss = stats.mean_difference(*groups)
+        excess = stats.CI(np.nan, np.nan, np.nan, 0)
+        if dense_alg is not None and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
+            dense = [of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)]
+            excess = stats.contrast_ci([*groups, *dense], (1.0, -1.0, -1.0, 1.0))
+        rows.append(
+            {
+                ALGORITHM: alg,
+                "baseline": base,
+                axis: m,
+                "volatility": x_of[m],
+                "quantity": q,
+                "loss": loss.estimate,
+                "loss_low": loss.low,
+                "loss_high": loss.high,
+                "excess": excess.estimate,
+                "excess_low": excess.low,
+                "excess_high": excess.high,
+                "n": excess.n or loss.n,
+            }
+        )
+    loss_cols = [
+        ALGORITHM,
+        "baseline",
+        axis,
+        "volatility",
+        "quantity",
+        "loss",
+        "loss_low",
+        "loss_high",
+        "excess",
+        "excess_low",
+        "excess_high",
+        "n",
+    ]
+    tables = {
+        "volatility": volatility,
+        "arms": arms,
+        "gaps": gaps,
+        "offpolicy_loss": pd.DataFrame(rows, columns=loss_cols),
+    }
+
+    coll = collapse.collapse_table(study.long, study.runs)
+    fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))
+    if any(fell.get(r, False) for ids in arm.values() for r in ids):
+        rows = []
+        for mod, m in itertools.product((MOE, DENSE), ms):
+            for alg in algs[mod]:
+                ids = arm.get((mod, alg, m), [])
+                if ids:
+                    k = sum(fell.get(r, False) for r in ids)
+                    lo, hi = stats.wilson_interval(k, len(ids))
+                    rows.append(
+                        {
+                            "model": mod,
+                            ALGORITHM: alg,
+                            axis: m,
+                            "collapsed": k,
+                            "runs": len(ids),
+                            "rate": k / len(ids),
+                            "low": lo,
+                            "high": hi,
+                        }
+                    )
+        tables["collapse_rate"] = pd.DataFrame(rows)
+    return tables
+
+
+def _log2_axis(ax: Axes, ms: Sequence[Any]) -> None:
+    """A log2 axis of minibatches per rollout batch, ticked at the swept values."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([float(m) for m in ms], [_short(m) for m in ms])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.set_xlabel("minibatches per rollout batch M (updates since pi_old: 0..M-1)")
+
+
+@style.styled
+def figure9_offpolicy_replay(
+    study: Study, *, where: Mapping[str, Any] | None = None, frac: float = 0.1, threshold: float | None = None
+) -> Made:
+    """Routing Replay along off-policy updates: (a) the MoE's routing volatility per M against the regime's
+    threshold; (b) held-out gain per algorithm against M, the dense control dashed black; (c) what dropping Routing
+    Replay costs (each algorithm minus its replay partner) in held-out gain and final reward against the measured
+    volatility, the dense control's off-policy loss in grey (`offpolicy_tables`)."""
+    from matplotlib import ticker
+
+    from analysis import regime
+
+    st = select(study, where)
+    tables = offpolicy_tables(st, frac=frac, threshold=threshold)
+    vol, arms, gaps = tables["volatility"], tables["arms"], tables["gaps"]
+    axis = vocab.MINIBATCH_AXIS
+    thr = float(vol["threshold"].iloc[0])
+    ms = vol[axis].tolist()
+    fig = style.new_figure(ncols=2, width=style.WIDTH_DOUBLE, height=5.2)
+    (ax_v, ax_g), (ax_ch, ax_cr) = fig.subplots(2, 2)
+    pct = ticker.PercentFormatter(1.0, decimals=None)
+
+    # (a) the MoE's routing volatility per M
+    has = vol[vol["n"] > 0]
+    ax_v.errorbar(
+        has[axis].astype(float),
+        has["mean"],
+        yerr=_err(has),
+        color="black",
+        marker="o",
+        ms=4,
+        lw=1.0,
+        capsize=2,
+        label="MoE: routing volatility",
+        gid="volatility",
+    )
+    ax_v.axhline(thr, color=style.NEUTRAL, lw=0.9, ls="--", label=f"regime threshold {regime.percent(thr)}")
+    none = vol.loc[vol["n"] == 0, axis].tolist()
+    if none:
+        ax_v.text(
+            0.02,
+            0.95,
+            f"M = {', '.join(_short(m) for m in none)}: no off-policy minibatch, no volatility",
+            transform=ax_v.transAxes,
+            ha="left",
+            va="top",
+            fontsize=6,
+        )
+    ax_v.set_ylim(bottom=0, top=max(thr, float(np.nanmax(has["high"].fillna(has["mean"]))) if len(has) else thr) * 1.2)
+    ax_v.yaxis.set_major_formatter(pct)
+    ax_v.set_ylabel("expert slots changed per update")
+    ax_v.set_title("(a) routing volatility (MoE)")
+
+    # (b) held-out gain (else final reward) per algorithm against M
+    q_b = HELD_OUT if (arms["quantity"] == HELD_OUT).any() else FINAL
+    t = arms[arms["quantity"] == q_b]
+    series = [(MOE, a) for a in style.order(t.loc[t["model"] == MOE, ALGORITHM])]
+    series += [(DENSE, a) for a in style.order(t.loc[t["model"] == DENSE, ALGORITHM])]
+    for k, (mod, alg) in enumerate(series):
+        p = t[(t["model"] == mod) & (t[ALGORITHM] == alg)].sort_values(axis)
+        dodge = 2 ** ((k - (len(series) - 1) / 2) * 0.04)  # side by side at each M
+        dense = mod == DENSE
+        ax_g.errorbar(
+            p[axis].astype(float) * dodge,
+            p["mean"],
+            yerr=_err(p),
+            color="black" if dense else style.color(alg),
+            ls="--" if dense else "-",
+            marker="s" if dense else "o",
+            ms=3.5,
+            lw=1.2 if dense else 1.0,
+            capsize=1.5,
+            label=f"dense control ({style.label(alg)})" if dense else style.label(alg),
+            gid=f"arm-{mod}-{alg}",
+        )
+    ax_g.axhline(0.0, color="black", lw=0.6, ls=":")
+    ax_g.set_ylabel(q_b)
+    ax_g.set_title(f"(b) {q_b} per algorithm")
+    for ax in (ax_v, ax_g):
+        _log2_axis(ax, ms)
+
+    # (c) the gaps against the measured volatility, the dense control's loss in grey
+    pairs = list(
+        dict.fromkeys(
+            zip(gaps.loc[gaps["model"] == MOE, "minuend"], gaps.loc[gaps["model"] == MOE, "subtrahend"], strict=True)
+        )
+    )
+    xerr = pd.DataFrame(_err(vol).T, index=vol[axis], columns=["lo", "hi"])
+    drawn = vol[(vol["n"] > 0) & (vol[axis].isin(gaps[axis]))]
+    for ax, q in ((ax_ch, HELD_OUT), (ax_cr, FINAL)):
+        g = gaps[(gaps["quantity"] == q) & np.isfinite(gaps["volatility"].astype(float))]
+        if g.empty:
+            why = "no run evaluated its start (step 0)" if q == HELD_OUT else "no compared pair at a measured M"
+            ax.text(0.5, 0.5, f"no {q} gap: {why}", ha="center", va="center", transform=ax.transAxes, fontsize=7)
+        d = g[g["model"] == DENSE].sort_values("volatility")
+        if len(d):
+            ax.errorbar(
+                d["volatility"],
+                d["estimate"],
+                yerr=_err(d, "estimate"),
+                xerr=xerr.loc[d[axis]].to_numpy().T,
+                color=style.NEUTRAL,
+                ls="--",
+                marker="D",
+                ms=3.5,
+                lw=1.0,
+                capsize=1.5,
+                alpha=0.8,
+                label="dense control: off-policy loss",
+                gid=f"dense-{q}",
+            )
+        for k, (a, b) in enumerate(pairs):
+            p = g[(g["minuend"] == a) & (g["subtrahend"] == b)].sort_values("volatility")
+            if p.empty:
+                continue
+            ax.errorbar(
+                p["volatility"],
+                p["estimate"],
+                yerr=_err(p, "estimate"),
+                xerr=xerr.loc[p[axis]].to_numpy().T,
+                color=style.color(a),
+                marker=MARKERS[k % len(MARKERS)],
+                ms=4,
+                lw=1.0,
+                capsize=1.5,
+                label=f"{style.label(a)} − {style.label(b)}",
+                gid=f"gap-{q}-{a}-{b}",
+            )
+        ax.axhline(0.0, color="black", lw=0.6, ls=":")
+        ax.axvline(thr, color=style.NEUTRAL, lw=0.9, ls="--")
+        ax.xaxis.set_major_formatter(pct)
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5))
+        ax.set_xlabel("routing volatility: expert slots changed per update")
+        ax.set_ylabel(f"{q} gap")
+        ax.set_title(f"(c) {q}: cost of dropping replay")
+    if len(drawn):
+        tags = [f"M={_short(m)}" for m in drawn[axis]]
+        _top_tags(
+            fig,
+            (ax_ch, ax_cr),
+            drawn["mean"].to_numpy(float),
+            tags,
+            "M at its volatility",
+            crowded="M: too close to label (see the table)",
+        )
+    _legend(fig, [ax_v, ax_g, ax_ch])
+
+    n_moe = arms[(arms["model"] == MOE) & (arms["quantity"] == FINAL)]
+    n_dense = arms[(arms["model"] == DENSE) & (arms["quantity"] == FINAL)]
+    per_arm = ", ".join(
+        f"{style.label(a)} {'/'.join(str(int(v)) for v in n_moe.loc[n_moe[ALGORITHM] == a, 'n'])}"
+        for a in style.order(n_moe[ALGORITHM])
+    )
+    dense_n = "/".join(str(int(v)) for v in n_dense["n"]) if len(n_dense) else "0"
+    coll = tables.get("collapse_rate")
+    caption = (
+        "Figure 9. Routing Replay along off-policy updates: M minibatches per rollout batch (M = "
+        f"{', '.join(_short(m) for m in ms)}), the first on-policy, each later one after one more update since pi_old. "
+        "(a) The MoE's routing volatility per M: the expert-slot mismatch mean(1 - |S_old & S_new| / k) of the update "
+        "forward's routing against pi_old's over the off-policy minibatches (routing_slot_mismatch, measured "
+        "alongside under replay), each run's mean over its steps, then the mean over the MoE's runs of every "
+        f"algorithm with a 95% t interval over runs; dashed: the regime's threshold {regime.percent(thr)} (the "
+        f"scorecard's Rules.min_volatility). (b) The {q_b} per algorithm"
+        + (" (a run's last evaluation of eval_in_dist minus its step-0 one)" if q_b == HELD_OUT else "")
+        + ", seed mean with a 95% t interval, side by side at each M; black dashed: the dense control (the runs "
+        f"whose model has {vocab.NUM_EXPERTS_KEY} = 1: one expert of the MoE's active width, nothing to route), the "
+        "off-policy damage without routing. (c) Each algorithm minus its Routing Replay partner, in held-out gain "
+        f"and in final reward (each run's mean over its last {frac:.0%} of steps), at the volatility of each M "
+        "(negative: dropping replay cost that much), with 95% Welch t intervals; grey: the dense control's "
+        "off-policy loss, its value at M minus at the fewest M, with its Welch interval. Runs per M: MoE "
+        f"{per_arm or 'none'}; dense control {dense_n}."
+        + (
+            " Collapsed runs (status.json or the reward-drop rule): "
+            + ", ".join(
+                f"{style.label(r[ALGORITHM])} ({r['model']}) at M = {_short(r[axis])} {int(r['collapsed'])}"
+                f" of {int(r['runs'])}"
+                for _, r in coll[coll["collapsed"] > 0].iterrows()
+            )
+            + " (table collapse_rate)."
+            if coll is not None
+            else " No run collapsed."
+        )
+    )
+    return Made(fig, "figure9_offpolicy_replay", caption, tables)
+
+
 # --- all --------------------------------------------------------------------------------------------------------------
 FIGURES = {
     "figure1_reward": figure1_reward,
@@ -1169,6 +1641,7 @@ FIGURES = {
     "figure6_routing": figure6_routing,
     "figure7_fits": figure7_fits,
     "figure8_routing_volatility": figure8_routing_volatility,
+    "figure9_offpolicy_replay": figure9_offpolicy_replay,
 }
 
 
@@ -1244,7 +1717,9 @@ __all__ = [
     "figure6_routing",
     "figure7_fits",
     "figure8_routing_volatility",
+    "figure9_offpolicy_replay",
     "make_all",
+    "offpolicy_tables",
     "routing_families",
     "routing_volatility_tables",
     "select",

@@ -47,12 +47,14 @@ def blocks(
     budgets: pd.DataFrame | None = None,
     parity: pd.DataFrame | None = None,
     notes: results.StudyNotes | None = None,
+    rules: scorecard.Rules = scorecard.RULES,
 ) -> list[render.Block]:
-    """The page, section by section (analysis.sections): a line on the study, the headline and Figures 1-3 first,
-    the provenance, configuration and runs last."""
+    """The page, section by section (analysis.sections): a line on the study, the outcome along off-policy updates
+    over its figure (when drawn), the headline and Figures 1-3 first, the provenance, configuration and runs last."""
     main = sections.figure_blocks(rendered, sections.MAIN_FIGURES, out_dir)
     return [
         sections.lead(study),
+        *sections.offpolicy_section(rendered, out_dir, rules.min_volatility),
         render.h(2, "Headline", anchor="headline"),
         render.Bullets(tuple(sections.headline(cards, study)) + tuple(sections.gain_headline(heldout)), "headline"),
         *([render.h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
@@ -114,7 +116,7 @@ def build_report(
     notes = results.study_notes(sweep, doc) if sweep is not None else None
     page, md = render.page(
         f"Report: {title}",
-        blocks(study, cards, rendered, problems, table_files, out, heldout, budgets, parity, notes),
+        blocks(study, cards, rendered, problems, table_files, out, heldout, budgets, parity, notes, rules),
     )
     html_path = files.write(out / "index.html", page)
     md_path = files.write(out / "index.md", md)

@@ -1,12 +1,13 @@
 """The report's sections, in the order a reader needs them, each a list of blocks (analysis.render): a line on the
-study (`lead`); the headline (one line per claim C1-C6: its verdict and the number it was decided on, after a line on
-the claims not tested in their regime and on the runs that could not be read; then the held-out gain); Figures 1-3 and
-the routing-volatility figure with C3 and C4 per configuration; the cold start's generation budget; the scorecard
-(rules, evidence with intervals, per-stratum verdicts, held-out gain, power); the precision parity; the learning
-signal; how the study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the failed,
-collapsed, unreadable and missing runs with the rule or reason that flagged each; and at the end the study and its
-provenance (git sha, package versions, machine from the manifests; the config common to every run, the swept axes,
-and every run with its axis values and state).
+study (`lead`); for a study along off-policy updates, the outcome it shows over its figure (analysis.offpolicy); the
+headline (one line per claim C1-C6: its verdict and the number it was decided on, after a line on the claims not
+tested in their regime and on the runs that could not be read; then the held-out gain); Figures 1-3 and the
+routing-volatility figure with C3 and C4 per configuration; the cold start's generation budget; the scorecard (rules,
+evidence with intervals, per-stratum verdicts, held-out gain, power); the precision parity; the learning signal; how
+the study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the failed, collapsed,
+unreadable and missing runs with the rule or reason that flagged each; and at the end the study and its provenance
+(git sha, package versions, machine from the manifests; the config common to every run, the swept axes, and every run
+with its axis values and state).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, figures, power, render, scorecard, style, vocab
+from analysis import collapse, figures, offpolicy, power, render, scorecard, style, vocab
 from analysis import gain as gain_
 from analysis.natural import natural_sorted
 from analysis.results import StudyNotes
@@ -542,6 +543,27 @@ def routing_section(
     return out
 
 
+OFFPOLICY_FIGURE = "figure9_offpolicy_replay"
+"""Shown first, right after the line on the study, when drawn (a study sweeping minibatches per rollout batch), under
+the outcome it shows (analysis.offpolicy)."""
+
+
+def offpolicy_section(
+    rendered: figures.Rendered, out_dir: Path, threshold: float = scorecard.RULES.min_volatility
+) -> list[render.Block]:
+    """The off-policy figure, when drawn, under the sentences that say which outcome the runs show
+    (analysis.offpolicy.outcome, with the scorecard's volatility threshold); nothing otherwise."""
+    fig = figure_blocks(rendered, [OFFPOLICY_FIGURE], out_dir)
+    if not fig:
+        return []
+    said = offpolicy.outcome(rendered.tables[OFFPOLICY_FIGURE], threshold)
+    return [
+        render.h(2, "Routing Replay along off-policy updates", anchor="offpolicy"),
+        *(render.p(s) for s in said.sentences),
+        *fig,
+    ]
+
+
 def figure_blocks(rendered: figures.Rendered, names: Sequence[str], out_dir: Path) -> list[render.Block]:
     """Each figure of `names` that was drawn: its PNG, caption and links to its other formats."""
     out: list[render.Block] = []
@@ -559,7 +581,7 @@ def figure_blocks(rendered: figures.Rendered, names: Sequence[str], out_dir: Pat
 def figures_section(rendered: figures.Rendered, table_files: Mapping[str, Path], out_dir: Path) -> list[render.Block]:
     """The figures after the main ones, then every figure's tables (short ones inline, every one linked as CSV),
     then the figures not drawn and why."""
-    rest = [n for n in rendered.paths if n not in (*MAIN_FIGURES, ROUTING_FIGURE)]
+    rest = [n for n in rendered.paths if n not in (*MAIN_FIGURES, ROUTING_FIGURE, OFFPOLICY_FIGURE)]
     out: list[render.Block] = []
     if rest:
         out += [render.h(2, "More figures", anchor="figures"), *figure_blocks(rendered, rest, out_dir)]

@@ -213,11 +213,13 @@ def run_slices(rows: pd.DataFrame) -> list[tuple[int, int]]:
 
 
 def run_info(rows: pd.DataFrame, slices: list[tuple[int, int]], cols: Sequence[str]) -> pd.DataFrame:
+    """The run id and `cols` of each run (its first row), categoricals as their values' dtype; an axis some runs
+    lack (a model field only the dense control overrides: NaN for the others) as objects, its values unchanged."""
     first = np.array([s for s, _ in slices], dtype=np.int64)
     info = rows.iloc[first][[RUN_ID, *cols]].reset_index(drop=True)
     for c in info.columns:
         if isinstance(info[c].dtype, pd.CategoricalDtype):
-            info[c] = info[c].astype(info[c].cat.categories.dtype)
+            info[c] = info[c].astype(object if info[c].isna().any() else info[c].cat.categories.dtype)
     return info
 
 

@@ -341,3 +341,86 @@ def make_routing_study(
             **kwargs,
         )
     return ids
+
+
+OFFPOLICY_MINIBATCHES = (1, 4, 16, 64)
+"""Minibatches per rollout batch (M) of a synthetic off-policy study (the routing study's axis)."""
+OFFPOLICY_VOLATILITY = {1: float("nan"), 4: 0.01, 16: 0.03, 64: 0.07}
+"""The MoE's routing_slot_mismatch at the start of a run, per M (its mean over the run is 1.1 x this); NaN at M = 1,
+where no minibatch follows an update. The dense control's is 0 (one expert: nothing to route)."""
+MOE_SHAPE = {"model.num_layers": 4, "model.num_experts": 32, "model.moe_top_k": 8}
+DENSE_SHAPE = {"model.num_layers": 4, "model.num_experts": 1, "model.moe_top_k": 1, "model.moe_ffn_hidden_size": 1024}
+"""The routing study's MoE and its dense control, as flattened config keys."""
+OFFPOLICY_STEPS, OFFPOLICY_EVERY = 40, 10
+"""Steps and evaluation interval of a synthetic off-policy study's runs."""
+OFFPOLICY_COLLAPSE = 30
+"""The step from which GRPO without replay collapses at the highest volatility when Figure 3 is reproduced."""
+
+
+def offpolicy_truth(m: int, *, reproduced: bool) -> dict[str, dict[str, Curve]]:
+    """The known answer of `make_offpolicy_study` at M = `m`: {"MoE": {algorithm: Curve}, "dense": {"grpo": Curve}}.
+
+    Every arm starts at R0 = 0.1 and loses 0.03 of its asymptote per factor 4 of M (the off-policy loss in general,
+    the dense control's too). At M = 64, the one M whose volatility (7.7%) is at or above 5%: with `reproduced`, GRPO
+    without replay collapses at step 30 (Figure 3) while GRPO + Routing Replay, GSPO and the dense control keep the
+    general loss only; without it, every arm falls below its start (asymptote 0.03-0.05: off-policy damage in
+    general, the dense control's too, so no stratum tests the claim)."""
+    steps = np.log(m) / np.log(4)  # factors of 4 over M = 1
+    slot = OFFPOLICY_VOLATILITY[m]
+    high = slot >= 0.05
+    moe = {}
+    for alg, a in (("grpo", 0.6), ("grpo_rr", 0.6), ("gspo", 0.65), ("gspo_rr", 0.65)):
+        asym = a - 0.03 * steps
+        if high and not reproduced:
+            asym = 0.05
+        collapse = OFFPOLICY_COLLAPSE if (high and reproduced and alg == "grpo") else None
+        moe[alg] = Curve(a=asym, r0=0.1, c_mid=2e12, slot_mismatch=slot, collapse_step=collapse)
+    dense_a = 0.03 if (high and not reproduced) else 0.6 - 0.03 * steps
+    dense = {"grpo": Curve(a=dense_a, r0=0.1, c_mid=2e12, slot_mismatch=0.0 if m > 1 else slot)}
+    return {"MoE": moe, "dense": dense}
+
+
+def expected_gain(curve: Curve, *, n_steps: int, flops_per_step: float, eval_every: int) -> float:
+    """The expectation of a synthetic run's held-out gain: 0.9 x (the reward at its last evaluation - R0); a collapsed
+    run's last evaluation is the last one it logged (reward ~U(0, 0.01), mean 0.005, from the collapse)."""
+    last = n_steps if curve.collapse_step is None else min(n_steps, curve.collapse_step + 2)
+    step = last - last % eval_every
+    reward = float(sigmoid(flops_per_step * step, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid))
+    if curve.collapse_step is not None and step >= curve.collapse_step:
+        reward = 0.005
+    return 0.9 * (reward - curve.r0)
+
+
+def expected_final_reward(curve: Curve, *, n_steps: int, flops_per_step: float, frac: float = 0.1) -> float:
+    """The expectation of a synthetic run's final reward: the mean over its last `frac` of logged steps."""
+    last = n_steps if curve.collapse_step is None else min(n_steps, curve.collapse_step + 2)
+    step = np.arange(1, last + 1)
+    reward = sigmoid(flops_per_step * step, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid)
+    if curve.collapse_step is not None:
+        reward = np.where(step >= curve.collapse_step, 0.005, reward)
+    k = max(1, int(np.ceil(frac * last)))
+    return float(np.mean(reward[-k:]))
+
+
+def make_offpolicy_study(
+    root: str | os.PathLike[str],
+    *,
+    reproduced: bool = True,
+    minibatches: Sequence[int] = OFFPOLICY_MINIBATCHES,
+    seeds: Sequence[int] = (0, 1, 2),
+    **kwargs: Any,
+) -> list[str]:
+    """The routing study along off-policy updates with known answers (`offpolicy_truth`): GRPO, GRPO + Routing Replay,
+    GSPO and GSPO + Routing Replay on the MoE (MOE_SHAPE) and GRPO on its dense control (DENSE_SHAPE) x `minibatches`
+    x seeds, the replay arms left out at M = 1 as the routing study leaves them out; OFFPOLICY_STEPS steps, an
+    evaluation every OFFPOLICY_EVERY and at step 0. `reproduced` switches whether the high-volatility stratum
+    reproduces Figure 3 (outcome i) or breaks every arm, the dense control included (outcome ii)."""
+    ids = []
+    for m in minibatches:
+        truth = offpolicy_truth(m, reproduced=reproduced)
+        for family, shape in (("MoE", MOE_SHAPE), ("dense", DENSE_SHAPE)):
+            curves = {a: c for a, c in truth[family].items() if not (m == 1 and a.endswith("_rr"))}
+            grid = {**{k: [v] for k, v in shape.items()}, "minibatches": [m]}
+            ids += make_study(root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS,
+                              eval_every=OFFPOLICY_EVERY, **kwargs)  # fmt: skip
+    return ids

@@ -36,7 +36,8 @@ These names follow `study.run.metrics.STEP_METRICS` (the run's documented vocabu
 analysis reads (METRICS, LAYER_METRICS, TOKEN_LOGPS). Swept axes are `study.run.config.RunConfig` fields (the
 defaults below; each figure takes the name as an argument): `train_dtype`, `rollout_dtype`, `old_logp_source`
 (Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads no axis name: its configurations are
-the combinations of whatever non-algorithm axes the study sweeps (`router_lr_scale`, the model shape, ...).
+the combinations of whatever non-algorithm axes the study sweeps (`router_lr_scale`, the model shape, ...). The
+off-policy figure (9) reads `minibatches` and tells a dense control from the MoE by `model.num_experts` = 1.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ TRAIN_DTYPE_AXIS = "train_dtype"
 ROLLOUT_DTYPE_AXIS = "rollout_dtype"
 OLD_LOGP_AXIS = "old_logp_source"
 LENGTH_AXIS = "max_new_tokens"
+MINIBATCH_AXIS = "minibatches"
+"""M, gradient updates per rollout batch: minibatches 2..M are off-policy (the off-policy figure's axis)."""
+NUM_EXPERTS_KEY = "model.num_experts"
+"""The flattened config key of a run's expert count: 1 is a dense control (one expert, nothing to route)."""
 
 
 def eval_metrics(metrics: list[str]) -> list[str]:

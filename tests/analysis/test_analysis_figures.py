@@ -13,8 +13,10 @@ def rendered(study, tmp_path_factory):
 
 
 def test_every_figure_renders_in_three_formats(rendered):
-    assert not rendered.skipped, rendered.skipped
-    assert set(rendered.paths) == set(figures.FIGURES)
+    # the study sweeps no minibatches per rollout batch: the off-policy figure alone is skipped, saying why
+    assert set(rendered.skipped) == {"figure9_offpolicy_replay"}, rendered.skipped
+    assert "does not sweep it" in rendered.skipped["figure9_offpolicy_replay"]
+    assert set(rendered.paths) == set(figures.FIGURES) - {"figure9_offpolicy_replay"}
     for paths in rendered.paths.values():
         assert sorted(p.suffix for p in paths) == [".pdf", ".png", ".svg"]
         for p in paths:

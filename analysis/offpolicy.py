@@ -1,0 +1,240 @@
+"""The routing study's outcome along off-policy updates, read from Figure 9's tables (figures.offpolicy_tables).
+
+Two outcomes, stated with their numbers either way:
+
+(i) some stratum (the MoE at one M, minibatches per rollout batch) reached the regime of the paper's Figure 3 (its
+    routing volatility at or above the threshold) while the dense control still learned there (its held-out gain's
+    seed mean above 0) and so did GSPO: then whether GRPO without Routing Replay fell beyond the dense control's
+    off-policy loss (the 95% interval of its excess loss, alg(M) - alg(M_0) - dense(M) + dense(M_0), below 0) while
+    GRPO + Routing Replay and GSPO did not (their intervals not below 0): Figure 3 reproduced, or not;
+(ii) no such stratum: the highest volatility reached and at which M, the dense control's and GSPO's gains there, the
+    highest volatility at which the dense control still learned, and, within the regime reached, the GRPO minus GRPO
+    + Routing Replay held-out gap the seeds exclude (its 95% Welch interval at each M).
+
+The claims are about the paper's algorithms, so this module names them (through analysis.scorecard's names and the
+registry's replay partner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis import regime, scorecard, style, vocab
+from analysis.figures import DENSE, FINAL, HELD_OUT, MOE, _short
+from analysis.tidy import ALGORITHM
+
+IN_REGIME, NOT_IN_REGIME, UNDECIDED = "i", "ii", ""
+"""`Outcome.kind`: "i" (a stratum in the regime, Figure 3 reproduced there or not: `Outcome.reproduced`), "ii" (no
+stratum in the regime with the dense control and GSPO learning), "" (the tables lack what the outcome needs)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Which outcome the runs show, and the sentences that say so with their numbers."""
+
+    kind: str
+    sentences: tuple[str, ...]
+    strata: tuple[object, ...] = ()
+    """The M values in the regime with the dense control and GSPO learning (outcome i)."""
+    reproduced: bool | None = None
+    """Outcome i: whether Figure 3 is reproduced in at least one of `strata`; None otherwise."""
+
+
+def _gain(x: float) -> str:
+    return f"{x:+.3f}" if np.isfinite(x) else "n/a"
+
+
+def _ci(est: float, lo: float, hi: float) -> str:
+    """ "+0.123 [+0.100, +0.150]", or the estimate alone where there is no interval."""
+    if not np.isfinite(lo) or not np.isfinite(hi):
+        return f"{_gain(est)} (no interval)"
+    return f"{_gain(est)} [{_gain(lo)}, {_gain(hi)}]"
+
+
+def _row(t: pd.DataFrame, **where: object) -> pd.Series | None:
+    """The one row of `t` matching `where` (column == value; the M column compared as text), or None."""
+    mask = np.ones(len(t), dtype=bool)
+    for col, value in where.items():
+        mask &= (t[col].astype(str) == str(value)).to_numpy()
+    hit = t[mask]
+    return hit.iloc[0] if len(hit) else None
+
+
+def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) -> Outcome:
+    """Which outcome (module docstring) Figure 9's `tables` show; `threshold` (default: the tables' own, the
+    regime's routing volatility) decides which strata are in the regime."""
+    axis = vocab.MINIBATCH_AXIS
+    vol, arms, gaps = (tables[k] for k in ("volatility", "arms", "gaps"))
+    thr = float(vol["threshold"].iloc[0]) if threshold is None else float(threshold)
+    reg = style.registry()
+    grpo, gspo = scorecard.GRPO, scorecard.GSPO
+    rr = reg.replay_partner(grpo)
+    dense_algs = style.order_or_sorted(arms.loc[arms["model"] == DENSE, ALGORITHM].astype(str))
+    moe_algs = set(arms.loc[arms["model"] == MOE, ALGORITHM].astype(str))
+    missing = [style.label_or_name(a) for a in (grpo, rr, gspo) if a not in moe_algs]
+    missing += [] if dense_algs else ["a dense control (runs whose model has one expert)"]
+    if missing:
+        return Outcome(UNDECIDED, (f"No outcome: the off-policy study lacks {', '.join(missing)}.",))
+    if not (arms["quantity"] == HELD_OUT).any():
+        why = "no held-out gain (no run evaluated its starting policy at step 0), which the outcome is decided on"
+        return Outcome(UNDECIDED, (f"No outcome: {why}.",))
+    dense = dense_algs[0]
+    lab = {a: style.label(a) for a in (grpo, rr, gspo)}  # GRPO, its replay partner, GSPO: in this order
+    measured = vol[vol["n"].astype(int) > 0].sort_values("mean")
+    if measured.empty:
+        return Outcome(UNDECIDED, ("No outcome: no MoE run measured its routing volatility (no M above one).",))
+
+    def gain_at(model: str, alg: str, m: object) -> pd.Series | None:
+        return _row(arms, model=model, algorithm=alg, quantity=HELD_OUT, **{axis: m})
+
+    def mean(row: pd.Series | None) -> float:
+        return float(row["mean"]) if row is not None else np.nan
+
+    def ci(row: pd.Series | None) -> str:
+        return _ci(float(row["mean"]), float(row["low"]), float(row["high"])) if row is not None else "not run"
+
+    def volatility(r: pd.Series) -> str:
+        return (
+            f"{regime.percent(float(r['mean']))} [{regime.percent(float(r['low']))}, "
+            f"{regime.percent(float(r['high']))}] of expert slots per update (n={int(r['n'])} runs)"
+            if np.isfinite(float(r["low"]))
+            else f"{regime.percent(float(r['mean']))} of expert slots per update (n={int(r['n'])} run)"
+        )
+
+    strata = []
+    for _, r in measured.iterrows():
+        m = r[axis]
+        if float(r["mean"]) >= thr and mean(gain_at(DENSE, dense, m)) > 0 and mean(gain_at(MOE, gspo, m)) > 0:
+            strata.append(r)
+    dense_lab = "the dense control"
+    if strata:
+
+        def dense_gain(m: object) -> str:
+            return f"{style.label(dense)}: held-out gain {ci(gain_at(DENSE, dense, m))}"
+
+        def gspo_gain(m: object) -> str:
+            return ci(gain_at(MOE, gspo, m))
+
+        return _in_regime(strata, thr, lab, dense_lab, dense_gain, gspo_gain, volatility, tables)
+
+    top = measured.iloc[-1]
+    m_top = top[axis]
+    side = "at or above" if float(top["mean"]) >= thr else "below"
+    out = [
+        "Outcome (ii): no stratum reached the regime with the dense control and GSPO still learning. "
+        f"The highest routing volatility reached was {volatility(top)} at M = {_short(m_top)}, {side} the "
+        f"{regime.percent(thr)} threshold; there the held-out gain of {dense_lab} ({style.label(dense)}) was "
+        f"{ci(gain_at(DENSE, dense, m_top))} and of {lab[gspo]} {ci(gain_at(MOE, gspo, m_top))}."
+    ]
+    learned = [r for _, r in measured.iterrows() if mean(gain_at(DENSE, dense, r[axis])) > 0]
+    if learned:
+        best = learned[-1]
+        out.append(
+            f"The dense control still learned (held-out gain's mean above 0) up to a volatility of "
+            f"{regime.percent(float(best['mean']))} (M = {_short(best[axis])}, gain "
+            f"{ci(gain_at(DENSE, dense, best[axis]))})."
+        )
+    else:
+        out.append("The dense control learned (held-out gain's mean above 0) at no M with a measured volatility.")
+    in_regime = [r for _, r in measured.iterrows() if float(r["mean"]) >= thr]
+    for r in in_regime:
+        if r[axis] == m_top:
+            continue
+        out.append(
+            f"At M = {_short(r[axis])}, also at or above the threshold ({volatility(r)}), the held-out gain of "
+            f"{dense_lab} was {ci(gain_at(DENSE, dense, r[axis]))} and of {lab[gspo]} "
+            f"{ci(gain_at(MOE, gspo, r[axis]))}."
+        )
+    g = gaps[(gaps["minuend"].astype(str) == grpo) & (gaps["subtrahend"].astype(str) == rr)]
+    g = g[g["quantity"] == HELD_OUT]
+    g = g[g[axis].astype(str).isin(measured[axis].astype(str))]
+    g = g.assign(_v=g[axis].astype(str).map(dict(zip(measured[axis].astype(str), measured["mean"], strict=True))))
+    g = g.sort_values("_v")
+    finite = g[np.isfinite(g["low"].astype(float))]
+    if finite.empty:
+        out.append(f"No {lab[grpo]} \u2212 {lab[rr]} held-out gap has an interval at a measured M.")
+    else:
+        lows = finite["low"].astype(float)
+        per = "; ".join(f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
+                        f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
+                        for _, r in finite.iterrows())  # fmt: skip
+        below = finite[finite["high"].astype(float) < 0]
+        tail = (
+            " At "
+            + ", ".join(f"M = {_short(m)}" for m in below[axis])
+            + " the interval lies below 0: dropping replay cost held-out gain there."
+            if len(below)
+            else ""
+        )
+        out.append(
+            f"Within the regime reached (volatility {regime.percent(float(finite['_v'].min()))} to "
+            f"{regime.percent(float(finite['_v'].max()))}), the seeds exclude a {lab[grpo]} \u2212 {lab[rr]} "
+            f"held-out gain gap below {_gain(float(lows.min()))} at every M (the lowest bound of the 95% Welch "
+            f"intervals; {per}).{tail}"
+        )
+    return Outcome(NOT_IN_REGIME, tuple(out))
+
+
+def _in_regime(
+    strata: list[pd.Series],
+    thr: float,
+    lab: Mapping[str, str],
+    dense_lab: str,
+    dense_gain: Callable[[object], str],
+    gspo_gain: Callable[[object], str],
+    volatility: Callable[[pd.Series], str],
+    tables: Mapping[str, pd.DataFrame],
+) -> Outcome:
+    """Outcome (i): per stratum in the regime, whether GRPO fell beyond the dense control while GRPO + Routing
+    Replay and GSPO did not; `lab`: the three algorithms' labels (GRPO, its replay partner, GSPO, in that order)."""
+    axis = vocab.MINIBATCH_AXIS
+    grpo, rr, gspo = lab
+    loss, gaps, coll = tables["offpolicy_loss"], tables["gaps"], tables.get("collapse_rate")
+    out, reproduced, ms = [], [], []
+    for r in strata:
+        m = r[axis]
+        ms.append(m)
+        ex = {a: _row(loss, algorithm=a, quantity=HELD_OUT, **{axis: m}) for a in (grpo, rr, gspo)}
+        hi = {a: float(row["excess_high"]) if row is not None else np.nan for a, row in ex.items()}
+        fell = {a: (None if not np.isfinite(h) else h < 0) for a, h in hi.items()}
+        yes = fell[grpo] is True and fell[rr] is False and fell[gspo] is False
+        reproduced.append(yes)
+        why = []
+        if fell[grpo] is not True:
+            why.append(f"{lab[grpo]} did not fall beyond it" if fell[grpo] is False else f"{lab[grpo]}: no interval")
+        for a in (rr, gspo):
+            if fell[a] is not False:
+                why.append(f"{lab[a]} fell beyond it too" if fell[a] else f"{lab[a]}: no interval")
+        excess = {
+            a: "not run" if row is None else _ci(float(row["excess"]), float(row["excess_low"]),
+                                                 float(row["excess_high"]))
+            for a, row in ex.items()
+        }  # fmt: skip
+        gap = []
+        for q in (HELD_OUT, FINAL):
+            row = _row(gaps, minuend=grpo, subtrahend=rr, quantity=q, **{axis: m})
+            if row is not None:
+                gap.append(f"{q} {_ci(float(row['estimate']), float(row['low']), float(row['high']))} (n = {row['n']})")
+        fell_runs = ""
+        c = _row(coll, model=MOE, algorithm=grpo, **{axis: m}) if coll is not None else None
+        if c is not None:
+            fell_runs = f" {lab[grpo]} collapsed in {int(c['collapsed'])} of {int(c['runs'])} runs there."
+        verdict = "Figure 3 is reproduced there" if yes else f"Figure 3 is not reproduced there ({'; '.join(why)})"
+        out += [
+            f"Outcome (i): at M = {_short(m)} the MoE's routing volatility was {volatility(r)}, at or above the "
+            f"{regime.percent(thr)} threshold, while {dense_lab} ({dense_gain(m)}) and {lab[gspo]} "
+            f"({gspo_gain(m)}) still learned.",
+            f"{verdict}: the held-out gain's off-policy loss beyond {dense_lab}'s (the arm's change from the fewest "
+            f"M less the dense control's, 95% interval) was {excess[grpo]} for {lab[grpo]}, {excess[rr]} for "
+            f"{lab[rr]} and {excess[gspo]} for {lab[gspo]}; {lab[grpo]} \u2212 {lab[rr]}: "
+            + ("; ".join(gap) or "not measured")
+            + f".{fell_runs}",
+        ]
+    return Outcome(IN_REGIME, tuple(out), tuple(ms), any(reproduced))
+
+
+__all__ = ["IN_REGIME", "NOT_IN_REGIME", "UNDECIDED", "Outcome", "outcome"]

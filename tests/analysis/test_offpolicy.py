@@ -1,0 +1,189 @@
+"""Figure 9 (Routing Replay along off-policy updates) and the outcome the report leads with, on synthetic studies
+whose answers are known (analysis.synthetic.offpolicy_truth): one that reproduces Figure 3 at the one M in the regime
+(outcome i), one where every arm breaks there, the dense control included (outcome ii)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import figures, offpolicy, report, stats, style, synthetic, tidy, vocab
+from analysis.figures import DENSE, HELD_OUT, MOE, MissingData
+from analysis.results import CSV_EXACT
+from tests.analysis.test_analysis_figures import _layout_problems
+
+M = vocab.MINIBATCH_AXIS
+RUN = {"n_steps": synthetic.OFFPOLICY_STEPS, "flops_per_step": 1e11}
+
+
+@pytest.fixture(scope="module")
+def studies(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Path, tidy.Study]]:
+    out = {}
+    for reproduced in (True, False):
+        root = tmp_path_factory.mktemp(f"offpolicy_{reproduced}")
+        synthetic.make_offpolicy_study(root, reproduced=reproduced)
+        out[reproduced] = (root, tidy.load_study(root))
+    return out
+
+
+@pytest.fixture(scope="module")
+def made(studies) -> dict[bool, figures.Made]:
+    return {k: figures.figure9_offpolicy_replay(st) for k, (_, st) in studies.items()}
+
+
+def _truth(m: int, family: str, alg: str, reproduced: bool = True) -> synthetic.Curve:
+    return synthetic.offpolicy_truth(m, reproduced=reproduced)[family][alg]
+
+
+def _gain(c: synthetic.Curve) -> float:
+    return synthetic.expected_gain(c, eval_every=synthetic.OFFPOLICY_EVERY, **RUN)
+
+
+def _final(c: synthetic.Curve) -> float:
+    return synthetic.expected_final_reward(c, **RUN)
+
+
+def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(studies) -> None:
+    # the dense control's config overrides model.moe_ffn_hidden_size, the MoE's does not: the per-run tables and the
+    # figures that group by every axis read it as missing for the MoE instead of failing
+    _, st = studies[True]
+    per_run = stats.final_window(st.long, vocab.REWARD)
+    ffn = per_run.set_index("run_id")["model.moe_ffn_hidden_size"]
+    dense = st.runs.loc[st.runs["model.num_experts"] == 1, "run_id"]
+    assert (ffn[dense] == 1024).all() and ffn.drop(dense).isna().all()
+    figures.figure1_reward(st)
+    assert len(figures.routing_volatility_tables(st)["volatility"]) == 8  # 4 M x (MoE, dense)
+
+
+def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
+    tables = made[True].tables
+    vol, arms, gaps, loss = (tables[k] for k in ("volatility", "arms", "gaps", "offpolicy_loss"))
+    # (a) the MoE's volatility per M: none at M = 1 (no off-policy minibatch), 1.1 x the truth elsewhere (+20% drift)
+    assert vol[M].tolist() == list(synthetic.OFFPOLICY_MINIBATCHES) and vol["n"].tolist() == [0, 12, 12, 12]
+    truth = [synthetic.OFFPOLICY_VOLATILITY[m] * 1.1 for m in (4, 16, 64)]
+    np.testing.assert_allclose(vol["mean"].iloc[1:], truth, rtol=0.03)
+    assert vol["in_regime"].tolist() == [False, False, False, True]
+    # (b) every arm's gain and final reward: the dense control apart from the MoE by its model config
+    assert set(arms.loc[arms["model"] == DENSE, "algorithm"]) == {"grpo"}
+    assert len(arms[(arms["model"] == MOE) & (arms["quantity"] == HELD_OUT)]) == 4 * 4 - 2
+    for _, r in arms.iterrows():
+        c = _truth(int(r[M]), r["model"], r["algorithm"])
+        known = _gain(c) if r["quantity"] == HELD_OUT else _final(c)
+        assert r["low"] - 0.01 <= known <= r["high"] + 0.01, (r.to_dict(), known)
+    # (c) the gaps: GRPO - GRPO + RR opens at M = 64 only, GSPO's never; the dense control's loss at each M
+    for _, r in gaps.iterrows():
+        m, q = int(r[M]), r["quantity"]
+        f = _gain if q == HELD_OUT else _final
+        if r["model"] == MOE:
+            known = f(_truth(m, MOE, r["minuend"])) - f(_truth(m, MOE, r["subtrahend"]))
+        else:
+            known = f(_truth(m, DENSE, "grpo")) - f(_truth(1, DENSE, "grpo"))
+        assert r["low"] <= known <= r["high"], (r.to_dict(), known)
+    grpo = gaps[(gaps["minuend"] == "grpo") & (gaps["model"] == MOE)]
+    assert (grpo.loc[grpo[M] == 64, "high"] < -0.2).all() and (grpo.loc[grpo[M] < 64, "high"] > 0).all()
+    assert set(gaps.loc[gaps["model"] == DENSE, M]) == {4, 16, 64}
+    # the off-policy loss beyond the dense control: GRPO at M = 64 only
+    held = loss[loss["quantity"] == HELD_OUT].set_index(["algorithm", M])
+    assert held.loc[("grpo", 64), "excess_high"] < 0 and held.loc[("grpo_rr", 64), "baseline"] == "grpo"
+    assert (held.drop(("grpo", 64))["excess_high"] > 0).all()
+    # collapses: GRPO's three runs at M = 64, in the table and the caption
+    coll = tables["collapse_rate"]
+    assert coll.loc[coll["collapsed"] > 0, ["algorithm", M, "collapsed", "runs"]].values.tolist() == [
+        ["grpo", 64, 3, 3]
+    ]
+    assert "GRPO (MoE) at M = 64 3 of 3" in made[True].caption
+    assert "collapse_rate" not in made[False].tables and "No run collapsed." in made[False].caption
+    # the figure renders, reads at a glance, and its caption states the definitions and n
+    paths = style.save(made[True].fig, tmp_path / made[True].name)
+    assert all(p.stat().st_size > 1000 for p in paths) and paths[0].suffix == ".png"
+    assert _layout_problems(made[True].fig) == []
+    assert not [ax for ax in made[True].fig.axes if ax.get_legend() is not None]
+    cap = made[True].caption
+    assert "threshold 5%" in cap and "Welch" in cap and "dense control 3/3/3/3" in cap and "GSPO 3/3/3/3" in cap
+    dense_line = [ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() ==
+                  "arm-dense-grpo"]  # fmt: skip
+    assert dense_line
+
+
+def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:
+    tables = made[True].tables
+    said = offpolicy.outcome(tables)
+    assert (said.kind, said.reproduced, said.strata) == (offpolicy.IN_REGIME, True, (64,))
+    text = " ".join(said.sentences)
+    assert text.startswith("Outcome (i): at M = 64 the MoE's routing volatility was 7.7% [")
+    assert "Figure 3 is reproduced there" in text and "GRPO collapsed in 3 of 3 runs there." in text
+    ex = tables["offpolicy_loss"].set_index(["algorithm", M, "quantity"])
+    r = ex.loc[("grpo", 64, HELD_OUT)]
+    assert f"{r['excess']:+.3f} [{r['excess_low']:+.3f}, {r['excess_high']:+.3f}] for GRPO," in text
+    # at a lower threshold M = 16 (3.3%) enters the regime too: there GRPO did not fall, so it is not reproduced
+    # there, while M = 64 still reproduces it
+    lower = offpolicy.outcome(tables, threshold=0.02)
+    assert lower.strata == (16, 64) and lower.reproduced
+    assert "Figure 3 is not reproduced there (GRPO did not fall beyond it)" in lower.sentences[1]
+    assert lower.sentences[3].startswith("Figure 3 is reproduced there")
+
+
+def test_outcome_ii_names_the_highest_volatility_the_dense_controls_limit_and_the_excluded_gap(made) -> None:
+    tables = made[False].tables
+    said = offpolicy.outcome(tables)
+    assert (said.kind, said.reproduced, said.strata) == (offpolicy.NOT_IN_REGIME, None, ())
+    first, dense, excluded = said.sentences
+    arms = tables["arms"].set_index(["model", "algorithm", M, "quantity"])
+    d64, g64 = arms.loc[(DENSE, "grpo", 64, HELD_OUT)], arms.loc[(MOE, "gspo", 64, HELD_OUT)]
+    assert d64["mean"] < 0  # the dense control fell where the volatility reached the regime
+    assert "The highest routing volatility reached was 7.7% [" in first and "at M = 64, at or above the 5%" in first
+    assert f"(GRPO) was {d64['mean']:+.3f} [{d64['low']:+.3f}, {d64['high']:+.3f}]" in first
+    assert f"of GSPO {g64['mean']:+.3f} [" in first
+    assert dense.startswith("The dense control still learned (held-out gain's mean above 0) up to a volatility of 3.3%")
+    g = tables["gaps"]
+    g = g[(g["minuend"] == "grpo") & (g["subtrahend"] == "grpo_rr") & (g["quantity"] == HELD_OUT)]
+    assert f"gap below {g['low'].min():+.3f} at every M" in excluded
+    for _, r in g.iterrows():
+        assert f"M = {r[M]} (" in excluded and f"[{r['low']:+.3f}, {r['high']:+.3f}]" in excluded
+    # the outcome reads the tables as the report reads them back from CSV (results.reuse_figures)
+    back = {k: pd.read_csv(io.StringIO(df.to_csv(index=False)), **CSV_EXACT) for k, df in tables.items()}
+    assert offpolicy.outcome(back).sentences == said.sentences
+
+
+def test_figure9_is_skipped_with_its_reason_without_the_minibatch_axis(tmp_path) -> None:
+    synthetic.make_routing_study(tmp_path, scales=(1.0, 30.0), seeds=(0, 1), n_steps=20)
+    st = tidy.load_study(tmp_path)
+    with pytest.raises(MissingData, match="does not sweep it"):
+        figures.figure9_offpolicy_replay(st)
+    rendered = figures.make_all(st, tmp_path / "figs", only=["figure9_offpolicy_replay"])
+    assert "minibatches per rollout batch" in rendered.skipped["figure9_offpolicy_replay"]
+
+
+def _figures_dir(root: Path, st: tidy.Study) -> Path:
+    """A `figures` output holding Figure 9 alone, drawn from `st` (the report reuses it: fast)."""
+    out = root / "figs"
+    rendered = figures.make_all(st, out, only=["figure9_offpolicy_replay"])
+    tables = {}
+    for name, dfs in rendered.tables.items():
+        (out / figures.TABLES).mkdir(parents=True, exist_ok=True)
+        for t, df in dfs.items():
+            (out / figures.TABLES / f"{name}.{t}.csv").write_text(df.to_csv(index=False))
+        tables[name] = {t: f"{figures.TABLES}/{name}.{t}.csv" for t in dfs}
+    entries = {n: {"files": [p.name for p in ps], "caption": rendered.captions[n], "tables": tables[n]}
+               for n, ps in rendered.paths.items()}  # fmt: skip
+    index = {"data": figures.data_fingerprint(st), "figures": entries, "skipped": {}}
+    (out / figures.INDEX).write_text(json.dumps(index))
+    return out
+
+
+def test_the_report_leads_with_the_outcome_over_figure9(studies) -> None:
+    root, st = studies[True]
+    rep = report.build_report(st, root / "report", figures_dir=_figures_dir(root, st))
+    md, page = rep.markdown.read_text(), rep.html.read_text()
+    said = offpolicy.outcome(figures.figure9_offpolicy_replay(st).tables)
+    lead = md.index("54 runs (completed 51, collapsed 3")
+    section = md.index("## Routing Replay along off-policy updates")
+    assert lead < section < md.index(said.sentences[0]) < md.index("![figure9_offpolicy_replay]")
+    assert md.index("![figure9_offpolicy_replay]") < md.index("## Headline") < md.index("**C1 ")
+    assert page.count("<figure id='figure9_offpolicy_replay'>") == 1  # not repeated under "More figures"
+    assert (rep.html.parent / "tables" / "figure9_offpolicy_replay.gaps.csv").is_file()
