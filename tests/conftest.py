@@ -4,10 +4,12 @@ the session's start), and the cold starts run tests start from, each trained onc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Stop before any test where STUDY_REQUIRE names something this machine lacks, naming each."""
+    """Stop before any test where STUDY_REQUIRE names something this machine lacks, naming each; then, for the whole
+    suite on pytest-xdist workers, start training the tiny default cold start (`_prebuild`)."""
     try:
         names = required()
     except ValueError as err:
@@ -31,6 +34,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     gone = [f"{name}: {reason}" for name in sorted(names) if (reason := missing(name))]
     if gone:
         pytest.exit(f"STUDY_REQUIRE={os.environ['STUDY_REQUIRE']} but missing here: {'; '.join(gone)}", returncode=1)
+    _prebuild(session.config)
 
 
 def _requirement(name: str):  # type: ignore[no-untyped-def]
@@ -80,6 +84,7 @@ class ColdStarts:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.training: subprocess.Popen | None = None  # the training process while one runs
 
     def get(self, model: str = "tiny", task: str = "chain_sum", *, strict: bool = True, **settings: object) -> Path:
         """The directory of the cold start of `model` on `task` with further ColdStartSettings `settings` (band,
@@ -96,11 +101,46 @@ class ColdStarts:
                 cmd = [sys.executable, "-m", "study.launch", "--coldstart", model, task, "--results", str(self.root),
                        "--coldstart-settings", json.dumps(settings)]  # fmt: skip
                 env = {k: v for k, v in os.environ.items() if k != "STUDY_NATIVE"}  # the C kernels on, their default
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-                assert proc.returncode == 0 and is_complete(directory), f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
+                self.training = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+                try:
+                    _, err = self.training.communicate(timeout=900)
+                finally:
+                    self.training.kill()  # (nothing when it has exited)
+                    rc, self.training = self.training.wait(), None
+                assert rc == 0 and is_complete(directory), f"{' '.join(cmd)}\n{err[-3000:]}"
         record = read_record(directory)
         assert not strict or record["status"] == "in_band", (directory, record["status"], record["pass_at_1"])
         return directory
+
+
+def _prebuild_tiny(store: ColdStarts) -> None:
+    with contextlib.suppress(Exception):  # a test that needs it trains it again, and reports why it failed
+        store.get("tiny", "chain_sum")
+
+
+def _prebuild(config: pytest.Config) -> None:
+    """The whole suite on pytest-xdist workers (make test): the controller trains the tiny default cold start, which
+    most run tests start from, in a thread from the start, so that no worker sits waiting for it."""
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None) or not whole_suite:
+        return
+    if getattr(config.option, "collectonly", False):
+        return
+    root = config._tmp_path_factory.getbasetemp() / "coldstarts"  # type: ignore[attr-defined]
+    root.mkdir(exist_ok=True)
+    store = ColdStarts(root)
+    config.stash[_PREBUILT] = store
+    threading.Thread(target=_prebuild_tiny, args=(store,), name="prebuild-tiny-coldstart", daemon=True).start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    store = config.stash.get(_PREBUILT, None)
+    if store is not None and store.training is not None:
+        store.training.kill()  # a session ended before the training did
+
+
+_PREBUILT = pytest.StashKey[ColdStarts]()
 
 
 def store_root(factory: pytest.TempPathFactory) -> Path:
