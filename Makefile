@@ -30,11 +30,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two pytest-xdist workers; --dist loadgroup keeps the tests that share a module fixture on one worker
+# (@pytest.mark.xdist_group).
+PYTEST_XDIST ?= -n 2 --dist loadgroup
+
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow"
 
 # RL step vs TRL's GRPOTrainer (benchmarks/bench_trl.py). TRL goes into its own environment, .venv-bench, never .venv:
 # the CPU torch pin and the harness (`-e .[bench]`) in one pip command, so no CUDA torch is pulled.

@@ -112,8 +112,12 @@ def smoke_config(algorithm: str = "grpo", **changes) -> RunConfig:
 
 
 def sharing_coldstart(results: Path, other: Path) -> Path:
-    """A fresh results dir whose cold start is `results`' (symlinked), so the same run id can run there again."""
+    """A fresh results dir whose finished cold starts are `results`' (symlinked), so the same run id can run there
+    again (a cold start another pytest-xdist worker is still training is left out)."""
+    from study.coldstart import is_complete
+
     (other / "coldstart").mkdir(parents=True)
     for src in (results / "coldstart").iterdir():
-        os.symlink(src, other / "coldstart" / src.name)
+        if is_complete(src):
+            os.symlink(src, other / "coldstart" / src.name)
     return other

@@ -13,20 +13,21 @@ import pytest
 from tests.shared import ROOT, required
 
 
-def _pytest(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """pytest on two tests of tests/study/rollout/test_vllm_engine.py with vLLM hidden (a `vllm` package on
-    PYTHONPATH whose import fails, as a broken install's does)."""
+def _pytest(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """pytest (with `args`) on two tests of tests/study/rollout/test_vllm_engine.py with vLLM hidden (a `vllm`
+    package on PYTHONPATH whose import fails, as a broken install's does)."""
     shadow = tmp_path / "shadow" / "vllm"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("hidden by tests/test_requirements.py")\n')
     env = {**os.environ, "PYTHONPATH": str(shadow.parent), **env}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "own_process",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "-k", "own_process",
            "tests/study/rollout/test_vllm_engine.py"]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_required_vllm_that_does_not_import_stops_the_session(tmp_path: Path) -> None:
-    proc = _pytest(tmp_path, STUDY_REQUIRE="vllm")
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_required_vllm_that_does_not_import_stops_the_session(tmp_path: Path, workers: list[str]) -> None:
+    proc = _pytest(tmp_path, *workers, STUDY_REQUIRE="vllm")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "missing here: vllm: `import vllm` fails (ImportError: hidden by tests/test_requirements.py)" in out, out

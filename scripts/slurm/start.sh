@@ -56,10 +56,14 @@ mariadb --no-defaults --socket="$DIR/run/mysqld.sock" -u root -e \
     "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" \
     || fail "could not create the slurm database user"
 
-# --- configuration: the node's real CPUs, 95% of its real memory (more drains the node).
+# --- configuration: 95% of the node's real memory (more drains the node); its real CPUs, but at least 8: the tests'
+# jobs mostly wait (for a time limit, a requeue), and on 2 cores a two-task job would otherwise hold every CPU while it
+# waits, and the jobs of the two test workers queue behind each other (config_overrides: slurmd accepts more CPUs than
+# the machine has).
 NODE=$(hostname -s)
 read -r CPUS MEM < <(slurmd -C | awk '/^NodeName/ {for (i = 1; i <= NF; i++) {split($i, kv, "=");
     if (kv[1] == "CPUs") c = kv[2]; if (kv[1] == "RealMemory") m = kv[2]}} END {print c, int(m * 0.95)}')
+CPUS=$((CPUS < 8 ? 8 : CPUS))
 cat >"$DIR/etc/slurm.conf" <<CONF
 ClusterName=ci
 SlurmctldHost=localhost
@@ -92,7 +96,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
-KillWait=10
+# Seconds between a job's SIGTERM and its SIGKILL (time limit, cancel, requeue): a requeued job's tasks that ignore
+# SIGTERM (submitit's do) hold the requeue this long; 5 s leave a loaded machine's job time to log its requeue.
+KillWait=5
+SlurmdParameters=config_overrides
 MinJobAge=600
 InactiveLimit=0
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN

@@ -323,42 +323,106 @@ def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Pat
     assert len(list(dist.glob("__0_*.distcp"))) >= 1 and len(list(dist.glob("__1_*.distcp"))) >= 1  # both ranks'
 
 
+# --- SLURM time-outs. Both time-out tests wait for SLURM: the time-limit warning comes from slurmctld's time-limit
+# sweep, every 30 s, which signals a job once less than its signal delay + 30 s is left, i.e. with a 1-minute limit and
+# a 5-s delay 25-55 s into the job (1 minute is the smallest limit SLURM takes). The two-task job is submitted first,
+# from a module fixture, so that its wait overlaps the one-task run's; the test cluster (scripts/slurm/start.sh) has
+# CPUs for both jobs and a KillWait of 5 s, which a requeue waits for the tasks that ignore SIGTERM.
+TIMEOUT_SLURM = {"time_min": 1, "signal_delay_s": 5}
+
+TWO_TASK_TIMEOUT = """
+import json, sys
+from study import launch
+res = launch.Resources(tasks_per_node=2, time_min={time_min}, signal_delay_s={signal_delay_s}, mem_gb=1,
+                       max_timeouts=3)
+print(json.dumps(launch.launch_rank_check(sys.argv[1], "slurm", res, hold_s=600)))
+""".format(**TIMEOUT_SLURM)
+
+
+@pytest.fixture(scope="module")
+def two_task_timeout(requires_slurm: None, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The two-task rank check whose first attempt holds past its time limit, submitted now in its own process
+    (launch_rank_check blocks, and takes SIGTERM to cancel its job): (process, results dir)."""
+    root = tmp_path_factory.mktemp("two-task-timeout")
+    proc = subprocess.Popen([sys.executable, "-c", TWO_TASK_TIMEOUT, str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    yield proc, root
+    if proc.poll() is None:
+        proc.terminate()  # cancels the job
+        proc.communicate(timeout=60)
+
+
 @needs_slurm
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_a_slurm_timeout_requeues_and_finishes_identically(results: Path, tmp_path: Path) -> None:
+@pytest.mark.xdist_group("slurm-timeouts")
+@pytest.mark.timeout(900)
+def test_a_slurm_timeout_requeues_and_finishes_identically(two_task_timeout, results: Path, tmp_path: Path) -> None:
     """A run longer than its 1-minute limit: SLURM signals it, submitit calls Run.checkpoint and requeues the job, the
     requeued job resumes from the run's last checkpoint; the metrics equal those of an uninterrupted run."""
-    # A 2-minute limit: slurmctld sends the 20-s warning signal on its ~30-s time-limit sweep, i.e. 70-100 s into the
-    # job, after the ~30 s start-up and several checkpoints; each job gets ~40-70 s of steps before its signal. The run
-    # must outlast the first job whatever this machine's speed: a fixed 1,800 steps (~3 min at 0.09 s a step when it
-    # was written) finished in 94 s on a machine at 0.043 s a step, never signalled. So the steps are sized from a
-    # measured short run: ~200 s of steps (1,800 at least, 8,000 at most). The budget of 20 timeouts leaves a slow
-    # machine room (CI runs took 6 requeues).
-    probe_results = sharing_coldstart(results, tmp_path / "probe")
-    probe = run_launch(write_config(smoke_config(steps=60, eval_every=0, checkpoint_every=0), tmp_path / "probe.yaml"),
-                       probe_results, "--launcher", "in-process")  # fmt: skip
-    assert probe.returncode == 0, probe.stderr[-4000:]
-    (probe_run,) = (probe_results / "runs").iterdir()
-    per_step = float(pd.read_parquet(probe_run / "metrics.parquet")["wall_s"].max()) / 60
-    steps = int(min(8000, max(1800, 200 / per_step)))
+    # The run must outlast the first job's signal (55 s into the job at the latest) whatever this machine's speed, so
+    # its steps are sized from a measured short run: ~70 s of steps (600 at least, 4,000 at most), more than the job
+    # can do before its signal even at 1.5 times the measured speed. Once the job has been signalled, its limit is
+    # raised to 10 minutes, so that the requeued job finishes the run instead of being signalled again every minute.
+    from study import rl
+
+    probe = rl.run(smoke_config(steps=60, eval_every=0, checkpoint_every=0),
+                   sharing_coldstart(results, tmp_path / "probe"), progress=False)  # fmt: skip
+    per_step = float(pd.read_parquet(probe / "metrics.parquet")["wall_s"].max()) / 60
+    steps = int(min(4000, max(600, 70 / per_step)))
     cfg = smoke_config(steps=steps, eval_every=600, checkpoint_every=10)
     config = write_config(cfg, tmp_path / "long.yaml")
     other = sharing_coldstart(results, tmp_path / "other")
-    slurm_args = ["--launcher", "slurm", "--time-min", "2", "--signal-delay-s", "20", "--max-timeouts", "20"]
-    slurm = subprocess.Popen([*LAUNCH, str(config), "--results", str(other), *slurm_args, "--mem-gb", "2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
-    reference = run_launch(config, results, "--launcher", "in-process")  # meanwhile, on the other core
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    _, err = slurm.communicate(timeout=1200)
-    assert slurm.returncode == 0, err[-4000:]
+    slurm_args = ["--launcher", "slurm", "--time-min", str(TIMEOUT_SLURM["time_min"]), "--signal-delay-s",
+                  str(TIMEOUT_SLURM["signal_delay_s"]), "--max-timeouts", "5", "--mem-gb", "2"]  # fmt: skip
     run_dir = other / "runs" / cfg.run_id
+
+    def log() -> str:
+        return "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.*")))
+
+    procs = {}  # the SLURM job and the uninterrupted reference, on both cores
+    try:
+        for name, root, args in (("slurm", other, slurm_args), ("reference", results, ["--launcher", "in-process"])):
+            with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+                procs[name] = subprocess.Popen([*LAUNCH, str(config), "--results", str(root), *args], stdout=out,
+                                               stderr=err, text=True, cwd=ROOT)  # fmt: skip
+        deadline = time.time() + 600
+        while "Calling checkpoint method" not in log() and procs["slurm"].poll() is None:  # signalled: requeueing
+            assert time.time() < deadline, "no time-out signal in 10 minutes"
+            time.sleep(1)
+        if procs["slurm"].poll() is None:
+            (job_id,) = {p.name.split("_")[0] for p in (run_dir / "submitit").glob("*_log.*")}
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=60)
+        for name, proc in procs.items():
+            assert proc.wait(timeout=700) == 0, (tmp_path / f"{name}.err").read_text()[-4000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()  # the launcher cancels its SLURM job
+                proc.wait(timeout=60)
     assert state(run_dir) == "completed"
-    log = "".join(p.read_text() for p in sorted((run_dir / "submitit").glob("*_log.*")))
-    assert "this job is timed-out" in log and "Calling checkpoint method" in log, log[-4000:]
-    assert re.search(r"Requeued job \d+ \(\d+ remaining timeouts\)", log), log[-4000:]
-    assert log.count("Starting with JobEnvironment") >= 2  # the requeued job started again
+    text = log()
+    assert "this job is timed-out" in text and "Calling checkpoint method" in text, text[-4000:]
+    assert re.search(r"Requeued job \d+ \(\d+ remaining timeouts\)", text), text[-4000:]
+    assert text.count("Starting with JobEnvironment") >= 2  # the requeued job started again
     pd.testing.assert_frame_equal(metrics(run_dir), metrics(results / "runs" / cfg.run_id), check_exact=True)
+
+
+@needs_slurm
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm-timeouts")
+@pytest.mark.timeout(600)
+def test_a_two_task_job_requeues_whole_after_a_timeout(two_task_timeout) -> None:
+    """Both ranks of a two-task job hold past the 1-minute limit: rank 0 checkpoints and requeues the job, and both
+    ranks start again (attempt 1) and agree on the env again."""
+    proc, root = two_task_timeout
+    out, err = proc.communicate(timeout=540)
+    assert proc.returncode == 0, err[-3000:]
+    views = json.loads(out.strip().splitlines()[-1])
+    assert [v["attempt"] for v in views] == [1, 1] and [v["rank"] for v in views] == [0, 1]
+    assert all(v["sum"] == 3.0 for v in views)
+    log = "".join(p.read_text() for p in sorted((root / "rank-check" / "submitit").glob("*_log.*")))
+    assert "this job is timed-out" in log and "Calling checkpoint method" in log, log[-3000:]
+    assert re.search(r"Requeued job \d+", log), log[-3000:]
 
 
 # --- multi-node placement: nodes x tasks per node, the torch.distributed env, the fit check -------------------------
@@ -412,20 +476,6 @@ def test_two_tasks_on_one_node_agree_on_the_distributed_env(tmp_path: Path) -> N
     assert [v["rank"] for v in views] == [0, 1] and all(v["sum"] == 3.0 for v in views)
     assert [v["env"]["LOCAL_RANK"] for v in views] == ["0", "1"]
     assert len({(v["env"]["MASTER_ADDR"], v["env"]["MASTER_PORT"], v["env"]["WORLD_SIZE"]) for v in views}) == 1
-
-
-@needs_slurm
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_two_task_job_requeues_whole_after_a_timeout(tmp_path: Path) -> None:
-    """Both ranks of a two-task job hold past the 2-minute limit: rank 0 checkpoints and requeues the job, and both
-    ranks start again (attempt 1) and agree on the env again."""
-    res = launch.Resources(tasks_per_node=2, time_min=2, signal_delay_s=20, mem_gb=1, max_timeouts=3)
-    views = launch.launch_rank_check(tmp_path, "slurm", res, hold_s=600)
-    assert [v["attempt"] for v in views] == [1, 1] and [v["rank"] for v in views] == [0, 1]
-    assert all(v["sum"] == 3.0 for v in views)
-    log = "".join(p.read_text() for p in sorted((tmp_path / "rank-check" / "submitit").glob("*_log.*")))
-    assert "Calling checkpoint method" in log and re.search(r"Requeued job \d+", log), log[-3000:]
 
 
 @pytest.mark.slow

@@ -246,8 +246,20 @@ def _two_rank_run(results, sets: list[str], *, stop: bool) -> None:
     mp.spawn(_rl_worker, args=(_port(), sets, str(results), stop), nprocs=2)
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, easy_coldstart):  # type: ignore[no-untyped-def]
+    """The uninterrupted one-process run of RUN_SETS from the easy cold start, which both resume tests compare with
+    (its results dir)."""
+    from tests.study.policy.test_parallel import RUN_SETS
+
+    results = tmp_path_factory.mktemp("reference")
+    _one_process_run(results, [*RUN_SETS, f"coldstart={easy_coldstart}"], stop=False)
+    return results
+
+
 @pytest.mark.slow
-def test_rl_resume_across_layouts(tmp_path, easy_coldstart):
+@pytest.mark.xdist_group("reference-run")  # one worker computes reference_run for both
+def test_rl_resume_across_layouts(tmp_path, easy_coldstart, reference_run):
     # Two GRPO + Routing Replay steps, checkpointed after each: stopped after step 1 at one layout and resumed at
     # another, step 2 equals the uninterrupted one-process run's (as a whole run at EP 2 does,
     # tests/study/policy/test_parallel.py): one process -> EP 2 (the one-process weights and Adam states sliced into the
@@ -263,8 +275,7 @@ def test_rl_resume_across_layouts(tmp_path, easy_coldstart):
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     ep2, dp2 = ["parallel.expert=2", "parallel.data=2"], ["parallel.data=2"]
     run_id = load_config(preset="tiny", sets=sets).run_id
-    _one_process_run(tmp_path / "reference", sets, stop=False)
-    want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")
+    want = pd.read_parquet(reference_run / "runs" / run_id / "metrics.parquet")
     assert (want["grad_norm"] > 0).all()  # step 2 follows a real update, from a restored optimizer
 
     _one_process_run(tmp_path / "one_to_ep2", sets, stop=True)
@@ -290,8 +301,9 @@ def test_rl_resume_across_layouts(tmp_path, easy_coldstart):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("reference-run")  # one worker computes reference_run for both
 def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed_checkpoint(
-    tmp_path, monkeypatch, easy_coldstart
+    tmp_path, monkeypatch, easy_coldstart, reference_run
 ):
     # STUDY_FULL_STATE_MAX_GB = 0: as for a model whose full weights and Adam states would not fit rank 0 (30B: ~366
     # GB), the DP 2 run's state.pt names its distributed checkpoint and holds no one-process form; resumed at DP 2 it
@@ -312,8 +324,7 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
     monkeypatch.setenv("STUDY_FULL_STATE_MAX_GB", "0")  # inherited by the spawned ranks
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     run_id = load_config(preset="tiny", sets=sets).run_id
-    _one_process_run(tmp_path / "reference", sets, stop=False)
-    want = pd.read_parquet(tmp_path / "reference" / "runs" / run_id / "metrics.parquet")
+    want = pd.read_parquet(reference_run / "runs" / run_id / "metrics.parquet")
 
     _two_rank_run(tmp_path / "dp2", [*sets, "parallel.data=2"], stop=True)
     run = tmp_path / "dp2" / "runs" / run_id
@@ -336,7 +347,7 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
         assert list(got[column]) == pytest.approx(list(want[column]), rel=1e-4, abs=1e-6), column
     assert checkpoint.load(run / "checkpoint" / "state.pt")["model"] is None
-    reference = checkpoint.load(tmp_path / "reference" / "runs" / run_id / "checkpoint" / "state.pt")["model"]
+    reference = checkpoint.load(reference_run / "runs" / run_id / "checkpoint" / "state.pt")["model"]
     weights, step = export.policy_state(load_config(preset="tiny", sets=sets), run, tmp_path / "dp2", None)
     tensors = {name for name, value in reference.items() if isinstance(value, torch.Tensor)}  # (and extra states)
     assert step == 2 and set(reference) == set(weights) and len(tensors) > 10
