@@ -56,14 +56,15 @@ mariadb --no-defaults --socket="$DIR/run/mysqld.sock" -u root -e \
     "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" \
     || fail "could not create the slurm database user"
 
-# --- configuration: 95% of the node's real memory (more drains the node); its real CPUs, but at least 8: the tests'
-# jobs mostly wait (for a time limit, a requeue), and on 2 cores a two-task job would otherwise hold every CPU while it
-# waits, and the jobs of the two test workers queue behind each other (config_overrides: slurmd accepts more CPUs than
-# the machine has).
+# --- configuration: 95% of the node's real memory (more drains the node); its real CPUs, or SLURM_CPUS when set
+# (the test suite's CI sets 8: its jobs mostly wait for a time limit or a requeue, and on 2 cores a two-task job would
+# otherwise hold every CPU while it waits and the two test workers' jobs queue behind each other; slurmd accepts more
+# CPUs than the machine has through config_overrides).
 NODE=$(hostname -s)
 read -r CPUS MEM < <(slurmd -C | awk '/^NodeName/ {for (i = 1; i <= NF; i++) {split($i, kv, "=");
     if (kv[1] == "CPUs") c = kv[2]; if (kv[1] == "RealMemory") m = kv[2]}} END {print c, int(m * 0.95)}')
-CPUS=$((CPUS < 8 ? 8 : CPUS))
+CPUS=${SLURM_CPUS:-$CPUS}
+[[ "$CPUS" =~ ^[1-9][0-9]*$ ]] || fail "SLURM_CPUS = '$CPUS': valid: a positive integer"
 cat >"$DIR/etc/slurm.conf" <<CONF
 ClusterName=ci
 SlurmctldHost=localhost

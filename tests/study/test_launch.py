@@ -326,8 +326,8 @@ def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Pat
 # --- SLURM time-outs. Both time-out tests wait for SLURM: the time-limit warning comes from slurmctld's time-limit
 # sweep, every 30 s, which signals a job once less than its signal delay + 30 s is left, i.e. with a 1-minute limit and
 # a 5-s delay 25-55 s into the job (1 minute is the smallest limit SLURM takes). The two-task job is submitted first,
-# from a module fixture, so that its wait overlaps the one-task run's; the test cluster (scripts/slurm/start.sh) has
-# CPUs for both jobs and a KillWait of 5 s, which a requeue waits for the tasks that ignore SIGTERM.
+# from a module fixture, so that its wait overlaps the one-task run's; CI's test cluster (scripts/slurm/start.sh with
+# SLURM_CPUS=8) has CPUs for both jobs, and a KillWait of 5 s, which a requeue waits for the tasks that ignore SIGTERM.
 TIMEOUT_SLURM = {"time_min": 1, "signal_delay_s": 5}
 
 TWO_TASK_TIMEOUT = """
