@@ -1441,7 +1441,7 @@ def _log2_axis(ax: Axes, ms: Sequence[Any]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks([float(m) for m in ms], [_short(m) for m in ms])
     ax.xaxis.set_minor_locator(ticker.NullLocator())
-    ax.set_xlabel("minibatches per rollout batch M (updates since pi_old: 0..M-1)")
+    ax.set_xlabel("minibatches per rollout batch M")
 
 
 @style.styled
@@ -1533,7 +1533,7 @@ def figure9_offpolicy_replay(
     )
     xerr = pd.DataFrame(_err(vol).T, index=vol[axis], columns=["lo", "hi"])
     drawn = vol[(vol["n"] > 0) & (vol[axis].isin(gaps[axis]))]
-    for ax, q in ((ax_ch, HELD_OUT), (ax_cr, FINAL)):
+    for ax, q, panel in ((ax_ch, HELD_OUT, "c"), (ax_cr, FINAL, "d")):
         g = gaps[(gaps["quantity"] == q) & np.isfinite(gaps["volatility"].astype(float))]
         if g.empty:
             why = "no run evaluated its start (step 0)" if q == HELD_OUT else "no compared pair at a measured M"
@@ -1578,7 +1578,7 @@ def figure9_offpolicy_replay(
         ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5))
         ax.set_xlabel("routing volatility: expert slots changed per update")
         ax.set_ylabel(f"{q} gap")
-        ax.set_title(f"(c) {q}: cost of dropping replay")
+        ax.set_title(f"({panel}) {q}: cost of dropping replay")
     if len(drawn):
         tags = [f"M={_short(m)}" for m in drawn[axis]]
         _top_tags(
@@ -1610,8 +1610,9 @@ def figure9_offpolicy_replay(
         + (" (a run's last evaluation of eval_in_dist minus its step-0 one)" if q_b == HELD_OUT else "")
         + ", seed mean with a 95% t interval, side by side at each M; black dashed: the dense control (the runs "
         f"whose model has {vocab.NUM_EXPERTS_KEY} = 1: one expert of the MoE's active width, nothing to route), the "
-        "off-policy damage without routing. (c) Each algorithm minus its Routing Replay partner, in held-out gain "
-        f"and in final reward (each run's mean over its last {frac:.0%} of steps), at the volatility of each M "
+        "off-policy damage without routing; minibatch m of M follows m - 1 updates since pi_old. (c), (d) Each "
+        "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: each run's mean "
+        f"over its last {frac:.0%} of steps), at the volatility of each M "
         "(negative: dropping replay cost that much), with 95% Welch t intervals; grey: the dense control's "
         "off-policy loss, its value at M minus at the fewest M, with its Welch interval. Runs per M: MoE "
         f"{per_arm or 'none'}; dense control {dense_n}."
