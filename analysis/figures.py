@@ -63,16 +63,30 @@ def select(study: Study, where: Mapping[str, Any] | None) -> Study:
     """The runs of `study` whose axis values match `where` (e.g. {"max_new_tokens": 512})."""
     if not where:
         return study
-    long, runs, layers, tokens, seqs = study.long, study.runs, study.layers, study.tokens, study.sequences
+    ids = set(study.runs[RUN_ID].astype(str))
     for key, value in where.items():
-        if key not in runs.columns:
+        if key not in study.runs.columns:
             raise MissingData(f"cannot select on {key!r}: not a column; axes are {study.axes}")
-        ids = set(runs.loc[runs[key] == value, RUN_ID].astype(str))
-        long = long[long[RUN_ID].astype(str).isin(ids)]
-        layers = layers[layers[RUN_ID].astype(str).isin(ids)]
-        runs = runs[runs[RUN_ID].astype(str).isin(ids)]
-        tokens = tokens[tokens[RUN_ID].astype(str).isin(ids)] if len(tokens) else tokens
-        seqs = seqs[seqs[RUN_ID].astype(str).isin(ids)] if len(seqs) else seqs
+        ids &= set(study.runs.loc[study.runs[key] == value, RUN_ID].astype(str))
+    return _only(study, ids)
+
+
+def routed(study: Study) -> Study:
+    """`study` without its dense-control runs (a model of one expert: nothing to route, so no routing to measure),
+    for the routing figures; unchanged when it has none or has nothing else."""
+    ids = study.runs[RUN_ID].astype(str).tolist()
+    moe = {r for r, m in zip(ids, _model_of(study, ids), strict=True) if m == MOE}
+    return study if not moe or len(moe) == len(ids) else _only(study, moe)
+
+
+def _only(study: Study, ids: set[str]) -> Study:
+    """`study` restricted to the runs `ids`."""
+    long, runs, layers, tokens, seqs = study.long, study.runs, study.layers, study.tokens, study.sequences
+    long = long[long[RUN_ID].astype(str).isin(ids)]
+    layers = layers[layers[RUN_ID].astype(str).isin(ids)]
+    runs = runs[runs[RUN_ID].astype(str).isin(ids)]
+    tokens = tokens[tokens[RUN_ID].astype(str).isin(ids)] if len(tokens) else tokens
+    seqs = seqs[seqs[RUN_ID].astype(str).isin(ids)] if len(seqs) else seqs
     return Study(
         long=long,
         runs=runs,
@@ -784,7 +798,7 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
     average clip fraction (right)."""
     from matplotlib import ticker
 
-    st = select(study, where)
+    st = routed(select(study, where))
     _need_metric(st, vocab.ROUTING_SLOT)
     fig = style.new_figure(ncols=3, height=2.8)
     ax_l, ax_t, ax_c = fig.subplots(1, 3)
@@ -1072,7 +1086,8 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
     """Per configuration of the non-algorithm swept axes, against its measured routing volatility (x, with its
     interval): top, the gaps the claims compare (Routing Replay partner minus the algorithm, GSPO minus the GRPO
     baseline) in final reward and in held-out gain; bottom, expert load imbalance and router entropy per algorithm."""
-    st = select(study, where)
+    dense = len(select(study, where).runs) - len(routed(select(study, where)).runs)
+    st = routed(select(study, where))
     tables = routing_volatility_tables(st, frac=frac)
     vol, gaps, load = tables["volatility"], tables["gaps"], tables["routing_load"]
     xs = vol.set_index("config")["mean"]
@@ -1166,7 +1181,9 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
         "imbalance (most tokens on one expert over the mean per expert, 1 = balanced) and router entropy per "
         "algorithm, the mean over steps per run then over seeds (95% interval), drawn side by side at their "
         "configuration's volatility: what the volatility is read against. The report lists C3 and C4 per "
-        "configuration next to this figure." + (f" Configurations: {'; '.join(long_values)}." if long_values else "")
+        "configuration next to this figure."
+        + (f" Configurations: {'; '.join(long_values)}." if long_values else "")
+        + (f" The {dense} runs of a dense control (one expert: nothing to route) are left out." if dense else "")
     )
     return Made(fig, "figure8_routing_volatility", caption, tables)
 

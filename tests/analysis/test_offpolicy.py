@@ -187,3 +187,20 @@ def test_the_report_leads_with_the_outcome_over_figure9(studies) -> None:
     assert md.index("![figure9_offpolicy_replay]") < md.index("## Headline") < md.index("**C1 ")
     assert page.count("<figure id='figure9_offpolicy_replay'>") == 1  # not repeated under "More figures"
     assert (rep.html.parent / "tables" / "figure9_offpolicy_replay.gaps.csv").is_file()
+
+
+def test_the_routing_figures_leave_out_the_dense_control(studies) -> None:
+    # a model of one expert has nothing to route: its volatility 0, load 1 and entropy 0 would sit among the MoE's
+    # configurations as if measured (Figure 8 drew them at x = 0 and joined them to the MoE's points)
+    _, st = studies[True]
+    made = figures.figure8_routing_volatility(st)
+    vol = made.tables["volatility"]
+    # the MoE's 4 M only: without the dense runs the model axes no longer vary, so M alone names a configuration
+    assert vol["config"].tolist() == ["minibatches=1", "minibatches=4", "minibatches=16", "minibatches=64"]
+    dense = int((st.runs["model.num_experts"] == 1).sum())
+    assert dense > 0 and f"The {dense} runs of a dense control" in made.caption
+    per_layer = figures.figure6_routing(st).tables.get("over_training")
+    moe_algs = set(st.runs.loc[st.runs["model.num_experts"] == 32, "algorithm"].astype(str))
+    assert per_layer is not None and set(per_layer["algorithm"].astype(str)) <= moe_algs
+    only_dense = figures.select(st, {"model.num_experts": 1})
+    assert figures.routed(only_dense) is only_dense  # nothing else: unchanged
