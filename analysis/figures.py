@@ -67,7 +67,7 @@ def select(study: Study, where: Mapping[str, Any] | None) -> Study:
     for key, value in where.items():
         if key not in study.runs.columns:
             raise MissingData(f"cannot select on {key!r}: not a column; axes are {study.axes}")
-        ids &= set(study.runs.loc[study.runs[key] == value, RUN_ID].astype(str))
+        ids &= set(study.runs.loc[_equal(study.runs[key], value), RUN_ID].astype(str))
     return _only(study, ids)
 
 
@@ -209,6 +209,13 @@ def _key(values: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(None if isinstance(v, float) and np.isnan(v) else v for v in values)
 
 
+def _equal(column: pd.Series, value: Any) -> np.ndarray:
+    """Rows of `column` equal to `value`, NaN matching NaN (an axis a run's config lacks: `_key`)."""
+    if isinstance(value, float) and np.isnan(value):
+        return column.isna().to_numpy()
+    return (column == value).to_numpy()
+
+
 def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, ...]]:
     """The value combinations of `extra_axes` in `curves`, sorted: their index picks the line style."""
     if not extra_axes:
@@ -242,7 +249,7 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
         for _, key in sub.iterrows():
             mask = np.ones(len(curves), dtype=bool)
             for col in [ALGORITHM, *extra_axes]:
-                mask &= (curves[col] == key[col]).to_numpy()
+                mask &= _equal(curves[col], key[col])
             c = curves[mask]
             ls = DASHES[combos[_key([key[a] for a in extra_axes])] % len(DASHES)]
             label = _group_label(alg, {a: key[a] for a in extra_axes})
@@ -455,7 +462,7 @@ def figure3_routing_replay(
     for axs, cfg in zip(grid_axs, configs, strict=True):
         in_cfg = np.ones(len(info), dtype=bool)
         for col, value in zip(cfg_cols, cfg, strict=True):
-            in_cfg &= (info[col] == value).to_numpy()
+            in_cfg &= _equal(info[col], value)
         where_cfg = ", ".join(f"{c}={v}" for c, v in zip(cfg_cols, cfg, strict=True))
         for ax, fam in zip(axs, fams, strict=True):
             for alg in fam:

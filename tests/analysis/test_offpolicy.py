@@ -204,3 +204,18 @@ def test_the_routing_figures_leave_out_the_dense_control(studies) -> None:
     assert per_layer is not None and set(per_layer["algorithm"].astype(str)) <= moe_algs
     only_dense = figures.select(st, {"model.num_experts": 1})
     assert figures.routed(only_dense) is only_dense  # nothing else: unchanged
+
+
+def test_figures_1_and_3_draw_the_runs_whose_config_lacks_an_axis(studies) -> None:
+    # the MoE's configs lack model.moe_ffn_hidden_size (NaN in the tables): matching a curve or a row of Figure 3 by
+    # `==` dropped every MoE configuration, so Figure 1 showed the dense control's GRPO alone
+    from matplotlib.colors import to_hex
+
+    _, st = studies[True]
+    fig1 = figures.figure1_reward(st).fig
+    drawn = {to_hex(line.get_color()) for line in fig1.axes[0].get_lines()}
+    for alg in set(st.runs["algorithm"].astype(str)):
+        assert to_hex(style.color(alg)) in drawn, alg
+    fig3 = figures.figure3_routing_replay(st).fig
+    per_panel = [len(ax.get_lines()) for ax in fig3.axes if ax.get_lines()]
+    assert len(per_panel) >= 2 * 4 and min(per_panel) > 0  # a row per MoE configuration, both families drawn
