@@ -1067,6 +1067,14 @@ def _err(t: pd.DataFrame, mean: str = "mean") -> np.ndarray:
     return np.where(np.isfinite(e), np.maximum(e, 0), 0)
 
 
+def _gap_bars(ax: Axes, x: pd.Series, p: pd.DataFrame, xerr: pd.DataFrame, alg: str, k: int, label: str,
+              gid: str) -> None:  # fmt: skip
+    """One comparison's gaps (`p`: estimate, low, high) at `x`, with `xerr` (lo, hi columns) the x intervals, in
+    `alg`'s colour and the k-th marker: Figures 8 and 9 draw their gaps alike."""
+    ax.errorbar(x, p["estimate"], yerr=_err(p, "estimate"), xerr=xerr.to_numpy().T, color=style.color(alg),
+                marker=MARKERS[k % len(MARKERS)], ms=4, lw=1.0, capsize=1.5, label=label, gid=gid)  # fmt: skip
+
+
 def _top_tags(fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *,
               crowded: str) -> None:  # fmt: skip
     """Tick labels on top of each of `axes` naming what each x in `xs` is (`tags`, 6 pt, lines split by newlines),
@@ -1115,19 +1123,8 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                 continue
             p["x"] = p["config"].map(xs)
             p = p.sort_values("x")
-            ax.errorbar(
-                p["x"],
-                p["estimate"],
-                yerr=_err(p, "estimate"),
-                xerr=xerr.loc[p["config"]].to_numpy().T,
-                color=style.color(a),
-                marker=MARKERS[k % len(MARKERS)],
-                ms=4,
-                lw=1.0,
-                capsize=1.5,
-                label=f"{style.label(a)} − {style.label(b)} ({claim})",
-                gid=f"gap-{what}-{a}-{b}",
-            )
+            _gap_bars(ax, p["x"], p, xerr.loc[p["config"]], a, k,
+                      f"{style.label(a)} − {style.label(b)} ({claim})", f"gap-{what}-{a}-{b}")  # fmt: skip
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.set_ylabel(f"{what} gap")
         ax.set_title(f"{what}: gap between the compared algorithms")
@@ -1329,45 +1326,23 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     pairs = [(free, rr) for rr, free, claim in scorecard.comparison_pairs(present) if claim in ("C3", "C4")]
     dense_alg = algs[DENSE][0] if algs[DENSE] else None
     m0 = ms[0]
+
+    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        d = stats.mean_difference(x, y)
+        return {"comparison": what, "minuend": a, "subtrahend": b, "model": model, axis: m, "volatility": x_of[m],
+                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high,
+                "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"}  # fmt: skip
+
     rows = []
     for q, m in itertools.product(quantities, ms):
         for free, rr in pairs:
             if (MOE, free, m) in arm and (MOE, rr, m) in arm:
                 x, y = of(quantities[q], MOE, free, m), of(quantities[q], MOE, rr, m)
-                d = stats.mean_difference(x, y)
-                rows.append(
-                    {
-                        "comparison": f"{style.label(free)} - {style.label(rr)}",
-                        "minuend": free,
-                        "subtrahend": rr,
-                        "model": MOE,
-                        axis: m,
-                        "volatility": x_of[m],
-                        "quantity": q,
-                        "estimate": d.estimate,
-                        "low": d.low,
-                        "high": d.high,
-                        "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
-                    }
-                )
+                rows.append(gap_row(f"{style.label(free)} - {style.label(rr)}", free, rr, MOE, m, q, x, y))
         if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
             x, y = of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)
-            d = stats.mean_difference(x, y)
-            rows.append(
-                {
-                    "comparison": f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}",
-                    "minuend": dense_alg,
-                    "subtrahend": dense_alg,
-                    "model": DENSE,
-                    axis: m,
-                    "volatility": x_of[m],
-                    "quantity": q,
-                    "estimate": d.estimate,
-                    "low": d.low,
-                    "high": d.high,
-                    "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
-                }
-            )
+            what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
+            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, x, y))
     gap_cols = [
         "comparison",
         "minuend",
@@ -1583,19 +1558,8 @@ def figure9_offpolicy_replay(
             p = g[(g["minuend"] == a) & (g["subtrahend"] == b)].sort_values("volatility")
             if p.empty:
                 continue
-            ax.errorbar(
-                p["volatility"],
-                p["estimate"],
-                yerr=_err(p, "estimate"),
-                xerr=xerr.loc[p[axis]].to_numpy().T,
-                color=style.color(a),
-                marker=MARKERS[k % len(MARKERS)],
-                ms=4,
-                lw=1.0,
-                capsize=1.5,
-                label=f"{style.label(a)} − {style.label(b)}",
-                gid=f"gap-{q}-{a}-{b}",
-            )
+            _gap_bars(ax, p["volatility"], p, xerr.loc[p[axis]], a, k, f"{style.label(a)} − {style.label(b)}",
+                      f"gap-{q}-{a}-{b}")  # fmt: skip
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.axvline(thr, color=style.NEUTRAL, lw=0.9, ls="--")
         ax.xaxis.set_major_formatter(pct)
