@@ -1101,8 +1101,9 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
     """Per configuration of the non-algorithm swept axes, against its measured routing volatility (x, with its
     interval): top, the gaps the claims compare (Routing Replay partner minus the algorithm, GSPO minus the GRPO
     baseline) in final reward and in held-out gain; bottom, expert load imbalance and router entropy per algorithm."""
-    dense = len(select(study, where).runs) - len(routed(select(study, where)).runs)
-    st = routed(select(study, where))
+    chosen = select(study, where)
+    st = routed(chosen)
+    dense = len(chosen.runs) - len(st.runs)
     tables = routing_volatility_tables(st, frac=frac)
     vol, gaps, load = tables["volatility"], tables["gaps"], tables["routing_load"]
     xs = vol.set_index("config")["mean"]

@@ -85,7 +85,7 @@ class Sweep:
         for name, values in axes.items():
             seen: set[str] = set()
             for value in values:
-                key = json.dumps(value, sort_keys=True, default=str)
+                key = _canonical(value)
                 if key in seen:
                     raise SweepError(f"{where}: axes.{name} lists {_short(value)} twice; valid: each value once")
                 seen.add(key)
@@ -97,9 +97,9 @@ class Sweep:
             for name, values in entry.items():
                 if name not in axes:
                     raise SweepError(f"{where}: exclude[{i}].{name} is not an axis; valid: {', '.join(axes)}")
-                listed = [json.dumps(v, sort_keys=True, default=str) for v in axes[name]]
+                listed = {_canonical(v) for v in axes[name]}
                 for value in values:
-                    if json.dumps(value, sort_keys=True, default=str) not in listed:
+                    if _canonical(value) not in listed:
                         raise SweepError(f"{where}: exclude[{i}].{name} = {_short(value)} is not a value of "
                                          f"axes.{name}; valid: {', '.join(_short(v) for v in axes[name])}")  # fmt: skip
         tuned = data.get("tuned")
@@ -183,10 +183,15 @@ class Sweep:
         return runs
 
 
+def _canonical(value: Any) -> str:
+    """An axis value as text that is equal exactly when the values are (mappings in key order): what the duplicate
+    check and `exclude` compare."""
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 def _matches(combo: dict[str, Any], entry: dict[str, list[Any]]) -> bool:
     """Whether the combination's value on every axis of the `exclude` entry is among the entry's values."""
-    key = lambda v: json.dumps(v, sort_keys=True, default=str)  # noqa: E731
-    return all(key(combo[name]) in {key(v) for v in values} for name, values in entry.items())
+    return all(_canonical(combo[name]) in {_canonical(v) for v in values} for name, values in entry.items())
 
 
 def tune_command(path: str) -> str:
