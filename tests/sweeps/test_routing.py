@@ -1,4 +1,4 @@
-"""The routing study's sweep (sweeps/routing.yaml): the four algorithms on a 4 x 32 top-8 MoE along the minibatch
+"""The routing study's sweep (sweeps/routing.yaml): the four algorithms on a 4 x 64 top-1 MoE along the minibatch
 count, its dense control with GRPO, no replay run where replay cannot act; the workflow plans it."""
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ def test_the_arms_and_the_dense_control() -> None:
     shapes = {}
     for cfg in runs.values():
         shapes.setdefault(cfg.model_config().num_experts, resolve_model(cfg.model))
-    moe, dense = shapes[32], shapes[1]
-    assert (moe.num_layers, moe.moe_top_k) == (4, 8) and dense == dense_control(moe)
+    moe, dense = shapes[64], shapes[1]
+    assert (moe.num_layers, moe.moe_top_k) == (4, 1) and dense == dense_control(moe)
     arms = {(c.algorithm, c.model_config().num_experts, c.minibatches, c.seed) for c in runs.values()}
     assert len(arms) == len(runs)
     ms = sorted({c.minibatches for c in runs.values()})
-    assert ms[0] == 1 and ms[-1] >= 16 and {c.router_lr_scale for c in runs.values()} == {1.0}
+    assert ms[0] == 1 and ms[-1] >= 8 and {c.router_lr_scale for c in runs.values()} == {1.0}
     seeds = {c.seed for c in runs.values()}
-    on_moe = {(a, m) for a, e, m, _ in arms if e == 32}
-    # every algorithm at every M > 1 on the MoE; at M = 1 replay would force pi_old's own routing: plain runs only
-    assert on_moe == {(a, m) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr") for m in ms[1:]} | {
-        ("grpo", 1),
-        ("gspo", 1),
-    }
+    on_moe = {(a, m) for a, e, m, _ in arms if e == 64}
+    # every algorithm at every M > 1 on the MoE; at M = 1 replay would force pi_old's own routing and GSPO's run is
+    # GRPO's (every ratio 1): GRPO alone
+    assert on_moe == {(a, m) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr") for m in ms[1:]} | {("grpo", 1)}
     # the dense control: GRPO at every M, each seed
     assert {(a, m, s) for a, e, m, s in arms if e == 1} == {("grpo", m, s) for m in ms for s in seeds}
 
