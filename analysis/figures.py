@@ -1148,7 +1148,7 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                         label=style.label(alg), gid=f"load-{metric}-{alg}")  # fmt: skip
         ax.set_ylabel(ylabel)
         ax.set_title(metric)
-        ax.set_xlabel("routing volatility: expert-slot mismatch per update")
+        ax.set_xlabel("routing volatility: expert-slot mismatch since pi_old")
     for ax in (ax_r, ax_g, ax_l, ax_e):
         for x in xs:
             ax.axvline(x, color=style.NEUTRAL, lw=0.5, ls=":", alpha=0.6)
@@ -1494,7 +1494,7 @@ def figure9_offpolicy_replay(
         )
     ax_v.set_ylim(bottom=0, top=max(thr, float(np.nanmax(has["high"].fillna(has["mean"]))) if len(has) else thr) * 1.2)
     ax_v.yaxis.set_major_formatter(pct)
-    ax_v.set_ylabel("expert slots changed per update")
+    ax_v.set_ylabel("expert slots changed since pi_old")
     ax_v.set_title("(a) routing volatility (MoE)")
 
     # (b) held-out gain (else final reward) per algorithm against M
@@ -1565,7 +1565,7 @@ def figure9_offpolicy_replay(
         ax.axvline(thr, color=style.NEUTRAL, lw=0.9, ls="--")
         ax.xaxis.set_major_formatter(pct)
         ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=5))
-        ax.set_xlabel("routing volatility: expert slots changed per update")
+        ax.set_xlabel("routing volatility: expert slots changed since pi_old")
         ax.set_ylabel(f"{q} gap")
         ax.set_title(f"({panel}) {q}: cost of dropping replay")
     if len(drawn):

@@ -100,9 +100,9 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     def volatility(r: pd.Series) -> str:
         return (
             f"{regime.percent(float(r['mean']))} [{regime.percent(float(r['low']))}, "
-            f"{regime.percent(float(r['high']))}] of expert slots per update (n={int(r['n'])} runs)"
+            f"{regime.percent(float(r['high']))}] of expert slots changed since pi_old (n={int(r['n'])} runs)"
             if np.isfinite(float(r["low"]))
-            else f"{regime.percent(float(r['mean']))} of expert slots per update (n={int(r['n'])} run)"
+            else f"{regime.percent(float(r['mean']))} of expert slots changed since pi_old (n={int(r['n'])} run)"
         )
 
     strata = []

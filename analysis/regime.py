@@ -30,8 +30,9 @@ if TYPE_CHECKING:  # the command line reads the thresholds without loading panda
     from analysis.tidy import Study
 
 MIN_VOLATILITY = 0.05
-"""C3, C4: the routing volatility the compared runs must reach, as a fraction of expert slots changed per update
-(half of the paper's ~10% on the model where GRPO without Routing Replay failed)."""
+"""C3, C4: the routing volatility the compared runs must reach, as a fraction of expert slots changed since pi_old
+(mean over the off-policy minibatches): half of the ~10% the paper's model, the one on which GRPO without Routing
+Replay failed, changed in a single update."""
 MIN_MISMATCH = 1e-3
 """C5: the engine/trainer mismatch the compared runs must reach, mean |logp_train_old - logp_rollout| per response
 token in nats. The same weights in fp32 in both engines measure about 1e-6 (the weight sync's fidelity), bf16 about
@@ -59,7 +60,7 @@ class Precondition:
     """The per-step metric it is measured with (analysis.vocab)."""
     threshold: float
     unit: str
-    """The unit after a formatted value ("of expert slots per update")."""
+    """The unit after a formatted value ("of expert slots changed since pi_old")."""
     definition: str
     """What the metric measures, for the rule sentence."""
     fmt: Callable[[float], str] = percent
@@ -101,7 +102,7 @@ class Measured:
 
     @property
     def value(self) -> str:
-        """E.g. "0.41% of expert slots per update (n=12 runs)", or why there is no value."""
+        """E.g. "0.41% of expert slots changed since pi_old (n=12 runs)", or why there is no value."""
         p = self.precondition
         if self.ci.n == 0:
             return f"not measured (no compared run logged a finite {p.metric})"
@@ -109,7 +110,8 @@ class Measured:
 
     @property
     def sentence(self) -> str:
-        """E.g. "routing volatility 0.41% of expert slots per update (n=12 runs), below the 5% the claim needs"."""
+        """E.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12 runs), below the 5% the claim
+        needs"."""
         p = self.precondition
         if self.ci.n == 0:
             return f"{p.quantity} {self.value}; the claim needs {p.fmt(p.threshold)}"
@@ -129,10 +131,10 @@ def volatility(threshold: float = MIN_VOLATILITY) -> Precondition:
         "routing volatility",
         vocab.ROUTING_SLOT,
         threshold,
-        "of expert slots per update",
+        "of expert slots changed since pi_old",
         "the expert-slot mismatch of the update forward's free routing against pi_old's, over the minibatches after "
         "at least one update on the same rollout batch, where the two can differ; replay runs compute their free "
-        "routing alongside. The paper's model moved about 10%",
+        "routing alongside. The paper's model changed about 10% in a single update",
     )
 
 

@@ -132,7 +132,7 @@ class Rules:
     """The scorecard's settable thresholds: the preconditions of the claims that need a regime (analysis.regime)."""
 
     min_volatility: float = regime.MIN_VOLATILITY
-    """C3, C4: routing volatility in the off-policy minibatches, fraction of expert slots per update."""
+    """C3, C4: routing volatility in the off-policy minibatches, fraction of expert slots changed since pi_old."""
     min_mismatch: float = regime.MIN_MISMATCH
     """C5: engine/trainer mismatch, mean |logp_train_old - logp_rollout| per response token (nats)."""
 
@@ -162,8 +162,8 @@ class ClaimResult:
     """Per-stratum verdicts (one entry, key {}, when no other axis is swept)."""
     regime: str = ""
     """Where the claim has a precondition (analysis.regime) and some stratum with data did not reach it: the measured
-    value against the threshold, e.g. "routing volatility 0.41% of expert slots per update (n=12 runs), below the 5%
-    the claim needs"; "" otherwise."""
+    value against the threshold, e.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12 runs), below
+    the 5% the claim needs"; "" otherwise."""
 
     @property
     def strata_summary(self) -> str:

@@ -366,7 +366,7 @@ def no_figures(root: Path, study: str | None = None) -> Path:
 
 
 def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_path) -> None:
-    # the routing moved 0.29% of expert slots per update (router_lr_scale 1), far below the 5% C3 and C4 need: the
+    # the routing moved 0.29% of expert slots since pi_old (router_lr_scale 1), far below the 5% C3 and C4 need: the
     # headline says so before any verdict, in its own colour, and no claim is called contradicted; with the
     # threshold set below what was measured (--min-volatility), the normal verdicts come back
     from analysis.__main__ import main
@@ -378,7 +378,7 @@ def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_p
     cls, head, text = items[0]
     assert (cls, head) == ("not-tested-in-regime", "Not tested in regime:")
     assert text.startswith("C3, C4 were not put to the test")
-    assert "C3: routing volatility 0.29% of expert slots per update (n=10 runs), below the 5% the claim needs" in text
+    assert "C3: routing volatility 0.29% of expert slots changed since pi_old (n=10 runs), below the 5% the claim needs" in text
     verdicts = {h.split()[0]: (c, h) for c, h, _ in items[1:] if h.startswith("C")}
     for claim in ("C3", "C4"):
         assert verdicts[claim] == ("not-tested-in-regime", f"{claim} not tested in regime:")

@@ -280,7 +280,7 @@ def _routing(tmp_path, scales, **kwargs):
 
 
 def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_contradicted(tmp_path) -> None:
-    # router_lr_scale 1: the routing moves 0.26% of expert slots per update (as measured on the default study); no
+    # router_lr_scale 1: the routing moves 0.26% of expert slots since pi_old (as measured on the default study); no
     # GRPO run collapses, and with 5 seeds C3's interval would exclude an excess collapse rate of 0.5: contradicted,
     # were the claim not out of its regime
     st = _routing(tmp_path, (1.0,))
@@ -290,31 +290,31 @@ def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_con
         assert r.verdict == NOT_IN_REGIME, r
         assert r.evidence[0].name == "routing volatility (routing_slot_mismatch; threshold 0.05)"
         assert r.evidence[0].estimate == pytest.approx(0.0026 * 1.1, rel=0.05)  # the synthetic truth, +10% drift
-        assert r.reason.startswith("routing volatility 0.29% of expert slots per update (n=10 runs), below the 5%")
+        assert r.reason.startswith("routing volatility 0.29% of expert slots changed since pi_old (n=10 runs), below the 5%")
         assert f"below the regime, {alg} collapsed in 0 of 5 runs and {alg}_rr in 0 of 5" in r.reason
         assert "evidence about this scale" in r.reason and r.label.startswith(f"{NOT_IN_REGIME}: routing volatility")
-        assert "at or above 5% of expert slots per update" in r.rule  # the threshold, in the rule sentence
+        assert "at or above 5% of expert slots changed since pi_old" in r.rule  # the threshold, in the rule sentence
     # the same runs with a threshold they reach: C3's normal verdict comes back, the measured value last
     low = {r.claim: r for r in scorecard.scorecard(st, scorecard.Rules(min_volatility=0.002))}
     assert low["C3"].verdict == CONTRADICTED and low["C3"].evidence[-1].name.startswith("routing volatility")
-    assert "at or above 0.2% of expert slots per update" in low["C3"].rule and not low["C3"].regime
+    assert "at or above 0.2% of expert slots changed since pi_old" in low["C3"].rule and not low["C3"].regime
 
 
 def test_high_volatility_gives_the_normal_verdicts_and_mixed_strata_count_only_those_in_regime(tmp_path) -> None:
-    # scale 300: 2.1% of slots per update, GRPO without replay collapses at step 40 in every seed; scale 1: 0.26%
+    # scale 300: 2.1% of slots since pi_old, GRPO without replay collapses at step 40 in every seed; scale 1: 0.26%
     st = _routing(tmp_path, (1.0, 300.0))
     rules = scorecard.Rules(min_volatility=0.02)
     cards = {r.claim: r for r in scorecard.scorecard(st, rules)}
     c3 = cards["C3"]
     assert [s.verdict for s in c3.strata] == [NOT_IN_REGIME, SUPPORTED]
     assert c3.verdict == SUPPORTED and c3.strata_summary == "2 strata: supported 1, not tested in regime 1"
-    assert "not tested in regime: routing volatility 0.29% of expert slots per update in 1 of 2 strata" in c3.reason
+    assert "not tested in regime: routing volatility 0.29% of expert slots changed since pi_old in 1 of 2 strata" in c3.reason
     c4 = cards["C4"]
     assert c4.strata[0].verdict == NOT_IN_REGIME and c4.strata[1].verdict != NOT_IN_REGIME
     # every stratum below the default threshold: not tested anywhere
     default = {r.claim: r for r in scorecard.scorecard(st)}
     assert default["C3"].verdict == default["C4"].verdict == NOT_IN_REGIME
-    assert "0.29% to 2.3% of expert slots per update in 2 of 2 strata" in default["C3"].reason
+    assert "0.29% to 2.3% of expert slots changed since pi_old in 2 of 2 strata" in default["C3"].reason
     assert "grpo collapsed in 5 of 10 runs and grpo_rr in 0 of 10" in default["C3"].reason
 
 
