@@ -290,7 +290,9 @@ def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_con
         assert r.verdict == NOT_IN_REGIME, r
         assert r.evidence[0].name == "routing volatility (routing_slot_mismatch; threshold 0.05)"
         assert r.evidence[0].estimate == pytest.approx(0.0026 * 1.1, rel=0.05)  # the synthetic truth, +10% drift
-        assert r.reason.startswith("routing volatility 0.29% of expert slots changed since pi_old (n=10 runs), below the 5%")
+        assert r.reason.startswith(
+            "routing volatility 0.29% of expert slots changed since pi_old (n=10 runs), below the 5%"
+        )
         assert f"below the regime, {alg} collapsed in 0 of 5 runs and {alg}_rr in 0 of 5" in r.reason
         assert "evidence about this scale" in r.reason and r.label.startswith(f"{NOT_IN_REGIME}: routing volatility")
         assert "at or above 5% of expert slots changed since pi_old" in r.rule  # the threshold, in the rule sentence
@@ -308,7 +310,8 @@ def test_high_volatility_gives_the_normal_verdicts_and_mixed_strata_count_only_t
     c3 = cards["C3"]
     assert [s.verdict for s in c3.strata] == [NOT_IN_REGIME, SUPPORTED]
     assert c3.verdict == SUPPORTED and c3.strata_summary == "2 strata: supported 1, not tested in regime 1"
-    assert "not tested in regime: routing volatility 0.29% of expert slots changed since pi_old in 1 of 2 strata" in c3.reason
+    below = "not tested in regime: routing volatility 0.29% of expert slots changed since pi_old in 1 of 2 strata"
+    assert below in c3.reason
     c4 = cards["C4"]
     assert c4.strata[0].verdict == NOT_IN_REGIME and c4.strata[1].verdict != NOT_IN_REGIME
     # every stratum below the default threshold: not tested anywhere
