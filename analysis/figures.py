@@ -196,10 +196,10 @@ def _legend(fig: Figure, axes: Sequence[Axes] = (), *, extra: Sequence[tuple[Any
         return
     ncols = style.legend_ncols(labels, width=fig.get_figwidth())
     fig.set_figheight(fig.get_figheight() + 0.17 * -(-len(handles) // ncols) + 0.1)
-    fig.legend(handles, labels, loc="outside lower center", ncols=ncols)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, handlelength=3.5)  # long enough to show a dash
 
 
-DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 3)), (0, (3, 1, 3, 4)))
+DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (10, 4)), (0, (1, 3)), (0, (3, 1, 3, 4)))
 """Line styles of the configurations of the other swept axes within one algorithm (colour = algorithm)."""
 
 
