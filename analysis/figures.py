@@ -465,6 +465,9 @@ def figure3_routing_replay(
             in_cfg &= _equal(info[col], value)
         where_cfg = ", ".join(f"{c}={v}" for c, v in zip(cfg_cols, cfg, strict=True))
         for ax, fam in zip(axs, fams, strict=True):
+            if not any(((algs == alg) & in_cfg).any() for alg in fam):  # a cell the sweep left out, said as such
+                ax.text(0.5, 0.5, "not run in this configuration", transform=ax.transAxes, ha="center",
+                        va="center", color=style.NEUTRAL, fontsize="small")  # fmt: skip
             for alg in fam:
                 idx = np.flatnonzero((algs == alg) & in_cfg)
                 col = style.color(alg)
