@@ -97,12 +97,14 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     def ci(row: pd.Series | None) -> str:
         return _ci(float(row["mean"]), float(row["low"]), float(row["high"])) if row is not None else "not run"
 
+    unit = regime.volatility(thr).unit
+
     def volatility(r: pd.Series) -> str:
         return (
             f"{regime.percent(float(r['mean']))} [{regime.percent(float(r['low']))}, "
-            f"{regime.percent(float(r['high']))}] of expert slots changed since pi_old (n={int(r['n'])} runs)"
+            f"{regime.percent(float(r['high']))}] {unit} (n={int(r['n'])} runs)"
             if np.isfinite(float(r["low"]))
-            else f"{regime.percent(float(r['mean']))} of expert slots changed since pi_old (n={int(r['n'])} run)"
+            else f"{regime.percent(float(r['mean']))} {unit} (n={int(r['n'])} run)"
         )
 
     strata = []
