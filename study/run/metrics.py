@@ -109,7 +109,7 @@ MINIBATCH_METRICS: dict[str, str] = {
 since pi_old (m - 1) where the step's mean over minibatches hides it. A run with M minibatches writes these columns
 for its own indices only."""
 
-MINIBATCH_COLUMNS = 16
+MINIBATCH_COLUMNS = 32
 """Highest minibatch index with its own `{name}_mb{m}` columns; later minibatches enter the step's means only."""
 
 
