@@ -141,23 +141,19 @@ def _group_label(alg: str, extra: Mapping[str, Any]) -> str:
 
 
 def _curves(
-    study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True, start: bool = False
+    study: Study, metric: str, *, smooth: int | None, n_grid: int, log: bool = True, evaluations: bool = False
 ) -> pd.DataFrame:
     """Seed-mean curves per configuration: aligned (each begins where all its seeds have a value) and, with
     `smooth`, a centred rolling mean (the first point averages the first steps, it is not one step's reward). With
-    `start`, a configuration whose runs evaluated their start (the step-0 row) begins at compute 0 with that value
-    (`stats.start_points`), then follows its curve."""
+    `evaluations` (held-out scores, logged at the same steps in every run): the seed mean at each evaluation step,
+    at the seeds' mean compute there (`stats.step_points`), from the step-0 evaluation at compute 0 where the runs
+    have one."""
     by = [ALGORITHM, *_varying(study)]
-    curves = stats.aggregate_curves(
+    if evaluations:
+        return stats.step_points(study.long, metric, by=by).sort_values([*by, COMPUTE], kind="stable")
+    return stats.aggregate_curves(
         study.long, metric, by=by, smooth=smooth, center=True, aligned=True, n_grid=n_grid, log=log
     )
-    if not start:
-        return curves
-    first = stats.start_points(study.long, metric, by=by)
-    if first.empty:
-        return curves
-    both = pd.concat([first, curves.dropna(subset=["mean"])], ignore_index=True)  # no gap between 0 and the curve
-    return both.sort_values([*by, COMPUTE], kind="stable").reset_index(drop=True)
 
 
 def _first_step_compute(study: Study) -> float | None:
@@ -238,9 +234,12 @@ def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple
     return out
 
 
-def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, scale: float, x: str = COMPUTE) -> None:
+def _plot_curves(
+    ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, scale: float, x: str = COMPUTE, points: bool = False
+) -> None:
     """Mean line and band per configuration, registry order: colour = algorithm, line style = the combination of the
-    other swept axes' values (`_curve_legend` writes the legend)."""
+    other swept axes' values (`_curve_legend` writes the legend). `points` (sparse measurements, such as held-out
+    evaluations): the interval as an error bar at each measured point instead of a band between them."""
     combos = {c: k for k, c in enumerate(_combos(curves, extra_axes))}
     keys = curves[[ALGORITHM, *extra_axes]].drop_duplicates()
     algs = style.order(keys[ALGORITHM].astype(str))
@@ -254,7 +253,13 @@ def _plot_curves(ax: Axes, curves: pd.DataFrame, extra_axes: Sequence[str], *, s
             ls = DASHES[combos[_key([key[a] for a in extra_axes])] % len(DASHES)]
             label = _group_label(alg, {a: key[a] for a in extra_axes})
             ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
-            ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
+            if points:
+                bars = c[c["low"].notna() & c["high"].notna() & (c["high"] > c["low"])]
+                err = np.vstack([bars["mean"] - bars["low"], bars["high"] - bars["mean"]])
+                ax.errorbar(bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8,
+                            color=style.color(alg))  # fmt: skip
+            else:
+                ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
             at0 = c[c[x] == 0]
             if len(at0):  # the starting policy's evaluation (step 0): a measured point, not an interpolation
                 ax.plot(at0[x], at0["mean"], "o", ms=3, color=style.color(alg), gid="start")
@@ -277,12 +282,12 @@ def figure1_reward(
     tables = {}
     for metric in metrics:
         smooth_m = smooth if metric == vocab.REWARD else None
-        tables[metric] = _curves(st, metric, smooth=smooth_m, n_grid=n_grid, start=metric != vocab.REWARD)
+        tables[metric] = _curves(st, metric, smooth=smooth_m, n_grid=n_grid, evaluations=metric != vocab.REWARD)
     started = [m for m in metrics if (tables[m][COMPUTE] == 0).any()]
     c1 = _first_step_compute(st)
     zero = c1 / scale if started and c1 else None
     for ax, metric in zip(axs, metrics, strict=True):
-        _plot_curves(ax, tables[metric], extra, scale=scale)
+        _plot_curves(ax, tables[metric], extra, scale=scale, points=metric != vocab.REWARD)
         _compute_axis(ax, unit, zero=zero)
         ax.set_title("training reward" if metric == vocab.REWARD else metric)
     axs[0].set_ylabel("mean reward / pass@1")
@@ -307,9 +312,11 @@ def figure1_reward(
     caption = (
         "Figure 1. Training reward and held-out evaluation scores against training compute; lines are the mean "
         f"over seeds, bands 95% t intervals over seeds (runs per algorithm: {_counts(n)}). Reward is smoothed "
-        f"with a centred {smooth}-step mean (over the steps there are at the ends). Each curve begins where all its "
-        "seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute (a run "
-        "stopped early), the band is over those that do." + start_note + _temperature_note(st)
+        f"with a centred {smooth}-step mean (over the steps there are at the ends). Each reward curve begins where "
+        "all its seeds have logged, so its first point is a mean over every seed; where fewer seeds reach a compute "
+        "(a run stopped early), the band is over those that do. A held-out point is the seed mean at one evaluation "
+        "step, at the seeds' mean compute there, with its 95% t interval as an error bar (nothing is measured "
+        "between evaluations)." + start_note + _temperature_note(st)
     )
     return Made(fig, "figure1_reward", caption, tables)
 

@@ -398,7 +398,7 @@ def run_starts(rows: pd.DataFrame, *, x: str = COMPUTE, log: bool = True) -> np.
     return np.asarray(out, dtype=np.float64)
 
 
-def start_points(
+def step_points(
     long: pd.DataFrame,
     metric: str,
     *,
@@ -406,27 +406,33 @@ def start_points(
     x: str = COMPUTE,
     confidence: float = 0.95,
 ) -> pd.DataFrame:
-    """Per configuration: `metric` at step 0 (START_STEP, the starting policy's evaluation, at compute 0), mean and
-    t interval over the seeds that have it (`mean_band`, as the curves' bands). Columns as
-    `aggregate_curves`' (x = 0); empty when no run of the metric has a step-0 row."""
+    """Per configuration and step: `metric`'s mean and t interval over the seeds that logged it at that step
+    (`mean_band`), at the mean of their x there. For sparse metrics logged at the same steps in every run (held-out
+    evaluations): interpolating them on a compute grid would drop an evaluation whose compute differs by seed (the
+    last, when a run evaluates once after its start). Columns as `aggregate_curves`'."""
     by = list(by) if by is not None else group_columns(long)
     cols = [*by, x, "mean", "low", "high", "n"]
     rows = metric_rows(long, metric)
-    rows = rows[rows[STEP].to_numpy() == START_STEP]
+    rows = rows[rows[VALUE].notna().to_numpy()]
     if rows.empty:
         return pd.DataFrame(columns=cols)
     slices = run_slices(rows)
     info = run_info(rows, slices, by)
-    v = rows[VALUE].to_numpy(np.float64)[[a for a, _ in slices]]
+    run_of = np.repeat(np.arange(len(slices)), [b - a for a, b in slices])
+    steps = rows[STEP].to_numpy()
+    values, xs = rows[VALUE].to_numpy(np.float64), rows[x].to_numpy(np.float64)
     frames = []
     for key, idx in info.groupby(by, sort=True, dropna=False).indices.items():
-        mean, low, high, n = mean_band(v[idx], confidence=confidence)
+        mine = np.isin(run_of, idx)
         key = key if isinstance(key, tuple) else (key,)
-        frame = pd.DataFrame({x: [0.0], "mean": mean, "low": low, "high": high, "n": n})
-        for col, val in zip(by, key, strict=True):
-            frame[col] = val
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)[cols]
+        for step in np.unique(steps[mine]):
+            at = mine & (steps == step)
+            mean, low, high, n = mean_band(values[at], confidence=confidence)
+            frame = pd.DataFrame({x: [float(np.mean(xs[at]))], "mean": mean, "low": low, "high": high, "n": n})
+            for col, val in zip(by, key, strict=True):
+                frame[col] = val
+            frames.append(frame)
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
 
 
 def aggregate_curves(

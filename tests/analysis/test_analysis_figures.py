@@ -193,6 +193,26 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert "rollouts', sampled at temperature 1.4; the held-out evaluations sample at temperature 1." in caption
 
 
+def test_figure1_keeps_an_evaluation_whose_compute_differs_by_seed(tmp_path):
+    """A run that evaluates at its start and its last step only, its seeds at different compute there (they
+    generated different lengths): the held-out panel's last point is the mean of both seeds, not left out."""
+    import pandas as pd
+
+    from analysis import synthetic, tidy
+
+    synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=16, eval_every=16)
+    path = sorted((tmp_path / "runs").glob("*/metrics.parquet"))[1]
+    m = pd.read_parquet(path)
+    m["compute_flops"] *= 1.05
+    m.to_parquet(path)
+    made = figures.figure1_reward(tidy.load_study(tmp_path))
+    for metric, table in made.tables.items():
+        if metric == "reward_mean":
+            continue
+        assert list(table["n"]) == [2, 2], (metric, table)
+        assert table["compute_flops"].iloc[-1] == pytest.approx(16e11 * (1 + 1.05) / 2)
+
+
 @pytest.fixture(scope="module")
 def routing_study(tmp_path_factory):
     from analysis import synthetic, tidy

@@ -141,8 +141,9 @@ def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(tmp_path)
     pd.testing.assert_frame_equal(*(fit.fits_table(f) for f in fits))
     for a, b in zip(*(scorecard.scorecard(st) for st in (new, old)), strict=True):
         assert (a.verdict, [str(e) for e in a.evidence]) == (b.verdict, [str(e) for e in b.evidence]), a.claim
-    # curves on a log compute grid never see compute 0; the start points are the step-0 values
+    # curves on a log compute grid never see compute 0; the step points add the step-0 values at compute 0
     pd.testing.assert_frame_equal(*(stats.aggregate_curves(st.long, "eval_in_dist") for st in (new, old)))
-    sp = stats.start_points(new.long, "eval_in_dist")
-    assert (sp["compute_flops"] == 0).all() and (sp["n"] == 3).all() and len(sp) == 3
-    assert stats.start_points(old.long, "eval_in_dist").empty
+    sp_new, sp_old = (stats.step_points(st.long, "eval_in_dist") for st in (new, old))
+    at0 = sp_new[sp_new["compute_flops"] == 0]
+    assert (at0["n"] == 3).all() and len(at0) == 3 and (sp_old["compute_flops"] > 0).all()
+    pd.testing.assert_frame_equal(sp_new[sp_new["compute_flops"] > 0].reset_index(drop=True), sp_old)
