@@ -280,9 +280,8 @@ def figure1_reward(
     extra = _varying(st)
     scale, unit = _unit(st)
     tables = {}
-    for metric in metrics:
-        smooth_m = smooth if metric == vocab.REWARD else None
-        tables[metric] = _curves(st, metric, smooth=smooth_m, n_grid=n_grid, evaluations=metric != vocab.REWARD)
+    for metric in metrics:  # held-out evaluations: per evaluation step, never smoothed
+        tables[metric] = _curves(st, metric, smooth=smooth, n_grid=n_grid, evaluations=metric != vocab.REWARD)
     started = [m for m in metrics if (tables[m][COMPUTE] == 0).any()]
     c1 = _first_step_compute(st)
     zero = c1 / scale if started and c1 else None
