@@ -33,7 +33,8 @@ def _texts() -> dict[Path, str]:
     for folder in (*PACKAGES, "tests", "benchmarks", "scripts"):
         files += [p for p in ROOT.joinpath(folder).rglob("*") if p.suffix in (".py", ".sh", ".smk", ".yaml", ".md")]
     files += [ROOT / "Snakefile", ROOT / "Makefile", ROOT / "pyproject.toml"]
-    return {p: p.read_text() for p in files if p.is_file() and "__pycache__" not in p.parts}
+    this = Path(__file__).resolve()
+    return {p: p.read_text() for p in files if p.is_file() and "__pycache__" not in p.parts and p != this}
 
 
 @functools.cache
