@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 
 from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
+from study.core.bounded import load_yaml, read_json
 from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
 from study.run.rundir import json_problem
@@ -47,7 +47,7 @@ def read_record(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
     try:
-        return json.loads(path.read_text())
+        return read_json(path)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: {json_problem(err)}; restore it, or delete {directory} to make the cold start "
                          "again") from None  # fmt: skip
@@ -169,7 +169,7 @@ def parse_model(text: str) -> ModelSpec:
     if not text.startswith("{"):
         return text
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", err)
         raise argparse.ArgumentTypeError(f"model = {text!r}: not a YAML mapping ({problem})") from None
@@ -188,7 +188,10 @@ def with_sets(model: ModelSpec, sets: Sequence[str]) -> ModelSpec:
         if not sep:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE, FIELD one of {', '.join(SHAPE_FIELDS)}")
         key = key.removeprefix("model.")
-        spec[key] = yaml.safe_load(raw) if raw else ""
+        try:
+            spec[key] = load_yaml(raw) if raw else ""
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(err).split())})") from None
     return spec
 
 
