@@ -168,13 +168,14 @@ def parse_model(text: str) -> ModelSpec:
     text = text.strip()
     if not text.startswith("{"):
         return text
+    shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
     try:
         value = load_yaml(text)
     except yaml.YAMLError as err:
-        problem = getattr(err, "problem", err)
-        raise argparse.ArgumentTypeError(f"model = {text!r}: not a YAML mapping ({problem})") from None
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())[:300]
+        raise argparse.ArgumentTypeError(f"model = {shown}: not a YAML mapping ({problem})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"model = {text!r}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
+        raise argparse.ArgumentTypeError(f"model = {shown}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
     return value
 
 
@@ -191,7 +192,9 @@ def with_sets(model: ModelSpec, sets: Sequence[str]) -> ModelSpec:
         try:
             spec[key] = load_yaml(raw) if raw else ""
         except yaml.YAMLError as err:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(err).split())})") from None
+            shown = repr(item) if len(item) <= 200 else f"{item[:200]!r}... ({len(item)} characters)"
+            why = " ".join(str(err).split())[:300]
+            raise ValueError(f"--set {shown}: the value is not valid YAML ({why})") from None
     return spec
 
 
