@@ -48,9 +48,18 @@ def _where(directory: Path) -> str:
     return f"coldstart = {str(directory)!r}"
 
 
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """Where a shard may resolve to: the checkpoint's folder, and in a Hugging Face hub cache (a snapshot folder,
+    REPO/snapshots/REVISION, whose files link to REPO/blobs/) that repository's blobs folder."""
+    root = directory.resolve(strict=True)
+    blobs = root.parent.parent / "blobs"
+    return (root, blobs.resolve()) if root.parent.name == "snapshots" and blobs.is_dir() else (root,)
+
+
 def _confined(directory: Path, name: Any, source: str) -> Path:
     """`directory / name` when `name` is a relative path that stays in `directory` (no `..`, not absolute, no link
-    resolving outside) and names a file; ValueError naming `source` (the file that named it) otherwise."""
+    resolving outside it or its hub cache's blobs, `_roots`) and names a file; ValueError naming `source` (the file
+    that named it) otherwise."""
     where = f"{_where(directory)}: {source}"
     if not isinstance(name, str) or not name or "\0" in name:
         raise ValueError(f"{where}: shard {str(name)[:100]!r}; valid: a file name in the checkpoint's folder")
@@ -59,7 +68,8 @@ def _confined(directory: Path, name: Any, source: str) -> Path:
         raise ValueError(f"{where}: shard {name[:200]!r} is outside the checkpoint's folder; valid: a file in it")
     path = directory / rel
     try:
-        inside = path.resolve(strict=True).is_relative_to(directory.resolve(strict=True))
+        target = path.resolve(strict=True)
+        inside = any(target.is_relative_to(root) for root in _roots(directory))
     except (OSError, RuntimeError):  # missing, a link loop
         raise ValueError(f"{where}: shard {name[:200]!r} is missing") from None
     if not inside:

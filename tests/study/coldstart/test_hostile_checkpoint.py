@@ -184,3 +184,27 @@ def test_a_hostile_checkpoint_is_refused_before_anything_is_written(
     assert message in line, line
     assert str(directory) in line, line
     assert not results.exists(), "something was written before the refusal"
+
+
+def test_a_hub_cache_snapshot_linking_to_its_blobs_passes(valid: Path, tmp_path: Path) -> None:
+    """A Hugging Face hub cache links each snapshot file to REPO/blobs/: those links stay inside the repository."""
+    from study import lifecycle
+    from study.run.config import load_config
+
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, file in enumerate(sorted(valid.iterdir())):
+        shutil.copy(file, blobs / f"blob{i}")
+        (snapshot / file.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    cfg = load_config(preset="tiny", sets=[f"coldstart={snapshot}", *SCRATCH])
+    lifecycle.preflight(cfg, tmp_path / "results" / "runs" / cfg.run_id, tmp_path / "results")
+    (snapshot / "model.safetensors").unlink()  # a link to another repository's blobs is outside
+    other = tmp_path / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    shutil.copy(valid / "model.safetensors", other / "blob")
+    (snapshot / "model.safetensors").symlink_to(other / "blob")
+    with pytest.raises(ValueError, match=r"shard 'model\.safetensors' is a link to .*, outside the checkpoint's"):
+        lifecycle.preflight(cfg, tmp_path / "results" / "runs" / cfg.run_id, tmp_path / "results")
+    assert not (tmp_path / "results").exists()
