@@ -1,8 +1,8 @@
 """Writing analysis outputs: every file through one atomic write, so a kill never leaves a half-written file under
 its final name (a temporary name in the same directory, fsynced, then renamed; removed if the write fails).
 
-study/run/rundir.py holds the same contract for run directories; analysis/ imports nothing of study/, so it keeps
-its own copy of these few lines.
+study/run/rundir.py holds the same contract for run directories; analysis/ imports nothing of study/ but its
+dependency-free YAML/JSON reader (study/core/bounded.py), so it keeps its own copy of these few lines.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ study's notes (`study_notes`: the sweep file's description and docs/studies/<swe
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import pandas as pd
 
 from analysis import figures, files, style, tidy
 from analysis.tidy import Study
+from study.core.bounded import read_json, read_yaml
 
 CSV_EXACT: dict[str, Any] = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
 """read_csv arguments that read back exactly the floats `to_csv` wrote: pandas 3's default parser does (and warns
@@ -31,7 +31,7 @@ def reuse_figures(
     Also returns the CSV file of each table, "FIGURE.TABLE" -> path, to be copied byte for byte."""
     src = Path(figures_dir)
     try:
-        index = json.loads((src / figures.INDEX).read_text())
+        index = read_json(src / figures.INDEX)
     except (OSError, ValueError) as exc:
         print(f"figures in {src} not reused ({exc}): drawing them")
         return None
@@ -71,7 +71,7 @@ def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> lis
     if txt.is_file():
         return [line.strip() for line in txt.read_text().splitlines() if line.strip() and not line.startswith("#")]
     if js.is_file():
-        ids: Iterable[str] = json.loads(js.read_text()).get("run_ids", [])
+        ids: Iterable[str] = read_json(js).get("run_ids", [])
         return [str(i) for i in ids]
     configs = sorted((base / "configs").glob("*.yaml"))
     if configs:
@@ -160,7 +160,7 @@ def study_notes(sweep: str | os.PathLike[str], doc: str | os.PathLike[str] | Non
     path = Path(sweep)
     description = ""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
         description = str(data.get("description", "")) if isinstance(data, dict) else ""
     except (OSError, ValueError, yaml.YAMLError) as exc:
         description = f"(the sweep file cannot be read: {type(exc).__name__})"

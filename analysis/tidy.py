@@ -63,6 +63,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis import files, vocab
+from study.core.bounded import read_json, read_yaml
 
 # --- the contract's names, in one place -------------------------------------------------------------------------------
 RUNS_SUBDIR = "runs"
@@ -215,7 +216,7 @@ class Study:
 def read_study(out_dir: str | os.PathLike[str]) -> Study:
     """Read back what `Study.write` wrote (configs/manifests are not stored there: reload runs for those)."""
     out = Path(out_dir)
-    meta = json.loads((out / OUTPUT_FILES["missing"]).read_text())
+    meta = read_json(out / OUTPUT_FILES["missing"])
     optional = {
         key: pd.read_parquet(out / OUTPUT_FILES[key]) if (out / OUTPUT_FILES[key]).exists() else pd.DataFrame()
         for key in ("tokens", "sequences")
@@ -245,8 +246,7 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = json.load(f)
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -258,13 +258,7 @@ def _read_config(run_dir: Path) -> tuple[dict[str, Any], str | None]:
         if not path.exists():
             continue
         try:
-            if path.suffix == ".json":
-                data = _read_json(path)
-            else:
-                import yaml
-
-                with open(path) as f:
-                    data = yaml.safe_load(f) or {}
+            data = _read_json(path) if path.suffix == ".json" else read_yaml(path) or {}
             return flatten(data), None
         except Exception as exc:  # reported per run, never fatal for the study
             return {}, f"{name}: {exc}"

@@ -338,10 +338,11 @@ def check_slurm_commands() -> None:
 def json_mapping(option: str, text: str) -> dict[str, Any]:
     """A JSON mapping given as a command-line option; ValueError naming the option and where the text stops being
     JSON."""
+    from study.core.bounded import load_json
     from study.run.rundir import json_problem
 
     try:
-        value = json.loads(text)
+        value = load_json(text)
     except ValueError as err:
         raise ValueError(f"{option} = {clip_value(text)}: {json_problem(err)}; valid: a JSON mapping, e.g. "
                          "'{\"tp\": 2}'") from None  # fmt: skip

@@ -60,7 +60,9 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
 
 def check_coldstart_dir(cfg: RunConfig) -> None:
     """A named cold start (`coldstart: DIR`): a cold-start directory (policy.pt, a state dict of tensors, checked
-    without running anything it holds) or an HF checkpoint, with the tokenizer the run encodes with (tokenizer.json)."""
+    without running anything it holds) or an HF checkpoint (study.coldstart.hf_import.check_files: every file it
+    reads, no tensor read), with the tokenizer the run encodes with (tokenizer.json, its chat template rendered once
+    under a time and memory limit)."""
     from study.coldstart import hf_import, read_policy_file
 
     directory = Path(cfg.coldstart)
@@ -82,6 +84,9 @@ def check_coldstart_dir(cfg: RunConfig) -> None:
             read_policy_file(policy, mmap=True)  # the pickle read and checked; the weights mapped, not read
         except ValueError as err:
             raise ValueError(f"coldstart = {cfg.coldstart!r}: {err}") from None
+        hf_import.check_tokenizer(directory)
+    else:  # an HF checkpoint: its index, shard headers, tokenizer files and chat template, no tensor read
+        hf_import.check_files(directory, cfg.model_config())
 
 
 def check_prompt_lengths(cfg: RunConfig) -> None:
@@ -248,13 +253,15 @@ def resume_config(run_dir: Path) -> RunConfig:
     unreadable, or edited (it no longer hashes to the directory's run id)."""
     import yaml
 
+    from study.core.bounded import read_yaml
+
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         raise rundir.RunStateError(f"{run_dir}: no such run directory (RESULTS/runs/RUN_ID)")
     if not path.is_file():
         raise rundir.RunStateError(f"{run_dir}: not a run directory (no config.yaml); give RESULTS/runs/RUN_ID")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
         if not isinstance(data, dict):
             raise ValueError("not a mapping of config fields")
         cfg = RunConfig.from_dict(data, where=str(path))

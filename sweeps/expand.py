@@ -43,8 +43,9 @@ from typing import Any
 import yaml
 
 import algorithms
+from study.core.bounded import read_yaml
 from study.run import rundir
-from study.run.config import PRESET_RUNS, RunConfig, load_yaml, merge_field
+from study.run.config import PRESET_RUNS, RunConfig, merge_field
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
 
 MAX_RUNS = 10_000
@@ -212,7 +213,7 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     if not path.is_file():
         raise SweepError(f"{where} = {str(path)!r}: no such file; write it with {tune_command(str(path))}")
     try:
-        data = load_yaml(path.read_text())
+        data = read_yaml(path)  # its size checked before it is read
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise SweepError(f"{where} = {str(path)!r}: not valid YAML: {_one_line(err)}") from None
     validate_tuned_file(data, where=f"{where} = {str(path)!r}")
@@ -233,7 +234,7 @@ def load_sweep(path: str | Path, variables: dict[str, str] | None = None, *, max
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found")
     try:
-        data = load_yaml(path.read_text())
+        data = read_yaml(path)  # its size checked before it is read
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise SweepError(f"{path}: not valid YAML: {_one_line(err)}") from None
     data = substitute_vars(data, variables, where=str(path))

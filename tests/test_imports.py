@@ -88,7 +88,7 @@ def test_the_graph_sees_the_packages() -> None:
         ),
         ("study.run", ("study.policy", "study.rollout", "study.coldstart", "study.kernels"), ()),
         ("algorithms", ("study",), ()),
-        ("analysis", ("study",), ()),
+        ("analysis", ("study",), ("study.core.bounded",)),  # the one bounded YAML/JSON reader
         *((room, LOOP, ()) for room in ROOMS if room != "study.tools"),
         ("study.lifecycle", ("study.policy", "study.rollout", *LOOP), ()),
         ("study.checkpoint", ("study.rollout", "study.parts", "study.lifecycle", "study.rl"), ()),

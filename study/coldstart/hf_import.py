@@ -17,36 +17,201 @@ of one fused tensor until its last part arrives). A tensor-/expert-parallel rank
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from study.core.bounded import load_json, read_json
 from study.core.model_config import ModelConfig
 from study.core.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
+from study.data import chat_template
 from study.data.tokenizer import TaskTokenizer
 from study.run.rundir import json_problem
 
-__all__ = ["HFCheckpoint", "check_checkpoint", "is_hf_checkpoint", "load_checkpoint"]
+__all__ = ["HFCheckpoint", "check_checkpoint", "check_files", "check_tokenizer", "is_hf_checkpoint", "load_checkpoint"]
+
+
+INDEX = "model.safetensors.index.json"
+
+MAX_HEADER_BYTES = 100 << 20
+"""Largest safetensors header read (the safetensors library's own limit)."""
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8}  # fmt: skip
+"""Bytes per element of each safetensors dtype."""
+
+
+def _where(directory: Path) -> str:
+    return f"coldstart = {str(directory)!r}"
+
+
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """Where a shard may resolve to: the checkpoint's folder, and in a Hugging Face hub cache (a snapshot folder,
+    REPO/snapshots/REVISION, whose files link to REPO/blobs/) that repository's blobs folder."""
+    root = directory.resolve(strict=True)
+    blobs = root.parent.parent / "blobs"
+    return (root, blobs.resolve()) if root.parent.name == "snapshots" and blobs.is_dir() else (root,)
+
+
+def _confined(directory: Path, name: Any, source: str) -> Path:
+    """`directory / name` when `name` is a relative path that stays in `directory` (no `..`, not absolute, no link
+    resolving outside it or its hub cache's blobs, `_roots`) and names a file; ValueError naming `source` (the file
+    that named it) otherwise."""
+    where = f"{_where(directory)}: {source}"
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ValueError(f"{where}: shard {str(name)[:100]!r}; valid: a file name in the checkpoint's folder")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"{where}: shard {name[:200]!r} is outside the checkpoint's folder; valid: a file in it")
+    path = directory / rel
+    try:
+        target = path.resolve(strict=True)
+        inside = any(target.is_relative_to(root) for root in _roots(directory))
+    except (OSError, RuntimeError):  # missing, a link loop
+        raise ValueError(f"{where}: shard {name[:200]!r} is missing") from None
+    if not inside:
+        raise ValueError(f"{where}: shard {name[:200]!r} is a link to {path.resolve()}, outside the checkpoint's "
+                         "folder; valid: a file in it")  # fmt: skip
+    if not path.is_file():
+        raise ValueError(f"{where}: shard {name[:200]!r} is not a file")
+    return path
+
+
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight map (tensor name -> shard file), None without an index; ValueError
+    naming the file when it is not such a map."""
+    index = directory / INDEX
+    if not index.is_file():
+        return None
+    try:
+        data = read_json(index)
+    except OSError as err:
+        raise ValueError(f"{_where(directory)}: {index}: unreadable ({err})") from None
+    except ValueError as err:  # not JSON, not UTF-8, past a bound
+        raise ValueError(f"{_where(directory)}: {index}: {json_problem(err)}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{_where(directory)}: {index}: no weight_map; valid: a JSON object whose weight_map maps "
+                         "each tensor name to its shard file")  # fmt: skip
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"{_where(directory)}: {index}: weight_map[{name[:200]!r}] = {str(file)[:100]}; valid: "
+                             "a shard file name")  # fmt: skip
+    return weight_map
 
 
 def shard_files(directory: str | Path) -> list[Path]:
     """The checkpoint's safetensors files in load order: model.safetensors.index.json's weight map order when the
-    index exists (every file it names must exist), else sorted by name."""
+    index exists, else sorted by name; each a file inside the checkpoint's folder (`_confined`)."""
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"coldstart = {str(directory)!r}: {index}: {json_problem(err)}") from None
-        files = list(dict.fromkeys(weight_map.values()))
-        missing = [f for f in files if not (directory / f).is_file()]
-        if missing:
-            raise ValueError(f"coldstart = {str(directory)!r}: shards named in {index.name} are missing: {missing}")
-        return [directory / f for f in files]
-    return sorted(directory.glob("*.safetensors"))
+    weight_map = _weight_map(directory)
+    if weight_map is not None:
+        return [_confined(directory, f, INDEX) for f in dict.fromkeys(weight_map.values())]
+    return [_confined(directory, p.name, "the folder") for p in sorted(directory.glob("*.safetensors"))]
+
+
+def safetensors_names(path: Path, where: str) -> list[str]:
+    """The tensor names of a safetensors file, its header checked against the file without reading any tensor: the
+    header's length within the file (at most MAX_HEADER_BYTES), the header a JSON object (study.core.bounded), each
+    tensor a known dtype with a shape whose size is its byte range, the ranges tiling the data exactly. ValueError
+    naming the file otherwise."""
+    import math
+    import struct
+
+    where = f"{where}: {path.name}"
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{where}: {size} bytes; not a safetensors file (its first 8 bytes are the header length)")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(f"{where}: the header says it is {n} bytes, the file has {size - 8} after the length; "
+                             "not a safetensors file, or cut short")  # fmt: skip
+        raw = f.read(n)
+    try:
+        header = load_json(raw, max_bytes=MAX_HEADER_BYTES)
+    except ValueError as err:
+        raise ValueError(f"{where}: header {json_problem(err)}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: the header is a JSON {type(header).__name__}; valid: a JSON object")
+    data = size - 8 - n
+    ranges = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"{where}: tensor {name[:200]!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"{bad}: valid: an object of dtype, shape and data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"{bad}: dtype {str(dtype)[:50]!r}; valid: {', '.join(DTYPE_BYTES)}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{bad}: shape {str(shape)[:100]}; valid: a list of sizes >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data):  # fmt: skip
+            raise ValueError(f"{bad}: data_offsets {str(offsets)[:100]} outside the file's {data} bytes of data")
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise ValueError(f"{bad}: shape {shape} of {dtype} is {math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its "
+                             f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")  # fmt: skip
+        ranges.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(ranges):
+        if begin != end:
+            raise ValueError(f"{where}: tensor {name[:200]!r} starts at byte {begin} of the data, not at {end}; the "
+                             "tensors must tile the data (overlapping or with gaps)")  # fmt: skip
+        end = stop
+    if end != data:
+        raise ValueError(f"{where}: the tensors hold {end} bytes, the file has {data} after the header")
+    return [name for _, _, name in ranges]
+
+
+def check_files(directory: str | Path, cfg: ModelConfig) -> None:
+    """Everything of the HF checkpoint in `directory` a run reads, checked before the run writes anything, no tensor
+    read: config.json (study.core.weights.check_checkpoint), the index's shard names inside the folder, every
+    shard's header (`safetensors_names`), each of the model's tensors exactly once (in the shard the index names),
+    the tokenizer files and the chat template, rendered once under a time and memory limit
+    (study.data.chat_template.check). ValueError naming the file and why."""
+    directory = Path(directory)
+    where = _where(directory)
+    weight_map = _weight_map(directory)
+    files = shard_files(directory)
+    if not files:
+        raise ValueError(f"{where}: no *.safetensors files")
+    found: dict[str, Path] = {}
+    for path in files:
+        for name in safetensors_names(path, where):
+            if name in found:
+                raise ValueError(f"{where}: tensor {name[:200]!r} is in {found[name].name} and in {path.name}")
+            found[name] = path
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if found.get(name) != directory / file:
+                raise ValueError(f"{where}: {INDEX} maps {name[:200]!r} to {file[:200]!r}, which does not hold it")
+    expected = set(hf_param_names(cfg))
+    missing, unknown = sorted(expected - set(found)), sorted(set(found) - expected)
+    if missing or unknown:
+        raise ValueError(f"{where}: " + "; ".join(
+            f"{len(names)} tensors {what}, e.g. {names[:3]}" for names, what in
+            ((missing, "of the model are missing"), (unknown, "are not tensors of the model")) if names))  # fmt: skip
+    check_tokenizer(directory)
+
+
+def check_tokenizer(directory: str | Path) -> None:
+    """The folder's tokenizer files load (study.data.tokenizer.TaskTokenizer.load: bounded, checked JSON) and its
+    chat template, if any, renders a prompt under the limits of study.data.chat_template.check. ValueError naming
+    the file and why."""
+    directory = Path(directory)
+    try:
+        tok = TaskTokenizer.load(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"{_where(directory)}: {err}") from None
+    if tok.chat_template is not None:
+        source = directory / ("chat_template.jinja" if (directory / "chat_template.jinja").is_file() else
+                              "tokenizer_config.json")  # fmt: skip
+        chat_template.check(tok.chat_template, tok.specials, where=f"{_where(directory)}: {source}")
 
 
 class HFCheckpoint:

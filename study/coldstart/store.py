@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 
 from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
+from study.core.bounded import load_yaml, read_json
 from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
 from study.run.rundir import json_problem
@@ -47,7 +47,7 @@ def read_record(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: not a finished cold start (no coldstart.json)")
     try:
-        return json.loads(path.read_text())
+        return read_json(path)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: {json_problem(err)}; restore it, or delete {directory} to make the cold start "
                          "again") from None  # fmt: skip
@@ -168,13 +168,14 @@ def parse_model(text: str) -> ModelSpec:
     text = text.strip()
     if not text.startswith("{"):
         return text
+    shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError as err:
-        problem = getattr(err, "problem", err)
-        raise argparse.ArgumentTypeError(f"model = {text!r}: not a YAML mapping ({problem})") from None
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())[:300]
+        raise argparse.ArgumentTypeError(f"model = {shown}: not a YAML mapping ({problem})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"model = {text!r}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
+        raise argparse.ArgumentTypeError(f"model = {shown}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
     return value
 
 
@@ -188,7 +189,12 @@ def with_sets(model: ModelSpec, sets: Sequence[str]) -> ModelSpec:
         if not sep:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE, FIELD one of {', '.join(SHAPE_FIELDS)}")
         key = key.removeprefix("model.")
-        spec[key] = yaml.safe_load(raw) if raw else ""
+        try:
+            spec[key] = load_yaml(raw) if raw else ""
+        except yaml.YAMLError as err:
+            shown = repr(item) if len(item) <= 200 else f"{item[:200]!r}... ({len(item)} characters)"
+            why = " ".join(str(err).split())[:300]
+            raise ValueError(f"--set {shown}: the value is not valid YAML ({why})") from None
     return spec
 
 

@@ -234,14 +234,14 @@ def is_checkpoint_dir(path: str | Any) -> bool:
 
 def read_hf_config(directory: str | Any) -> ModelConfig:
     """The ModelConfig of the HF checkpoint in `directory` (its config.json, `hf_model_config`)."""
-    import json
     import os
+
+    from study.core.bounded import read_json
 
     path = os.path.join(directory, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        hf = read_json(path)
+    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (study.core.bounded)
         raise ValueError(f"model = {str(directory)!r}: cannot read config.json ({e})") from None
     return hf_model_config(hf, where=f"model = {str(directory)!r}: config.json")
 

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from study.core.bounded import read_json
 from study.core.model_config import (
     PRESETS,
     SHAPE_FIELDS,
@@ -441,8 +442,8 @@ def check_checkpoint(directory: str | Path, model: ModelSpec | ModelConfig) -> N
     config.json only: no weights are loaded."""
     directory = Path(directory)
     try:
-        hf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        hf = read_json(directory / "config.json")
+    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (study.core.bounded)
         raise ValueError(f"coldstart = {str(directory)!r}: cannot read config.json ({e})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"coldstart = {str(directory)!r}: config.json must hold an object")

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from study.core.bounded import load_json
+
 TIMEOUT_S = 5.0
 """Default time limit of one scoring request, seconds."""
 
@@ -124,7 +126,7 @@ class Sandbox:
                 raise ScorerFailure(f"{what}: reply longer than {_MAX_REPLY} bytes")
         line, self._buf = self._buf.split(b"\n", 1)
         try:
-            reply = json.loads(line)
+            reply = load_json(line)
         except ValueError:
             self._kill()
             raise ScorerFailure(f"{what}: malformed reply from the sandbox worker") from None
@@ -324,7 +326,7 @@ def _worker(verifiers: Sequence[str]) -> None:
             return
         sys.stdout = sys.stderr = io.StringIO()
         try:
-            req = json.loads(line)
+            req = load_json(line)
             scorer = scorers[req["verifier"]]
             if isinstance(scorer, str):
                 raise RuntimeError(f"scorer unavailable ({scorer})")
@@ -336,4 +338,4 @@ def _worker(verifiers: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]))
+    _worker(load_json(sys.argv[1]))

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import math
 import re
 import threading
@@ -58,6 +57,7 @@ from typing import Any, Literal
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as RG_DATASETS
 
+from study.core.bounded import load_json
 from study.data import arith, sandbox
 
 ANSWER_DELIMITER = "####"
@@ -619,9 +619,9 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                row = load_json(line)
+            except ValueError as e:  # json.JSONDecodeError, or a bound of study.core.bounded
+                raise ValueError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             rows.append((where, row))
@@ -676,9 +676,10 @@ def load_user_data(
         metadata = row.get(metadata_field) or {}
         if isinstance(metadata, str):
             try:
-                metadata = json.loads(metadata)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: field {metadata_field!r} is not valid JSON ({e.msg})") from None
+                metadata = load_json(metadata)
+            except ValueError as e:  # json.JSONDecodeError, or a bound of study.core.bounded
+                why = getattr(e, "msg", e)
+                raise ValueError(f"{where}: field {metadata_field!r} is not valid JSON ({why})") from None
         if not isinstance(metadata, dict):
             raise ValueError(f"{where}: field {metadata_field!r} must be an object, got {type(metadata).__name__}")
         item = TaskItem(

@@ -30,14 +30,18 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from study.core.bounded import load_json, read_json, read_text
+from study.data import chat_template
 from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
-from study.run.rundir import atomic_write
+from study.run.rundir import atomic_write, json_problem
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 """Bytes plus special tokens: the smallest vocabulary that can encode every text."""
+MAX_TOKENIZER_BYTES = 256 << 20
+"""Largest tokenizer.json read (a large model's is tens of MB)."""
 
 _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -99,18 +103,8 @@ class TaskTokenizer:
         if self.chat_template is None:
             return prompt
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise ValueError(f"tokenizer chat template: {message}")
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-            bos_token=self.specials.get("bos_token") or "", eos_token=self.specials.get("eos_token") or "",
-        )  # fmt: skip
+            self._template = chat_template.environment().from_string(self.chat_template)
+        return chat_template.render(self._template, prompt, self.specials)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """<bos> + prompt (just the prompt for a tokenizer without bos); with a chat template, the formatted prompt
@@ -165,8 +159,17 @@ class TaskTokenizer:
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer: no {path.name} in {directory}")
-        return cls(Tokenizer.from_file(str(path)), specials=_special_tokens(Path(directory)),
-                   chat_template=_chat_template(Path(directory)))  # fmt: skip
+        try:
+            text = read_text(path, max_bytes=MAX_TOKENIZER_BYTES)
+            load_json(text, max_bytes=MAX_TOKENIZER_BYTES)  # the bounds (depth, duplicate keys), before the parser
+            tokenizer = Tokenizer.from_str(text)
+        except OSError as err:
+            raise ValueError(f"{path}: unreadable ({err})") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {json_problem(err)}") from None
+        except Exception as err:  # the tokenizers library's own error: valid JSON that is not a tokenizer
+            raise ValueError(f"{path}: not a tokenizer ({' '.join(str(err).split())[:300]})") from None
+        return cls(tokenizer, specials=_special_tokens(Path(directory)), chat_template=_chat_template(Path(directory)))
 
     def to_json(self) -> str:
         """The tokenizer.json text (what `save` writes, less the trailing newline)."""
@@ -179,11 +182,13 @@ def _special_tokens(directory: Path) -> dict[str, str | None] | None:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         path = directory / name
         if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = _json_object(path)
             out: dict[str, str | None] = {}
             for key in ("pad_token", "bos_token", "eos_token"):
                 value = data.get(key)
                 out[key] = value.get("content") if isinstance(value, dict) else value
+                if out[key] is not None and not isinstance(out[key], str):
+                    raise ValueError(f"{path}: {key} = {str(value)[:100]}; valid: a token (a string)")
             if out["eos_token"] is not None:
                 return out
     return None
@@ -194,15 +199,31 @@ def _chat_template(directory: Path) -> str | None:
     or a list of {name, template} of which the one named "default"); None when it has none."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return read_text(jinja, max_bytes=chat_template.MAX_TEMPLATE_CHARS)
+        except (OSError, ValueError) as err:  # unreadable, larger than the bound, not UTF-8
+            raise ValueError(f"{jinja}: unreadable as a chat template ({err})") from None
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return None
-    template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    template = _json_object(path).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) and template else None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` (study.core.bounded's bounds); ValueError naming the file otherwise."""
+    try:
+        data = read_json(path)
+    except OSError as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {json_problem(err)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}; valid: a JSON object")
+    return data
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 import algorithms
+from study.core.bounded import load_yaml, read_yaml
 from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
@@ -599,49 +600,6 @@ def _yaml_error(err: yaml.YAMLError) -> str:
     return " ".join(str(err).split())
 
 
-MAX_YAML_DEPTH = 64
-"""Deepest nesting of mappings and lists a config or sweep file may have (a run config needs 3)."""
-
-MAX_YAML_BYTES = 8 << 20
-"""Largest config or sweep file read, bytes."""
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping with the same key twice (YAML would keep the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if isinstance(key, str | int | float | bool) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (line {line}; first on line {seen[key]})", key_node.start_mark
-                )
-            if isinstance(key, str | int | float | bool):
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml(text: str) -> Any:
-    """A YAML document, parsed safely and strictly: at most MAX_YAML_BYTES, nested at most MAX_YAML_DEPTH deep
-    (checked on the event stream, before any recursive step), no duplicate key. yaml.YAMLError on any violation."""
-    if len(text) > MAX_YAML_BYTES:
-        raise yaml.YAMLError(f"larger than {MAX_YAML_BYTES} bytes")
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_YAML_DEPTH:
-                raise yaml.YAMLError(
-                    f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1}); valid: a "
-                    "mapping of config fields"
-                )
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
-
-
 def read_yaml_file(path: str | Path, *, what: str) -> Any:
     """The YAML document in `path`; a missing file, a directory or invalid YAML is a ValueError naming the path and
     `what` it should be."""
@@ -649,12 +607,10 @@ def read_yaml_file(path: str | Path, *, what: str) -> Any:
     if p.is_dir():
         raise ValueError(f"{path}: is a directory; give {what}")
     try:
-        text = p.read_text()
+        return read_yaml(p)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file; give {what}") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise ValueError(f"{path}: unreadable ({err}); give {what}") from None
-    try:
-        return load_yaml(text)
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({_yaml_error(err)})") from None

@@ -51,6 +51,8 @@ from typing import Any
 
 import yaml
 
+from study.core import bounded
+
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
 LOCK_FILE = "run.lock"
 FAILURE_FILE = "failure.json"
@@ -149,7 +151,7 @@ def write_json(path: Path, data: Any) -> None:
 def read_json(path: Path) -> Any:
     """A JSON file of the run directory; RunStateError naming the file and where its text stops being JSON."""
     try:
-        return json.loads(path.read_text())
+        return bounded.read_json(path)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise RunStateError(f"{path}: {json_problem(err)}") from None
 
@@ -207,7 +209,7 @@ def _read_holder(fd: int) -> dict[str, Any]:
     os.lseek(fd, 0, os.SEEK_SET)
     raw = os.read(fd, 4096)
     try:
-        holder = json.loads(raw) if raw.strip() else {}
+        holder = bounded.load_json(raw) if raw.strip() else {}
     except ValueError:
         return {"pid": "?", "host": "?", "since": "?"}
     return holder if isinstance(holder, dict) else {}

@@ -27,8 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from study.core.bounded import read_json, read_yaml
 from study.run.rundir import CRASH_FILE, STATES, lock_held
 from study.run.trackers import flatten
 
@@ -95,7 +94,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
     except Exception as exc:  # unreadable, not UTF-8, not YAML, nested past the parser's depth: reported, never raised
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         return {}, f"{path.name} unreadable: {type(exc).__name__}: {first}"
@@ -130,7 +129,7 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
         path = run_dir / "status.json"
         if not path.exists() and (run_dir / "failure.json").is_file():  # Snakemake deleted a failed job's output
             path = run_dir / "failure.json"
-        status = json.loads(path.read_text())
+        status = read_json(path)
         line.state = str(status["state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         status = {}

@@ -109,14 +109,16 @@ def study_tracking(config_path: str | Path, trackers: tuple[str, ...], study: st
     config anywhere else has no study unless one is given, and its algorithm and seed as tags."""
     import yaml
 
+    from study.core.bounded import read_yaml
+
     path = Path(config_path)
-    config = yaml.safe_load(path.read_text()) or {}
+    config = read_yaml(path) or {}
     siblings: list[Mapping[str, Any]] = []
     if path.parent.name == "configs":
         study = study or path.parent.parent.name
         for other in sorted(path.parent.glob("*.yaml")):
             try:
-                loaded = yaml.safe_load(other.read_text())
+                loaded = read_yaml(other)
             except (OSError, yaml.YAMLError):
                 continue
             if isinstance(loaded, dict):

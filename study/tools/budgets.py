@@ -25,6 +25,9 @@ from typing import Any
 import pandas as pd
 import torch
 
+from study.core.bounded import load_json, read_json
+from study.run.rundir import json_problem
+
 COLUMNS = ("coldstart", "task", "knobs", "max_new_tokens", "pass_at_1", "truncated", "reference_fits", "problems",
            "samples", "eval_s")  # fmt: skip
 
@@ -55,7 +58,7 @@ def budget_table(
     budgets = sorted({int(b) for b in budgets})
     if not budgets or budgets[0] < 1:
         raise ValueError(f"budgets = {budgets}: need at least one budget, each >= 1")
-    record = json.loads(record_path.read_text())
+    record = read_json(record_path)
     cfg = resolve_model(model_spec(record["settings"]["model"]))
     tasks.resolve_knobs(task, **knobs)  # errors name the knob
     items = tasks.eval_set(task, "in_dist", size=eval_size, knobs=knobs)
@@ -110,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from study.run.rundir import atomic_write
 
-    knobs = json.loads(args.knobs)
+    try:
+        knobs = load_json(args.knobs)
+    except ValueError as err:
+        parser.error(f"--knobs {args.knobs!r}: {json_problem(err)}")
     if not isinstance(knobs, dict):
         parser.error(f"--knobs {args.knobs!r}: must be a JSON mapping")
     sizes = {"eval_size": args.eval_size, "eval_samples": args.eval_samples, "threads": args.threads}

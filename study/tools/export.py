@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import yaml
 
+from study.core.bounded import read_json, read_yaml
+
 CHECKPOINT = Path("checkpoint") / "state.pt"
 
 
@@ -51,9 +53,11 @@ def run_config(run_dir: Path) -> Any:
     if not path.is_file():
         raise ValueError(f"RUN_DIR = {str(run_dir)!r}: no config.yaml; valid: a run directory, RESULTS/runs/RUN_ID")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML: {err}") from None
+        data = read_yaml(path)
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a mapping of config fields")
     return RunConfig.from_dict(data, where=str(path))
 
 
@@ -225,6 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    source = json.loads((out / "moe_rl_study.json").read_text())
+    source = read_json(out / "moe_rl_study.json")
     print(f"exported {source['run_id']} at step {source['step']} -> {out}")
     return 0

@@ -799,13 +799,15 @@ class Driver:
         first: float | None = None  # when the process's first part started
         allowed: float | None = 0.0  # the budgets of the parts started so far (None: one has no budget)
         stopped: str | None = None
+        from study.core.bounded import load_json
+
         while True:
             done = proc.poll() is not None
             lines = progress.read_text(encoding="utf-8").splitlines() if progress.exists() else []
             for line in lines[seen:]:
                 if not line.endswith("}"):
                     break  # a line still being written
-                event = json.loads(line)
+                event = load_json(line)
                 seen += 1
                 if event["event"] == "start":
                     current, started = event["part"], time.monotonic()

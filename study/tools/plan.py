@@ -713,4 +713,10 @@ def _parse_model(text: Any) -> Any:
         return text
     import yaml
 
-    return yaml.safe_load(text)
+    from study.core.bounded import load_yaml
+
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError as err:
+        shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
+        raise ValueError(f"--model = {shown}: not a YAML mapping ({' '.join(str(err).split())[:300]})") from None

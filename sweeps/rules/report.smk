@@ -88,9 +88,8 @@ onerror:
     ]
     for run_id in failed:
         try:
-            with open(f"{RESULTS}/runs/{run_id}/failure.json") as fh:
-                error = json.load(fh).get("error", "?")
-        except (OSError, ValueError) as err:
+            error = read_json(f"{RESULTS}/runs/{run_id}/failure.json").get("error", "?")
+        except (OSError, ValueError, AttributeError) as err:
             error = f"failure.json unreadable: {err}"
         print(f"run {run_id} failed: {error} (record: {RESULTS}/runs/{run_id}/failure.json)", file=sys.stderr)
     if failed and os.path.isdir(f"{STUDY_DIR}/configs"):

@@ -1,0 +1,103 @@
+"""YAML and JSON nested past 64 levels, or a mapping with a key twice, at every entry that reads them (each through
+study.core.bounded): one `error: ...` line naming the file or option and why, a non-zero exit, no traceback, nothing
+written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from study import __main__ as study_main
+from study import launch
+from study.run import rundir
+from study.run.config import load_config
+
+DEEP_YAML = "[" * 5000 + "]" * 5000
+DEEP_MAPPING = "{a: " + DEEP_YAML + "}"
+DEEP_JSON = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+NESTED = "nested deeper than 64 levels"
+
+
+def error_line(capsys: pytest.CaptureFixture[str], argv: list[str], main=study_main.main) -> str:
+    """Run a CLI in-process; exit 2 with one error line (argparse's usage line before it allowed), no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse refusing an option's value
+        code = exit_.code
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith(("usage:", "  "))]
+    assert code == 2 and err and "Traceback" not in "\n".join(err), (code, err)
+    assert len(err) == 1 and len(err[0]) < 3000, err
+    return err[0]
+
+
+@pytest.fixture
+def deep_run(tmp_path: Path) -> Path:
+    """A run directory whose config.yaml is nested 5,000 levels deep."""
+    run_dir = tmp_path / "results" / "runs" / "0123456789ab"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("lr: " + DEEP_YAML + "\n")
+    return run_dir
+
+
+def test_resume_and_export_of_a_deep_config_are_one_line(deep_run: Path, tmp_path: Path, capsys) -> None:
+    line = error_line(capsys, ["resume", str(deep_run), "--quiet"])
+    assert f"{deep_run / 'config.yaml'}: cannot be read as this run's config ({NESTED}" in line, line
+    line = error_line(capsys, ["export", str(deep_run), "--hf", str(tmp_path / "hf")])
+    assert f"{deep_run / 'config.yaml'}: not valid YAML ({NESTED}" in line, line
+    assert not (tmp_path / "hf").exists()
+    assert sorted(p.name for p in deep_run.iterdir()) == ["config.yaml"], "resume wrote into the run"
+
+
+def test_plan_and_coldstart_model_mappings_are_bounded_and_strict(tmp_path: Path, capsys) -> None:
+    plan = ["plan", "--gpus", "8", "--gpu-mem", "80", "--model"]
+    assert NESTED in error_line(capsys, [*plan, DEEP_MAPPING])
+    assert "duplicate key 'preset'" in error_line(capsys, [*plan, "{preset: tiny, num_experts: 8, preset: small}"])
+    results = ["--results", str(tmp_path / "results"), "--quiet"]
+    line = error_line(capsys, ["coldstart", "--model", DEEP_MAPPING, *results])
+    assert "coldstart: error: argument --model: model = '{a: [[[" in line and NESTED in line, line
+    line = error_line(capsys, ["coldstart", "--model", "{preset: tiny, preset: small}", *results])
+    assert "not a YAML mapping (duplicate key 'preset'" in line, line
+    line = error_line(capsys, ["coldstart", "--set", "num_experts=" + DEEP_YAML, *results])
+    assert line.startswith("coldstart: --set 'num_experts=[[[") and NESTED in line, line
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_launchers_json_options_are_bounded(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, load_config(preset="tiny", sets=["coldstart=scratch"]).to_dict())
+    results = ["--results", str(tmp_path / "results")]
+    line = error_line(capsys, [str(config), "--rollout-runtime", DEEP_JSON, *results], main=launch.main)
+    assert line.startswith('error: --rollout-runtime = \'{"a": [[[') and NESTED in line, line
+    line = error_line(capsys, [str(config), "--rollout-runtime", '{"tp": 2, "tp": 4}', *results], main=launch.main)
+    assert "duplicate key 'tp'" in line, line
+    coldstart = ["--coldstart", "tiny", "chain_sum", *results]
+    line = error_line(capsys, [*coldstart, "--coldstart-settings", DEEP_JSON], main=launch.main)
+    assert line.startswith("error: --coldstart-settings = ") and NESTED in line, line
+    line = error_line(capsys, ["--coldstart", DEEP_MAPPING, "chain_sum", *results], main=launch.main)
+    assert line.startswith("error: model = '{a: [[[") and NESTED in line, line
+    assert not (tmp_path / "results").exists()
+
+
+def test_an_hf_models_deep_config_json_is_one_line(tmp_path: Path, capsys) -> None:
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(DEEP_JSON)
+    results = ["--results", str(tmp_path / "results"), "--quiet"]
+    line = error_line(capsys, ["run", "--set", f"model={model}", *results])
+    assert f"model = {str(model)!r}: cannot read config.json ({NESTED}" in line, line
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "model_type": "llama"}')
+    line = error_line(capsys, ["run", "--set", f"model={model}", *results])
+    assert "cannot read config.json (duplicate key 'model_type')" in line, line
+    assert not (tmp_path / "results").exists()
+
+
+def test_status_and_analysis_list_a_deep_config_as_unreadable(deep_run: Path) -> None:
+    """Readers that list runs report a hostile one and go on, never crash."""
+    from analysis import tidy
+    from study.run import status
+
+    config, why = status._read_yaml(deep_run / "config.yaml")
+    assert config == {} and NESTED in why, why
+    data, reason = tidy._read_config(deep_run)
+    assert data == {} and NESTED in reason, reason
