@@ -110,9 +110,13 @@ class Sandbox:
 
     # ------------------------------------------------------------------------------------------ server lifecycle
 
+    def _command(self) -> list[str]:
+        """The server's command line."""
+        return [sys.executable, "-P", "-m", "study.data.sandbox", json.dumps(self.verifiers), repr(self.timeout_s)]
+
     def _start(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "study.data.sandbox", json.dumps(self.verifiers), repr(self.timeout_s)],
+            self._command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
