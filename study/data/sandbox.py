@@ -285,9 +285,12 @@ class _Seccomp:
         import platform
 
         self.prog: Any = None
+        self.libc: Any = None
         arch = platform.machine()
         if arch not in _DENY or not sys.platform.startswith("linux"):
             return
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 
         class SockFilter(ctypes.Structure):
             _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
@@ -312,8 +315,13 @@ class _Seccomp:
         self._filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
         self._fprog = SockFprog(len(prog), self._filters)
         self.prog = ctypes.cast(ctypes.pointer(self._fprog), ctypes.c_void_p)
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+
+    def die_with_parent(self, parent: int) -> None:
+        """Have the kernel kill this process when its parent (pid `parent`) exits; exit now if it already has."""
+        if self.libc is not None:
+            self.libc.prctl(1, signal.SIGKILL, None, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
 
     def install(self) -> bool:
         if self.prog is None or self.libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
@@ -348,14 +356,15 @@ class _Server:
     """The clean parent: scorers built, never a scored text run. One spare child is forked ahead, locked down and
     waiting for its request on a pipe of its own, so the next fork overlaps the current request's scoring."""
 
-    def __init__(self, scorers: Mapping[str, Any], timeout_s: float) -> None:
-        self.scorers, self.timeout_s = scorers, timeout_s
+    def __init__(self, scorers: Mapping[str, Any]) -> None:
+        self.scorers = scorers
         os.chdir("/")
         os.closerange(3, 1 << 16)
         self.devnull = os.open(os.devnull, os.O_RDWR)
         with open("/proc/self/statm", "rb") as f:
             self.memory = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + MEMORY_HEADROOM_BYTES
         self.filt = _Seccomp()
+        self.pid = os.getpid()
         gc.freeze()  # the children's collections skip the server's objects: fewer copy-on-write pages
         self.spare = self._fork()
 
@@ -365,6 +374,7 @@ class _Server:
         rep_r, rep_w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            self.filt.die_with_parent(self.pid)
             self._child(req_r, rep_w)  # never returns
         os.close(req_r)
         os.close(rep_w)
@@ -429,13 +439,13 @@ class _Server:
             if status is None:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-        return _child_reply(data, status, timeout_s)
+        return _child_reply(data, status, timeout_s, probe=request == b"probe")
 
 
-def _child_reply(data: bytes, status: int | None, timeout_s: float) -> dict[str, Any]:
+def _child_reply(data: bytes, status: int | None, timeout_s: float, *, probe: bool) -> dict[str, Any]:
     """What the server answers for a child that wrote `data` and exited with wait status `status` (None: it ran past
-    `timeout_s` or wrote too much and was killed). Only one line holding {"score": number} or {"error": string} (or
-    the probe's {"ready": level}) is a reply."""
+    `timeout_s` or wrote too much and was killed). Only one line holding {"score": number} or {"error": string} (the
+    probe's: {"ready": level}) is a reply."""
     if len(data) > _MAX_CHILD_REPLY:
         return {"error": f"malformed reply (longer than {_MAX_CHILD_REPLY} bytes)"}
     if status is None:
@@ -450,9 +460,9 @@ def _child_reply(data: bytes, status: int | None, timeout_s: float) -> dict[str,
         return {"error": "malformed reply (not JSON)"}
     if isinstance(reply, dict) and len(reply) == 1:
         key, value = next(iter(reply.items()))
-        if key == "score" and isinstance(value, int | float) and not isinstance(value, bool):
+        if key == "score" and not probe and isinstance(value, int | float) and not isinstance(value, bool):
             return {"score": float(value)}
-        if key in ("error", "ready") and isinstance(value, str):
+        if (key == "error" or (probe and key == "ready")) and isinstance(value, str):
             return {key: value[:300]}
     return {"error": "malformed reply (not a score or an error)"}
 
@@ -480,7 +490,7 @@ def _main(verifiers: Sequence[str], timeout_s: float) -> None:
             continue
         with contextlib.suppress(Exception):  # warm lazy imports inside the scorer
             scorers[name]("0", {"question": "", "answer": "0", "metadata": {}})
-    server = _Server(scorers, timeout_s)
+    server = _Server(scorers)
     ready = server.serve(b"probe", START_TIMEOUT_S)
     send({"id": 0, **ready})
     if "ready" not in ready:
