@@ -37,6 +37,7 @@ import io
 import itertools
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -331,8 +332,6 @@ class _Seccomp:
 
 def _lock_down(filt: _Seccomp, memory_bytes: int) -> str:
     """Lock this child down (see the module doc); the level reached: "seccomp" or "rlimits"."""
-    import resource
-
     if os.getuid() == 0:
         try:
             os.setgroups([])
