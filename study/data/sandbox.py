@@ -258,7 +258,8 @@ _DENY: dict[str, str] = {
         "clone3=435 socket=41 socketpair=53 connect=42 setrlimit=160 prlimit64=302 ptrace=101 kill=62 tkill=200 "
         "tgkill=234 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 pidfd_open=434 pidfd_getfd=438 "
         "pidfd_send_signal=424 process_vm_readv=310 process_vm_writev=311 io_uring_setup=425 mount=165 "
-        "umount2=166 chroot=161 pivot_root=155 unshare=272 setns=308 "
+        "umount2=166 chroot=161 pivot_root=155 unshare=272 setns=308 quotactl=179 open_tree=428 move_mount=429 "
+        "fsopen=430 fsmount=432 fspick=433 "
     ),
     "aarch64": (
         "openat=56 openat2=437 open_by_handle_at=265 name_to_handle_at=264 unlinkat=35 renameat=38 "
@@ -270,7 +271,7 @@ _DENY: dict[str, str] = {
         "connect=203 setrlimit=164 prlimit64=261 ptrace=117 kill=129 tkill=130 tgkill=131 rt_sigqueueinfo=138 "
         "rt_tgsigqueueinfo=240 pidfd_open=434 pidfd_getfd=438 pidfd_send_signal=424 process_vm_readv=270 "
         "process_vm_writev=271 io_uring_setup=425 mount=40 umount2=39 chroot=51 pivot_root=41 unshare=97 "
-        "setns=268 "
+        "setns=268 quotactl=60 open_tree=428 move_mount=429 fsopen=430 fsmount=432 fspick=433 "
     ),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
