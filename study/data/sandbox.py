@@ -61,7 +61,7 @@ MEMORY_HEADROOM_BYTES = 2 << 30
 """Address space a child may grow by beyond its server's (a scorer building a huge integer gets MemoryError)."""
 
 _MAX_REPLY = 1 << 12
-_MAX_CHILD_REPLY = 1 << 10
+_MAX_CHILD_REPLY = 1 << 12
 _ENV_ALLOWED = ("PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE")
 """Variables of the harness's environment the server inherits (besides the PYTHONPATH and thread caps it is given)."""
 

@@ -139,6 +139,14 @@ def test_a_malformed_reply_is_a_counted_failure_from_either_path(box: sandbox.Sa
     assert tasks.take_scorer_failures() == 0
 
 
+def test_a_long_error_in_any_script_keeps_its_message(box: sandbox.Sandbox, tmp_path: Path) -> None:
+    """An honest failure's message, escaped for JSON at six bytes a character, still fits every reply limit."""
+    problem = "(_ for _ in ()).throw(SystemExit('\u00e9' * 400))"
+    rows = _rows(tmp_path / "rows.jsonl", [{"prompt": "p\n", "answer": "0", "metadata": {"problem": problem}}])
+    with pytest.raises(ValueError, match=r"SystemExit: \u00e9{100}"):
+        tasks.load_user_data(rows, verifier="bitwise_arithmetic")
+
+
 def test_a_text_chooses_its_own_score_and_nothing_else(box: sandbox.Sandbox) -> None:
     """The sandbox's stated limit: code in a scored text can reply for itself (here 1.0), once."""
     own = "__import__('os').write(3, b'{\"score\": 1.0}\\n') and __import__('os')._exit(0)"
