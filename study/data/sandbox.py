@@ -6,21 +6,22 @@ What the sandbox promises, and how:
 
 - Nothing scored changes how anything else is scored. One server process per set of verifiers, started on first
   use, imports reasoning-gym, builds the scorers and then never runs a scored text itself: each request is scored in
-  a child forked from it for that request alone, which locks itself down, scores, replies and exits. What a text does
-  to the interpreter (rebinding `float`, patching a scorer, filling a cache) dies with its child; the next request
-  forks the same clean server again.
-- A reply is the server's, not the scored code's. The child gets no descriptor of the server's request or reply pipe:
-  its stdin, stdout and stderr are /dev/null and it writes its result on a pipe of its own. The server reads that
-  pipe after the child exits, accepts exactly one JSON line of at most `_MAX_CHILD_REPLY` bytes holding a score or an
-  error (anything else is an error: "malformed reply"), and answers the harness with the request's id. The harness
-  takes exactly one reply per request, with that id, no longer than `_MAX_REPLY` bytes, no deeper than JSON's
-  nesting allows; any other reply (bad JSON, a wrong id, extra lines, too deep, too big, none in time) kills and
-  restarts the server and fails the request.
-- The child computes in the dark: the server runs with an allow-listed environment (`_ENV_ALLOWED`: no secret of the
-  harness reaches it), in `/`, and the child adds an unprivileged user when started as root; rlimits (no new files,
-  no file growth, no processes, bounded memory); and a seccomp filter refusing every syscall that opens, creates,
-  removes, renames, changes or reads the metadata of a file (stat, access, readlink, xattrs), starts a process or
-  program, opens a socket, signals, reads or writes another process or lifts a limit.
+  a child forked from it for that request alone (forked ahead, while the previous request scores), which locks
+  itself down, reads its request, scores, replies and exits. What a text does to the interpreter (rebinding `float`,
+  patching a scorer, filling a cache) dies with its child; the next child is a copy of the same clean server.
+- A reply is the server's, not the scored code's. The child holds no descriptor of the server's pipes: its stdin is
+  its own request pipe, its stdout and stderr /dev/null, and it writes its result on a reply pipe of its own (fd 3).
+  The server reads that pipe to its end (the child's exit), accepts exactly one JSON line of at most
+  `_MAX_CHILD_REPLY` bytes holding a score or an error (anything else is an error: "malformed reply"), and answers
+  the harness with the request's id. The harness takes exactly one reply per request, with that id, no longer than
+  `_MAX_REPLY` bytes, no deeper than JSON's nesting allows; any other reply (bad JSON, a wrong id, extra lines, too
+  deep, too big, none in time) kills and restarts the server and fails the request.
+- The child computes in the dark: the server runs with an allow-listed environment (`server_env`: no secret of the
+  harness reaches it) in `/`; the child switches to an unprivileged user when started as root, dies with its server,
+  takes rlimits (no new files, no file growth, no processes, bounded memory) and a seccomp filter refusing every
+  syscall that opens, creates, removes, renames or changes a file or reads any path's metadata (stat, access,
+  readlink, xattrs, statfs: `os.stat` fails on every path), starts a process or program, opens a socket, signals,
+  reads or writes another process or lifts a limit.
 - Each request has a time limit (`timeout_s`): a child that runs past it is killed. A request that times out, raises,
   crashes its child or gets a malformed reply raises `ScorerFailure` (study.data.tasks scores it 0 and counts it).
 
