@@ -8,6 +8,10 @@ on length, nesting and literal size), so a hostile answer is a parse error, neve
     term   := unary (("*" | "/") unary)*
     unary  := ("+" | "-") unary | atom
     atom   := INT | "(" expr ")"
+    INT    := [0-9]+
+
+Digits are ASCII only and blanks are space, tab and form feed, as reasoning-gym's parsers read them: a full-width
+or Arabic-Indic digit, a no-break or ideographic space is outside the grammar.
 
 "/" is exact division (a Fraction), as sympy evaluates it; division by zero is a parse error.
 """
@@ -26,7 +30,7 @@ MAX_DEPTH = 32
 MAX_DIGITS = 18
 """Most digits of one integer literal."""
 
-_TOKEN = re.compile(r"\s*(?:(\d+)|(\S))")
+_TOKEN = re.compile(r"[ \t\f]*(?:([0-9]+)|([^ \t\f]))")
 
 
 class ExpressionError(ValueError):
@@ -101,7 +105,7 @@ def evaluate(text: str) -> Fraction:
             if take() != ")":
                 raise ExpressionError("unbalanced parentheses")
             return value
-        if tok.isdigit():
+        if tok.isascii() and tok.isdigit():
             return Fraction(int(tok))
         raise ExpressionError(f"unexpected {tok!r}")
 
@@ -113,7 +117,7 @@ def evaluate(text: str) -> Fraction:
     return value
 
 
-_INT = re.compile(r"\b\d+\b")
+_INT = re.compile(r"\b[0-9]+\b", re.ASCII)
 
 
 def integers(text: str) -> list[int]:

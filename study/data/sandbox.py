@@ -1,29 +1,46 @@
-"""Third-party scorers run in a locked-down worker process with a time limit.
+"""Third-party scorers run in a clean, locked-down process per request, with a time limit.
 
 reasoning-gym's scorers `eval` or sympy-parse the text they score (a model's answer, a user row's answer or problem).
-Every verifier study.data.tasks cannot score with a grammar of its own runs here instead of in the harness's process:
+Every verifier study.data.tasks cannot score with a grammar of its own runs here instead of in the harness's process.
+What the sandbox promises, and how:
 
-- one worker process per set of verifiers, started on first use; it imports reasoning-gym and builds the scorers,
-  then locks itself down before it reads the first request: no file descriptor beyond its request pipe (stdin), its
-  reply pipe (stdout) and /dev/null (stderr); an unprivileged user when started as root; rlimits (no new files, no
-  file growth, no processes, bounded memory); and a seccomp filter refusing every syscall that opens, creates,
-  removes, renames or changes a file, starts a process or program, opens a socket, signals another process or lifts
-  a limit. Code an answer smuggles into a scorer can compute, but it cannot write outside its pipe.
-- each request has a time limit (`timeout_s`); a scorer that runs past it is killed with its worker (the next request
-  starts a fresh one), one that raises or crashes its worker is reported the same way: `ScorerFailure`.
-- requests and replies are JSON lines; nothing the worker sends is unpickled.
+- Nothing scored changes how anything else is scored. One server process per set of verifiers, started on first
+  use, imports reasoning-gym, builds the scorers and then never runs a scored text itself: each request is scored in
+  a child forked from it for that request alone (forked ahead, while the previous request scores), which locks
+  itself down, reads its request, scores, replies and exits. What a text does to the interpreter (rebinding `float`,
+  patching a scorer, filling a cache) dies with its child; the next child is a copy of the same clean server.
+- A reply is the server's, not the scored code's. The child holds no descriptor of the server's pipes: its stdin is
+  its own request pipe, its stdout and stderr /dev/null, and it writes its result on a reply pipe of its own (fd 3).
+  The server reads that pipe to its end (the child's exit), accepts exactly one JSON line of at most
+  `_MAX_CHILD_REPLY` bytes holding a score or an error (anything else is an error: "malformed reply"), and answers
+  the harness with the request's id. The harness takes exactly one reply per request, with that id, no longer than
+  `_MAX_REPLY` bytes, no deeper than JSON's nesting allows; any other reply (bad JSON, a wrong id, extra lines, too
+  deep, too big, none in time) kills and restarts the server and fails the request.
+- The child computes in the dark: the server runs with an allow-listed environment (`server_env`: no secret of the
+  harness reaches it) in `/`; the child switches to an unprivileged user when started as root, dies with its server,
+  takes rlimits (no new files, no file growth, no processes, bounded memory) and a seccomp filter refusing every
+  syscall that opens, creates, removes, renames or changes a file or reads any path's metadata (stat, access,
+  readlink, xattrs, statfs: `os.stat` fails on every path), starts a process or program, opens a socket, signals,
+  reads or writes another process or lifts a limit.
+- Each request has a time limit (`timeout_s`): a child that runs past it is killed. A request that times out, raises,
+  crashes its child or gets a malformed reply raises `ScorerFailure` (study.data.tasks scores it 0 and counts it).
 
-Code that runs inside the worker can still choose its own reply (a score in [0, 1]); the grammar-scored verifiers of
-study.data.tasks are the ones a policy under RL should be trained on.
+Code a text smuggles into a scorer still chooses its own reply (a score in [0, 1]) and nothing else; the
+grammar-scored verifiers of study.data.tasks are the ones a policy under RL should be trained on.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import io
+import itertools
 import json
 import os
+import resource
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -38,16 +55,23 @@ TIMEOUT_S = 5.0
 """Default time limit of one scoring request, seconds."""
 
 START_TIMEOUT_S = 120.0
-"""Time limit for a worker to import reasoning-gym, build its scorers and lock down."""
+"""Time limit for a server to import reasoning-gym, build its scorers and fork its first locked-down child."""
+
+SERVER_SLACK_S = 5.0
+"""How long past a request's time limit the harness waits for the server's answer before it kills the server."""
 
 MEMORY_HEADROOM_BYTES = 2 << 30
-"""Address space a worker may grow by after its imports (a scorer building a huge integer gets MemoryError)."""
+"""Address space a child may grow by beyond its server's (a scorer building a huge integer gets MemoryError)."""
 
-_MAX_REPLY = 1 << 16
+_MAX_REPLY = 1 << 12
+_MAX_CHILD_REPLY = 1 << 12
+_ENV_ALLOWED = ("PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE")
+"""Variables of the harness's environment the server inherits (besides the PYTHONPATH and thread caps it is given)."""
 
 
 class ScorerFailure(RuntimeError):
-    """A sandboxed scorer timed out, raised, or its worker died or could not start; the message says which."""
+    """A sandboxed scorer timed out, raised or crashed, its reply was malformed, or its server died or could not
+    start; the message says which."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -56,39 +80,51 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def server_env() -> dict[str, str]:
+    """The server's whole environment: the allow-listed variables of this one, this repository on PYTHONPATH, and
+    single-threaded numeric libraries."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: os.environ[k] for k in _ENV_ALLOWED if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
 class Sandbox:
-    """A worker process serving the scorers of `verifiers` (reasoning-gym task names), each request limited to
-    `timeout_s` seconds. Thread-safe; `close` kills the worker."""
+    """A server process scoring requests for the scorers of `verifiers` (reasoning-gym task names), each in a fresh
+    child limited to `timeout_s` seconds. Thread-safe; `close` kills the server."""
 
     def __init__(self, verifiers: Sequence[str], *, timeout_s: float = TIMEOUT_S) -> None:
         self.verifiers = tuple(dict.fromkeys(verifiers))
         self.timeout_s = float(timeout_s)
         self.level = ""
-        """How the running worker is locked down: "seccomp" (filter, rlimits, fds) or "rlimits" (no seccomp here)."""
+        """How the children are locked down: "seccomp" (filter, rlimits, fds) or "rlimits" (no seccomp here)."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------------------------------ worker lifecycle
+    # ------------------------------------------------------------------------------------------ server lifecycle
+
+    def _command(self) -> list[str]:
+        """The server's command line."""
+        return [sys.executable, "-P", "-m", "study.data.sandbox", json.dumps(self.verifiers), repr(self.timeout_s)]
 
     def _start(self) -> subprocess.Popen[bytes]:
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "study.data.sandbox", json.dumps(self.verifiers)],
+            self._command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env=env,
+            env=server_env(),
+            cwd="/",
             close_fds=True,
         )
         self._proc, self._buf = proc, b""
-        reply = self._read(START_TIMEOUT_S, "start")
+        reply = self._read(START_TIMEOUT_S, "start", 0)
         if "ready" not in reply:
             self._kill()
-            raise ScorerFailure(f"sandbox worker did not start: {reply.get('error', reply)}")
+            raise ScorerFailure(f"sandbox server did not start: {str(reply.get('error', reply))[:300]}")
         self.level = str(reply["ready"])
         return proc
 
@@ -102,11 +138,16 @@ class Sandbox:
                     stream.close()
 
     def close(self) -> None:
-        """Kill the worker (a later request starts a new one)."""
+        """Kill the server (a later request starts a new one)."""
         with self._lock:
             self._kill()
 
-    def _read(self, timeout_s: float, what: str) -> dict[str, Any]:
+    def _malformed(self, what: str, why: str) -> ScorerFailure:
+        self._kill()
+        return ScorerFailure(f"{what}: malformed reply from the sandbox server ({why}); server restarted")
+
+    def _read(self, timeout_s: float, what: str, request_id: int) -> dict[str, Any]:
+        """The server's one reply to request `request_id`; the server is killed (ScorerFailure) on anything else."""
         assert self._proc is not None and self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
@@ -119,27 +160,26 @@ class Sandbox:
             if not chunk:
                 code = self._proc.wait()
                 self._kill()
-                raise ScorerFailure(f"{what}: sandbox worker died (exit status {code})")
+                raise ScorerFailure(f"{what}: sandbox server died (exit status {code})")
             self._buf += chunk
             if len(self._buf) > _MAX_REPLY:
-                self._kill()
-                raise ScorerFailure(f"{what}: reply longer than {_MAX_REPLY} bytes")
+                raise self._malformed(what, f"longer than {_MAX_REPLY} bytes")
         line, self._buf = self._buf.split(b"\n", 1)
+        if self._buf:
+            raise self._malformed(what, "more than one line")
         try:
             reply = load_json(line)
-        except ValueError:
-            self._kill()
-            raise ScorerFailure(f"{what}: malformed reply from the sandbox worker") from None
-        if not isinstance(reply, dict):
-            self._kill()
-            raise ScorerFailure(f"{what}: malformed reply from the sandbox worker")
+        except ValueError as e:
+            raise self._malformed(what, f"not JSON: {e}") from None
+        if not isinstance(reply, dict) or reply.get("id") != request_id:
+            raise self._malformed(what, f"not an object with id {request_id}")
         return reply
 
     # ----------------------------------------------------------------------------------------------- scoring
 
     def score(self, verifier: str, answer: str | None, entry: Mapping[str, Any]) -> float:
         """reasoning-gym's score of `answer` for `entry` (question, answer, metadata) by `verifier`'s scorer, in
-        [0, 1]; ScorerFailure when it times out, raises or its worker dies."""
+        [0, 1], computed in a fresh child; ScorerFailure when it times out, raises, crashes or replies malformed."""
         if verifier not in self.verifiers:
             raise ValueError(f"verifier {verifier!r} is not served by this sandbox; valid: {', '.join(self.verifiers)}")
         request = json.dumps({"verifier": verifier, "answer": answer, "entry": entry}, default=_jsonable)
@@ -148,17 +188,18 @@ class Sandbox:
                 self._kill()
                 self._start()
             assert self._proc is not None and self._proc.stdin is not None
+            request_id = next(self._ids)
             try:
-                self._proc.stdin.write(request.encode() + b"\n")
+                self._proc.stdin.write(f"{request_id} ".encode() + request.encode() + b"\n")
                 self._proc.stdin.flush()
             except OSError:
                 self._kill()
-                raise ScorerFailure(f"{verifier}: sandbox worker died") from None
-            reply = self._read(self.timeout_s, verifier)
+                raise ScorerFailure(f"{verifier}: sandbox server died") from None
+            reply = self._read(self.timeout_s + SERVER_SLACK_S, verifier, request_id)
         if "error" in reply:
             raise ScorerFailure(f"{verifier}: {str(reply['error'])[:300]}")
         value = reply.get("score")
-        if not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= float(value) <= 1.0:
             raise ScorerFailure(f"{verifier}: score {str(value)[:50]} outside [0, 1]")
         return float(value)
 
@@ -176,7 +217,7 @@ def sandbox_for(verifier: str) -> Sandbox:
 
 
 def start(verifiers: Sequence[str], *, timeout_s: float = TIMEOUT_S) -> Sandbox:
-    """One sandbox serving all of `verifiers` (one worker instead of one each), used for them from now on."""
+    """One sandbox serving all of `verifiers` (one server instead of one each), used for them from now on."""
     box = Sandbox(verifiers, timeout_s=timeout_s)
     with _REGISTRY_LOCK:
         for verifier in box.verifiers:
@@ -186,7 +227,7 @@ def start(verifiers: Sequence[str], *, timeout_s: float = TIMEOUT_S) -> Sandbox:
 
 @atexit.register
 def close_all() -> None:
-    """Kill every sandbox worker."""
+    """Kill every sandbox server."""
     with _REGISTRY_LOCK:
         boxes = {id(b): b for b in _SANDBOXES.values()}.values()
         _SANDBOXES.clear()
@@ -194,10 +235,11 @@ def close_all() -> None:
         box.close()
 
 
-# ------------------------------------------------------------------------------------------------ worker side
+# ------------------------------------------------------------------------------------------------ server side
 
-# Syscalls the worker's seccomp filter refuses (EPERM), by architecture: whatever opens, creates, removes, renames or
-# changes a file, starts a process or program, opens a socket, signals or inspects another process, or lifts a limit.
+# Syscalls a child's seccomp filter refuses (EPERM), by architecture: whatever opens, creates, removes, renames or
+# changes a file or reads its metadata, starts a process or program, opens a socket, signals, reads or writes
+# another process, or lifts a limit.
 _DENY: dict[str, str] = {
     "x86_64": (
         "open=2 openat=257 openat2=437 creat=85 open_by_handle_at=304 name_to_handle_at=303 unlink=87 "
@@ -205,70 +247,87 @@ _DENY: dict[str, str] = {
         "symlink=88 symlinkat=266 mknod=133 mknodat=259 chmod=90 fchmod=91 fchmodat=268 fchmodat2=452 "
         "chown=92 fchown=93 lchown=94 fchownat=260 truncate=76 ftruncate=77 utime=132 utimes=235 "
         "utimensat=280 futimesat=261 setxattr=188 lsetxattr=189 fsetxattr=190 removexattr=197 "
-        "lremovexattr=198 fremovexattr=199 execve=59 execveat=322 fork=57 vfork=58 clone=56 clone3=435 "
-        "socket=41 socketpair=53 connect=42 setrlimit=160 prlimit64=302 ptrace=101 kill=62 tkill=200 "
+        "lremovexattr=198 fremovexattr=199 stat=4 lstat=6 newfstatat=262 statx=332 access=21 faccessat=269 "
+        "faccessat2=439 readlink=89 readlinkat=267 statfs=137 getxattr=191 lgetxattr=192 listxattr=194 "
+        "llistxattr=195 chdir=80 inotify_add_watch=254 execve=59 execveat=322 fork=57 vfork=58 clone=56 "
+        "clone3=435 socket=41 socketpair=53 connect=42 setrlimit=160 prlimit64=302 ptrace=101 kill=62 tkill=200 "
         "tgkill=234 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 pidfd_open=434 pidfd_getfd=438 "
-        "pidfd_send_signal=424 process_vm_writev=311 io_uring_setup=425 mount=165 umount2=166 chroot=161 "
-        "pivot_root=155 unshare=272 setns=308 "
+        "pidfd_send_signal=424 process_vm_readv=310 process_vm_writev=311 io_uring_setup=425 mount=165 "
+        "umount2=166 chroot=161 pivot_root=155 unshare=272 setns=308 quotactl=179 open_tree=428 move_mount=429 "
+        "fsopen=430 fsmount=432 fspick=433 "
     ),
     "aarch64": (
         "openat=56 openat2=437 open_by_handle_at=265 name_to_handle_at=264 unlinkat=35 renameat=38 "
         "renameat2=276 mkdirat=34 linkat=37 symlinkat=36 mknodat=33 fchmod=52 fchmodat=53 fchmodat2=452 "
         "fchown=55 fchownat=54 truncate=45 ftruncate=46 utimensat=88 setxattr=5 lsetxattr=6 fsetxattr=7 "
-        "removexattr=14 lremovexattr=15 fremovexattr=16 execve=221 execveat=281 clone=220 clone3=435 "
-        "socket=198 socketpair=199 connect=203 setrlimit=164 prlimit64=261 ptrace=117 kill=129 tkill=130 "
-        "tgkill=131 rt_sigqueueinfo=138 rt_tgsigqueueinfo=240 pidfd_open=434 pidfd_getfd=438 "
-        "pidfd_send_signal=424 process_vm_writev=271 io_uring_setup=425 mount=40 umount2=39 chroot=51 "
-        "pivot_root=41 unshare=97 setns=268 "
+        "removexattr=14 lremovexattr=15 fremovexattr=16 newfstatat=79 statx=291 faccessat=48 faccessat2=439 "
+        "readlinkat=78 statfs=43 getxattr=8 lgetxattr=9 listxattr=11 llistxattr=12 chdir=49 "
+        "inotify_add_watch=27 execve=221 execveat=281 clone=220 clone3=435 socket=198 socketpair=199 "
+        "connect=203 setrlimit=164 prlimit64=261 ptrace=117 kill=129 tkill=130 tgkill=131 rt_sigqueueinfo=138 "
+        "rt_tgsigqueueinfo=240 pidfd_open=434 pidfd_getfd=438 pidfd_send_signal=424 process_vm_readv=270 "
+        "process_vm_writev=271 io_uring_setup=425 mount=40 umount2=39 chroot=51 pivot_root=41 unshare=97 "
+        "setns=268 quotactl=60 open_tree=428 move_mount=429 fsopen=430 fsmount=432 fspick=433 "
     ),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 
 
-def _seccomp() -> bool:
-    """Install the deny filter on this process (irrevocable, inherited); False where seccomp is unavailable."""
-    import ctypes
-    import errno
-    import platform
+class _Seccomp:
+    """The deny filter, built once in the server; `install` puts it on the calling process (irrevocable, inherited)
+    and says whether it took."""
 
-    arch = platform.machine()
-    if arch not in _DENY or not sys.platform.startswith("linux"):
-        return False
+    def __init__(self) -> None:
+        import ctypes
+        import errno
+        import platform
 
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+        self.prog: Any = None
+        self.libc: Any = None
+        arch = platform.machine()
+        if arch not in _DENY or not sys.platform.startswith("linux"):
+            return
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+        class SockFilter(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
 
-    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    allow, kill_process, deny = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
-    numbers = sorted({int(pair.split("=")[1]) for pair in _DENY[arch].split()})
-    prog: list[tuple[int, int, int, int]] = [
-        (ld_abs, 0, 0, 4),  # seccomp_data.arch
-        (jeq, 1, 0, _AUDIT_ARCH[arch]),
-        (ret, 0, 0, kill_process),  # another ABI (i386 on x86_64): its numbers differ
-        (ld_abs, 0, 0, 0),  # seccomp_data.nr
-    ]
-    checks = [(jge, 0x40000000)] if arch == "x86_64" else []  # the x32 ABI's numbers alias these with bit 30 set
-    checks += [(jeq, nr) for nr in numbers]
-    deny_at = len(prog) + len(checks) + 1  # after the checks and the allow
-    prog += [(code, deny_at - (len(prog) + i) - 1, 0, k) for i, (code, k) in enumerate(checks)]
-    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
-    filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
-    fprog = SockFprog(len(prog), filters)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    if libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        return False
-    return libc.prctl(22, 2, ctypes.cast(ctypes.pointer(fprog), ctypes.c_void_p), 0, 0) == 0  # SECCOMP_MODE_FILTER
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+        ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+        allow, kill_process, deny = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
+        numbers = sorted({int(pair.split("=")[1]) for pair in _DENY[arch].split()})
+        prog: list[tuple[int, int, int, int]] = [
+            (ld_abs, 0, 0, 4),  # seccomp_data.arch
+            (jeq, 1, 0, _AUDIT_ARCH[arch]),
+            (ret, 0, 0, kill_process),  # another ABI (i386 on x86_64): its numbers differ
+            (ld_abs, 0, 0, 0),  # seccomp_data.nr
+        ]
+        checks = [(jge, 0x40000000)] if arch == "x86_64" else []  # the x32 ABI's numbers alias these with bit 30 set
+        checks += [(jeq, nr) for nr in numbers]
+        deny_at = len(prog) + len(checks) + 1  # after the checks and the allow
+        prog += [(code, deny_at - (len(prog) + i) - 1, 0, k) for i, (code, k) in enumerate(checks)]
+        prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+        self._filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+        self._fprog = SockFprog(len(prog), self._filters)
+        self.prog = ctypes.cast(ctypes.pointer(self._fprog), ctypes.c_void_p)
+
+    def die_with_parent(self, parent: int) -> None:
+        """Have the kernel kill this process when its parent (pid `parent`) exits; exit now if it already has."""
+        if self.libc is not None:
+            self.libc.prctl(1, signal.SIGKILL, None, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    def install(self) -> bool:
+        if self.prog is None or self.libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            return False
+        return self.libc.prctl(22, 2, self.prog, 0, 0) == 0  # SECCOMP_MODE_FILTER
 
 
-def _lock_down() -> str:
-    """Lock this worker down (see the module doc); the level reached: "seccomp" or "rlimits"."""
-    import resource
-
-    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+def _lock_down(filt: _Seccomp, memory_bytes: int) -> str:
+    """Lock this child down (see the module doc); the level reached: "seccomp" or "rlimits"."""
     if os.getuid() == 0:
         try:
             os.setgroups([])
@@ -276,36 +335,146 @@ def _lock_down() -> str:
             os.setuid(65534)
         except OSError:
             pass
-    with open("/proc/self/statm", "rb") as f:
-        vm_bytes = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     for limit, value in (
-        (resource.RLIMIT_NOFILE, 3),
+        (resource.RLIMIT_NOFILE, 4),
         (resource.RLIMIT_FSIZE, 0),
         (resource.RLIMIT_CORE, 0),
         (resource.RLIMIT_NPROC, 0),
-        (resource.RLIMIT_AS, vm_bytes + MEMORY_HEADROOM_BYTES),
+        (resource.RLIMIT_AS, memory_bytes),
     ):
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(limit, (value, value))
-    return "seccomp" if _seccomp() else "rlimits"
+    return "seccomp" if filt.install() else "rlimits"
 
 
-def _worker(verifiers: Sequence[str]) -> None:
-    import io
-    import signal
+class _Server:
+    """The clean parent: scorers built, never a scored text run. One spare child is forked ahead, locked down and
+    waiting for its request on a pipe of its own, so the next fork overlaps the current request's scoring."""
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills its workers
+    def __init__(self, scorers: Mapping[str, Any]) -> None:
+        self.scorers = scorers
+        os.chdir("/")
+        os.closerange(3, 1 << 16)
+        self.devnull = os.open(os.devnull, os.O_RDWR)
+        with open("/proc/self/statm", "rb") as f:
+            self.memory = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + MEMORY_HEADROOM_BYTES
+        self.filt = _Seccomp()
+        self.pid = os.getpid()
+        gc.freeze()  # the children's collections skip the server's objects: fewer copy-on-write pages
+        self.spare = self._fork()
+
+    def _fork(self) -> tuple[int, int, int]:
+        """A new child: (pid, request pipe's write end, reply pipe's read end)."""
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            self.filt.die_with_parent(self.pid)
+            self._child(req_r, rep_w)  # never returns
+        os.close(req_r)
+        os.close(rep_w)
+        return pid, req_w, rep_r
+
+    def _child(self, req_r: int, rep_w: int) -> None:
+        """A child's whole life: its request pipe on fd 0, /dev/null on 1 and 2, its reply pipe on 3, nothing else;
+        lock down, read the request, score it, reply, exit."""
+        try:
+            os.dup2(req_r, 0)
+            os.dup2(self.devnull, 1)
+            os.dup2(self.devnull, 2)
+            os.dup2(rep_w, 3)
+            os.closerange(4, 1 << 16)
+            sys.stdout = sys.stderr = io.StringIO()  # a scorer's prints go nowhere
+            level = _lock_down(self.filt, self.memory)
+            chunks = []
+            while chunk := os.read(0, 1 << 16):
+                chunks.append(chunk)
+            request = b"".join(chunks)
+            if request == b"probe":
+                reply: dict[str, Any] = {"ready": level}
+            else:
+                req = load_json(request)
+                scorer = self.scorers[req["verifier"]]
+                if isinstance(scorer, str):
+                    raise RuntimeError(f"scorer unavailable ({scorer})")
+                reply = {"score": float(scorer(req["answer"], req["entry"]))}
+        except BaseException as e:
+            reply = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        try:
+            os.write(3, json.dumps(reply).encode() + b"\n")
+        finally:
+            os._exit(0)
+
+    def serve(self, request: bytes, timeout_s: float) -> dict[str, Any]:
+        """Score `request` in the spare child and fork the next one; the child's validated reply or an error."""
+        pid, req_w, rep_r = self.spare
+        deadline = time.monotonic() + timeout_s
+        try:
+            view = memoryview(request)
+            while view:
+                view = view[os.write(req_w, view) :]
+        except OSError:
+            pass  # the child died before it read its request: its exit status says how
+        finally:
+            os.close(req_w)
+        self.spare = self._fork()
+        data, status = b"", None
+        try:
+            while len(data) <= _MAX_CHILD_REPLY:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([rep_r], [], [], left)[0]:
+                    break
+                chunk = os.read(rep_r, 1 << 12)
+                if not chunk:
+                    status = os.waitpid(pid, 0)[1]
+                    break
+                data += chunk
+        finally:
+            os.close(rep_r)
+            if status is None:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        return _child_reply(data, status, timeout_s, probe=request == b"probe")
+
+
+def _child_reply(data: bytes, status: int | None, timeout_s: float, *, probe: bool) -> dict[str, Any]:
+    """What the server answers for a child that wrote `data` and exited with wait status `status` (None: it ran past
+    `timeout_s` or wrote too much and was killed). Only one line holding {"score": number} or {"error": string} (the
+    probe's: {"ready": level}) is a reply."""
+    if len(data) > _MAX_CHILD_REPLY:
+        return {"error": f"malformed reply (longer than {_MAX_CHILD_REPLY} bytes)"}
+    if status is None:
+        return {"error": f"timed out after {timeout_s:g} s"}
+    if os.WIFSIGNALED(status):
+        return {"error": f"scorer crashed its process (signal {os.WTERMSIG(status)})"}
+    if not data.endswith(b"\n") or data.count(b"\n") != 1:
+        return {"error": "malformed reply (not exactly one line)"}
+    try:
+        reply = load_json(data)
+    except ValueError:
+        return {"error": "malformed reply (not JSON)"}
+    if isinstance(reply, dict) and len(reply) == 1:
+        key, value = next(iter(reply.items()))
+        if key == "score" and not probe and isinstance(value, int | float) and not isinstance(value, bool):
+            return {"score": float(value)}
+        if (key == "error" or (probe and key == "ready")) and isinstance(value, str):
+            return {key: value[:300]}
+    return {"error": "malformed reply (not a score or an error)"}
+
+
+def _main(verifiers: Sequence[str], timeout_s: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness handles Ctrl-C and kills its servers
 
     def send(obj: dict[str, Any]) -> None:
         os.write(1, json.dumps(obj).encode() + b"\n")
 
     try:
-        import numpy  # noqa: F401 - imported before the lock-down, as every scorer's lazy import is
+        import numpy  # noqa: F401 - imported before any request, as every scorer's lazy import is
         import sympy
         import sympy.parsing.sympy_parser  # noqa: F401
         from reasoning_gym.factory import get_score_answer_fn
     except Exception as e:
-        send({"error": f"import failed ({type(e).__name__}: {e})"})
+        send({"id": 0, "error": f"import failed ({type(e).__name__}: {e})"})
         return
     scorers: dict[str, Any] = {}
     for name in verifiers:
@@ -316,26 +485,16 @@ def _worker(verifiers: Sequence[str]) -> None:
             continue
         with contextlib.suppress(Exception):  # warm lazy imports inside the scorer
             scorers[name]("0", {"question": "", "answer": "0", "metadata": {}})
-    level = _lock_down()
-    sys.stdout = sys.stderr = io.StringIO()  # a scorer's prints must not reach the reply pipe
-    send({"ready": level})
+    server = _Server(scorers)
+    ready = server.serve(b"probe", START_TIMEOUT_S)
+    send({"id": 0, **ready})
+    if "ready" not in ready:
+        return
     stdin = sys.stdin.buffer
-    while True:
-        line = stdin.readline()
-        if not line:
-            return
-        sys.stdout = sys.stderr = io.StringIO()
-        try:
-            req = load_json(line)
-            scorer = scorers[req["verifier"]]
-            if isinstance(scorer, str):
-                raise RuntimeError(f"scorer unavailable ({scorer})")
-            value = float(scorer(req["answer"], req["entry"]))
-            reply: dict[str, Any] = {"score": value if 0.0 <= value <= 1.0 else -1.0}
-        except BaseException as e:
-            reply = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        send(reply)
+    while line := stdin.readline():
+        head, _, request = line.rstrip(b"\n").partition(b" ")
+        send({"id": int(head), **server.serve(request, timeout_s)})
 
 
 if __name__ == "__main__":
-    _worker(load_json(sys.argv[1]))
+    _main(load_json(sys.argv[1]), float(sys.argv[2]))

@@ -10,8 +10,9 @@ The solution works the problem one operation per line and ends with the answer a
 (GSM8K's). `extract_answer` takes the text after the last `####` up to the end of that line; `score` scores it as
 reasoning-gym's verifier for the task does. Nothing a response or a user's row says ever runs: the generated tasks,
 `exact`, `numeric` and `puzzle24` are scored here on grammars of this module's own (study.data.arith for expressions,
-no `eval`, no sympy), and every other reasoning-gym verifier runs in a locked-down worker process with a time limit
-(study.data.sandbox); a verifier that times out or fails scores 0 and is counted (`take_scorer_failures`).
+no `eval`, no sympy), and every other reasoning-gym verifier runs in study.data.sandbox: each text in a fresh
+locked-down child process with a time limit, so nothing one text does reaches another's score; a verifier that times
+out, fails or replies malformed scores 0 and is counted (`take_scorer_failures`).
 A response cut at the length limit is scored as it stands: cut before the delimiter it has no answer, cut inside the
 answer it has a wrong one.
 
