@@ -35,6 +35,7 @@ import fcntl
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -112,17 +113,33 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch's writer raises RuntimeError on a full disk
-        _free(tmp)
         if isinstance(err, WriteError):
+            _free(tmp)
             raise
-        free = ""
+        code = errno.EFBIG if _over_size_limit(err, tmp) else getattr(err, "errno", None) or errno.EIO
+        _free(tmp)
+        room = ""
         with contextlib.suppress(OSError):
-            free = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
-        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{free})")
-        failure.errno, failure.filename = getattr(err, "errno", None) or errno.EIO, str(path)
+            room = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
+        if code == errno.EFBIG:
+            room = f"; the file size limit (ulimit -f) is {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes"
+        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{room})")
+        failure.errno, failure.filename = code, str(path)
         raise failure from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _over_size_limit(err: BaseException, tmp: Path) -> bool:
+    """Whether a failed write hit the process's file size limit (ulimit -f, RLIMIT_FSIZE): EFBIG, or (torch's writer
+    reports no errno) a temporary file that reached the limit."""
+    if getattr(err, "errno", None) == errno.EFBIG:
+        return True
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        return limit != resource.RLIM_INFINITY and tmp.stat().st_size >= limit
+    except OSError:
+        return False
 
 
 def _free(tmp: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -282,10 +283,12 @@ def test_a_planted_lock_link_writes_nothing_outside(one_step: Path, tmp_path: Pa
     assert rundir.read_status(run_dir)["state"] == "running"  # refused before the run wrote anything
 
 
-def _study_run(results: Path, *sets: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+def _study_run(results: Path, *sets: str, script: str = "", **popen: typing.Any) -> subprocess.Popen[str]:
+    """`python -m study run` of the tiny scratch config with `sets` (or `script`, given the same arguments)."""
+    entry = ["-c", script] if script else ["-m", "study"]
+    cmd = [sys.executable, *entry, "run", "--preset", "tiny", "--results", str(results), "--quiet"]
     return subprocess.Popen([*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
 
 
 def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
@@ -320,9 +323,9 @@ def small_disk(tmp_path: Path) -> typing.Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
+def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path, capsys) -> None:
     cfg = tiny("steps=2")
-    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written"):
+    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written.* bytes free on its filesystem"):
         rl.run(cfg, small_disk, progress=False)
     run_dir = small_disk / "runs" / cfg.run_id
     status = rundir.read_status(run_dir)
@@ -332,6 +335,78 @@ def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
     )
     assert json.loads((run_dir / rundir.FAILURE_FILE).read_text())["error"] == status["error"]
     assert not list((run_dir / "checkpoint").glob(".*.tmp")), "the failed temporary checkpoint was left"
+    # the disk full at the first checkpoint: once there is room, the run resumes (from step 0: no checkpoint was made)
+    assert subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)]).returncode == 0
+    capsys.readouterr()
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0, capsys.readouterr().err
+    assert "first checkpoint (step 1) was never completed" in capsys.readouterr().err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+
+
+def test_a_file_size_limit_is_named_and_the_run_resumes_without_it(tmp_path: Path) -> None:
+    cfg = tiny("steps=2")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    limit = 1 << 20  # room for the small files, not for the 3.6 MB checkpoint
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = _study_run(tmp_path, "steps=2", preexec_fn=limited)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    line = err.strip().splitlines()[-2 if "(the run failed" in err else -1]
+    assert f"error: {run_dir / 'checkpoint' / 'state.pt'}: could not be written" in line, err
+    assert f"the file size limit (ulimit -f) is {limit} bytes" in line and "bytes free" not in line, line
+    assert rundir.read_status(run_dir)["state"] == "failed"
+    resumed = subprocess.run([sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"], capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert rundir.read_status(run_dir)["state"] == "completed"
+
+
+SLOW_CHECKPOINT = """
+import sys, time, torch
+from study import __main__ as study_main
+save = torch.save
+def save_then_wait(obj, f, *args, **kwargs):  # a run checkpoint written to its temporary file, not yet renamed
+    save(obj, f, *args, **kwargs)
+    if isinstance(obj, dict) and "data_pos" in obj:
+        print("writing the checkpoint", flush=True)
+        time.sleep(600)
+torch.save = save_then_wait
+sys.exit(study_main.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_kill_while_the_first_checkpoint_is_written_is_resumable(tmp_path: Path, signum: int, capsys) -> None:
+    from study.run import status as run_status
+
+    sets = ["steps=2", "checkpoint_every=2"]  # the first checkpoint at step 2, after the metrics of steps 1 and 2
+    run_dir = tmp_path / "runs" / tiny(*sets).run_id
+    proc = _study_run(tmp_path, *sets, script=SLOW_CHECKPOINT)
+    assert proc.stdout.readline().strip() == "writing the checkpoint", proc.communicate(timeout=60)
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum), err
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].max() == 2
+    assert not (run_dir / "checkpoint" / "state.pt").exists()
+    (line,) = run_status.collect(tmp_path)
+    assert line.state == ("died" if signum == signal.SIGKILL else "stopped"), line
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0, capsys.readouterr().err
+    assert "first checkpoint (step 2) was never completed" in capsys.readouterr().err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+    assert record.recorded_checkpoint(run_dir / "metrics.parquet") == 2
+
+
+def test_a_lost_checkpoint_is_still_an_error_after_the_first_completed(one_step: Path, tmp_path: Path, capsys):
+    run_dir = interrupted(one_step, tmp_path)
+    assert record.recorded_checkpoint(run_dir / "metrics.parquet") == 1  # written once state.pt was in place
+    shutil.rmtree(run_dir / "checkpoint")
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert "records that the checkpoint of step 1 was completed" in line, line
 
 
 @pytest.mark.parametrize("name", ["routing_layers.parquet", record.TOKEN_SAMPLES])
