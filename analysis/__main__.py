@@ -42,8 +42,8 @@ def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: 
             raise SystemExit(f"collect: {path} is not a run's status.json")
         ids.append(path.parent.name)
         try:
-            states[str(json.loads(path.read_text()).get("state", "unknown"))] += 1
-        except (OSError, ValueError):
+            states[str(json.loads(files.read_regular(path).decode()).get("state", "unknown"))] += 1
+        except (OSError, ValueError, AttributeError):
             states["unreadable"] += 1
     unique = list(dict.fromkeys(ids))
     written = files.write(Path(out), f"# study {study}: {len(unique)} run(s)\n" + "".join(f"{r}\n" for r in unique))

@@ -245,8 +245,7 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(files.read_regular(path).decode())
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -263,8 +262,7 @@ def _read_config(run_dir: Path) -> tuple[dict[str, Any], str | None]:
             else:
                 import yaml
 
-                with open(path) as f:
-                    data = yaml.safe_load(f) or {}
+                data = yaml.safe_load(files.read_regular(path).decode()) or {}
             return flatten(data), None
         except Exception as exc:  # reported per run, never fatal for the study
             return {}, f"{name}: {exc}"
@@ -341,7 +339,7 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
     tables: dict[str, pa.Table | None] = {}
     for name in (METRICS_FILE, LAYERS_FILE):
         try:
-            tables[name] = pq.read_table(path / name)
+            tables[name] = pq.read_table(files.check_regular(path / name))
         except FileNotFoundError:
             tables[name] = None
             if name == METRICS_FILE:
@@ -357,7 +355,8 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
     if (path / TOKENS_FILE).exists():  # optional
         try:
             seed = zlib.crc32(path.name.encode())  # the same subset on every load
-            tokens, sequences = read_token_samples(path / TOKENS_FILE, max_rows=max_token_rows, seed=seed)
+            tokens, sequences = read_token_samples(files.check_regular(path / TOKENS_FILE), max_rows=max_token_rows,
+                                                   seed=seed)  # fmt: skip
         except Exception as exc:
             errors.append(f"{TOKENS_FILE}: {exc}")
     return RunRecord(

@@ -39,6 +39,7 @@ import resource
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -163,10 +164,40 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file of the run directory; RunStateError naming the file and where its text stops being JSON."""
+MAX_JSON_BYTES = 16 << 20
+"""Largest JSON file of a run directory read (status.json, manifest.json, trackers.json hold a few KB)."""
+
+
+def read_regular(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of the regular file at `path`, opened without blocking: a FIFO, a device or a directory (a reader
+    would wait for a writer forever, or never reach the end) is refused, and so is a file over `limit` bytes
+    (RunStateError naming the file); OSError as opening raises it (FileNotFoundError for none)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        return json.loads(path.read_text())
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+            raise RunStateError(f"{path}: not a regular file ({kind}); a run directory's files are regular files")
+        data = bytearray()
+        while len(data) <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > limit:
+            raise RunStateError(f"{path}: larger than {limit} bytes, more than a {path.name} holds; not read")
+        return bytes(data)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of the run directory (`read_regular`); RunStateError naming the file and where its text stops
+    being JSON, or why it is not read (not a regular file, over `limit` bytes)."""
+    try:
+        return json.loads(read_regular(path, limit).decode())
+    except RunStateError:
+        raise
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise RunStateError(f"{path}: {json_problem(err)}") from None
 
@@ -335,7 +366,7 @@ def lock_held(run_dir: Path) -> bool | None:
     (/proc/locks), never takes the lock itself, so it never gets in a starting run's way."""
     path = run_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return False
     except OSError:

@@ -603,3 +603,26 @@ def test_an_over_long_prompt_is_refused_naming_the_file_and_row(tmp_path: Path) 
     with pytest.raises(ValueError, match=cut):
         rl.run(cfg, tmp_path / "results", progress=False)
     assert not (tmp_path / "results").exists(), "something was written before the refusal"
+
+
+# -- what `study status` and `analysis report` read of a run directory -----------------------------------------------
+def test_a_fifo_or_outsized_status_json_is_reported_never_read(one_step: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / one_step.name
+    shutil.copytree(one_step, run_dir)
+    status = run_dir / "status.json"
+    status.unlink()
+    os.mkfifo(status)  # opened for reading, a FIFO waits for a writer forever
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=240)
+
+    shown = cli("study", "status", str(tmp_path))
+    assert "unreadable" in shown.stdout and "not a regular file (a FIFO)" in shown.stdout, shown
+    report = cli("analysis", "report", str(tmp_path), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    assert f"run {one_step.name} not read: status.json: not a regular file (a FIFO)" in report.stderr, report.stderr
+    status.unlink()
+    with open(status, "wb") as fh:  # 64 MiB (sparse): a status.json is a few KB
+        fh.truncate(64 << 20)
+    shown = cli("study", "status", str(tmp_path))
+    assert "unreadable" in shown.stdout and f"larger than {1 << 20} bytes" in shown.stdout, shown
