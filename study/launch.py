@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -49,7 +50,7 @@ from typing import Any
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from study.run.rundir import RunLocked, RunStateError, Stopped
+from study.run.rundir import RunLocked, RunStateError, Stopped, Terminated
 
 LAUNCHERS = ("in-process", "local", "slurm")
 
@@ -219,12 +220,16 @@ class Resources:
     signal_delay_s: int = 90
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "nodes", "tasks_per_node"):
+        lowest = {"gpus": 0, "nodes": 1, "tasks_per_node": 0, "time_min": 1, "cpus": 1, "max_timeouts": 0,
+                  "signal_delay_s": 0}  # fmt: skip
+        for name, low in lowest.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "nodes" else 0):
-                raise ValueError(f"{name} = {value!r}: must be an integer >= {1 if name == 'nodes' else 0}")
-        if self.gpu_mem_gb < 0:
-            raise ValueError(f"gpu_mem_gb = {self.gpu_mem_gb!r}: must be >= 0 (0: no fit check)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} = {value!r}: must be an integer >= {low}")
+        if not math.isfinite(self.gpu_mem_gb) or self.gpu_mem_gb < 0:
+            raise ValueError(f"gpu_mem_gb = {self.gpu_mem_gb!r}: must be a finite number >= 0 (0: no fit check)")
+        if not math.isfinite(self.mem_gb) or self.mem_gb <= 0:
+            raise ValueError(f"mem_gb = {self.mem_gb!r}: must be a finite number > 0")
 
     @property
     def ranks_per_node(self) -> int:
@@ -592,6 +597,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Cancelled as sig:
         return 128 + sig.signum
+    except (Stopped, KeyboardInterrupt) as err:  # in-process: SIGTERM/SIGHUP, Ctrl-C; recorded `stopped` by the run
+        run_dir = Path(args.results) / "runs" / cfg.run_id if cfg is not None else None
+        where = f"{run_dir}; resume with `python -m study resume {run_dir}`" if run_dir is not None else "the job"
+        print(f"stopped ({err or type(err).__name__}): {where}", file=sys.stderr)
+        return 128 + err.signum if isinstance(err, Terminated) else 130
     except (RunLocked, RunStateError, ValueError) as err:  # in-process: another holder, damaged state, preflight
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -626,3 +626,40 @@ def test_a_fifo_or_outsized_status_json_is_reported_never_read(one_step: Path, t
         fh.truncate(64 << 20)
     shown = cli("study", "status", str(tmp_path))
     assert "unreadable" in shown.stdout and f"larger than {1 << 20} bytes" in shown.stdout, shown
+
+
+# -- the launcher: its resources checked, SIGTERM in-process one line ------------------------------------------------
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--time-min", "0", "time_min = 0: must be an integer >= 1"),
+     ("--mem-gb", "nan", "mem_gb = nan: must be a finite number > 0"),
+     ("--gpu-mem-gb", "nan", "gpu_mem_gb = nan: must be a finite number >= 0"),
+     ("--cpus", "-2", "cpus = -2: must be an integer >= 1")],
+)  # fmt: skip
+def test_the_launcher_refuses_absurd_resources(tmp_path: Path, option: str, value: str, message: str,
+                                               capsys) -> None:  # fmt: skip
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, tiny("steps=1").to_dict())
+    argv = [str(config), "--results", str(tmp_path / "results"), "--launcher", "in-process", option, value]
+    assert message in error_line(capsys, argv, main=launch.main)
+    assert not (tmp_path / "results").exists()
+
+
+def test_sigterm_to_the_in_process_launcher_is_one_line_and_143(tmp_path: Path) -> None:
+    cfg = tiny("steps=30")
+    config, run_dir = tmp_path / "run.yaml", tmp_path / "runs" / cfg.run_id
+    rundir.write_yaml(config, cfg.to_dict())
+    proc = subprocess.Popen([sys.executable, "-m", "study.launch", str(config), "--results", str(tmp_path),
+                             "--launcher", "in-process"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if rundir.read_status(run_dir)["step"] >= 1:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+    assert rundir.read_status(run_dir)["state"] == "stopped"
