@@ -430,6 +430,7 @@ def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path
         (["prompts_per_step=100000000"], "prompts_per_step = 100000000"),
         (["model.max_seq_len=1000000000"], "model.max_seq_len = 1000000000"),
         (["model.vocab_size=1000000000"], "model.vocab_size = 1000000000"),
+        (["eval_every=1", "eval_samples=1000000"], "eval_samples = 1000000"),  # the evaluation's one generate
     ],
 )
 def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(tmp_path: Path, sets: list[str], field: str,
