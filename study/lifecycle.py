@@ -18,7 +18,7 @@ import algorithms
 from study.core import precision as precision_mod
 from study.core.model_config import ParallelLayout
 from study.data.tokenizer import TaskTokenizer
-from study.run import machine, rundir
+from study.run import machine, rundir, trackers
 from study.run.config import RunConfig
 
 FINISHED = ("completed", "collapsed")
@@ -41,7 +41,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     (ValueError naming the field or the file): the parallel layout (`check_layout`), the thread count against this
     machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
     it makes, so RunConfig.validate leaves them to here), the user data's prompts against the model's length, and a
-    resumed run's manifest.json."""
+    resumed run's manifest.json and trackers.json."""
     check_layout(cfg, results)
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
@@ -56,6 +56,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
             recorded_layout(run_dir)
         except rundir.RunStateError as err:
             raise rundir.RunStateError(f"{err}; restore it, or {rundir.RESTART}") from None
+    trackers.read_state(run_dir)  # a resume: the trackers' record (their runs, the study and tags), never replaced
 
 
 def check_coldstart_dir(cfg: RunConfig) -> None:
@@ -200,10 +201,11 @@ def _last_step(run_dir: Path) -> int:
 
 
 def manifest(cfg: RunConfig) -> dict:
-    """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with which engine ran emulated
+    """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with its run id (analysis
+    tells a copied run directory by it), which engine ran emulated
     (study/core/precision.py), whether the optional C kernels ran, and the parallel layout (a runtime choice, not in
     the run id)."""
-    return {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions),
+    return {**rundir.manifest(cfg.seed, cfg.threads), "run_id": cfg.run_id, **precision_mod.labels(*cfg.precisions),
             "native_kernels": _kernels_available(), "parallel": cfg.layout.to_dict()}  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """The run directory, the contract analysis reads: results/runs/{run_id}/
 
     config.yaml        the resolved RunConfig
-    manifest.json      git sha, package versions, seed, host, threads, job id, start time
+    manifest.json      run id, git sha, package versions, seed, host, threads, job id, start time
     status.json        {"state": running | completed | collapsed | failed | stopped, "step": ..., "reason"/"error": ...}
                        (stopped: halted on purpose before its last step, e.g. a pruned tuning trial; resumable)
     metrics.parquet    one row per step (study.run.metrics.STEP_METRICS)

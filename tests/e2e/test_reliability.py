@@ -91,6 +91,14 @@ def test_cli_config_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n", "---\n"])
+def test_an_empty_config_file_is_refused_not_taken_as_the_defaults(tmp_path: Path, text: str) -> None:
+    empty = tmp_path / "run.yaml"
+    empty.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{empty}: empty \(no config fields\); give a YAML mapping"):
+        load_config(empty)
+
+
 def test_resume_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny()
     run_dir = tmp_path / "runs" / cfg.run_id
@@ -250,6 +258,16 @@ def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, t
     assert rundir.read_status(run_dir)["state"] == "completed"
     assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
     assert sorted(pd.read_parquet(run_dir / record.TOKEN_SAMPLES)["step"].unique()) == [2]
+
+
+def test_a_garbage_trackers_json_is_an_error_never_replaced(one_step: Path, tmp_path: Path, capsys) -> None:
+    run_dir = interrupted(one_step, tmp_path)
+    garbage = b'{"study": "mystudy", "tags": {"lr": "1e-4"'  # cut short: its study and tags must not be lost
+    (run_dir / "trackers.json").write_bytes(garbage)
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert line.startswith(f"error: {run_dir / 'trackers.json'}: not valid JSON at line 1") and "restore it" in line
+    assert (run_dir / "trackers.json").read_bytes() == garbage
+    assert rundir.read_status(run_dir) == {**rundir.read_status(run_dir), "state": "running", "step": 1}
 
 
 def test_the_collapsing_step_keeps_its_row(tmp_path: Path) -> None:
@@ -513,6 +531,17 @@ def test_export_to_a_read_only_or_full_disk_is_one_line(one_step: Path, request,
     why = f"cannot write in {parent} (" if disk == "read_only" else full  # read-only file system, or permission
     assert why in line and line.startswith(f"error: --hf = '{out}': "), line
     assert not out.exists() and not list(parent.iterdir()), "a partial export was left"
+
+
+def test_an_export_takes_the_umasks_modes(one_step: Path, tmp_path: Path) -> None:
+    # the folder and model.safetensors (written by export_hf, as a cold start's is) readable as the umask says
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "study", "export", str(one_step), "--hf", str(out)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
 def test_the_slurm_launcher_without_slurm_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
