@@ -158,7 +158,7 @@ class Run:
         self.tracking = tracking
 
     def __call__(self) -> dict[str, Any]:
-        from study import rl
+        from study import lifecycle, rl
         from study.run import rundir
         from study.run.config import RunConfig
         from study.run.trackers import Tracking
@@ -167,7 +167,11 @@ class Run:
         distributed_env()  # the torch.distributed environment of a multi-rank job (module docstring, point 6)
         cfg = RunConfig.from_dict(self.config, where="launch")
         tracking = Tracking.from_dict(self.tracking) if self.tracking is not None else None
-        run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
+        try:
+            run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
+        except ValueError as err:  # refused before it started: the preflight, damaged state
+            lifecycle.record_refusal(cfg, Path(self.results) / "runs" / cfg.run_id, err)
+            raise
         return {"run_dir": str(run_dir), **(rundir.read_status(run_dir) or {})}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:

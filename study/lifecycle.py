@@ -10,6 +10,8 @@ layout every rank trains and rank 0 alone writes the run directory.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -158,6 +160,23 @@ def check_layout(cfg: RunConfig, results: Path) -> None:
         if not is_complete(Path(results) / "coldstart" / settings.dirname):
             raise ValueError(f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
                              "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
+
+
+def record_refusal(cfg: RunConfig, run_dir: Path, err: Exception) -> None:
+    """A run refused before it started (its preflight), in a run directory a workflow made for the run's log
+    (Snakemake makes RUN_DIR for run.log) and holding no record: config.yaml and failure.json with the reason, so
+    that the workflow names the failed run and the study's report lists it as failed with why. Nothing is written
+    where there is no such directory (a run started by hand writes nothing before its preflight passes), or where
+    the run has a record of its own (status.json)."""
+    if not run_dir.is_dir() or run_dir.is_symlink() or (run_dir / "status.json").exists():
+        return
+    try:
+        rundir.check_no_links(run_dir)
+        rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        rundir.write_json(run_dir / rundir.FAILURE_FILE, {"state": "failed", "step": 0, "time": time.time(),
+                                                          "error": f"refused before it started: {err}"})  # fmt: skip
+    except (OSError, rundir.RunStateError) as why:
+        print(f"warning: the refusal of run {run_dir.name} could not be recorded ({why})", file=sys.stderr)
 
 
 # -- the run directory ------------------------------------------------------------------------------------------------
