@@ -1,14 +1,15 @@
 """Rendering the report: one list of blocks (headings, paragraphs, tables, figures, the scorecard, embedded notes),
 each of which writes itself as HTML and as Markdown, so the page and its Markdown twin cannot list different
 contents; `page` writes both. Values are written as text a reader writes ("completed 12"), never as JSON; every
-piece of text is HTML-escaped in the page and markup-escaped in the Markdown (`md_escape`: a run, algorithm or axis
-name holding `<script>` stays text in both).
+piece of text is HTML-escaped in the page, and in the Markdown every `<` that could open a tag is escaped
+(`md_escape`: a run, algorithm or axis name holding `<script>` stays text in both).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,10 @@ def _html_table(df: pd.DataFrame, cls: str = "") -> str:
 
 
 def md_escape(text: str) -> str:
-    """`text` as Markdown that renders it verbatim, never as HTML: `<`, `>` and `&` backslash-escaped (CommonMark
-    escapes; a Markdown renderer passes raw HTML through)."""
-    return text.replace("\\", "\\\\").replace("&", "\\&").replace("<", "\\<").replace(">", "\\>")
+    """`text` as Markdown that never renders as HTML (a Markdown renderer passes raw HTML through): a `<` that could
+    open a tag, comment or declaration (followed by a letter, `/`, `!` or `?`) backslash-escaped, with the
+    backslashes before it doubled; any other text, `a < b` included, as written."""
+    return re.sub(r"(\\*)<(?=[A-Za-z/!?])", lambda m: m.group(1) * 2 + "\\<", text)
 
 
 def _md_cell(v: Any) -> str:
@@ -128,7 +130,7 @@ def _inline_html(parts: Sequence[Inline]) -> str:
 
 
 def _inline_md(parts: Sequence[Inline]) -> str:
-    return "".join(f"[{md_escape(p.label)}]({p.href})" if isinstance(p, Link) else md_escape(p) for p in parts)
+    return md_escape("".join(f"[{p.label}]({p.href})" if isinstance(p, Link) else p for p in parts))
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class Heading:
 
 @dataclass(frozen=True)
 class Para:
-    """A paragraph (text escaped in HTML, verbatim in Markdown)."""
+    """A paragraph (text escaped in HTML, verbatim in Markdown but for `md_escape`)."""
 
     parts: tuple[Inline, ...]
 

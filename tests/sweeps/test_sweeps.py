@@ -446,7 +446,9 @@ def test_a_run_refused_by_its_preflight_under_snakemake_is_named_and_reported(tm
     runs = load_sweep(sweep_file).expand()
     refused = next(run_id for run_id, cfg in runs.items() if cfg.coldstart == str(missing))
     results = tmp_path / "results"
-    proc = _snakemake("--cores", "1", "--keep-going", "--config", f"sweep={sweep_file}", f"results={results}")
+    proc = _snakemake(
+        "--cores", "1", "--keep-going", "--config", f"sweep={sweep_file}", f"results={results}", timeout=600
+    )
     assert proc.returncode != 0
     record = json.loads((results / "runs" / refused / "failure.json").read_text())
     assert record["state"] == "failed" and record["error"].startswith("refused before it started: coldstart = ")
