@@ -1,13 +1,15 @@
 """Rendering the report: one list of blocks (headings, paragraphs, tables, figures, the scorecard, embedded notes),
 each of which writes itself as HTML and as Markdown, so the page and its Markdown twin cannot list different
 contents; `page` writes both. Values are written as text a reader writes ("completed 12"), never as JSON; every
-piece of text is HTML-escaped.
+piece of text is HTML-escaped in the page, and in the Markdown every `<` that could open a tag is escaped
+(`md_escape`: a run, algorithm or axis name holding `<script>` stays text in both).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +52,15 @@ def _html_table(df: pd.DataFrame, cls: str = "") -> str:
     return f'<div class="wrap"><table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
+def md_escape(text: str) -> str:
+    """`text` as Markdown that never renders as HTML (a Markdown renderer passes raw HTML through): a `<` that could
+    open a tag, comment or declaration (followed by a letter, `/`, `!` or `?`) backslash-escaped, with the
+    backslashes before it doubled; any other text, `a < b` included, as written."""
+    return re.sub(r"(\\*)<(?=[A-Za-z/!?])", lambda m: m.group(1) * 2 + "\\<", text)
+
+
 def _md_cell(v: Any) -> str:
-    return fmt(v).replace("|", "\\|").replace("\n", " ")
+    return md_escape(fmt(v)).replace("|", "\\|").replace("\n", " ")
 
 
 def _md_table(df: pd.DataFrame) -> str:
@@ -121,7 +130,7 @@ def _inline_html(parts: Sequence[Inline]) -> str:
 
 
 def _inline_md(parts: Sequence[Inline]) -> str:
-    return "".join(f"[{p.label}]({p.href})" if isinstance(p, Link) else p for p in parts)
+    return md_escape("".join(f"[{p.label}]({p.href})" if isinstance(p, Link) else p for p in parts))
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,7 @@ class Heading:
 
 @dataclass(frozen=True)
 class Para:
-    """A paragraph (text escaped in HTML, verbatim in Markdown)."""
+    """A paragraph (text escaped in HTML, verbatim in Markdown but for `md_escape`)."""
 
     parts: tuple[Inline, ...]
 
@@ -188,7 +197,7 @@ class Figure:
 
     def markdown(self) -> str:
         links = " ".join(_inline_md([lk]) for lk in self.links)
-        return f"![{self.name}]({self.png_href})\n\n{self.caption} {links}\n"
+        return f"![{md_escape(self.name)}]({self.png_href})\n\n{md_escape(self.caption)} {links}\n"
 
 
 @dataclass(frozen=True)
@@ -234,7 +243,7 @@ class Bullets:
         return f'<ul class="{self.cls}">{lis}</ul>'
 
     def markdown(self) -> str:
-        return "\n".join(f"- **{head}** {text}" for _, head, text in self.items) + "\n"
+        return "\n".join(f"- **{md_escape(head)}** {md_escape(text)}" for _, head, text in self.items) + "\n"
 
 
 @dataclass(frozen=True)
@@ -300,7 +309,7 @@ def page(title: str, blocks: Sequence[Block]) -> tuple[str, str]:
         *(b.html() for b in blocks),
         "</body></html>",
     ]
-    md = [f"# {title}\n", *(b.markdown() for b in blocks)]
+    md = [f"# {md_escape(title)}\n", *(b.markdown() for b in blocks)]
     return "\n".join(html_page), "\n".join(md)
 
 
@@ -322,6 +331,7 @@ __all__ = [
     "fmt",
     "h",
     "kv",
+    "md_escape",
     "p",
     "page",
     "table_or_link",

@@ -185,7 +185,7 @@ def write_run(
         (path / "config.yaml").write_text(yaml.safe_dump(dict(config)))
     (path / "status.json").write_text(json.dumps(status))
     if manifest is None:
-        manifest = {"git_sha": "0" * 40, "seed": config.get("seed")}
+        manifest = {"run_id": run_id, "git_sha": "0" * 40, "seed": config.get("seed")}
         labels = [v for k, v in config.items() if k.endswith("_precision") and isinstance(v, str) and v]
         if labels:  # as study.core.precision.labels writes it
             manifest["precision_emulated"] = any(v.endswith("-emulated") for v in labels)

@@ -143,13 +143,20 @@ class RunRecord:
 
     @property
     def seed(self) -> int | None:
+        value = self.seed_value
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def seed_value(self) -> Any:
+        """The seed as recorded (config `seed`, `run.seed`, `train.seed` or a lone `*.seed`, else the manifest's),
+        which `unreadable_reason` requires to be an integer."""
         for key in ("seed", "run.seed", "train.seed"):
             if key in self.config:
-                return _as_int(self.config[key])
+                return self.config[key]
         seeds = [v for k, v in self.config.items() if k.endswith(".seed")]
         if len(seeds) == 1:
-            return _as_int(seeds[0])
-        return _as_int(self.manifest.get("seed"))
+            return seeds[0]
+        return self.manifest.get("seed")
 
     @property
     def precision_emulated(self) -> bool | None:
@@ -335,7 +342,7 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
     tables: dict[str, pa.Table | None] = {}
     for name in (METRICS_FILE, LAYERS_FILE):
         try:
-            tables[name] = pq.read_table(path / name)
+            tables[name] = pq.read_table(files.check_regular(path / name))
         except FileNotFoundError:
             tables[name] = None
             if name == METRICS_FILE:
@@ -351,7 +358,8 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
     if (path / TOKENS_FILE).exists():  # optional
         try:
             seed = zlib.crc32(path.name.encode())  # the same subset on every load
-            tokens, sequences = read_token_samples(path / TOKENS_FILE, max_rows=max_token_rows, seed=seed)
+            tokens, sequences = read_token_samples(files.check_regular(path / TOKENS_FILE), max_rows=max_token_rows,
+                                                   seed=seed)  # fmt: skip
         except Exception as exc:
             errors.append(f"{TOKENS_FILE}: {exc}")
     return RunRecord(
@@ -438,8 +446,9 @@ def unreadable_reason(record: RunRecord, algorithms: Collection[str] | None = No
     """Why run `record` cannot be read, or None: its resolved config cannot be read or names no algorithm (or one
     not in `algorithms`, when given), its status.json (or failure.json) cannot be read or holds no known state, or
     its metrics.parquet cannot be read (a missing one only for a run that says it stepped: completed, collapsed or
-    stopped). A damaged optional file (routing_layers, token_samples) does not make a run unreadable: it is in the
-    runs table's `error`."""
+    stopped), its seed is not an integer, or its manifest.json names another run id than its directory's (a copied
+    run directory, which would count as one more seed). A damaged optional file (routing_layers, token_samples) does
+    not make a run unreadable: it is in the runs table's `error`."""
     config_names = (*CONFIG_FILES, "no resolved config")
     reasons = [e for e in record.read_errors if e.startswith(config_names)]
     if not reasons:
@@ -454,6 +463,13 @@ def unreadable_reason(record: RunRecord, algorithms: Collection[str] | None = No
         errs = [e for e in record.read_errors if e.startswith((STATUS_FILE, FAILURE_FILE))]
         state = record.status.get("state")
         reasons += errs or [f"{STATUS_FILE}: state {state!r} is not one of {', '.join(STATES)}"]
+    seed = record.seed_value
+    if seed is not None and record.seed is None:
+        reasons.append(f"seed {seed!r} is not an integer")
+    copy_of = record.manifest.get("run_id")
+    if isinstance(copy_of, str) and copy_of != record.run_id:
+        reasons.append(f"{MANIFEST_FILE} names run {copy_of}, not {record.run_id}: a copy of another run's directory "
+                       "(a run's directory is named by its config's hash), not a run of its own")  # fmt: skip
     for e in record.read_errors:
         if e.startswith(METRICS_FILE) and not (
             e == f"{METRICS_FILE}: missing" and record.state in ("failed", "running")

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from study import record
 from study.policy import parallel as par
 from study.policy.model import current_layout
 from study.record import LAYERS, METRICS, TOKEN_SAMPLES, Progress
@@ -103,6 +104,7 @@ def save(run_dir: Path, parts: Trained, log: Progress) -> None:
                  "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
                  **rng_state(), **position}  # fmt: skip
         rundir.atomic_write(ckpt / STATE, lambda tmp: torch.save(state, tmp))
+        _mark_complete(run_dir, log)
         return
     name, rng = f"dist-step{log.step}", rng_state()
     par.save_distributed(parts.trainer, ckpt / f"{name}.tmp", rng=rng)  # collective
@@ -118,10 +120,19 @@ def save(run_dir: Path, parts: Trained, log: Progress) -> None:
         state = {**rng, "model": model, "optimizer": optimizer, "scaler": None, **position, "distributed": name,
                  "world": torch.distributed.get_world_size(), "parallel": current_layout().to_dict()}  # fmt: skip
         rundir.atomic_write(ckpt / STATE, lambda tmp: torch.save(state, tmp))
+        _mark_complete(run_dir, log)
         for old in ckpt.glob("dist-step*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
+
+
+def _mark_complete(run_dir: Path, log: Progress) -> None:
+    """Record the checkpoint as complete in metrics.parquet (rank 0, once state.pt is in place). The rows up to it
+    were written before it (`record.maybe_write`), so a kill at any point leaves a resumable run: before this, the
+    metrics name the previous checkpoint (none: a fresh start); after it, this one."""
+    log.checkpoint = log.step
+    record.write_metrics(run_dir, log, metrics_only=True)
 
 
 # -- read -------------------------------------------------------------------------------------------------------------
@@ -179,6 +190,10 @@ def read(run_dir: Path, first_checkpoint: int) -> tuple[dict[str, Any] | None, P
                 return None
             raise rundir.RunStateError(f"{file}: unreadable, cut short or not this run's table "
                                        f"({first_line(err)}); {rundir.RESTART}") from None  # fmt: skip
+        past = sorted(int(x) for x in frame["step"].unique() if x > done)
+        if required and past:
+            print(f"note: {file} has rows of steps {past[0]}-{past[-1]} past the checkpoint (step {done}): they are "
+                  "recomputed from it", file=sys.stderr)  # fmt: skip
         frame = frame[frame["step"] <= done]
         if required and not set(range(1, done + 1)) <= set(frame["step"].astype(int)):
             raise rundir.RunStateError(f"{file}: lacks rows of steps 1-{done} that {path} has passed; "
@@ -189,22 +204,34 @@ def read(run_dir: Path, first_checkpoint: int) -> tuple[dict[str, Any] | None, P
     layers, tokens = upto(LAYERS, required=False), upto(TOKEN_SAMPLES, required=False)
     return state, Progress(
         step=done, data_pos=state["data_pos"], mastered=set(state["mastered"]), compute=state["compute"],
-        wall=state["wall"],
+        wall=state["wall"], checkpoint=done,
         rows=[] if rows is None else rows.to_dict("records"),
         layer_rows=[] if layers is None else layers.to_dict("records"), token_frames=[] if tokens is None else [tokens],
     )  # fmt: skip
 
 
 def _check_no_lost_checkpoint(run_dir: Path, path: Path, first_checkpoint: int) -> None:
-    """No checkpoint: a fresh start, unless the metrics reach the step at which the first checkpoint was written
-    (then the checkpoint was lost, and starting again at step 0 silently would throw its steps away)."""
+    """No checkpoint: a fresh start, unless one was completed and is gone (then starting again at step 0 silently
+    would throw its steps away). metrics.parquet records the last complete checkpoint (`record.write_metrics`): none
+    (a kill, a stop or a full disk while the first was written) is a fresh start, with a note that the rows it holds
+    are recomputed; one is an error. Metrics that record none and reach the first checkpoint's step count as one."""
     metrics = run_dir / METRICS
     if not metrics.exists():
         return
     try:
         reached = int(pd.read_parquet(metrics, columns=["step"])["step"].max())
     except Exception:
-        reached = -1  # unreadable metrics without a checkpoint: nothing to continue from; rewritten from step 0
+        return  # unreadable metrics without a checkpoint: nothing to continue from; rewritten from step 0
+    completed = record.recorded_checkpoint(metrics)
+    if completed == 0:
+        if reached >= 1:
+            print(f"note: {metrics} has rows of steps up to {reached}, but the run's first checkpoint (step "
+                  f"{first_checkpoint}) was never completed (the run ended while writing it): the run starts again "
+                  "from step 0 and recomputes them", file=sys.stderr)  # fmt: skip
+        return
+    if completed is not None:
+        raise rundir.RunStateError(f"{path}: missing, but {metrics} records that the checkpoint of step {completed} "
+                                   f"was completed (its rows reach step {reached}); {rundir.RESTART}")  # fmt: skip
     if reached >= first_checkpoint:
         raise rundir.RunStateError(f"{path}: missing, but {metrics} reaches step {reached} (the first checkpoint is "
                                    f"written at step {first_checkpoint}); {rundir.RESTART}")  # fmt: skip

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -49,7 +50,7 @@ from typing import Any
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from study.run.rundir import RunLocked, RunStateError, Stopped
+from study.run.rundir import RunLocked, RunStateError, Stopped, Terminated
 
 LAUNCHERS = ("in-process", "local", "slurm")
 
@@ -157,7 +158,7 @@ class Run:
         self.tracking = tracking
 
     def __call__(self) -> dict[str, Any]:
-        from study import rl
+        from study import lifecycle, rl
         from study.run import rundir
         from study.run.config import RunConfig
         from study.run.trackers import Tracking
@@ -166,7 +167,11 @@ class Run:
         distributed_env()  # the torch.distributed environment of a multi-rank job (module docstring, point 6)
         cfg = RunConfig.from_dict(self.config, where="launch")
         tracking = Tracking.from_dict(self.tracking) if self.tracking is not None else None
-        run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
+        try:
+            run_dir = rl.run(cfg, self.results, progress=False, tracking=tracking)
+        except ValueError as err:  # refused before it started: the preflight, damaged state
+            lifecycle.record_refusal(cfg, Path(self.results) / "runs" / cfg.run_id, err)
+            raise
         return {"run_dir": str(run_dir), **(rundir.read_status(run_dir) or {})}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -219,12 +224,16 @@ class Resources:
     signal_delay_s: int = 90
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "nodes", "tasks_per_node"):
+        lowest = {"gpus": 0, "nodes": 1, "tasks_per_node": 0, "time_min": 1, "cpus": 1, "max_timeouts": 0,
+                  "signal_delay_s": 0}  # fmt: skip
+        for name, low in lowest.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "nodes" else 0):
-                raise ValueError(f"{name} = {value!r}: must be an integer >= {1 if name == 'nodes' else 0}")
-        if self.gpu_mem_gb < 0:
-            raise ValueError(f"gpu_mem_gb = {self.gpu_mem_gb!r}: must be >= 0 (0: no fit check)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} = {value!r}: must be an integer >= {low}")
+        if not math.isfinite(self.gpu_mem_gb) or self.gpu_mem_gb < 0:
+            raise ValueError(f"gpu_mem_gb = {self.gpu_mem_gb!r}: must be a finite number >= 0 (0: no fit check)")
+        if not math.isfinite(self.mem_gb) or self.mem_gb <= 0:
+            raise ValueError(f"mem_gb = {self.mem_gb!r}: must be a finite number > 0")
 
     @property
     def ranks_per_node(self) -> int:
@@ -593,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Cancelled as sig:
         return 128 + sig.signum
+    except (Stopped, KeyboardInterrupt) as err:  # in-process: SIGTERM/SIGHUP, Ctrl-C; recorded `stopped` by the run
+        run_dir = Path(args.results) / "runs" / cfg.run_id if cfg is not None else None
+        where = f"{run_dir}; resume with `python -m study resume {run_dir}`" if run_dir is not None else "the job"
+        print(f"stopped ({err or type(err).__name__}): {where}", file=sys.stderr)
+        return 128 + err.signum if isinstance(err, Terminated) else 130
     except (RunLocked, RunStateError, ValueError) as err:  # in-process: another holder, damaged state, preflight
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ layout every rank trains and rank 0 alone writes the run directory.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,7 @@ import algorithms
 from study.core import precision as precision_mod
 from study.core.model_config import ParallelLayout
 from study.data.tokenizer import TaskTokenizer
-from study.run import machine, rundir
+from study.run import machine, rundir, trackers
 from study.run.config import RunConfig
 
 FINISHED = ("completed", "collapsed")
@@ -41,7 +43,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     (ValueError naming the field or the file): the parallel layout (`check_layout`), the thread count against this
     machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
     it makes, so RunConfig.validate leaves them to here), the user data's prompts against the model's length, and a
-    resumed run's manifest.json."""
+    resumed run's manifest.json and trackers.json."""
     check_layout(cfg, results)
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
@@ -56,6 +58,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
             recorded_layout(run_dir)
         except rundir.RunStateError as err:
             raise rundir.RunStateError(f"{err}; restore it, or {rundir.RESTART}") from None
+    trackers.read_state(run_dir)  # a resume: the trackers' record (their runs, the study and tags), never replaced
 
 
 def check_coldstart_dir(cfg: RunConfig) -> None:
@@ -164,6 +167,23 @@ def check_layout(cfg: RunConfig, results: Path) -> None:
                              "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
 
 
+def record_refusal(cfg: RunConfig, run_dir: Path, err: Exception) -> None:
+    """A run refused before it started (its preflight), in a run directory a workflow made for the run's log
+    (Snakemake makes RUN_DIR for run.log) and holding no record: config.yaml and failure.json with the reason, so
+    that the workflow names the failed run and the study's report lists it as failed with why. Nothing is written
+    where there is no such directory (a run started by hand writes nothing before its preflight passes), or where
+    the run has a record of its own (status.json)."""
+    if not run_dir.is_dir() or run_dir.is_symlink() or (run_dir / "status.json").exists():
+        return
+    try:
+        rundir.check_no_links(run_dir)
+        rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
+        rundir.write_json(run_dir / rundir.FAILURE_FILE, {"state": "failed", "step": 0, "time": time.time(),
+                                                          "error": f"refused before it started: {err}"})  # fmt: skip
+    except (OSError, rundir.RunStateError) as why:
+        print(f"warning: the refusal of run {run_dir.name} could not be recorded ({why})", file=sys.stderr)
+
+
 # -- the run directory ------------------------------------------------------------------------------------------------
 @contextmanager
 def claimed(cfg: RunConfig, run_dir: Path) -> Iterator[bool]:
@@ -205,10 +225,11 @@ def _last_step(run_dir: Path) -> int:
 
 
 def manifest(cfg: RunConfig) -> dict:
-    """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with which engine ran emulated
+    """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with its run id (analysis
+    tells a copied run directory by it), which engine ran emulated
     (study/core/precision.py), whether the optional C kernels ran, and the parallel layout (a runtime choice, not in
     the run id)."""
-    return {**rundir.manifest(cfg.seed, cfg.threads), **precision_mod.labels(*cfg.precisions),
+    return {**rundir.manifest(cfg.seed, cfg.threads), "run_id": cfg.run_id, **precision_mod.labels(*cfg.precisions),
             "native_kernels": _kernels_available(), "parallel": cfg.layout.to_dict()}  # fmt: skip
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from study.run import rundir
@@ -23,6 +25,8 @@ METRICS = "metrics.parquet"
 LAYERS = "routing_layers.parquet"
 TOKEN_SAMPLES = "token_samples.parquet"
 TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
+CHECKPOINT_KEY = b"study.checkpoint"
+"""metrics.parquet's key-value metadata: the step of the run's last complete checkpoint when it was written."""
 METRICS_EVERY_S = 30.0  # the metric files are also rewritten at least this often (live monitoring)
 
 
@@ -35,6 +39,7 @@ class Progress:
     mastered: set[str] = field(default_factory=set)  # prompt_filter = mastered: prompts the stream skips
     compute: float = 0.0  # cumulative FLOPs estimate
     wall: float = 0.0  # cumulative seconds of the steps
+    checkpoint: int = 0  # the step of the last complete checkpoint (0: none yet), recorded in metrics.parquet
     rows: list[dict[str, float]] = field(default_factory=list)
     layer_rows: list[dict[str, float]] = field(default_factory=list)
     token_frames: list[pd.DataFrame] = field(default_factory=list)  # trainer vs engine log-probs of sampled tokens
@@ -92,20 +97,37 @@ def layer_rows(step: int, vols: list[dict[str, float]], load: dict[str, float], 
             for layer in range(num_layers)]  # fmt: skip
 
 
-def write_metrics(run_dir: Path, log: Progress) -> None:
-    """The three tables, each written atomically (the rows so far)."""
+def write_metrics(run_dir: Path, log: Progress, *, metrics_only: bool = False) -> None:
+    """The three tables, each written atomically (the rows so far); metrics.parquet records the step of the last
+    complete checkpoint (`log.checkpoint`, `CHECKPOINT_KEY` in its key-value metadata), which tells a resume a
+    checkpoint that was never completed (a kill or a full disk while the first was written: the run starts again)
+    from one that was lost (an error). `metrics_only`: metrics.parquet alone."""
     if not log.rows:
         return
     frame = pd.DataFrame(log.rows, columns=list(STEP_METRICS) + sorted({k for r in log.rows for k in r} -
                                                                        set(STEP_METRICS)))  # fmt: skip
     frame["step"] = frame["step"].astype("int64")
-    rundir.atomic_write(run_dir / METRICS, lambda tmp: frame.to_parquet(tmp, index=False))
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    table = table.replace_schema_metadata({**table.schema.metadata, CHECKPOINT_KEY: str(log.checkpoint).encode()})
+    rundir.atomic_write(run_dir / METRICS, lambda tmp: pq.write_table(table, tmp))
+    if metrics_only:
+        return
     if log.layer_rows:
         layers = pd.DataFrame(log.layer_rows)
         rundir.atomic_write(run_dir / LAYERS, lambda tmp: layers.to_parquet(tmp, index=False))
     if log.token_frames:
         tokens = pd.concat(log.token_frames, ignore_index=True)
         rundir.atomic_write(run_dir / TOKEN_SAMPLES, lambda tmp: tokens.to_parquet(tmp, index=False))
+
+
+def recorded_checkpoint(path: Path) -> int | None:
+    """The step of the last complete checkpoint metrics.parquet at `path` records (0: none was completed), or None
+    when it records none or cannot be read."""
+    try:
+        value = (pq.read_schema(path).metadata or {}).get(CHECKPOINT_KEY)
+        return None if value is None else int(value)
+    except (OSError, ValueError, pa.ArrowException):
+        return None
 
 
 def maybe_write(run_dir: Path, log: Progress, tracker: Any, *, due: bool, last_write: float) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 import yaml
@@ -118,17 +119,36 @@ def load_json(text: str | bytes, *, max_bytes: int = MAX_BYTES) -> Any:
     return data
 
 
-def read_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> str:
-    """The UTF-8 text of `path`, its size checked before it is read: BoundError past `max_bytes`, OSError where it
-    cannot be read, UnicodeDecodeError where it is not UTF-8."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of the regular file at `path`, opened without blocking: a FIFO, a device or a directory (a reader
+    would wait for a writer forever, or never reach the end) is refused, and so is a file over `max_bytes`
+    (BoundError saying which); OSError as opening raises it (FileNotFoundError for none)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+            raise BoundError(f"not a regular file ({kind})")
+        size = os.fstat(fd).st_size
         if size > max_bytes:
             raise BoundError(f"{size} bytes, larger than {max_bytes}")
-        raw = f.read(max_bytes + 1)
-    if len(raw) > max_bytes:  # a file that grew, or one whose size the system does not report (a pipe)
-        raise BoundError(f"larger than {max_bytes} bytes")
-    return raw.decode("utf-8")
+        data = bytearray()
+        while len(data) <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > max_bytes:  # a file that grew while it was read
+            raise BoundError(f"larger than {max_bytes} bytes")
+        return bytes(data)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> str:
+    """The UTF-8 text of the regular file `path` (`read_bytes`): BoundError past `max_bytes` or for a FIFO, device
+    or directory, OSError where it cannot be read, UnicodeDecodeError where it is not UTF-8."""
+    return read_bytes(path, max_bytes=max_bytes).decode("utf-8")
 
 
 def read_json(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> Any:

@@ -36,6 +36,7 @@ tensor- and expert-parallel-gathered (tp = ep = pp = 1) layout is handled.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -55,6 +56,11 @@ if TYPE_CHECKING:  # imported where a tensor is touched: a checkpoint's config.j
     import torch
 
 _HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
+"""The mode an ordinary file gets under the process's umask (group-readable where the umask says so)."""
 
 _MG_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MG_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
@@ -360,6 +366,7 @@ def export_hf(
     tdtype = TORCH_DTYPES[dtype]
     save_file({k: v.detach().to(tdtype).contiguous() for k, v in hf_state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
+    os.chmod(out / "model.safetensors", FILE_MODE)  # safetensors writes 0600; the umask's mode, as every result file
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return out
 

@@ -587,7 +587,10 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None, se
             raise ValueError(f"preset = {preset!r}; valid: {', '.join(PRESET_RUNS)}")
         data.update(PRESET_RUNS[preset])
     if path is not None:
-        loaded = read_yaml_file(path, what="a YAML file of RunConfig fields") or {}
+        loaded = read_yaml_file(path, what="a YAML file of RunConfig fields")
+        if loaded is None:
+            raise ValueError(f"{path}: empty (no config fields); give a YAML mapping of RunConfig fields, e.g. "
+                             "'algorithm: gspo'")  # fmt: skip
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: must hold a mapping of config fields")
         data.update(loaded)

@@ -65,10 +65,31 @@ def _knobs(run: Any) -> dict[str, Any]:
             "minibatches": run.minibatches}  # fmt: skip
 
 
+def _with_evaluation(cfg: Any, parts: dict[str, float], eval_size: int, eval_samples: int) -> dict[str, float]:
+    """`parts` with `evaluation`: the held-out evaluation's rollout (eval_size prompts x eval_samples samples in one
+    generate), which lands on top where the step's rollout or sync would; the peak takes the largest of the three."""
+    new_tokens = parts["new_tokens"]
+    evaluation = _estimate(cfg, prompts=eval_size, group=eval_samples, new_tokens=new_tokens, minibatches=1)["rollout"]
+    before = max(parts["rollout"], parts["sync"])
+    return {**parts, "evaluation": evaluation, "peak": parts["peak"] - before + max(before, evaluation)}
+
+
+def _run_peak(cfg: Any, knobs: dict[str, Any], evals: tuple[int, int] | None) -> dict[str, float]:
+    parts = {**_estimate(cfg, **knobs), "new_tokens": knobs["new_tokens"]}
+    parts = _with_evaluation(cfg, parts, *evals) if evals is not None else parts
+    parts.pop("new_tokens")
+    return parts
+
+
+def _evals(run: Any) -> tuple[int, int] | None:
+    return (run.eval_size, run.eval_samples) if run.eval_every else None
+
+
 def run_estimate(run: Any) -> dict[str, float]:
     """Bytes of `run` (a RunConfig) at its peak, by part: the planner's CPU-run estimate (prompts up to 1024 tokens,
-    as `check_run_fits` assumes) plus `positions`."""
-    return _estimate(run.model_config(), **_knobs(run))
+    as `check_run_fits` assumes) plus `positions`, and with held-out evaluations (`eval_every` > 0) the evaluation's
+    rollout of eval_size x eval_samples sequences (`evaluation`)."""
+    return _run_peak(run.model_config(), _knobs(run), _evals(run))
 
 
 _MODEL_FIELDS = ("num_experts", "vocab_size", "max_seq_len", "hidden_size", "moe_ffn_hidden_size", "num_layers")
@@ -88,10 +109,15 @@ def _culprit(run: Any) -> str:
                 small = dataclasses.replace(cfg, **{name: min(value, getattr(cfg, name))})
             except ValueError:  # not a valid shape with the other fields: try a larger value
                 continue
-            trials[f"model.{name} = {getattr(cfg, name)}"] = _estimate(small, **knobs)["peak"]
+            trials[f"model.{name} = {getattr(cfg, name)}"] = _run_peak(small, knobs, _evals(run))["peak"]
             break
     for name, knob in _RUN_FIELDS.items():
-        trials[f"{name} = {getattr(run, name)}"] = _estimate(cfg, **{**knobs, knob: 1, "minibatches": 1})["peak"]
+        smaller = {**knobs, knob: 1, "minibatches": 1}
+        trials[f"{name} = {getattr(run, name)}"] = _run_peak(cfg, smaller, _evals(run))["peak"]
+    if run.eval_every:
+        for name in ("eval_size", "eval_samples"):
+            evals = (1, run.eval_samples) if name == "eval_size" else (run.eval_size, 1)
+            trials[f"{name} = {getattr(run, name)}"] = _run_peak(cfg, knobs, evals)["peak"]
     return min(trials, key=trials.__getitem__)
 
 

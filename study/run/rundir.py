@@ -1,7 +1,7 @@
 """The run directory, the contract analysis reads: results/runs/{run_id}/
 
     config.yaml        the resolved RunConfig
-    manifest.json      git sha, package versions, seed, host, threads, job id, start time
+    manifest.json      run id, git sha, package versions, seed, host, threads, job id, start time
     status.json        {"state": running | completed | collapsed | failed | stopped, "step": ..., "reason"/"error": ...}
                        (stopped: halted on purpose before its last step, e.g. a pruned tuning trial; resumable)
     metrics.parquet    one row per step (study.run.metrics.STEP_METRICS)
@@ -35,6 +35,7 @@ import fcntl
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -114,17 +115,33 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # torch's writer raises RuntimeError on a full disk
-        _free(tmp)
         if isinstance(err, WriteError):
+            _free(tmp)
             raise
-        free = ""
+        code = errno.EFBIG if _over_size_limit(err, tmp) else getattr(err, "errno", None) or errno.EIO
+        _free(tmp)
+        room = ""
         with contextlib.suppress(OSError):
-            free = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
-        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{free})")
-        failure.errno, failure.filename = getattr(err, "errno", None) or errno.EIO, str(path)
+            room = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
+        if code == errno.EFBIG:
+            room = f"; the file size limit (ulimit -f) is {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes"
+        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{room})")
+        failure.errno, failure.filename = code, str(path)
         raise failure from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _over_size_limit(err: BaseException, tmp: Path) -> bool:
+    """Whether a failed write hit the process's file size limit (ulimit -f, RLIMIT_FSIZE): EFBIG, or (torch's writer
+    reports no errno) a temporary file that reached the limit."""
+    if getattr(err, "errno", None) == errno.EFBIG:
+        return True
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        return limit != resource.RLIM_INFINITY and tmp.stat().st_size >= limit
+    except OSError:
+        return False
 
 
 def _free(tmp: Path) -> None:
@@ -148,10 +165,26 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file of the run directory; RunStateError naming the file and where its text stops being JSON."""
+MAX_JSON_BYTES = 16 << 20
+"""Largest JSON file of a run directory read (status.json, manifest.json, trackers.json hold a few KB)."""
+
+
+def read_regular(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of the regular file at `path`, opened without blocking (`bounded.read_bytes`): a FIFO, a device or
+    a directory is refused, and so is a file over `limit` bytes (RunStateError naming the file); OSError as opening
+    raises it (FileNotFoundError for none)."""
     try:
-        return bounded.read_json(path)
+        return bounded.read_bytes(path, max_bytes=limit)
+    except bounded.BoundError as err:
+        raise RunStateError(f"{path}: {err}; a run directory's files are regular files of a few KB; not read") from None
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of the run directory (`read_regular`, then the bounded parser); RunStateError naming the file and
+    where its text stops being JSON, or why it is not read (not a regular file, over `limit` bytes)."""
+    raw = read_regular(path, limit)
+    try:
+        return bounded.load_json(raw, max_bytes=limit)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise RunStateError(f"{path}: {json_problem(err)}") from None
 
@@ -320,7 +353,7 @@ def lock_held(run_dir: Path) -> bool | None:
     (/proc/locks), never takes the lock itself, so it never gets in a starting run's way."""
     path = run_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return False
     except OSError:

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.core.bounded import read_json, read_yaml
-from study.run.rundir import CRASH_FILE, STATES, lock_held
+from study.core.bounded import load_json, load_yaml
+from study.run.rundir import CRASH_FILE, FAILURE_FILE, LOCK_FILE, STATES, lock_held, read_regular
 from study.run.trackers import flatten
 
 PENDING = "pending"
@@ -85,6 +85,8 @@ def studies(results: Path) -> list[str]:
 
 MAX_CONFIG_BYTES = 1 << 20
 """A config.yaml larger than this is reported unreadable instead of parsed."""
+MAX_STATUS_BYTES = 1 << 20
+"""A status.json larger than this is reported unreadable instead of read (a run's holds a few KB)."""
 
 
 def _read_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
@@ -92,9 +94,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
     if not path.exists() and not path.is_symlink():
         return {}, None
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
-        data = read_yaml(path)
+        data = load_yaml(read_regular(path, MAX_CONFIG_BYTES).decode())
     except Exception as exc:  # unreadable, not UTF-8, not YAML, nested past the parser's depth: reported, never raised
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         return {}, f"{path.name} unreadable: {type(exc).__name__}: {first}"
@@ -125,11 +125,9 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
                    path=str(run_dir))  # fmt: skip
     if not run_dir.is_dir():
         return line
+    held: bool | None = None
     try:
-        path = run_dir / "status.json"
-        if not path.exists() and (run_dir / "failure.json").is_file():  # Snakemake deleted a failed job's output
-            path = run_dir / "failure.json"
-        status = read_json(path)
+        status, held = _read_status(run_dir)
         line.state = str(status["state"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         status = {}
@@ -139,6 +137,8 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
         import pandas as pd
 
         try:
+            if not (run_dir / "metrics.parquet").is_file():  # a FIFO would block the reader
+                raise ValueError("not a regular file")
             frame = pd.read_parquet(run_dir / "metrics.parquet")
         except Exception as exc:  # a damaged file is reported on the line, not raised
             line.reason = f"metrics.parquet unreadable: {type(exc).__name__}: {exc}"
@@ -156,17 +156,46 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
     if line.state in ("failed", "collapsed", "stopped"):
         why = status.get("reason") or status.get("error") or ""
         line.reason = str(why).strip().splitlines()[-1] if str(why).strip() else line.reason
-    elif line.state == "running" and lock_held(run_dir) is False:  # the kernel released its lock: the process is gone
+    elif line.state == "running" and held is False:  # the kernel released its lock: the process is gone
         line.state = DIED
         crashed = (run_dir / CRASH_FILE).is_file() and (run_dir / CRASH_FILE).stat().st_size > 0
         how = f"a native crash, its stack in {CRASH_FILE}" if crashed else "killed, e.g. kill -9 or out of memory"
         line.reason = (
             f"its process ended without recording an exit ({how}); resumable: python -m study resume {run_dir}"
         )
+    elif line.state == "running" and status.get("starting"):
+        line.reason = "starting: its lock is taken, status.json not yet written"
     elif line.state == "running" and isinstance(status.get("time"), int | float):
         line.updated_ago_s = max(now - float(status["time"]), 0.0)
         line.reason = line.reason or f"last step recorded {_duration(line.updated_ago_s)} ago"
     return line
+
+
+def _read_status(run_dir: Path) -> tuple[dict[str, Any], bool | None]:
+    """(status.json, whether a live process holds the run's lock), the lock read first: a run records its exit before
+    it releases its lock, so a `running` read after a released lock is a run that died. failure.json is read where a
+    workflow deleted a failed job's status.json; either is read as a regular file of at most MAX_STATUS_BYTES without
+    blocking (rundir.read_regular). A run makes its directory, takes its lock, then writes status.json (atomically,
+    never seen half-written): one without status.json whose lock is held is starting (`running`), and one whose lock
+    file is not held after a few tries was killed before it wrote status.json."""
+    path = run_dir / "status.json"
+    if not path.exists() and (run_dir / FAILURE_FILE).is_file():  # Snakemake deleted a failed job's output
+        path = run_dir / FAILURE_FILE
+    for attempt in range(3):
+        held = lock_held(run_dir)
+        try:
+            status = load_json(read_regular(path, MAX_STATUS_BYTES))
+        except FileNotFoundError:
+            if held is not False or (attempt == 2 and (run_dir / LOCK_FILE).exists()):
+                return {"state": "running", "step": 0, "starting": True}, held
+            if attempt == 2:
+                raise
+            time.sleep(0.1)  # a lock being taken, or status.json being written
+            continue
+        if not isinstance(status, dict):
+            raise TypeError(f"a JSON {type(status).__name__}, not an object")
+        return status, held
+    raise AssertionError("unreachable")
 
 
 def collect(results: str | Path, study: str | None = None) -> list[RunLine]:

@@ -127,18 +127,30 @@ def study_tracking(config_path: str | Path, trackers: tuple[str, ...], study: st
 
 
 def read_state(run_dir: str | Path) -> dict[str, Any]:
-    """RUN_DIR/trackers.json: per tracker its run id and the last step sent, plus the run's study and tags."""
+    """RUN_DIR/trackers.json: per tracker its run id and the last step sent, plus the run's study and tags ({} when
+    there is none). A damaged one is a rundir.RunStateError naming it and the choice (restore it, or delete it and
+    lose what it recorded), never silently replaced."""
     path = Path(run_dir) / STATE_FILE
-    return rundir.read_json(path) if path.exists() else {}
+    if not path.exists():
+        return {}
+    fix = ("restore it, or delete it to go on without it (the trackers then start new runs, and the study and tags "
+           "it recorded are lost)")  # fmt: skip
+    try:
+        state = rundir.read_json(path)
+    except rundir.RunStateError as err:
+        raise rundir.RunStateError(f"{err}; {fix}") from None
+    except OSError as err:
+        raise rundir.RunStateError(f"{path}: unreadable ({err}); {fix}") from None
+    if not isinstance(state, dict):
+        raise rundir.RunStateError(f"{path}: a JSON {type(state).__name__}, not the trackers' record; {fix}")
+    return state
 
 
 def saved_tracking(run_dir: str | Path, trackers: tuple[str, ...] | None) -> Tracking:
     """The tracking a run directory recorded (RUN_DIR/trackers.json: its trackers, study and tags), with `trackers`
-    instead of the recorded ones when given; TensorBoard alone for a directory that recorded none."""
-    try:
-        saved = read_state(run_dir)
-    except (OSError, ValueError):
-        saved = {}
+    instead of the recorded ones when given; TensorBoard alone for a directory that recorded none. A damaged
+    trackers.json raises (`read_state`)."""
+    saved = read_state(run_dir)
     names = trackers or tuple(dict.fromkeys([ALWAYS, *(n for n in saved if n in TRACKERS)]))
     return Tracking(names, str(saved.get("study") or ""), dict(saved.get("tags") or {}))
 
@@ -293,10 +305,7 @@ class RunLogger:
 
     def __init__(self, run_dir: str | Path, tracking: Tracking, config: Mapping[str, Any], start_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
-        try:
-            saved = read_state(self.run_dir)
-        except (OSError, ValueError):  # unreadable: the trackers start new runs rather than stop this one
-            saved = {}
+        saved = read_state(self.run_dir)  # checked by the preflight: a damaged one stops the run before it writes
         if start_step == 0:
             saved = {}  # a run from step 0 (new, or restarted without a checkpoint) starts its tracker runs afresh
         self.tracking = tracking

@@ -181,6 +181,9 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> 
                   "task": cfg.task, "prompt_format": "<bos> + prompt, as the run encoded it"}  # fmt: skip
         writing = "moe_rl_study.json"
         (tmp / writing).write_text(json.dumps(source, indent=2, default=str) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700: the mode the umask gives a folder
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)

@@ -90,3 +90,40 @@ def test_every_kind_of_unreadable_run_says_why(tmp_path) -> None:
     assert why[ids[2]].startswith("status.json:") and why[ids[3]] == "metrics.parquet: missing"
     assert why[ids[4]] == "metrics.parquet: no 'step' column"
     assert st.runs["error"].iloc[0].startswith("routing_layers.parquet:")
+
+
+def test_a_copied_run_and_a_non_integer_seed_are_set_aside_and_names_stay_text(tmp_path, capsys) -> None:
+    # before: the copy counted as one more seed of its configuration, the seed 1.5 was read as seed 1 of a completed
+    # run, and index.md carried the algorithm name's <script> raw (index.html escaped it)
+    import shutil
+
+    import yaml
+
+    ids = _study(tmp_path)
+    runs = tmp_path / "runs"
+    copy = f"{ids[0]}-copy"
+    shutil.copytree(runs / ids[0], runs / copy)
+    for run_id, field, value in ((ids[1], "seed", 1.5), (ids[2], "algorithm", "<script>alert(1)</script>")):
+        path = runs / run_id / "config.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), field: value}))
+    (tmp_path / "s" / "run_ids.txt").write_text("\n".join([*ids, copy]) + "\n")
+    md, index, err = _figures_then_report(tmp_path, capsys)
+    why = index["unreadable"]
+    assert set(why) == {copy, ids[1], ids[2]}, why
+    assert why[copy].startswith(f"manifest.json names run {ids[0]}, not {copy}: a copy of another run's directory")
+    assert why[ids[1]] == "seed 1.5 is not an integer"
+    assert "<script>" not in md.replace("\\<", "") and "\\<script>alert(1)\\</script>" in md
+    assert f"run {copy} not read: manifest.json names run {ids[0]}" in err
+
+
+def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
+    import pandas as pd
+
+    from analysis import render
+
+    name = "<img src=x onerror=alert(1)>"
+    blocks = [render.h(2, name), render.p("run ", name, " and \\", name), render.Table(pd.DataFrame({"run": [name]})),
+              render.Bullets((("c", name, f"{name}, a < b"),))]  # fmt: skip
+    page, md = render.page(name, blocks)
+    assert "<img" not in page and "<img" not in md.replace("\\<", ""), md
+    assert md.count("\\<img src=x onerror=alert(1)>") == 7 and "and \\\\\\<img" in md and "a < b" in md

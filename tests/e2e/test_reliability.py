@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -88,6 +89,14 @@ def test_cli_config_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     # the launcher reads its config the same way
     assert f"{bad_yaml}: not valid YAML" in error_line(capsys, [str(bad_yaml)], main=launch.main)
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n", "---\n"])
+def test_an_empty_config_file_is_refused_not_taken_as_the_defaults(tmp_path: Path, text: str) -> None:
+    empty = tmp_path / "run.yaml"
+    empty.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{empty}: empty \(no config fields\); give a YAML mapping"):
+        load_config(empty)
 
 
 def test_resume_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,6 +260,16 @@ def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, t
     assert sorted(pd.read_parquet(run_dir / record.TOKEN_SAMPLES)["step"].unique()) == [2]
 
 
+def test_a_garbage_trackers_json_is_an_error_never_replaced(one_step: Path, tmp_path: Path, capsys) -> None:
+    run_dir = interrupted(one_step, tmp_path)
+    garbage = b'{"study": "mystudy", "tags": {"lr": "1e-4"'  # cut short: its study and tags must not be lost
+    (run_dir / "trackers.json").write_bytes(garbage)
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert line.startswith(f"error: {run_dir / 'trackers.json'}: not valid JSON at line 1") and "restore it" in line
+    assert (run_dir / "trackers.json").read_bytes() == garbage
+    assert rundir.read_status(run_dir) == {**rundir.read_status(run_dir), "state": "running", "step": 1}
+
+
 def test_the_collapsing_step_keeps_its_row(tmp_path: Path) -> None:
     # a ratio bound no update can meet: the second minibatch of step 1 (off-policy after one update) trips it; from
     # random weights every reward is 0 (no gradient), so weight decay is what moves the weights
@@ -282,10 +301,12 @@ def test_a_planted_lock_link_writes_nothing_outside(one_step: Path, tmp_path: Pa
     assert rundir.read_status(run_dir)["state"] == "running"  # refused before the run wrote anything
 
 
-def _study_run(results: Path, *sets: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
+def _study_run(results: Path, *sets: str, script: str = "", **popen: typing.Any) -> subprocess.Popen[str]:
+    """`python -m study run` of the tiny scratch config with `sets` (or `script`, given the same arguments)."""
+    entry = ["-c", script] if script else ["-m", "study"]
+    cmd = [sys.executable, *entry, "run", "--preset", "tiny", "--results", str(results), "--quiet"]
     return subprocess.Popen([*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
 
 
 def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
@@ -320,9 +341,9 @@ def small_disk(tmp_path: Path) -> typing.Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
+def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path, capsys) -> None:
     cfg = tiny("steps=2")
-    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written"):
+    with pytest.raises(rundir.WriteError, match=r"state\.pt: could not be written.* bytes free on its filesystem"):
         rl.run(cfg, small_disk, progress=False)
     run_dir = small_disk / "runs" / cfg.run_id
     status = rundir.read_status(run_dir)
@@ -332,6 +353,78 @@ def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path) -> None:
     )
     assert json.loads((run_dir / rundir.FAILURE_FILE).read_text())["error"] == status["error"]
     assert not list((run_dir / "checkpoint").glob(".*.tmp")), "the failed temporary checkpoint was left"
+    # the disk full at the first checkpoint: once there is room, the run resumes (from step 0: no checkpoint was made)
+    assert subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)]).returncode == 0
+    capsys.readouterr()
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0, capsys.readouterr().err
+    assert "first checkpoint (step 1) was never completed" in capsys.readouterr().err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+
+
+def test_a_file_size_limit_is_named_and_the_run_resumes_without_it(tmp_path: Path) -> None:
+    cfg = tiny("steps=2")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    limit = 1 << 20  # room for the small files, not for the 3.6 MB checkpoint
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = _study_run(tmp_path, "steps=2", preexec_fn=limited)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    line = err.strip().splitlines()[-2 if "(the run failed" in err else -1]
+    assert f"error: {run_dir / 'checkpoint' / 'state.pt'}: could not be written" in line, err
+    assert f"the file size limit (ulimit -f) is {limit} bytes" in line and "bytes free" not in line, line
+    assert rundir.read_status(run_dir)["state"] == "failed"
+    resumed = subprocess.run([sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"], capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert rundir.read_status(run_dir)["state"] == "completed"
+
+
+SLOW_CHECKPOINT = """
+import sys, time, torch
+from study import __main__ as study_main
+save = torch.save
+def save_then_wait(obj, f, *args, **kwargs):  # a run checkpoint written to its temporary file, not yet renamed
+    save(obj, f, *args, **kwargs)
+    if isinstance(obj, dict) and "data_pos" in obj:
+        print("writing the checkpoint", flush=True)
+        time.sleep(600)
+torch.save = save_then_wait
+sys.exit(study_main.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_kill_while_the_first_checkpoint_is_written_is_resumable(tmp_path: Path, signum: int, capsys) -> None:
+    from study.run import status as run_status
+
+    sets = ["steps=2", "checkpoint_every=2"]  # the first checkpoint at step 2, after the metrics of steps 1 and 2
+    run_dir = tmp_path / "runs" / tiny(*sets).run_id
+    proc = _study_run(tmp_path, *sets, script=SLOW_CHECKPOINT)
+    assert proc.stdout.readline().strip() == "writing the checkpoint", proc.communicate(timeout=60)
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum), err
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].max() == 2
+    assert not (run_dir / "checkpoint" / "state.pt").exists()
+    (line,) = run_status.collect(tmp_path)
+    assert line.state == ("died" if signum == signal.SIGKILL else "stopped"), line
+    assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0, capsys.readouterr().err
+    assert "first checkpoint (step 2) was never completed" in capsys.readouterr().err
+    assert rundir.read_status(run_dir)["state"] == "completed"
+    assert pd.read_parquet(run_dir / "metrics.parquet")["step"].tolist() == [1, 2]
+    assert record.recorded_checkpoint(run_dir / "metrics.parquet") == 2
+
+
+def test_a_lost_checkpoint_is_still_an_error_after_the_first_completed(one_step: Path, tmp_path: Path, capsys):
+    run_dir = interrupted(one_step, tmp_path)
+    assert record.recorded_checkpoint(run_dir / "metrics.parquet") == 1  # written once state.pt was in place
+    shutil.rmtree(run_dir / "checkpoint")
+    line = error_line(capsys, ["resume", str(run_dir), "--quiet"])
+    assert "records that the checkpoint of step 1 was completed" in line, line
 
 
 @pytest.mark.parametrize("name", ["routing_layers.parquet", record.TOKEN_SAMPLES])
@@ -355,6 +448,7 @@ def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path
         (["prompts_per_step=100000000"], "prompts_per_step = 100000000"),
         (["model.max_seq_len=1000000000"], "model.max_seq_len = 1000000000"),
         (["model.vocab_size=1000000000"], "model.vocab_size = 1000000000"),
+        (["eval_every=1", "eval_samples=1000000"], "eval_samples = 1000000"),  # the evaluation's one generate
     ],
 )
 def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(tmp_path: Path, sets: list[str], field: str,
@@ -437,6 +531,17 @@ def test_export_to_a_read_only_or_full_disk_is_one_line(one_step: Path, request,
     why = f"cannot write in {parent} (" if disk == "read_only" else full  # read-only file system, or permission
     assert why in line and line.startswith(f"error: --hf = '{out}': "), line
     assert not out.exists() and not list(parent.iterdir()), "a partial export was left"
+
+
+def test_an_export_takes_the_umasks_modes(one_step: Path, tmp_path: Path) -> None:
+    # the folder and model.safetensors (written by export_hf, as a cold start's is) readable as the umask says
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "study", "export", str(one_step), "--hf", str(out)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
 def test_the_slurm_launcher_without_slurm_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -528,3 +633,63 @@ def test_an_over_long_prompt_is_refused_naming_the_file_and_row(tmp_path: Path) 
     with pytest.raises(ValueError, match=cut):
         rl.run(cfg, tmp_path / "results", progress=False)
     assert not (tmp_path / "results").exists(), "something was written before the refusal"
+
+
+# -- what `study status` and `analysis report` read of a run directory -----------------------------------------------
+def test_a_fifo_or_outsized_status_json_is_reported_never_read(one_step: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / one_step.name
+    shutil.copytree(one_step, run_dir)
+    status = run_dir / "status.json"
+    status.unlink()
+    os.mkfifo(status)  # opened for reading, a FIFO waits for a writer forever
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=240)
+
+    shown = cli("study", "status", str(tmp_path))
+    assert "unreadable" in shown.stdout and "not a regular file (a FIFO)" in shown.stdout, shown
+    report = cli("analysis", "report", str(tmp_path), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    assert f"run {one_step.name} not read: status.json: not a regular file (a FIFO)" in report.stderr, report.stderr
+    status.unlink()
+    with open(status, "wb") as fh:  # 64 MiB (sparse): a status.json is a few KB
+        fh.truncate(64 << 20)
+    shown = cli("study", "status", str(tmp_path))
+    assert "unreadable" in shown.stdout and f"larger than {1 << 20} bytes" in shown.stdout, shown
+
+
+# -- the launcher: its resources checked, SIGTERM in-process one line ------------------------------------------------
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--time-min", "0", "time_min = 0: must be an integer >= 1"),
+     ("--mem-gb", "nan", "mem_gb = nan: must be a finite number > 0"),
+     ("--gpu-mem-gb", "nan", "gpu_mem_gb = nan: must be a finite number >= 0"),
+     ("--cpus", "-2", "cpus = -2: must be an integer >= 1")],
+)  # fmt: skip
+def test_the_launcher_refuses_absurd_resources(tmp_path: Path, option: str, value: str, message: str,
+                                               capsys) -> None:  # fmt: skip
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, tiny("steps=1").to_dict())
+    argv = [str(config), "--results", str(tmp_path / "results"), "--launcher", "in-process", option, value]
+    assert message in error_line(capsys, argv, main=launch.main)
+    assert not (tmp_path / "results").exists()
+
+
+def test_sigterm_to_the_in_process_launcher_is_one_line_and_143(tmp_path: Path) -> None:
+    cfg = tiny("steps=30")
+    config, run_dir = tmp_path / "run.yaml", tmp_path / "runs" / cfg.run_id
+    rundir.write_yaml(config, cfg.to_dict())
+    proc = subprocess.Popen([sys.executable, "-m", "study.launch", str(config), "--results", str(tmp_path),
+                             "--launcher", "in-process"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if rundir.read_status(run_dir)["step"] >= 1:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+    assert rundir.read_status(run_dir)["state"] == "stopped"

@@ -432,6 +432,35 @@ def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(
     assert run_id in report and "failed" in report
 
 
+@pytest.mark.slow
+def test_a_run_refused_by_its_preflight_under_snakemake_is_named_and_reported(tmp_path):
+    """One run of two is refused by its preflight (its named cold start is not there), which writes no run state;
+    the workflow's run directory (made for run.log) gets config.yaml and failure.json with the reason, so the
+    workflow names the run and the report of the study so far lists it as failed with why, beside the run that
+    finished."""
+    missing = tmp_path / "no-such-coldstart"
+    sweep_file = tmp_path / "refused.yaml"
+    body = sweep(name="refused", base={"steps": 1, "coldstart": "scratch", "eval_every": 0})
+    body["axes"] = {"coldstart": ["scratch", str(missing)]}
+    sweep_file.write_text(yaml.safe_dump(body))
+    runs = load_sweep(sweep_file).expand()
+    refused = next(run_id for run_id, cfg in runs.items() if cfg.coldstart == str(missing))
+    results = tmp_path / "results"
+    proc = _snakemake(
+        "--cores", "1", "--keep-going", "--config", f"sweep={sweep_file}", f"results={results}", timeout=600
+    )
+    assert proc.returncode != 0
+    record = json.loads((results / "runs" / refused / "failure.json").read_text())
+    assert record["state"] == "failed" and record["error"].startswith("refused before it started: coldstart = ")
+    out = proc.stdout + proc.stderr
+    assert f"run {refused} failed: refused before it started: coldstart = " in out, out[-3000:]
+    assert "with the failed run(s): " in out and "not written" not in out, out[-3000:]
+    report = (results / "refused" / "report" / "index.md").read_text()
+    assert refused in report and "no such directory" in report, report[:3000]
+    (done,) = set(runs) - {refused}
+    assert json.loads((results / "runs" / done / "status.json").read_text())["state"] == "completed"
+
+
 def test_sweep_vars_default_and_override(tmp_path):
     """A sweep's `vars:` default fills `{name}` in base and axes; the command line (`--var`, Snakemake's
     `--config checkpoint=...`) overrides it; values for names the sweep does not declare are ignored."""
