@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from study.run import rundir
-from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
+from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, k3
 
 METRICS = "metrics.parquet"
 LAYERS = "routing_layers.parquet"
@@ -50,7 +50,7 @@ def mismatch(train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Te
     return {
         "mismatch_mean_abs": float(d.abs().mean()),
         "mismatch_max_abs": float(d.abs().max()),
-        "mismatch_k3": float((d.exp() - 1 - d).mean()),
+        "mismatch_k3": float(k3(d).mean()),
         "mismatch_frac_gt2": float((d.abs() > math.log(2.0)).float().mean()),
     }
 
@@ -108,15 +108,33 @@ def write_metrics(run_dir: Path, log: Progress) -> None:
         rundir.atomic_write(run_dir / TOKEN_SAMPLES, lambda tmp: tokens.to_parquet(tmp, index=False))
 
 
-def maybe_write(run_dir: Path, log: Progress, tracker: Any, *, due: bool, last_write: float) -> float:
-    """Write the metric files when `due` (every checkpoint step, before the checkpoint: resume keeps the rows up to
-    it; the last step), and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole
-    table every step cost 9% of a tiny step. The trackers flush with them. Returns the time of the last write."""
-    if due or time.monotonic() - last_write >= METRICS_EVERY_S:
-        write_metrics(run_dir, log)
-        tracker.flush()
-        return time.monotonic()
-    return last_write
+class Recorder:
+    """Where a run's rows go: its Progress (`log`, what a checkpoint saves), the live trackers, and, where `writes`
+    (rank 0), the metric files. `add` writes them when `due` (every checkpoint step, before the checkpoint: resume
+    keeps the rows up to it; the last step) and otherwise at most every METRICS_EVERY_S seconds for live monitoring
+    (rewriting the whole table every step cost 9% of a tiny step); the trackers flush with them."""
+
+    def __init__(self, run_dir: Path, log: Progress, tracker: Any, *, writes: bool) -> None:
+        self.run_dir, self.log, self.tracker, self.writes = run_dir, log, tracker, writes
+        self.last_write = time.monotonic()
+
+    def keep(self, row: dict[str, float]) -> None:
+        """The row into the Progress and to the trackers."""
+        self.log.rows.append(row)
+        self.tracker.log(row)
+
+    def add(self, row: dict[str, float], *, due: bool) -> None:
+        """`keep` the row, then write the files if `due` or if METRICS_EVERY_S have passed since the last write."""
+        self.keep(row)
+        if self.writes and (due or time.monotonic() - self.last_write >= METRICS_EVERY_S):
+            self.write()
+            self.tracker.flush()
+            self.last_write = time.monotonic()
+
+    def write(self) -> None:
+        """The metric files now (rank 0)."""
+        if self.writes:
+            write_metrics(self.run_dir, self.log)
 
 
 def peak_rss_gb() -> float:
