@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,7 @@ class PiOld:
     entropy: torch.Tensor  # (B, S, L) each token's router entropy in it
     first_logp: torch.Tensor | None  # (b, T) minibatch 1's forward, differentiable: its update's; None: recomputed
     ref_logp: torch.Tensor | None  # (B, T) KL hook: the frozen reference's log-probs (its own, free routing)
+    first_s: float  # seconds of minibatch 1's forward: its update's when fused (the step's time_update_s counts it)
 
 
 def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor], replay: Routes | None) -> PiOld:
@@ -273,8 +275,10 @@ def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor
     rest = [torch.cat(chunks[1:])] if parts.trainer is None and len(chunks) > 1 else chunks[1:]
     with torch.no_grad():
         forwards = [forward_rows(parts, batch, idx, replay, cfg.micro_batch, entropy=True) for idx in rest]
+    start = time.perf_counter()
     with torch.enable_grad() if fused else torch.no_grad():
         head = forward_rows(parts, batch, first, replay, cfg.micro_batch, entropy=True)
+    first_s = time.perf_counter() - start
     forwards.insert(0, dataclasses.replace(head, logp=head.logp.detach()))
     old = Forward.cat(forwards).rows(torch.cat(chunks).argsort())  # the rows back in the batch's order
     ref_logp = None
@@ -282,7 +286,7 @@ def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor
         with torch.no_grad():
             ref_logp = token_logp(parts.ref, batch.input_ids, batch.targets, attention_mask=batch.attn_mask,
                                   positions=batch.pos, temperature=batch.temperature).cpu()  # (B, T)  # fmt: skip
-    return PiOld(old.logp, old.routes, old.entropy, head.logp if fused else None, ref_logp)
+    return PiOld(old.logp, old.routes, old.entropy, head.logp if fused else None, ref_logp, first_s)
 
 
 def broadcast(obj: Any, parts: Parts) -> Any:

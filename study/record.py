@@ -72,21 +72,21 @@ def token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tensor
     return frame[list(TOKEN_SAMPLE_COLUMNS)]
 
 
-def mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
+def mean_volatility(volatility: list[dict[str, float]]) -> dict[str, float]:
     """The step's routing volatility, old vs new policy after each update: the mean over the minibatches that follow
     at least one update (the off-policy minibatches 2..M; the first one's forward is pi_old's own, a structural zero
     that would dilute the mean by (M-1)/M). NaN with one minibatch: no update precedes any forward of the rollouts."""
-    if not vols:
-        return dict.fromkeys(("routing_slot_mismatch", "routing_set_flip_rate", "routing_token_flip_rate"), math.nan)
-    return {f"routing_{m}": float(np.mean([v[m] for v in vols])) for m in ("slot_mismatch", "set_flip_rate",
-                                                                           "token_flip_rate")}  # fmt: skip
+    names = ("slot_mismatch", "set_flip_rate", "token_flip_rate")
+    if not volatility:
+        return {f"routing_{m}": math.nan for m in names}
+    return {f"routing_{m}": float(np.mean([v[m] for v in volatility])) for m in names}
 
 
-def layer_rows(step: int, vols: list[dict[str, float]], load: dict[str, float], num_layers: int) -> list[dict]:
+def layer_rows(step: int, volatility: list[dict[str, float]], load: dict[str, float], num_layers: int) -> list[dict]:
     """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
     then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
-    moved = vols[0] if vols else {}  # no update-minibatch (one minibatch): NaN volatility
-    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
+    moved = volatility[0] if volatility else {}  # no update-minibatch (one minibatch): NaN volatility
+    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in volatility]))
                                                if f"{m}_l{layer}" in moved else load.get(f"{m}_l{layer}", math.nan)
                                                for m in LAYER_METRICS}}
             for layer in range(num_layers)]  # fmt: skip

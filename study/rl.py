@@ -61,7 +61,7 @@ from study.parts import (
     pi_old,
     setup,
 )
-from study.policy import parallel as par
+from study.policy import parallel
 from study.policy.model import token_logp
 from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
 from study.run import rundir
@@ -140,18 +140,7 @@ def train(
         rundir.set_status(run_dir, "running", step=log.step)
     parts = setup(cfg, results)
     alg, engine = parts.alg, parts.engine
-    try:
-        if state is not None:
-            checkpoint.restore(state, parts, checkpoint.path_of(run_dir))
-        if rank0:  # a resume under another layout: resharded from the checkpoint, recorded in the manifest
-            lifecycle.record_layout(cfg, run_dir, None if state is None else log.step)
-        # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded (rank 0's)
-        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if rank0 else None
-    except BaseException:
-        if engine is not None:
-            engine.close()
-        raise
-    recorder = record.Recorder(run_dir, log, tracker if tracker is not None else record.NoTracker(), writes=rank0)
+    recorder = _restore(cfg, parts, run_dir, state, log, tracking)
     _sync_engine(parts)
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
         recorder.keep(_start_row(cfg, parts))
@@ -233,6 +222,25 @@ def train(
         recorder.tracker.close(outcome)
     if rank0:
         rundir.set_status(run_dir, "completed", step=cfg.steps)
+
+
+def _restore(cfg: RunConfig, parts: Parts, run_dir: Path, state: Any, log: record.Progress,
+             tracking: Tracking | None) -> record.Recorder:  # fmt: skip
+    """The checkpoint's `state` into the parts (a resume; None: a new run), the layout into the manifest, and the
+    run's Recorder with the live trackers (study/run/trackers.py: rank 0's get every row as it is recorded). The
+    engine is closed if any of it fails."""
+    rank0 = lifecycle.is_rank0()
+    try:
+        if state is not None:
+            checkpoint.restore(state, parts, checkpoint.path_of(run_dir))
+        if rank0:  # a resume under another layout: resharded from the checkpoint, recorded in the manifest
+            lifecycle.record_layout(cfg, run_dir, None if state is None else log.step)
+        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if rank0 else None
+    except BaseException:
+        if parts.engine is not None:
+            parts.engine.close()
+        raise
+    return record.Recorder(run_dir, log, tracker if tracker is not None else record.NoTracker(), writes=rank0)
 
 
 def _start_row(cfg: RunConfig, parts: Parts) -> dict[str, float]:
@@ -445,7 +453,7 @@ def _update_micro(
         routes.append(free)
     logp, free = torch.cat(values), Routes.cat(routes)
     if parts.trainer is not None:
-        logp, free = par.gather_rows(logp, n), Routes(par.gather_rows(free.experts, n))
+        logp, free = parallel.gather_rows(logp, n), Routes(parallel.gather_rows(free.experts, n))
     return _update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free
 
 
@@ -516,7 +524,7 @@ def _sync_engine(parts: Parts) -> None:
         weights = iter_hf_weights(parts.policy, parts.mcfg)  # views of the policy's weights: no copy of the model
     else:
         torch.distributed.barrier()  # no engine wakes before every rank has released its cache
-        weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
+        weights = parallel.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
     if parts.engine is not None:
         parts.engine.load_weights(weights)
     else:
@@ -539,15 +547,15 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
     temperature 1 whatever the rollouts' (the engine's `score` returns raw log-probs): the weights are what is
     checked."""
     idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
-    ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
+    ids, targets, attention = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx]  # (b, S)
     with routing.recording():  # on the model's device, brought to the CPU, where the engine's scores are
-        trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos).cpu()  # (b, T)
+        trainer = token_logp(policy, ids, targets, attention_mask=attention, positions=batch.pos[idx]).cpu()
     if engine is None:  # a parallel layout's other ranks: the forward above is collective, rank 0's engine scores
         return {}
     prompts, responses = [], []
     for i in range(len(idx)):
-        seq = [int(ids[i, 0]), *tgt[i, : int(am[i].sum())].tolist()]
-        start = int(pos[i, 0]) + 1  # the prompt's length
+        seq = [int(ids[i, 0]), *targets[i, : int(attention[i].sum())].tolist()]
+        start = int(batch.pos[i, 0]) + 1  # the prompt's length
         prompts.append(seq[:start])
         responses.append(seq[start:])
     scored, _ = engine.score(prompts, responses)
@@ -602,6 +610,7 @@ class StepMeasures:
         self.row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
         self.row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
         self.load: dict[str, float] = {}  # pi_old's expert load per layer, for the step's routing_layers rows
+        self.first_update_s = 0.0  # the first update's forward, made in pi_old's pass
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -625,20 +634,27 @@ class StepMeasures:
         both), pi_old's expert load and router entropy over the real tokens, the engine's (its routes' slot mismatch
         against the trainer's free routing of the same tokens), and the FLOPs of the forwards that were pi_old's
         alone (a fused first minibatch's forward is its update's)."""
-        row, am, experts = self.row, batch.attn_mask, self.parts.routing.num_experts
+        row, attention, experts = self.row, batch.attn_mask, self.parts.routing.num_experts
+        if old.first_logp is not None:  # the fused forward's seconds are its update's
+            row["time_old_logp_s"] -= old.first_s
+            self.first_update_s = old.first_s
         if old.ref_logp is not None:  # KL hook: the reference's forward
-            self._flops(batch, int(am.sum()))
+            self._flops(batch, int(attention.sum()))
         row.update(record.mismatch(old.logp, batch.rollout_logp, batch.mask))
         if token_samples:
             self.log.token_frames.append(record.token_samples(self.step, old.logp, batch.rollout_logp, batch.mask))
-        self.load = expert_load(old.routes, experts, am, old.entropy)  # per layer too
+        self.load = expert_load(old.routes, experts, attention, old.entropy)  # per layer too
         if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
-            vol = routing_volatility(batch.engine_routes, old.routes, am, per_layer=False)
+            vol = routing_volatility(batch.engine_routes, old.routes, attention, per_layer=False)
             row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
-            self.load.update({f"engine_{k}": v for k, v in expert_load(batch.engine_routes, experts, am).items()})
+            self.load.update(
+                {f"engine_{k}": v for k, v in expert_load(batch.engine_routes, experts, attention).items()}
+            )
         row.update({k: v for k, v in self.load.items() if k in STEP_METRICS})  # the means over layers
         if self.cfg.old_logp_source == "recompute":
-            self._flops(batch, int(am.sum()) - (int(am[chunks[0]].sum()) if old.first_logp is not None else 0))
+            self._flops(
+                batch, int(attention.sum()) - (int(attention[chunks[0]].sum()) if old.first_logp is not None else 0)
+            )
 
     def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
         """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
@@ -647,19 +663,22 @@ class StepMeasures:
         sums: dict[str, float] = {}
         volatility: list[dict[str, float]] = []
         per_minibatch: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
-        am = batch.attn_mask
-        response = response_inputs(batch.pos, batch.mask, am.shape[1])  # (B, S) the response tokens' positions
+        attention = batch.attn_mask
+        response = response_inputs(batch.pos, batch.mask, attention.shape[1])  # (B, S) the response tokens' positions
         for i, (idx, (metrics, routes)) in enumerate(zip(chunks, updates, strict=True)):
             per_minibatch.append({k: metrics[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in metrics})
             if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
-                volatility.append(routing_volatility(old.routes[idx], routes, am[idx]))  # old vs new policy's choice
+                volatility.append(
+                    routing_volatility(old.routes[idx], routes, attention[idx])
+                )  # old vs new policy's choice
                 changed = routing_volatility(old.routes[idx], routes, response[idx], per_layer=False)
                 per_minibatch[-1].update(routing_slot_mismatch=volatility[-1]["slot_mismatch"],
                                          routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
-            self._flops(batch, int(am[idx].sum()), passes=3)
+            self._flops(batch, int(attention[idx].sum()), passes=3)
         self.row.update({k: v / len(chunks) for k, v in sums.items()})
+        self.row["time_update_s"] += self.first_update_s
         self.row.update(record.mean_volatility(volatility))
         self.row.update(minibatch_metrics(per_minibatch))
         self.log.layer_rows += record.layer_rows(self.step, volatility, self.load, self.parts.routing.num_layers)

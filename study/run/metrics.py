@@ -163,8 +163,13 @@ STEP_METRICS: dict[str, Metric] = {
         "study.rl.StepMeasures.finish",
     ),
     "time_rollout_s": Metric("seconds in rollout this step", _COLLECT),
-    "time_old_logp_s": Metric("seconds in the pi_old recompute", "study.rl.StepMeasures.timed"),
-    "time_update_s": Metric("seconds in the minibatch updates", "study.rl.StepMeasures.timed"),
+    "time_old_logp_s": Metric(
+        "seconds in the pi_old recompute (and the KL reference's forward)", "study.rl.StepMeasures.timed"
+    ),
+    "time_update_s": Metric(
+        "seconds in the minibatch updates (the first one's forward included where pi_old's pass made it)",
+        "study.rl.StepMeasures.timed",
+    ),
     "time_sync_s": Metric("seconds pushing weights to the rollout engine", "study.rl.StepMeasures.timed"),
     "sync_parity_mean_abs": Metric(
         "right after the weight sync, every sync_check_every steps (NaN otherwise): mean |logp "
