@@ -647,14 +647,12 @@ class StepMeasures:
         if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
             vol = routing_volatility(batch.engine_routes, old.routes, attention, per_layer=False)
             row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
-            self.load.update(
-                {f"engine_{k}": v for k, v in expert_load(batch.engine_routes, experts, attention).items()}
-            )
+            engine_load = expert_load(batch.engine_routes, experts, attention)
+            self.load.update({f"engine_{k}": v for k, v in engine_load.items()})
         row.update({k: v for k, v in self.load.items() if k in STEP_METRICS})  # the means over layers
-        if self.cfg.old_logp_source == "recompute":
-            self._flops(
-                batch, int(attention.sum()) - (int(attention[chunks[0]].sum()) if old.first_logp is not None else 0)
-            )
+        if self.cfg.old_logp_source == "recompute":  # the forwards that were pi_old's alone
+            fused = int(attention[chunks[0]].sum()) if old.first_logp is not None else 0  # its update's forward
+            self._flops(batch, int(attention.sum()) - fused)
 
     def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
         """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
@@ -668,9 +666,8 @@ class StepMeasures:
         for i, (idx, (metrics, routes)) in enumerate(zip(chunks, updates, strict=True)):
             per_minibatch.append({k: metrics[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in metrics})
             if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
-                volatility.append(
-                    routing_volatility(old.routes[idx], routes, attention[idx])
-                )  # old vs new policy's choice
+                # the old vs the new policy's choice of experts for the same tokens
+                volatility.append(routing_volatility(old.routes[idx], routes, attention[idx]))
                 changed = routing_volatility(old.routes[idx], routes, response[idx], per_layer=False)
                 per_minibatch[-1].update(routing_slot_mismatch=volatility[-1]["slot_mismatch"],
                                          routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
