@@ -2,42 +2,16 @@
 
 Every metric name read anywhere in analysis/ is a constant of this module: no other module spells one out.
 
-Per-step metrics (columns of `metrics.parquet`):
+What each name means, and which function of the run computes it, is the run's vocabulary table
+(`study.run.metrics`, rendered in analysis/README.md, "The run's metric vocabulary"); analysis does not import the
+run (tests/test_imports.py), so tests/test_vocabulary.py holds every name here to that table.
 
-| name | meaning |
-|---|---|
-| step | RL step from 1; with eval_every > 0 a row at step 0 holds only the evaluation of the starting policy |
-| | (the cold start: eval metrics, lr, compute_flops = wall_s = 0, every other metric NaN): what RL starts from |
-| reward_mean | mean training reward of the step's rollouts, in [0, 1] |
-| eval_<set> (or eval/<set>) | held-out mean pass@1 of eval set <set>, at step 0 and every N steps (NaN elsewhere) |
-| eval_in_dist | the in-distribution held-out set: the held-out gain is its last evaluation minus its step-0 one |
-| clip_frac, clip_frac_low, clip_frac_high | token-weighted active clip fraction, total and its low/high parts |
-| mismatch_mean_abs, mismatch_max_abs | mean / max abs(logp_train_old - logp_rollout) over response tokens |
-| mismatch_k3 | k3 KL estimate mean(e^d - 1 - d) of that difference |
-| mismatch_frac_gt2 | fraction of tokens with max(rho, 1/rho) > 2 |
-| routing_slot_mismatch | old vs new policy after each update (minibatches 2..M): mean(1 - abs(S_X & S_Y) / k) |
-| | (the paper's "10%") |
-| routing_set_flip_rate | old vs new: fraction of (token, layer) whose top-k set changed |
-| engine_routing_slot_mismatch | rollout engine vs trainer, same definition |
-| expert_load_imbalance | trainer expert load: per MoE layer, the most tokens any expert got over the mean per |
-| | expert (1 = balanced, E / k = all on the same k experts), mean over layers |
-| router_entropy | trainer router entropy: per layer, mean over tokens of the entropy (nats) of the router softmax |
-| | over all E experts (log E = uniform), mean over layers |
-| engine_expert_load_imbalance | expert_load_imbalance of the rollout engine's routes (NaN when it returns none) |
-| response_len_mean, truncation_rate | mean response length (tokens), fraction truncated at the length limit |
-| tokens | response tokens trained on in the step |
-
-Per-layer routing table (`routing_layers.parquet`): step, layer, slot_mismatch, set_flip_rate, expert_load_imbalance,
-router_entropy, engine_expert_load_imbalance (the step metrics' definitions, one layer: the last three share their
-step metric's name). Token samples (`token_samples.parquet`): step, sample, pos, trainer_logp (the training engine's
-pi_old recompute), engine_logp (the rollout engine's log-prob).
-
-These names follow `study.run.metrics.STEP_METRICS` (the run's documented vocabulary); this module only names the ones
-analysis reads (METRICS, LAYER_METRICS, TOKEN_LOGPS). Swept axes are `study.run.config.RunConfig` fields (the
-defaults below; each figure takes the name as an argument): `train_dtype`, `rollout_dtype`, `old_logp_source`
-(Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads no axis name: its configurations are
-the combinations of whatever non-algorithm axes the study sweeps (`router_lr_scale`, the model shape, ...). The
-off-policy figure (9) reads `minibatches` and tells a dense control from the MoE by `model.num_experts` = 1.
+This module names only the ones analysis reads (METRICS, LAYER_METRICS, TOKEN_LOGPS). Swept axes are
+`study.run.config.RunConfig` fields (the defaults below; each figure takes the name as an argument): `train_dtype`,
+`rollout_dtype`, `old_logp_source` (Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads
+no axis name: its configurations are the combinations of whatever non-algorithm axes the study sweeps
+(`router_lr_scale`, the model shape, ...). The off-policy figure (9) reads `minibatches` and tells a dense control
+from the MoE by `model.num_experts` = 1.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,18 +182,6 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     )  # fmt: skip
 
 
-def _old_pass(
-    policy: torch.nn.Module, routing: RoutingController, batch: Batch, idx: torch.Tensor, r3: bool
-) -> tuple[torch.Tensor, Routes, torch.Tensor]:
-    """pi_old's forward of the rows idx, the engine's routes replayed (R3) or free routing recorded: response
-    log-probs (b, T), the routes free routing chose and each token's router entropy (b, S, L)."""
-    with routing.replaying(batch.engine_routes[idx]) if r3 else routing.recording():
-        logp = token_logp(policy, batch.input_ids[idx], batch.targets[idx], attention_mask=batch.attn_mask[idx],
-                          positions=batch.pos[idx], temperature=batch.temperature)  # fmt: skip
-    # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
-    return logp.cpu(), routing.free_routes() if r3 else routing.routes(), routing.router_entropy()
-
-
 def micro_chunks(rows: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, ...]:
     """`rows` in forwards of at most `micro_batch` sequences (0: one forward of them all)."""
     return (rows,) if micro_batch <= 0 or micro_batch >= len(rows) else torch.split(rows, micro_batch)
@@ -204,44 +193,100 @@ def local_positions(parts: Parts, n: int) -> torch.Tensor:
     return torch.arange(n) if parts.trainer is None else par.data_rows(n)
 
 
-def old_pass_rows(
-    parts: Parts, batch: Batch, idx: torch.Tensor, r3: bool, micro_batch: int = 0
-) -> tuple[torch.Tensor, Routes, torch.Tensor]:
-    """`_old_pass` of the global rows idx, in forwards of at most `micro_batch` rows: at one process those rows;
-    under a parallel layout this rank's share, then every rank's gathered (log-probs differentiable in this rank's
-    rows)."""
-    n, local = len(idx), idx[local_positions(parts, len(idx))]
-    passes = [_old_pass(parts.policy, parts.routing, batch, rows, r3) for rows in micro_chunks(local, micro_batch)]
-    if len(passes) == 1:
-        logp, routes, entropy = passes[0]
-    else:
-        logp, entropy = torch.cat([p[0] for p in passes]), torch.cat([p[2] for p in passes])
-        routes = Routes.cat([p[1] for p in passes])
-    if parts.trainer is None:
-        return logp, routes, entropy
-    return par.gather_rows(logp, n), Routes(par.gather_rows(routes.experts, n)), par.gather_rows(entropy, n)
+@dataclass
+class Forward:
+    """The trainer's forward of some rows of a batch."""
+
+    logp: torch.Tensor  # (b, T) response log-probs on the CPU (differentiable unless forwarded under no_grad)
+    routes: Routes  # (b, S, L, k) the experts free routing chose (under replay: would have chosen)
+    entropy: torch.Tensor | None = None  # (b, S, L) each token's router entropy, where asked for
+
+    @staticmethod
+    def cat(forwards: list[Forward]) -> Forward:
+        """The forwards' rows one after the other."""
+        if len(forwards) == 1:
+            return forwards[0]
+        entropy = None if forwards[0].entropy is None else torch.cat([f.entropy for f in forwards])
+        return Forward(torch.cat([f.logp for f in forwards]), Routes.cat([f.routes for f in forwards]), entropy)
+
+    def rows(self, order: torch.Tensor) -> Forward:
+        """These rows taken in `order` (indices into them)."""
+        entropy = None if self.entropy is None else self.entropy[order]
+        return Forward(self.logp[order], Routes(self.routes.experts[order]), entropy)
 
 
-def forward_local(parts: Parts, batch: Batch, rows: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
-    """An update's forward of the rows `rows` on this rank: `replay` (routes of those rows) forced, or None: free
-    routing recorded. Returns the log-probs (b, T) on the CPU and the routes free routing chose."""
+def forward_local(
+    parts: Parts, batch: Batch, rows: torch.Tensor, replay: Routes | None, entropy: bool = False
+) -> Forward:
+    """One forward of the batch's rows `rows` on this rank: `replay`'s routes of them forced (`replay`: routes of the
+    whole batch), or None: free routing recorded; with `entropy` each token's router entropy too."""
     routing = parts.routing
-    with routing.replaying(replay) if replay is not None else routing.recording():
+    with routing.replaying(replay[rows]) if replay is not None else routing.recording():
         logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
                           attention_mask=batch.attn_mask[rows], positions=batch.pos[rows],
                           temperature=batch.temperature).cpu()  # fmt: skip
-    return logp, routing.free_routes() if replay is not None else routing.routes()
+    # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
+    free = routing.free_routes() if replay is not None else routing.routes()
+    return Forward(logp, free, routing.router_entropy() if entropy else None)
 
 
-def forward_rows(parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None) -> tuple[torch.Tensor, Routes]:
-    """An update's forward of the global rows idx (`forward_local` of this rank's share): `replay`'s routes of them
-    forced (None: free routing recorded). Returns the log-probs (b, T) and the routes free routing chose (gathered
-    over ranks, like `old_pass_rows`)."""
-    rows = idx[local_positions(parts, len(idx))]
-    logp, free = forward_local(parts, batch, rows, None if replay is None else replay[rows])
+def forward_rows(
+    parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None, micro_batch: int = 0, entropy: bool = False
+) -> Forward:
+    """`forward_local` of the global rows idx in forwards of at most `micro_batch` rows: at one process those rows;
+    under a parallel layout this rank's share, then every rank's gathered (log-probs differentiable in this rank's
+    rows)."""
+    n, local = len(idx), idx[local_positions(parts, len(idx))]
+    out = Forward.cat([forward_local(parts, batch, rows, replay, entropy) for rows in micro_chunks(local, micro_batch)])
     if parts.trainer is None:
-        return logp, free
-    return par.gather_rows(logp, len(idx)), Routes(par.gather_rows(free.experts, len(idx)))
+        return out
+    entropy_all = None if out.entropy is None else par.gather_rows(out.entropy, n)
+    return Forward(par.gather_rows(out.logp, n), Routes(par.gather_rows(out.routes.experts, n)), entropy_all)
+
+
+def minibatches(cfg: RunConfig, n: int, step: int) -> list[torch.Tensor]:
+    """The step's n rows in a random order (drawn from (seed, step)) split into M minibatches of rows."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step)))
+    return list(torch.tensor_split(perm, min(cfg.minibatches, n)))
+
+
+@dataclass
+class PiOld:
+    """pi_old of the step's batch as the trainer computes it: the policy that sampled it, before any update."""
+
+    logp: torch.Tensor  # (B, T) the trainer's recomputed log-probs, detached
+    routes: Routes  # (B, S, L, k) the routes free routing chose in that forward
+    entropy: torch.Tensor  # (B, S, L) each token's router entropy in it
+    first_logp: torch.Tensor | None  # (b, T) minibatch 1's forward, differentiable: its update's; None: recomputed
+    ref_logp: torch.Tensor | None  # (B, T) KL hook: the frozen reference's log-probs (its own, free routing)
+    first_s: float  # seconds of minibatch 1's forward: its update's when fused (the step's time_update_s counts it)
+
+
+def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor], replay: Routes | None) -> PiOld:
+    """The trainer's pi_old of every row (`replay`: the routes forced, None: free routing recorded), and the
+    reference's log-probs (KL hook).
+
+    The first minibatch is forwarded once: its update runs on the same tokens with the same weights (nothing has
+    been updated yet), so when this rank's share of it fits one forward (micro_batch 0 or at least that many rows), that
+    forward runs here with gradients, its detached log-probs and routes are pi_old's and the update uses it
+    (`first_logp`); in micro-batches every update forwards its rows again, between their backwards. The other rows:
+    at one process in one forward (in micro-batches), under a parallel layout each minibatch as its update sees it."""
+    first, fused = chunks[0], len(micro_chunks(local_positions(parts, len(chunks[0])), cfg.micro_batch)) == 1
+    rest = [torch.cat(chunks[1:])] if parts.trainer is None and len(chunks) > 1 else chunks[1:]
+    with torch.no_grad():
+        forwards = [forward_rows(parts, batch, idx, replay, cfg.micro_batch, entropy=True) for idx in rest]
+    start = time.perf_counter()
+    with torch.enable_grad() if fused else torch.no_grad():
+        head = forward_rows(parts, batch, first, replay, cfg.micro_batch, entropy=True)
+    first_s = time.perf_counter() - start
+    forwards.insert(0, dataclasses.replace(head, logp=head.logp.detach()))
+    old = Forward.cat(forwards).rows(torch.cat(chunks).argsort())  # the rows back in the batch's order
+    ref_logp = None
+    if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
+        with torch.no_grad():
+            ref_logp = token_logp(parts.ref, batch.input_ids, batch.targets, attention_mask=batch.attn_mask,
+                                  positions=batch.pos, temperature=batch.temperature).cpu()  # (B, T)  # fmt: skip
+    return PiOld(old.logp, old.routes, old.entropy, head.logp if fused else None, ref_logp, first_s)
 
 
 def broadcast(obj: Any, parts: Parts) -> Any:

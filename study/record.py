@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from study.run import rundir
-from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
+from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, k3
 
 METRICS = "metrics.parquet"
 LAYERS = "routing_layers.parquet"
@@ -55,7 +55,7 @@ def mismatch(train_old: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Te
     return {
         "mismatch_mean_abs": float(d.abs().mean()),
         "mismatch_max_abs": float(d.abs().max()),
-        "mismatch_k3": float((d.exp() - 1 - d).mean()),
+        "mismatch_k3": float(k3(d).mean()),
         "mismatch_frac_gt2": float((d.abs() > math.log(2.0)).float().mean()),
     }
 
@@ -77,21 +77,21 @@ def token_samples(step: int, train_old: torch.Tensor, rollout_logp: torch.Tensor
     return frame[list(TOKEN_SAMPLE_COLUMNS)]
 
 
-def mean_volatility(vols: list[dict[str, float]]) -> dict[str, float]:
+def mean_volatility(volatility: list[dict[str, float]]) -> dict[str, float]:
     """The step's routing volatility, old vs new policy after each update: the mean over the minibatches that follow
     at least one update (the off-policy minibatches 2..M; the first one's forward is pi_old's own, a structural zero
     that would dilute the mean by (M-1)/M). NaN with one minibatch: no update precedes any forward of the rollouts."""
-    if not vols:
-        return dict.fromkeys(("routing_slot_mismatch", "routing_set_flip_rate", "routing_token_flip_rate"), math.nan)
-    return {f"routing_{m}": float(np.mean([v[m] for v in vols])) for m in ("slot_mismatch", "set_flip_rate",
-                                                                           "token_flip_rate")}  # fmt: skip
+    names = ("slot_mismatch", "set_flip_rate", "token_flip_rate")
+    if not volatility:
+        return {f"routing_{m}": math.nan for m in names}
+    return {f"routing_{m}": float(np.mean([v[m] for v in volatility])) for m in names}
 
 
-def layer_rows(step: int, vols: list[dict[str, float]], load: dict[str, float], num_layers: int) -> list[dict]:
+def layer_rows(step: int, volatility: list[dict[str, float]], load: dict[str, float], num_layers: int) -> list[dict]:
     """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
     then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
-    moved = vols[0] if vols else {}  # no update-minibatch (one minibatch): NaN volatility
-    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in vols]))
+    moved = volatility[0] if volatility else {}  # no update-minibatch (one minibatch): NaN volatility
+    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in volatility]))
                                                if f"{m}_l{layer}" in moved else load.get(f"{m}_l{layer}", math.nan)
                                                for m in LAYER_METRICS}}
             for layer in range(num_layers)]  # fmt: skip
@@ -130,15 +130,33 @@ def recorded_checkpoint(path: Path) -> int | None:
         return None
 
 
-def maybe_write(run_dir: Path, log: Progress, tracker: Any, *, due: bool, last_write: float) -> float:
-    """Write the metric files when `due` (every checkpoint step, before the checkpoint: resume keeps the rows up to
-    it; the last step), and otherwise at most every METRICS_EVERY_S seconds for live monitoring: rewriting the whole
-    table every step cost 9% of a tiny step. The trackers flush with them. Returns the time of the last write."""
-    if due or time.monotonic() - last_write >= METRICS_EVERY_S:
-        write_metrics(run_dir, log)
-        tracker.flush()
-        return time.monotonic()
-    return last_write
+class Recorder:
+    """Where a run's rows go: its Progress (`log`, what a checkpoint saves), the live trackers, and, where `writes`
+    (rank 0), the metric files. `add` writes them when `due` (every checkpoint step, before the checkpoint: resume
+    keeps the rows up to it; the last step) and otherwise at most every METRICS_EVERY_S seconds for live monitoring
+    (rewriting the whole table every step cost 9% of a tiny step); the trackers flush with them."""
+
+    def __init__(self, run_dir: Path, log: Progress, tracker: Any, *, writes: bool) -> None:
+        self.run_dir, self.log, self.tracker, self.writes = run_dir, log, tracker, writes
+        self.last_write = time.monotonic()
+
+    def keep(self, row: dict[str, float]) -> None:
+        """The row into the Progress and to the trackers."""
+        self.log.rows.append(row)
+        self.tracker.log(row)
+
+    def add(self, row: dict[str, float], *, due: bool) -> None:
+        """`keep` the row, then write the files if `due` or if METRICS_EVERY_S have passed since the last write."""
+        self.keep(row)
+        if self.writes and (due or time.monotonic() - self.last_write >= METRICS_EVERY_S):
+            self.write()
+            self.tracker.flush()
+            self.last_write = time.monotonic()
+
+    def write(self) -> None:
+        """The metric files now (rank 0)."""
+        if self.writes:
+            write_metrics(self.run_dir, self.log)
 
 
 def peak_rss_gb() -> float:

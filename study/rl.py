@@ -6,14 +6,17 @@ algorithm decides):
     log-probs; rewards from the task's verifier (truncated responses scored as they stand); ALGO reward shaping
     (DAPO); ALGO advantages `alg.advantages(rewards, G)`; ALGO dynamic sampling: zero-variance groups dropped and
     refilled;
- 2. pi_old: log-probs recomputed by the training engine, ALGO with routing recorded or (R3) the engine's routes
-    replayed; ALGO `old_logp_source: rollout` uses the engine's log-probs instead (section 5.4);
+ 2. pi_old (`pi_old`, study/parts.py): log-probs recomputed by the training engine, ALGO with routing recorded or
+    (R3) the engine's routes replayed (the first minibatch's forward is also its update's: same tokens, same
+    weights); ALGO `old_logp_source: rollout` uses the engine's log-probs instead (section 5.4);
  3. minibatch updates: the batch split into M minibatches; for each: forward with ALGO the routing the algorithm asks
     for (free / replay / rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step (`micro_batch` > 0: forward
     and backward in micro-batches, the gradients accumulated before the step);
  4. sync: the weights pushed to the rollout engine;
- 5. log: the metrics row (study/record.py; files written at checkpoints), a held-out evaluation every N steps;
+ 5. log: a held-out evaluation every N steps, the metrics row (study/record.py; files written at checkpoints);
  6. checkpoint every N steps (study/checkpoint.py).
+What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility, expert load) is `StepMeasures`'s,
+one call per stage; each metric's meaning and function: study/run/metrics.py.
 The run directory, its lock, the manifest and every exit are study/lifecycle.py's.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
@@ -25,11 +28,12 @@ fixed thread count.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,22 +48,25 @@ from study.core.weights import iter_hf_weights
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
 from study.parts import (
+    Forward,
     Parts,
+    PiOld,
     broadcast,
     derive_seed,
     forward_local,
     forward_rows,
     local_positions,
     micro_chunks,
-    old_pass_rows,
+    minibatches,
+    pi_old,
     setup,
 )
-from study.policy import parallel as par
+from study.policy import parallel
 from study.policy.model import token_logp
 from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
 from study.run import rundir
 from study.run.config import RunConfig
-from study.run.metrics import STEP_METRICS, forward_flops, minibatch_metrics
+from study.run.metrics import STEP_METRICS, forward_flops, k3, minibatch_metrics
 from study.run.trackers import ENV as TRACKERS_ENV
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 
@@ -132,159 +139,58 @@ def train(
     if rank0:
         rundir.set_status(run_dir, "running", step=log.step)
     parts = setup(cfg, results)
-    alg, mcfg, policy, routing, engine = parts.alg, parts.mcfg, parts.policy, parts.routing, parts.engine
-    try:
-        if state is not None:
-            checkpoint.restore(state, parts, checkpoint.path_of(run_dir))
-        if rank0:  # a resume under another layout: resharded from the checkpoint, recorded in the manifest
-            lifecycle.record_layout(cfg, run_dir, None if state is None else log.step)
-        # the live trackers (study/run/trackers.py): every row below goes to each, as it is recorded (rank 0's)
-        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if rank0 else None
-    except BaseException:
-        if engine is not None:
-            engine.close()
-        raise
-    tracker = tracker if tracker is not None else record.NoTracker()
+    alg, engine = parts.alg, parts.engine
+    recorder = _restore(cfg, parts, run_dir, state, log, tracking)
     _sync_engine(parts)
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
-        row = dict.fromkeys(STEP_METRICS, math.nan)
-        row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
-        log.rows.append({**row, **(_evaluate(cfg, engine, parts.tok, parts.evals, 0) if engine is not None else {})})
-        tracker.log(log.rows[-1])
+        recorder.keep(_start_row(cfg, parts))
 
     bar = record.ProgressBar(cfg.steps, log.step, progress)
     step, row, outcome = log.step, None, "failed"  # outcome: what the trackers are told at the end
-    last_write = time.monotonic()
     # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
     # stops re-walking them in each of its passes over the steps' short-lived objects (a 8-sequence update: -4%).
     gc.freeze()
     try:
         for step in range(log.step + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
             eval_step = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
             checkpoint_step = step == cfg.steps or bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-            row = dict.fromkeys(STEP_METRICS, math.nan)
-            row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
+            measure = StepMeasures(cfg, parts, log, step)  # the step's row, timers, FLOPs and routing bookkeeping
+            row = measure.row
 
             # 1. collect: rollouts, rewards, advantages (rank 0's engine; the batch broadcast to every rank)
-            collected = None
-            if engine is not None:
-                collected = _collect(cfg, alg, engine, parts.stream, parts.tok, log.data_pos, step, log.mastered)
-                engine.offload()  # colocated vLLM on CUDA: asleep before the broadcast lets any rank start its forward
-            collected = broadcast(collected, parts)
-            log.data_pos = collected.data_pos
-            log.mastered.update(collected.mastered)
-            log.compute += collected.flops
-            row.update(collected.metrics)
+            collected = _rollout_batch(cfg, parts, log, step)
+            measure.collected(collected)
             batch = collected.batch
             if batch is None:  # ALGO dynamic sampling dropped every group (all zero variance): nothing to learn from
-                row["wall_s"] = log.wall = log.wall + time.perf_counter() - t0
-                log.rows.append(row)
-                tracker.log(row)
-                if rank0:
-                    last_write = record.maybe_write(run_dir, log, tracker, due=checkpoint_step, last_write=last_write)
+                recorder.add(measure.finish(None), due=checkpoint_step)
                 continue
 
-            # 2. pi_old: the training engine's recompute. The first minibatch is not recomputed when forwarded whole:
-            # its update's forward runs on the same tokens with the same weights (nothing has been updated yet), so
-            # that forward's detached log-probs and routes are pi_old's.
-            t1 = time.perf_counter()
-            ids, am = batch.input_ids, batch.attn_mask
-            r3 = alg.routing == "rollout_replay"  # ALGO routing: R3 replays the engine's routes from pi_old on
-            perm = torch.randperm(batch.n, generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step)))
-            chunks = torch.tensor_split(perm, min(cfg.minibatches, batch.n))
-            first, rest = chunks[0], perm[len(chunks[0]) :]
-            # a rank's share of a minibatch in one forward (micro_batch 0): the first update's forward is pi_old's;
-            # in micro-batches every update forwards its rows again, interleaved with their backwards (_update_micro)
-            whole = len(micro_chunks(local_positions(parts, len(first)), cfg.micro_batch)) == 1
-            old_parts = []
-            if len(rest):
-                with torch.no_grad():
-                    if parts.trainer is None:  # the rest together
-                        old_parts.append(old_pass_rows(parts, batch, rest, r3, cfg.micro_batch))
-                    else:  # a rank's share of each minibatch, as its update will see it
-                        old_parts += [old_pass_rows(parts, batch, idx, r3, cfg.micro_batch) for idx in chunks[1:]]
-            t_old = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            with torch.enable_grad() if whole else torch.no_grad():  # whole: the first update's forward
-                logp_first, free_first, entropy_first = old_pass_rows(parts, batch, first, r3, cfg.micro_batch)
-            t_first = time.perf_counter() - t2
-            old_parts.insert(0, (logp_first.detach(), free_first, entropy_first))
-            unperm = perm.argsort()  # the parts are in perm order (first, then rest)
-            train_old = torch.cat([lp for lp, _, _ in old_parts])[unperm]  # (B, T)
-            free_old = Routes(Routes.cat([r for _, r, _ in old_parts]).experts[unperm])  # pi_old's free routing
-            old_routes = batch.engine_routes if r3 else free_old
-            t1 = time.perf_counter()
-            ref_logp = None
-            if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
-                with torch.no_grad():
-                    ref_logp = token_logp(parts.ref, ids, batch.targets, attention_mask=am, positions=batch.pos,
-                                          temperature=batch.temperature).cpu()  # (B, T)  # fmt: skip
-                log.compute += forward_flops(mcfg, int(am.sum()), ids.shape[1] / 2)
-            row["time_old_logp_s"] = t_old + time.perf_counter() - t1
-            row.update(record.mismatch(train_old, batch.rollout_logp, batch.mask))
-            if step in (1, cfg.steps) or eval_step:
-                log.token_frames.append(record.token_samples(step, train_old, batch.rollout_logp, batch.mask))
-            # expert load of pi_old's free routing and its routers' entropy over the real tokens (per layer: load)
-            load = expert_load(free_old, routing.num_experts, am, torch.cat([e for _, _, e in old_parts])[unperm])
-            if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
-                row["engine_routing_slot_mismatch"] = routing_volatility(
-                    batch.engine_routes, free_old, am, per_layer=False
-                )["slot_mismatch"]
-                load.update({f"engine_{k}": v for k, v in expert_load(batch.engine_routes, routing.num_experts,
-                                                                      am).items()})  # fmt: skip
-            row.update({k: v for k, v in load.items() if k in STEP_METRICS})  # the means over layers
-            old_logp = train_old if cfg.old_logp_source == "recompute" else batch.rollout_logp  # ALGO pi_old (B, T)
-            if cfg.old_logp_source == "recompute":
-                log.compute += forward_flops(mcfg, int(am[rest if whole else perm].sum()), ids.shape[1] / 2)
+            # 2. pi_old: the trainer's log-probs of the batch, ALGO with routing recorded or (R3) the engine's replayed
+            chunks = minibatches(cfg, batch.n, step)
+            replayed = batch.engine_routes if alg.routing == "rollout_replay" else None  # ALGO routing: R3's
+            with measure.timed("time_old_logp_s"):
+                old = pi_old(cfg, parts, batch, chunks, replayed)
+            old_logp = old.logp if cfg.old_logp_source == "recompute" else batch.rollout_logp  # ALGO pi_old (B, T)
+            measure.pi_old(batch, chunks, old, token_samples=step in (1, cfg.steps) or eval_step)
 
-            # 3. minibatch updates (the first one's forward ran above)
-            t2 = time.perf_counter()
-            sums: dict[str, float] = {}
-            vols: list[dict[str, float]] = []
-            per_mb: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
-            resp = response_inputs(batch.pos, batch.mask, ids.shape[1])  # (B, S) the response tokens' positions
-            replay = old_routes if alg.routing != "free" else None  # ALGO routing: free, or pi_old's (R3: engine's)
-            for i, idx in enumerate(chunks):
-                ref = None if ref_logp is None else ref_logp[idx]
-                if not whole:
-                    mb, new_free = _update_micro(cfg, parts, old_logp[idx], batch, idx, ref, step, replay)
-                else:
-                    logp, new_free = (logp_first, None) if i == 0 else forward_rows(parts, batch, idx, replay)
-                    mb = _update(cfg, parts, logp, old_logp[idx], batch, idx, ref, step)
-                per_mb.append({k: mb[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in mb})
-                if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
-                    vols.append(routing_volatility(free_old[idx], new_free, am[idx]))  # old vs new policy's choice
-                    changed = routing_volatility(free_old[idx], new_free, resp[idx], per_layer=False)
-                    per_mb[-1].update(routing_slot_mismatch=vols[-1]["slot_mismatch"],
-                                      routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
-                for key, value in mb.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                log.compute += 3 * forward_flops(mcfg, int(am[idx].sum()), ids.shape[1] / 2)
-            row.update({k: v / len(chunks) for k, v in sums.items()})
-            row.update(record.mean_volatility(vols))
-            row.update(minibatch_metrics(per_mb))
-            log.layer_rows += record.layer_rows(step, vols, load, routing.num_layers)
-            row["time_update_s"] = t_first + time.perf_counter() - t2
+            # 3. minibatch updates, ALGO routing free or pi_old's replayed (R3: the engine's)
+            replay = {"free": None, "replay": old.routes, "rollout_replay": batch.engine_routes}[alg.routing]
+            with measure.timed("time_update_s"):
+                updates = _updates(cfg, parts, batch, chunks, old, old_logp, replay, step)
+            measure.updates(batch, chunks, old, updates)
 
             # 4. sync: the weights to the rollout engine
-            t3 = time.perf_counter()
-            _sync_engine(parts)
-            row["time_sync_s"] = time.perf_counter() - t3
+            with measure.timed("time_sync_s"):
+                _sync_engine(parts)
             if cfg.sync_check_every and step % cfg.sync_check_every == 0:  # a metric, never a stop
-                row.update(_sync_parity(policy, routing, engine, batch))
-            log.wall += time.perf_counter() - t0
-            row.update(compute_flops=log.compute, wall_s=log.wall, peak_rss_gb=record.peak_rss_gb())
-            row["tokens_total"] = int(am.sum())
+                row.update(_sync_parity(parts.policy, parts.routing, engine, batch))
+            measure.finish(batch)
 
             # 5. log: the held-out evaluation, the row (files: at checkpoints, and every METRICS_EVERY_S)
             if eval_step and engine is not None:
                 row.update(_evaluate(cfg, engine, parts.tok, parts.evals, step))
-            log.rows.append(row)
-            tracker.log(row)
             log.step = step
-            if rank0:
-                last_write = record.maybe_write(run_dir, log, tracker, due=checkpoint_step, last_write=last_write)
+            recorder.add(row, due=checkpoint_step)
             _check_reward_floor(cfg, log.rows)
 
             # 6. checkpoint
@@ -299,25 +205,49 @@ def train(
     except Collapse as why:  # every rank decides alike: from the global loss and the broadcast rewards
         outcome = "collapsed"
         if row is not None and (not log.rows or log.rows[-1] is not row):  # the collapsing step's row: kept
-            log.rows.append(row)
-            tracker.log(row)
+            recorder.keep(row)
+        recorder.write()
         if rank0:
-            record.write_metrics(run_dir, log)
             rundir.set_status(run_dir, "collapsed", step=step, reason=str(why))
         return
     except BaseException as exc:  # a crash or interrupt keeps the rows of the finished steps (resume recomputes them)
         outcome = "stopped" if isinstance(exc, (rundir.Stopped, KeyboardInterrupt, SystemExit)) else "failed"
-        if rank0:
-            record.write_metrics(run_dir, log)
+        recorder.write()
         raise
     finally:
         gc.unfreeze()  # what the run leaves behind is collectable again (several runs may share a process)
         bar.close()
         if engine is not None:
             engine.close()
-        tracker.close(outcome)
+        recorder.tracker.close(outcome)
     if rank0:
         rundir.set_status(run_dir, "completed", step=cfg.steps)
+
+
+def _restore(cfg: RunConfig, parts: Parts, run_dir: Path, state: Any, log: record.Progress,
+             tracking: Tracking | None) -> record.Recorder:  # fmt: skip
+    """The checkpoint's `state` into the parts (a resume; None: a new run), the layout into the manifest, and the
+    run's Recorder with the live trackers (study/run/trackers.py: rank 0's get every row as it is recorded). The
+    engine is closed if any of it fails."""
+    rank0 = lifecycle.is_rank0()
+    try:
+        if state is not None:
+            checkpoint.restore(state, parts, checkpoint.path_of(run_dir))
+        if rank0:  # a resume under another layout: resharded from the checkpoint, recorded in the manifest
+            lifecycle.record_layout(cfg, run_dir, None if state is None else log.step)
+        tracker = RunLogger(run_dir, tracking or Tracking(), cfg.to_dict(), start_step=log.step) if rank0 else None
+    except BaseException:
+        if parts.engine is not None:
+            parts.engine.close()
+        raise
+    return record.Recorder(run_dir, log, tracker if tracker is not None else record.NoTracker(), writes=rank0)
+
+
+def _start_row(cfg: RunConfig, parts: Parts) -> dict[str, float]:
+    """Step 0's row: the starting policy's held-out evaluation (rank 0's engine), compute and wall 0, the rest NaN."""
+    row = dict.fromkeys(STEP_METRICS, math.nan)
+    row.update(step=0, lr=cfg.lr, compute_flops=0.0, wall_s=0.0, precision_emulated=float(parts.emulated))
+    return {**row, **(_evaluate(cfg, parts.engine, parts.tok, parts.evals, 0) if parts.engine is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -332,6 +262,19 @@ class Collected:
     mastered: list[str]  # prompt_filter = mastered: prompts whose every response got the full reward this step
     metrics: dict[str, float]  # reward, length, truncation and zero-variance statistics, rollout seconds
     flops: float  # the rollout's forward FLOPs estimate
+
+
+def _rollout_batch(cfg: RunConfig, parts: Parts, log: record.Progress, step: int) -> Collected:
+    """The step's rollouts on rank 0's engine (`_collect`), broadcast to every rank; the task stream's position and
+    the mastered prompts move on in `log`."""
+    collected = None
+    if parts.engine is not None:
+        collected = _collect(cfg, parts.alg, parts.engine, parts.stream, parts.tok, log.data_pos, step, log.mastered)
+        parts.engine.offload()  # colocated vLLM on CUDA: asleep before the broadcast lets any rank start its forward
+    collected = broadcast(collected, parts)
+    log.data_pos = collected.data_pos
+    log.mastered.update(collected.mastered)
+    return collected
 
 
 def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int, step: int,
@@ -411,8 +354,28 @@ def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: Task
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 3. the update: the loss
+# 3. the updates
 # ---------------------------------------------------------------------------------------------------------------------
+Update = tuple[dict[str, float], Routes]
+"""One minibatch update's metrics and the routes free routing chose in its forward."""
+
+
+def _updates(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor], old: PiOld,
+             old_logp: torch.Tensor, replay: Routes | None, step: int) -> list[Update]:  # fmt: skip
+    """The step's minibatch updates in order, each against `old_logp` (B, T) with `replay`'s routes forced (None:
+    free routing): the first one from pi_old's fused forward (`old.first_logp`), the others forwarded here; or, with
+    no fused forward, each in micro-batches (`_update_micro`)."""
+    out = []
+    for i, idx in enumerate(chunks):
+        ref_logp = None if old.ref_logp is None else old.ref_logp[idx]
+        if old.first_logp is None:
+            out.append(_update_micro(cfg, parts, old_logp[idx], batch, idx, ref_logp, step, replay))
+            continue
+        forward = Forward(old.first_logp, old.routes[idx]) if i == 0 else forward_rows(parts, batch, idx, replay)
+        out.append((_update(cfg, parts, forward.logp, old_logp[idx], batch, idx, ref_logp, step), forward.routes))
+    return out
+
+
 def _loss(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
           ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """The minibatch's loss from its log-probs `logp` (b, T) against `old_logp` (b, T), and its metrics."""
@@ -455,10 +418,10 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
         grad_norm = _local_step(cfg, parts, step)
     n = float(mask.sum().clamp_min(1))
     with torch.no_grad():
-        k3 = float(torch.where(mask.bool(), d.exp() - 1 - d, 0.0).sum() / n)
+        approx_kl = float(torch.where(mask.bool(), k3(d), 0.0).sum() / n)  # k3 KL(pi_old || pi_theta)
         entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
-    return {**metrics, "loss": loss.item(), "approx_kl": k3, "entropy_est": entropy, "grad_norm": float(grad_norm),
-            "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask)}  # fmt: skip
+    return {**metrics, "loss": loss.item(), "approx_kl": approx_kl, "entropy_est": entropy,
+            "grad_norm": float(grad_norm), "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask)}  # fmt: skip
 
 
 def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> float:
@@ -482,14 +445,15 @@ def _update_micro(
     _zero_grad(parts)
     for pos in micro_chunks(local_positions(parts, n), cfg.micro_batch):
         rows = idx[pos]
-        logp, free = forward_local(parts, batch, rows, None if replay is None else replay[rows])  # (m, T)
+        forward = forward_local(parts, batch, rows, replay)
+        logp, free = forward.logp, forward.routes  # (m, T), (m, S, L, k)
         full = old_logp.detach().index_put((pos,), logp)  # (b, T): these rows differentiable, the others constant
         _backward(parts, _loss(cfg, parts, full, old_logp, batch, idx, ref_logp)[0])
         values.append(logp.detach())
         routes.append(free)
     logp, free = torch.cat(values), Routes.cat(routes)
     if parts.trainer is not None:
-        logp, free = par.gather_rows(logp, n), Routes(par.gather_rows(free.experts, n))
+        logp, free = parallel.gather_rows(logp, n), Routes(parallel.gather_rows(free.experts, n))
     return _update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free
 
 
@@ -540,7 +504,7 @@ def kl_to_reference(
     GRPO): e^r - 1 - r with r = logp_ref - logp_theta, >= 0 per token, unbiased for samples from pi_theta (the
     batch is from pi_old, the usual approximation), summed with the algorithm's aggregation `weights`."""
     r = torch.where(mask.bool(), ref_logp.float() - logp.float(), 0.0)
-    return (weights * (r.exp() - 1.0 - r)).sum()
+    return (weights * k3(r)).sum()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -560,7 +524,7 @@ def _sync_engine(parts: Parts) -> None:
         weights = iter_hf_weights(parts.policy, parts.mcfg)  # views of the policy's weights: no copy of the model
     else:
         torch.distributed.barrier()  # no engine wakes before every rank has released its cache
-        weights = par.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
+        weights = parallel.full_hf_weights(parts.policy)  # collective: every rank iterates it to the end
     if parts.engine is not None:
         parts.engine.load_weights(weights)
     else:
@@ -583,15 +547,15 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
     temperature 1 whatever the rollouts' (the engine's `score` returns raw log-probs): the weights are what is
     checked."""
     idx = torch.arange(min(SYNC_CHECK_SEQS, batch.n))
-    ids, tgt, am, pos = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx], batch.pos[idx]
+    ids, targets, attention = batch.input_ids[idx], batch.targets[idx], batch.attn_mask[idx]  # (b, S)
     with routing.recording():  # on the model's device, brought to the CPU, where the engine's scores are
-        trainer = token_logp(policy, ids, tgt, attention_mask=am, positions=pos).cpu()  # (b, T)
+        trainer = token_logp(policy, ids, targets, attention_mask=attention, positions=batch.pos[idx]).cpu()
     if engine is None:  # a parallel layout's other ranks: the forward above is collective, rank 0's engine scores
         return {}
     prompts, responses = [], []
     for i in range(len(idx)):
-        seq = [int(ids[i, 0]), *tgt[i, : int(am[i].sum())].tolist()]
-        start = int(pos[i, 0]) + 1  # the prompt's length
+        seq = [int(ids[i, 0]), *targets[i, : int(attention[i].sum())].tolist()]
+        start = int(batch.pos[i, 0]) + 1  # the prompt's length
         prompts.append(seq[:start])
         responses.append(seq[start:])
     scored, _ = engine.score(prompts, responses)
@@ -629,3 +593,98 @@ def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
         raise Collapse(
             f"reward collapse: mean reward {recent:.3f} over {cfg.collapse_window} steps < {cfg.reward_floor}"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a step measures besides its loss
+# ---------------------------------------------------------------------------------------------------------------------
+class StepMeasures:
+    """One step's metric row and what goes into it besides the algorithm's loss: the stages' seconds, the FLOPs
+    (added to the run's cumulative count in `log` as the stages run), the training-inference mismatch, pi_old's
+    expert load and the engine's, each minibatch's routing volatility against pi_old, and routing_layers.parquet's
+    rows. The loop makes one call per stage."""
+
+    def __init__(self, cfg: RunConfig, parts: Parts, log: record.Progress, step: int) -> None:
+        self.cfg, self.parts, self.log, self.step = cfg, parts, log, step
+        self.start = time.perf_counter()
+        self.row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
+        self.row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
+        self.load: dict[str, float] = {}  # pi_old's expert load per layer, for the step's routing_layers rows
+        self.first_update_s = 0.0  # the first update's forward, made in pi_old's pass
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """The block's seconds as the row's `name`."""
+        start = time.perf_counter()
+        yield
+        self.row[name] = time.perf_counter() - start
+
+    def _flops(self, batch: Batch, tokens: int, passes: int = 1) -> None:
+        """`passes` forwards' FLOPs (a forward and its backward: 3) of `tokens` tokens of the batch, into the run's
+        count."""
+        self.log.compute += passes * forward_flops(self.parts.mcfg, tokens, batch.input_ids.shape[1] / 2)
+
+    def collected(self, collected: Collected) -> None:
+        """The rollout's statistics and seconds, its FLOPs."""
+        self.log.compute += collected.flops
+        self.row.update(collected.metrics)
+
+    def pi_old(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, *, token_samples: bool) -> None:
+        """The mismatch of pi_old's recompute against the engine's log-probs (and, with `token_samples`, a sample of
+        both), pi_old's expert load and router entropy over the real tokens, the engine's (its routes' slot mismatch
+        against the trainer's free routing of the same tokens), and the FLOPs of the forwards that were pi_old's
+        alone (a fused first minibatch's forward is its update's)."""
+        row, attention, experts = self.row, batch.attn_mask, self.parts.routing.num_experts
+        if old.first_logp is not None:  # the fused forward's seconds are its update's
+            row["time_old_logp_s"] -= old.first_s
+            self.first_update_s = old.first_s
+        if old.ref_logp is not None:  # KL hook: the reference's forward
+            self._flops(batch, int(attention.sum()))
+        row.update(record.mismatch(old.logp, batch.rollout_logp, batch.mask))
+        if token_samples:
+            self.log.token_frames.append(record.token_samples(self.step, old.logp, batch.rollout_logp, batch.mask))
+        self.load = expert_load(old.routes, experts, attention, old.entropy)  # per layer too
+        if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
+            vol = routing_volatility(batch.engine_routes, old.routes, attention, per_layer=False)
+            row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
+            engine_load = expert_load(batch.engine_routes, experts, attention)
+            self.load.update({f"engine_{k}": v for k, v in engine_load.items()})
+        row.update({k: v for k, v in self.load.items() if k in STEP_METRICS})  # the means over layers
+        if self.cfg.old_logp_source == "recompute":  # the forwards that were pi_old's alone
+            fused = int(attention[chunks[0]].sum()) if old.first_logp is not None else 0  # its update's forward
+            self._flops(batch, int(attention.sum()) - fused)
+
+    def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
+        """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
+        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own),
+        routing_layers.parquet's rows of the step, and the updates' FLOPs."""
+        sums: dict[str, float] = {}
+        volatility: list[dict[str, float]] = []
+        per_minibatch: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
+        attention = batch.attn_mask
+        response = response_inputs(batch.pos, batch.mask, attention.shape[1])  # (B, S) the response tokens' positions
+        for i, (idx, (metrics, routes)) in enumerate(zip(chunks, updates, strict=True)):
+            per_minibatch.append({k: metrics[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in metrics})
+            if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
+                # the old vs the new policy's choice of experts for the same tokens
+                volatility.append(routing_volatility(old.routes[idx], routes, attention[idx]))
+                changed = routing_volatility(old.routes[idx], routes, response[idx], per_layer=False)
+                per_minibatch[-1].update(routing_slot_mismatch=volatility[-1]["slot_mismatch"],
+                                         routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+            self._flops(batch, int(attention[idx].sum()), passes=3)
+        self.row.update({k: v / len(chunks) for k, v in sums.items()})
+        self.row["time_update_s"] += self.first_update_s
+        self.row.update(record.mean_volatility(volatility))
+        self.row.update(minibatch_metrics(per_minibatch))
+        self.log.layer_rows += record.layer_rows(self.step, volatility, self.load, self.parts.routing.num_layers)
+
+    def finish(self, batch: Batch | None) -> dict[str, float]:
+        """The step's wall seconds into the run's; with a batch, the cumulative compute, memory and tokens. The row."""
+        self.log.wall += time.perf_counter() - self.start
+        self.row["wall_s"] = self.log.wall
+        if batch is not None:
+            self.row.update(compute_flops=self.log.compute, peak_rss_gb=record.peak_rss_gb())
+            self.row["tokens_total"] = int(batch.attn_mask.sum())
+        return self.row

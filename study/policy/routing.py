@@ -53,23 +53,6 @@ from study.core.model_config import route_index_dtype
 Mode = Literal["free", "record", "replay"]
 MODES: tuple[str, ...] = ("free", "record", "replay")
 
-# The metric vocabulary of `routing_volatility` (per-layer keys add a suffix `_l{layer}`).
-ROUTING_METRICS: dict[str, str] = {
-    "slot_mismatch": "expert-slot mismatch, mean over (token, MoE layer) of 1 - |S_X & S_Y| / k (the paper's ~10%)",
-    "set_flip_rate": "router set-flip rate, fraction of (token, MoE layer) pairs whose top-k set changed",
-    "token_flip_rate": "token any-layer flip rate, fraction of tokens whose top-k set changed in at least one layer",
-    "tokens": "number of tokens compared (mask sum)",
-}
-
-# The expert-load vocabulary (`expert_load`; per-layer keys add a suffix `_l{layer}`).
-LOAD_METRICS: dict[str, str] = {
-    "expert_load_imbalance": "max over experts of the tokens routed to an expert, over its mean over all E experts "
-    "(N k / E), counting every top-k slot of the masked tokens, per MoE layer: 1 = perfectly balanced, E / k = every "
-    "token on the same k experts",
-    "router_entropy": "mean over the masked tokens of the entropy (nats) of the router's softmax over all E experts, "
-    "per MoE layer: log E = uniform, 0 = certain of one expert",
-}
-
 
 @dataclass(frozen=True)
 class Routes:
@@ -504,7 +487,7 @@ def response_inputs(pos: torch.Tensor, mask: torch.Tensor, seq_len: int) -> torc
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Expert load (LOAD_METRICS)
+# Expert load
 # ---------------------------------------------------------------------------------------------------------------------
 def _selected(x: Routes | torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The (B, S, ...) rows of x where mask (B, S) is true: (N, ...)."""
@@ -546,8 +529,9 @@ def expert_load(
     mask: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """LOAD_METRICS of one routing over the tokens where `mask` (B, S) is true: each the mean over layers, and per
-    layer as `{name}_l{layer}`; `router_entropy` only when the per-token `entropy` (B, S, L) is given."""
+    """`expert_load_imbalance` (`load_imbalance`) and `router_entropy` (`mean_router_entropy`) of one routing over the
+    tokens where `mask` (B, S) is true: each the mean over layers, and per layer as `{name}_l{layer}`;
+    `router_entropy` only when the per-token `entropy` (B, S, L) is given."""
     values = {"expert_load_imbalance": load_imbalance(routes, num_experts, mask)}
     if entropy is not None:
         values["router_entropy"] = mean_router_entropy(entropy, mask)
@@ -559,9 +543,7 @@ def expert_load(
 
 
 __all__ = [
-    "LOAD_METRICS",
     "MODES",
-    "ROUTING_METRICS",
     "Routes",
     "RoutingController",
     "expert_load",

@@ -1,108 +1,222 @@
-"""The metric vocabulary of an RL run, documented once: one row per step in metrics.parquet.
+"""The metric vocabulary of an RL run, in one table: each column of the run's tables with its sentence and the
+function that computes it. Every reader takes it from here: the run's files and trackers (study/record.py,
+study/run/trackers.py), analysis (analysis/vocab.py names the columns it reads; tests/test_vocabulary.py holds them to
+this table) and the docs (the tables in analysis/README.md and docs/algorithms.md are `markdown_table`'s output,
+written by `python -m study.tools.metric_docs` and compared by tests/study/run/test_metrics.py).
 
-Analysis reads these names and never an algorithm's; every variant logs every one (a value that does not apply is
-NaN, e.g. eval columns between evaluations). Loss metrics (algorithms.LOSS_METRICS and a variant's extras) are means
-over the step's minibatches; MINIBATCH_METRICS are also written per minibatch index, as `{name}_mb{m}` columns.
+metrics.parquet has one row per step. Analysis reads these names and never an algorithm's; every variant logs every
+one (a value that does not apply is NaN, e.g. eval columns between evaluations). Loss metrics (algorithms.LOSS_METRICS
+and a variant's extras) are means over the step's minibatches; MINIBATCH_METRICS are also written per minibatch
+index, as `{name}_mb{m}` columns.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from typing import TYPE_CHECKING, NamedTuple
 
 from algorithms import LOSS_METRICS
 from study.core.model_config import ModelConfig
 
-STEP_METRICS: dict[str, str] = {
-    "step": "RL step (rollout batch) index, from 1; with eval_every > 0 a row at step 0 holds only the held-out "
-    "evaluation of the starting policy (the cold start), what RL is measured from",
-    "reward_mean": "mean task reward of the step's responses (before any reward shaping)",
-    "reward_std": "standard deviation of that reward",
-    "scorer_failures": "responses of the step (evaluation included) whose verifier timed out or failed, each scored "
-    "0 (study.data.tasks.take_scorer_failures); the run goes on",
-    "eval_in_dist": "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)",
-    "eval_hard": "the same on the harder, longer held-out set",
-    "response_len_mean": "mean response length in tokens (stop token included)",
-    "response_len_max": "longest response of the step",
-    "truncation_rate": "fraction of responses cut at max_new_tokens",
-    "zero_var_group_frac": "fraction of groups whose rewards were all equal (no signal; DAPO drops them)",
-    "zero_var_solved_frac": "the part of zero_var_group_frac whose every response got the full reward (1): problems "
-    "the policy already solves every time, as opposed to problems no sample solves",
-    "prompts_skipped_mastered": "prompt_filter = mastered: training prompts the step's draws skipped because an "
-    "earlier group of theirs was solved by every response (NaN without the filter)",
-    **LOSS_METRICS,
-    "loss": "the algorithm's loss, mean over minibatches",
-    "approx_kl": "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "
-    "minibatch update, mean over minibatches",
-    "kl_ref": "k3 estimate of KL(pi_theta || pi_ref) to the frozen initial policy, e^r - 1 - r, r = logp_ref - "
-    "logp_theta, aggregated over tokens as the algorithm's loss aggregates them, mean over minibatches (NaN when "
-    "kl_coef = 0)",
-    "entropy_est": "-mean log pi_theta of the sampled response tokens (Monte-Carlo entropy estimate)",
-    "grad_norm": "global gradient norm before clipping, mean over minibatches",
-    "lr": "learning rate",
-    "mismatch_mean_abs": "training-inference mismatch: mean |delta|, delta = logp_train_old - logp_rollout",
-    "mismatch_max_abs": "max |delta|",
-    "mismatch_k3": "k3 KL, mean(e^delta - 1 - delta)",
-    "mismatch_frac_gt2": "fraction of tokens with max(rho, 1/rho) > 2, rho = e^delta",
-    "routing_slot_mismatch": "old vs new policy: expert-slot mismatch of the update forward's free routing against "
-    "the pi_old recompute's, mean over the minibatches after at least one update (2..M; NaN with one minibatch; "
-    "computed alongside under replay)",
-    "routing_set_flip_rate": "old vs new policy: router set-flip rate",
-    "routing_token_flip_rate": "old vs new policy: token any-layer flip rate",
-    "routing_token_changed_frac": "old vs new policy: fraction of the response's positions (the inputs whose forward "
-    "gives a response token's log-prob) with at least one expert changed in any MoE layer, R3's measure; mean over "
-    "the minibatches 2..M like routing_slot_mismatch (routing_token_flip_rate is the same over every real token, "
-    "the prompt's included)",
-    "ratio_gt2_frac": "fraction of response tokens whose importance ratio pi_theta / pi_old exceeds 2 at their "
-    "minibatch update's forward, mean over minibatches (the first included: exactly 0 there when pi_old is the "
-    "recompute)",
-    "grad_norm_spike": "the step's largest minibatch gradient norm (before clipping) over the median of its "
-    "minibatches' norms: 1 with one minibatch, NaN when the median is 0 (no signal)",
-    "engine_routing_slot_mismatch": "rollout engine vs trainer routing of the same tokens (NaN when the engine "
-    "returns no routes)",
-    "expert_load_imbalance": "trainer expert load: per MoE layer, the most tokens any expert got over the mean per "
-    "expert (N k / E), counting every top-k slot of the step's real (attention-masked) prompt and response tokens in "
-    "the pi_old recompute's free routing; mean over layers. 1 = balanced, E / k = every token on the same k experts",
-    "router_entropy": "trainer router entropy: per MoE layer, the mean over the same tokens of the entropy (nats) of "
-    "the router's softmax over all E experts in the pi_old recompute; mean over layers. log E = uniform, 0 = certain",
-    "engine_expert_load_imbalance": "expert_load_imbalance of the rollout engine's routes of the same tokens (NaN "
-    "when the engine returns no routes)",
-    "tokens": "response tokens of the step",
-    "tokens_total": "prompt + response tokens of the step",
-    "compute_flops": "cumulative training compute (FLOPs estimate: rollout 2N, pi_old recompute 2N, update 6N per "
-    "token, N active parameters, plus attention) - the x-axis of Figure 1",
-    "wall_s": "cumulative wall seconds of the run's steps (evaluation and checkpoints excluded)",
-    "time_rollout_s": "seconds in rollout this step",
-    "time_old_logp_s": "seconds in the pi_old recompute",
-    "time_update_s": "seconds in the minibatch updates",
-    "time_sync_s": "seconds pushing weights to the rollout engine",
-    "sync_parity_mean_abs": "right after the weight sync, every sync_check_every steps (NaN otherwise): mean |logp "
-    "trainer - logp engine| of the response tokens of the batch's first 4 sequences, both scored teacher-forced on "
-    "the weights just synced (same real dtype: the sync's fidelity, ~1e-6 in fp32; other dtypes: their mismatch)",
-    "sync_parity_max_abs": "the same check's largest |difference|",
-    "peak_rss_gb": "peak resident memory of the process so far (GiB)",
+if TYPE_CHECKING:
+    import torch
+
+
+class Metric(NamedTuple):
+    """One column of a run's tables."""
+
+    sentence: str  # what it means
+    computed: str  # the function (or class) that computes it, as a dotted import path
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(p || q) per sample x ~ q: e^d - 1 - d with d = log p(x) - log q(x); >= 0,
+    unbiased. The run's three KL numbers are its means: approx_kl, kl_ref and mismatch_k3."""
+    return log_ratio.exp() - 1 - log_ratio
+
+
+_LOOP = "study.rl.StepMeasures"
+_COLLECT = "study.rl._collect"
+_UPDATE = "study.rl._update"
+_LOSS_SOURCES = {"clip_frac": "algorithms.common.clip_metrics", "clip_frac_low": "algorithms.common.clip_metrics",
+                 "clip_frac_high": "algorithms.common.clip_metrics"}  # fmt: skip
+
+
+STEP_METRICS: dict[str, Metric] = {
+    "step": Metric(
+        "RL step (rollout batch) index, from 1; with eval_every > 0 a row at step 0 holds only the held-out "
+        "evaluation of the starting policy (the cold start), what RL is measured from",
+        _LOOP,
+    ),
+    "reward_mean": Metric("mean task reward of the step's responses (before any reward shaping)", _COLLECT),
+    "reward_std": Metric("standard deviation of that reward", _COLLECT),
+    "scorer_failures": Metric(
+        "responses of the step (evaluation included) whose verifier timed out or failed, each scored "
+        "0 (study.data.tasks.take_scorer_failures); the run goes on",
+        _COLLECT,
+    ),
+    "eval_in_dist": Metric(
+        "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)", "study.rl._evaluate"
+    ),
+    "eval_hard": Metric("the same on the harder, longer held-out set", "study.rl._evaluate"),
+    "response_len_mean": Metric("mean response length in tokens (stop token included)", _COLLECT),
+    "response_len_max": Metric("longest response of the step", _COLLECT),
+    "truncation_rate": Metric("fraction of responses cut at max_new_tokens", _COLLECT),
+    "zero_var_group_frac": Metric(
+        "fraction of groups whose rewards were all equal (no signal; DAPO drops them)", _COLLECT
+    ),
+    "zero_var_solved_frac": Metric(
+        "the part of zero_var_group_frac whose every response got the full reward (1): problems "
+        "the policy already solves every time, as opposed to problems no sample solves",
+        _COLLECT,
+    ),
+    "prompts_skipped_mastered": Metric(
+        "prompt_filter = mastered: training prompts the step's draws skipped because an "
+        "earlier group of theirs was solved by every response (NaN without the filter)",
+        _COLLECT,
+    ),
+    **{
+        name: Metric(sentence, _LOSS_SOURCES.get(name, "algorithms.common.ratio_metrics"))
+        for name, sentence in LOSS_METRICS.items()
+    },
+    "loss": Metric("the algorithm's loss, mean over minibatches", _UPDATE),
+    "approx_kl": Metric(
+        "k3 estimate of KL(pi_old || pi_theta), mean(e^d - 1 - d), d = logp_old - logp_theta, before each "
+        "minibatch update, mean over minibatches",
+        _UPDATE,
+    ),
+    "kl_ref": Metric(
+        "k3 estimate of KL(pi_theta || pi_ref) to the frozen initial policy, e^r - 1 - r, r = logp_ref - "
+        "logp_theta, aggregated over tokens as the algorithm's loss aggregates them, mean over minibatches (NaN when "
+        "kl_coef = 0)",
+        "study.rl.kl_to_reference",
+    ),
+    "entropy_est": Metric("-mean log pi_theta of the sampled response tokens (Monte-Carlo entropy estimate)", _UPDATE),
+    "grad_norm": Metric("global gradient norm before clipping, mean over minibatches", _UPDATE),
+    "lr": Metric("learning rate", _LOOP),
+    "precision_emulated": Metric(
+        "1 when either engine runs an emulated precision (study/core/precision.py), else 0: a label on every row",
+        _LOOP,
+    ),
+    "mismatch_mean_abs": Metric(
+        "training-inference mismatch: mean |delta|, delta = logp_train_old - logp_rollout", "study.record.mismatch"
+    ),
+    "mismatch_max_abs": Metric("max |delta|", "study.record.mismatch"),
+    "mismatch_k3": Metric("k3 KL, mean(e^delta - 1 - delta)", "study.record.mismatch"),
+    "mismatch_frac_gt2": Metric("fraction of tokens with max(rho, 1/rho) > 2, rho = e^delta", "study.record.mismatch"),
+    "routing_slot_mismatch": Metric(
+        "old vs new policy: expert-slot mismatch of the update forward's free routing against "
+        "the pi_old recompute's, mean over the minibatches after at least one update (2..M; NaN with one minibatch; "
+        "computed alongside under replay)",
+        "study.record.mean_volatility",
+    ),
+    "routing_set_flip_rate": Metric("old vs new policy: router set-flip rate", "study.record.mean_volatility"),
+    "routing_token_flip_rate": Metric("old vs new policy: token any-layer flip rate", "study.record.mean_volatility"),
+    "routing_token_changed_frac": Metric(
+        "old vs new policy: fraction of the response's positions (the inputs whose forward "
+        "gives a response token's log-prob) with at least one expert changed in any MoE layer, R3's measure; mean over "
+        "the minibatches 2..M like routing_slot_mismatch (routing_token_flip_rate is the same over every real token, "
+        "the prompt's included)",
+        "study.run.metrics.minibatch_metrics",
+    ),
+    "ratio_gt2_frac": Metric(
+        "fraction of response tokens whose importance ratio pi_theta / pi_old exceeds 2 at their "
+        "minibatch update's forward, mean over minibatches (the first included: exactly 0 there when pi_old is the "
+        "recompute)",
+        "study.rl.ratio_gt2_frac",
+    ),
+    "grad_norm_spike": Metric(
+        "the step's largest minibatch gradient norm (before clipping) over the median of its "
+        "minibatches' norms: 1 with one minibatch, NaN when the median is 0 (no signal)",
+        "study.run.metrics.minibatch_metrics",
+    ),
+    "engine_routing_slot_mismatch": Metric(
+        ("rollout engine vs trainer routing of the same tokens (NaN when the engine returns no routes)"),
+        "study.rl.StepMeasures.pi_old",
+    ),
+    "expert_load_imbalance": Metric(
+        "trainer expert load: per MoE layer, the most tokens any expert got over the mean per expert (N k / E), "
+        "counting every top-k slot of the step's real (attention-masked) prompt and response tokens in the pi_old "
+        "recompute's free routing; mean over layers. 1 = balanced, E / k = every token on the same k experts",
+        "study.policy.routing.expert_load",
+    ),
+    "router_entropy": Metric(
+        "trainer router entropy: per MoE layer, the mean over the same tokens of the entropy (nats) of the router's "
+        "softmax over all E experts in the pi_old recompute; mean over layers. log E = uniform, 0 = certain",
+        "study.policy.routing.expert_load",
+    ),
+    "engine_expert_load_imbalance": Metric(
+        "expert_load_imbalance of the rollout engine's routes of the same tokens (NaN "
+        "when the engine returns no routes)",
+        "study.policy.routing.expert_load",
+    ),
+    "tokens": Metric("response tokens of the step", _COLLECT),
+    "tokens_total": Metric("prompt + response tokens of the step", "study.rl.StepMeasures.finish"),
+    "compute_flops": Metric(
+        "cumulative training compute (FLOPs estimate: rollout 2N, pi_old recompute 2N, update 6N per "
+        "token, N active parameters, plus attention) - the x-axis of Figure 1",
+        "study.rl.StepMeasures",
+    ),
+    "wall_s": Metric(
+        "cumulative wall seconds of the run's steps (evaluation and checkpoints excluded)",
+        "study.rl.StepMeasures.finish",
+    ),
+    "time_rollout_s": Metric("seconds in rollout this step", _COLLECT),
+    "time_old_logp_s": Metric(
+        "seconds in the pi_old recompute (and the KL reference's forward)", "study.rl.StepMeasures.timed"
+    ),
+    "time_update_s": Metric(
+        "seconds in the minibatch updates (the first one's forward included where pi_old's pass made it)",
+        "study.rl.StepMeasures.timed",
+    ),
+    "time_sync_s": Metric("seconds pushing weights to the rollout engine", "study.rl.StepMeasures.timed"),
+    "sync_parity_mean_abs": Metric(
+        "right after the weight sync, every sync_check_every steps (NaN otherwise): mean |logp "
+        "trainer - logp engine| of the response tokens of the batch's first 4 sequences, both scored teacher-forced on "
+        "the weights just synced (same real dtype: the sync's fidelity, ~1e-6 in fp32; other dtypes: their mismatch)",
+        "study.rl._sync_parity",
+    ),
+    "sync_parity_max_abs": Metric("the same check's largest |difference|", "study.rl._sync_parity"),
+    "peak_rss_gb": Metric("peak resident memory of the process so far (GiB)", "study.record.peak_rss_gb"),
 }
 
 
-LAYER_METRICS: dict[str, str] = {
-    "slot_mismatch": "old vs new policy: expert-slot mismatch of one layer (routing_layers.parquet, one row per step "
-    "and layer), mean over the step's minibatches",
-    "set_flip_rate": "old vs new policy: router set-flip rate of one layer",
-    "expert_load_imbalance": "trainer expert load of one layer: max over mean tokens per expert (the step metric's "
-    "definition, before its mean over layers)",
-    "router_entropy": "trainer router entropy of one layer, nats (the step metric's definition, one layer)",
-    "engine_expert_load_imbalance": "the rollout engine's expert load imbalance of one layer (NaN when the engine "
-    "returns no routes)",
+LAYER_METRICS: dict[str, Metric] = {
+    "slot_mismatch": Metric(
+        "old vs new policy: expert-slot mismatch of one layer (routing_layers.parquet, one row per step "
+        "and layer), mean over the step's minibatches",
+        "study.record.layer_rows",
+    ),
+    "set_flip_rate": Metric("old vs new policy: router set-flip rate of one layer", "study.record.layer_rows"),
+    "expert_load_imbalance": Metric(
+        "trainer expert load of one layer: max over mean tokens per expert (the step metric's "
+        "definition, before its mean over layers)",
+        "study.policy.routing.expert_load",
+    ),
+    "router_entropy": Metric(
+        "trainer router entropy of one layer, nats (the step metric's definition, one layer)",
+        "study.policy.routing.expert_load",
+    ),
+    "engine_expert_load_imbalance": Metric(
+        ("the rollout engine's expert load imbalance of one layer (NaN when the engine returns no routes)"),
+        "study.policy.routing.expert_load",
+    ),
 }
 """The per-layer routing table's metrics (routing_layers.parquet: step, layer, then these)."""
 
-MINIBATCH_METRICS: dict[str, str] = {
-    "routing_slot_mismatch": "routing_slot_mismatch of minibatch m alone: its update forward after m - 1 updates on "
-    "the rollout batch (m >= 2)",
-    "routing_token_changed_frac": "routing_token_changed_frac of minibatch m alone (m >= 2)",
-    "ratio_gt2_frac": "ratio_gt2_frac of minibatch m alone",
-    "clip_frac": "clip_frac of minibatch m alone",
-    "grad_norm": "grad_norm of minibatch m alone",
+MINIBATCH_METRICS: dict[str, Metric] = {
+    "routing_slot_mismatch": Metric(
+        "routing_slot_mismatch of minibatch m alone: its update forward after m - 1 updates on "
+        "the rollout batch (m >= 2)",
+        "study.run.metrics.minibatch_metrics",
+    ),
+    "routing_token_changed_frac": Metric(
+        "routing_token_changed_frac of minibatch m alone (m >= 2)", "study.run.metrics.minibatch_metrics"
+    ),
+    "ratio_gt2_frac": Metric("ratio_gt2_frac of minibatch m alone", "study.run.metrics.minibatch_metrics"),
+    "clip_frac": Metric("clip_frac of minibatch m alone", "study.run.metrics.minibatch_metrics"),
+    "grad_norm": Metric("grad_norm of minibatch m alone", "study.run.metrics.minibatch_metrics"),
 }
 """Per-minibatch columns of metrics.parquet, `{name}_mb{m}` for the minibatch index m = 1..min(M, MINIBATCH_COLUMNS)
 (the routing ones from m = 2; the first minibatch's forward is pi_old's own): how a measure grows with the updates
@@ -134,14 +248,26 @@ def minibatch_metrics(per_minibatch: list[dict[str, float]]) -> dict[str, float]
     return out
 
 
-TOKEN_SAMPLE_COLUMNS: dict[str, str] = {
-    "step": "RL step",
-    "sample": "index of the sequence in the step's batch",
-    "pos": "response token index",
-    "trainer_logp": "the training engine's log-prob of the sampled token (pi_old recompute)",
-    "engine_logp": "the rollout engine's log-prob of the same token",
+TOKEN_SAMPLE_COLUMNS: dict[str, Metric] = {
+    "step": Metric("RL step", "study.record.token_samples"),
+    "sample": Metric("index of the sequence in the step's batch", "study.record.token_samples"),
+    "pos": Metric("response token index", "study.record.token_samples"),
+    "trainer_logp": Metric(
+        "the training engine's log-prob of the sampled token (pi_old recompute)", "study.record.token_samples"
+    ),
+    "engine_logp": Metric("the rollout engine's log-prob of the same token", "study.record.token_samples"),
 }
 """token_samples.parquet's columns."""
+
+
+def markdown_table(table: dict[str, Metric]) -> str:
+    """`table` as a Markdown table: each name, its sentence and where it is computed."""
+    rows = [f"| `{name}` | {_cell(m.sentence)} | `{m.computed}` |" for name, m in table.items()]
+    return "\n".join(["| name | meaning | computed by |", "|---|---|---|", *rows]) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a pipe inside a cell would end it
 
 
 def forward_flops(cfg: ModelConfig, tokens: int, context: float) -> float:

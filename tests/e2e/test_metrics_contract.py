@@ -5,7 +5,8 @@ it applies. The loop pre-fills each step's row with NaN, so a metric it stopped 
 only as an all-NaN column and a claim turned quietly inconclusive.
 
 Where a metric applies (the settings below switch every optional one on):
-- step 0 (eval_every > 0) holds the start's held-out evaluation only: eval_*, lr, compute_flops and wall_s;
+- step 0 (eval_every > 0) holds the start's held-out evaluation only: eval_*, lr, precision_emulated,
+  compute_flops and wall_s;
 - eval_in_dist, eval_hard: step 0, every eval_every steps and the last step;
 - sync_parity_mean_abs, sync_parity_max_abs: every sync_check_every steps;
 - kl_ref: kl_coef > 0; prompts_skipped_mastered: prompt_filter = mastered;
@@ -34,7 +35,7 @@ SETS = [f"steps={STEPS}", f"eval_every={EVAL_EVERY}", f"sync_check_every={SYNC_C
         "kl_coef=0.01", "prompt_filter=mastered", "checkpoint_every=0", "eval_size=8", "eval_samples=1"]  # fmt: skip
 X_AXES = ("compute_flops", "wall_s")
 """Step metrics that tidy keeps as columns of the long table (the figures' x-axes), not as rows of `metric`."""
-START_ONLY = {"step", "lr", *X_AXES}
+START_ONLY = {"step", "lr", "precision_emulated", *X_AXES}
 """The step-0 row's metrics besides the evaluations."""
 EVAL_STEPS = {0, EVAL_EVERY, STEPS}
 

@@ -15,7 +15,7 @@ import torch
 
 import algorithms
 from study import parts, rl
-from study.parts import forward_rows, old_pass_rows, setup
+from study.parts import forward_rows, setup
 from study.policy.optim import build_optimizer
 from study.run.config import load_config
 
@@ -48,16 +48,15 @@ def _one_update(cfg, parts, batch, name: str, micro_batch: int) -> tuple[dict, l
     optimizer = build_optimizer(parts.policy, lr=1e-4, weight_decay=0.0, eps=1e-8, router_lr_scale=1.0)
     p = dataclasses.replace(parts, alg=alg, hparams=alg.check_hparams({}), optimizer=optimizer)
     idx = torch.arange(batch.n)
-    r3 = alg.routing == "rollout_replay"
+    engine_routes = batch.engine_routes if alg.routing == "rollout_replay" else None
     with torch.no_grad():
-        old, free, _ = old_pass_rows(p, batch, idx, r3)
-    old = old + 0.2 * torch.randn(old.shape) * batch.mask  # (B, T)
-    replay = None if alg.routing == "free" else batch.engine_routes if r3 else free
+        pi_old = forward_rows(p, batch, idx, engine_routes)
+    old = pi_old.logp + 0.2 * torch.randn(pi_old.logp.shape) * batch.mask  # (B, T)
+    replay = {"free": None, "replay": pi_old.routes, "rollout_replay": engine_routes}[alg.routing]
     if micro_batch:
         metrics, _ = rl._update_micro(cfg, p, old, batch, idx, None, 1, replay)
     else:
-        logp, _ = forward_rows(p, batch, idx, replay)
-        metrics = rl._update(cfg, p, logp, old, batch, idx, None, 1)
+        metrics = rl._update(cfg, p, forward_rows(p, batch, idx, replay).logp, old, batch, idx, None, 1)
     grads = [q.grad.clone() if q.grad is not None else None for q in p.params]
     return metrics, grads, [q.detach().clone() for q in p.params]
 
