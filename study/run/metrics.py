@@ -22,6 +22,9 @@ STEP_METRICS: dict[str, str] = {
     "0 (study.data.tasks.take_scorer_failures); the run goes on",
     "eval_in_dist": "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)",
     "eval_hard": "the same on the harder, longer held-out set",
+    "test_in_dist": "mean pass@1 over eval_test_samples samples on the held-out test split (eval_test_size problems, "
+    "disjoint from the validation sets above), at the run's first and last evaluations only (NaN elsewhere, and "
+    "always without a test split)",
     "response_len_mean": "mean response length in tokens (stop token included)",
     "response_len_max": "longest response of the step",
     "truncation_rate": "fraction of responses cut at max_new_tokens",
