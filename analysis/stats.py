@@ -150,9 +150,9 @@ def ratio_ci(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, *
 
 # --- proportions (collapse rates) -------------------------------------------------------------------------------------
 def wilson_interval(k: int, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a proportion k / n (statsmodels' proportion_confint; (nan, nan) when n = 0). Unlike a bootstrap over the n runs it
-    does not shrink to [0, 0] when k = 0: with no collapse in n runs its upper bound is z^2 / (n + z^2), 0.56 for 3
-    runs, 0.28 for 10 (95%)."""
+    """Wilson score interval of a proportion k / n (statsmodels' proportion_confint; (nan, nan) when n = 0). Unlike
+    a bootstrap over the n runs it does not shrink to [0, 0] when k = 0: with no collapse in n runs its upper bound is
+    z^2 / (n + z^2), 0.56 for 3 runs, 0.28 for 10 (95%)."""
     if n <= 0:
         return np.nan, np.nan
     from statsmodels.stats.proportion import proportion_confint
