@@ -288,10 +288,10 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
                 f"{at}.metric = {c['metric']!r}: not a logged metric; valid: a column of "
                 "study.run.metrics.STEP_METRICS (eval_in_dist, test_in_dist, reward_mean, ...)"
             )
-        if c["metric"] == "test_in_dist" and not (base.get("eval_test_size") or axes.get("eval_test_size")):
+        if c["metric"] == tasks.TEST_METRIC and not (base.get("eval_test_size") or axes.get("eval_test_size")):
             raise SweepError(
-                f"{at}.metric = 'test_in_dist': the sweep scores no test split; valid: base.eval_test_size >= 1, "
-                "or a validation metric"
+                f"{at}.metric = {tasks.TEST_METRIC!r}: the sweep scores no test split; valid: base.eval_test_size "
+                ">= 1, or a validation metric"
             )
         for axis, value in (c.get("stratum") or {}).items():
             if axis in (arms["axis"], "seed") or axis not in axes:
