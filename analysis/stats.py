@@ -150,18 +150,16 @@ def ratio_ci(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, *
 
 # --- proportions (collapse rates) -------------------------------------------------------------------------------------
 def wilson_interval(k: int, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a proportion k / n ((nan, nan) when n = 0). Unlike a bootstrap over the n runs it
-    does not shrink to [0, 0] when k = 0: with no collapse in n runs its upper bound is z^2 / (n + z^2), 0.56 for 3
-    runs, 0.28 for 10 (95%)."""
+    """Wilson score interval of a proportion k / n (statsmodels' proportion_confint; (nan, nan) when n = 0). Unlike
+    a bootstrap over the n runs it does not shrink to [0, 0] when k = 0: with no collapse in n runs its upper bound is
+    z^2 / (n + z^2), 0.56 for 3 runs, 0.28 for 10 (95%)."""
     if n <= 0:
         return np.nan, np.nan
-    z = float(sps.norm.ppf(0.5 + confidence / 2))
-    p, z2 = k / n, z * z
-    denom = 1 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    low = 0.0 if k <= 0 else max(0.0, center - half)  # exact at the ends, not 1e-17 off
-    high = 1.0 if k >= n else min(1.0, center + half)
+    from statsmodels.stats.proportion import proportion_confint
+
+    low, high = proportion_confint(k, n, alpha=1 - confidence, method="wilson")
+    low = 0.0 if k <= 0 else max(0.0, float(low))  # exact at the ends, not 1e-17 off
+    high = 1.0 if k >= n else min(1.0, float(high))
     return float(low), float(high)
 
 

@@ -129,7 +129,7 @@ def save(run_dir: Path, parts: Trained, log: Progress) -> None:
 
 def _mark_complete(run_dir: Path, log: Progress) -> None:
     """Record the checkpoint as complete in metrics.parquet (rank 0, once state.pt is in place). The rows up to it
-    were written before it (`record.maybe_write`), so a kill at any point leaves a resumable run: before this, the
+    were written before it (`record.Recorder.add`), so a kill at any point leaves a resumable run: before this, the
     metrics name the previous checkpoint (none: a fresh start); after it, this one."""
     log.checkpoint = log.step
     record.write_metrics(run_dir, log, metrics_only=True)

@@ -92,7 +92,7 @@ def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
     if cfg.task == "user":
         train, held = cfg.user_split()
         return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
-    stream = tasks.make_task(cfg.task, seed=cfg.seed, **cfg.task_knobs)
+    stream = tasks.make_task(cfg.task, seed=cfg.seed, held_out_test=cfg.eval_test_size > 0, **cfg.task_knobs)
     return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size,
                                           knobs=cfg.task_knobs if split == "in_dist" else None)
                     for split in tasks.EVAL_SPLITS}  # fmt: skip

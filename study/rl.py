@@ -567,21 +567,22 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
 @torch.no_grad()
 def _evaluate(cfg: RunConfig, engine: Any, tok: TaskTokenizer, evals: dict[str, list[tasks.TaskItem]],
               step: int) -> dict[str, float]:  # fmt: skip
-    """Mean pass@1 over k samples on each held-out set (same sampling seed at every evaluation)."""
+    """Mean pass@1 over k samples on each held-out set of the step's plan (RunConfig.eval_plan: the validation sets,
+    and the test split at the first and last evaluations), with the same sampling seed at every evaluation."""
     out = {}
-    for split, items in evals.items():
+    for ev in cfg.eval_plan(evals, step):
         rollout = engine.generate(
-            [tok.encode_prompt(item.prompt) for item in items],
-            cfg.eval_samples,
-            seed=derive_seed("eval", split),
+            [tok.encode_prompt(item.prompt) for item in ev.items],
+            ev.samples,
+            seed=derive_seed("eval", ev.metric.removeprefix("eval_")),
             temperature=cfg.eval_temperature,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=[tok.eos_id],
         )
-        scores = [[0.0] * cfg.eval_samples for _ in items]
+        scores = [[0.0] * ev.samples for _ in ev.items]
         for i, (p, toks) in enumerate(zip(rollout.prompt_index, rollout.tokens, strict=True)):
-            scores[p][i % cfg.eval_samples] = tasks.score(items[p], tok.decode_response(toks)[0])
-        out[f"eval_{split}"] = tasks.pass_at_1(scores)
+            scores[p][i % ev.samples] = tasks.score(ev.items[p], tok.decode_response(toks)[0])
+        out[ev.metric] = tasks.pass_at_1(scores)
     return out
 
 

@@ -18,6 +18,8 @@ A sweep file:
       - {algorithm: [grpo_rr], model: [default]}   # or list of values; a combination matches when every key does)
     tuned: results/tune/tune/best.yaml   # optional: tuned lr/hparams per algorithm (python -m sweeps.tune writes it)
     tune: {trials: 4, ...}     # optional: makes this a tuning sweep (sweeps/tune.py documents the section)
+    comparisons:               # optional: the confirmatory comparisons, declared before the runs (COMPARISON_FIELDS)
+      - {name: replay_gain, role: primary, claim: C3, arms: {axis: algorithm, treatment: grpo_rr, control: grpo}, ...}
 
 A run's `model` is a preset name or a mapping {preset: NAME, FIELD: VALUE, ...} of a preset and overrides of its
 shape (study.core.model_config.SHAPE_FIELDS); a mapping without `preset` (and a dotted `model.FIELD` axis) changes
@@ -54,6 +56,7 @@ TOP_LEVEL = (
     "tuned",
     "tune",
     "max_runs",
+    "comparisons",
 )
 OBJECTIVES = tuple(f"eval_{split}" for split in tasks.EVAL_SPLITS)  # held-out eval columns of metrics.parquet
 PRUNERS = ("median", "percentile", "threshold", "none")
@@ -166,6 +169,7 @@ def sweep_schema() -> dict[str, Any]:
             "tuned": {"type": "string", "pattern": r"\.ya?ml$"},
             "max_runs": {"type": "integer", "minimum": 1},
             "tune": tune_schema(),
+            "comparisons": comparisons_schema(),
             "vars": {
                 "type": "object",
                 "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
@@ -177,6 +181,128 @@ def sweep_schema() -> dict[str, Any]:
 
 
 _NUMBER = {"type": ["number", "string"]}  # YAML 1.1 reads 1e-4 as a string; sweeps/tune.py coerces and checks it
+
+CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6")
+"""The paper's claims (docs/references.md) a comparison may confirm."""
+WINDOWS = ("final_eval", "gain", "last_10pct_compute")
+"""What a comparison reads of each run's metric: its last evaluation; its last evaluation minus its step-0 one (the
+held-out gain); its mean over the last 10% of compute (analysis.design.compute_window)."""
+PAIRINGS = ("seed", "none")
+"""seed: the arms of one seed share prompts, cold start and evaluation sampling, compared within it; none: Welch."""
+ALTERNATIVES = ("two-sided", "greater", "less")
+"""The direction a comparison tests, treatment minus control."""
+ROLES = ("primary", "secondary")
+"""A sweep declares at most one primary comparison: the one its size and power are for."""
+COMPARISON_FIELDS = {
+    "name": "the comparison's id",
+    "role": "primary (at most one per sweep) or secondary",
+    "claim": "the paper's claim it confirms (C1..C6)",
+    "arms": "{axis, treatment, control}: two values of one axis of the sweep",
+    "metric": "a metrics.parquet column (study.run.metrics.STEP_METRICS), e.g. test_in_dist",
+    "window": "final_eval, gain or last_10pct_compute",
+    "stratum": "{axis: value} of the other swept axes the comparison is read in ({} = the only one)",
+    "threshold": "the gap (treatment - control, in the metric's unit) the comparison is sized to detect",
+    "alternative": "two-sided (default), greater or less",
+    "alpha": "the test's level (default 0.05)",
+    "seeds": "the seeds (units of replication) each arm runs",
+    "power": "the power at `threshold` it was sized for",
+    "assumed_sd": "the SD of the paired differences (or of a seed's value, unpaired) the sizing assumed",
+    "pairing": "seed or none",
+}
+"""Every field of a declared comparison, with what it states."""
+
+
+def comparisons_schema() -> dict[str, Any]:
+    """The JSON Schema of a sweep's `comparisons:` block (cross-field rules: `check_comparisons`)."""
+    prob = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
+    entry = {
+        "type": "object",
+        "required": [
+            "name",
+            "claim",
+            "arms",
+            "metric",
+            "window",
+            "threshold",
+            "seeds",
+            "power",
+            "assumed_sd",
+            "pairing",
+        ],
+        "properties": {
+            "name": {"type": "string", "pattern": NAME_PATTERN},
+            "role": {"enum": list(ROLES)},
+            "claim": {"enum": list(CLAIMS)},
+            "arms": {
+                "type": "object",
+                "required": ["axis", "treatment", "control"],
+                "properties": {"axis": {"type": "string"}, "treatment": {}, "control": {}},
+                "additionalProperties": False,
+            },
+            "metric": {"type": "string"},
+            "window": {"enum": list(WINDOWS)},
+            "stratum": {"type": "object"},
+            "threshold": {"type": "number", "not": {"const": 0}},
+            "alternative": {"enum": list(ALTERNATIVES)},
+            "alpha": prob,
+            "seeds": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2, "uniqueItems": True},
+            "power": prob,
+            "assumed_sd": {"type": "number", "exclusiveMinimum": 0},
+            "pairing": {"enum": list(PAIRINGS)},
+        },
+        "additionalProperties": False,
+    }
+    return {"type": "array", "items": entry, "minItems": 1}
+
+
+def check_comparisons(data: dict[str, Any], where: str) -> None:
+    """The cross-field rules of a sweep's declared comparisons: arms and stratum name axes of the sweep and values
+    on them, the metric is a logged column, the seeds are the sweep's, at most one primary, names unique."""
+    from study.run.metrics import STEP_METRICS
+
+    axes = data.get("axes") or {}
+    base = data.get("base") or {}
+    primaries = [c.get("name") for c in data.get("comparisons") or () if c.get("role") == "primary"]
+    if len(primaries) > 1:
+        raise SweepError(f"{where}: comparisons: {len(primaries)} primary comparisons {primaries}; valid: one "
+                         "(role: secondary for the rest)")  # fmt: skip
+    seen: set[str] = set()
+    for i, c in enumerate(data.get("comparisons") or ()):
+        at = f"{where}: comparisons[{i}]"
+        if c["name"] in seen:
+            raise SweepError(f"{at}.name = {c['name']!r}: declared twice; valid: a name per comparison")
+        seen.add(c["name"])
+        arms = c["arms"]
+        if arms["axis"] not in axes:
+            raise SweepError(f"{at}.arms.axis = {arms['axis']!r}: not an axis of the sweep; valid: {', '.join(axes)}")
+        values = axes[arms["axis"]]
+        values = list(algorithms.names()) if values == "all" else values
+        for side in ("treatment", "control"):
+            if arms[side] not in values:
+                raise SweepError(f"{at}.arms.{side} = {arms[side]!r}: not a value of axes.{arms['axis']}; valid: "
+                                 f"{', '.join(map(str, values))}")  # fmt: skip
+        if arms["treatment"] == arms["control"]:
+            raise SweepError(f"{at}.arms: treatment = control = {arms['control']!r}; valid: two different values")
+        if c["metric"] not in STEP_METRICS:
+            raise SweepError(
+                f"{at}.metric = {c['metric']!r}: not a logged metric; valid: a column of "
+                "study.run.metrics.STEP_METRICS (eval_in_dist, test_in_dist, reward_mean, ...)"
+            )
+        if c["metric"] == tasks.TEST_METRIC and not (base.get("eval_test_size") or axes.get("eval_test_size")):
+            raise SweepError(
+                f"{at}.metric = {tasks.TEST_METRIC!r}: the sweep scores no test split; valid: base.eval_test_size "
+                ">= 1, or a validation metric"
+            )
+        for axis, value in (c.get("stratum") or {}).items():
+            if axis in (arms["axis"], "seed") or axis not in axes:
+                valid = ", ".join(a for a in axes if a not in (arms["axis"], "seed"))
+                raise SweepError(f"{at}.stratum.{axis}: not another axis of the sweep; valid: {valid or 'none'}")
+            if value not in axes[axis]:
+                raise SweepError(f"{at}.stratum.{axis} = {value!r}: not a value of axes.{axis}; valid: "
+                                 f"{', '.join(map(str, axes[axis]))}")  # fmt: skip
+        swept = axes.get("seed", [base.get("seed", 0)])
+        if sorted(c["seeds"]) != sorted(swept):
+            raise SweepError(f"{at}.seeds = {c['seeds']}: the sweep runs seeds {swept}; valid: the same seeds")
 
 
 def tune_schema() -> dict[str, Any]:
@@ -343,6 +469,8 @@ def validate_sweep(data: Any, *, where: str = "sweep") -> None:
                          f"digits, _ . - not starting with a dot, and not one of {', '.join(RESERVED_NAMES)} "
                          "(reserved)")  # fmt: skip
     _validate(sweep_schema(), data, where)
+    if data.get("comparisons"):
+        check_comparisons(data, where)
 
 
 def validate_tuned_file(data: Any, *, where: str = "tuned file") -> None:

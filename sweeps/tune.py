@@ -77,7 +77,7 @@ import algorithms
 from study.run.config import RunConfig
 from study.run.rundir import Stopped
 from sweeps.expand import Sweep, load_sweep
-from sweeps.schema import TUNABLE_FIELDS, TUNED_FORMAT, SweepError, validate_tuned_file
+from sweeps.schema import OBJECTIVES, TUNABLE_FIELDS, TUNED_FORMAT, SweepError, validate_tuned_file
 
 DEFAULTS: dict[str, Any] = {
     "objective": "eval_in_dist",
@@ -255,6 +255,11 @@ def plan(sweep: str | Path | Sweep, results: str | Path = "results", *, storage:
             raise SweepError(
                 f"{where}: base.eval_every = {cfg.eval_every}: trials are scored and pruned on held-out "
                 "eval; valid: >= 1"
+            )
+        if cfg.eval_test_size:  # the test split judges the design; tuning chooses it on the validation sets
+            raise SweepError(
+                f"{where}: base.eval_test_size = {cfg.eval_test_size}: tuning reads the validation sets only, and "
+                f"its trials never score the test split; valid: eval_test_size = 0 (objective: {', '.join(OBJECTIVES)})"
             )
         if cfg.task == "user" and objective != "eval_in_dist":
             raise SweepError(

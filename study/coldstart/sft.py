@@ -104,6 +104,9 @@ class ColdStartSettings:
     init: str | None = None
     """Start from this checkpoint (a directory with policy.pt [and tokenizer.json], or a .pt state dict) instead of
     a random initialisation; its content hash, not its path, goes into the directory hash."""
+    held_out_test: bool = False
+    """The SFT stream also leaves out the test pool of `knobs` (study.data.tasks.held_out_test_set): the cold start of
+    runs with a test split (hashed only when true)."""
     threads: int = 1
     """torch threads while training (not hashed: it changes speed, and float summation order only)."""
 
@@ -159,6 +162,8 @@ class ColdStartSettings:
         fields["band"] = list(self.band)
         if not self.knobs:  # the task's defaults: directories of cold starts made before knobs existed stay valid
             fields.pop("knobs")
+        if not self.held_out_test:
+            fields.pop("held_out_test")
         if self.init is not None:
             fields["init"] = _file_sha256(_init_policy_path(self.init))
         fields["format_version"] = FORMAT_VERSION
@@ -433,7 +438,9 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
         warmup = max(settings.warmup_steps, 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         engine = get_engine("hf", cfg, dtype="fp32")
-        stream = tasks.make_task(settings.task, seed=settings.seed, **settings.knobs)
+        stream = tasks.make_task(
+            settings.task, seed=settings.seed, held_out_test=settings.held_out_test, **settings.knobs
+        )
         eval_items = tasks.eval_set(settings.task, "in_dist", size=settings.eval_size, knobs=settings.knobs)
         longest = max(len(tok.encode_prompt(i.prompt)) for i in eval_items) + settings.max_new_tokens
         if longest > cfg.max_seq_len:

@@ -69,7 +69,10 @@ def run_coldstart(cfg: Any) -> dict[str, Any]:
     """The cold-start arguments of a run with coldstart = "auto" (a study.run.config.RunConfig), as keywords of
     `ensure_coldstart` and `resolve_settings` besides the model and task: its band and its task knobs. The one place
     that says which cold start a run starts from (the RL loop and the Snakemake workflow both ask here)."""
-    return {"band": tuple(cfg.coldstart_band), "knobs": dict(cfg.task_knobs)}
+    out: dict[str, Any] = {"band": tuple(cfg.coldstart_band), "knobs": dict(cfg.task_knobs)}
+    if getattr(cfg, "eval_test_size", 0):  # its SFT stream never shows the run's test split
+        out["held_out_test"] = True
+    return out
 
 
 def ensure_coldstart(

@@ -68,7 +68,16 @@ TASKS: tuple[str, ...] = ("chain_sum", "basic_arithmetic", "countdown", "gsm_sym
 """Generated task names, in a fixed order."""
 
 EVAL_SPLITS: tuple[str, ...] = ("in_dist", "hard")
-"""Held-out evaluation splits: in-distribution (default knobs) and harder/longer."""
+"""Held-out validation splits: in-distribution (default knobs) and harder/longer. Every choice of a study's design
+(cold-start band, temperatures, clip ranges, probes, tuning) reads these."""
+
+TEST_POOL = 512
+"""Problems in each task's in-distribution test pool (`held_out_test_set`): disjoint from every validation set, and
+from the training streams and cold starts of runs that hold it out (`make_task(held_out_test=True)`)."""
+TEST_SEED = 2000
+"""Seed offset of the test pools (validation sets use 1000 + ...)."""
+TEST_METRIC = "test_in_dist"
+"""The metrics.parquet column of the test split's mean pass@1 (validation: `eval_in_dist`, `eval_hard`)."""
 
 USER_VERIFIERS: tuple[str, ...] = ("exact", "numeric")
 """Verifiers for user data besides reasoning-gym's task scorers."""
@@ -340,11 +349,13 @@ def _knobs_key(task: str, knobs: Mapping[str, Any] | None) -> tuple[tuple[str, A
 @dataclass(frozen=True)
 class Task:
     """An endless, deterministic training stream of one task: `task[i]` is the same item for the same seed and
-    knobs, on any machine. Prompts of the task's held-out evaluation sets are never yielded."""
+    knobs, on any machine. Prompts of the task's held-out evaluation sets are never yielded; with `held_out_test`,
+    nor those of the test pool of its knobs."""
 
     name: str
     knobs: Mapping[str, Any]
     seed: int
+    held_out_test: bool = False
 
     def __getitem__(self, index: int) -> TaskItem:
         if not isinstance(index, int) or index < 0:
@@ -353,7 +364,7 @@ class Task:
             self.name,
             self.knobs,
             ("train", self.name, _knob_key(self.knobs), self.seed, index),
-            _held_out_prompts(self.name, _knobs_key(self.name, self.knobs)),
+            _held_out_prompts(self.name, _knobs_key(self.name, self.knobs), test=self.held_out_test),
         )
 
     def take(self, n: int, start: int = 0) -> list[TaskItem]:
@@ -375,6 +386,7 @@ def make_task(
     operators: str | None = None,
     steps: int | tuple[int, int] | None = None,
     seed: int = 0,
+    held_out_test: bool = False,
 ) -> Task:
     """The training stream of task `name`. Knobs left at None take DEFAULT_KNOBS[name]; a knob the task does not
     take, an unknown task or a value out of range raises ValueError naming it and the valid values.
@@ -383,11 +395,15 @@ def make_task(
     digits: digits per operand / source number.
     operators: subset of "+-*/" (basic_arithmetic, countdown).
     steps: worked lines before the answer (gsm_symbolic).
+    held_out_test: the stream also never yields a prompt of the test pool of its knobs (`held_out_test_set`); False
+    keeps the stream of a run without a test split item for item.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"task {name}: seed = {seed!r}; valid: a non-negative int")
+    if not isinstance(held_out_test, bool):
+        raise ValueError(f"task {name}: held_out_test = {held_out_test!r}; valid: true, false")
     knobs = resolve_knobs(name, terms=terms, digits=digits, operators=operators, steps=steps)
-    return Task(name=name, knobs=knobs, seed=seed)
+    return Task(name=name, knobs=knobs, seed=seed, held_out_test=held_out_test)
 
 
 # ------------------------------------------------------------------------------------------------- evaluation
@@ -413,12 +429,71 @@ def _eval_items(task: str, split: str, knobs_key: tuple[tuple[str, Any], ...] = 
 
 
 @cache
-def _held_out_prompts(task: str, knobs_key: tuple[tuple[str, Any], ...] = ()) -> frozenset[str]:
-    """Every prompt of the task's default held-out sets, and of the in_dist set of `knobs_key` when given."""
+def _held_out_prompts(task: str, knobs_key: tuple[tuple[str, Any], ...] = (), *, test: bool = False) -> frozenset[str]:
+    """Every prompt of the task's default held-out sets, and of the in_dist set of `knobs_key` when given; with
+    `test`, of the test pool of `knobs_key` too."""
     prompts = {item.prompt for split in EVAL_SPLITS for item in _eval_items(task, split)}
     if knobs_key:
         prompts |= {item.prompt for item in _eval_items(task, "in_dist", knobs_key)}
+    if test:
+        prompts |= {item.prompt for item in _test_items(task, knobs_key)}
     return frozenset(prompts)
+
+
+@cache
+def _test_items(task: str, knobs_key: tuple[tuple[str, Any], ...] = ()) -> tuple[TaskItem, ...]:
+    """The test pool of (task, knobs): TEST_POOL distinct prompts of the in-distribution knobs `knobs_key` (() = the
+    defaults), drawn from its own seed, none of them in a validation set."""
+    knobs = resolve_knobs(task, **dict(knobs_key))
+    seen = set(_held_out_prompts(task, knobs_key))
+    seed = TEST_SEED + TASKS.index(task)
+    items: list[TaskItem] = []
+    index = 0
+    while len(items) < TEST_POOL:
+        item = _draw(task, knobs, ("test", task, seed, _knob_key(knobs), index), frozenset(seen))
+        seen.add(item.prompt)
+        items.append(item)
+        index += 1
+    return tuple(items)
+
+
+def held_out_test_set(task: str, *, size: int, knobs: Mapping[str, Any] | None = None) -> list[TaskItem]:
+    """The test split of (task, knobs): the first `size` problems of its fixed test pool (so smaller splits nest in
+    larger ones), in-distribution (the training knobs; the task's defaults when None or empty), disjoint from every
+    validation set (`eval_set`) and from the streams that hold it out. Only verdicts and the headline read it; every
+    design choice reads the validation sets."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= TEST_POOL:
+        raise ValueError(f"test split size = {size!r}; valid: an int in [1, {TEST_POOL}]")
+    return list(_test_items(task, _knobs_key(task, knobs))[:size])
+
+
+@dataclass(frozen=True)
+class EvalPass:
+    """One held-out set scored at an evaluation: the metric it is logged as, its problems and samples per problem."""
+
+    metric: str
+    items: Sequence[TaskItem]
+    samples: int
+
+
+def evaluation_plan(
+    validation: Mapping[str, Sequence[TaskItem]],
+    *,
+    samples: int,
+    step: int,
+    last_step: int,
+    test: Sequence[TaskItem] = (),
+    test_samples: int = 0,
+) -> list[EvalPass]:
+    """What an evaluation at `step` scores: every validation set (`eval_<split>`, `samples` each), and the test split
+    (TEST_METRIC, `test_samples` each) only at the run's first (step 0) and last (`last_step`) evaluations, so the
+    verdicts read it at the start and the end and nothing in between can be chosen on it."""
+    plan = [EvalPass(f"eval_{split}", items, samples) for split, items in validation.items()]
+    if test and test_samples > 0 and step in (0, last_step):
+        plan.append(EvalPass(TEST_METRIC, test, test_samples))
+    return plan
 
 
 def eval_set(task: str, split: Literal["in_dist", "hard"] = "in_dist", *, size: int | None = None,

@@ -13,13 +13,16 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 import algorithms
 from study.core.bounded import load_yaml, read_yaml
 from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
+
+if TYPE_CHECKING:  # study.data loads reasoning-gym: imported where used
+    from study.data.tasks import EvalPass
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
 """Where pi_old's log-probs come from: the training engine's recompute, or the rollout engine's own."""
@@ -127,9 +130,15 @@ class RunConfig:
     eval_every: int = 10
     """Evaluate on the held-out sets every this many steps (and at the end); 0 = never."""
     eval_size: int = 32
-    """Problems per held-out set."""
+    """Problems per held-out validation set (eval_in_dist, eval_hard): what every design choice reads."""
     eval_samples: int = 4
     """k samples per problem for mean pass@1."""
+    eval_test_size: int = 0
+    """Problems of the held-out test split (study.data.tasks.held_out_test_set, logged as test_in_dist), scored at
+    the run's first and last evaluations only; 0 = none. Its prompts leave the run's training stream and cold start,
+    so a run with a test split trains on a stream of its own. Only verdicts and the headline read it."""
+    eval_test_samples: int = 8
+    """k samples per problem of the test split."""
     checkpoint_every: int = 10
     """Checkpoint (model, optimizer, every RNG, data position) every this many steps; 0 = only at the end."""
     reward_floor: float = -1.0
@@ -237,6 +246,7 @@ class RunConfig:
             _positive(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
+        self._validate_test_split()
         for name in ("eval_every", "checkpoint_every", "seed", "sync_check_every", "micro_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
@@ -337,6 +347,29 @@ class RunConfig:
             return _load_user_data(path, self.verifier, _file_digest(path))
         except (OSError, ValueError) as e:
             raise ValueError(f"{name} = {path!r}: {e}") from None
+
+    def _validate_test_split(self) -> None:
+        from study.data import tasks
+
+        if not 0 <= self.eval_test_size <= tasks.TEST_POOL:
+            raise ValueError(f"eval_test_size = {self.eval_test_size}: valid: 0 (no test split) .. {tasks.TEST_POOL}")
+        _positive("eval_test_samples", self.eval_test_samples)
+        if self.eval_test_size and self.task == "user":
+            raise ValueError(f"eval_test_size = {self.eval_test_size}: task = 'user' has one held-out set "
+                             "(eval_data); valid: eval_test_size = 0")  # fmt: skip
+        if self.eval_test_size and not self.eval_every:
+            raise ValueError(f"eval_test_size = {self.eval_test_size}: the test split is scored at the first and last "
+                             "evaluations; valid: eval_every >= 1, or eval_test_size = 0")  # fmt: skip
+
+    def eval_plan(self, validation: dict[str, list[Any]], step: int) -> list[EvalPass]:
+        """What the evaluation at `step` scores (tasks.evaluation_plan): the validation sets, and the test split at
+        step 0 and the last step."""
+        from study.data import tasks
+
+        test = (tasks.held_out_test_set(self.task, size=self.eval_test_size, knobs=self.task_knobs)
+                if self.eval_test_size else [])  # fmt: skip
+        return tasks.evaluation_plan(validation, samples=self.eval_samples, step=step, last_step=self.steps,
+                                     test=test, test_samples=self.eval_test_samples)  # fmt: skip
 
     def _validate_coldstart(self) -> None:
         """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model's shape; other
@@ -443,6 +476,8 @@ HASHED_IF_SET: dict[str, Any] = {
     "prompt_filter": "none",
     "eval_temperature": 1.0,
     "engine_router_noise": 0.0,
+    "eval_test_size": 0,
+    "eval_test_samples": 8,
 }
 
 

@@ -60,6 +60,12 @@ STEP_METRICS: dict[str, Metric] = {
         "mean pass@1 over k samples on the in-distribution held-out set (NaN between evaluations)", "study.rl._evaluate"
     ),
     "eval_hard": Metric("the same on the harder, longer held-out set", "study.rl._evaluate"),
+    "test_in_dist": Metric(
+        "mean pass@1 over eval_test_samples samples on the held-out test split (eval_test_size problems, disjoint from "
+        "the validation sets above), at the run's first and last evaluations only (NaN elsewhere, and always without "
+        "a test split)",
+        "study.rl._evaluate",
+    ),
     "response_len_mean": Metric("mean response length in tokens (stop token included)", _COLLECT),
     "response_len_max": Metric("longest response of the step", _COLLECT),
     "truncation_rate": Metric("fraction of responses cut at max_new_tokens", _COLLECT),

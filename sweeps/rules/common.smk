@@ -128,9 +128,10 @@ def coldstart_task(wildcards):
 
 
 def coldstart_settings(wildcards):
-    """The cold start's band and task knobs as `python -m study.launch --coldstart-settings` reads them (JSON)."""
+    """The cold start's settings from its runs (study.coldstart.store.run_coldstart: band, task knobs and, for runs
+    with a test split, held_out_test) as `python -m study.launch --coldstart-settings` reads them (JSON)."""
     extra = COLDSTARTS[wildcards.coldstart][2]
-    return json.dumps({"band": list(extra["band"]), "knobs": extra["knobs"]}, separators=(",", ":"))
+    return json.dumps({**extra, "band": list(extra["band"])}, separators=(",", ":"))
 
 
 def configs_dir(wildcards, output):

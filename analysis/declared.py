@@ -1,0 +1,292 @@
+"""Declared comparisons: what a sweep file's `comparisons:` block stated before its runs (sweeps/schema.py
+COMPARISON_FIELDS), checked against the runs that finished, sized by a power calculation, and read as declared.
+
+`deviations` lists every way the finished runs differ from the declaration (an arm without runs, a seed missing or
+extra, a seed with one arm, the metric not logged, no step-0 evaluation for a gain, a stratum value no run has): a
+verdict read off runs that deviate is exploratory, and the report says which deviation. `power_paired` is the power
+of the declared test (a one-sample t test on the paired differences: the noncentral t with n - 1 df and
+noncentrality gap / (sd / sqrt(n)); Welch's two-sample test when unpaired, by its normal-theory df), and
+`seeds_for_power` the fewest seeds reaching a target power: what a confirmation sweep is sized with. `confirm` reads
+the declared comparison: the declared window of each run, paired by seed (analysis.design), a family of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from analysis import design
+from analysis.tidy import METRIC, RUN_ID, SEED, START_STEP, STEP, VALUE
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One declared comparison: a `comparisons:` entry (its fields: sweeps.schema.COMPARISON_FIELDS)."""
+
+    name: str
+    claim: str
+    axis: str
+    treatment: Any
+    control: Any
+    metric: str
+    window: str
+    threshold: float
+    seeds: tuple[int, ...]
+    power: float
+    assumed_sd: float
+    pairing: str
+    stratum: dict[str, Any] = field(default_factory=dict)
+    alternative: str = "two-sided"
+    alpha: float = 0.05
+    role: str = "secondary"
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any]) -> Comparison:
+        arms = entry["arms"]
+        return cls(
+            name=entry["name"],
+            claim=entry["claim"],
+            axis=arms["axis"],
+            treatment=arms["treatment"],
+            control=arms["control"],
+            metric=entry["metric"],
+            window=entry["window"],
+            threshold=float(entry["threshold"]),
+            seeds=tuple(int(s) for s in entry["seeds"]),
+            power=float(entry["power"]),
+            assumed_sd=float(entry["assumed_sd"]),
+            pairing=entry["pairing"],
+            stratum=dict(entry.get("stratum") or {}),
+            alternative=entry.get("alternative", "two-sided"),
+            alpha=float(entry.get("alpha", 0.05)),
+            role=entry.get("role", "secondary"),
+        )
+
+
+def declared(sweep: Mapping[str, Any]) -> list[Comparison]:
+    """The comparisons a parsed and validated sweep file declares (none: [])."""
+    return [Comparison.from_entry(e) for e in sweep.get("comparisons") or ()]
+
+
+# --- power ------------------------------------------------------------------------------------------------------------
+def power_paired(sd: float, gap: float, seeds: int, *, alpha: float = 0.05, alternative: str = "two-sided") -> float:
+    """Power of the paired t test (n = `seeds` pairs, differences of SD `sd`) to detect a mean difference `gap`: the
+    noncentral t distribution with n - 1 df and noncentrality gap sqrt(n) / sd."""
+    if seeds < 2 or not sd > 0:
+        return float("nan")
+    df, nc = seeds - 1, gap * np.sqrt(seeds) / sd
+    return _t_power(df, nc, alpha, alternative)
+
+
+def power_unpaired(sd: float, gap: float, seeds: int, *, alpha: float = 0.05, alternative: str = "two-sided") -> float:
+    """Power of the two-sample t test (`seeds` runs per arm, each of SD `sd`): 2 (n - 1) df, noncentrality
+    gap / (sd sqrt(2 / n))."""
+    if seeds < 2 or not sd > 0:
+        return float("nan")
+    df, nc = 2 * (seeds - 1), gap / (sd * np.sqrt(2.0 / seeds))
+    return _t_power(df, nc, alpha, alternative)
+
+
+def _t_power(df: int, nc: float, alpha: float, alternative: str) -> float:
+    """P(reject) under the noncentral t; where scipy's noncentral t returns NaN (large noncentrality, power ~ 1),
+    the normal approximation with the same critical value."""
+    if alternative not in ("two-sided", "greater", "less"):
+        raise ValueError(f"alternative = {alternative!r}; valid: two-sided, greater, less")
+    crit = sps.t.ppf(1 - (alpha / 2 if alternative == "two-sided" else alpha), df)
+    upper = 0.0 if alternative == "less" else sps.nct.sf(crit, df, nc)
+    lower = 0.0 if alternative == "greater" else sps.nct.cdf(-crit, df, nc)
+    if not np.isfinite(upper):
+        upper = sps.norm.sf(crit - nc)
+    if not np.isfinite(lower):
+        lower = sps.norm.cdf(-crit - nc)
+    return float(min(1.0, upper + lower))
+
+
+def seeds_for_power(
+    sd: float, gap: float, *, power: float = 0.8, alpha: float = 0.05, alternative: str = "two-sided",
+    paired: bool = True, max_seeds: int = 1000,
+) -> int | None:  # fmt: skip
+    """The fewest seeds (pairs, or runs per arm unpaired) whose test reaches `power` at `gap`; None beyond max_seeds."""
+    fn = power_paired if paired else power_unpaired
+    for n in range(2, max_seeds + 1):
+        if fn(sd, gap, n, alpha=alpha, alternative=alternative) >= power:
+            return n
+    return None
+
+
+def sizing(c: Comparison) -> float:
+    """The power the declaration's own numbers give (assumed_sd, threshold, seeds, alpha, alternative, pairing)."""
+    fn = power_paired if c.pairing == "seed" else power_unpaired
+    return fn(c.assumed_sd, abs(c.threshold), len(c.seeds), alpha=c.alpha, alternative=c.alternative)
+
+
+# --- the runs against the declaration --------------------------------------------------------------------------------
+def _run_table(long: pd.DataFrame, runs: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per run of the long table: run_id, seed and every other column constant within a run; runs whose
+    state is failed are left out."""
+    keep = [c for c in long.columns if c not in (STEP, "compute_flops", "wall_s", METRIC, VALUE)]
+    table = long[keep].drop_duplicates(RUN_ID).reset_index(drop=True)
+    for c in table.columns:
+        if isinstance(table[c].dtype, pd.CategoricalDtype):
+            table[c] = table[c].astype(object)
+    if runs is not None and "state" in runs:
+        failed = set(runs.loc[runs["state"].astype(str) == "failed", RUN_ID].astype(str))
+        table = table[~table[RUN_ID].astype(str).isin(failed)]
+    return table
+
+
+def _in_stratum(table: pd.DataFrame, c: Comparison) -> pd.DataFrame:
+    mask = np.ones(len(table), dtype=bool)
+    for axis, value in c.stratum.items():
+        if axis in table:
+            mask &= table[axis].map(lambda v, value=value: _same(v, value)).to_numpy(dtype=bool)
+    return table[mask]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) or (float(a) == float(b))
+    except (TypeError, ValueError):
+        return False
+
+
+def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None) -> list[str]:
+    """Every way the usable (not failed) runs of `long` differ from the declared comparison `c`; [] when they match.
+    Each line names what was declared and what the runs have."""
+    out: list[str] = []
+    table = _run_table(long, runs)
+    for axis in (c.axis, *c.stratum):
+        if axis not in table:
+            out.append(f"{c.name}: axis {axis!r} is not among the runs' columns ({', '.join(map(str, table.columns))})")
+    if out:
+        return out
+    for axis, value in c.stratum.items():
+        if not table[axis].map(lambda v, value=value: _same(v, value)).any():
+            have = sorted(map(str, pd.unique(table[axis])))
+            out.append(f"{c.name}: stratum {axis} = {value!r}: no run has it (the runs have {', '.join(have)})")
+    table = _in_stratum(table, c)
+    metrics = set(map(str, pd.unique(long[METRIC])))
+    if c.metric not in metrics:
+        out.append(f"{c.name}: metric {c.metric!r} not logged by any run")
+    seeds_by_arm = {}
+    for side, arm in (("treatment", c.treatment), ("control", c.control)):
+        rows = table[table[c.axis].map(lambda v, arm=arm: _same(v, arm)).to_numpy(dtype=bool)]
+        if rows.empty:
+            out.append(f"{c.name}: {side} arm {c.axis} = {arm!r}: no usable run")
+            continue
+        seeds = sorted(int(s) for s in rows[SEED])
+        seeds_by_arm[side] = set(seeds)
+        missing, extra = sorted(set(c.seeds) - set(seeds)), sorted(set(seeds) - set(c.seeds))
+        dup = sorted({s for s in seeds if seeds.count(s) > 1})
+        if missing:
+            out.append(f"{c.name}: {side} arm {arm!r}: declared seed(s) {missing} have no usable run")
+        if extra:
+            out.append(f"{c.name}: {side} arm {arm!r}: seed(s) {extra} were not declared")
+        if dup:
+            out.append(f"{c.name}: {side} arm {arm!r}: several runs of seed(s) {dup} in the stratum")
+        if c.metric in metrics:
+            ids = set(rows[RUN_ID].astype(str))
+            got = long[(long[METRIC].astype(str) == c.metric) & long[RUN_ID].astype(str).isin(ids)]
+            got = got[np.isfinite(got[VALUE].to_numpy(np.float64))]
+            without = sorted(ids - set(got[RUN_ID].astype(str)))
+            if without:
+                out.append(f"{c.name}: {side} arm {arm!r}: run(s) {without} logged no {c.metric}")
+            if c.window == "gain":
+                started = set(got.loc[got[STEP] == START_STEP, RUN_ID].astype(str))
+                if ids - started - set(without):
+                    out.append(f"{c.name}: {side} arm {arm!r}: window 'gain' needs a step-0 {c.metric}; run(s) "
+                               f"{sorted(ids - started - set(without))} have none")  # fmt: skip
+    if c.pairing == "seed" and len(seeds_by_arm) == 2:
+        alone = sorted(seeds_by_arm["treatment"] ^ seeds_by_arm["control"])
+        if alone:
+            out.append(f"{c.name}: paired by seed, but seed(s) {alone} have one arm only")
+    return out
+
+
+def window_values(long: pd.DataFrame, c: Comparison) -> pd.DataFrame:
+    """Per run: the declared window of the declared metric (columns as analysis.gain.per_run / design.compute_window:
+    the run's axes, seed, value)."""
+    from analysis import gain
+
+    if c.window == "gain":
+        return gain.per_run(long, c.metric)
+    if c.window == "last_10pct_compute":
+        return design.compute_window(long, c.metric)
+    per = gain.per_run(long, c.metric)  # final_eval: the run's last evaluation after its start
+    return per.assign(value=per["final"])
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """A declared comparison read as declared."""
+
+    comparison: Comparison
+    paired: design.Paired | None
+    """The paired estimate (pairing = seed); None unpaired."""
+    estimate: Any
+    """The interval read (design.Paired.ci or a Welch stats.CI)."""
+    p_value: float
+    deviations: tuple[str, ...]
+    verdict: str
+    """supported / contradicted / inconclusive at the declared alpha and direction; "exploratory: ..." when the
+    runs deviate from the declaration."""
+
+
+def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None) -> Confirmation:
+    """The declared comparison on the runs: the window's value per run in the declared stratum, treatment minus
+    control paired by seed (or Welch), tested at the declared alpha in the declared direction."""
+    from analysis import stats
+
+    devs = tuple(deviations(long, c, runs))
+    per = window_values(long, c)
+    for axis, value in c.stratum.items():
+        per = per[per[axis].map(lambda v, value=value: _same(v, value)).to_numpy(dtype=bool)]
+    per = per[per[SEED].astype(int).isin(c.seeds)]
+    arm = per[c.axis].astype(object)
+    if c.pairing == "seed":
+        paired = design.paired_arms(per.assign(**{c.axis: arm}), c.axis, c.treatment, c.control)
+        est, d = paired.ci, np.asarray(paired.differences)
+        p = float(sps.ttest_1samp(d, 0.0, alternative=c.alternative).pvalue) if d.size > 1 else np.nan
+    else:
+        paired = None
+        x = per.loc[arm.map(lambda v: _same(v, c.treatment)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
+        y = per.loc[arm.map(lambda v: _same(v, c.control)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
+        est = stats.mean_difference(x, y)
+        test = sps.ttest_ind(x, y, equal_var=False, alternative=c.alternative)
+        p = float(test.pvalue) if min(x.size, y.size) > 1 else np.nan
+    if not np.isfinite(p):
+        verdict = "inconclusive"
+    elif p < c.alpha and (c.alternative != "two-sided" or np.sign(est.estimate) == np.sign(c.threshold)):
+        verdict = "supported"
+    elif p < c.alpha:
+        verdict = "contradicted"
+    else:
+        verdict = "inconclusive"
+    if devs:
+        verdict = f"exploratory ({verdict}): the runs deviate from the declaration ({len(devs)} deviation(s))"
+    return Confirmation(c, paired, est, float(p), devs, verdict)
+
+
+def family(confirmations: Sequence[Confirmation]) -> list[float]:
+    """Holm-adjusted p-values of several declared comparisons read together (a sweep's primary is a family of one)."""
+    return design.holm([c.p_value for c in confirmations]).tolist()
+
+
+__all__ = [
+    "Comparison",
+    "Confirmation",
+    "confirm",
+    "declared",
+    "deviations",
+    "family",
+    "power_paired",
+    "power_unpaired",
+    "seeds_for_power",
+    "sizing",
+    "window_values",
+]

@@ -1,0 +1,368 @@
+"""The confirmatory design's statistics: paired intervals by unit of replication, a family's multiplicity control,
+the one "last 10% of compute" window, per-update vs cumulative routing volatility, and claims read in the paper's
+units (C2's ratio beside the paper's, C6's length gain split into RL's part and truncation's).
+
+Pairing. The arms of one seed share its prompts, cold start and evaluation sampling, so a seed's arms are not
+independent samples: the difference of arm means over independent seeds (Welch) carries the seed-to-seed spread that
+pairing removes. `paired_difference` takes one value per arm per unit (seed), the differences within each unit, and a
+Student t interval over units (n - 1 df); the unit is named in the result. A unit that lacks an arm is dropped and
+listed, never imputed.
+
+A family. A study that reads m comparisons at 95% each excludes 0 somewhere by chance far more often than 5% of the
+time. `holm` adjusts the family's p-values (Holm's step-down: the family-wise error at alpha, uniformly more
+powerful than Bonferroni; statsmodels' multipletests), `simultaneous` widens each interval to 1 - alpha / m
+(Bonferroni), so all m cover together with probability >= 1 - alpha. The confirmatory comparison a sweep declares
+(analysis.declared) is a family of one; everything else is exploratory and is read with these.
+
+The window. "The last 10% of compute" is, per run, the steps whose compute_flops lie in [(1 - frac) C, C], C the
+run's last logged compute (or a budget given for every run): `compute_window`, with WINDOW_RULE its text, is what
+C1, C4 and the off-policy figure's "final reward" read alike.
+
+Libraries: rliable (Agarwal et al., NeurIPS 2021) for the interquartile mean and the probability of improvement, with
+its stratified bootstrap run by scipy; scipy for the t quantiles and tests; statsmodels for Holm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from analysis import vocab
+from analysis.stats import CI, group_columns, mean_band, mean_ci, metric_rows, run_info, run_slices, training_rows
+from analysis.tidy import COMPUTE, SEED, STEP, VALUE
+
+UNIT = SEED
+"""The unit of replication: the arms of one seed share prompts, cold start and evaluation sampling."""
+
+
+# --- paired intervals -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Paired:
+    """mean over units of (treatment - control) within each unit, with its t interval over units."""
+
+    ci: CI
+    unit: str
+    """What a pair is (seed)."""
+    units: tuple
+    """The units paired, in order."""
+    differences: tuple[float, ...]
+    """treatment - control per unit."""
+    sd: float
+    """Standard deviation of the differences (NaN with fewer than two units)."""
+    p_value: float
+    """Two-sided paired t test of mean difference 0 (NaN with fewer than two units)."""
+    unpaired: tuple = ()
+    """Units that had one arm only: dropped, never imputed."""
+
+    def __str__(self) -> str:
+        return f"{self.ci} paired by {self.unit}"
+
+
+def paired_difference(treatment: Mapping, control: Mapping, *, unit: str = UNIT, confidence: float = 0.95) -> Paired:
+    """treatment[u] - control[u] for every unit u in both (NaN values dropped), with the Student t interval over units
+    and the paired t test's p-value."""
+    both = sorted(set(treatment) & set(control), key=str)
+    pairs = [(u, float(treatment[u]) - float(control[u])) for u in both]
+    pairs = [(u, d) for u, d in pairs if np.isfinite(d)]
+    unpaired = tuple(sorted(set(treatment) ^ set(control), key=str))
+    d = np.array([x for _, x in pairs], dtype=np.float64)
+    ci = mean_ci(d, confidence=confidence)
+    sd = float(d.std(ddof=1)) if d.size > 1 else np.nan
+    p = float(sps.ttest_1samp(d, 0.0).pvalue) if d.size > 1 and sd > 0 else (np.nan if d.size < 2 else float(d[0] == 0))
+    return Paired(ci, unit, tuple(u for u, _ in pairs), tuple(d.tolist()), sd, p, unpaired)
+
+
+def paired_arms(
+    per_run: pd.DataFrame,
+    arm: str,
+    treatment: object,
+    control: object,
+    *,
+    unit: str = UNIT,
+    value: str = "value",
+    confidence: float = 0.95,
+) -> Paired:
+    """`paired_difference` of a per-run table (one row per run: `arm`, `unit`, `value`, e.g. stats.final_window's or
+    gain.per_run's) between the rows whose `arm` is `treatment` and those whose `arm` is `control`. Raises when an arm
+    has two runs of one unit (then the unit does not identify a pair)."""
+    arms = {}
+    for name in (treatment, control):
+        rows = per_run[per_run[arm].astype(object) == name]
+        dup = rows[unit][rows[unit].duplicated()].tolist()
+        if dup:
+            raise ValueError(f"{arm} = {name!r} has several runs of {unit} {dup}; pair within one stratum at a time")
+        arms[name] = dict(zip(rows[unit].tolist(), rows[value].astype(float).tolist(), strict=True))
+    return paired_difference(arms[treatment], arms[control], unit=unit, confidence=confidence)
+
+
+# --- a family of comparisons ------------------------------------------------------------------------------------------
+def holm(p_values: Sequence[float], *, alpha: float = 0.05) -> np.ndarray:
+    """Holm-adjusted p-values of a family (statsmodels' multipletests, method "holm"); NaN stays NaN and is not
+    counted in the family's size."""
+    from statsmodels.stats.multitest import multipletests
+
+    p = np.asarray(p_values, dtype=np.float64)
+    out = np.full(p.shape, np.nan)
+    ok = np.isfinite(p)
+    if ok.any():
+        out[ok] = multipletests(p[ok], alpha=alpha, method="holm")[1]
+    return out
+
+
+def simultaneous(samples: Sequence[Sequence[float] | np.ndarray], *, confidence: float = 0.95) -> list[CI]:
+    """Simultaneous intervals of a family of means (each family member: its paired differences over units): each a t
+    interval at 1 - (1 - confidence) / m (Bonferroni), so all m cover their means together with probability at
+    least `confidence`. `CI.confidence` holds the per-interval level."""
+    if not samples:
+        return []
+    width = max(len(np.asarray(x)) for x in samples)
+    mat = np.full((width, len(samples)), np.nan)  # (units, family members)
+    for j, x in enumerate(samples):
+        mat[: len(np.asarray(x)), j] = np.asarray(x, dtype=np.float64)
+    m = int((np.isfinite(mat).sum(axis=0) >= 2).sum())
+    level = 1 - (1 - confidence) / max(m, 1)
+    mean, low, high, n = mean_band(mat, confidence=level)
+    return [CI(float(e), float(lo), float(hi), int(k), level) for e, lo, hi, k in zip(mean, low, high, n, strict=True)]
+
+
+# --- the window -------------------------------------------------------------------------------------------------------
+WINDOW_FRAC = 0.1
+WINDOW_RULE = (
+    "the last {pct:g}% of compute: per run, the mean over its training steps whose compute_flops lie in "
+    "[(1 - {frac:g}) x C, C], C the run's last logged compute"
+)
+"""The rule text of `compute_window` (format with pct, frac); the text the claims quote."""
+
+
+def window_rule(frac: float = WINDOW_FRAC) -> str:
+    """WINDOW_RULE for `frac`."""
+    return WINDOW_RULE.format(pct=100 * frac, frac=frac)
+
+
+def compute_window(
+    long: pd.DataFrame, metric: str, *, frac: float = WINDOW_FRAC, budget: float | None = None
+) -> pd.DataFrame:
+    """Per run: the mean of `metric` over its training steps (step >= 1) whose compute_flops lie in
+    [(1 - frac) C, C], C = `budget` when given (the same for every run: a run that stopped before (1 - frac) C has
+    no value, NaN), else the run's last logged compute. At least the last step when the window holds no step.
+
+    Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_from, compute_to."""
+    if not 0 < frac <= 1:
+        raise ValueError(f"frac = {frac}: valid range is (0, 1]")
+    rows = training_rows(metric_rows(long, metric))
+    slices = run_slices(rows)
+    info = run_info(rows, slices, [*group_columns(long), SEED])
+    v, st, cx = rows[VALUE].to_numpy(np.float64), rows[STEP].to_numpy(), rows[COMPUTE].to_numpy(np.float64)
+    out: dict[str, list] = {k: [] for k in ("value", "n_points", "step_from", "step_to", "compute_from", "compute_to")}
+    for start, stop in slices:
+        c = cx[start:stop]
+        end = float(budget) if budget is not None else float(np.nanmax(c))
+        inside = (c >= (1 - frac) * end) & (c <= end)
+        if budget is None and not inside.any():
+            inside[-1] = True
+        idx = np.flatnonzero(inside) + start
+        out["value"].append(float(np.mean(v[idx])) if idx.size else np.nan)
+        out["n_points"].append(int(idx.size))
+        out["step_from"].append(int(st[idx[0]]) if idx.size else -1)
+        out["step_to"].append(int(st[idx[-1]]) if idx.size else -1)
+        out["compute_from"].append(float(cx[idx[0]]) if idx.size else np.nan)
+        out["compute_to"].append(float(cx[idx[-1]]) if idx.size else np.nan)
+    for k, col in out.items():
+        info[k] = col
+    return info
+
+
+# --- routing volatility: per update vs cumulative ---------------------------------------------------------------------
+PAPER_PER_UPDATE = 0.10
+"""The paper: about 10% of activated experts change after one gradient update (Qwen3-30B-A3B)."""
+PER_UPDATE = f"{vocab.ROUTING_SLOT}_mb2"
+"""The expert-slot mismatch of minibatch 2: the routing's change after exactly one update since pi_old."""
+
+
+@dataclass(frozen=True)
+class Volatility:
+    """The routing volatility of a set of runs in the paper's unit (one update) and cumulative, and its regime."""
+
+    per_update: CI
+    """Mean over runs of each run's mean over steps of routing_slot_mismatch_mb2 (the change after one update)."""
+    cumulative: CI
+    """The same of routing_slot_mismatch: the change since pi_old averaged over minibatches 2..M."""
+    threshold: float
+    in_regime: bool
+    """The per-update volatility reaches the threshold (the paper's regime is a change after one update)."""
+    sentence: str
+
+
+def volatility(long: pd.DataFrame, run_ids: Sequence[str] | None = None, *, threshold: float = 0.05) -> Volatility:
+    """Per-update and cumulative routing volatility of `run_ids` (every run when None) and the regime verdict: in
+    regime only when the per-update volatility reaches `threshold`; "not tested in regime: cumulative X%, per update
+    Y%" when only the cumulative one does (many off-policy updates add up to what one update of the paper's model
+    does), and when neither does."""
+    from analysis.regime import percent
+    from analysis.stats import run_mean
+
+    def measure(metric: str) -> CI:
+        try:
+            per = run_mean(long, metric)
+        except KeyError:
+            return CI(np.nan, np.nan, np.nan, 0)
+        if run_ids is not None:
+            per = per[per["run_id"].astype(str).isin([str(r) for r in run_ids])]
+        return mean_ci(per["value"].to_numpy(np.float64))
+
+    one, cum = measure(PER_UPDATE), measure(vocab.ROUTING_SLOT)
+    in_regime = bool(np.isfinite(one.estimate) and one.estimate >= threshold)
+    numbers = f"cumulative {percent(cum.estimate)}, per update {percent(one.estimate)}"
+    if in_regime:
+        sentence = f"in regime: per update {percent(one.estimate)} >= {percent(threshold)} ({numbers})"
+    elif not np.isfinite(one.estimate):
+        sentence = f"not tested in regime: per-update volatility ({PER_UPDATE}) not measured; {numbers}"
+    else:
+        reach = " (only the cumulative reaches it)" if cum.estimate >= threshold else ""
+        sentence = f"not tested in regime: {numbers}; threshold {percent(threshold)} per update{reach}"
+    return Volatility(one, cum, threshold, in_regime, sentence)
+
+
+# --- claims in the paper's units --------------------------------------------------------------------------------------
+PAPER_CLIP_RATIO = 100.0
+"""C2: GSPO's clipped-token fraction over GRPO's in the paper, about two orders of magnitude (0.15 vs 0.0013 read off
+its Figure 2: ~115x)."""
+
+
+@dataclass(frozen=True)
+class SizeReading:
+    """A ratio read beside the paper's: the direction, and the size as a fraction of the paper's."""
+
+    ratio: CI
+    paper: float
+    direction_supported: bool | None
+    """The interval lies above 1 (True), below 1 (False), or spans it (None)."""
+    size_of_paper: float
+    """log(ratio) / log(paper): 1 = the paper's size, 0.5 = half its orders of magnitude."""
+    sentence: str
+
+
+def size_against_paper(ratio: CI, paper: float = PAPER_CLIP_RATIO) -> SizeReading:
+    """C2's reading: "direction supported, size X of the paper's" (the size on the log scale: orders of magnitude)."""
+    direction = None if not np.isfinite(ratio.low) else (True if ratio.low > 1 else False if ratio.high < 1 else None)
+    size = float(np.log(ratio.estimate) / np.log(paper)) if ratio.estimate > 0 else np.nan
+    ratio_text = f"{ratio.estimate:.3g}x [{ratio.low:.3g}, {ratio.high:.3g}] (n={ratio.n})"
+    if direction is True:
+        head = "direction supported"
+    elif direction is False:
+        head = "direction contradicted"
+    else:
+        head = "direction not decided"
+    sentence = f"{head}, size {size:.2g} of the paper's (ratio {ratio_text} vs the paper's ~{paper:g}x, log scale)"
+    return SizeReading(ratio, paper, direction, size, sentence)
+
+
+@dataclass(frozen=True)
+class LengthDecomposition:
+    """C6's length part, split: the final held-out difference between the longest and shortest budget = the
+    cold start's difference (truncation: before any RL) + the difference of RL's gains."""
+
+    short: object
+    long: object
+    final_difference: CI
+    truncation_part: CI
+    """cold start(long) - cold start(short): what the budget does to the same starting policy."""
+    rl_part: CI
+    """gain(long) - gain(short), gain = final - cold start per run: what RL did differently at the longer budget."""
+    gains: dict = field(default_factory=dict)
+    """RL's gain at each length (mean and t interval over seeds)."""
+
+
+def length_decomposition(gains: pd.DataFrame, *, axis: str = vocab.LENGTH_AXIS) -> LengthDecomposition:
+    """From gain.per_run's table (start = cold start, final, value = final - start, one row per run, `axis` a
+    column): RL's gain at each length and the split of the longest-minus-shortest final difference. Runs are
+    independent across lengths (each length its own runs), so the differences are Welch's."""
+    from analysis.stats import mean_difference
+
+    lengths = sorted(pd.unique(gains[axis].astype(float)))
+    if len(lengths) < 2:
+        raise ValueError(f"{axis}: {len(lengths)} value(s) among the runs; the decomposition needs two lengths")
+    lo, hi = lengths[0], lengths[-1]
+    at = {x: gains[gains[axis].astype(float) == x] for x in lengths}
+    return LengthDecomposition(
+        short=lo,
+        long=hi,
+        final_difference=mean_difference(at[hi]["final"], at[lo]["final"]),
+        truncation_part=mean_difference(at[hi]["start"], at[lo]["start"]),
+        rl_part=mean_difference(at[hi]["value"], at[lo]["value"]),
+        gains={x: mean_ci(at[x]["value"].to_numpy(np.float64)) for x in lengths},
+    )
+
+
+# --- aggregate metrics (rliable) --------------------------------------------------------------------------------------
+def _stratified(
+    stat, scores: Sequence[np.ndarray], *, reps: int, confidence: float, seed: int
+) -> tuple[float, float, float]:
+    """stat(*matrices) with a stratified percentile bootstrap: each matrix (runs, tasks) resampled over its runs within
+    each task column, independently (rliable's StratifiedBootstrap, run here by scipy.stats.bootstrap with one sample
+    per (matrix, task): rliable's own runner passes `random_state` to arch, which arch 8 no longer takes)."""
+    mats = [np.atleast_2d(np.asarray(m, np.float64).T).T for m in scores]
+    cols = [m[:, j] for m in mats for j in range(m.shape[1])]
+    shape = [m.shape[1] for m in mats]
+
+    def statistic(*samples: np.ndarray) -> float:
+        out, i = [], 0
+        for k in shape:
+            out.append(np.column_stack(samples[i : i + k]))
+            i += k
+        return float(stat(*out))
+
+    res = sps.bootstrap(cols, statistic, n_resamples=reps, confidence_level=confidence, method="percentile",
+                        vectorized=False, paired=False, rng=np.random.default_rng(seed))  # fmt: skip
+    return float(stat(*mats)), float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def iqm_interval(
+    scores: Mapping[str, np.ndarray], *, reps: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> dict[str, tuple[float, float, float]]:
+    """Interquartile mean per algorithm (rliable.metrics.aggregate_iqm: the mean of the middle 50% of all run x task
+    scores) with a stratified bootstrap interval; scores[alg] is (runs, tasks), a column per task or stratum.
+    {alg: (iqm, low, high)}."""
+    from rliable import metrics
+
+    return {k: _stratified(metrics.aggregate_iqm, [v], reps=reps, confidence=confidence, seed=seed)
+            for k, v in scores.items()}  # fmt: skip
+
+
+def probability_of_improvement(
+    x: np.ndarray, y: np.ndarray, *, reps: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """P(X > Y) (rliable.metrics.probability_of_improvement: the Mann-Whitney statistic per task, averaged over tasks)
+    with its stratified bootstrap interval; x, y are (runs, tasks). (estimate, low, high)."""
+    from rliable import metrics
+
+    return _stratified(metrics.probability_of_improvement, [x, y], reps=reps, confidence=confidence, seed=seed)
+
+
+__all__ = [
+    "PAPER_CLIP_RATIO",
+    "PAPER_PER_UPDATE",
+    "PER_UPDATE",
+    "UNIT",
+    "WINDOW_FRAC",
+    "WINDOW_RULE",
+    "LengthDecomposition",
+    "Paired",
+    "SizeReading",
+    "Volatility",
+    "compute_window",
+    "holm",
+    "iqm_interval",
+    "length_decomposition",
+    "paired_arms",
+    "paired_difference",
+    "probability_of_improvement",
+    "simultaneous",
+    "size_against_paper",
+    "volatility",
+    "window_rule",
+]

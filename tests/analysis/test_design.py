@@ -1,0 +1,145 @@
+"""analysis.design on synthetic runs with known answers: pairing by seed, a family's multiplicity control, the
+compute window the rule names, per-update vs cumulative routing volatility, C2 in the paper's units, C6's split."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from analysis import design, stats, vocab
+from analysis.stats import CI
+
+
+def long_table(runs: dict[str, dict], metrics: dict[str, np.ndarray | float], compute: np.ndarray) -> pd.DataFrame:
+    """A tidy long table: runs[run_id] = {algorithm, seed, ...}; every run logs each metric at steps 1..len(compute)
+    (an array per step, or a constant)."""
+    frames = []
+    steps = np.arange(1, len(compute) + 1)
+    for run_id, info in runs.items():
+        for metric, value in metrics.items():
+            vals = np.broadcast_to(np.asarray(value(info) if callable(value) else value, np.float64), steps.shape)
+            frames.append(pd.DataFrame({"run_id": run_id, **info, "step": steps, "compute_flops": compute,
+                                        "wall_s": steps * 1.0, "metric": metric, "value": vals}))  # fmt: skip
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_a_paired_design_that_welch_cannot_see() -> None:
+    rng = np.random.default_rng(0)
+    seed_effect = rng.normal(0, 0.1, 6)  # a seed's prompts and cold start move both of its arms
+    control = {s: 0.4 + seed_effect[s] + rng.normal(0, 0.005) for s in range(6)}
+    treatment = {s: 0.43 + seed_effect[s] + rng.normal(0, 0.005) for s in range(6)}
+    unpaired = stats.mean_difference(list(treatment.values()), list(control.values()))
+    paired = design.paired_difference(treatment, control)
+    assert unpaired.low < 0 < unpaired.high  # the seed spread swamps the gap
+    assert paired.ci.low > 0 and paired.ci.covers(0.03) and paired.p_value < 0.01
+    assert paired.unit == "seed" and paired.units == tuple(range(6)) and "paired by seed" in str(paired)
+    # a unit with one arm is dropped and named, never imputed
+    short = design.paired_difference(treatment, {s: v for s, v in control.items() if s != 5})
+    assert short.ci.n == 5 and short.unpaired == (5,)
+
+
+def test_paired_arms_reads_a_per_run_table_and_refuses_ambiguous_units() -> None:
+    per_run = pd.DataFrame({"algorithm": ["grpo", "grpo_rr"] * 3, "seed": [0, 0, 1, 1, 2, 2],
+                            "value": [0.1, 0.3, 0.2, 0.35, 0.15, 0.33]})  # fmt: skip
+    p = design.paired_arms(per_run, "algorithm", "grpo_rr", "grpo")
+    assert p.differences == pytest.approx((0.2, 0.15, 0.18))
+    with pytest.raises(ValueError, match=r"algorithm = 'grpo' has several runs of seed \[0\]"):
+        design.paired_arms(pd.concat([per_run, per_run.iloc[:1]]), "algorithm", "grpo_rr", "grpo")
+
+
+def test_a_null_family_of_28_excludes_zero_far_more_often_unadjusted() -> None:
+    rng = np.random.default_rng(1)
+    sims, m, seeds = 400, 28, 6
+    diffs = rng.normal(0.0, 0.05, (sims, m, seeds))  # every comparison null
+    p = sps.ttest_1samp(diffs, 0.0, axis=2).pvalue  # (sims, m): each comparison's paired t test
+    raw = np.mean(
+        [bool(((low > 0) | (high < 0)).any()) for _, low, high, _ in map(stats.mean_band, diffs.transpose(0, 2, 1))]
+    )
+    bonf = np.mean([any(not c.covers(0.0) for c in design.simultaneous(list(family))) for family in diffs])
+    holm = [bool((design.holm(family) < 0.05).any()) for family in p[:20]]  # statsmodels: a gc pass per call
+    assert holm == [bool(family.min() * m < 0.05) for family in p[:20]]  # Holm rejects any iff its first step does
+    holm_rate = np.mean(p.min(axis=1) * m < 0.05)
+    assert raw > 0.65  # 1 - 0.95^28 = 0.76
+    assert bonf < 0.09 and holm_rate < 0.09  # the family-wise error held at about 5%
+    assert design.simultaneous([np.array([1.0, 1.1, 1.2])] * 4)[0].confidence == pytest.approx(1 - 0.05 / 4)
+    adjusted = design.holm([0.01, 0.04, 0.03, np.nan])
+    assert adjusted[:3] == pytest.approx([0.03, 0.06, 0.06]) and np.isnan(adjusted[3])
+
+
+def test_the_window_the_rule_names_is_the_one_computed() -> None:
+    compute = np.cumsum(np.linspace(1.0, 3.0, 40)) * 1e12  # steps grow: the last 10% of steps is not of compute
+    runs = {"a": {"algorithm": "grpo", "seed": 0}, "b": {"algorithm": "grpo", "seed": 1}}
+    long = long_table(runs, {vocab.REWARD: lambda info: np.arange(40.0) + info["seed"]}, compute)
+    rule = design.window_rule()
+    frac = float(re.search(r"\[\(1 - ([0-9.]+)\) x C, C\]", rule).group(1))
+    assert "the last 10% of compute" in rule and frac == design.WINDOW_FRAC
+    win = design.compute_window(long, vocab.REWARD)
+    end = compute[-1]
+    inside = np.flatnonzero(compute >= (1 - frac) * end)
+    assert (win["compute_from"] == compute[inside[0]]).all() and (win["compute_to"] == end).all()
+    assert compute[inside[0] - 1] < (1 - frac) * end  # the step before lies outside
+    assert win["n_points"].tolist() == [inside.size] * 2
+    assert win["value"].tolist() == pytest.approx([np.mean(inside), np.mean(inside) + 1])
+    assert inside.size != stats.final_window(long, vocab.REWARD)["n_points"].iloc[0]  # 10% of steps differs
+    # a common budget: a run that stopped before the window has no value
+    cut = long[~((long["run_id"] == "b") & (long["step"] > 20))]
+    assert np.isnan(design.compute_window(cut, vocab.REWARD, budget=end)["value"].iloc[1])
+
+
+@pytest.mark.parametrize(
+    ("mb2", "in_regime", "sentence"),
+    [
+        (0.006, False, "not tested in regime: cumulative 6%, per update 0.6%; threshold 5% per update (only the cumul"),
+        (0.08, True, "in regime: per update 8% >= 5% (cumulative 6%, per update 8%)"),
+        (0.001, False, "not tested in regime: cumulative 6%, per update 0.1%; threshold 5% per update (only"),
+    ],
+)
+def test_per_update_and_cumulative_volatility(mb2: float, in_regime: bool, sentence: str) -> None:
+    runs = {f"r{s}": {"algorithm": "grpo", "seed": s} for s in range(3)}
+    long = long_table(runs, {vocab.ROUTING_SLOT: 0.06, design.PER_UPDATE: mb2}, np.arange(1.0, 9.0))
+    v = design.volatility(long, threshold=0.05)
+    assert v.in_regime is in_regime and v.sentence.startswith(sentence), v.sentence
+    assert v.per_update.estimate == pytest.approx(mb2) and v.cumulative.estimate == pytest.approx(0.06)
+    unmeasured = design.volatility(long_table(runs, {vocab.ROUTING_SLOT: 0.06}, np.arange(1.0, 9.0)))
+    assert not unmeasured.in_regime and "per-update volatility (routing_slot_mismatch_mb2) not measured" in (
+        unmeasured.sentence
+    )
+
+
+def test_c2_is_read_beside_the_papers_two_orders_of_magnitude() -> None:
+    r = design.size_against_paper(CI(10.0, 6.0, 16.0, 4))
+    assert r.direction_supported is True and r.size_of_paper == pytest.approx(0.5)
+    assert r.sentence.startswith("direction supported, size 0.5 of the paper's (ratio 10x [6, 16] (n=4) vs")
+    assert design.size_against_paper(CI(1.2, 0.8, 1.7, 3)).sentence.startswith("direction not decided")
+    assert design.size_against_paper(CI(0.5, 0.3, 0.8, 3)).direction_supported is False
+
+
+def test_c6_length_gain_splits_into_truncation_and_rl() -> None:
+    rng = np.random.default_rng(2)
+    rows = []
+    for length, cold, gain in ((16, 0.184, 0.10), (32, 0.303, 0.10)):  # equal RL gains: all of it is truncation
+        for seed in range(4):
+            start = cold + rng.normal(0, 0.005)
+            rows.append({"max_new_tokens": length, "seed": seed, "start": start,
+                         "final": start + gain + rng.normal(0, 0.01)})  # fmt: skip
+    gains = pd.DataFrame(rows).assign(value=lambda d: d["final"] - d["start"])
+    d = design.length_decomposition(gains)
+    assert d.truncation_part.covers(0.119) and d.truncation_part.low > 0.1
+    assert d.rl_part.covers(0.0) and d.final_difference.low > 0.05
+    assert d.final_difference.estimate == pytest.approx(d.truncation_part.estimate + d.rl_part.estimate)
+    assert set(d.gains) == {16.0, 32.0} and d.gains[16.0].covers(0.10)
+    with pytest.raises(ValueError, match="max_new_tokens: 1 value"):
+        design.length_decomposition(gains[gains["max_new_tokens"] == 16])
+
+
+def test_rliable_iqm_and_probability_of_improvement() -> None:
+    x = np.array([[0.1], [0.2], [0.3], [0.4], [0.5], [0.6], [0.7], [0.8]])
+    iqm, low, high = design.iqm_interval({"a": x}, reps=500)["a"]
+    assert iqm == pytest.approx(np.mean([0.3, 0.4, 0.5, 0.6])) and low < iqm < high
+    p, lo, hi = design.probability_of_improvement(x + 1.0, x, reps=500)
+    assert p == 1.0 and lo == hi == 1.0
+    assert design.probability_of_improvement(x, x, reps=500)[0] == pytest.approx(0.5)
