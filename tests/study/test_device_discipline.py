@@ -109,3 +109,51 @@ def test_a_run_keeps_the_trainers_tensors_apart_from_the_cpus(tmp_path: Path, mo
     metrics = pd.read_parquet(run_dir / "metrics.parquet").set_index("step")
     assert metrics.loc[[1, 2], "sync_parity_max_abs"].lt(1e-3).all()  # fp32 on both sides: the sync is exact
     assert metrics.loc[[1, 2], "kl_ref"].notna().all() and metrics["eval_in_dist"].notna().all()
+
+
+@pytest.mark.slow
+def test_the_cold_start_keeps_the_trainers_tensors_apart_from_the_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cold start's SFT loss and its probe on the fence: the loss mask `collate` makes lives on the CPU (~20 s)."""
+    from study.coldstart import resolve_settings
+    from study.coldstart.sft import train_coldstart
+    from study.policy import model as policy_model
+
+    monkeypatch.setattr(policy_model, "build_policy", _fenced(policy_model.build_policy))
+    settings = resolve_settings("tiny", "chain_sum", max_steps=2, eval_every=2, eval_size=2, eval_samples=1,
+                                batch_size=4, max_new_tokens=8)  # fmt: skip
+    record = train_coldstart(settings, tmp_path)
+    assert record["steps_trained"] == 2 and len(record["loss_curve"]) == 2 and record["probe_logp"] < 0
+
+
+def test_the_parity_tool_keeps_the_trainers_tensors_apart_from_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parity tool's trainer log-probs (the model's device) against the hf engine's (the CPU)."""
+    from study.tools import parity
+
+    monkeypatch.setattr(parity, "build_policy", _fenced(parity.build_policy))
+    deltas = parity.logp_deltas(["fp32", "bf16"], n_seqs=2, prompt_len=4, response_len=4)
+    assert float(deltas["mismatch"]["fp32"].max()) < 1e-4 and float(deltas["trainer"]["bf16"].max()) > 0
+
+
+def test_a_checkpoint_written_on_a_gpu_loads_on_a_cpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state.pt as a GPU run writes it (its storages tagged `cuda:0`, the bytes torch.save writes for CUDA
+    tensors) is read on a machine without CUDA, its tensors on the CPU."""
+    from torch import serialization
+
+    from study import checkpoint
+
+    def cuda_tag(obj: Any) -> str | None:  # what torch.save records for a storage on the first GPU
+        return "cuda:0" if getattr(obj, "device", None) is not None and obj.device.type == "cpu" else None
+
+    monkeypatch.setattr(serialization, "_package_registry", [(0, cuda_tag, None), *serialization._package_registry])
+    state = {k: 0 for k in checkpoint.CHECKPOINT_KEYS} | {"model": {"w": torch.arange(4.0)}}
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    monkeypatch.undo()
+    assert b"cuda:0" in path.read_bytes()  # the file is tagged as a GPU's
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):  # what a load without a map location does on this host
+            torch.load(path, weights_only=True)
+    loaded = checkpoint.load(path)
+    assert loaded["model"]["w"].device.type == "cpu" and torch.equal(loaded["model"]["w"], torch.arange(4.0))
