@@ -13,13 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pytest
 import torch
-
-from study import parts, rl
-from study.run import rundir
-from study.run.config import load_config
 
 _TO_CPU = {torch.Tensor.cpu, torch.Tensor.to}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
@@ -92,6 +87,12 @@ def _fenced(build):  # type: ignore[no-untyped-def]
 
 
 def test_a_run_keeps_the_trainers_tensors_apart_from_the_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pandas as pd
+
+    from study import parts, rl
+    from study.run import rundir
+    from study.run.config import load_config
+
     monkeypatch.setattr(parts, "build_policy", _fenced(parts.build_policy))  # the policy and the KL reference
     sets = ["coldstart=scratch", "algorithm=grpo_rr", "steps=2", "minibatches=2", "sync_check_every=1",
             "eval_every=1", "checkpoint_every=1", "kl_coef=0.1", "prompts_per_step=2", "group_size=4",
@@ -157,3 +158,52 @@ def test_a_checkpoint_written_on_a_gpu_loads_on_a_cpu_host(tmp_path: Path, monke
             torch.load(path, weights_only=True)
     loaded = checkpoint.load(path)
     assert loaded["model"]["w"].device.type == "cpu" and torch.equal(loaded["model"]["w"], torch.arange(4.0))
+
+
+# -- collectives: NCCL takes tensors on the GPU only ------------------------------------------------------------------
+def _refusing(collective):  # type: ignore[no-untyped-def]
+    """`collective` as NCCL runs it: every tensor it sends or fills must be on the GPU (here: the fence's)."""
+
+    def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+        plain = [t for t in _tensors((args, kwargs)) if not isinstance(t, OnDevice)]
+        if plain:
+            raise DeviceMix(f"{collective.__name__} of CPU tensors of shapes {[tuple(t.shape) for t in plain]}: "
+                            "NCCL takes tensors on the GPU only")  # fmt: skip
+        return collective(*args, **kwargs)
+
+    return call
+
+
+def _gather_on_two_ranks(rank: int, init: str, out: str) -> None:
+    """One of two gloo ranks under the NCCL discipline: the communication device is the fence's, the collectives
+    refuse CPU tensors; each rank all-gathers a CPU tensor (a megatron CPU Adam state) and its rows."""
+    import json
+
+    from study.policy import parallel
+
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        parallel._comm_device = lambda device: device  # gloo's: the CPU, standing for the GPU
+        parallel._to_comm = lambda t: t.as_subclass(OnDevice) if not isinstance(t, OnDevice) else t  # onto it
+        torch.distributed.all_gather = _refusing(torch.distributed.all_gather)
+        state = torch.full((3,), float(rank))  # on the CPU, as megatron keeps the distributed optimizer's states
+        gathered = parallel._all_gather(state, torch.distributed.group.WORLD)
+        result = {"values": [t.tolist() for t in gathered], "plain": [type(t) is torch.Tensor for t in gathered]}
+    except DeviceMix as e:
+        result = {"error": str(e)}
+    finally:
+        torch.distributed.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_collectives_gather_cpu_tensors_through_the_communication_device(tmp_path: Path) -> None:
+    """`_all_gather` (the full weights, gradients and Adam states at TP or EP > 1) under NCCL's rule, at world 2
+    (two processes: ~15 s)."""
+    import json
+
+    torch.multiprocessing.spawn(_gather_on_two_ranks, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)),
+                                nprocs=2)  # fmt: skip
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"values": [[0.0] * 3, [1.0] * 3], "plain": [True, True]}, result
