@@ -39,8 +39,11 @@ fi
 "$IMAGE/bin/python" -c "import torch, transformers, sys; print('image: Python', sys.version.split()[0], 'torch',
 torch.__version__, 'transformers', transformers.__version__)"
 
-# (2) the wheelhouse for the image's Python
-[[ -n $(ls wheelhouse/*.whl 2>/dev/null) ]] || PYTHON=$IMAGE/bin/python scripts/wheelhouse.sh
+# (2) the wheelhouse for the image's Python (cached); the image given what the wheelhouse counts on it for (the
+# CUDA image's own packages: six, protobuf, ...; already there: nothing is fetched)
+[[ -f wheelhouse/image-provides.txt ]] || PYTHON=$IMAGE/bin/python scripts/wheelhouse.sh
+grep -vE '^(nvidia-|cuda-|jax-|torch$|triton$|transformers$)' wheelhouse/image-provides.txt >"$IMAGE/provides.txt"
+"$IMAGE/bin/python" -m pip install -q -r "$IMAGE/provides.txt"
 
 # (3) what travels: the committed checkout and the wheelhouse; then the check with the network off
 WORK=$(mktemp -d)
@@ -49,7 +52,8 @@ git archive HEAD | tar -x -C "$WORK"
 cp -r wheelhouse "$WORK/wheelhouse"
 log "travels: checkout $(git archive HEAD | wc -c) bytes + wheelhouse $(du -sb wheelhouse | cut -f1) bytes"
 mkdir -p "$OUT"
-export OUT GPU_PYTHON=$IMAGE/bin/python PIP_NO_INDEX=1 PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null \
+# STUDY_NATIVE=0: the hf engine's torch decode path, the one a GPU takes (the CPU's C path aside)
+export OUT GPU_PYTHON=$IMAGE/bin/python STUDY_NATIVE=0 PIP_NO_INDEX=1 PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null \
     HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9 \
     https_proxy=http://127.0.0.1:9 HF_HUB_OFFLINE=1
 if unshare -rn true 2>/dev/null; then

@@ -45,18 +45,25 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 # 1. resolve WANT and its dependencies for this Python (metadata only: nothing large is downloaded)
 "$PY" -m pip install -q --dry-run --ignore-installed --report "$TMP/report.json" "${WANT[@]}"
-"$PY" - "$TMP/report.json" "$IMAGE_HAS" >"$TMP/pins" <<'PY'
+"$PY" - "$TMP/report.json" "$IMAGE_HAS" "$TMP/pins" "$TMP/provided" <<'PY'
 import json, re, sys
 have = set(sys.argv[2].split())
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+pins, provided = [], []
 for item in json.load(open(sys.argv[1]))["install"]:
     name = norm(item["metadata"]["name"])
-    if name not in have and not name.startswith(("nvidia-", "cuda-", "jax-")):
-        print(f"{name}=={item['metadata']['version']}")
+    if name in have or name.startswith(("nvidia-", "cuda-", "jax-")):
+        provided.append(name)
+    else:
+        pins.append(f"{name}=={item['metadata']['version']}")
+open(sys.argv[3], "w").write("\n".join(pins) + "\n")
+open(sys.argv[4], "w").write("\n".join(provided) + "\n")
 PY
 # 2. fetch them as wheels (a pure sdist built into one), none of their dependencies again
 rm -rf "$WHEELHOUSE"
 mkdir -p "$WHEELHOUSE"
 "$PY" -m pip wheel -q --no-deps -w "$WHEELHOUSE" -r "$TMP/pins"
-printf 'wheelhouse: %s wheels for Python %s in %s, %s bytes: %s\n' "$(ls "$WHEELHOUSE" | wc -l)" "$TARGET_PY" \
+# the dependencies the wheelhouse counts on the image for (scripts/rehearse_offline_node.sh gives its image these)
+cp "$TMP/provided" "$WHEELHOUSE/image-provides.txt"
+printf 'wheelhouse: %s wheels for Python %s in %s, %s bytes: %s\n' "$(ls "$WHEELHOUSE"/*.whl | wc -l)" "$TARGET_PY" \
     "$WHEELHOUSE" "$(du -sb "$WHEELHOUSE" | cut -f1)" "$(tr '\n' ' ' <"$TMP/pins")"

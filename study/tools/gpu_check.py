@@ -9,9 +9,11 @@ Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized fo
 
     part          budget  what it checks
     preflight         20  /dev/shm's free space against what the vllm engine needs at the check's shape, the names
-                          megatron reads without TransformerEngine defined, the process group of a one-rank world
-                          (NCCL on CUDA) and its timeout, this rank's GPU index, the allocator settings
-                          (expandable segments, which the engine's process drops)
+                          megatron reads without TransformerEngine defined, the network a process group needs (an
+                          interface up, the host name's address held here, GLOO_/NCCL_SOCKET_IFNAME naming
+                          interfaces that are up: network_check, each failure with its fix), the process group of a
+                          one-rank world (NCCL on CUDA) and its timeout, this rank's GPU index, the allocator
+                          settings (expandable segments, which the engine's process drops)
     install           10  torch / CUDA / vLLM / megatron-core versions, the GPU's name and memory
     megatron          40  the Megatron policy's forward and backward (token_logp, a scalar loss) in `--dtype`,
                           gradients finite
@@ -254,6 +256,7 @@ class Check:
         if self.cuda:
             out["device_index"] = local_device_index()
         out["timeout_min"] = dist_timeout().total_seconds() / 60  # a bad STUDY_DIST_TIMEOUT_MIN: before any init
+        out["network"] = network_check()  # raises with the fix named, before the process group hangs or fails
         init_distributed()
         out["backend"] = torch.distributed.get_backend()
         conf = {v: os.environ[v] for v in vllm_engine.ALLOC_CONF_VARS if v in os.environ}
@@ -619,6 +622,49 @@ class Check:
         if self.cuda:
             torch.cuda.empty_cache()
         return warm, data, {"sft_steps": steps, "answer_prob": round(prob, 3)}
+
+
+def network_check() -> dict[str, Any]:
+    """What a one-rank process group needs of the machine's network, read before it starts: gloo binds the address
+    its host name resolves to (unless GLOO_SOCKET_IFNAME names an interface), and NCCL's bootstrap opens a socket on
+    an interface that is up (NCCL_SOCKET_IFNAME, else the first that is not loopback, else loopback). A VM or
+    container whose host name resolves to an address no interface holds, or that has no interface up, fails there
+    with a message that does not name the fix: this raises naming it."""
+    import socket
+
+    up = sorted(name for _, name in socket.if_nameindex() if _is_up(name))
+    out: dict[str, Any] = {"interfaces_up": up, "hostname": socket.gethostname()}
+    fix = "GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo (one machine), or the interface the ranks share"
+    if not up:
+        raise RuntimeError(f"no network interface is up (not even loopback): the process group cannot bind; bring "
+                           f"`lo` up (`ip link set lo up`) and set {fix}")  # fmt: skip
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        named = os.environ.get(var)
+        if named:
+            out[var] = named
+            missing = [n for n in named.lstrip("^=").split(",") if n and not named.startswith("^") and n not in up]
+            if missing:
+                raise RuntimeError(f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: "
+                                   f"{', '.join(up)})")  # fmt: skip
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        try:
+            address = socket.gethostbyname(out["hostname"])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((address, 0))
+        except OSError as e:
+            raise RuntimeError(f"the host name {out['hostname']!r} resolves to no address this machine holds "
+                               f"({type(e).__name__}: {e}): gloo binds it; set {fix}") from None  # fmt: skip
+        out["hostname_address"] = address
+    out["nccl_bootstrap"] = os.environ.get("NCCL_SOCKET_IFNAME") or next((n for n in up if n != "lo"), "lo")
+    return out
+
+
+def _is_up(interface: str) -> bool:
+    """Whether the interface is up (/sys/class/net's flags, IFF_UP)."""
+    try:
+        return bool(int(Path(f"/sys/class/net/{interface}/flags").read_text(), 16) & 1)
+    except (OSError, ValueError):
+        return False
 
 
 def _optimizer_tensors(trainer: Any) -> dict[str, Any]:
