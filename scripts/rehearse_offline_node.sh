@@ -6,6 +6,7 @@
 # (the image has none), the rest runs, and the JSON lists each skip with its reason.
 #
 #     scripts/rehearse_offline_node.sh          # results in $OUT (default ./rehearsal)/gpu_check.json and .log
+#     WHEELHOUSE=/path/to/wheelhouse scripts/rehearse_offline_node.sh    # a wheelhouse built before (cp312)
 #
 # Steps: (1) the image, once, into $REHEARSAL_IMAGE (a Python 3.12 venv, from the package index; cached); (2) the
 # wheelhouse for cp312 (cached in ./wheelhouse); (3) the check in a fresh copy of the checkout (git archive HEAD plus
@@ -41,16 +42,18 @@ torch.__version__, 'transformers', transformers.__version__)"
 
 # (2) the wheelhouse for the image's Python (cached); the image given what the wheelhouse counts on it for (the
 # CUDA image's own packages: six, protobuf, ...; already there: nothing is fetched)
-[[ -f wheelhouse/image-provides.txt ]] || PYTHON=$IMAGE/bin/python scripts/wheelhouse.sh
-grep -vE '^(nvidia-|cuda-|jax-|torch$|triton$|transformers$)' wheelhouse/image-provides.txt >"$IMAGE/provides.txt"
+WH=${WHEELHOUSE:-$ROOT/wheelhouse}
+[[ -f $WH/image-provides.txt ]] || WHEELHOUSE=$WH PYTHON=$IMAGE/bin/python scripts/wheelhouse.sh
+grep -vE '^(nvidia-|cuda-|jax-|torch$|triton$|transformers$)' "$WH/image-provides.txt" >"$IMAGE/provides.txt"
 "$IMAGE/bin/python" -m pip install -q -r "$IMAGE/provides.txt"
 
 # (3) what travels: the committed checkout and the wheelhouse; then the check with the network off
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 git archive HEAD | tar -x -C "$WORK"
-cp -r wheelhouse "$WORK/wheelhouse"
-log "travels: checkout $(git archive HEAD | wc -c) bytes + wheelhouse $(du -sb wheelhouse | cut -f1) bytes"
+cp -r "$WH" "$WORK/wheelhouse"
+log "travels: checkout $(git archive HEAD | wc -c) bytes + wheelhouse $(du -sb "$WH" | cut -f1) bytes"
+unset WHEELHOUSE  # the check reads the copy beside its checkout
 mkdir -p "$OUT"
 # STUDY_NATIVE=0: the hf engine's torch decode path, the one a GPU takes (the CPU's C path aside)
 export OUT GPU_PYTHON=$IMAGE/bin/python STUDY_NATIVE=0 PIP_NO_INDEX=1 PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null \
