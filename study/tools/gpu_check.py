@@ -31,7 +31,8 @@ Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized fo
                           memory it adds), the parity again on fresh samples
     r3_routes         15  (CUDA) the engine's routed experts of its samples (R3): shape, id range, agreement with the
                           trainer's own top-k routing of the same tokens
-    rl               190  study/rl.py, GRPO with R3 (grpo_r3) from a warm start that earns rewards: three steps with
+    rl               190  study/rl.py, GRPO with R3 (grpo_r3; through vLLM, the hf engine where vLLM is not
+                          installed) from a warm start that earns rewards: three steps with
                           `sync_check_every: 1` and a checkpoint at step 2, the run copied at that checkpoint and
                           resumed for its third step (the resumed step equals the continuing run's); the post-sync
                           parity after the engine's sleep and wake below SYNC_PARITY_BOUND; R3 routes returned by the
