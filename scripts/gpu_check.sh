@@ -3,9 +3,9 @@
 # Qwen3-MoE shape (4 layers, 32 experts top-8). Parts, each in a process of its own with a time budget (seconds on
 # an H100, 455 in all; study/tools/gpu_check.py says what each measures): preflight 20, install 10, megatron 40,
 # sharded 40 (distributed optimizer, distributed checkpoint, streamed sync), qwen_layer 45, vllm_parity 80,
-# weight_sync 15, r3_routes 15, rl 190 (GRPO + R3 through vLLM, or the hf engine without it; checkpoint and resume, sync parity, bf16 master
-# weights). One verdict line per part, then a JSON summary; results in $OUT/gpu_check.json ($OUT unset: the
-# checkout), the parts' output in gpu_check.log beside it.
+# weight_sync 15, r3_routes 15, rl 190 (GRPO + R3 through vLLM, or the hf engine without it; checkpoint and resume,
+# sync parity, bf16 master weights). One verdict line per part, then a JSON summary; results in
+# $OUT/gpu_check.json ($OUT unset: the checkout), the parts' output in gpu_check.log beside it.
 #
 #     scripts/gpu_check.sh                   # OUT=/some/dir scripts/gpu_check.sh
 #     scripts/gpu_check.sh --parts preflight,sharded --budget sharded=60
