@@ -19,13 +19,14 @@
 # what they are); nothing is fetched from a network. vLLM is not in the wheelhouse: where it is absent the engine
 # parts skip with the reason and the rl part runs the hf engine. A Python that still cannot import what the parts
 # need stops the check with one line naming the module, before any part runs (exit 2). The time limit
-# (GPU_CHECK_LIMIT_S, 480 s) counts from the end of the install; the install's seconds are in the JSON's `note`.
+# (GPU_CHECK_LIMIT_S, 480 s) counts from the script's start, the install included (its seconds: the JSON's `note`).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT_FILE=${OUT:-$ROOT}/gpu_check.json
 mkdir -p "$(dirname "$OUT_FILE")"
-LIMIT_S=${GPU_CHECK_LIMIT_S:-480}  # the check, from the end of the install
+LIMIT_S=${GPU_CHECK_LIMIT_S:-480}  # the check, from this script's start: the wheelhouse's install included
+START=$(date +%s)
 WHEELHOUSE=${WHEELHOUSE:-$ROOT/wheelhouse}
 SITE=$ROOT/.venv-gpu/site
 INSTALL_ONLY=0
@@ -77,7 +78,6 @@ if (( INSTALL_ONLY )); then
     "$PY" -c "import torch, megatron.core; print('environment:', torch.__version__, torch.version.cuda)" || exit 2
     exit 0
 fi
-START=$(date +%s)
 LEFT=$(( LIMIT_S - ($(date +%s) - START) ))
 timeout --signal=TERM --kill-after=15 "$LEFT" "$PY" -m study.tools.gpu_check --out "$OUT_FILE" "$@"
 RC=$?
