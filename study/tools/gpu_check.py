@@ -1016,6 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = [n for n, s in statuses.items() if s == "fail"]
         summary = {"verdict": "fail" if failed or not complete else "pass", "parts": statuses,
                    "not_run": [n for n in parts if n not in statuses],
+                   "skipped": {n: e.get("reason") for n, e in driver.results["parts"].items() if e["status"] == "skip"},
                    "seconds": {n: e["seconds"] for n, e in driver.results["parts"].items()},
                    "total_s": driver.results["seconds"], "results": str(out), "log": str(driver.log)}  # fmt: skip
         print(json.dumps(summary), flush=True)
