@@ -53,7 +53,9 @@ fi
 # the wheelhouse onto this Python's torch, when the Python lacks the harness's dependencies
 NEEDS="import megatron.core, reasoning_gym, tensorboardX, submitit"
 NOTE=""
+USE_SITE=0
 if ! "$PY" -c "$NEEDS" 2>/dev/null; then
+    USE_SITE=1
     if [[ -d $SITE ]] && PYTHONPATH=$SITE "$PY" -c "$NEEDS" 2>/dev/null; then
         NOTE="the wheelhouse was installed in .venv-gpu/site before"
     elif [[ -n $(ls "$WHEELHOUSE"/*.whl 2>/dev/null) ]]; then
@@ -70,7 +72,7 @@ if ! "$PY" -c "$NEEDS" 2>/dev/null; then
         NOTE="no wheelhouse at $WHEELHOUSE"
     fi
 fi
-[[ -d $SITE ]] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+(( USE_SITE )) && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} GPU_CHECK_NOTE=$NOTE
 # one line, before any part, when this Python cannot import what the parts need (gpu_check.py's REQUIRES)
 "$PY" -m study.tools.gpu_check --environment "$@" || exit 2
