@@ -138,9 +138,11 @@ def _mark_complete(run_dir: Path, log: Progress) -> None:
 # -- read -------------------------------------------------------------------------------------------------------------
 def load(path: Path) -> dict[str, Any]:
     """A run checkpoint, loaded with torch.load(weights_only=True): tensors and plain values only, so a file that
-    holds anything else (a hostile pickle) is refused, never executed. Damage raises RunStateError naming the file."""
+    holds anything else (a hostile pickle) is refused, never executed; its tensors onto the CPU (a file written on
+    a GPU loads on a CPU host; restoring puts them on the model's device). Damage raises RunStateError naming the
+    file."""
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # a GPU's file on any host
     except Exception as err:
         if "Weights only load failed" in str(err):
             what = ("refused: it holds objects other than tensors and plain values (torch.load(weights_only=True)); "

@@ -291,7 +291,8 @@ def sft_loss(
     input_ids, targets, loss_mask: (B, S). Targets where loss_mask is 0 do not enter the loss (nor its gradient)."""
     from study.policy.model import token_logp
 
-    logp = token_logp(model, input_ids, targets)  # (B, S) fp32
+    # (B, S) fp32, brought from the model's device to the CPU's loss mask (collate's), differentiably
+    logp = token_logp(model, input_ids, targets).cpu()
     n = loss_mask.sum().clamp_min(1.0)
     # L = - sum_{b,t} m_bt log pi(y_bt | y_<t) / sum_{b,t} m_bt
     loss = -(logp * loss_mask).sum() / n
@@ -336,7 +337,7 @@ def probe_logp(model: torch.nn.Module, tok: TaskTokenizer, item: tasks.TaskItem)
 
     input_ids, targets, mask = collate(tok, [item], max_len=model.study_config.max_seq_len)  # (1, S) each
     with torch.no_grad():
-        return float((token_logp(model, input_ids, targets) * mask).sum())
+        return float((token_logp(model, input_ids, targets).cpu() * mask).sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

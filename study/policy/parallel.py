@@ -75,12 +75,15 @@ def _experts_per_rank(model: torch.nn.Module) -> int:
 
 
 def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's `t` over `group`, on `t`'s device; through the communication device (`_to_comm`: the GPU under
+    NCCL, which gathers CUDA tensors only: CPU ones, such as megatron's CPU Adam states, travel through it)."""
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(size)]
-    torch.distributed.all_gather(out, t.contiguous(), group=group)
-    return out
+    sent = _to_comm(t.contiguous())
+    out = [torch.empty_like(sent) for _ in range(size)]
+    torch.distributed.all_gather(out, sent, group=group)
+    return [o.to(t.device) for o in out]
 
 
 def full_weights(
@@ -395,9 +398,9 @@ def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
         return local
     sizes = [len(r) for r in torch.tensor_split(torch.arange(n), dp)]
     width = max(sizes)
-    device = _comm_device(local.device)  # NCCL gathers CUDA tensors only: CPU ones (routes) travel through the GPU
-    padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype, device=device)
-    padded[: local.shape[0]] = local.detach().to(device)
+    # NCCL gathers CUDA tensors only: CPU ones (routes) travel through the GPU
+    padded = _to_comm(local.new_zeros((width, *local.shape[1:])))
+    padded[: local.shape[0]] = _to_comm(local.detach())
     pieces = [torch.empty_like(padded) for _ in range(dp)]
     torch.distributed.all_gather(pieces, padded, group=ps.get_data_parallel_group())
     rank = ps.get_data_parallel_rank()
@@ -409,6 +412,11 @@ def _comm_device(device: torch.device) -> torch.device:
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _to_comm(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the communication device (`_comm_device`): every tensor a collective here sends or fills."""
+    return t.to(_comm_device(t.device))
 
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")

@@ -46,6 +46,18 @@ except ImportError:
     kernels = c_decode = None
 
 
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM takes experts of `dtype` on `device_type`: on CUDA bf16 only (the dtype torch
+    documents for its CUDA kernel; transformers' own check passes any dtype there); on the CPU any."""
+    return device_type != "cuda" or dtype == torch.bfloat16
+
+
+def experts_implementation_for(device_type: str, dtype: torch.dtype) -> str | None:
+    """The experts' implementation the engine asks transformers for: its default (None: `grouped_mm`) where torch's
+    grouped GEMM takes the weights, else `eager` (a GEMM per expert: CUDA in fp32 or fp16)."""
+    return None if grouped_mm_supported(device_type, dtype) else "eager"
+
+
 def build_hf_model(cfg: ModelConfig, dtype: str = "fp32", *, experts_implementation: str | None = None):
     """A randomly initialised transformers Qwen3MoeForCausalLM with the shape of `cfg`, in eval mode."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -293,9 +305,12 @@ class _FusedDecoder:
         from transformers.integrations import moe
         from transformers.utils.import_utils import is_torch_less_or_equal
 
+        weight = experts.gate_up_proj
+        # `_is_expert_parallel`: transformers >= 5.18 (5.16.1 to 5.17 shard no experts: the attribute is absent)
         if (experts.config._experts_implementation != "grouped_mm" or experts.has_bias or not experts.has_gate
-                or experts.is_transposed or experts._is_expert_parallel or is_torch_less_or_equal("2.10.0", True)
-                or not moe._can_use_grouped_mm(experts.gate_up_proj, experts.gate_up_proj, None)):  # fmt: skip
+                or experts.is_transposed or getattr(experts, "_is_expert_parallel", False)
+                or is_torch_less_or_equal("2.10.0", True) or not grouped_mm_supported(weight.device.type, weight.dtype)
+                or not moe._can_use_grouped_mm(weight, weight, None)):  # fmt: skip
             return None
         return getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
@@ -460,6 +475,8 @@ class HFEngine(RolloutEngine):
         if prec.dtype != dtype:
             raise ValueError(f"precision = {precision!r} computes in {prec.dtype}, but dtype = {dtype!r}")
         self.precision = prec
+        if experts_implementation is None:
+            experts_implementation = experts_implementation_for(self.device.type, TORCH_DTYPES[prec.storage_dtype])
         self.model = build_hf_model(cfg, prec.storage_dtype, experts_implementation=experts_implementation)
         self.model = self.model.to(self.device)
         self._precision = apply_precision(self.model, prec)

