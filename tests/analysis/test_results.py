@@ -10,8 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import results, synthetic
+from analysis import results
 from analysis.__main__ import main
+from tests.analysis import synthetic
 
 C = synthetic.Curve
 CURVES = {"grpo": C(a=0.5, c_mid=2e12), "gspo": C(a=0.8, c_mid=2e12)}
