@@ -80,7 +80,7 @@ def data_fingerprint(study: Study) -> str:
     import hashlib
     import json
 
-    cols = [c for c in (RUN_ID, "state", "n_steps", "last_step", "last_compute") if c in study.runs.columns]
+    cols = [RUN_ID, "state", "n_steps", "last_step", "last_compute"]
     rows = study.runs[cols].astype(str).sort_values(RUN_ID).values.tolist()
     unread = sorted(zip(study.unreadable[RUN_ID].astype(str), study.unreadable["reason"].astype(str), strict=True))
     text = json.dumps({"runs": rows, "missing": sorted(map(str, study.missing)), "unreadable": unread})

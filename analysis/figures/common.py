@@ -76,8 +76,6 @@ def _only(study: Study, ids: set[str]) -> Study:
 
 def emulation_note(runs: pd.DataFrame) -> str:
     """A caption sentence saying which runs' low precision was emulated (runs.precision_emulated); "" when none."""
-    if EMULATED not in runs.columns:
-        return ""
     flag = runs[EMULATED]
     n_em = int((flag == True).sum())  # noqa: E712 (nullable boolean)
     if n_em == 0:

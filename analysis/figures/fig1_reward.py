@@ -51,7 +51,7 @@ def figure1_reward(
     _legend(fig, extra=_curve_legend(tables[vocab.REWARD], extra))
     n = st.runs.groupby(ALGORITHM, observed=True).size()
     if zero:
-        n_start = int(st.runs["start_eval"].sum()) if "start_eval" in st.runs else len(st.runs)
+        n_start = int(st.runs["start_eval"].sum())
         start_note = (
             " The training reward begins at the first RL step; the held-out panels begin at compute 0 (dot) with the "
             "evaluation of the starting policy (step 0, the cold start"

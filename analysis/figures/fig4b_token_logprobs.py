@@ -51,7 +51,7 @@ def token_logprob_tables(
     tok_cfg, seq_cfg = _precision_label(tok, cols), _precision_label(seq, cols)
     configs = sorted(seq_cfg.unique())
     diff = tok[vocab.TRAINER_LOGP].to_numpy(np.float64) - tok[vocab.ENGINE_LOGP].to_numpy(np.float64)
-    emulated = seq[EMULATED].astype(object) if EMULATED in seq.columns else pd.Series(None, index=seq.index)
+    emulated = seq[EMULATED].astype(object)
     tok_rows, seq_rows, hist_rows = [], [], []
     r_all = seq["seq_log_ratio"].to_numpy(np.float64)
     finite = r_all[np.isfinite(r_all)]
