@@ -91,3 +91,19 @@ def test_every_kind_of_unreadable_run_says_why(tmp_path) -> None:
     assert why[ids[2]].startswith("status.json:") and why[ids[3]] == "metrics.parquet: missing"
     assert why[ids[4]] == "metrics.parquet: no 'step' column"
     assert st.runs["error"].iloc[0].startswith("routing_layers.parquet:")
+
+
+@pytest.mark.parametrize("key", ["data", "figures", "skipped"])
+def test_a_figures_index_without_a_key_it_always_has_is_drawn_again_saying_which(tmp_path, capsys, key) -> None:
+    from analysis import figures, tidy
+
+    _study(tmp_path)
+    st = tidy.load_study(tmp_path)
+    src = tmp_path / "figs"
+    src.mkdir()
+    index = {"data": figures.data_fingerprint(st), "figures": {}, "skipped": {}}
+    (src / figures.INDEX).write_text(json.dumps({k: v for k, v in index.items() if k != key}))
+    assert results.reuse_figures(st, src, tmp_path / "out") is None
+    assert f"figures in {src} not reused (figures.json has no '{key}'): drawing them" in capsys.readouterr().out
+    (src / figures.INDEX).write_text(json.dumps(index))
+    assert results.reuse_figures(st, src, tmp_path / "out") is not None
