@@ -115,7 +115,7 @@ def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
     runs = per_run(study.long, metric)
     runs = runs[runs[RUN_ID].astype(str).isin(set(study.runs.loc[usable(study.runs), RUN_ID].astype(str)))]
     if runs.empty:
-        started = int(study.runs["start_eval"].sum()) if "start_eval" in study.runs else 0
+        started = int(study.runs["start_eval"].sum())
         why = (
             f"no run has an evaluation of {metric} after its step-0 one"
             if started

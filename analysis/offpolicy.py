@@ -1,4 +1,4 @@
-"""The routing study's outcome along off-policy updates, read from Figure 9's tables (figures.offpolicy_tables).
+"""The routing study along off-policy updates: Figure 9's tables (`offpolicy_tables`) and the outcome they show.
 
 Two outcomes, stated with their numbers either way:
 
@@ -17,16 +17,249 @@ registry's replay partner).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from analysis import regime, scorecard, style, vocab
-from analysis.figures import DENSE, FINAL, HELD_OUT, MOE, _short
-from analysis.tidy import ALGORITHM
+from analysis import collapse, gain, regime, scorecard, stats, style, vocab
+from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
+from analysis.tidy import ALGORITHM, RUN_ID, Study
 
+# --- Figure 9's tables ------------------------------------------------------------------------------------------------
+HELD_OUT, FINAL = "held-out gain", "final reward"
+"""Figure 9's quantities (its tables' `quantity` column)."""
+
+
+def _base_of(alg: str, present: Sequence[str]) -> str | None:
+    """The arm at the fewest minibatches an algorithm's off-policy loss is measured from: itself, else the first of
+    its routing variants (the same loss under another routing mode, registry order) that ran there: replay is a no-op
+    with one minibatch, so a study leaves the replay arms out there."""
+    if alg in present:
+        return alg
+    return next((v for v in style.registry().routing_variants(alg) if v in present), None)
+
+
+def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
+    """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
+    control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
+    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward (mean over
+    its last `frac` of steps).
+
+    - `volatility`: per M, the MoE's volatility: mean over every MoE run at that M (all algorithms) with a 95% t
+      interval over runs; `threshold` (default analysis.regime.MIN_VOLATILITY) and whether the mean reaches it;
+    - `arms`: per model, algorithm, M and quantity, the mean over seeds with a 95% t interval;
+    - `gaps`: per M, each algorithm minus its Routing Replay partner (the pairs of C3 and C4, reversed: what dropping
+      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), with
+      95% Welch intervals, at the MoE's volatility of that M;
+    - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
+      the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
+      dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
+    - `collapse_rate` (only when some run collapsed, analysis.collapse): per model, algorithm and M, collapsed runs
+      of the runs, with a Wilson interval.
+    """
+    threshold = regime.MIN_VOLATILITY if threshold is None else float(threshold)
+    axis = vocab.MINIBATCH_AXIS
+    varying = _varying(study)
+    if axis not in varying:
+        raise MissingData(
+            f"the off-policy figure compares minibatches per rollout batch ({axis!r}); this study does not sweep it "
+            f"(swept axes: {', '.join(varying) or 'none'})"
+        )
+    for m in (vocab.ROUTING_SLOT, vocab.REWARD):
+        _need_metric(study, m)
+    other = [a for a in varying if a != axis and a.split(".")[0] != "model"]
+    if other:
+        raise MissingData(
+            f"the off-policy figure reads one configuration besides {axis} and the model; this study "
+            f"also sweeps {', '.join(other)}: select one value of each (where=)"
+        )
+    keys, m_of = _configurations(study, [axis])
+    ms = [k[0] for k in keys]
+    runs = study.runs[study.runs[RUN_ID].astype(str).isin(m_of)].copy()
+    runs["model"] = _model_of(study, runs[RUN_ID].astype(str).tolist())
+    shape_cols = [a for a in varying if a.split(".")[0] == "model"]
+    moe = runs[runs["model"] == MOE]
+    if moe.empty:
+        raise MissingData(f"the off-policy figure needs MoE runs; every run's {vocab.NUM_EXPERTS_KEY} is 1")
+    if shape_cols and len(moe[shape_cols].astype(str).drop_duplicates()) > 1:
+        raise MissingData(
+            f"the off-policy figure reads one MoE shape; this study sweeps several ({', '.join(shape_cols)}"
+            "): select one (where=)"
+        )
+    arm = {
+        (mod, str(alg), m): grp[RUN_ID].astype(str).tolist()
+        for (mod, alg, m), grp in runs.groupby(["model", ALGORITHM, axis], observed=True, sort=False)
+    }
+
+    def values(per_run: pd.DataFrame) -> dict[str, float]:
+        return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
+
+    vol = values(stats.run_mean(study.long, vocab.ROUTING_SLOT))
+    quantities = {}
+    if vocab.EVAL_IN_DIST in study.metrics:
+        gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
+        if len(gains):
+            quantities[HELD_OUT] = values(gains)
+    quantities[FINAL] = values(stats.final_window(study.long, vocab.REWARD, frac=frac))
+
+    def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
+        return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)
+
+    rows = []
+    for m in ms:
+        ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
+        v = np.array([vol.get(r, np.nan) for r in ids], np.float64)
+        ci = stats.mean_ci(v[np.isfinite(v)])
+        rows.append(
+            {
+                axis: m,
+                "mean": ci.estimate,
+                "low": ci.low,
+                "high": ci.high,
+                "n": ci.n,
+                "threshold": threshold,
+                "in_regime": bool(ci.n > 0 and ci.estimate >= threshold),
+            }
+        )
+    volatility = pd.DataFrame(rows, columns=[axis, "mean", "low", "high", "n", "threshold", "in_regime"])
+    x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
+
+    algs = {mod: style.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
+    rows = []
+    for mod, q, m in itertools.product((MOE, DENSE), quantities, ms):
+        for alg in algs[mod]:
+            if (mod, alg, m) in arm:
+                ci = stats.mean_ci(of(quantities[q], mod, alg, m))
+                rows.append(
+                    {
+                        "model": mod,
+                        ALGORITHM: alg,
+                        axis: m,
+                        "quantity": q,
+                        "mean": ci.estimate,
+                        "low": ci.low,
+                        "high": ci.high,
+                        "n": ci.n,
+                    }
+                )
+    arms = pd.DataFrame(rows, columns=["model", ALGORITHM, axis, "quantity", "mean", "low", "high", "n"])
+
+    present = algs[MOE]
+    pairs = [(free, rr) for rr, free, claim in scorecard.comparison_pairs(present) if claim in ("C3", "C4")]
+    dense_alg = algs[DENSE][0] if algs[DENSE] else None
+    m0 = ms[0]
+
+    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        d = stats.mean_difference(x, y)
+        return {"comparison": what, "minuend": a, "subtrahend": b, "model": model, axis: m, "volatility": x_of[m],
+                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high,
+                "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"}  # fmt: skip
+
+    rows = []
+    for q, m in itertools.product(quantities, ms):
+        for free, rr in pairs:
+            if (MOE, free, m) in arm and (MOE, rr, m) in arm:
+                x, y = of(quantities[q], MOE, free, m), of(quantities[q], MOE, rr, m)
+                rows.append(gap_row(f"{style.label(free)} - {style.label(rr)}", free, rr, MOE, m, q, x, y))
+        if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
+            x, y = of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)
+            what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
+            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, x, y))
+    gap_cols = [
+        "comparison",
+        "minuend",
+        "subtrahend",
+        "model",
+        axis,
+        "volatility",
+        "quantity",
+        "estimate",
+        "low",
+        "high",
+        "n",
+    ]
+    gaps = pd.DataFrame(rows, columns=gap_cols)
+
+    rows = []
+    at0 = [a for (md, a, m) in arm if md == MOE and m == m0]
+    for q, alg, m in itertools.product(quantities, present, ms[1:]):
+        base = _base_of(alg, at0)
+        if (MOE, alg, m) not in arm or base is None:
+            continue
+        groups = [of(quantities[q], MOE, alg, m), of(quantities[q], MOE, base, m0)]
+        loss = stats.mean_difference(*groups)
+        excess = stats.CI(np.nan, np.nan, np.nan, 0)
+        if dense_alg is not None and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
+            dense = [of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)]
+            excess = stats.contrast_ci([*groups, *dense], (1.0, -1.0, -1.0, 1.0))
+        rows.append(
+            {
+                ALGORITHM: alg,
+                "baseline": base,
+                axis: m,
+                "volatility": x_of[m],
+                "quantity": q,
+                "loss": loss.estimate,
+                "loss_low": loss.low,
+                "loss_high": loss.high,
+                "excess": excess.estimate,
+                "excess_low": excess.low,
+                "excess_high": excess.high,
+                "n": excess.n or loss.n,
+            }
+        )
+    loss_cols = [
+        ALGORITHM,
+        "baseline",
+        axis,
+        "volatility",
+        "quantity",
+        "loss",
+        "loss_low",
+        "loss_high",
+        "excess",
+        "excess_low",
+        "excess_high",
+        "n",
+    ]
+    tables = {
+        "volatility": volatility,
+        "arms": arms,
+        "gaps": gaps,
+        "offpolicy_loss": pd.DataFrame(rows, columns=loss_cols),
+    }
+
+    coll = collapse.collapse_table(study.long, study.runs)
+    fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))
+    if any(fell.get(r, False) for ids in arm.values() for r in ids):
+        rows = []
+        for mod, m in itertools.product((MOE, DENSE), ms):
+            for alg in algs[mod]:
+                ids = arm.get((mod, alg, m), [])
+                if ids:
+                    k = sum(fell.get(r, False) for r in ids)
+                    lo, hi = stats.wilson_interval(k, len(ids))
+                    rows.append(
+                        {
+                            "model": mod,
+                            ALGORITHM: alg,
+                            axis: m,
+                            "collapsed": k,
+                            "runs": len(ids),
+                            "rate": k / len(ids),
+                            "low": lo,
+                            "high": hi,
+                        }
+                    )
+        tables["collapse_rate"] = pd.DataFrame(rows)
+    return tables
+
+
+# --- the outcome ------------------------------------------------------------------------------------------------------
 IN_REGIME, NOT_IN_REGIME, UNDECIDED = "i", "ii", ""
 """`Outcome.kind`: "i" (a stratum in the regime, Figure 3 reproduced there or not: `Outcome.reproduced`), "ii" (no
 stratum in the regime with the dense control and GSPO learning), "" (the tables lack what the outcome needs)."""
@@ -239,4 +472,15 @@ def _in_regime(
     return Outcome(IN_REGIME, tuple(out), tuple(ms), any(reproduced))
 
 
-__all__ = ["IN_REGIME", "NOT_IN_REGIME", "UNDECIDED", "Outcome", "outcome"]
+__all__ = [
+    "DENSE",
+    "FINAL",
+    "HELD_OUT",
+    "IN_REGIME",
+    "MOE",
+    "NOT_IN_REGIME",
+    "UNDECIDED",
+    "Outcome",
+    "offpolicy_tables",
+    "outcome",
+]

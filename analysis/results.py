@@ -32,28 +32,28 @@ def reuse_figures(
     src = Path(figures_dir)
     try:
         index = read_json(src / figures.INDEX)
+        data, entries, skipped = index["data"], index["figures"], index["skipped"]
     except (OSError, ValueError) as exc:
         print(f"figures in {src} not reused ({exc}): drawing them")
         return None
-    if "data" not in index:
-        print(f"figures in {src} carry no data fingerprint (written by an older version): drawing them")
+    except KeyError as exc:
+        print(f"figures in {src} not reused ({figures.INDEX} has no {exc}): drawing them")
         return None
-    if index["data"] != figures.data_fingerprint(study):
+    if data != figures.data_fingerprint(study):
         print(f"figures in {src} were drawn from other runs: drawing them")
         return None
-    entries = index.get("figures", {})
     needed = [src / f for e in entries.values() for f in e["files"]]
-    needed += [src / rel for e in entries.values() for rel in e.get("tables", {}).values()]
+    needed += [src / rel for e in entries.values() for rel in e["tables"].values()]
     if any(not p.is_file() for p in needed):
         print(f"figures in {src} are incomplete: drawing them")
         return None
-    rendered = figures.Rendered({}, {}, {}, dict(index.get("skipped", {})))
+    rendered = figures.Rendered({}, {}, {}, dict(skipped))
     sources: dict[str, Path] = {}
     for name, entry in entries.items():
         rendered.paths[name] = [files.write(out_dir / f, (src / f).read_bytes()) for f in entry["files"]]
         rendered.captions[name] = entry["caption"]
         rendered.tables[name] = {}
-        for tname, rel in entry.get("tables", {}).items():
+        for tname, rel in entry["tables"].items():
             sources[f"{name}.{tname}"] = src / rel
             rendered.tables[name][tname] = pd.read_csv(src / rel, **CSV_EXACT)
     return rendered, sources

@@ -494,9 +494,6 @@ def _too_few(res: ClaimResult, free: str, counts: Sequence[Counts], *, direction
 def claim_c3(study: Study, rules: Rules = RULES) -> ClaimResult:
     """C3: collapse rate of GRPO without Routing Replay minus with it, per stratum, where the routing moved enough
     (the volatility precondition)."""
-    present = _present(study)
-    free = _free_of(GRPO, present)
-    rr = _replay_partner_in(GRPO, present) if GRPO in present else None
     pre = regime.volatility(rules.min_volatility)
     rule = (
         "d = collapse rate (status.json or the reward-drop rule) of GRPO without Routing Replay minus GRPO with it "
@@ -505,10 +502,55 @@ def claim_c3(study: Study, rules: Rules = RULES) -> ClaimResult:
         f"collapse in either group the interval ends below {COLLAPSE_MARGIN:g} only from {runs_to_exclude()} runs "
         f"without Routing Replay, so fewer runs without a collapse are inconclusive, not a contradiction. {pre.rule}"
     )
+    return _replay_claim(study, "C3", GRPO, rule, pre, collapse=COLLAPSE_DECISION, direction="against the claim")
+
+
+def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
+    """C4: GSPO without Routing Replay neither collapses more often nor trails GSPO with it by more than the noise
+    margin, where the routing moved enough (the volatility precondition)."""
+    pre = regime.volatility(rules.min_volatility)
+    rule = (
+        "g = reward of GSPO with Routing Replay minus without it, over the last "
+        f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
+        f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
+        f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
+        f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}. {pre.rule}"
+    )
+    return _replay_claim(
+        study,
+        "C4",
+        GSPO,
+        rule,
+        pre,
+        collapse=FREE_COLLAPSE_DECISION,
+        gain=REPLAY_GAIN_DECISION,
+        direction="for the claim",
+    )
+
+
+def _replay_claim(
+    study: Study,
+    claim: str,
+    name: str,
+    rule: str,
+    pre: regime.Precondition,
+    *,
+    collapse: Decision,
+    gain: Decision | None = None,
+    direction: str,
+) -> ClaimResult:
+    """C3 and C4: algorithm `name` without Routing Replay against its Routing Replay partner (the registry's), per
+    stratum, tested where the precondition `pre` (the routing volatility) holds. A stratum's verdict is `collapse` on
+    the collapse-rate difference (without minus with replay); with `gain`, also the reward of the partner minus the
+    algorithm's at equal compute, the two joined by `conjunction`. An inconclusive collapse comparison says how many
+    runs would decide it `direction` (`_too_few`)."""
+    present = _present(study)
+    free = _free_of(name, present)
+    rr = _replay_partner_in(name, present) if name in present else None
     if free is None or rr is None:
-        return _absent("C3", rule, f"{GRPO} and its Routing Replay partner not both present")
+        return _absent(claim, rule, f"{name} and its Routing Replay partner not both present")
     if vocab.REWARD not in study.metrics:
-        return _absent("C3", rule, f"metric {vocab.REWARD} not logged")
+        return _absent(claim, rule, f"metric {vocab.REWARD} not logged")
     coll = _collapsed(study)
     groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
     undecided: list[Counts] = []
@@ -518,66 +560,27 @@ def claim_c3(study: Study, rules: Rules = RULES) -> ClaimResult:
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         d, ev, counts = _rate_evidence(coll, study, mask, free, rr)
-        verdict, ev = _regime_verdict(COLLAPSE_DECISION(d.low, d.high), ev, measured.get(id(mask)))
-        if verdict == INCONCLUSIVE and id(mask) in measured:  # not the pooled reference outcome() adds
-            undecided.append(counts)
-        if verdict == NOT_IN_REGIME:
-            below.append(counts)
-        return verdict, ev
-
-    strata = run_strata(study, strat, groups, evaluate)
-    res = _finish("C3", rule, strat, strata, evaluate)
-    res = _too_few(res, free, undecided if res.verdict == INCONCLUSIVE else [], direction="against the claim")
-    return _with_regime(res, _regime_note(strata, measured, strat), _collapses_at_this_scale(free, rr, below))
-
-
-def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
-    """C4: GSPO without Routing Replay neither collapses more often nor trails GSPO with it by more than the noise
-    margin, where the routing moved enough (the volatility precondition)."""
-    present = _present(study)
-    free = _free_of(GSPO, present)
-    rr = _replay_partner_in(GSPO, present) if GSPO in present else None
-    pre = regime.volatility(rules.min_volatility)
-    rule = (
-        "g = reward of GSPO with Routing Replay minus without it, over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
-        f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
-        f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
-        f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}. {pre.rule}"
-    )
-    if free is None or rr is None:
-        return _absent("C4", rule, f"{GSPO} and its Routing Replay partner not both present")
-    if vocab.REWARD not in study.metrics:
-        return _absent("C4", rule, f"metric {vocab.REWARD} not logged")
-    coll = _collapsed(study)
-    groups = {free: _alg_mask(study, free), rr: _alg_mask(study, rr)}
-    undecided: list[Counts] = []
-    below: list[Counts] = []
-    strat = stratify(study, groups)
-    measured = _measure_strata(study, strat, groups, pre)
-
-    def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
-        vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
-        est, lo, hi = _ci(stats.mean_difference(vals[rr], vals[free]))
-        d, rate_ev, counts = _rate_evidence(coll, study, mask, free, rr)
-        collapse_verdict = FREE_COLLAPSE_DECISION(d.low, d.high)
-        ev = [
-            Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])),
-            *rate_ev,
-        ]
-        verdict = conjunction([REPLAY_GAIN_DECISION(lo, hi), collapse_verdict])
+        collapse_verdict = verdict = collapse(d.low, d.high)
+        if gain is not None:
+            vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
+            est, lo, hi = _ci(stats.mean_difference(vals[rr], vals[free]))
+            reward = Evidence(
+                f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])
+            )
+            ev = [reward, *ev]
+            verdict = conjunction([gain(lo, hi), collapse_verdict])
         verdict, ev = _regime_verdict(verdict, ev, measured.get(id(mask)))
         if verdict == NOT_IN_REGIME:
             below.append(counts)
-        elif collapse_verdict == INCONCLUSIVE and id(mask) in measured:  # not the pooled reference
+        elif collapse_verdict == INCONCLUSIVE and id(mask) in measured:  # not the pooled reference outcome() adds
             undecided.append(counts)
         return verdict, ev
 
     strata = run_strata(study, strat, groups, evaluate)
-    res = _finish("C4", rule, strat, strata, evaluate)
-    if res.verdict == INCONCLUSIVE:
-        lead = f"{res.evidence[1]}: " if len(res.strata) <= 1 and len(res.evidence) > 1 else ""  # the collapse line
-        res = _too_few(res, free, undecided, direction="for the claim", lead=lead)
+    res = _finish(claim, rule, strat, strata, evaluate)
+    if res.verdict == INCONCLUSIVE:  # unstratified with a reward part, the collapse line leads the reason
+        lead = f"{res.evidence[1]}: " if gain is not None and len(res.strata) <= 1 and len(res.evidence) > 1 else ""
+        res = _too_few(res, free, undecided, direction=direction, lead=lead)
     return _with_regime(res, _regime_note(strata, measured, strat), _collapses_at_this_scale(free, rr, below))
 
 

@@ -129,8 +129,7 @@ def cleared_runs(study: Study) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     coll = collapse.collapse_table(study.long, study.runs, vocab.REWARD)
     coll = coll[coll["in_band"].astype(bool)]
-    keep = [c for c in [RUN_ID, *study.axes, "seed"] if c in study.runs.columns]
-    out = coll[[RUN_ID, ALGORITHM, "in_band"]].merge(study.runs[keep], on=RUN_ID, how="left")
+    out = coll[[RUN_ID, ALGORITHM, "in_band"]].merge(study.runs[[RUN_ID, *study.axes, "seed"]], on=RUN_ID, how="left")
     out = out.rename(columns={"in_band": "why not flagged"})
     return out[[c for c in cols if c in out.columns]].reset_index(drop=True)
 
@@ -139,9 +138,9 @@ def runs_table(study: Study) -> pd.DataFrame:
     """Every run: id, algorithm and its registry label, swept axes, seed, state, steps, precision emulation."""
     runs = study.runs
     cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step"]
-    out = runs[[c for c in cols if c in runs.columns]].copy()
+    out = runs[cols].copy()
     out.insert(2, "label", [style.label_or_name(str(a)) for a in out[ALGORITHM]])
-    if EMULATED in runs.columns and runs[EMULATED].notna().any():
+    if runs[EMULATED].notna().any():
         out[EMULATED] = runs[EMULATED]
     return out.reset_index(drop=True)
 
@@ -171,10 +170,10 @@ def _study_summary(study: Study) -> dict[str, Any]:
         "algorithms": [
             style.label_or_name(a) for a in style.order_or_sorted(study.runs[ALGORITHM].dropna().astype(str).unique())
         ],
-        "seeds": natural_sorted_text(study.runs["seed"].dropna().unique()) if "seed" in study.runs else [],
+        "seeds": natural_sorted_text(study.runs["seed"].dropna().unique()),
         "swept axes": {a: natural_sorted_text(study.runs[a].dropna().unique()) for a in study.axes},
     }
-    if EMULATED in study.runs.columns and study.runs[EMULATED].notna().any():
+    if study.runs[EMULATED].notna().any():
         summary["runs with emulated precision"] = int(study.runs[EMULATED].fillna(False).sum())
     return summary
 

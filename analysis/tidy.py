@@ -224,18 +224,14 @@ def read_study(out_dir: str | os.PathLike[str]) -> Study:
     """Read back what `Study.write` wrote (configs/manifests are not stored there: reload runs for those)."""
     out = Path(out_dir)
     meta = read_json(out / OUTPUT_FILES["missing"])
-    optional = {
-        key: pd.read_parquet(out / OUTPUT_FILES[key]) if (out / OUTPUT_FILES[key]).exists() else pd.DataFrame()
-        for key in ("tokens", "sequences")
-    }  # older tidy folders have neither
+    tables = {
+        key: pd.read_parquet(out / OUTPUT_FILES[key]) for key in ("long", "runs", "layers", "tokens", "sequences")
+    }
     return Study(
-        long=pd.read_parquet(out / OUTPUT_FILES["long"]),
-        runs=pd.read_parquet(out / OUTPUT_FILES["runs"]),
-        layers=pd.read_parquet(out / OUTPUT_FILES["layers"]),
+        **tables,
         axes=list(meta["axes"]),
         missing=list(meta["missing"]),
-        unreadable=pd.DataFrame(meta.get("unreadable", []), columns=UNREADABLE_COLUMNS),
-        **optional,
+        unreadable=pd.DataFrame(meta["unreadable"], columns=UNREADABLE_COLUMNS),
     )
 
 

@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from analysis import fit, stats, synthetic, tidy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the synthetic runs are the tests' (tests/analysis)
+
+from analysis import fit, stats, tidy
+from tests.analysis import synthetic
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ matplotlib.use("Agg")
 
 import pytest
 
-from analysis import synthetic, tidy
+from analysis import tidy
+from tests.analysis import synthetic
 
 C = synthetic.Curve
 # Ground truth per algorithm (tests may name algorithms; figure code never does).

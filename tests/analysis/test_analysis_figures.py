@@ -5,6 +5,7 @@ import pytest
 
 from analysis import figures, stats, style
 from analysis.figures import MissingData
+from analysis.figures.fig3_routing_replay import routing_families
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_clip_fraction_bars_are_in_registry_order_with_the_known_heights(study):
 
 
 def test_routing_families_pair_by_loss_and_routing_not_by_name():
-    fams = figures.routing_families(["gspo", "grpo_rr", "grpo", "gspo_rr", "sapo", "grpo_r3"])
+    fams = routing_families(["gspo", "grpo_rr", "grpo", "gspo_rr", "sapo", "grpo_r3"])
     assert fams == [["grpo", "grpo_rr", "grpo_r3"], ["gspo", "gspo_rr"]]
 
 
@@ -114,7 +115,8 @@ def _layout_problems(fig):
 def small_study(tmp_path_factory):
     # a laptop default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
     # noisy rewards: the eval panels' ticks must not overlap ("3x10^-4 4x10^-4 6x10^-4") nor legends cover data
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     C = synthetic.Curve
     curves = {a: C(a=0.075, b=1.0, c_mid=1e11, r0=0.15, noise=0.035) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")}
@@ -178,7 +180,8 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert made.fig.axes[1].xaxis.get_major_locator()()[0] == 0.0  # "0" is the first tick
 
     # runs without a step-0 row: a plain log axis from the first evaluation, and the caption says why
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=30, start_eval=False)
     old = figures.figure1_reward(tidy.load_study(tmp_path))
@@ -198,7 +201,8 @@ def test_figure1_keeps_an_evaluation_whose_compute_differs_by_seed(tmp_path):
     generated different lengths): the held-out panel's last point is the mean of both seeds, not left out."""
     import pandas as pd
 
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=16, eval_every=16)
     path = sorted((tmp_path / "runs").glob("*/metrics.parquet"))[1]
@@ -215,7 +219,8 @@ def test_figure1_keeps_an_evaluation_whose_compute_differs_by_seed(tmp_path):
 
 @pytest.fixture(scope="module")
 def routing_study(tmp_path_factory):
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     root = tmp_path_factory.mktemp("routing")
     synthetic.make_routing_study(root, seeds=(0, 1, 2), n_steps=60)
@@ -223,7 +228,7 @@ def routing_study(tmp_path_factory):
 
 
 def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_study):
-    from analysis import synthetic
+    from tests.analysis import synthetic
 
     made = figures.figure8_routing_volatility(routing_study)
     vol, gaps, load = made.tables["volatility"], made.tables["gaps"], made.tables["routing_load"]
@@ -248,7 +253,8 @@ def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_s
 
 
 def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp_path):
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     with pytest.raises(MissingData, match="swept axis other than algorithm"):
         figures.figure8_routing_volatility(small_study)
@@ -259,7 +265,8 @@ def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp
 
 
 def test_figure8_without_a_compared_pair_draws_the_volatility_and_says_why(tmp_path):
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     C = synthetic.Curve
     synthetic.make_study(

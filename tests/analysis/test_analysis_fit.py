@@ -88,7 +88,8 @@ def test_flat_data_are_not_identified():
 
 
 def test_figure7_draws_identified_fits_only(tmp_path):
-    from analysis import figures, synthetic, tidy
+    from analysis import figures, tidy
+    from tests.analysis import synthetic
 
     C = synthetic.Curve
     curves = {"gspo": C(a=0.8, b=2.0, c_mid=1e13), "grpo": C(a=0.1, r0=0.1, noise=0.035)}  # a sigmoid, flat data

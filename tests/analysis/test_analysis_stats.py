@@ -112,7 +112,8 @@ def test_study_level_summary_counts_collapsed_runs(study):
 
 # --- the step-0 row: the starting policy's evaluation, before any RL step ------------------------------------------
 def _with_and_without_start(tmp_path):
-    from analysis import synthetic, tidy
+    from analysis import tidy
+    from tests.analysis import synthetic
 
     C = synthetic.Curve
     curves = {"grpo": C(a=0.5, c_mid=2e12, collapse_step=30), "grpo_rr": C(a=0.6, c_mid=2e12), "gspo": C(a=0.8)}

@@ -7,7 +7,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import sections, synthetic, tidy
+from analysis import sections, tidy
+from tests.analysis import synthetic
 
 
 def _write(root, run_id, state, *, metrics=True, **status):

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import figures, synthetic, tidy
+from analysis import figures, tidy
 from analysis.figures import MissingData
+from tests.analysis import synthetic
 
 from .conftest import TOKEN_TRUTH
 

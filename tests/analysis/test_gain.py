@@ -3,7 +3,8 @@ and why it is not available for runs that never evaluated their start."""
 
 import pytest
 
-from analysis import gain, style, synthetic, tidy
+from analysis import gain, style, tidy
+from tests.analysis import synthetic
 from tests.analysis.test_analysis_stats import _with_and_without_start
 
 C = synthetic.Curve

@@ -12,9 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import figures, offpolicy, report, stats, style, synthetic, tidy, vocab
-from analysis.figures import DENSE, HELD_OUT, MOE, MissingData
+from analysis import figures, offpolicy, report, stats, style, tidy, vocab
+from analysis.figures import MissingData
+from analysis.figures.fig8_routing_volatility import routing_volatility_tables
+from analysis.offpolicy import DENSE, HELD_OUT, MOE
 from analysis.results import CSV_EXACT
+from tests.analysis import synthetic
 from tests.analysis.test_analysis_figures import _layout_problems
 
 M = vocab.MINIBATCH_AXIS
@@ -57,7 +60,7 @@ def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(stud
     dense = st.runs.loc[st.runs["model.num_experts"] == 1, "run_id"]
     assert (ffn[dense] == 1024).all() and ffn.drop(dense).isna().all()
     figures.figure1_reward(st)
-    assert len(figures.routing_volatility_tables(st)["volatility"]) == 8  # 4 M x (MoE, dense)
+    assert len(routing_volatility_tables(st)["volatility"]) == 8  # 4 M x (MoE, dense)
 
 
 def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis import figures, gain, render, report, results, scorecard, sections, style, synthetic, tidy
+from analysis import figures, gain, render, report, results, scorecard, sections, style, tidy
+from tests.analysis import synthetic
 
 C = synthetic.Curve
 CURVES = {

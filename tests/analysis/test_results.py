@@ -10,8 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import results, synthetic
+from analysis import results
 from analysis.__main__ import main
+from tests.analysis import synthetic
 
 C = synthetic.Curve
 CURVES = {"grpo": C(a=0.5, c_mid=2e12), "gspo": C(a=0.8, c_mid=2e12)}
@@ -127,3 +128,19 @@ def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
     page, md = render.page(name, blocks)
     assert "<img" not in page and "<img" not in md.replace("\\<", ""), md
     assert md.count("\\<img src=x onerror=alert(1)>") == 7 and "and \\\\\\<img" in md and "a < b" in md
+
+
+@pytest.mark.parametrize("key", ["data", "figures", "skipped"])
+def test_a_figures_index_without_a_key_it_always_has_is_drawn_again_saying_which(tmp_path, capsys, key) -> None:
+    from analysis import figures, tidy
+
+    _study(tmp_path)
+    st = tidy.load_study(tmp_path)
+    src = tmp_path / "figs"
+    src.mkdir()
+    index = {"data": figures.data_fingerprint(st), "figures": {}, "skipped": {}}
+    (src / figures.INDEX).write_text(json.dumps({k: v for k, v in index.items() if k != key}))
+    assert results.reuse_figures(st, src, tmp_path / "out") is None
+    assert f"figures in {src} not reused (figures.json has no '{key}'): drawing them" in capsys.readouterr().out
+    (src / figures.INDEX).write_text(json.dumps(index))
+    assert results.reuse_figures(st, src, tmp_path / "out") is not None

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis import power, scorecard, synthetic, tidy
+from analysis import power, scorecard, tidy
 from analysis.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NOT_IN_STUDY, SUPPORTED
+from tests.analysis import synthetic
 
 C = synthetic.Curve
 

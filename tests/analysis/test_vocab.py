@@ -9,9 +9,9 @@ from analysis import vocab
 
 ANALYSIS = Path(vocab.__file__).parent
 TABLE_NAMES = {
-    ("figures.py", "tokens"),  # Figure 4b's table of token counts, not the metric
+    ("figures/fig4b_token_logprobs.py", "tokens"),  # Figure 4b's table of token counts, not the metric
     ("tidy.py", "tokens"),  # Study.tokens, the token-sample table
-    ("figures.py", "slot_mismatch"),  # Figure 6's vs_clip column: each run's mean routing_slot_mismatch
+    ("figures/fig6_routing.py", "slot_mismatch"),  # Figure 6's vs_clip column: each run's mean routing_slot_mismatch
 }
 """Strings that equal a metric name but name a table or a column analysis writes."""
 
@@ -39,8 +39,8 @@ def test_no_module_but_vocab_spells_a_metric_name() -> None:
     shared = set(vocab.METRICS) & set(vocab.LAYER_METRICS)
     assert shared == {vocab.EXPERT_LOAD, vocab.ROUTER_ENTROPY, vocab.ENGINE_EXPERT_LOAD}
     found = {
-        (path.name, s)
-        for path in sorted(ANALYSIS.glob("*.py"))
+        (path.relative_to(ANALYSIS).as_posix(), s)
+        for path in sorted(ANALYSIS.rglob("*.py"))
         if path.name != "vocab.py"
         for s in _strings(ast.parse(path.read_text()))
         if s in names
