@@ -616,7 +616,8 @@ def write_best(p: Plan, out: Path | None = None, algorithms_: list[str] | None =
     """Write the tuned file (and trials.csv, every trial of the written algorithms) atomically."""
     import pandas as pd
 
-    from study.run.rundir import atomic_write, write_text
+    from study.core.files import atomic_write
+    from study.run.rundir import write_text
 
     storage = open_storage(p)
     doc = best_document(p, algorithms_, storage)

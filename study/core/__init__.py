@@ -1,2 +1,3 @@
 """Shared libraries every room uses, importing no subpackage of study/: the policy's shape and presets
-(model_config), precision as a study axis (precision), the weight mapping where policy and rollout meet (weights)."""
+(model_config), precision as a study axis (precision), the weight mapping where policy and rollout meet (weights),
+the atomic file write (files)."""

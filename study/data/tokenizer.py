@@ -30,8 +30,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from study.core.files import atomic_write
 from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
-from study.run.rundir import atomic_write
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

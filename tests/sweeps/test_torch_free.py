@@ -38,7 +38,7 @@ for name in json.loads(sys.argv[1]):
 
 from study.coldstart import resolve_settings
 from study.coldstart.store import run_coldstart
-from study.tools import plan
+from study.run import plan
 from sweeps.expand import load_sweep
 
 for path in json.loads(sys.argv[2]):
@@ -65,7 +65,7 @@ def rule_file_imports() -> list[str]:
 def test_the_probe_sees_the_rule_files_imports():
     """A parser that found nothing would pass: it finds the modules common.smk and tune_common.smk are known to use."""
     names = rule_file_imports()
-    assert {"study.coldstart", "study.coldstart.store", "sweeps.expand", "study.tools", "algorithms"} <= set(names)
+    assert {"study.coldstart", "study.coldstart.store", "sweeps.expand", "study.run", "algorithms"} <= set(names)
     assert len(SWEEP_FILES) >= 8
 
 

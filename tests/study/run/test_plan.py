@@ -1,5 +1,5 @@
-"""The memory and layout planner (study/tools/plan.py): exact parameter counts, the sharding arithmetic, the CLI, and
-the refusal of a run that cannot fit."""
+"""The memory and layout planner (study/run/plan.py; its CLI study/tools/plan.py): exact parameter counts, the sharding
+arithmetic, the CLI, and the refusal of a run that cannot fit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from study.core.model_config import PRESETS, resolve_model
 from study.policy.model import build_policy, count_parameters
-from study.tools import plan
+from study.run import plan
+from study.tools.plan import PUBLISHED, plan_main
 
 
 @pytest.mark.parametrize("name", ["tiny", "default"])
@@ -58,17 +59,17 @@ def test_sharding_arithmetic() -> None:
 def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = resolve_model("qwen3-30b-a3b")
     work = plan.Workload(prompts=64, group_size=8, prompt_len=1024, response_len=4096)
-    for gpus, layout in plan.PUBLISHED.values():
+    for gpus, layout in PUBLISHED.values():
         est = plan.estimate(cfg, layout, work, engine=plan.default_engine(cfg, gpus), gpu_mem_gb=80)
         assert est.fits(80 * plan.GB), layout.label()
-    verl = dataclasses.replace(plan.PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
+    verl = dataclasses.replace(PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
     assert not plan.estimate(cfg, verl, work, engine=plan.default_engine(cfg, 16), gpu_mem_gb=80).fits(80 * plan.GB)
-    assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
+    assert plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     assert "TP4 EP4 DP4 +SP +DistOpt +Recompute" in out and "layouts fit on 16 GPU(s) of 80 GB" in out
     assert "(verl GSPO (2x8))" in out and "(NeMo-RL GRPO (8x8))" in out
-    assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "80"]) == 1  # fits nowhere
-    assert plan.plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert plan_main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "80"]) == 1  # fits nowhere
+    assert plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
 
     from study.run.config import RunConfig
