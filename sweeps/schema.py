@@ -36,7 +36,7 @@ from typing import Any
 
 import jsonschema
 
-import algorithms
+from algorithms import catalog
 from study.core.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
 from study.data import tasks
 from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
@@ -75,7 +75,7 @@ _MODEL_MAPPING = "a local HF checkpoint directory (a path with '/'), or a mappin
 
 def _enums() -> dict[str, list[str]]:
     return {
-        "algorithm": list(algorithms.names()),
+        "algorithm": list(catalog.names()),
         "task": list(tasks.TASKS),
         "rollout_engine": list(ENGINES),
         "train_dtype": list(DTYPES),
@@ -150,7 +150,7 @@ def sweep_schema() -> dict[str, Any]:
             "base": base,
             "per_algorithm": {
                 "type": "object",
-                "propertyNames": {"enum": list(algorithms.names())},
+                "propertyNames": {"enum": list(catalog.names())},
                 "additionalProperties": base,
             },
             "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
@@ -254,7 +254,7 @@ def tuned_file_schema() -> dict[str, Any]:
             "algorithms": {
                 "type": "object",
                 "minProperties": 1,
-                "propertyNames": {"enum": list(algorithms.names())},
+                "propertyNames": {"enum": list(catalog.names())},
                 "additionalProperties": entry,
             },
         },
@@ -289,7 +289,7 @@ def _message(error: jsonschema.ValidationError) -> str:
     if error.validator == "anyOf" and is_model:
         return f"{where} = {error.instance!r}; valid: {', '.join(PRESETS)}, {_MODEL_MAPPING}"
     if error.validator == "oneOf" and where.startswith("axes.algorithm"):
-        return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(algorithms.names())}"
+        return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(catalog.names())}"
     if error.validator == "oneOf" and where.startswith("tune.space."):
         return f"{where} = {error.instance!r}; valid: `fixed`, or {{low: X, high: Y}} with optional log: true|false"
     if error.validator == "const":

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-import algorithms
+from algorithms import catalog
 from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
 OLD_LOGP_SOURCES = ("recompute", "rollout")
@@ -203,9 +203,9 @@ class RunConfig:
         """Every error names the field, the value and the valid choices, before any compute is spent."""
         from study.data import tasks
 
-        alg = algorithms.get(self.algorithm) if self.algorithm in algorithms.names() else None
+        alg = catalog.spec(self.algorithm) if self.algorithm in catalog.names() else None
         if alg is None:
-            raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
+            raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(catalog.names())}")
         alg.check_hparams(self.hparams)
         self._validate_model()
         self.layout.check_model(self.model_config())
@@ -390,7 +390,7 @@ class RunConfig:
     def run_id(self) -> str:
         """Content hash of the resolved config (hyper-parameters resolved against the registry's defaults)."""
         resolved = self.to_dict()
-        resolved["hparams"] = algorithms.get(self.algorithm).check_hparams(self.hparams)
+        resolved["hparams"] = catalog.spec(self.algorithm).check_hparams(self.hparams)
         for key in NOT_HASHED:
             resolved.pop(key)
         for key, default in HASHED_IF_SET.items():  # fields added later: run ids of older configs stay valid
