@@ -37,9 +37,10 @@ from typing import Any
 import jsonschema
 
 from algorithms import catalog
-from study.core.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
+from study.core.model_config import FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
+from study.core.precision import PRECISIONS
 from study.data import tasks
-from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
+from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, REPLACED_FIELDS, RunConfig
 
 MODES = ("grid", "zip")
 TOP_LEVEL = (
@@ -78,8 +79,8 @@ def _enums() -> dict[str, list[str]]:
         "algorithm": list(catalog.names()),
         "task": list(tasks.TASKS),
         "rollout_engine": list(ENGINES),
-        "train_dtype": list(DTYPES),
-        "rollout_dtype": list(DTYPES),
+        "train_precision": list(PRECISIONS),
+        "rollout_precision": [*PRECISIONS, "same"],
         "old_logp_source": list(OLD_LOGP_SOURCES),
     }
 
@@ -279,7 +280,8 @@ def _message(error: jsonschema.ValidationError) -> str:
         valid = ", ".join(schema.get("properties", {}))
         if patterns:
             valid += "".join(f", {name}.NAME" for name in MAPPING_FIELDS)
-        return f"{where}: unknown field(s) {extra}; valid: {valid}"
+        replaced = "".join(f"; {k} is replaced by {REPLACED_FIELDS[k]}" for k in extra if k in REPLACED_FIELDS)
+        return f"{where}: unknown field(s) {extra}{replaced}; valid: {valid}"
     is_model = re.search(r"(^|\.)model(\[\d+\])?$", where) is not None
     if error.validator == "enum":
         valid = ", ".join(map(str, error.validator_value))

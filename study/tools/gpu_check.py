@@ -491,8 +491,8 @@ class Check:
                 "model": SHAPE, "task": "user", "data": str(data), "verifier": "exact", "coldstart": str(warm),
                 "algorithm": "grpo_r3", "steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
                 "max_new_tokens": 12, "lr": RL_LR, "eval_every": 2, "eval_size": 4, "eval_samples": 1,
-                "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_dtype": self.dtype,
-                "rollout_dtype": self.dtype,
+                "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_precision": self.dtype,
+                "rollout_precision": self.dtype,
             }  # fmt: skip
             if self.cuda:  # colocated (the engine sleeps through the update and wakes for the sync), no graph capture
                 spec["rollout_runtime"] = {"gpu_memory": 0.25, "cuda_graphs": False}

@@ -446,7 +446,7 @@ def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypat
     """study.run.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
     job)."""
     monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
-    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
+    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_precision="bf16", rollout_precision="bf16",
                        max_new_tokens=4096)  # fmt: skip
     config = write_config(big, tmp_path / "big.yaml")
     args = [str(config), "--results", str(tmp_path), "--launcher", "slurm", "--gpus", "1", "--gpu-mem-gb", "80"]

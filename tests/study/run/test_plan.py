@@ -74,8 +74,8 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
 
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
+    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_precision="bf16",
+                    rollout_precision="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
@@ -99,8 +99,8 @@ def test_a_colocated_peak_counts_the_trainers_state_beside_the_engine() -> None:
 def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
+    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_precision="bf16",
+                    rollout_precision="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
                     rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
                     parallel={"tensor": 4, "expert": 16, "data": 4})  # fmt: skip
     est = plan.check_run_fits(run, gpus=16, gpu_mem_gb=80)
