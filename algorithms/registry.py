@@ -274,13 +274,18 @@ def discover() -> None:
     _discovery.append("started")
     modules = variant_modules()
     place: dict[str, int] = {}
-    for index, short in enumerate(modules):
-        module = importlib.import_module(f"{__package__}.{short}")
-        for name in registered_in(PACKAGE / f"{short}.py"):
-            if name in _REGISTRY:
-                alg = _REGISTRY[name]
-                _REGISTRY[name] = replace(alg, module=module.__name__, doc=alg.doc or (module.__doc__ or "").strip())
-                place[name] = index
+    try:
+        for index, short in enumerate(modules):
+            module = importlib.import_module(f"{__package__}.{short}")
+            for name in registered_in(PACKAGE / f"{short}.py"):
+                if name in _REGISTRY:
+                    alg = _REGISTRY[name]
+                    doc = alg.doc or (module.__doc__ or "").strip()
+                    _REGISTRY[name] = replace(alg, module=module.__name__, doc=doc)
+                    place[name] = index
+    except BaseException:  # a variant that fails to import fails every lookup, not only the first
+        _discovery.clear()
+        raise
     ordered = sorted(_REGISTRY.items(), key=lambda item: (place.get(item[0], len(modules)), _SEQUENCE[item[0]]))
     _REGISTRY.clear()
     for index, (name, alg) in enumerate(ordered):
