@@ -1,9 +1,17 @@
-"""`python -m algorithms`: the registered variants, their routing, ratio level and default hyper-parameters."""
+"""`python -m algorithms [--json]`: the registered variants, their routing, ratio level and default hyper-parameters
+(--json: every variant's metadata, what algorithms.catalog reads)."""
+
+import json
+import sys
 
 import algorithms
+from algorithms.catalog import spec_document
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    if argv == ["--json"]:
+        print(json.dumps({name: spec_document(algorithms.get(name).spec) for name in algorithms.names()}))
+        return
     rows = [("name", "label", "routing", "ratio", "rollout_logp", "hyper-parameters")]
     for name in algorithms.names():
         alg = algorithms.get(name)
@@ -15,4 +23,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

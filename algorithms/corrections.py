@@ -12,7 +12,8 @@ How they compose: each correction is a detached, non-negative weight per token (
 advantage before the wrapped loss sees it. Every loss here is positively homogeneous in A per token
 (min(w cA, clip(w) cA) = c min(w A, clip(w) A) for c >= 0), so this is exactly "multiply the token's term by the
 weight" while the normalisers (|y_i|, G, token counts) stay those of the uncorrected loss. Token-level weights need a
-loss that accepts (B, T) advantages: `register` refuses to pair them with a sequence-level ratio.
+loss that accepts (B, T) advantages: they refuse to wrap a loss with a sequence-level ratio. A corrected loss has
+the ratio level of the loss it wraps.
 
     register("grpo_tis", label="GRPO + TIS")(with_tis(grpo_loss))
 """
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from algorithms.common import check_inputs, per_token, token_mean
-from algorithms.registry import LossFn, Range, hparam_parameters
+from algorithms.registry import LossFn, Range, hparam_parameters, loss_ratio_level
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,11 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
     """Wrap `loss_fn` so its advantages are scaled by `weights(...)`, adding `params` as hyper-parameters."""
     base_sig = inspect.signature(loss_fn)
     base_hparams = {p.name: p for p in hparam_parameters(loss_fn)}  # annotations evaluated: Range stays readable
+    if level == "token" and loss_ratio_level(loss_fn) == "sequence":
+        raise ValueError(
+            f"{name}: a token-level correction cannot wrap a sequence-level ratio ({loss_fn.__name__}); use with_mis, "
+            "or a token-level loss such as gspo_token"
+        )
     taken = set(base_sig.parameters) & set(params)
     if taken:
         raise ValueError(f"{name}: hyper-parameter name(s) {sorted(taken)} already used by {loss_fn.__name__}")
@@ -97,8 +103,7 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
     corrected.__qualname__ = corrected.__name__
     corrected.__module__ = loss_fn.__module__
     corrected.needs_rollout_logp = True  # type: ignore[attr-defined]
-    levels = {level, getattr(loss_fn, "correction_level", "sequence")}
-    corrected.correction_level = "token" if "token" in levels else "sequence"  # type: ignore[attr-defined]
+    corrected.ratio_level = loss_ratio_level(loss_fn)  # type: ignore[attr-defined]
     return corrected
 
 

@@ -21,13 +21,14 @@ from algorithms.common import (
     seq_mean,
     to_floats,
 )
-from algorithms.registry import Range, register
+from algorithms.registry import Range, ratio_level, register
 
 if TYPE_CHECKING:
     import torch
 
 
-@register("gmpo", label="GMPO", color="#999933", ratio_level="sequence")
+@register("gmpo", label="GMPO", color="#999933")
+@ratio_level("sequence")
 def gmpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

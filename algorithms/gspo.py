@@ -22,13 +22,14 @@ from algorithms.common import (
     seq_mean,
     to_floats,
 )
-from algorithms.registry import Range, register
+from algorithms.registry import Range, ratio_level, register
 
 if TYPE_CHECKING:
     import torch
 
 
-@register("gspo", label="GSPO", color="#009E73", ratio_level="sequence")
+@register("gspo", label="GSPO", color="#009E73")
+@ratio_level("sequence")
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -7,4 +7,4 @@ Differences from gspo:
 from algorithms.gspo import gspo_loss
 from algorithms.registry import register
 
-register("gspo_rr", label="GSPO + Routing Replay", color="#CC79A7", routing="replay", ratio_level="sequence")(gspo_loss)
+register("gspo_rr", label="GSPO + Routing Replay", color="#CC79A7", routing="replay")(gspo_loss)

@@ -2,17 +2,26 @@
 
 Every variant is a named, complete `Algorithm` (loss, advantage estimator, routing mode, defaults). The loss is a pure
 tensor function whose keyword-only parameters *are* the hyper-parameters: their defaults are `alg.hparams`, their
-`Annotated[..., Range(...)]` bounds are checked by `alg.check_hparams` before any compute is spent.
+`Annotated[..., Range(...)]` bounds are checked by `alg.check_hparams` before any compute is spent. Its ratio level
+is the loss's own (`ratio_level`), so every registration of a loss, or of a correction wrapping it, has it.
+
+The variants are the modules of this package (each registers on import); the first `get`, `names` or `register`
+imports them all. `Spec` is what is read of a variant without running it (algorithms.catalog reads it without
+importing torch).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+import itertools
 import math
-import sys
+import pkgutil
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,6 +70,64 @@ class Range:
 
 LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 AdvantageFn = Callable[["torch.Tensor", int], "torch.Tensor"]
+
+
+def ratio_level(level: RatioLevel) -> Callable[[LossFn], LossFn]:
+    """Declare, where a loss is defined, the level of its importance ratio: `@ratio_level("sequence")` under the
+    `register` line. A loss without the declaration is token-level."""
+    if level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level = {level!r}; valid: {', '.join(RATIO_LEVELS)}")
+
+    def mark(loss_fn: LossFn) -> LossFn:
+        loss_fn.ratio_level = level  # type: ignore[attr-defined]
+        return loss_fn
+
+    return mark
+
+
+def loss_ratio_level(loss_fn: LossFn) -> RatioLevel:
+    """The ratio level a loss declares (`ratio_level`), "token" when it declares none."""
+    return getattr(loss_fn, "ratio_level", "token")
+
+
+def check_hparams(
+    name: str, hparams: Mapping[str, Any], ranges: Mapping[str, Range], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`hparams` with validated `overrides` applied; errors name the field, the value and the valid choices."""
+    out = dict(hparams)
+    for key, value in overrides.items():
+        if key not in hparams:
+            raise ValueError(f"algorithm '{name}' has no hyper-parameter '{key}'; valid: {', '.join(hparams)}")
+        default = hparams[key]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}.{key} = {value!r}: must be a finite number")
+            bounds = ranges.get(key)
+            if bounds is not None and not bounds.check(value):
+                raise ValueError(f"{name}.{key} = {value!r}: valid range is {bounds}")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What is read of a variant without running it: its name, legend, routing, ratio level, hyper-parameters."""
+
+    name: str
+    label: str
+    routing: Routing
+    ratio_level: RatioLevel
+    color: str
+    needs_rollout_logp: bool
+    dynamic_sampling: bool
+    doc: str
+    module: str
+    hparams: Mapping[str, Any]
+    ranges: Mapping[str, Range]
+
+    def check_hparams(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """Validated `hparams` with `overrides` applied; errors name the field, the value and the valid choices."""
+        return check_hparams(self.name, self.hparams, self.ranges, overrides)
 
 
 @dataclass(frozen=True)
@@ -113,21 +180,24 @@ class Algorithm:
 
     def check_hparams(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """Validated `hparams` with `overrides` applied; errors name the field, the value and the valid choices."""
-        out = dict(self.hparams)
-        for key, value in overrides.items():
-            if key not in self.hparams:
-                raise ValueError(
-                    f"algorithm '{self.name}' has no hyper-parameter '{key}'; valid: {', '.join(self.hparams)}"
-                )
-            default = self.hparams[key]
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise ValueError(f"{self.name}.{key} = {value!r}: must be a finite number")
-                bounds = self.ranges.get(key)
-                if bounds is not None and not bounds.check(value):
-                    raise ValueError(f"{self.name}.{key} = {value!r}: valid range is {bounds}")
-            out[key] = value
-        return out
+        return check_hparams(self.name, self.hparams, self.ranges, overrides)
+
+    @property
+    def spec(self) -> Spec:
+        """The variant's metadata, without its functions."""
+        return Spec(
+            name=self.name,
+            label=self.label,
+            routing=self.routing,
+            ratio_level=self.ratio_level,
+            color=self.color,
+            needs_rollout_logp=self.needs_rollout_logp,
+            dynamic_sampling=self.dynamic_sampling,
+            doc=self.doc,
+            module=self.module,
+            hparams=self.hparams,
+            ranges=self.ranges,
+        )
 
     def with_hparams(self, **overrides: Any) -> Algorithm:
         """A copy with validated new defaults (same name: a tuned instance of the same variant)."""
@@ -164,10 +234,62 @@ def loss_hparams(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Rang
 
 
 _REGISTRY: dict[str, Algorithm] = {}
+_SEQUENCE: dict[str, int] = {}  # name -> its registration's number (itertools.count)
+_COUNT = itertools.count()
+_AUTO_COLOR: set[str] = set()  # names whose colour is their place in the registry's order
+PACKAGE = Path(__file__).resolve().parent
+"""The folder of the variants: every module in it not starting with "_" and not in LIBRARY registers some."""
+LIBRARY = frozenset({"catalog", "common", "corrections", "registry"})
+_discovery: list[str] = []  # "started" once discover() has begun
 
 
 class UnknownAlgorithmError(LookupError):
     """An algorithm name that is not registered."""
+
+
+def variant_modules() -> list[str]:
+    """The variant modules' names, sorted: the registry's order (and with it legend colours) is theirs everywhere."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(PACKAGE)]) if not m.name.startswith("_")
+                  and m.name not in LIBRARY)  # fmt: skip
+
+
+def registered_in(path: Path) -> list[str]:
+    """The names a variant file registers: the string first argument of each `register(...)` call in its source."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        called = getattr(node, "func", None)
+        first = node.args[0] if isinstance(node, ast.Call) and node.args else None
+        if getattr(called, "id", getattr(called, "attr", "")) == "register" and isinstance(first, ast.Constant):
+            names.append(str(first.value))
+    return names
+
+
+def discover() -> None:
+    """Import every variant module, once, whichever was imported first. Each variant is then attributed to the file
+    whose source registers it (a one-line variant of another file's loss has its own file's docstring as its doc),
+    and the registry is ordered by those files' sorted names, then by registration within a file; variants
+    registered elsewhere (a test's) follow."""
+    if _discovery:
+        return
+    _discovery.append("started")
+    modules = variant_modules()
+    place: dict[str, int] = {}
+    try:
+        for index, short in enumerate(modules):
+            module = importlib.import_module(f"{__package__}.{short}")
+            for name in registered_in(PACKAGE / f"{short}.py"):
+                if name in _REGISTRY:
+                    alg = _REGISTRY[name]
+                    doc = alg.doc or (module.__doc__ or "").strip()
+                    _REGISTRY[name] = replace(alg, module=module.__name__, doc=doc)
+                    place[name] = index
+    except BaseException:  # a variant that fails to import fails every lookup, not only the first
+        _discovery.clear()
+        raise
+    ordered = sorted(_REGISTRY.items(), key=lambda item: (place.get(item[0], len(modules)), _SEQUENCE[item[0]]))
+    _REGISTRY.clear()
+    for index, (name, alg) in enumerate(ordered):
+        _REGISTRY[name] = replace(alg, color=PALETTE[index % len(PALETTE)]) if name in _AUTO_COLOR else alg
 
 
 def register(
@@ -175,32 +297,22 @@ def register(
     *,
     label: str,
     routing: Routing = "free",
-    ratio_level: RatioLevel = "token",
     advantages: AdvantageFn = group_normalized_advantages,
     dynamic_sampling: bool = False,
     reward_shaping: Callable[..., torch.Tensor] | None = None,
     color: str | None = None,
     doc: str | None = None,
 ) -> Callable[[LossFn], LossFn]:
-    """Register `loss_fn` as the variant `name`. Use as a decorator, or call on an existing loss."""
+    """Register `loss_fn` as the variant `name`. Use as a decorator, or call on an existing loss. The variant's ratio
+    level is the loss's (`ratio_level`); its doc, unless given, the docstring of the variant file that registers it."""
     if not name.isidentifier() or name != name.lower():
         raise ValueError(f"algorithm name {name!r} must be a lower-case identifier")
     if routing not in ROUTING_MODES:
         raise ValueError(f"{name}: routing={routing!r}; valid: {', '.join(ROUTING_MODES)}")
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"{name}: ratio_level={ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
-
-    caller = sys._getframe(1).f_globals  # the variant's own module: its docstring is the variant's doc
-    module = caller.get("__name__", "?")
 
     def decorator(loss_fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"algorithm '{name}' is already registered (by {_REGISTRY[name].module})")
-        if getattr(loss_fn, "correction_level", None) == "token" and ratio_level == "sequence":
-            raise ValueError(
-                f"{name}: a token-level correction cannot wrap a sequence-level ratio; use with_mis, or a "
-                "token-level loss such as gspo_token"
-            )
         defaults, ranges = loss_hparams(loss_fn)
         _REGISTRY[name] = Algorithm(
             name=name,
@@ -208,15 +320,18 @@ def register(
             loss_fn=loss_fn,
             advantages_fn=advantages,
             routing=routing,
-            ratio_level=ratio_level,
+            ratio_level=loss_ratio_level(loss_fn),
             color=color or PALETTE[len(_REGISTRY) % len(PALETTE)],
             dynamic_sampling=dynamic_sampling,
             reward_shaping=reward_shaping,
-            doc=(doc if doc is not None else caller.get("__doc__") or "").strip(),
-            module=module,
+            doc=(doc or "").strip(),
+            module=getattr(loss_fn, "__module__", "?"),
             hparams=MappingProxyType(defaults),
             ranges=MappingProxyType(ranges),
         )
+        _SEQUENCE[name] = next(_COUNT)
+        if color is None:
+            _AUTO_COLOR.add(name)
         return loss_fn
 
     return decorator
@@ -224,6 +339,7 @@ def register(
 
 def get(name: str) -> Algorithm:
     """The registered algorithm `name`; an unknown name raises listing the valid ones."""
+    discover()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -232,6 +348,7 @@ def get(name: str) -> Algorithm:
 
 def names() -> list[str]:
     """Registered names, in registration order."""
+    discover()
     return list(_REGISTRY)
 
 
@@ -251,3 +368,4 @@ def replay_partner(name: str) -> str | None:
 def unregister(name: str) -> None:
     """Remove `name` (tests that register throw-away variants clean up with this)."""
     _REGISTRY.pop(name, None)
+    _AUTO_COLOR.discard(name)

@@ -7,8 +7,8 @@ with data is contradicted, supported if every stratum with data is supported, el
 when every compared group has a usable run in it. Two kinds of swept axes are not stratified, and the rule text names
 them: axes whose values the compared groups do not share (e.g. a per-algorithm `hparams.*`: no stratum could hold
 both groups, so each group is pooled over its own values), and axes fully determined by the stratified ones
-(train_dtype given train_precision). With several strata, each stratum's evidence is listed with its own verdict,
-plus the pooled estimate for reference (not used in the verdict).
+(rollout_precision given train_precision where it is `same`). With several strata, each stratum's evidence is listed
+with its own verdict, plus the pooled estimate for reference (not used in the verdict).
 """
 
 from __future__ import annotations

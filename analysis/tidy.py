@@ -80,7 +80,7 @@ MAX_TOKEN_ROWS = 20_000
 """Token rows kept per run in `Study.tokens` (a seeded random subset beyond this; sequences use every row)."""
 TOKEN_BUDGET = 2_000_000
 """Token rows kept over the whole study (~40 MB): the per-run cap shrinks to TOKEN_BUDGET / runs for big studies."""
-PRECISION_KEYS = ("train_dtype", "rollout_dtype", "old_logp_source")
+PRECISION_KEYS = ("train_precision", "rollout_precision", "old_logp_source")
 """Config keys that define a precision configuration (joined to the token tables even when not swept)."""
 EMULATED = "precision_emulated"
 CONFIG_FILES = (

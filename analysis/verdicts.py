@@ -46,7 +46,7 @@ class Evidence:
     n: str
     """Sample sizes, e.g. "3 vs 3" (runs of each group)."""
     stratum: str = ""
-    """The stratum this number is computed in ("max_new_tokens=256, rollout_dtype=bf16"); "" = the whole study."""
+    """The stratum this number is computed in ("max_new_tokens=256, rollout_precision=bf16"); "" = the whole study."""
     verdict: str = ""
     """The stratum's verdict, on the first evidence line of each stratum of a stratified claim."""
 

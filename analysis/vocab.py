@@ -7,8 +7,8 @@ What each name means, and which function of the run computes it, is the run's vo
 run (tests/test_imports.py), so tests/test_vocabulary.py holds every name here to that table.
 
 This module names only the ones analysis reads (METRICS, LAYER_METRICS, TOKEN_LOGPS). Swept axes are
-`study.run.config.RunConfig` fields (the defaults below; each figure takes the name as an argument): `train_dtype`,
-`rollout_dtype`, `old_logp_source` (Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads
+`study.run.config.RunConfig` fields (the defaults below; each figure takes the name as an argument): `train_precision`,
+`rollout_precision`, `old_logp_source` (Figure 4), `max_new_tokens` (Figure 5). The routing-volatility figure (8) reads
 no axis name: its configurations are the combinations of whatever non-algorithm axes the study sweeps
 (`router_lr_scale`, the model shape, ...). The off-policy figure (9) reads `minibatches` and tells a dense control
 from the MoE by `model.num_experts` = 1.
@@ -44,8 +44,8 @@ TRAINER_LOGP, ENGINE_LOGP = "trainer_logp", "engine_logp"
 TOKEN_LOGPS = (TRAINER_LOGP, ENGINE_LOGP)
 """The log-prob columns of token_samples.parquet (Figure 4b)."""
 
-TRAIN_DTYPE_AXIS = "train_dtype"
-ROLLOUT_DTYPE_AXIS = "rollout_dtype"
+TRAIN_PRECISION_AXIS = "train_precision"
+ROLLOUT_PRECISION_AXIS = "rollout_precision"
 OLD_LOGP_AXIS = "old_logp_source"
 LENGTH_AXIS = "max_new_tokens"
 MINIBATCH_AXIS = "minibatches"

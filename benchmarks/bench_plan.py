@@ -1,5 +1,5 @@
 """The planner's memory estimate of a CPU run against the run's measured peak RSS, per rank (a script; the test
-tests/study/tools/test_plan_measured.py runs it at one cheap shape).
+tests/study/run/test_plan_measured.py runs it at one cheap shape).
 
     .venv/bin/python benchmarks/bench_plan.py [--preset default] [--parallel expert=2,data=2] [--steps 2]
         [--prompts 4] [--group-size 4] [--minibatches 2] [--max-new-tokens 64] [--json]
@@ -7,7 +7,7 @@ tests/study/tools/test_plan_measured.py runs it at one cheap shape).
 Runs `study.rl.run` (fp32, hf engine, coldstart scratch, one thread per rank) in fresh child processes: one, or one
 per rank of `--parallel` (gloo, on this machine). Each child imports the libraries every run loads, reads its
 resident set size (the `process` baseline), runs, and reports its peak RSS (`resource.getrusage` ru_maxrss). The
-plan is `study.tools.plan.cpu_run_estimate` for the same shape, layout, batch and lengths (the prompt length is the
+plan is `study.run.plan.cpu_run_estimate` for the same shape, layout, batch and lengths (the prompt length is the
 longest prompt the run's task generates at its knobs), per rank. Prints both, the plan by term, and the relative
 error of the peak and of the peak above the process baseline; exits 1 when either is above `--tolerance` (0.2) on
 any rank.
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from study.core.model_config import ParallelLayout, resolve_model
     from study.data import tasks
     from study.data.tokenizer import build_tokenizer
-    from study.tools.plan import GB, Workload, cpu_run_estimate
+    from study.run.plan import GB, Workload, cpu_run_estimate
 
     parallel = parse_parallel(args.parallel)
     layout = ParallelLayout.from_mapping(parallel)

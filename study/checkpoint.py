@@ -28,7 +28,7 @@ from study.policy import parallel as par
 from study.policy.model import current_layout
 from study.record import LAYERS, METRICS, TOKEN_SAMPLES, Progress
 from study.run import rundir
-from study.tools.plan import param_counts
+from study.run.plan import param_counts
 
 STATE = "state.pt"
 CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "torch_rng", "python_rng", "numpy_rng", "step", "data_pos",

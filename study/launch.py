@@ -25,7 +25,7 @@
    the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
    ranks' agreement check (an all_reduce over NCCL where the job sees CUDA, else gloo; `--rank-check-backend`), to
    try a cluster's placement without a run.
-7. Before a GPU job is asked for, the run must fit: study.tools.plan.check_run_fits with the job's GPUs (nodes x GPUs
+7. Before a GPU job is asked for, the run must fit: study.run.plan.check_run_fits with the job's GPUs (nodes x GPUs
    per node) of `--gpu-mem-gb` each; a job of several ranks must match the run's `parallel` layout (its world
    size; without `--nodes`/`--tasks-per-node` the job gets one task per rank of the layout, and the launcher
    returns rank 0's status).
@@ -394,9 +394,9 @@ def layout_ranks(cfg: Any, res: Resources) -> Resources:
 
 
 def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
-    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.tools.plan) or whose ranks
+    """Refuse, before any job is asked for, a run that cannot fit on the job's GPUs (study.run.plan) or whose ranks
     do not match its parallel layout (module docstring, point 7). ValueError naming the resource."""
-    from study.tools import plan
+    from study.run import plan
 
     layout = getattr(cfg, "layout", None)
     if layout is not None and launcher != "in-process" and res.world_size != layout.world_size:

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-import algorithms
+from algorithms import catalog
 from study.core.bounded import read_yaml
 from study.run import rundir
 from study.run.config import PRESET_RUNS, RunConfig, merge_field
@@ -78,7 +78,7 @@ class Sweep:
         validate_sweep(data, where=where)
         axes = dict(data.get("axes") or {})
         if axes.get("algorithm") == "all":
-            axes["algorithm"] = list(algorithms.names())
+            axes["algorithm"] = list(catalog.names())
         mode = data.get("mode", "grid")
         if mode == "zip" and len({len(v) for v in axes.values()}) > 1:
             lengths = ", ".join(f"{k}: {len(v)}" for k, v in axes.items())
@@ -220,7 +220,7 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     out = {}
     for name, entry in data["algorithms"].items():
         try:
-            algorithms.get(name).check_hparams(entry["hparams"])
+            catalog.spec(name).check_hparams(entry["hparams"])
         except ValueError as err:
             raise SweepError(f"{where} = {str(path)!r}: algorithms.{name}.hparams: {err}") from None
         out[name] = {"config": dict(entry["config"]), "hparams": dict(entry["hparams"])}

@@ -38,10 +38,11 @@ from typing import Any
 
 import jsonschema
 
-import algorithms
-from study.core.model_config import DTYPES, FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
+from algorithms import catalog
+from study.core.model_config import FLOAT_FIELDS, PRESETS, SHAPE_FIELDS
+from study.core.precision import PRECISIONS
 from study.data import tasks
-from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, RunConfig
+from study.run.config import ENGINES, OLD_LOGP_SOURCES, PRESET_RUNS, REPLACED_FIELDS, RunConfig
 
 MODES = ("grid", "zip")
 TOP_LEVEL = (
@@ -78,11 +79,11 @@ _MODEL_MAPPING = "a local HF checkpoint directory (a path with '/'), or a mappin
 
 def _enums() -> dict[str, list[str]]:
     return {
-        "algorithm": list(algorithms.names()),
+        "algorithm": list(catalog.names()),
         "task": list(tasks.TASKS),
         "rollout_engine": list(ENGINES),
-        "train_dtype": list(DTYPES),
-        "rollout_dtype": list(DTYPES),
+        "train_precision": list(PRECISIONS),
+        "rollout_precision": [*PRECISIONS, "same"],
         "old_logp_source": list(OLD_LOGP_SOURCES),
     }
 
@@ -153,7 +154,7 @@ def sweep_schema() -> dict[str, Any]:
             "base": base,
             "per_algorithm": {
                 "type": "object",
-                "propertyNames": {"enum": list(algorithms.names())},
+                "propertyNames": {"enum": list(catalog.names())},
                 "additionalProperties": base,
             },
             "axes": {"type": "object", "properties": axes, "patternProperties": dotted, "additionalProperties": False},
@@ -276,7 +277,7 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
         if arms["axis"] not in axes:
             raise SweepError(f"{at}.arms.axis = {arms['axis']!r}: not an axis of the sweep; valid: {', '.join(axes)}")
         values = axes[arms["axis"]]
-        values = list(algorithms.names()) if values == "all" else values
+        values = list(catalog.names()) if values == "all" else values
         for side in ("treatment", "control"):
             if arms[side] not in values:
                 raise SweepError(f"{at}.arms.{side} = {arms[side]!r}: not a value of axes.{arms['axis']}; valid: "
@@ -380,7 +381,7 @@ def tuned_file_schema() -> dict[str, Any]:
             "algorithms": {
                 "type": "object",
                 "minProperties": 1,
-                "propertyNames": {"enum": list(algorithms.names())},
+                "propertyNames": {"enum": list(catalog.names())},
                 "additionalProperties": entry,
             },
         },
@@ -405,7 +406,8 @@ def _message(error: jsonschema.ValidationError) -> str:
         valid = ", ".join(schema.get("properties", {}))
         if patterns:
             valid += "".join(f", {name}.NAME" for name in MAPPING_FIELDS)
-        return f"{where}: unknown field(s) {extra}; valid: {valid}"
+        replaced = "".join(f"; {k} is replaced by {REPLACED_FIELDS[k]}" for k in extra if k in REPLACED_FIELDS)
+        return f"{where}: unknown field(s) {extra}{replaced}; valid: {valid}"
     is_model = re.search(r"(^|\.)model(\[\d+\])?$", where) is not None
     if error.validator == "enum":
         valid = ", ".join(map(str, error.validator_value))
@@ -415,7 +417,7 @@ def _message(error: jsonschema.ValidationError) -> str:
     if error.validator == "anyOf" and is_model:
         return f"{where} = {error.instance!r}; valid: {', '.join(PRESETS)}, {_MODEL_MAPPING}"
     if error.validator == "oneOf" and where.startswith("axes.algorithm"):
-        return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(algorithms.names())}"
+        return f"{where} = {error.instance!r}; valid: `all` or a list of {', '.join(catalog.names())}"
     if error.validator == "oneOf" and where.startswith("tune.space."):
         return f"{where} = {error.instance!r}; valid: `fixed`, or {{low: X, high: Y}} with optional log: true|false"
     if error.validator == "const":

@@ -73,7 +73,7 @@ from typing import Any
 
 import yaml
 
-import algorithms
+from algorithms import Spec, catalog
 from study.run.config import RunConfig
 from study.run.rundir import Stopped
 from sweeps.expand import Sweep, load_sweep
@@ -171,11 +171,11 @@ def _number(value: Any, where: str) -> float:
 
 
 def _starting_values(cfg: RunConfig) -> dict[str, Any]:
-    alg = algorithms.get(cfg.algorithm)
+    alg = catalog.spec(cfg.algorithm)
     return {**{f: getattr(cfg, f) for f in TUNABLE_FIELDS}, **alg.check_hparams(cfg.hparams)}
 
 
-def _default_dim(name: str, value: float, spread: float, alg: algorithms.Algorithm) -> Dim | None:
+def _default_dim(name: str, value: float, spread: float, alg: Spec) -> Dim | None:
     """Log-uniform [value / spread, value * spread], inside the hyper-parameter's Range."""
     low, high = float(f"{value / spread:.6g}"), float(f"{value * spread:.6g}")  # readable bounds, then the Range
     bounds = alg.ranges.get(name)
@@ -192,7 +192,7 @@ def _default_dim(name: str, value: float, spread: float, alg: algorithms.Algorit
 
 
 def _space(cfg: RunConfig, tune: dict[str, Any], spread: float, where: str) -> dict[str, Dim]:
-    alg = algorithms.get(cfg.algorithm)
+    alg = catalog.spec(cfg.algorithm)
     start = _starting_values(cfg)
     dims: dict[str, Dim] = {}
     for name, value in start.items():  # the defaults: lr and every positive float hyper-parameter
@@ -268,7 +268,7 @@ def plan(sweep: str | Path | Sweep, results: str | Path = "results", *, storage:
     spread = _number(tune["spread"], f"{where}: tune.spread")
     if not spread > 1:
         raise SweepError(f"{where}: tune.spread = {spread}: must be > 1 (the interval is [v / spread, v * spread])")
-    known = set(TUNABLE_FIELDS) | {h for cfg in starts.values() for h in algorithms.get(cfg.algorithm).hparams}
+    known = set(TUNABLE_FIELDS) | {h for cfg in starts.values() for h in catalog.spec(cfg.algorithm).hparams}
     unknown = sorted(set(tune.get("space") or {}) - known)
     if unknown:
         raise SweepError(
@@ -581,7 +581,7 @@ def best_document(p: Plan, algorithms_: list[str] | None = None, storage: Any = 
                 f"{p.study_name(algorithm)}: no trial completed ({s['counts']['pruned']} pruned or "
                 "collapsed); valid: a gentler pruner, a narrower tune.space, or more trials"
             )
-        alg = algorithms.get(algorithm)
+        alg = catalog.spec(algorithm)
         cfg = p.config(algorithm, best.params)
         entries[algorithm] = {
             "config": {f: getattr(cfg, f) for f in TUNABLE_FIELDS if f in best.params or f == "lr"},
@@ -621,7 +621,8 @@ def write_best(p: Plan, out: Path | None = None, algorithms_: list[str] | None =
     """Write the tuned file (and trials.csv, every trial of the written algorithms) atomically."""
     import pandas as pd
 
-    from study.run.rundir import atomic_write, write_text
+    from study.core.files import atomic_write
+    from study.run.rundir import write_text
 
     storage = open_storage(p)
     doc = best_document(p, algorithms_, storage)

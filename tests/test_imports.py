@@ -95,6 +95,7 @@ def test_the_graph_sees_the_packages() -> None:
         ("study.record", ("study.policy", "study.rollout", "study.coldstart", *LOOP), ()),
         ("study.batch", ("study.rollout", *LOOP), ()),
         ("study.parts", ("study.rl", "study.checkpoint", "study.record"), ()),
+        ("study.data", ("study.run",), ()),
     ],
 )
 def test_walls(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...]) -> None:
@@ -105,6 +106,39 @@ def test_only_entry_points_and_tools_import_the_loop() -> None:
     """study/rl.py is on top: within study/ only the launchers and the one-shot tools import it."""
     users = {m for m, targets in GRAPH.items() if _in(m, "study") and "study.rl" in targets}
     assert all(m in ("study.launch", "study.__main__") or _in(m, "study.tools") for m in users), sorted(users)
+
+
+def test_nothing_below_the_loop_imports_the_tools() -> None:
+    """study/tools/ holds what is run, not what is imported: the rooms and the modules the loop is made of import
+    none of it (the planner's arithmetic, the atomic write are libraries: study/run/plan.py, study/core/files.py)."""
+    below = (*(r for r in ROOMS if r != "study.tools"), *(m for m in LOOP if m != "study.rl"))
+    assert [v for source in below for v in _violations(source, ("study.tools",))] == []
+
+
+def _room(module: str) -> str:
+    """The package a module belongs to for layering: study's subpackages and top modules, the other packages."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "study" and len(parts) > 1 else parts[0]
+
+
+def test_no_import_circles_between_packages() -> None:
+    """The modules merged into their packages (study.run, study.data, ..., algorithms, sweeps): still no circle, so
+    the packages stack in floors."""
+    rooms: dict[str, set[str]] = {}
+    for m, targets in GRAPH.items():
+        rooms.setdefault(_room(m), set()).update(_room(t) for t in targets if t in GRAPH and _room(t) != _room(m))
+    assert {"study.run", "study.data", "study.core", "algorithms", "sweeps"} <= set(rooms)
+    circles = []
+    for a in sorted(rooms):
+        seen, todo = set(), list(rooms[a])
+        while todo:
+            b = todo.pop()
+            if b not in seen:
+                seen.add(b)
+                todo.extend(rooms[b])
+        if a in seen:
+            circles.append(a)
+    assert circles == []
 
 
 def test_core_imports_no_other_room() -> None:

@@ -48,7 +48,7 @@ def _config_bars(
 def figure4_precision(
     study: Study,
     *,
-    axes: Sequence[str] = (vocab.TRAIN_DTYPE_AXIS, vocab.ROLLOUT_DTYPE_AXIS, vocab.OLD_LOGP_AXIS),
+    axes: Sequence[str] = (vocab.TRAIN_PRECISION_AXIS, vocab.ROLLOUT_PRECISION_AXIS, vocab.OLD_LOGP_AXIS),
     mismatch: Sequence[str] = (vocab.MISMATCH_MEAN_ABS, vocab.MISMATCH_K3),
     frac: float = 0.1,
 ) -> Made:

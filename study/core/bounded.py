@@ -164,3 +164,12 @@ def read_yaml(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> An
     except ValueError as err:  # BoundError, UnicodeDecodeError
         raise yaml.YAMLError(str(err)) from None
     return load_yaml(text, max_bytes=max_bytes)
+
+
+def json_problem(err: ValueError) -> str:
+    """Where and why a text is not JSON: `not valid JSON at line 2, column 12 (Expecting value)`."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {err.start}: {err.reason})"
+    return f"not valid JSON ({err})"

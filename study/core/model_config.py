@@ -119,7 +119,7 @@ PRESETS: dict[str, ModelConfig] = {
     # Benchmarks of the update's share of GEMM peak.
     "small": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, head_dim=64,
                          num_experts=16, moe_top_k=4, moe_ffn_hidden_size=512, vocab_size=4096, max_seq_len=1024),
-    # The paper's model, Qwen3-30B-A3B(-Base)'s config.json: for planning (study/tools/plan.py) and, with its
+    # The paper's model, Qwen3-30B-A3B(-Base)'s config.json: for planning (study/run/plan.py) and, with its
     # checkpoint as the run's `coldstart` (or the checkpoint directory as `model`), for runs on a GPU cluster.
     "qwen3-30b-a3b": ModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                                  head_dim=128, num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,

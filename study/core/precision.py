@@ -31,7 +31,7 @@ measure how close emulated log-probs are to real CPU low-precision ones.
 
 Spelling: a `Precision(name, mode)`, or the string `name` (real) / `name-emulated` / `name-real`, or a mapping
 `{"name": ..., "mode": ...}`; `Precision.label` is the canonical string (`"bf16-emulated"`, `"fp16"`) that the run
-config, the manifest and the figures carry.
+config (one field per engine: `train_precision`, `rollout_precision`), the manifest and the figures carry.
 """
 
 from __future__ import annotations
@@ -355,11 +355,6 @@ def apply_precision(model: torch.nn.Module, precision: str | Mapping[str, str] |
     return handle
 
 
-def resolve(dtype: str, spec: str = "") -> Precision:
-    """An engine's precision from a RunConfig's dtype field and precision field ("" = the dtype, real)."""
-    return Precision.parse(spec) if spec else Precision(dtype)
-
-
 def engine_kwargs(precision: Precision) -> dict[str, str]:
     """Extra `get_engine` keyword arguments for `precision`: none for a plain dtype (every engine's API), else
     `precision=<label>` (engines that implement hooks: hf)."""
@@ -392,6 +387,5 @@ __all__ = [
     "apply_precision",
     "engine_kwargs",
     "labels",
-    "resolve",
     "round_to",
 ]

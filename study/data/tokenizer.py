@@ -30,10 +30,10 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from study.core.bounded import load_json, read_json, read_text
+from study.core.bounded import json_problem, load_json, read_json, read_text
+from study.core.files import atomic_write
 from study.data import chat_template
 from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
-from study.run.rundir import atomic_write, json_problem
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -450,8 +450,8 @@ class ShardedTrainer:
 
         config = model.config
         if config.fp16:
-            raise ValueError("train_dtype = 'fp16' with a parallel layout: megatron's loss scaler is not wired here; "
-                             "valid: fp32 or bf16")  # fmt: skip
+            raise ValueError("train_precision = 'fp16' with a parallel layout: megatron's loss scaler is not wired "
+                             "here; valid: fp32 or bf16")  # fmt: skip
         from study.core.precision import ROUND_ATTR
 
         if any(getattr(p, ROUND_ATTR, None) is not None for p in model.parameters()):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-import algorithms
+from algorithms import catalog
 from study.core.bounded import load_yaml, read_yaml
 from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
@@ -94,15 +94,11 @@ class RunConfig:
     the routing-volatility knob, moving the routing while the rest trains at `lr`."""
     rollout_engine: str = "hf"
     """Inference engine for rollouts: hf (transformers, the fast CPU default) or vllm."""
-    train_dtype: str = "fp32"
-    """Training engine precision."""
-    rollout_dtype: str = "fp32"
-    """Rollout engine precision."""
-    train_precision: str = ""
-    """Training engine precision with mode (study.core.precision.PRECISIONS, e.g. "bf16-emulated", "bf16_fp32head");
-    "" = train_dtype, real. When set, train_dtype is its format (filled in when omitted)."""
-    rollout_precision: str = ""
-    """Rollout engine precision with mode, like train_precision; "same" = train_precision's."""
+    train_precision: str = "fp32"
+    """Training engine precision (study.core.precision.PRECISIONS): a format computed for real (fp32, bf16, fp16,
+    bf16_fp32head: bf16 with an fp32 LM head), or NAME-emulated (fp32 compute rounded where a GPU rounds)."""
+    rollout_precision: str = "fp32"
+    """Rollout engine precision, like train_precision; "same" = train_precision's value."""
     rollout_runtime: dict[str, Any] = field(default_factory=dict)
     """How the vllm engine runs (study.run.rollout_runtime.EngineSettings: tp, dp, ep, gpu_memory, placement, gpus,
     cuda_graphs, bucket_mb, kv_cache_gb; `--set rollout_runtime.tp=2`); {} = one replica on the defaults. Runtime
@@ -182,11 +178,16 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RunConfig:
+        replaced = sorted(set(data) & set(REPLACED_FIELDS))
+        if replaced:
+            old = replaced[0]
+            raise ValueError(f"{where}: {old} is not a field; its replacement is {REPLACED_FIELDS[old]} (one field per "
+                             f"engine: format and mode); valid values: {', '.join(_precisions())}")  # fmt: skip
         unknown = set(data) - set(cls.field_names())
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; valid: {', '.join(cls.field_names())}")
         hints = typing.get_type_hints(cls)
-        data = _resolve_precision(data)  # precision hook (study/core/precision.py): "same", dtypes from precisions
+        data = _resolve_precision(data)  # precision hook (study/core/precision.py): "same", canonical labels
         clean: dict[str, Any] = {}
         for key, value in data.items():
             clean[key] = _coerce(key, value, hints[key])
@@ -200,9 +201,6 @@ class RunConfig:
         data = {**self.to_dict(), **changes}
         if "model" in changes:
             data["model"] = merge_field("model", self.model, changes["model"])
-        for side in ("train", "rollout"):  # a changed precision re-derives its dtype unless that is changed too
-            if f"{side}_precision" in changes and f"{side}_dtype" not in changes:
-                data.pop(f"{side}_dtype")
         return RunConfig.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,9 +211,9 @@ class RunConfig:
         """Every error names the field, the value and the valid choices, before any compute is spent."""
         from study.data import tasks
 
-        alg = algorithms.get(self.algorithm) if self.algorithm in algorithms.names() else None
+        alg = catalog.spec(self.algorithm) if self.algorithm in catalog.names() else None
         if alg is None:
-            raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(algorithms.names())}")
+            raise ValueError(f"algorithm = {self.algorithm!r}; valid: {', '.join(catalog.names())}")
         alg.check_hparams(self.hparams)
         self._validate_model()
         self.layout.check_model(self.model_config())
@@ -235,8 +233,6 @@ class RunConfig:
             raise ValueError(f"coldstart_band = {band!r}; valid: [low, high] with 0 <= low < high <= 1")  # fmt: skip
         _choice("rollout_engine", self.rollout_engine, ENGINES)
         self._validate_rollout_runtime()
-        _choice("train_dtype", self.train_dtype, DTYPES)
-        _choice("rollout_dtype", self.rollout_dtype, DTYPES)
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
         _choice("prompt_filter", self.prompt_filter, PROMPT_FILTERS)
         _choice("recompute", self.recompute, RECOMPUTE)
@@ -383,22 +379,12 @@ class RunConfig:
             weights.check_checkpoint(directory, self.model)
 
     def _validate_precision(self) -> None:
-        """Precision hook (study/core/precision.py): valid labels, consistent with the dtype fields, supported by the
-        rollout engine."""
+        """Precision hook (study/core/precision.py): valid labels, supported by the rollout engine."""
         from study.core.precision import PRECISIONS, Precision
 
-        for side in ("train", "rollout"):
-            spec, dtype = getattr(self, f"{side}_precision"), getattr(self, f"{side}_dtype")
-            if not spec:
-                continue
-            _choice(f"{side}_precision", spec, PRECISIONS)
-            if Precision.parse(spec).dtype != dtype:
-                raise ValueError(
-                    f"{side}_precision = {spec!r} computes in {Precision.parse(spec).dtype}, but {side}_dtype = "
-                    f"{dtype!r}; valid: omit {side}_dtype or set it to {Precision.parse(spec).dtype!r}"
-                )
-        rollout = Precision.parse(self.rollout_precision or self.rollout_dtype)
-        if self.rollout_engine == "vllm" and not rollout.plain:
+        _choice("train_precision", self.train_precision, PRECISIONS)
+        _choice("rollout_precision", self.rollout_precision, (*PRECISIONS, "same"))
+        if self.rollout_engine == "vllm" and not Precision.parse(self.rollout_precision).plain:
             raise ValueError(
                 f"rollout_precision = {self.rollout_precision!r} needs module hooks that vLLM's fused kernels do not "
                 f"offer; valid with rollout_engine = 'vllm': {', '.join(DTYPES)} (real), or use rollout_engine = 'hf'"
@@ -407,9 +393,19 @@ class RunConfig:
     @property
     def precisions(self) -> tuple[Any, Any]:
         """(train, rollout) study.core.precision.Precision of the run."""
-        from study.core.precision import resolve
+        from study.core.precision import Precision
 
-        return resolve(self.train_dtype, self.train_precision), resolve(self.rollout_dtype, self.rollout_precision)
+        return Precision.parse(self.train_precision), Precision.parse(self.rollout_precision)
+
+    @property
+    def train_dtype(self) -> str:
+        """The format the training engine computes in (bf16 for bf16_fp32head, the format when emulated)."""
+        return self.precisions[0].dtype
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The format the rollout engine computes in."""
+        return self.precisions[1].dtype
 
     @property
     def layout(self) -> ParallelLayout:
@@ -424,7 +420,7 @@ class RunConfig:
     def run_id(self) -> str:
         """Content hash of the resolved config (hyper-parameters resolved against the registry's defaults)."""
         resolved = self.to_dict()
-        resolved["hparams"] = algorithms.get(self.algorithm).check_hparams(self.hparams)
+        resolved["hparams"] = catalog.spec(self.algorithm).check_hparams(self.hparams)
         for key in NOT_HASHED:
             resolved.pop(key)
         for key, default in HASHED_IF_SET.items():  # fields added later: run ids of older configs stay valid
@@ -465,8 +461,6 @@ NOT_HASHED: tuple[str, ...] = (
 )
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
-    "train_precision": "",
-    "rollout_precision": "",
     "data": "",
     "verifier": "",
     "eval_data": "",
@@ -525,19 +519,29 @@ def _load_user_data(path: str, verifier: str, digest: str) -> tuple[Any, ...]:
     return tuple(tasks.load_user_data(path, verifier=verifier))
 
 
+REPLACED_FIELDS: dict[str, str] = {"train_dtype": "train_precision", "rollout_dtype": "rollout_precision"}
+"""Names that are not fields, each with the field that holds what it would mean: a config or `--set` naming one is
+refused naming the replacement."""
+
+
+def _precisions() -> tuple[str, ...]:
+    from study.core.precision import PRECISIONS
+
+    return PRECISIONS
+
+
 def _resolve_precision(data: dict[str, Any]) -> dict[str, Any]:
-    """Precision hook (study/core/precision.py): rollout_precision "same" -> the train precision's label; an omitted
-    train_dtype / rollout_dtype is the format of the given precision. Invalid labels are left to validate()."""
+    """Precision hook (study/core/precision.py): rollout_precision "same" -> train_precision's value; each precision
+    as its canonical label ("bf16-real" -> "bf16"). Invalid labels are left to validate()."""
     from study.core.precision import PRECISIONS, Precision
 
     data = dict(data)
     if data.get("rollout_precision") == "same":
-        data["rollout_precision"] = data.get("train_precision") or data.get("train_dtype", "fp32")
+        data["rollout_precision"] = data.get("train_precision", RunConfig.train_precision)
     for side in ("train", "rollout"):
         spec = data.get(f"{side}_precision")
-        if isinstance(spec, str) and spec in PRECISIONS:
-            spec = data[f"{side}_precision"] = Precision.parse(spec).label
-            data.setdefault(f"{side}_dtype", Precision.parse(spec).dtype)
+        if isinstance(spec, str) and spec in (*PRECISIONS, *(f"{n}-real" for n in PRECISIONS if "-" not in n)):
+            data[f"{side}_precision"] = Precision.parse(spec).label
     return data
 
 

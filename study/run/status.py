@@ -1,11 +1,12 @@
 """`python -m study status [RESULTS] [--study NAME] [--watch] [--json]`: what is running, what failed, how far along.
 
-One line per run: id, algorithm, axis values (the config keys that differ among the runs listed), state, step / steps,
-last reward (reward_mean), last held-out evaluation (eval_in_dist / eval_hard), elapsed (the run's step seconds,
-metrics.parquet's wall_s, evaluations excluded), estimated time left (a running run's seconds per step so far times
-the steps left) and the reason of a failure, collapse or stop (a running run: how long ago it last recorded a step,
-which tells a live run from a killed one); then a line per state. Read from the run directories' status.json,
-config.yaml and metrics.parquet (rewritten every 30 s while a run runs), nothing else.
+One line per run: id, algorithm, axis values (the config keys that differ between runs of one algorithm, dotted as a
+sweep's axes name them), state, step / steps, last reward (reward_mean), last held-out evaluation (eval_in_dist /
+eval_hard), elapsed (the run's step seconds, metrics.parquet's wall_s, evaluations excluded), estimated time left (a
+running run's seconds per step so far times the steps left) and the reason of a failure, collapse or stop (a running
+run: how long ago it last recorded a step, which tells a live run from a killed one); then a line per state. Read from
+the run directories' status.json, config.yaml and metrics.parquet (rewritten every 30 s while a run runs), nothing
+else.
 
 RESULTS: the results root (default `results`). --study NAME: the study's runs, those of RESULTS/NAME/configs/ (written
 before any run starts, so runs not started yet are listed as `pending`) and RESULTS/NAME/run_ids.txt; without it,
@@ -220,8 +221,7 @@ def collect(results: str | Path, study: str | None = None) -> list[RunLine]:
         if why:
             unreadable[run_id] = why
     flat = {run_id: flatten(c) for run_id, c in configs.items()}
-    keys = sorted({k for f in flat.values() for k in f if k.split(".")[0] not in NOT_AXES})
-    axes = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat.values() if f}) > 1]
+    axes = study_axes(list(flat.values()))
     now = time.time()
     lines = []
     for run_id in ids:
@@ -231,6 +231,23 @@ def collect(results: str | Path, study: str | None = None) -> list[RunLine]:
         line.axes = {k: _text(flat[run_id].get(k)) for k in axes}
         lines.append(line)
     return lines
+
+
+def study_axes(configs: Sequence[dict[str, Any]]) -> list[str]:
+    """The dotted config keys (as a sweep's axes name them: `seed`, `hparams.eps_low`) whose values differ between two
+    runs of the same algorithm. A key that differs only between algorithms (a sweep's `per_algorithm` or tuned values)
+    belongs to the algorithm column; an empty mapping counts as absent; `NOT_AXES` never count."""
+    by_algorithm: dict[Any, list[dict[str, Any]]] = {}
+    for config in configs:
+        if config:
+            by_algorithm.setdefault(config.get("algorithm"), []).append(config)
+    keys = sorted({k for c in configs for k in c if k.split(".")[0] not in NOT_AXES})
+
+    def value(config: dict[str, Any], key: str) -> str:
+        v = config.get(key)
+        return json.dumps(None if v == {} else v, sort_keys=True, default=str)
+
+    return [k for k in keys if any(len({value(c, k) for c in group}) > 1 for group in by_algorithm.values())]
 
 
 def summary(lines: Sequence[RunLine]) -> dict[str, int]:

@@ -23,7 +23,7 @@ Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized fo
                           streamed weight sync (parallel.full_hf_weights) into engine-side buffers, equal to the
                           model, its extra peak GPU memory at most the largest full weight plus SYNC_SLACK
     qwen_layer        45  (CUDA) one Qwen3-30B-A3B layer (its real widths, 128 experts top-8) forward and backward at
-                          QWEN_TOKENS tokens, timed, its peak memory against study.tools.plan's figure
+                          QWEN_TOKENS tokens, timed, its peak memory against study.run.plan's figure
     vllm_parity       80  the vLLM engine starts (most of the budget) and samples from the policy's weights; the
                           trainer's log-probs of the sampled tokens against the engine's, at temperature 1 and at
                           TEMPERED
@@ -414,7 +414,7 @@ class Check:
 
         from study.core.model_config import PRESETS
         from study.policy.model import build_policy, token_logp
-        from study.tools import plan
+        from study.run import plan
 
         cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], num_layers=1, max_seq_len=QWEN_TOKENS + 1)
         torch.cuda.empty_cache()
@@ -521,8 +521,8 @@ class Check:
                 "model": SHAPE, "task": "user", "data": str(data), "verifier": "exact", "coldstart": str(warm),
                 "algorithm": "grpo_r3", "steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
                 "max_new_tokens": 12, "lr": RL_LR, "eval_every": 2, "eval_size": 4, "eval_samples": 1,
-                "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_dtype": self.dtype,
-                "rollout_dtype": self.dtype,
+                "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_precision": self.dtype,
+                "rollout_precision": self.dtype,
             }  # fmt: skip
             if engine == "vllm":  # colocated (the engine sleeps through the update and wakes for the sync), no graphs
                 spec["rollout_runtime"] = {"gpu_memory": 0.25, "cuda_graphs": False}

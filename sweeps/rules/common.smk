@@ -71,11 +71,11 @@ _PLACEMENTS = {}
 
 
 def run_placement(run_id):
-    """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.tools.plan fits it, on the
+    """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.run.plan fits it, on the
     config's cluster (gpus_per_node GPUs of gpu_mem_gb each); whole nodes beyond one. Refused at parse time (before
     any job) when no cluster of up to 64 nodes fits it."""
     if run_id not in _PLACEMENTS:
-        from study.tools import plan
+        from study.run import plan
 
         per_node, mem = config["gpus_per_node"], config["gpu_mem_gb"]
         gpus, error = 1, None

@@ -79,7 +79,7 @@ rule run:
         launcher="in-process",
         slurm_partition="",
         slurm_account="",
-        # GPUs per node and nodes: what study.tools.plan needs for the run on the config's cluster (gpus_per_node x
+        # GPUs per node and nodes: what study.run.plan needs for the run on the config's cluster (gpus_per_node x
         # gpu_mem_gb); 1 x 1 for the presets. A profile's `gpus:` overrides them. In-process runs ignore them.
         gpus=run_gpus,
         nodes=run_nodes,

@@ -34,7 +34,7 @@ rule tune_algorithm:
     log:
         f"{TUNE_DIR}/logs/{{algorithm}}.log",
     wildcard_constraints:
-        algorithm="|".join(re.escape(name) for name in algorithms.names()),
+        algorithm="|".join(re.escape(name) for name in catalog.names()),
     params:
         python=PYTHON,
         sweep=config["sweep"],

@@ -1,7 +1,7 @@
 # Helpers of tune.smk (the tuning rules): the tuning sweep's algorithms, threads, paths.
 import re
 
-import algorithms  # noqa: E402
+from algorithms import catalog  # noqa: E402
 
 TUNE_DIR = f"{RESULTS}/tune/{STUDY}"
 TUNE_ALGORITHMS = list(dict.fromkeys(cfg.algorithm for cfg in RUNS.values())) if SWEEP.tune is not None else []

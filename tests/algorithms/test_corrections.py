@@ -79,9 +79,9 @@ def test_corrections_stack() -> None:
 
 def test_mis_composes_with_sequence_level_gspo_and_token_corrections_do_not() -> None:
     try:
-        algorithms.register("test_gspo_mis", label="GSPO + MIS", ratio_level="sequence")(algorithms.with_mis(gspo_loss))
+        algorithms.register("test_gspo_mis", label="GSPO + MIS")(algorithms.with_mis(gspo_loss))
         alg = algorithms.get("test_gspo_mis")
-        assert set(alg.hparams) == {"eps_low", "eps_high", "mis_c"}
+        assert set(alg.hparams) == {"eps_low", "eps_high", "mis_c"} and alg.ratio_level == "sequence"
         logp, old = batch([[1.0, 1.0, 1.0], [1.0, 1.0]])
         roll = rollout_logp(old, [[1.0, 1.0, 1.0], [2.0, 2.0]])  # prod 4 > 3: response 1 dropped
         loss, m = alg.loss(logp, old, ADV, MASK, rollout_logp=roll)
@@ -90,7 +90,7 @@ def test_mis_composes_with_sequence_level_gspo_and_token_corrections_do_not() ->
     finally:
         algorithms.unregister("test_gspo_mis")
     with pytest.raises(ValueError, match="token-level correction cannot wrap a sequence-level ratio"):
-        algorithms.register("test_gspo_tis", label="x", ratio_level="sequence")(algorithms.with_tis(gspo_loss))
+        algorithms.register("test_gspo_tis", label="x")(algorithms.with_tis(gspo_loss))
     assert "test_gspo_tis" not in algorithms.names()
 
 

@@ -1,6 +1,7 @@
 """The registry's strictness, its error texts, the contract every variant follows, and one-file extensibility."""
 
 import inspect
+import re
 import shutil
 import subprocess
 import sys
@@ -56,18 +57,41 @@ def test_taken_name_raises_and_keeps_the_original() -> None:
     assert algorithms.get("grpo") is original
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"routing": "sticky"}, "routing='sticky'; valid: free, replay, rollout_replay"),
-        ({"ratio_level": "group"}, "ratio_level='group'; valid: token, sequence"),
-    ],
-)
-def test_register_validates_its_arguments(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        algorithms.register("test_bad", label="bad", **kwargs)
+def test_register_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match="routing='sticky'; valid: free, replay, rollout_replay"):
+        algorithms.register("test_bad", label="bad", routing="sticky")
     with pytest.raises(ValueError, match="lower-case identifier"):
         algorithms.register("Bad-Name", label="bad")
+    with pytest.raises(ValueError, match="ratio_level = 'group'; valid: token, sequence"):
+        algorithms.ratio_level("group")
+
+
+def docs_one_liner() -> str:
+    """The one-line registration docs/algorithms.md shows for a variant reusing an existing loss."""
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    (line,) = re.findall(r'`(register\("gspo_rr".*?\)\(gspo_loss\))`', text)
+    return line
+
+
+def test_a_registration_has_the_ratio_level_of_the_loss_it_wraps() -> None:
+    """docs/algorithms.md's one-liner, followed literally (label filled in), registers GSPO's sequence-level loss as
+    sequence-level, as does a correction wrapping it; the level is declared once, on the loss."""
+    from algorithms.gspo import gspo_loss
+    from algorithms.registry import register
+
+    line = docs_one_liner().replace('"gspo_rr"', '"test_gspo_rr_doc"').replace("label=...", 'label="x"')
+    try:
+        exec(line, {"register": register, "gspo_loss": gspo_loss})
+        algorithms.register("test_gspo_mis_doc", label="y")(algorithms.with_mis(gspo_loss))
+        assert algorithms.get("test_gspo_rr_doc").ratio_level == "sequence" == algorithms.get("gspo").ratio_level
+        assert algorithms.get("test_gspo_mis_doc").ratio_level == "sequence"
+        assert algorithms.get("test_gspo_rr_doc").routing == "replay"
+    finally:
+        algorithms.unregister("test_gspo_rr_doc")
+        algorithms.unregister("test_gspo_mis_doc")
+    assert {n: algorithms.get(n).ratio_level for n in ("grpo", "grpo_rr", "gspo_rr", "gspo_token", "gmpo")} == {
+        "grpo": "token", "grpo_rr": "token", "gspo_rr": "sequence", "gspo_token": "token", "gmpo": "sequence"
+    }  # fmt: skip
 
 
 def test_hparams_need_defaults() -> None:
@@ -156,14 +180,19 @@ def readme_variant() -> tuple[str, str]:
     return first.removeprefix("# algorithms/"), source
 
 
-def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
-    """The README's example dropped into algorithms/ (of a copy of the package) is registered and follows the
-    contract, with nothing else touched."""
+def readme_variant_package(tmp_path: Path) -> tuple[Path, str]:
+    """A copy of algorithms/ under `tmp_path` with the README's example dropped in: (the copy's root, variant name)."""
     filename, source = readme_variant()
     pkg = tmp_path / "algorithms"
     shutil.copytree(ROOT / "algorithms", pkg, ignore=shutil.ignore_patterns("__pycache__"))
     (pkg / filename).write_text(source)
-    name = filename.removesuffix(".py")
+    return tmp_path, filename.removesuffix(".py")
+
+
+def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
+    """The README's example dropped into algorithms/ (of a copy of the package) is registered and follows the
+    contract, with nothing else touched."""
+    root, name = readme_variant_package(tmp_path)
     code = textwrap.dedent(
         f"""
         import torch, algorithms
@@ -175,8 +204,29 @@ def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
         print(algorithms.names().count({name!r}), dict(a.hparams), a.doc.splitlines()[0], sorted(m))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     metrics = sorted(algorithms.LOSS_METRICS)
     expected = f"1 {{'eps_low': 0.2, 'eps_high': 0.28}} GRPO with DAPO's clip-higher (arXiv 2503.14476). {metrics}"
     assert out.stdout.strip() == expected
+
+
+def test_the_readme_variant_passes_the_contract_and_planning_imports_no_torch(tmp_path: Path) -> None:
+    """The README's example as written (it imports torch at module level) in a copy of the package: this file's
+    contract test passes on it, and the workflow's planning (tests/sweeps/test_torch_free.py's probe: the rule
+    files' imports, every shipped sweep expanded and placed) sees it and still imports no torch."""
+    from tests.sweeps.test_torch_free import planning_probe
+
+    root, name = readme_variant_package(tmp_path)
+    assert "\nimport torch\n" in readme_variant()[1]
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); import algorithms, pytest; "
+        f"assert algorithms.__file__.startswith({str(root)!r}); "
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', "
+        f"{str(Path(__file__).resolve())!r} + '::test_contract[{name}]']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+    probe = planning_probe(root)
+    assert name in probe["algorithms"]
+    assert not probe["torch"], "planning imported torch; first import from:\n  " + "\n  ".join(probe["chain"])

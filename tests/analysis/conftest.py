@@ -32,9 +32,9 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory):
         seeds=(0, 1, 2),
         n_steps=200,
         flops_per_step=1e11,
-        grid={"max_new_tokens": [256, 1024], "rollout_dtype": ["bf16", "fp16"]},
+        grid={"max_new_tokens": [256, 1024], "rollout_precision": ["bf16", "fp16"]},
         fail=["sapo"],
-        token_mismatch=lambda config: TOKEN_TRUTH[config["rollout_dtype"]],
+        token_mismatch=lambda config: TOKEN_TRUTH[config["rollout_precision"]],
     )
     return root, ids
 

@@ -59,18 +59,21 @@ def test_figure3_marks_collapsed_runs(study):
     made = figures.figure3_routing_replay(study)
     marks = [line for ax in made.fig.axes for line in ax.get_lines() if line.get_gid() == "collapse"]
     assert len(marks) == int((study.runs["state"] == "collapsed").sum())
-    # a row per configuration of the swept axes (max_new_tokens x rollout_dtype), never a mean across them: each
+    # a row per configuration of the swept axes (max_new_tokens x rollout_precision), never a mean across them: each
     # panel holds the runs of its configuration and family alone (one thin line per run, one thick mean per algorithm)
-    axes = ["max_new_tokens", "rollout_dtype"]
+    axes = ["max_new_tokens", "rollout_precision"]
     configs = study.runs[axes].drop_duplicates().sort_values(axes)
-    titles = [f"{style.label(fam)}\nmax_new_tokens={t}, rollout_dtype={d}" for t, d in configs.itertuples(index=False)
-              for fam in ("grpo", "gspo")]  # fmt: skip
+    titles = [
+        f"{style.label(fam)}\nmax_new_tokens={t}, rollout_precision={d}"
+        for t, d in configs.itertuples(index=False)
+        for fam in ("grpo", "gspo")
+    ]
     assert [ax.get_title() for ax in made.fig.axes] == titles
     for ax, title in zip(made.fig.axes, titles, strict=True):
-        t, d = title.split("\n")[1].replace("max_new_tokens=", "").replace("rollout_dtype=", "").split(", ")
+        t, d = title.split("\n")[1].replace("max_new_tokens=", "").replace("rollout_precision=", "").split(", ")
         fam = ["grpo", "grpo_rr"] if title.startswith(style.label("grpo")) else ["gspo", "gspo_rr"]
         runs = study.runs[study.runs["algorithm"].isin(fam) & (study.runs["max_new_tokens"].astype(str) == t)
-                          & (study.runs["rollout_dtype"].astype(str) == d)]  # fmt: skip
+                          & (study.runs["rollout_precision"].astype(str) == d)]  # fmt: skip
         thin = [ln for ln in ax.get_lines() if ln.get_linewidth() == 0.5]
         assert len(thin) == len(runs) > 0, title
 
@@ -158,7 +161,7 @@ def test_algorithm_colours_are_colour_blind_safe_and_visible_on_white():
 def test_curves_begin_where_every_seed_has_logged(study):
     made = figures.figure1_reward(study)
     curves = made.tables["reward_mean"]
-    first = curves.dropna(subset=["mean"]).groupby(["algorithm", "max_new_tokens", "rollout_dtype"], observed=True)
+    first = curves.dropna(subset=["mean"]).groupby(["algorithm", "max_new_tokens", "rollout_precision"], observed=True)
     assert (first["n"].first() == 3).all()  # every configuration's first point is a mean over its 3 seeds
 
 
@@ -170,7 +173,7 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
         if metric == "reward_mean":
             assert at0.empty  # the training reward begins at the first RL step
         else:  # one point per configuration at compute 0: the mean of its 3 seeds' step-0 evaluations
-            assert len(at0) == len(table.drop_duplicates(["algorithm", "max_new_tokens", "rollout_dtype"]))
+            assert len(at0) == len(table.drop_duplicates(["algorithm", "max_new_tokens", "rollout_precision"]))
             assert (at0["n"] == 3).all() and at0["mean"].notna().all()
     for ax in made.fig.axes:
         assert ax.get_xscale() == "symlog" and ax.get_xlim()[0] == 0

@@ -92,7 +92,7 @@ def test_write_and_read_back(study, tmp_path):
 def test_synthetic_study_shape(study, study_dir):
     _, ids = study_dir
     assert len(study.runs) == len(ids) == 5 * 4 * 3
-    assert study.axes == ["max_new_tokens", "rollout_dtype"]
+    assert study.axes == ["max_new_tokens", "rollout_precision"]
     counts = study.runs["state"].value_counts().to_dict()
     assert counts == {"completed": 36, "collapsed": 12, "failed": 12}
     # Collapsed runs stop two steps after their collapse; the failed ones after a third of 200 steps.

@@ -20,7 +20,7 @@ C = synthetic.Curve
 
 def test_sequence_log_ratios_are_exact_and_tokens_bounded(tmp_path):
     cols, truth = synthetic.synthetic_token_samples([1, 4, 6], mu=0.03, sigma=0.01, rng=np.random.default_rng(3))
-    cfg = {"algorithm": "gspo", "seed": 0, "train_dtype": "bf16", "train_precision": "bf16-emulated"}
+    cfg = {"algorithm": "gspo", "seed": 0, "train_precision": "bf16-emulated"}
     synthetic.write_run(tmp_path / "runs", "r1", config=cfg, status={"state": "completed"}, metrics=None, tokens=cols)
     n_rows = len(cols["step"])
     st = tidy.load_study(tmp_path, max_token_rows=500)
@@ -31,8 +31,8 @@ def test_sequence_log_ratios_are_exact_and_tokens_bounded(tmp_path):
     assert seq["n_tokens"].sum() == n_rows
     assert set(st.tokens["step"]) <= {1, 4, 6} and st.tokens["trainer_logp"].dtype == np.float32
     # joined run columns, the precision keys (not swept here) and the emulation flag from the manifest
-    assert {"run_id", "algorithm", "seed", "train_dtype", "old_logp_source", "precision_emulated"} <= set(st.tokens)
-    assert st.tokens["train_dtype"].astype(str).unique().tolist() == ["bf16"]
+    assert {"run_id", "algorithm", "seed", "train_precision", "old_logp_source", "precision_emulated"} <= set(st.tokens)
+    assert st.tokens["train_precision"].astype(str).unique().tolist() == ["bf16-emulated"]
     assert bool(st.runs["precision_emulated"].iloc[0])
     again = tidy.load_study(tmp_path, max_token_rows=500)
     pd.testing.assert_frame_equal(st.tokens, again.tokens)  # the subset is seeded by the run id
@@ -44,7 +44,9 @@ def test_histogram_table_shows_the_known_log_ratio_distribution(study):
     made = figures.figure4b_token_logprobs(study)
     t = made.tables["seq_log_ratio"].set_index("config")
     hist = made.tables["seq_log_ratio_hist"]
-    assert len(t) == 2  # rollout_dtype bf16 / fp16 (train_dtype and old_logp_source unset in the synthetic configs)
+    assert (
+        len(t) == 2
+    )  # rollout_precision bf16 / fp16 (train_precision and old_logp_source unset in the synthetic configs)
     for cfg, row in t.iterrows():
         mu, sigma = TOKEN_TRUTH["bf16" if "bf16" in cfg else "fp16"]
         assert row["mean"] == pytest.approx(mu, abs=4 * sigma / np.sqrt(row["n_sequences"]))

@@ -201,12 +201,12 @@ def test_stratum_without_one_algorithm_has_no_data_and_does_not_count(tmp_path) 
             "bf16": {"gspo": C(clip_low=0.05, clip_high=0.1), "grpo": C(clip_low=0.0005, clip_high=0.0008)},
             "fp16": {"gspo": C(clip_low=0.001, clip_high=0.001)},  # no GRPO here: nothing to compare
         },
-        axis="rollout_dtype",
+        axis="rollout_precision",
     )
     r = scorecard.claim_c2(st)
     assert [s.verdict for s in r.strata] == [SUPPORTED, scorecard.NO_DATA]
     assert r.verdict == SUPPORTED and "(1 without)" in r.reason
-    assert any(e.verdict == scorecard.NO_DATA and e.stratum == "rollout_dtype=fp16" for e in r.evidence)
+    assert any(e.verdict == scorecard.NO_DATA and e.stratum == "rollout_precision=fp16" for e in r.evidence)
 
 
 def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_path) -> None:
@@ -241,10 +241,10 @@ def test_c5_stratifies_on_the_other_axes_but_not_its_own(tmp_path) -> None:
         curves,
         seeds=(0, 1, 2),
         n_steps=40,
-        grid={"old_logp_source": ["recompute", "rollout"], "rollout_dtype": ["bf16", "fp16"]},
+        grid={"old_logp_source": ["recompute", "rollout"], "rollout_precision": ["bf16", "fp16"]},
     )
     r = scorecard.claim_c5(tidy.load_study(tmp_path))
-    assert [s.key for s in r.strata] == [{"rollout_dtype": "bf16"}, {"rollout_dtype": "fp16"}]
+    assert [s.key for s in r.strata] == [{"rollout_precision": "bf16"}, {"rollout_precision": "fp16"}]
     assert "Not stratified on the claim's own axis old_logp_source" in r.rule
 
 

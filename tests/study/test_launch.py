@@ -142,7 +142,7 @@ def test_a_failing_run_surfaces_its_traceback(launcher: str, tmp_path: Path) -> 
 def test_the_cpu_profile_differs_from_the_gpu_one_only_in_what_a_job_asks_for() -> None:
     gpu, cpu = (yaml.safe_load((ROOT / name / "config.yaml").read_text()) for name in ("slurm", "slurm-cpu"))
     for rule in ("run", "coldstart"):
-        gpus = gpu["set-resources"][rule].pop("gpus", None)  # a run's GPUs and nodes are planned (study.tools.plan)
+        gpus = gpu["set-resources"][rule].pop("gpus", None)  # a run's GPUs and nodes are planned (study.run.plan)
         assert (gpus is None if rule == "run" else gpus >= 1) and cpu["set-resources"][rule].pop("gpus") == 0
         assert gpu["set-resources"][rule].pop("mem_gb") > cpu["set-resources"][rule].pop("mem_gb")
     assert gpu == cpu
@@ -443,10 +443,10 @@ def test_the_placement_reaches_sbatch(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """study.tools.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
+    """study.run.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
     job)."""
     monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
-    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
+    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_precision="bf16", rollout_precision="bf16",
                        max_new_tokens=4096)  # fmt: skip
     config = write_config(big, tmp_path / "big.yaml")
     args = [str(config), "--results", str(tmp_path), "--launcher", "slurm", "--gpus", "1", "--gpu-mem-gb", "80"]

@@ -12,7 +12,7 @@ from study import rl
 from study.core.model_config import dense_control, resolve_model
 from study.run.config import load_config
 from study.run.metrics import MINIBATCH_METRICS
-from study.tools.plan import param_counts
+from study.run.plan import param_counts
 
 QUICK = ["coldstart=scratch", "eval_every=0", "checkpoint_every=0"]
 # From random weights no response earns a reward; DAPO's overlong penalty still tells responses apart by length, so

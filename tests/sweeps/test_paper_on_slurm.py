@@ -1,6 +1,6 @@
 """The `paper` sweep as typed on a cluster (`snakemake --profile slurm --config sweep=sweeps/paper.yaml`) resolves into
 jobs that pass every check study.launch makes before it asks SLURM for one: the run's parallel layout against the
-job's ranks, the trainer and the vllm engine fitting the GPUs (study.tools.plan), the engine's layout against the
+job's ranks, the trainer and the vllm engine fitting the GPUs (study.run.plan), the engine's layout against the
 model. No GPU and no SLURM: the dry run's shell commands, each taken through launch's own checks."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_every_paper_job_passes_the_checks_before_submission(tmp_path):
 def test_the_planner_and_the_engine_speak_one_layout():
     """The planner's engine layout for the paper's model is one the engine's settings express, and back."""
     from study.core.model_config import PRESETS
-    from study.tools import plan
+    from study.run import plan
 
     cfg = PRESETS["qwen3-30b-a3b"]
     engine = plan.default_engine(cfg, 16)

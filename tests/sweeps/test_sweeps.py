@@ -59,8 +59,12 @@ def test_bad_algorithm_lists_the_registered_ones():
 
 
 def test_bad_axis_values():
-    with pytest.raises(SweepError, match=r"axes.train_dtype\[1\] = 'fp8'; valid: fp32, bf16, fp16"):
-        validate_sweep(sweep(axes={"train_dtype": ["fp32", "fp8"]}))
+    with pytest.raises(SweepError, match=r"axes.train_precision\[1\] = 'fp8'; valid: fp32, bf16, fp16"):
+        validate_sweep(sweep(axes={"train_precision": ["fp32", "fp8"]}))
+    with pytest.raises(
+        SweepError, match=r"unknown field\(s\) \['train_dtype'\]; train_dtype is replaced by train_precision"
+    ):
+        validate_sweep(sweep(base={"train_dtype": "bf16"}))
     with pytest.raises(SweepError, match=r"axes.seed\[0\] = 'zero': must be integer"):
         validate_sweep(sweep(axes={"seed": ["zero"]}))
     with pytest.raises(SweepError, match=r"axes.seed: an axis needs at least one value"):
@@ -327,10 +331,10 @@ def test_figure_captions_render_verbatim_in_rst():
 
 def test_snakemake_rejects_a_bad_sweep_before_any_job(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(sweep(base={"train_dtype": "fp8"})))
+    bad.write_text(yaml.safe_dump(sweep(base={"train_precision": "fp8"})))
     proc = _snakemake("-n", "--cores", "1", "--config", f"sweep={bad}", f"results={tmp_path}")
     assert proc.returncode != 0
-    assert "base.train_dtype = 'fp8'; valid: fp32, bf16, fp16" in proc.stdout + proc.stderr
+    assert "base.train_precision = 'fp8'; valid: fp32, bf16, fp16" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 from tests.shared import ROOT
 
@@ -32,13 +34,14 @@ class Watch(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Watch())
-sys.path.insert(0, ".")
+sys.path[:0] = json.loads(sys.argv[3])  # the algorithms package's root, then the repository's
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 
+from algorithms import catalog
 from study.coldstart import resolve_settings
 from study.coldstart.store import run_coldstart
-from study.tools import plan
+from study.run import plan
 from sweeps.expand import load_sweep
 
 for path in json.loads(sys.argv[2]):
@@ -49,7 +52,7 @@ for path in json.loads(sys.argv[2]):
             plan.check_run_fits(cfg, gpus=8, gpu_mem_gb=80, gpus_per_node=8)
         except ValueError:
             pass
-print(json.dumps({"torch": "torch" in sys.modules, "chain": Watch.chain}))
+print(json.dumps({"torch": "torch" in sys.modules, "chain": Watch.chain, "algorithms": catalog.names()}))
 """
 
 
@@ -65,14 +68,22 @@ def rule_file_imports() -> list[str]:
 def test_the_probe_sees_the_rule_files_imports():
     """A parser that found nothing would pass: it finds the modules common.smk and tune_common.smk are known to use."""
     names = rule_file_imports()
-    assert {"study.coldstart", "study.coldstart.store", "sweeps.expand", "study.tools", "algorithms"} <= set(names)
+    assert {"study.coldstart", "study.coldstart.store", "sweeps.expand", "study.run", "algorithms"} <= set(names)
     assert len(SWEEP_FILES) >= 8
 
 
-def test_planning_the_workflow_imports_no_torch():
-    args = [json.dumps(rule_file_imports()), json.dumps([str(p) for p in SWEEP_FILES])]
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+def planning_probe(algorithms_root: Path = ROOT) -> dict[str, Any]:
+    """The probe's findings: torch imported or not, the stack of its first import, the variants planning saw. The
+    `algorithms` package is the one under `algorithms_root` (the repository's, or a copy holding a new variant)."""
+    paths = list(dict.fromkeys([str(algorithms_root), str(ROOT)]))
+    args = [json.dumps(rule_file_imports()), json.dumps([str(p) for p in SWEEP_FILES]), json.dumps(paths)]
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_planning_the_workflow_imports_no_torch():
+    out = planning_probe()
     chain = "\n  ".join(out["chain"] or [])
     assert not out["torch"], f"planning imported torch; first import from:\n  {chain}"
+    assert {"grpo", "gspo"} <= set(out["algorithms"])

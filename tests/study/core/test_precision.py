@@ -24,15 +24,18 @@ def test_parse_and_labels() -> None:
 
 
 def test_runconfig_precision_fields() -> None:
+    """One field per engine holds format and mode; "same" takes the trainer's; the removed dtype fields are refused
+    naming their replacement."""
     cfg = RunConfig.from_dict({"train_precision": "fp16-emulated", "rollout_precision": "same"})
     assert (cfg.train_dtype, cfg.rollout_dtype, cfg.rollout_precision) == ("fp16", "fp16", "fp16-emulated")
     assert [p.label for p in cfg.precisions] == ["fp16-emulated", "fp16-emulated"]
     assert cfg.replace(train_precision="bf16").train_dtype == "bf16"
-    assert RunConfig().run_id == RunConfig.from_dict({"train_precision": ""}).run_id  # old run ids unchanged
-    assert cfg.run_id != RunConfig.from_dict({"train_dtype": "fp16", "rollout_dtype": "fp16"}).run_id
+    assert RunConfig.from_dict({"train_precision": "bf16-real"}).train_precision == "bf16"  # the canonical label
+    assert (RunConfig().train_precision, RunConfig().rollout_precision) == ("fp32", "fp32")
+    assert cfg.run_id != RunConfig.from_dict({"train_precision": "fp16", "rollout_precision": "fp16"}).run_id
     with pytest.raises(ValueError, match=r"train_precision = 'bf9'; valid: .*bf16_fp32head-emulated"):
         RunConfig.from_dict({"train_precision": "bf9"})
-    with pytest.raises(ValueError, match="train_dtype = 'fp32'; valid: omit train_dtype or set it to 'bf16'"):
+    with pytest.raises(ValueError, match="train_dtype is not a field; its replacement is train_precision"):
         RunConfig.from_dict({"train_precision": "bf16-emulated", "train_dtype": "fp32"})
     with pytest.raises(ValueError, match="rollout_engine = 'vllm'"):
         RunConfig.from_dict({"rollout_engine": "vllm", "rollout_precision": "bf16-emulated"})

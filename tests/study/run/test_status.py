@@ -133,3 +133,20 @@ def test_one_unreadable_config_is_reported_and_the_others_listed(results: Path, 
     assert runs[ids["completed"]]["state"] == "unreadable"
     assert runs[ids["completed"]]["reason"].startswith("config.yaml unreadable: ")
     assert {runs[ids[k]]["state"] for k in ("collapsed", "failed", "died")} == {"collapsed", "failed", "died"}
+
+
+def test_the_default_studys_axes_are_the_sweeps(tmp_path: Path) -> None:
+    """The default study crosses four algorithms with four seeds and gives GSPO its own clip range (per_algorithm):
+    the axes column shows the seed, not the hparams that differ only between algorithms."""
+    from sweeps.expand import load_sweep
+
+    runs = load_sweep("sweeps/default.yaml").expand()
+    for run_id, cfg in runs.items():
+        write_config(cfg, tmp_path / "default" / "configs" / f"{run_id}.yaml")
+    lines = S.collect(tmp_path, "default")
+    assert len(lines) == 16 and {ln.state for ln in lines} == {S.PENDING}
+    assert {tuple(ln.axes) for ln in lines} == {("seed",)}
+    table = S.table(lines).splitlines()
+    (grpo_seed2,) = [rid for rid, cfg in runs.items() if cfg.algorithm == "grpo" and cfg.seed == 2]
+    (row,) = [r for r in table if r.startswith(grpo_seed2)]
+    assert row.split()[1:4] == ["grpo", "seed=2", "pending"]

@@ -1,4 +1,4 @@
-"""The planner's CPU-run estimate (study.tools.plan.cpu_run_estimate) against a real run's measured peak RSS, at one
+"""The planner's CPU-run estimate (study.run.plan.cpu_run_estimate) against a real run's measured peak RSS, at one
 cheap shape: benchmarks/bench_plan.py, the command behind docs/performance.md's table, in fresh processes."""
 
 from __future__ import annotations

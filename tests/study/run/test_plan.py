@@ -1,5 +1,5 @@
-"""The memory and layout planner (study/tools/plan.py): exact parameter counts, the sharding arithmetic, the CLI, and
-the refusal of a run that cannot fit."""
+"""The memory and layout planner (study/run/plan.py; its CLI study/tools/plan.py): exact parameter counts, the sharding
+arithmetic, the CLI, and the refusal of a run that cannot fit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from study.core.model_config import PRESETS, resolve_model
 from study.policy.model import build_policy, count_parameters
-from study.tools import plan
+from study.run import plan
+from study.tools.plan import PUBLISHED, plan_main
 
 
 @pytest.mark.parametrize("name", ["tiny", "default"])
@@ -58,23 +59,23 @@ def test_sharding_arithmetic() -> None:
 def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = resolve_model("qwen3-30b-a3b")
     work = plan.Workload(prompts=64, group_size=8, prompt_len=1024, response_len=4096)
-    for gpus, layout in plan.PUBLISHED.values():
+    for gpus, layout in PUBLISHED.values():
         est = plan.estimate(cfg, layout, work, engine=plan.default_engine(cfg, gpus), gpu_mem_gb=80)
         assert est.fits(80 * plan.GB), layout.label()
-    verl = dataclasses.replace(plan.PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
+    verl = dataclasses.replace(PUBLISHED["verl GSPO (2x8)"][1], offload=False)  # why verl offloads
     assert not plan.estimate(cfg, verl, work, engine=plan.default_engine(cfg, 16), gpu_mem_gb=80).fits(80 * plan.GB)
-    assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
+    assert plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     assert "TP4 EP4 DP4 +SP +DistOpt +Recompute" in out and "layouts fit on 16 GPU(s) of 80 GB" in out
     assert "(verl GSPO (2x8))" in out and "(NeMo-RL GRPO (8x8))" in out
-    assert plan.plan_main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "80"]) == 1  # fits nowhere
-    assert plan.plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert plan_main(["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "80"]) == 1  # fits nowhere
+    assert plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
 
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
+    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_precision="bf16",
+                    rollout_precision="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
@@ -98,8 +99,8 @@ def test_a_colocated_peak_counts_the_trainers_state_beside_the_engine() -> None:
 def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
+    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_precision="bf16",
+                    rollout_precision="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
                     rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
                     parallel={"tensor": 4, "expert": 16, "data": 4})  # fmt: skip
     est = plan.check_run_fits(run, gpus=16, gpu_mem_gb=80)
