@@ -22,7 +22,7 @@ ISA. `emulated` computes in fp32 and rounds to the target dtype at the points wh
    stays fp32 too). Log-probs are fp32 in both modes (megatron's cross entropy and the engines upcast the logits).
 5. Backward: parameter gradients are rounded (tensor hooks); activation gradients are rounded wherever the forward
    rounding is an autograd-visible cast (module boundaries, matmuls outside custom autograd Functions), not inside
-   megatron's linear Function. fp16 (real or emulated) trains with `study.policy.model.DynamicLossScaler`.
+   megatron's linear Function. fp16 (real or emulated) trains with `study.policy.optim.DynamicLossScaler`.
 
 Not modelled: the accumulation order of a particular kernel (sums of k > 2 terms in the target dtype are rounded
 once here, not per add), and kernels that keep scores in fp32 differ from
@@ -362,7 +362,7 @@ def engine_kwargs(precision: Precision) -> dict[str, str]:
 
 
 def adam_eps(precision: Precision) -> float | None:
-    """AdamW eps for the trainer: 1e-6 for emulated fp16 (what study.policy.model.build_optimizer picks for real fp16
+    """AdamW eps for the trainer: 1e-6 for emulated fp16 (what study.policy.optim.build_optimizer picks for real fp16
     parameters), else None (build_optimizer's default)."""
     return 1e-6 if precision.emulated and precision.dtype == "fp16" else None
 

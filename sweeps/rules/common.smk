@@ -40,7 +40,7 @@ FIGURES = f"{STUDY_DIR}/figures"
 
 
 def coldstart_name(cfg):
-    """results/coldstart/<name> of a run with coldstart = "auto": the directory `study.rl.initial_policy` gets from
+    """results/coldstart/<name> of a run with coldstart = "auto": the directory `study.parts.initial_policy` gets from
     ensure_coldstart(model, task, results) with its defaults; None for a run given a checkpoint (or "scratch")."""
     if cfg.coldstart != "auto":
         return None
