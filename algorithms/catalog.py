@@ -31,8 +31,13 @@ def spec_document(spec: Spec) -> dict[str, Any]:
 
 
 def _spec(doc: dict[str, Any]) -> Spec:
-    return Spec(**{**doc, "hparams": MappingProxyType(doc["hparams"]),
-                   "ranges": MappingProxyType({k: Range(**r) for k, r in doc["ranges"].items()})})  # fmt: skip
+    return Spec(
+        **{
+            **doc,
+            "hparams": MappingProxyType(doc["hparams"]),
+            "ranges": MappingProxyType({k: Range(**r) for k, r in doc["ranges"].items()}),
+        }
+    )
 
 
 @functools.cache
@@ -76,8 +81,9 @@ def _read(key: str) -> dict[str, Spec]:
         return {name: _spec(doc) for name, doc in docs.items()}
     root = registry.PACKAGE.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "algorithms", "--json"], cwd=root, env=env, capture_output=True,
-                          text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "algorithms", "--json"], cwd=root, env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
         raise RuntimeError(f"importing the variants of {registry.PACKAGE} failed:\n{tail}")

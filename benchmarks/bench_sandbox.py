@@ -69,8 +69,11 @@ def main() -> None:
     for name in SANDBOXED:
         for entry in reasoning_gym.create_dataset(name, seed=5, size=8):
             meta = {**entry["metadata"], "question": entry["question"]}
-            items.append(tasks.TaskItem(task="user", prompt="q\n", solution="", answer=entry["answer"], verifier=name,
-                                        metadata=meta))  # fmt: skip
+            items.append(
+                tasks.TaskItem(
+                    task="user", prompt="q\n", solution="", answer=entry["answer"], verifier=name, metadata=meta
+                )
+            )
     box = sandbox.start(SANDBOXED)
     for item in items:  # start the worker, check every item scores
         if tasks.score(item, f"#### {item.answer}") != 1.0:
@@ -79,9 +82,11 @@ def main() -> None:
     pid = box._proc.pid if box._proc is not None else None
     passes = [_pass(items, args.n, pid) for _ in range(args.reps)]
     best = max(passes, key=lambda r: r[0])
-    print(f"sandboxed ({box.level}): {best[0]:8.1f} scores/s  median {best[1]:7.3f} ms/score  "
-          f"CPU {min(p[2] for p in passes):7.3f} ms/score  "
-          f"failures {failures + tasks.take_scorer_failures()}")  # fmt: skip
+    print(
+        f"sandboxed ({box.level}): {best[0]:8.1f} scores/s  median {best[1]:7.3f} ms/score  "
+        f"CPU {min(p[2] for p in passes):7.3f} ms/score  "
+        f"failures {failures + tasks.take_scorer_failures()}"
+    )
     box.close()
     native = tasks.make_task("chain_sum", seed=0, terms=(2, 3), digits=1).take(64)
     best = max((_pass(native, args.n * 10) for _ in range(args.reps)), key=lambda r: r[0])

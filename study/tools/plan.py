@@ -29,8 +29,10 @@ parameters and optimizer; counted here as the optimizer state off the GPU)."""
 
 
 def format_table(estimates: Sequence[Estimate], gpu_mem_gb: float, *, limit: int | None = None) -> str:
-    head = (f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
-            f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB")  # fmt: skip
+    head = (
+        f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
+        f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB"
+    )
     rows = [head, "-" * len(head)]
     for e in list(estimates)[: limit or None]:
         rows.append(
@@ -49,8 +51,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     from study.core.model_config import resolve_model
 
     p = argparse.ArgumentParser(prog="python -m study plan", description=plan_main.__doc__)
-    p.add_argument("--model", default=None, help="a preset (qwen3-30b-a3b, small, ...), a model mapping or an HF "
-                   "checkpoint directory; default: the run config's")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a preset (qwen3-30b-a3b, small, ...), a model mapping or an HF "
+        "checkpoint directory; default: the run config's",
+    )
     p.add_argument("--config", help="a run config YAML (its model, batch, lengths and dtype)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="run config override")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all (nodes x GPUs per node)")
@@ -90,18 +96,28 @@ def plan_main(argv: list[str] | None = None) -> int:
         )
         engine = default_engine(cfg, args.gpus)
         engine = dataclasses.replace(engine, tp=args.engine_tp or engine.tp, ep=args.engine_ep or engine.ep)
-        estimates = plan(cfg, args.gpus, args.gpu_mem, work, dtype=dtype, gpus_per_node=args.gpus_per_node,
-                         engine=engine, reserve_gb=args.reserve_gb)  # fmt: skip
+        estimates = plan(
+            cfg,
+            args.gpus,
+            args.gpu_mem,
+            work,
+            dtype=dtype,
+            gpus_per_node=args.gpus_per_node,
+            engine=engine,
+            reserve_gb=args.reserve_gb,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     counts = param_counts(cfg)
-    print(f"model: {param_counts(cfg).total / 1e9:.3f}B parameters ({counts.experts / 1e9:.3f}B in experts), "
-          f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
-          f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
-          f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
-          f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
-          "GB per GPU:")  # fmt: skip
+    print(
+        f"model: {param_counts(cfg).total / 1e9:.3f}B parameters ({counts.experts / 1e9:.3f}B in experts), "
+        f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
+        f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
+        f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
+        f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
+        "GB per GPU:"
+    )
     print(format_table(estimates, args.gpu_mem, limit=None if args.all else 20))
     n_fit = len(fitting(estimates, args.gpu_mem))
     print(f"{n_fit} of {len(estimates)} layouts fit on {args.gpus} GPU(s) of {args.gpu_mem:g} GB")
@@ -109,9 +125,18 @@ def plan_main(argv: list[str] | None = None) -> int:
 
     if cfg == PRESETS["qwen3-30b-a3b"]:
         print("published layouts of this model (each on its own GPU count, this batch and engine):")
-        published = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=default_engine(cfg, gpus),
-                              gpu_mem_gb=args.gpu_mem,
-                              reserve_gb=args.reserve_gb) for gpus, layout in PUBLISHED.values()]  # fmt: skip
+        published = [
+            estimate(
+                cfg,
+                layout,
+                work,
+                precision=Precision.of(dtype),
+                engine=default_engine(cfg, gpus),
+                gpu_mem_gb=args.gpu_mem,
+                reserve_gb=args.reserve_gb,
+            )
+            for gpus, layout in PUBLISHED.values()
+        ]
         table = format_table(published, args.gpu_mem).splitlines()
         print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))
     return 0 if n_fit else 1

@@ -90,8 +90,12 @@ def test_a_registration_has_the_ratio_level_of_the_loss_it_wraps() -> None:
         algorithms.unregister("test_gspo_rr_doc")
         algorithms.unregister("test_gspo_mis_doc")
     assert {n: algorithms.get(n).ratio_level for n in ("grpo", "grpo_rr", "gspo_rr", "gspo_token", "gmpo")} == {
-        "grpo": "token", "grpo_rr": "token", "gspo_rr": "sequence", "gspo_token": "token", "gmpo": "sequence"
-    }  # fmt: skip
+        "grpo": "token",
+        "grpo_rr": "token",
+        "gspo_rr": "sequence",
+        "gspo_token": "token",
+        "gmpo": "sequence",
+    }
 
 
 def test_hparams_need_defaults() -> None:
