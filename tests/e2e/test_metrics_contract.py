@@ -8,6 +8,8 @@ Where a metric applies (the settings below switch every optional one on):
 - step 0 (eval_every > 0) holds the start's held-out evaluation only: eval_*, lr, precision_emulated,
   compute_flops and wall_s;
 - eval_in_dist, eval_hard: step 0, every eval_every steps and the last step;
+- test_in_dist: step 0 and the last step (the test split; the runs name the session's tiny cold start as their
+  `coldstart`, which a test-split run would otherwise train anew without the test problems);
 - sync_parity_mean_abs, sync_parity_max_abs: every sync_check_every steps;
 - kl_ref: kl_coef > 0; prompts_skipped_mastered: prompt_filter = mastered;
 - routing_slot_mismatch, routing_set_flip_rate, routing_token_flip_rate (and the per-layer slot_mismatch,
@@ -43,6 +45,8 @@ SETS = [
     "checkpoint_every=0",
     "eval_size=8",
     "eval_samples=1",
+    "eval_test_size=8",
+    "eval_test_samples=1",
 ]
 X_AXES = ("compute_flops", "wall_s")
 """Step metrics that tidy keeps as columns of the long table (the figures' x-axes), not as rows of `metric`."""
@@ -53,6 +57,8 @@ EVAL_STEPS = {0, EVAL_EVERY, STEPS}
 
 def applies(metric: str, step: int) -> bool:
     """Whether `metric` must hold a number at `step` of a run with SETS."""
+    if metric == "test_in_dist":
+        return step in (0, STEPS)
     if metric.startswith("eval_"):
         return step in EVAL_STEPS
     if step == 0:
@@ -65,8 +71,10 @@ def applies(metric: str, step: int) -> bool:
 @pytest.fixture(scope="module")
 def study(results: Path, tmp_path_factory: pytest.TempPathFactory) -> tidy.Study:
     root = sharing_coldstart(results, tmp_path_factory.mktemp("contract"))
+    coldstart = next(p for p in (root / "coldstart").iterdir() if p.name.startswith("tiny-chain_sum"))
     for algorithm in ("gspo", "grpo"):
-        run_dir = rl.run(load_config(preset="tiny", sets=[*SETS, f"algorithm={algorithm}"]), root, progress=False)
+        sets = [*SETS, f"algorithm={algorithm}", f"coldstart={coldstart.resolve()}"]
+        run_dir = rl.run(load_config(preset="tiny", sets=sets), root, progress=False)
         assert json.loads((run_dir / "status.json").read_text())["state"] == "completed", algorithm
     return tidy.load_study(root)
 
