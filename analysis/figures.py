@@ -1216,6 +1216,22 @@ def _model_of(study: Study, run_ids: Sequence[str]) -> list[str]:
     ]
 
 
+def _mechanism(study: Study, arm: Mapping[tuple[str, str, Any], list[str]]) -> pd.DataFrame:
+    """offpolicy_tables' `mechanism`: per (model, algorithm, M) of `arm` (-> its run ids), the mean over its runs of
+    each run's mean over steps of the routing volatility and of each log-ratio metric (NaN where none measured it)."""
+    names = [vocab.ROUTING_SLOT, *(m for m in vocab.LOGRATIOS if m in study.metrics)]
+    per_run = {m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
+               for m in names if len(r := stats.run_mean(study.long, m))}  # fmt: skip
+    rows = []
+    for (mod, alg, m), ids in arm.items():
+        row: dict[str, Any] = {"model": mod, ALGORITHM: alg, vocab.MINIBATCH_AXIS: m, "n": len(ids)}
+        for name in names:
+            vals = np.array([per_run.get(name, {}).get(r, np.nan) for r in ids], np.float64)
+            row[name] = float(np.nanmean(vals)) if np.isfinite(vals).any() else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "n", *names])
+
+
 def _base_of(alg: str, present: Sequence[str]) -> str | None:
     """The arm at the fewest minibatches an algorithm's off-policy loss is measured from: itself, else the first of
     its routing variants (the same loss under another routing mode, registry order) that ran there: replay is a no-op
@@ -1240,6 +1256,9 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
       the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
       dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
+    - `mechanism` (only when runs measured the routing log-ratio, routing_attribution): per model, algorithm and M,
+      the seed means of each run's step means of the routing volatility and of the off-policy minibatches'
+      log-ratios (vocab.LOGRATIOS: the routing's part and the weights');
     - `collapse_rate` (only when some run collapsed, analysis.collapse): per model, algorithm and M, collapsed runs
       of the runs, with a Wilson interval.
     """
@@ -1416,6 +1435,8 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         "gaps": gaps,
         "offpolicy_loss": pd.DataFrame(rows, columns=loss_cols),
     }
+    if vocab.ROUTING_LOGRATIO in study.metrics:  # runs with routing_attribution: the mechanism beside the volatility
+        tables["mechanism"] = _mechanism(study, arm)
 
     coll = collapse.collapse_table(study.long, study.runs)
     fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))

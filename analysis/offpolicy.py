@@ -181,6 +181,35 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     return Outcome(NOT_IN_REGIME, tuple(out))
 
 
+def mechanism(tables: Mapping[str, pd.DataFrame]) -> tuple[str, ...]:
+    """One sentence on what the routing moved in the ratios (Figure 9's `mechanism` table, runs with
+    routing_attribution): at the highest M, GRPO's routing volatility on the MoE, the routing-attributable log-ratio
+    and the weights' log-ratio, beside the dense control's weights' log-ratio; () without the table."""
+    mech = tables.get("mechanism")
+    if mech is None or mech.empty or vocab.ROUTING_LOGRATIO not in mech:
+        return ()
+    axis, grpo = vocab.MINIBATCH_AXIS, scorecard.GRPO
+    moe = mech[(mech["model"] == MOE) & (mech[ALGORITHM].astype(str) == grpo)]
+    moe = moe[np.isfinite(moe[vocab.ROUTING_LOGRATIO].astype(float))]
+    if moe.empty:
+        return ()
+    top = moe.loc[moe[axis].astype(float).idxmax()]
+    dense = mech[(mech["model"] == DENSE) & (mech[axis].astype(str) == str(top[axis]))]
+
+    def pair(row: pd.Series, mean: str, share: str) -> str:
+        return f"{float(row[mean]):.4f} (tokens past ln 2: {regime.percent(float(row[share]))})"
+
+    said = (
+        f"The mechanism, at M = {_short(top[axis])}: {style.label(grpo)}'s routing moved "
+        f"{regime.percent(float(top[vocab.ROUTING_SLOT]))} of expert slots since pi_old, and routing alone moved "
+        f"log pi_theta / pi_old by a mean |.| of {pair(top, vocab.ROUTING_LOGRATIO, vocab.ROUTING_LOGRATIO_LN2)}, "
+        f"against {pair(top, vocab.WEIGHT_LOGRATIO, vocab.WEIGHT_LOGRATIO_LN2)} for the whole change"
+    )
+    if len(dense):
+        said += f"; the dense control's: {pair(dense.iloc[0], vocab.WEIGHT_LOGRATIO, vocab.WEIGHT_LOGRATIO_LN2)}"
+    return (said + " (seed means of the runs' step means over minibatches 2..M).",)
+
+
 def _in_regime(
     strata: list[pd.Series],
     thr: float,

@@ -32,11 +32,15 @@ ROUTER_ENTROPY = "router_entropy"
 ENGINE_EXPERT_LOAD = "engine_expert_load_imbalance"
 LAYER_SLOT = "slot_mismatch"  # columns of routing_layers.parquet
 LAYER_FLIP = "set_flip_rate"
+ROUTING_LOGRATIO, ROUTING_LOGRATIO_LN2 = "routing_logratio_mean_abs", "routing_logratio_gt_ln2_frac"
+WEIGHT_LOGRATIO, WEIGHT_LOGRATIO_LN2 = "weight_logratio_mean_abs", "weight_logratio_gt_ln2_frac"
+LOGRATIOS = (ROUTING_LOGRATIO, ROUTING_LOGRATIO_LN2, WEIGHT_LOGRATIO, WEIGHT_LOGRATIO_LN2)
+"""The off-policy minibatches' log-ratios: the routing's part (runs with routing_attribution) and the weights'."""
 RESPONSE_LEN = "response_len_mean"
 TRUNCATION = "truncation_rate"
 TOKENS = "tokens"
 METRICS = (REWARD, CLIP, CLIP_LOW, CLIP_HIGH, *MISMATCH, ROUTING_SLOT, ROUTING_FLIP, ROUTING_ENGINE, EXPERT_LOAD,
-           ROUTER_ENTROPY, ENGINE_EXPERT_LOAD, RESPONSE_LEN, TRUNCATION, TOKENS)  # fmt: skip
+           ROUTER_ENTROPY, ENGINE_EXPERT_LOAD, *LOGRATIOS, RESPONSE_LEN, TRUNCATION, TOKENS)  # fmt: skip
 """Every per-step metric named here (the eval metrics are matched by EVAL_PREFIXES instead; EVAL_IN_DIST is one)."""
 LAYER_METRICS = (LAYER_SLOT, LAYER_FLIP, EXPERT_LOAD, ROUTER_ENTROPY, ENGINE_EXPERT_LOAD)
 """Per-layer metrics (columns of routing_layers.parquet) named here; the last three are also step metrics' names."""
