@@ -15,8 +15,9 @@ algorithm decides):
  4. sync: the weights pushed to the rollout engine;
  5. log: a held-out evaluation every N steps, the metrics row (study/record.py; files written at checkpoints);
  6. checkpoint every N steps (study/checkpoint.py).
-What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility, expert load) is `StepMeasures`'s,
-one call per stage; each metric's meaning and function: study/run/metrics.py.
+What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility and, with routing_attribution,
+its share of the log-ratio from one extra forward per off-policy minibatch, expert load) is `StepMeasures`'s, one call
+per stage; each metric's meaning and function: study/run/metrics.py.
 The run directory, its lock, the manifest and every exit are study/lifecycle.py's.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
@@ -701,8 +702,10 @@ class StepMeasures:
 
     def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
         """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
-        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own),
-        routing_layers.parquet's rows of the step, and the updates' FLOPs."""
+        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own), the
+        log-ratios of minibatches 2..M (the weights' from the update's forward; with routing_attribution the
+        routing's, its extra forwards' seconds moved from time_update_s to time_attribution_s and their FLOPs left out
+        of the count), routing_layers.parquet's rows of the step, and the updates' FLOPs."""
         sums: dict[str, float] = {}
         volatility: list[dict[str, float]] = []
         per_minibatch: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
