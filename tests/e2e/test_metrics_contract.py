@@ -8,6 +8,7 @@ Where a metric applies (the settings below switch every optional one on):
 - step 0 (eval_every > 0) holds the start's held-out evaluation only: eval_*, lr, precision_emulated,
   compute_flops and wall_s;
 - eval_in_dist, eval_hard: step 0, every eval_every steps and the last step;
+- test_in_dist: the first and last evaluations (step 0 and the last step) of a run with a test split;
 - sync_parity_mean_abs, sync_parity_max_abs: every sync_check_every steps;
 - kl_ref: kl_coef > 0; prompts_skipped_mastered: prompt_filter = mastered;
 - routing_logratio_mean_abs, routing_logratio_gt_ln2_frac, time_attribution_s: routing_attribution = true;
@@ -37,7 +38,7 @@ from tests.shared import sharing_coldstart
 STEPS, EVAL_EVERY, SYNC_CHECK_EVERY = 3, 2, 2
 SETS = [f"steps={STEPS}", f"eval_every={EVAL_EVERY}", f"sync_check_every={SYNC_CHECK_EVERY}", "minibatches=2",
         "kl_coef=0.01", "prompt_filter=mastered", "checkpoint_every=0", "eval_size=8", "eval_samples=1",
-        "routing_attribution=true"]  # fmt: skip
+        "routing_attribution=true", "eval_test_size=8"]  # fmt: skip
 X_AXES = ("compute_flops", "wall_s")
 """Step metrics that tidy keeps as columns of the long table (the figures' x-axes), not as rows of `metric`."""
 START_ONLY = {"step", "lr", "precision_emulated", *X_AXES}
@@ -49,6 +50,8 @@ def applies(metric: str, step: int) -> bool:
     """Whether `metric` must hold a number at `step` of a run with SETS."""
     if metric.startswith("eval_"):
         return step in EVAL_STEPS
+    if metric.startswith("test_"):
+        return step in (0, STEPS)
     if step == 0:
         return metric in START_ONLY
     if metric.startswith("sync_parity_"):
