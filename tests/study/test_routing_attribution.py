@@ -66,19 +66,22 @@ def test_logratio_metrics_over_the_response_tokens() -> None:
     assert got["x_gt_ln2_frac"] == 0.5  # |-1.0| and 0.7 > ln 2 = 0.693
 
 
+@pytest.mark.parametrize("micro_batch", [0, 2])
 @pytest.mark.parametrize("routing", ["free", "replay"])
 def test_updates_at_a_high_lr_move_the_moes_ratios_through_routing_and_never_the_dense_models(
-    scratch: tuple, routing: str
+    scratch: tuple, routing: str, micro_batch: int
 ) -> None:
-    """Four minibatch updates at lr 1e-2: from the second on, the MoE's routing has moved since pi_old and the
-    routing log-ratio is positive; the one-expert model's is exactly 0 while its weights' log-ratio is positive."""
+    """Four minibatch updates at lr 1e-2 (each in one forward, or in micro-batches of 2): from the second on, the
+    MoE's routing has moved since pi_old and the routing log-ratio is positive; the one-expert model's is exactly 0
+    while its weights' log-ratio is positive."""
     model, cfg, parts, batch = scratch
-    cfg = dataclasses.replace(cfg, lr=1e-2)
+    cfg = dataclasses.replace(cfg, lr=1e-2, micro_batch=micro_batch)
     optimizer = build_optimizer(parts.policy, lr=cfg.lr, weight_decay=0.0, eps=1e-8, router_lr_scale=1.0)
     saved = [p.detach().clone() for p in parts.params]
     p = dataclasses.replace(parts, optimizer=optimizer)
     chunks = minibatches(cfg, batch.n, 1)
     old = pi_old(cfg, p, batch, chunks, None)
+    assert (old.first_logp is None) == (micro_batch > 0)  # micro-batches: every update in _update_micro
     replay = None if routing == "free" else old.routes
     try:
         updates = rl._updates(cfg, p, batch, chunks, old, old.logp, replay, old.routes, 1)
