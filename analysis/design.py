@@ -316,8 +316,16 @@ def _stratified(
             i += k
         return float(stat(*out))
 
-    res = sps.bootstrap(cols, statistic, n_resamples=reps, confidence_level=confidence, method="percentile",
-                        vectorized=False, paired=False, rng=np.random.default_rng(seed))  # fmt: skip
+    res = sps.bootstrap(
+        cols,
+        statistic,
+        n_resamples=reps,
+        confidence_level=confidence,
+        method="percentile",
+        vectorized=False,
+        paired=False,
+        rng=np.random.default_rng(seed),
+    )
     return float(stat(*mats)), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -329,8 +337,10 @@ def iqm_interval(
     {alg: (iqm, low, high)}."""
     from rliable import metrics
 
-    return {k: _stratified(metrics.aggregate_iqm, [v], reps=reps, confidence=confidence, seed=seed)
-            for k, v in scores.items()}  # fmt: skip
+    return {
+        k: _stratified(metrics.aggregate_iqm, [v], reps=reps, confidence=confidence, seed=seed)
+        for k, v in scores.items()
+    }
 
 
 def probability_of_improvement(

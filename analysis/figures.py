@@ -256,8 +256,9 @@ def _plot_curves(
             if points:
                 bars = c[c["low"].notna() & c["high"].notna() & (c["high"] > c["low"])]
                 err = np.vstack([bars["mean"] - bars["low"], bars["high"] - bars["mean"]])
-                ax.errorbar(bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8,
-                            color=style.color(alg))  # fmt: skip
+                ax.errorbar(
+                    bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8, color=style.color(alg)
+                )
             else:
                 ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
             at0 = c[c[x] == 0]
@@ -331,8 +332,10 @@ def _temperature_note(st: Study) -> str:
     rollout, held_out = values("temperature"), values("eval_temperature")
     if rollout == held_out == "1":
         return ""
-    return (f" The training reward is the rollouts', sampled at temperature {rollout}; the held-out evaluations "
-            f"sample at temperature {held_out}.")  # fmt: skip
+    return (
+        f" The training reward is the rollouts', sampled at temperature {rollout}; the held-out evaluations "
+        f"sample at temperature {held_out}."
+    )
 
 
 # --- Figure 2 ---------------------------------------------------------------------------------------------------------
@@ -472,8 +475,16 @@ def figure3_routing_replay(
         where_cfg = ", ".join(f"{c}={v}" for c, v in zip(cfg_cols, cfg, strict=True))
         for ax, fam in zip(axs, fams, strict=True):
             if not any(((algs == alg) & in_cfg).any() for alg in fam):  # a cell the sweep left out, said as such
-                ax.text(0.5, 0.5, "not run in this configuration", transform=ax.transAxes, ha="center",
-                        va="center", color=style.NEUTRAL, fontsize="small")  # fmt: skip
+                ax.text(
+                    0.5,
+                    0.5,
+                    "not run in this configuration",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    color=style.NEUTRAL,
+                    fontsize="small",
+                )
             for alg in fam:
                 idx = np.flatnonzero((algs == alg) & in_cfg)
                 col = style.color(alg)
@@ -485,14 +496,12 @@ def figure3_routing_replay(
                         last = np.flatnonzero(np.isfinite(mat[i]))
                         if np.isfinite(cx) and last.size:
                             yv = np.interp(np.log(cx), np.log(grid[last]), mat[i][last])
-                            ax.plot([cx / scale], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none",
-                                    gid="collapse")  # fmt: skip
+                            ax.plot([cx / scale], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none", gid="collapse")
                 if idx.size:  # the mean begins where every seed has logged (its first point is a mean over all)
                     m = mat[idx].copy()
                     m[:, grid < np.nanmax(starts[idx]) * (1 - 1e-12)] = np.nan
                     mean = stats.mean_band(m)[0]
-                    ax.plot(grid / scale, mean, color=col, lw=1.8,
-                            label=f"{style.label(alg)} ({reg.get(alg).routing})")  # fmt: skip
+                    ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
             _compute_axis(ax, unit)
             ax.set_title(style.label(fam[0]) + (f"\n{where_cfg}" if where_cfg else ""))
     for axs in grid_axs:
@@ -1024,8 +1033,16 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     rows = []
     for i in range(len(keys)):
         ci = stats.mean_ci(vol.loc[vol["config"] == i, "value"].to_numpy())
-        rows.append({"config": label(i), **dict(zip(axes, keys[i], strict=True)), "mean": ci.estimate,
-                     "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
+        rows.append(
+            {
+                "config": label(i),
+                **dict(zip(axes, keys[i], strict=True)),
+                "mean": ci.estimate,
+                "low": ci.low,
+                "high": ci.high,
+                "n": ci.n,
+            }
+        )
     volatility = pd.DataFrame(rows)
 
     present = sorted(set(study.runs.loc[~study.runs["state"].isin(["failed", "unknown"]), ALGORITHM].astype(str)))
@@ -1042,9 +1059,20 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
             x = in_cfg.loc[in_cfg[ALGORITHM] == a, "value"].to_numpy()
             y = in_cfg.loc[in_cfg[ALGORITHM] == b, "value"].to_numpy()
             d = stats.mean_difference(x, y)
-            rows.append({"config": label(i), "comparison": f"{style.label(a)} - {style.label(b)}", "claim": claim,
-                         "minuend": a, "subtrahend": b, "quantity": what, "estimate": d.estimate, "low": d.low,
-                         "high": d.high, "n": f"{len(x)} vs {len(y)}"})  # fmt: skip
+            rows.append(
+                {
+                    "config": label(i),
+                    "comparison": f"{style.label(a)} - {style.label(b)}",
+                    "claim": claim,
+                    "minuend": a,
+                    "subtrahend": b,
+                    "quantity": what,
+                    "estimate": d.estimate,
+                    "low": d.low,
+                    "high": d.high,
+                    "n": f"{len(x)} vs {len(y)}",
+                }
+            )
     gap_cols = ["config", "comparison", "claim", "minuend", "subtrahend", "quantity", "estimate", "low", "high", "n"]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
@@ -1055,8 +1083,17 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
         t = per_config(stats.run_mean(study.long, metric))
         for (i, alg), grp in t.groupby(["config", ALGORITHM], sort=True):
             ci = stats.mean_ci(grp["value"].to_numpy())
-            rows.append({"config": label(int(i)), ALGORITHM: alg, "metric": metric, "mean": ci.estimate,
-                         "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
+            rows.append(
+                {
+                    "config": label(int(i)),
+                    ALGORITHM: alg,
+                    "metric": metric,
+                    "mean": ci.estimate,
+                    "low": ci.low,
+                    "high": ci.high,
+                    "n": ci.n,
+                }
+            )
     load = pd.DataFrame(rows, columns=["config", ALGORITHM, "metric", "mean", "low", "high", "n"])
     return {"volatility": volatility, "gaps": gaps, "routing_load": load}
 
@@ -1076,16 +1113,29 @@ def _err(t: pd.DataFrame, mean: str = "mean") -> np.ndarray:
     return np.where(np.isfinite(e), np.maximum(e, 0), 0)
 
 
-def _gap_bars(ax: Axes, x: pd.Series, p: pd.DataFrame, xerr: pd.DataFrame, alg: str, k: int, label: str,
-              gid: str) -> None:  # fmt: skip
+def _gap_bars(
+    ax: Axes, x: pd.Series, p: pd.DataFrame, xerr: pd.DataFrame, alg: str, k: int, label: str, gid: str
+) -> None:
     """One comparison's gaps (`p`: estimate, low, high) at `x`, with `xerr` (lo, hi columns) the x intervals, in
     `alg`'s colour and the k-th marker: Figures 8 and 9 draw their gaps alike."""
-    ax.errorbar(x, p["estimate"], yerr=_err(p, "estimate"), xerr=xerr.to_numpy().T, color=style.color(alg),
-                marker=MARKERS[k % len(MARKERS)], ms=4, lw=1.0, capsize=1.5, label=label, gid=gid)  # fmt: skip
+    ax.errorbar(
+        x,
+        p["estimate"],
+        yerr=_err(p, "estimate"),
+        xerr=xerr.to_numpy().T,
+        color=style.color(alg),
+        marker=MARKERS[k % len(MARKERS)],
+        ms=4,
+        lw=1.0,
+        capsize=1.5,
+        label=label,
+        gid=gid,
+    )
 
 
-def _top_tags(fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *,
-              crowded: str) -> None:  # fmt: skip
+def _top_tags(
+    fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *, crowded: str
+) -> None:
     """Tick labels on top of each of `axes` naming what each x in `xs` is (`tags`, 6 pt, lines split by newlines),
     titled `title`; where neighbouring tags would overlap, none is written and the title says `crowded`."""
     from matplotlib import ticker
@@ -1133,8 +1183,16 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                 continue
             p["x"] = p["config"].map(xs)
             p = p.sort_values("x")
-            _gap_bars(ax, p["x"], p, xerr.loc[p["config"]], a, k,
-                      f"{style.label(a)} − {style.label(b)} ({claim})", f"gap-{what}-{a}-{b}")  # fmt: skip
+            _gap_bars(
+                ax,
+                p["x"],
+                p,
+                xerr.loc[p["config"]],
+                a,
+                k,
+                f"{style.label(a)} − {style.label(b)} ({claim})",
+                f"gap-{what}-{a}-{b}",
+            )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.set_ylabel(f"{what} gap")
         ax.set_title(f"{what}: gap between the compared algorithms")
@@ -1153,8 +1211,18 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
             p = p.sort_values("x")
             dodge = (k - (n_alg - 1) / 2) * 0.025  # algorithms side by side at their configuration's volatility
             x = p["x"] * (1 + dodge) if log_x else p["x"] + dodge * float(np.nanmax(xs) - np.nanmin(xs) or 1.0)
-            ax.errorbar(x, p["mean"], yerr=_err(p), color=style.color(alg), marker="o", ms=3, lw=0.8, capsize=1.5,
-                        label=style.label(alg), gid=f"load-{metric}-{alg}")  # fmt: skip
+            ax.errorbar(
+                x,
+                p["mean"],
+                yerr=_err(p),
+                color=style.color(alg),
+                marker="o",
+                ms=3,
+                lw=0.8,
+                capsize=1.5,
+                label=style.label(alg),
+                gid=f"load-{metric}-{alg}",
+            )
         ax.set_ylabel(ylabel)
         ax.set_title(metric)
         ax.set_xlabel("routing volatility: expert-slot mismatch since pi_old")
@@ -1220,8 +1288,11 @@ def _mechanism(study: Study, arm: Mapping[tuple[str, str, Any], list[str]]) -> p
     """offpolicy_tables' `mechanism`: per (model, algorithm, M) of `arm` (-> its run ids), the mean over its runs of
     each run's mean over steps of the routing volatility and of each log-ratio metric (NaN where none measured it)."""
     names = [vocab.ROUTING_SLOT, *(m for m in vocab.LOGRATIOS if m in study.metrics)]
-    per_run = {m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
-               for m in names if len(r := stats.run_mean(study.long, m))}  # fmt: skip
+    per_run = {
+        m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
+        for m in names
+        if len(r := stats.run_mean(study.long, m))
+    }
     rows = []
     for (mod, alg, m), ids in arm.items():
         row: dict[str, Any] = {"model": mod, ALGORITHM: alg, vocab.MINIBATCH_AXIS: m, "n": len(ids)}
@@ -1358,9 +1429,19 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
 
     def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         d = stats.mean_difference(x, y)
-        return {"comparison": what, "minuend": a, "subtrahend": b, "model": model, axis: m, "volatility": x_of[m],
-                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high,
-                "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"}  # fmt: skip
+        return {
+            "comparison": what,
+            "minuend": a,
+            "subtrahend": b,
+            "model": model,
+            axis: m,
+            "volatility": x_of[m],
+            "quantity": q,
+            "estimate": d.estimate,
+            "low": d.low,
+            "high": d.high,
+            "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
+        }
 
     rows = []
     for q, m in itertools.product(quantities, ms):
@@ -1589,8 +1670,16 @@ def figure9_offpolicy_replay(
             p = g[(g["minuend"] == a) & (g["subtrahend"] == b)].sort_values("volatility")
             if p.empty:
                 continue
-            _gap_bars(ax, p["volatility"], p, xerr.loc[p[axis]], a, k, f"{style.label(a)} − {style.label(b)}",
-                      f"gap-{q}-{a}-{b}")  # fmt: skip
+            _gap_bars(
+                ax,
+                p["volatility"],
+                p,
+                xerr.loc[p[axis]],
+                a,
+                k,
+                f"{style.label(a)} − {style.label(b)}",
+                f"gap-{q}-{a}-{b}",
+            )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.axvline(thr, color=style.NEUTRAL, lw=0.9, ls="--")
         ax.xaxis.set_major_formatter(pct)

@@ -160,9 +160,11 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     if finite.empty:
         out.append(f"No {lab[grpo]} \u2212 {lab[rr]} held-out gap has an interval at a measured M.")
     else:
-        per = "; ".join(f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
-                        f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
-                        for _, r in finite.iterrows())  # fmt: skip
+        per = "; ".join(
+            f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
+            f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
+            for _, r in finite.iterrows()
+        )
         below = finite[finite["high"].astype(float) < 0]
         tail = (
             " At "
@@ -241,10 +243,11 @@ def _in_regime(
             if fell[a] is not False:
                 why.append(f"{lab[a]} fell beyond it too" if fell[a] else f"{lab[a]}: no interval")
         excess = {
-            a: "not run" if row is None else _ci(float(row["excess"]), float(row["excess_low"]),
-                                                 float(row["excess_high"]))
+            a: "not run"
+            if row is None
+            else _ci(float(row["excess"]), float(row["excess_low"]), float(row["excess_high"]))
             for a, row in ex.items()
-        }  # fmt: skip
+        }
         gap = []
         for q in (HELD_OUT, FINAL):
             row = _row(gaps, minuend=grpo, subtrahend=rr, quantity=q, **{axis: m})

@@ -98,8 +98,10 @@ def check_study(results_dir: str | os.PathLike[str], study: str | None) -> None:
         raise ValueError(f"--study {study!r}: a study name, not a path (the folder RESULTS_DIR/NAME)")
     if study_run_ids(root, study) is None:
         known = studies(root)
-        raise ValueError(f"--study {study!r}: no such study in {results_dir} (no {study}/run_ids.txt, study.json or "
-                         f"configs/); valid: {', '.join(known) or 'none yet'}")  # fmt: skip
+        raise ValueError(
+            f"--study {study!r}: no such study in {results_dir} (no {study}/run_ids.txt, study.json or "
+            f"configs/); valid: {', '.join(known) or 'none yet'}"
+        )
 
 
 def budget_tables(results_dir: str | os.PathLike[str], study: str | None) -> pd.DataFrame | None:

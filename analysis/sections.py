@@ -108,8 +108,16 @@ def problem_runs(study: Study) -> pd.DataFrame:
     order = {a: i for i, a in enumerate(style.order_or_sorted({str(r.get(ALGORITHM)) for r in records}))}
     records.sort(key=lambda r: (str(r["state"]), order.get(str(r.get(ALGORITHM)), 0), *(str(r.get(c)) for c in cols)))
     for _, u in study.unreadable.iterrows():
-        records.append({RUN_ID: u[RUN_ID], ALGORITHM: u[ALGORITHM], "seed": u["seed"], "state": "unreadable",
-                        "flagged_by": "unreadable", "reason": u["reason"]})  # fmt: skip
+        records.append(
+            {
+                RUN_ID: u[RUN_ID],
+                ALGORITHM: u[ALGORITHM],
+                "seed": u["seed"],
+                "state": "unreadable",
+                "flagged_by": "unreadable",
+                "reason": u["reason"],
+            }
+        )
     for rid in study.missing:
         records.append({RUN_ID: rid, "state": "missing", "flagged_by": "missing", "reason": "no run directory"})
     return pd.DataFrame.from_records(records, columns=cols)
@@ -238,15 +246,28 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
             if whole
             else "Some strata were not put to the test"
         )
-        out.append((css_class(NOT_IN_REGIME), "Not tested in regime:", f"{verb}: the runs did not reach the regime the "
-                    f"claim is about, so no verdict for or against it is drawn there. {parts}."))  # fmt: skip
+        out.append(
+            (
+                css_class(NOT_IN_REGIME),
+                "Not tested in regime:",
+                f"{verb}: the runs did not reach the regime the "
+                f"claim is about, so no verdict for or against it is drawn there. {parts}.",
+            )
+        )
     asked, gone = not_read(study) if study is not None else (0, 0)
     if gone:
-        what = ", ".join(f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing)))
-                         if n)  # fmt: skip
-        out.append(("not-read", "Runs not read:", f"{gone} of the {asked} runs of the study ({what}) are in no "
-                    "verdict, figure or table below; each is listed with the reason under 'Failed, collapsed, "
-                    "unreadable and missing runs'."))  # fmt: skip
+        what = ", ".join(
+            f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing))) if n
+        )
+        out.append(
+            (
+                "not-read",
+                "Runs not read:",
+                f"{gone} of the {asked} runs of the study ({what}) are in no "
+                "verdict, figure or table below; each is listed with the reason under 'Failed, collapsed, "
+                "unreadable and missing runs'.",
+            )
+        )
     for c in cards:
         stratified = len(c.strata) > 1
         firsts = [e for e in c.evidence if e.verdict and e.verdict != scorecard.NO_DATA] if stratified else []

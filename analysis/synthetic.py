@@ -421,6 +421,7 @@ def make_offpolicy_study(
         for family, shape in (("MoE", MOE_SHAPE), ("dense", DENSE_SHAPE)):
             curves = {a: c for a, c in truth[family].items() if not (m == 1 and a.endswith("_rr"))}
             grid = {**{k: [v] for k, v in shape.items()}, "minibatches": [m]}
-            ids += make_study(root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS,
-                              eval_every=OFFPOLICY_EVERY, **kwargs)  # fmt: skip
+            ids += make_study(
+                root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS, eval_every=OFFPOLICY_EVERY, **kwargs
+            )
     return ids

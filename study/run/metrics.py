@@ -39,8 +39,11 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
 _LOOP = "study.rl.StepMeasures"
 _COLLECT = "study.rl._collect"
 _UPDATE = "study.rl._update"
-_LOSS_SOURCES = {"clip_frac": "algorithms.common.clip_metrics", "clip_frac_low": "algorithms.common.clip_metrics",
-                 "clip_frac_high": "algorithms.common.clip_metrics"}  # fmt: skip
+_LOSS_SOURCES = {
+    "clip_frac": "algorithms.common.clip_metrics",
+    "clip_frac_low": "algorithms.common.clip_metrics",
+    "clip_frac_high": "algorithms.common.clip_metrics",
+}
 
 
 STEP_METRICS: dict[str, Metric] = {
@@ -298,8 +301,9 @@ def logratio_metrics(prefix: str, logratio: torch.Tensor, mask: torch.Tensor) ->
 
 def mean_over_minibatches(rows: list[dict[str, float]], names: tuple[str, ...]) -> dict[str, float]:
     """Each of `names` averaged over `rows` (one per minibatch measured); NaN for a name no row holds."""
-    return {name: statistics.fmean(vals) if (vals := [r[name] for r in rows if name in r]) else math.nan
-            for name in names}  # fmt: skip
+    return {
+        name: statistics.fmean(vals) if (vals := [r[name] for r in rows if name in r]) else math.nan for name in names
+    }
 
 
 LOGRATIO_METRICS: tuple[str, ...] = (

@@ -19,8 +19,16 @@ from study.policy.routing import routing_volatility
 from study.run.config import load_config
 from study.run.metrics import LOGRATIO_METRICS, logratio_metrics
 
-SCRATCH = ["coldstart=scratch", "eval_every=0", "checkpoint_every=0", "prompts_per_step=4", "group_size=4",
-           "max_new_tokens=12", "minibatches=4", "routing_attribution=true"]  # fmt: skip
+SCRATCH = [
+    "coldstart=scratch",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "prompts_per_step=4",
+    "group_size=4",
+    "max_new_tokens=12",
+    "minibatches=4",
+    "routing_attribution=true",
+]
 MODELS = {"moe": [], "dense": ["model.num_experts=1", "model.moe_top_k=1"]}
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
 
@@ -90,8 +98,10 @@ def test_updates_at_a_high_lr_move_the_moes_ratios_through_routing_and_never_the
             for q, s in zip(parts.params, saved, strict=True):
                 q.copy_(s)
     assert updates[0].routing_logratio is None  # the first minibatch's forward is pi_old's own
-    moved = [routing_volatility(old.routes[idx], u.routes, batch.attn_mask[idx])["slot_mismatch"]
-             for idx, u in zip(chunks[1:], updates[1:], strict=True)]  # fmt: skip
+    moved = [
+        routing_volatility(old.routes[idx], u.routes, batch.attn_mask[idx])["slot_mismatch"]
+        for idx, u in zip(chunks[1:], updates[1:], strict=True)
+    ]
     for idx, u in zip(chunks[1:], updates[1:], strict=True):
         mask = batch.mask[idx]
         assert logratio_metrics("w", u.logp - old.logp[idx], mask)["w_mean_abs"] > 0
