@@ -34,6 +34,25 @@ HELD_OUT, FINAL = "held-out gain", "final reward"
 """Figure 9's quantities (its tables' `quantity` column)."""
 
 
+def _mechanism(study: Study, arm: Mapping[tuple[str, str, Any], list[str]]) -> pd.DataFrame:
+    """offpolicy_tables' `mechanism`: per (model, algorithm, M) of `arm` (-> its run ids), the mean over its runs of
+    each run's mean over steps of the routing volatility and of each log-ratio metric (NaN where none measured it)."""
+    names = [vocab.ROUTING_SLOT, *(m for m in vocab.LOGRATIOS if m in study.metrics)]
+    per_run = {
+        m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
+        for m in names
+        if len(r := stats.run_mean(study.long, m))
+    }
+    rows = []
+    for (mod, alg, m), ids in arm.items():
+        row: dict[str, Any] = {"model": mod, ALGORITHM: alg, vocab.MINIBATCH_AXIS: m, "n": len(ids)}
+        for name in names:
+            vals = np.array([per_run.get(name, {}).get(r, np.nan) for r in ids], np.float64)
+            row[name] = float(np.nanmean(vals)) if np.isfinite(vals).any() else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "n", *names])
+
+
 def _base_of(alg: str, present: Sequence[str]) -> str | None:
     """The arm at the fewest minibatches an algorithm's off-policy loss is measured from: itself, else the first of
     its routing variants (the same loss under another routing mode, registry order) that ran there: replay is a no-op
@@ -58,6 +77,9 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
       the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
       dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
+    - `mechanism` (only when runs measured the routing log-ratio, routing_attribution): per model, algorithm and M,
+      the seed means of each run's step means of the routing volatility and of the off-policy minibatches'
+      log-ratios (vocab.LOGRATIOS: the routing's part and the weights');
     - `collapse_rate` (only when some run collapsed, analysis.collapse): per model, algorithm and M, collapsed runs
       of the runs, with a Wilson interval.
     """
@@ -242,6 +264,8 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         "gaps": gaps,
         "offpolicy_loss": pd.DataFrame(rows, columns=loss_cols),
     }
+    if vocab.ROUTING_LOGRATIO in study.metrics:  # runs with routing_attribution: the mechanism beside the volatility
+        tables["mechanism"] = _mechanism(study, arm)
 
     coll = collapse.collapse_table(study.long, study.runs)
     fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))
@@ -424,6 +448,35 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
             f"{width:.3f} wide, so no smaller gap is ruled out.{tail}"
         )
     return Outcome(NOT_IN_REGIME, tuple(out))
+
+
+def mechanism(tables: Mapping[str, pd.DataFrame]) -> tuple[str, ...]:
+    """One sentence on what the routing moved in the ratios (Figure 9's `mechanism` table, runs with
+    routing_attribution): at the highest M, GRPO's routing volatility on the MoE, the routing-attributable log-ratio
+    and the weights' log-ratio, beside the dense control's weights' log-ratio; () without the table."""
+    mech = tables.get("mechanism")
+    if mech is None or mech.empty or vocab.ROUTING_LOGRATIO not in mech:
+        return ()
+    axis, grpo = vocab.MINIBATCH_AXIS, scorecard.GRPO
+    moe = mech[(mech["model"] == MOE) & (mech[ALGORITHM].astype(str) == grpo)]
+    moe = moe[np.isfinite(moe[vocab.ROUTING_LOGRATIO].astype(float))]
+    if moe.empty:
+        return ()
+    top = moe.loc[moe[axis].astype(float).idxmax()]
+    dense = mech[(mech["model"] == DENSE) & (mech[axis].astype(str) == str(top[axis]))]
+
+    def pair(row: pd.Series, mean: str, share: str) -> str:
+        return f"{float(row[mean]):.4f} (tokens past ln 2: {regime.percent(float(row[share]))})"
+
+    said = (
+        f"The mechanism, at M = {_short(top[axis])}: {style.label(grpo)}'s routing moved "
+        f"{regime.percent(float(top[vocab.ROUTING_SLOT]))} of expert slots since pi_old, and routing alone moved "
+        f"log pi_theta / pi_old by a mean |.| of {pair(top, vocab.ROUTING_LOGRATIO, vocab.ROUTING_LOGRATIO_LN2)}, "
+        f"against {pair(top, vocab.WEIGHT_LOGRATIO, vocab.WEIGHT_LOGRATIO_LN2)} for the whole change"
+    )
+    if len(dense):
+        said += f"; the dense control's: {pair(dense.iloc[0], vocab.WEIGHT_LOGRATIO, vocab.WEIGHT_LOGRATIO_LN2)}"
+    return (said + " (seed means of the runs' step means over minibatches 2..M).",)
 
 
 def _in_regime(

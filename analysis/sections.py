@@ -580,6 +580,7 @@ def offpolicy_section(
     return [
         render.h(2, "Routing Replay along off-policy updates", anchor="offpolicy"),
         *(render.p(s) for s in said.sentences),
+        *(render.p(s) for s in offpolicy.mechanism(rendered.tables[OFFPOLICY_FIGURE])),
         *fig,
     ]
 

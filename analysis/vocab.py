@@ -32,6 +32,10 @@ ROUTER_ENTROPY = "router_entropy"
 ENGINE_EXPERT_LOAD = "engine_expert_load_imbalance"
 LAYER_SLOT = "slot_mismatch"  # columns of routing_layers.parquet
 LAYER_FLIP = "set_flip_rate"
+ROUTING_LOGRATIO, ROUTING_LOGRATIO_LN2 = "routing_logratio_mean_abs", "routing_logratio_gt_ln2_frac"
+WEIGHT_LOGRATIO, WEIGHT_LOGRATIO_LN2 = "weight_logratio_mean_abs", "weight_logratio_gt_ln2_frac"
+LOGRATIOS = (ROUTING_LOGRATIO, ROUTING_LOGRATIO_LN2, WEIGHT_LOGRATIO, WEIGHT_LOGRATIO_LN2)
+"""The off-policy minibatches' log-ratios: the routing's part (runs with routing_attribution) and the weights'."""
 RESPONSE_LEN = "response_len_mean"
 TRUNCATION = "truncation_rate"
 TOKENS = "tokens"
@@ -47,6 +51,7 @@ METRICS = (
     EXPERT_LOAD,
     ROUTER_ENTROPY,
     ENGINE_EXPERT_LOAD,
+    *LOGRATIOS,
     RESPONSE_LEN,
     TRUNCATION,
     TOKENS,

@@ -15,8 +15,9 @@ algorithm decides):
  4. sync: the weights pushed to the rollout engine;
  5. log: a held-out evaluation every N steps, the metrics row (study/record.py; files written at checkpoints);
  6. checkpoint every N steps (study/checkpoint.py).
-What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility, expert load) is `StepMeasures`'s,
-one call per stage; each metric's meaning and function: study/run/metrics.py.
+What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility and, with routing_attribution,
+its share of the log-ratio from one extra forward per off-policy minibatch, expert load) is `StepMeasures`'s, one call
+per stage; each metric's meaning and function: study/run/metrics.py.
 The run directory, its lock, the manifest and every exit are study/lifecycle.py's.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -66,7 +67,15 @@ from study.policy.model import token_logp
 from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
 from study.run import rundir
 from study.run.config import RunConfig
-from study.run.metrics import STEP_METRICS, forward_flops, k3, minibatch_metrics
+from study.run.metrics import (
+    LOGRATIO_METRICS,
+    STEP_METRICS,
+    forward_flops,
+    k3,
+    logratio_metrics,
+    mean_over_minibatches,
+    minibatch_metrics,
+)
 from study.run.trackers import ENV as TRACKERS_ENV
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 
@@ -175,8 +184,9 @@ def train(
 
             # 3. minibatch updates, ALGO routing free or pi_old's replayed (R3: the engine's)
             replay = {"free": None, "replay": old.routes, "rollout_replay": batch.engine_routes}[alg.routing]
+            old_routes = replayed if replayed is not None else old.routes  # the routes pi_old's forward used
             with measure.timed("time_update_s"):
-                updates = _updates(cfg, parts, batch, chunks, old, old_logp, replay, step)
+                updates = _updates(cfg, parts, batch, chunks, old, old_logp, replay, old_routes, step)
             measure.updates(batch, chunks, old, updates)
 
             # 4. sync: the weights to the rollout engine
@@ -372,8 +382,14 @@ def _collect(
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. the updates
 # ---------------------------------------------------------------------------------------------------------------------
-Update = tuple[dict[str, float], Routes]
-"""One minibatch update's metrics and the routes free routing chose in its forward."""
+class Update(NamedTuple):
+    """One minibatch update: its metrics, and what its forward saw before the optimizer step."""
+
+    metrics: dict[str, float]
+    routes: Routes  # (b, S, L, k) the routes free routing chose in its forward
+    logp: torch.Tensor  # (b, T) its forward's log-probs, detached
+    routing_logratio: torch.Tensor | None = None  # (b, T) routing_attribution: `_routing_attribution`'s
+    attribution_s: float = 0.0  # the seconds of that extra forward
 
 
 def _updates(
@@ -384,20 +400,50 @@ def _updates(
     old: PiOld,
     old_logp: torch.Tensor,
     replay: Routes | None,
+    old_routes: Routes,
     step: int,
 ) -> list[Update]:
     """The step's minibatch updates in order, each against `old_logp` (B, T) with `replay`'s routes forced (None:
     free routing): the first one from pi_old's fused forward (`old.first_logp`), the others forwarded here; or, with
-    no fused forward, each in micro-batches (`_update_micro`)."""
+    no fused forward, each in micro-batches (`_update_micro`). With routing_attribution, each minibatch after the
+    first is also forwarded once more (`_routing_attribution`, `old_routes`: the routes pi_old's forward used)."""
     out = []
     for i, idx in enumerate(chunks):
         ref_logp = None if old.ref_logp is None else old.ref_logp[idx]
+        other, seconds = None, 0.0
+        if cfg.routing_attribution and i > 0:  # instrumentation: before the update's forward, on the same weights
+            start = time.perf_counter()
+            other = _other_routing_logp(cfg, parts, batch, idx, replay, old_routes)
+            seconds = time.perf_counter() - start
         if old.first_logp is None:
-            out.append(_update_micro(cfg, parts, old_logp[idx], batch, idx, ref_logp, step, replay))
-            continue
-        forward = Forward(old.first_logp, old.routes[idx]) if i == 0 else forward_rows(parts, batch, idx, replay)
-        out.append((_update(cfg, parts, forward.logp, old_logp[idx], batch, idx, ref_logp, step), forward.routes))
+            update = _update_micro(cfg, parts, old_logp[idx], batch, idx, ref_logp, step, replay)
+        else:
+            forward = Forward(old.first_logp, old.routes[idx]) if i == 0 else forward_rows(parts, batch, idx, replay)
+            metrics = _update(cfg, parts, forward.logp, old_logp[idx], batch, idx, ref_logp, step)
+            update = Update(metrics, forward.routes, forward.logp.detach())
+        if other is not None:
+            logratio = _routing_attribution(update.logp, other, replayed=replay is not None)
+            update = update._replace(routing_logratio=logratio, attribution_s=seconds)
+        out.append(update)
     return out
+
+
+@torch.no_grad()
+def _other_routing_logp(
+    cfg: RunConfig, parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None, old_routes: Routes
+) -> torch.Tensor:
+    """(b, T) log-probs of the rows idx on the current weights under the routing the update does not use: pi_old's
+    routes (`old_routes`) replayed when the update routes freely (`replay` None), free routing when it replays. No
+    gradient, no optimizer state, no random draw: instrumentation only."""
+    return forward_rows(parts, batch, idx, old_routes if replay is None else None, cfg.micro_batch).logp
+
+
+def _routing_attribution(update_logp: torch.Tensor, other_logp: torch.Tensor, *, replayed: bool) -> torch.Tensor:
+    """(b, T) the routing-attributable log-ratio log pi_theta(y | free routes) - log pi_theta(y | pi_old's routes)
+    from the update forward's log-probs and the other routing's (`replayed`: the update's forward replayed pi_old's
+    routes); the same weights in both, so only the routing differs."""
+    free, pinned = (other_logp, update_logp) if replayed else (update_logp, other_logp)
+    return free - pinned
 
 
 def _loss(
@@ -486,12 +532,13 @@ def _update_micro(
     ref_logp: torch.Tensor | None,
     step: int,
     replay: Routes | None,
-) -> tuple[dict[str, float], Routes]:
+) -> Update:
     """`_update` of the minibatch idx with this rank's rows forwarded in micro-batches of `micro_batch` sequences,
     each backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as
     constants. Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's
     gradient is its rows' share of the whole minibatch's, and their sum is the whole minibatch's gradient
-    (tests/study/test_memory_switches.py). Returns the metrics and the routes free routing chose (gathered)."""
+    (tests/study/test_memory_switches.py). Returns the metrics, the routes free routing chose and the log-probs
+    (gathered)."""
     n = len(idx)
     values, routes = [], []
     _zero_grad(parts)
@@ -506,7 +553,7 @@ def _update_micro(
     logp, free = torch.cat(values), Routes.cat(routes)
     if parts.trainer is not None:
         logp, free = parallel.gather_rows(logp, n), Routes(parallel.gather_rows(free.experts, n))
-    return _update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free
+    return Update(_update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free, logp)
 
 
 def _zero_grad(parts: Parts) -> None:
@@ -710,14 +757,19 @@ class StepMeasures:
 
     def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
         """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
-        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own),
-        routing_layers.parquet's rows of the step, and the updates' FLOPs."""
+        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own), the
+        log-ratios of minibatches 2..M (the weights' from the update's forward; with routing_attribution the
+        routing's, its extra forwards' seconds moved from time_update_s to time_attribution_s and their FLOPs left out
+        of the count), routing_layers.parquet's rows of the step, and the updates' FLOPs."""
         sums: dict[str, float] = {}
         volatility: list[dict[str, float]] = []
         per_minibatch: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
+        logratios: list[dict[str, float]] = []  # minibatches 2..M: the log-ratios of the weights' and the routing's
+        attribution_s = 0.0
         attention = batch.attn_mask
         response = response_inputs(batch.pos, batch.mask, attention.shape[1])  # (B, S) the response tokens' positions
-        for i, (idx, (metrics, routes)) in enumerate(zip(chunks, updates, strict=True)):
+        for i, (idx, update) in enumerate(zip(chunks, updates, strict=True)):
+            metrics, routes = update.metrics, update.routes
             per_minibatch.append({k: metrics[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in metrics})
             if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
                 # the old vs the new policy's choice of experts for the same tokens
@@ -727,11 +779,19 @@ class StepMeasures:
                     routing_slot_mismatch=volatility[-1]["slot_mismatch"],
                     routing_token_changed_frac=changed["token_flip_rate"],
                 )
+                mask = batch.mask[idx]  # (b, T)
+                logratios.append(logratio_metrics("weight_logratio", update.logp - old.logp[idx], mask))
+                if update.routing_logratio is not None:  # routing_attribution
+                    logratios[-1].update(logratio_metrics("routing_logratio", update.routing_logratio, mask))
+                    attribution_s += update.attribution_s
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             self._flops(batch, int(attention[idx].sum()), passes=3)
         self.row.update({k: v / len(chunks) for k, v in sums.items()})
-        self.row["time_update_s"] += self.first_update_s
+        self.row["time_update_s"] += self.first_update_s - attribution_s
+        self.row.update(mean_over_minibatches(logratios, LOGRATIO_METRICS))
+        if self.cfg.routing_attribution:
+            self.row["time_attribution_s"] = attribution_s
         self.row.update(record.mean_volatility(volatility))
         self.row.update(minibatch_metrics(per_minibatch))
         self.log.layer_rows += record.layer_rows(self.step, volatility, self.load, self.parts.routing.num_layers)

@@ -107,6 +107,12 @@ class RunConfig:
     """Every this many steps, right after the weight sync, the rollout engine and the trainer score a few of the
     step's sequences teacher-forced: metrics sync_parity_mean_abs / sync_parity_max_abs (0 = never; a metric, never
     a stop). Not in the run id."""
+    routing_attribution: bool = False
+    """Instrumentation: at each minibatch after the first, one extra no-grad forward of its rows on the current
+    weights under the routing the update did not use (pi_old's routes replayed when the update routed freely; free
+    routing when it replayed), giving the routing-attributable log-ratio log pi_theta(y | free routes) - log
+    pi_theta(y | pi_old's routes) per response token (metrics routing_logratio_*). Changes no other number of the
+    run; its FLOPs are not in compute_flops. Off: no extra forward."""
     micro_batch: int = 0
     """Sequences per forward and backward of the training engine (each rank's share of a minibatch, and of the
     pi_old pass, in forwards of at most this many; the minibatch's gradients accumulated over them before its one
@@ -509,6 +515,7 @@ HASHED_IF_SET: dict[str, Any] = {
     "engine_router_noise": 0.0,
     "eval_test_size": 0,
     "eval_test_samples": 8,
+    "routing_attribution": False,
 }
 
 
@@ -603,6 +610,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         value = _scalar(value)  # YAML 1.1 reads 1e-4 as a string
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ValueError(f"{key} = {value!r}: must be true or false")
     if hint in (int, float, str) and not (isinstance(value, hint) and not isinstance(value, bool)):
         raise ValueError(f"{key} = {value!r}: must be {hint.__name__}")
     return value

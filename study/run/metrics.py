@@ -135,6 +135,31 @@ STEP_METRICS: dict[str, Metric] = {
         "recompute)",
         "study.rl.ratio_gt2_frac",
     ),
+    "weight_logratio_mean_abs": Metric(
+        "log-ratio of the weights' change: mean |log pi_theta - log pi_old| over the response tokens of each "
+        "minibatch's update forward (its routing, free or replayed, as the update ran; pi_old: the trainer's "
+        "recompute), mean over the minibatches 2..M (NaN with one minibatch); with free routing it holds the routing "
+        "part below, under replay it is the weights' alone",
+        "study.run.metrics.logratio_metrics",
+    ),
+    "weight_logratio_gt_ln2_frac": Metric(
+        "the same tokens' share with |log pi_theta - log pi_old| > ln 2 (a ratio above 2 or below 1/2), mean over "
+        "the minibatches 2..M",
+        "study.run.metrics.logratio_metrics",
+    ),
+    "routing_logratio_mean_abs": Metric(
+        "routing_attribution only (NaN otherwise, and with one minibatch): the routing-attributable log-ratio, mean "
+        "|log pi_theta(y | free routes) - log pi_theta(y | pi_old's routes)| over the response tokens, both on the "
+        "weights of the minibatch's update (one from the update's forward, the other from one extra no-grad forward "
+        "under the routing the update did not use: instrumentation, its FLOPs not in compute_flops), mean over the "
+        "minibatches 2..M: what Routing Replay removes from the ratio. 0 for a dense model (one expert)",
+        "study.run.metrics.logratio_metrics",
+    ),
+    "routing_logratio_gt_ln2_frac": Metric(
+        "the same tokens' share with that routing log-ratio past ln 2 in absolute value, mean over the minibatches "
+        "2..M (NaN without routing_attribution)",
+        "study.run.metrics.logratio_metrics",
+    ),
     "grad_norm_spike": Metric(
         "the step's largest minibatch gradient norm (before clipping) over the median of its "
         "minibatches' norms: 1 with one minibatch, NaN when the median is 0 (no signal)",
@@ -178,6 +203,11 @@ STEP_METRICS: dict[str, Metric] = {
     "time_update_s": Metric(
         "seconds in the minibatch updates (the first one's forward included where pi_old's pass made it)",
         "study.rl.StepMeasures.timed",
+    ),
+    "time_attribution_s": Metric(
+        "routing_attribution only (NaN otherwise): seconds of its extra forwards, not counted in time_update_s "
+        "(wall_s counts them)",
+        "study.rl.StepMeasures.updates",
     ),
     "time_sync_s": Metric("seconds pushing weights to the rollout engine", "study.rl.StepMeasures.timed"),
     "sync_parity_mean_abs": Metric(
@@ -255,6 +285,34 @@ def minibatch_metrics(per_minibatch: list[dict[str, float]]) -> dict[str, float]
     for m, mb in enumerate(per_minibatch[:MINIBATCH_COLUMNS], start=1):
         out.update({minibatch_column(name, m): value for name, value in mb.items() if name in MINIBATCH_METRICS})
     return out
+
+
+def logratio_metrics(prefix: str, logratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """`{prefix}_mean_abs` and `{prefix}_gt_ln2_frac` of the log-ratios `logratio` (b, T) over the response tokens
+    (`mask` (b, T)): the mean |log-ratio| and the share of tokens whose |log-ratio| exceeds ln 2."""
+    on = mask.bool()
+    size = on.sum().clamp_min(1)
+    magnitude = logratio.detach().float().abs()
+    return {
+        f"{prefix}_mean_abs": float(magnitude.masked_fill(~on, 0.0).sum() / size),
+        f"{prefix}_gt_ln2_frac": float(((magnitude > math.log(2.0)) & on).sum() / size),
+    }
+
+
+def mean_over_minibatches(rows: list[dict[str, float]], names: tuple[str, ...]) -> dict[str, float]:
+    """Each of `names` averaged over `rows` (one per minibatch measured); NaN for a name no row holds."""
+    return {
+        name: statistics.fmean(vals) if (vals := [r[name] for r in rows if name in r]) else math.nan for name in names
+    }
+
+
+LOGRATIO_METRICS: tuple[str, ...] = (
+    "weight_logratio_mean_abs",
+    "weight_logratio_gt_ln2_frac",
+    "routing_logratio_mean_abs",
+    "routing_logratio_gt_ln2_frac",
+)
+"""The step's log-ratio metrics (`logratio_metrics` of minibatches 2..M, averaged)."""
 
 
 TOKEN_SAMPLE_COLUMNS: dict[str, Metric] = {

@@ -225,3 +225,26 @@ def test_figures_1_and_3_draw_the_runs_whose_config_lacks_an_axis(studies) -> No
     fig3 = figures.figure3_routing_replay(st).fig
     per_panel = [len(ax.get_lines()) for ax in fig3.axes if ax.get_lines()]
     assert len(per_panel) >= 2 * 4 and min(per_panel) > 0  # a row per MoE configuration, both families drawn
+
+
+def test_the_mechanism_sentence_reads_the_highest_ms_grpo_beside_the_dense_control() -> None:
+    """routing_attribution's table: at the highest M with a routing log-ratio, GRPO's volatility, the routing's and
+    the weights' log-ratio on the MoE, and the dense control's weights' log-ratio at that M; nothing without it."""
+    axis = vocab.MINIBATCH_AXIS
+    cols = ["model", tidy.ALGORITHM, axis, "n", vocab.ROUTING_SLOT, *vocab.LOGRATIOS]
+    mech = pd.DataFrame(
+        [
+            [MOE, "grpo", 4, 2, 0.0135, 0.0021, 0.0004, 0.050, 0.010],
+            [MOE, "grpo", 32, 2, 0.060, 0.0123, 0.0031, 0.210, 0.062],
+            [MOE, "grpo_rr", 32, 2, 0.058, 0.0119, 0.0030, 0.190, 0.051],
+            [DENSE, "grpo", 32, 2, np.nan, 0.0, 0.0, 0.170, 0.044],
+            [MOE, "grpo", 1, 2, np.nan, np.nan, np.nan, np.nan, np.nan],
+        ],
+        columns=cols,
+    )
+    (said,) = offpolicy.mechanism({"mechanism": mech})
+    assert "M = 32" in said and "6% of expert slots" in said
+    assert "0.0123 (tokens past ln 2: 0.31%)" in said and "0.2100 (tokens past ln 2: 6.2%)" in said
+    assert "the dense control's: 0.1700 (tokens past ln 2: 4.4%)" in said
+    assert offpolicy.mechanism({"volatility": mech}) == ()
+    assert offpolicy.mechanism({"mechanism": mech.assign(**{vocab.ROUTING_LOGRATIO: np.nan})}) == ()

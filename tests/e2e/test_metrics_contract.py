@@ -12,8 +12,10 @@ Where a metric applies (the settings below switch every optional one on):
   `coldstart`, which a test-split run would otherwise train anew without the test problems);
 - sync_parity_mean_abs, sync_parity_max_abs: every sync_check_every steps;
 - kl_ref: kl_coef > 0; prompts_skipped_mastered: prompt_filter = mastered;
+- routing_logratio_mean_abs, routing_logratio_gt_ln2_frac, time_attribution_s: routing_attribution = true;
 - routing_slot_mismatch, routing_set_flip_rate, routing_token_flip_rate (and the per-layer slot_mismatch,
-  set_flip_rate): minibatches >= 2 (old vs new policy after an update);
+  set_flip_rate), weight_logratio_mean_abs, weight_logratio_gt_ln2_frac and the routing log-ratio: minibatches >= 2
+  (old vs new policy after an update);
 - engine_routing_slot_mismatch, engine_expert_load_imbalance: an engine that returns its routes (hf does);
 - grad_norm_spike: a step whose update had signal (grad_norm > 0: with every group's rewards equal there is no
   gradient to compare the largest minibatch's with);
@@ -47,6 +49,7 @@ SETS = [
     "eval_samples=1",
     "eval_test_size=8",
     "eval_test_samples=1",
+    "routing_attribution=true",
 ]
 X_AXES = ("compute_flops", "wall_s")
 """Step metrics that tidy keeps as columns of the long table (the figures' x-axes), not as rows of `metric`."""

@@ -60,7 +60,7 @@ def _one_update(cfg, parts, batch, name: str, micro_batch: int) -> tuple[dict, l
     old = pi_old.logp + 0.2 * torch.randn(pi_old.logp.shape) * batch.mask  # (B, T)
     replay = {"free": None, "replay": pi_old.routes, "rollout_replay": engine_routes}[alg.routing]
     if micro_batch:
-        metrics, _ = rl._update_micro(cfg, p, old, batch, idx, None, 1, replay)
+        metrics = rl._update_micro(cfg, p, old, batch, idx, None, 1, replay).metrics
     else:
         metrics = rl._update(cfg, p, forward_rows(p, batch, idx, replay).logp, old, batch, idx, None, 1)
     grads = [q.grad.clone() if q.grad is not None else None for q in p.params]

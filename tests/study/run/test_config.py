@@ -56,6 +56,8 @@ def test_run_id_is_a_content_hash() -> None:
         ),
         (["minibatches=3"], "minibatches = 3 must divide"),
         (["steps=zero"], "steps = 'zero': must be int"),
+        (["routing_attribution=sometimes"], "routing_attribution = 'sometimes': must be true or false"),
+        (["routing_attribution=1"], "routing_attribution = 1: must be true or false"),
         (["stepz=3"], r"unknown field\(s\) \['stepz'\]; valid: algorithm, "),
         (["max_new_tokens=4096"], "max_new_tokens = 4096: must be < model.max_seq_len 256"),
         (
