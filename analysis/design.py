@@ -133,14 +133,21 @@ def simultaneous(samples: Sequence[Sequence[float] | np.ndarray], *, confidence:
 WINDOW_FRAC = 0.1
 WINDOW_RULE = (
     "the last {pct:g}% of compute: per run, the mean over its training steps whose compute_flops lie in "
-    "[(1 - {frac:g}) x C, C], C the run's last logged compute"
+    "[(1 - {frac:g}) x C, C], C {end}"
 )
-"""The rule text of `compute_window` (format with pct, frac); the text the claims quote."""
+"""The rule text of `compute_window` (format with pct, frac and end, what C is); the text the claims quote."""
+RUN_END = "the run's last logged compute"
+"""What C is without a budget (`compute_window`'s default)."""
+COMMON_END = (
+    "the compute every compared group reached (the least, over the groups, of each group's longest run); a collapsed "
+    "run that stopped before the window is held at its last value"
+)
+"""What C is for a comparison at equal compute (`compute_window` with that budget; scorecard C1, C4-C6)."""
 
 
-def window_rule(frac: float = WINDOW_FRAC) -> str:
-    """WINDOW_RULE for `frac`."""
-    return WINDOW_RULE.format(pct=100 * frac, frac=frac)
+def window_rule(frac: float = WINDOW_FRAC, end: str = RUN_END) -> str:
+    """WINDOW_RULE for `frac`, C described by `end` (RUN_END: each run's own end; COMMON_END: equal compute)."""
+    return WINDOW_RULE.format(pct=100 * frac, frac=frac, end=end)
 
 
 def compute_window(
@@ -344,9 +351,11 @@ def probability_of_improvement(
 
 
 __all__ = [
+    "COMMON_END",
     "PAPER_CLIP_RATIO",
     "PAPER_PER_UPDATE",
     "PER_UPDATE",
+    "RUN_END",
     "UNIT",
     "WINDOW_FRAC",
     "WINDOW_RULE",

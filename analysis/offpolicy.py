@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, gain, regime, scorecard, stats, style, vocab
+from analysis import collapse, design, gain, regime, scorecard, stats, style, vocab
 from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
 from analysis.tidy import ALGORITHM, RUN_ID, Study
 
@@ -46,8 +46,8 @@ def _base_of(alg: str, present: Sequence[str]) -> str | None:
 def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
     """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
     control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
-    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward (mean over
-    its last `frac` of steps).
+    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward
+    (`design.compute_window`: the mean over the last `frac` of its compute, the window the scorecard's claims read).
 
     - `volatility`: per M, the MoE's volatility: mean over every MoE run at that M (all algorithms) with a 95% t
       interval over runs; `threshold` (default analysis.regime.MIN_VOLATILITY) and whether the mean reaches it;
@@ -104,7 +104,7 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
         if len(gains):
             quantities[HELD_OUT] = values(gains)
-    quantities[FINAL] = values(stats.final_window(study.long, vocab.REWARD, frac=frac))
+    quantities[FINAL] = values(design.compute_window(study.long, vocab.REWARD, frac=frac))
 
     def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
         return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)

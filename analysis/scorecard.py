@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, power, regime, stats, style, vocab
+from analysis import collapse, design, power, regime, stats, style, vocab
 from analysis.fit import A_NOISE
 from analysis.strata import (
     STRATA_RULE,
@@ -45,7 +45,7 @@ from analysis.strata import (
     stratify,
     usable,
 )
-from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
+from analysis.tidy import ALGORITHM, RUN_ID, Study
 from analysis.verdicts import (
     CONJUNCTION_RULE,
     CONTRADICTED,
@@ -66,9 +66,10 @@ CLIP_RATIO = 10.0
 """C2: the paper's "two orders of magnitude" read conservatively as >= 10x."""
 EQUIV_MARGIN = A_NOISE
 """C4: reward differences within this margin are treated as noise across seeds (ScaleRL's 0.02)."""
-FINAL_FRAC = 0.1
-"""Final window: the last 10% of the (common) compute grid."""
-N_GRID = 100
+FINAL_FRAC = design.WINDOW_FRAC
+"""Final window: the last 10% of the compute every compared group reached."""
+FINAL_RULE = design.window_rule(FINAL_FRAC, design.COMMON_END)
+"""The final window's text, quoted by the claims that read it (C1, C4, C5, C6): `design.compute_window`'s rule."""
 POSITIVE = Decision(Bound("lower", ">", 0.0), Bound("upper", "<", 0.0))
 """C1, C5 and each gain of C6: a difference the claim says is positive."""
 CLIP_DECISION = Decision(Bound("lower", ">=", CLIP_RATIO), Bound("upper", "<", CLIP_RATIO))
@@ -206,14 +207,17 @@ def _usable_ids(study: Study) -> set[str]:
 def _final_reward_at_common_compute(
     study: Study, groups: dict[str, pd.Series], metric: str = vocab.REWARD, *, seeds: dict[str, list] | None = None
 ) -> tuple[dict[str, np.ndarray], float]:
-    """Per group (a boolean mask over study.runs): each run's mean `metric` over the last FINAL_FRAC of a compute grid
-    that ends where the shortest-running group's longest run ends ("equal compute"). A collapsed run is held at its
-    last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded.
-    `seeds`, when given, receives each group's run seeds in the order of its values (for paired comparisons)."""
+    """Per group (a boolean mask over study.runs): each run's `design.compute_window` of `metric` (the last
+    FINAL_FRAC of compute) with C the compute every group reached (the least, over the groups, of each group's longest
+    run: "equal compute"), so the window is the same compute range for every run (FINAL_RULE). A collapsed run that
+    stopped before the window is held at its last value (it does not get to skip the compute it failed at); failed
+    runs are excluded. `seeds`, when given, receives each group's run seeds in the order of its values (for paired
+    comparisons)."""
     usable_ids = _usable_ids(study)
     ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable_ids for g, m in groups.items()}
+    members = set().union(*ids.values())
     rows = stats.metric_rows(study.long, metric)
-    rows = rows[rows[RUN_ID].astype(str).isin(set().union(*ids.values()))]
+    rows = rows[rows[RUN_ID].astype(str).isin(members)]
     if rows.empty:
         return {g: np.array([]) for g in groups}, np.nan
     runs = study.runs.set_index(study.runs[RUN_ID].astype(str))
@@ -221,23 +225,21 @@ def _final_reward_at_common_compute(
         (float(runs.loc[list(v), "last_compute"].max()) for v in ids.values() if v),
         default=np.nan,
     )
-    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=N_GRID)
-    grid = grid[grid <= c_end * (1 + 1e-9)]
-    info, mat = stats.interpolate_runs(rows, grid)
-    k = max(1, int(np.ceil(FINAL_FRAC * len(grid))))
+    win = design.compute_window(rows, metric, frac=FINAL_FRAC, budget=c_end)
+    value = dict(zip(win[RUN_ID].astype(str), win["value"].astype(float), strict=True))
+    last = stats.training_rows(rows).groupby(RUN_ID, observed=True, sort=False)["value"].last()
+    last = {str(k): float(v) for k, v in last.items()}
     out = {}
-    rid = info[RUN_ID].astype(str).to_numpy()
-    for g, members in ids.items():
+    for g, member in ids.items():
+        order = [r for r in win[RUN_ID].astype(str) if r in member]
         vals = []
+        for r in order:
+            v = value[r]
+            if not np.isfinite(v) and runs.loc[r, "state"] == "collapsed":
+                v = last.get(r, np.nan)
+            vals.append(v)
         if seeds is not None:
-            seeds[g] = [runs.loc[rid[i], "seed"] for i in np.flatnonzero(np.isin(rid, list(members)))]
-        for i in np.flatnonzero(np.isin(rid, list(members))):
-            row = mat[i]
-            finite = np.flatnonzero(np.isfinite(row))
-            if finite.size and runs.loc[rid[i], "state"] == "collapsed":
-                row = row.copy()
-                row[finite[-1] + 1 :] = row[finite[-1]]
-            vals.append(np.nanmean(row[-k:]) if np.isfinite(row[-k:]).any() else np.nan)
+            seeds[g] = [runs.loc[r, "seed"] for r in order]
         out[g] = np.asarray(vals, np.float64)
     return out, c_end
 
@@ -372,9 +374,8 @@ def claim_c1(study: Study) -> ClaimResult:
     present = _present(study)
     base = _grpo_baseline(present)
     rule = (
-        "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached (collapsed runs held at their last value, failed runs "
-        f"excluded); {POSITIVE}."
+        "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over "
+        f"{FINAL_RULE} (failed runs excluded); {POSITIVE}."
     )
     if GSPO not in present or base is None:
         return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -510,8 +511,8 @@ def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
     margin, where the routing moved enough (the volatility precondition)."""
     pre = regime.volatility(rules.min_volatility)
     rule = (
-        "g = reward of GSPO with Routing Replay minus without it, over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
+        f"g = reward of GSPO with Routing Replay minus without it, over {FINAL_RULE}; c = collapse rate "
+        "(status.json or the reward-drop rule) of "
         f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
         f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
         f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}. {pre.rule}"
@@ -590,7 +591,7 @@ def claim_c5(study: Study, rules: Rules = RULES, *, axis: str = vocab.OLD_LOGP_A
     present = _present(study)
     pre = regime.mismatch(rules.min_mismatch)
     rule = (
-        f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
+        f"drop(alg) = final-window reward ({FINAL_RULE}) with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
         f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
@@ -646,7 +647,8 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     present = _present(study)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
-        f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. Each "
+        f"third quarter; (b) length gain = final-window reward ({FINAL_RULE}) at the largest {axis} minus at the "
+        "smallest. Each "
         f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
     )
     if GSPO not in present:

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 
-from analysis import offpolicy, style, vocab
+from analysis import design, offpolicy, style, vocab
 from analysis.figures.common import (
     DENSE,
     MOE,
@@ -193,8 +193,8 @@ def figure9_offpolicy_replay(
         + ", seed mean with a 95% t interval, side by side at each M; black dashed: the dense control (the runs "
         f"whose model has {vocab.NUM_EXPERTS_KEY} = 1: one expert of the MoE's active width, nothing to route), the "
         "off-policy damage without routing; minibatch m of M follows m - 1 updates since pi_old. (c), (d) Each "
-        "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: each run's mean "
-        f"over its last {frac:.0%} of steps), at the volatility of each M "
+        "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: the reward over "
+        f"{design.window_rule(frac)}), at the volatility of each M "
         "(negative: dropping replay cost that much), with 95% Welch t intervals; grey: the dense control's "
         "off-policy loss, its value at M minus at the fewest M, with its Welch interval. Runs per M: MoE "
         f"{per_arm or 'none'}; dense control {dense_n}."

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import figures, offpolicy, report, stats, style, tidy, vocab
+from analysis import design, figures, offpolicy, report, style, tidy, vocab
 from analysis.figures import MissingData
 from analysis.figures.fig8_routing_volatility import routing_volatility_tables
 from analysis.offpolicy import DENSE, HELD_OUT, MOE
@@ -55,7 +55,7 @@ def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(stud
     # the dense control's config overrides model.moe_ffn_hidden_size, the MoE's does not: the per-run tables and the
     # figures that group by every axis read it as missing for the MoE instead of failing
     _, st = studies[True]
-    per_run = stats.final_window(st.long, vocab.REWARD)
+    per_run = design.compute_window(st.long, vocab.REWARD)
     ffn = per_run.set_index("run_id")["model.moe_ffn_hidden_size"]
     dense = st.runs.loc[st.runs["model.num_experts"] == 1, "run_id"]
     assert (ffn[dense] == 1024).all() and ffn.drop(dense).isna().all()
@@ -111,6 +111,17 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
     dense_line = [ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() ==
                   "arm-dense-grpo"]  # fmt: skip
     assert dense_line
+
+
+def test_figure9_final_reward_is_the_compute_window_its_caption_names(made, studies) -> None:
+    _, st = studies[True]
+    arms, caption = made[True].tables["arms"], made[True].caption
+    assert design.window_rule() in caption
+    win = design.compute_window(st.long, vocab.REWARD).set_index("run_id")
+    runs = st.runs[st.runs["model.num_experts"] != 1]
+    for _, r in arms[(arms["model"] == MOE) & (arms["quantity"] == offpolicy.FINAL)].iterrows():
+        ids = runs.loc[(runs["algorithm"].astype(str) == r["algorithm"]) & (runs[M] == r[M]), "run_id"].astype(str)
+        assert r["mean"] == pytest.approx(win.loc[ids, "value"].mean(), rel=1e-12), r.to_dict()
 
 
 def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:

@@ -362,3 +362,20 @@ def test_rules_refuse_what_is_not_a_threshold() -> None:
     for bad in (-0.1, float("nan"), "5%"):
         with pytest.raises(ValueError, match="min_volatility"):
             scorecard.Rules(min_volatility=bad)
+
+
+def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
+    """C1 reads design.compute_window over the compute both arms reached, and its rule quotes that window's text."""
+    from analysis import design, vocab
+
+    st = _load(tmp_path, {"gspo": C(a=0.8, c_mid=1e12), "grpo": C(a=0.5, c_mid=1e12)}, seeds=(0, 1, 2), n_steps=40)
+    res = scorecard.claim_c1(st)
+    assert design.window_rule(design.WINDOW_FRAC, design.COMMON_END) in res.rule
+    assert "the last 10% of compute" in res.rule
+    c_end = float(st.runs["last_compute"].max())
+    win = design.compute_window(st.long, vocab.REWARD, budget=c_end)
+    alg = win["algorithm"].astype(str)
+    by_alg = {e.name: e.estimate for e in res.evidence}
+    for name in ("gspo", "grpo"):
+        assert by_alg[f"reward({name})"] == pytest.approx(win.loc[alg == name, "value"].mean())
+        assert (win.loc[alg == name, "compute_from"] >= 0.9 * c_end).all()
