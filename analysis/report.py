@@ -87,7 +87,8 @@ def build_report(
     `figures_dir`: a `python -m analysis figures` output; its files and tables are copied when they were drawn from
     the same data (`results.reuse_figures`), else the figures are drawn again (the study workflow's report rule passes
     its figures rule's output, so nothing is drawn twice). `sweep`: the study's sweep file, whose description and
-    notes (`doc`, by default docs/studies/<sweep stem>.md: `results.study_notes`) the report shows. `rules`: the
+    notes (`doc`, by default docs/studies/<sweep stem>.md: `results.study_notes`) the report shows and whose declared
+    comparisons (`comparisons:`) decide their claims (`scorecard.with_declared`). `rules`: the
     scorecard's thresholds (the regimes of C3-C5)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,8 @@ def build_report(
             data = sources[key].read_bytes() if key in sources else df.to_csv(index=False)
             table_files[key] = files.write(out / "tables" / f"{key}.csv", data)
     table_files["runs"] = files.write(out / "tables" / "runs.csv", sections.runs_table(study).to_csv(index=False))
-    cards = scorecard.scorecard(study, rules)
+    comparisons = results.declared_comparisons(sweep) if sweep is not None else []
+    cards = scorecard.scorecard(study, rules, comparisons)
     heldout = gain.heldout_gain(study)
     problems = sections.problem_runs(study)
     for name, df in (

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import collapse, design, power, regime, stats, style, vocab
+from analysis import declared as declared_
 from analysis.fit import A_NOISE
 from analysis.strata import (
     STRATA_RULE,
@@ -61,6 +62,41 @@ from analysis.verdicts import (
 )
 
 NOT_IN_STUDY = "not in this study"
+EXPLORATORY, PRIMARY, SECONDARY = "exploratory", "primary", "secondary"
+"""A verdict's role: decided from a comparison the sweep file declared before its runs (its `role:`, primary or
+secondary) on runs that match the declaration, or exploratory (everything else: a finding to confirm)."""
+TRAIN, VALIDATION, TEST = "train", "validation", "test"
+SPLITS = {
+    TRAIN: "the training reward or a metric of the training steps",
+    VALIDATION: "eval_in_dist / eval_hard, the held-out sets the design was chosen on",
+    TEST: "test_in_dist, the held-out test split no choice of the design saw",
+}
+"""The data a verdict is read on."""
+UNPAIRED = "unpaired (Welch over runs); unit of replication: the run (seed)"
+UNPAIRED_RATE = "unpaired (Newcombe over runs); unit of replication: the run (seed)"
+PAIRED = "paired by seed (a seed's arms share prompts, cold start and evaluation sampling); unit of replication: seed"
+
+
+PAIRING = {
+    "C1": UNPAIRED,
+    "C2": "unpaired (Welch on the log scale over runs); unit of replication: the run (seed)",
+    "C3": UNPAIRED_RATE,
+    "C4": f"reward {UNPAIRED.split(';')[0]}, collapse rate {UNPAIRED_RATE.split(';')[0]}; unit of replication: the "
+    "run (seed)",
+    "C5": "paired by seed where all four arms ran the same seeds (the evidence's n says 'paired'), else unpaired "
+    "(Welch over runs); unit of replication: seed",
+    "C6": UNPAIRED,
+}
+"""How each claim's exploratory reading pairs its runs."""
+
+
+def split_of(metric: str) -> str:
+    """The split a metric is measured on: TEST (test_*), VALIDATION (eval_* / eval/*), else TRAIN."""
+    if metric.startswith("test_"):
+        return TEST
+    return VALIDATION if metric.startswith(vocab.EVAL_PREFIXES) else TRAIN
+
+
 GSPO, GRPO = "gspo", "grpo"
 CLIP_RATIO = 10.0
 """C2: the paper's "two orders of magnitude" read conservatively as >= 10x."""
@@ -165,6 +201,19 @@ class ClaimResult:
     """Where the claim has a precondition (analysis.regime) and some stratum with data did not reach it: the measured
     value against the threshold, e.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12 runs), below
     the 5% the claim needs"; "" otherwise."""
+    split: str = TRAIN
+    """The data the verdict is read on (SPLITS): "train" (the training reward or a training metric), "validation"
+    (eval_in_dist / eval_hard, the held-out sets the design was chosen on) or "test" (test_in_dist)."""
+    pairing: str = ""
+    """How the compared runs are paired and what the unit of replication is (e.g. "unpaired (Welch); unit: run")."""
+    role: str = EXPLORATORY
+    """PRIMARY or SECONDARY: decided from a comparison the sweep file declared before its runs (analysis.declared),
+    and the runs match the declaration; EXPLORATORY otherwise."""
+    declared: str = ""
+    """The declared comparison(s) the verdict was decided from ("" when none was declared for the claim)."""
+    deviations: tuple[str, ...] = ()
+    """How the finished runs differ from the declared comparison (analysis.declared.deviations): the verdict is then
+    exploratory."""
 
     @property
     def strata_summary(self) -> str:
@@ -174,13 +223,37 @@ class ClaimResult:
         counts = {v: sum(s.verdict == v for s in self.strata) for v in VERDICTS}
         return f"{len(self.strata)} strata: " + ", ".join(f"{v} {c}" for v, c in counts.items() if c)
 
+    def __post_init__(self) -> None:
+        if not self.pairing:
+            self.pairing = PAIRING.get(self.claim, "")
+
+    @property
+    def reading(self) -> str:
+        """The verdict with how it was read: "exploratory: supported" (no declared comparison, or runs that deviate
+        from it: a finding to confirm, not a confirmation), "primary: supported" (the declared comparison); "not
+        tested in regime" unprefixed (no reading at all)."""
+        if self.verdict == NOT_IN_REGIME:
+            return self.verdict
+        return f"{self.role}: {self.verdict}"
+
+    @property
+    def design(self) -> str:
+        """The split, the pairing and the role in one line, e.g. "split: train; unpaired (Welch); unit: run;
+        exploratory (no declared comparison)"."""
+        if self.role == EXPLORATORY:
+            why = f"the runs deviate from {self.declared}" if self.deviations else "no declared comparison"
+            role = f"exploratory ({why})"
+        else:
+            role = f"{self.role} (declared comparison {self.declared})"
+        return f"split: {self.split} ({SPLITS[self.split]}); {self.pairing}; {role}"
+
     @property
     def label(self) -> str:
-        """The verdict with its reason when inconclusive or not tested in regime, e.g. "inconclusive: not in this
-        study (gspo absent)"."""
+        """The reading with its reason when inconclusive or not tested in regime, e.g. "exploratory: inconclusive:
+        not in this study (gspo absent)"."""
         if self.verdict in (INCONCLUSIVE, NOT_IN_REGIME) and self.reason:
-            return f"{self.verdict}: {self.reason}"
-        return self.verdict
+            return f"{self.reading}: {self.reason}"
+        return self.reading
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
@@ -781,20 +854,95 @@ REGIME_CLAIMS = ("C3", "C4", "C5")
 """The claims with a precondition (analysis.regime), whose functions take the scorecard's `Rules`."""
 
 
-def scorecard(study: Study, rules: Rules = RULES) -> list[ClaimResult]:
+def scorecard(
+    study: Study, rules: Rules = RULES, comparisons: Sequence[declared_.Comparison] = ()
+) -> list[ClaimResult]:
     """Every claim C1-C6 of the GSPO paper (docs/references.md) evaluated on `study`; `rules` sets the regime
-    thresholds of C3-C5."""
-    return [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
+    thresholds of C3-C5. A claim some of `comparisons` (a sweep file's `comparisons:`, analysis.declared) declares is
+    decided from those comparisons only (`with_declared`); the others are exploratory."""
+    cards = [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
+    return [with_declared(study, r, [c for c in comparisons if c.claim == r.claim]) for r in cards]
+
+
+DECLARED_RULE = (
+    "Decided from the sweep file's declared comparison(s) only (analysis.declared.confirm): the declared metric and "
+    "window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch when "
+    "declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
+    "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). Runs that deviate from "
+    "the declaration make the verdict exploratory, with each deviation listed."
+)
+
+
+def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared_.Comparison]) -> ClaimResult:
+    """`res` decided from the declared `comparisons` of its claim (none: `res` unchanged, exploratory): the verdict
+    is `declared.confirm`'s (several: Holm-adjusted p-values, verdicts combined by `conjunction`), the split is the
+    declared metric's, the pairing the declared one, the role the declaration's when the runs match it, else
+    exploratory with `declared.deviations` listed; the exploratory reading is kept in the reason."""
+    if not comparisons:
+        return res
+    confs = []
+    for c in comparisons:
+        try:
+            confs.append(declared_.confirm(study.long, c, study.runs))
+        except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
+            devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
+            nan = stats.CI(np.nan, np.nan, np.nan, 0)
+            confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
+    adjusted = declared_.family(confs) if len(confs) > 1 else [c.p_value for c in confs]
+    verdicts, evidence = [], []
+    for conf, p in zip(confs, adjusted, strict=True):
+        c = conf.comparison
+        est = conf.estimate
+        verdicts.append(_declared_verdict(p, c, est.estimate) if len(confs) > 1 else conf.reading)
+        pair = f"{est.n} seeds, paired" if c.pairing == "seed" else f"{est.n} runs, unpaired"
+        name = f"{c.name}: {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
+        evidence.append(Evidence(name, est.estimate, est.low, est.high, pair))
+        what = "Holm-adjusted p" if len(confs) > 1 else "p"
+        evidence.append(Evidence(f"{c.name}: {what} ({c.alternative}, alpha {c.alpha:g})", p, np.nan, np.nan, pair))
+    devs = tuple(d for conf in confs for d in conf.deviations)
+    splits = {split_of(c.metric) for c in comparisons}
+    roles = {c.role for c in comparisons}
+    return dataclasses.replace(
+        res,
+        verdict=conjunction(verdicts) if len(verdicts) > 1 else verdicts[0],
+        rule=f"{DECLARED_RULE} Exploratory reading, for reference: {res.rule}",
+        evidence=evidence,
+        reason=f"the exploratory reading of the whole study: {res.verdict}"
+        + (f" ({res.reason})" if res.reason else ""),
+        strata=[],
+        split=splits.pop() if len(splits) == 1 else TEST if TEST in splits else VALIDATION,
+        pairing=PAIRED if all(c.pairing == "seed" for c in comparisons) else UNPAIRED,
+        role=EXPLORATORY if devs else (PRIMARY if PRIMARY in roles else SECONDARY),
+        declared=", ".join(c.name for c in comparisons),
+        deviations=devs,
+        regime="",
+    )
+
+
+def _declared_verdict(p: float, c: declared_.Comparison, estimate: float) -> str:
+    """A declared comparison's verdict at its alpha and direction from its (adjusted) p-value (declared.confirm's
+    rule)."""
+    if not np.isfinite(p) or p >= c.alpha:
+        return INCONCLUSIVE
+    if c.alternative != "two-sided" or np.sign(estimate) == np.sign(c.threshold):
+        return SUPPORTED
+    return CONTRADICTED
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
-    """One row per claim: claim, statement, verdict (with reason when inconclusive), strata (per-stratum verdict
-    counts; "" when not stratified), evidence, rule."""
+    """One row per claim: claim, statement, verdict (its reading: role, verdict, reason when inconclusive), role
+    (primary / secondary / exploratory), split (train / validation / test), pairing (with the unit of replication),
+    deviations (from the declared comparison), strata (per-stratum verdict counts; "" when not stratified), evidence,
+    rule."""
     return pd.DataFrame(
         {
             "claim": [r.claim for r in results],
             "statement": [r.statement for r in results],
             "verdict": [r.label for r in results],
+            "role": [r.role for r in results],
+            "split": [r.split for r in results],
+            "pairing": [r.pairing for r in results],
+            "deviations": ["; ".join(r.deviations) for r in results],
             "strata": [r.strata_summary for r in results],
             "evidence": ["; ".join(str(e) for e in r.evidence) for r in results],
             "rule": [r.rule for r in results],

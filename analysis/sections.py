@@ -239,6 +239,12 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
         )
         out.append((css_class(NOT_IN_REGIME), "Not tested in regime:", f"{verb}: the runs did not reach the regime the "
                     f"claim is about, so no verdict for or against it is drawn there. {parts}."))  # fmt: skip
+    deviating = [c for c in cards if c.deviations]
+    if deviating:
+        parts = "; ".join(f"{c.claim} ({c.declared}): " + "; ".join(c.deviations) for c in deviating)
+        out.insert(0, ("deviation", "Deviation from the declared comparison:", f"the runs do not match what the sweep "
+                    f"file declared, so {', '.join(c.claim for c in deviating)} "
+                    f"{'is' if len(deviating) == 1 else 'are'} exploratory, not confirmed: {parts}."))  # fmt: skip
     asked, gone = not_read(study) if study is not None else (0, 0)
     if gone:
         what = ", ".join(f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing)))
@@ -265,7 +271,9 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
         else:
             number = c.reason
         why = f" ({c.reason})" if c.verdict == scorecard.INCONCLUSIVE and c.reason and number != c.reason else ""
-        out.append((css_class(c.verdict), f"{c.claim} {c.verdict}:", f"{c.statement} \u2014 {number}{why}"))
+        out.append(
+            (css_class(c.verdict), f"{c.claim} {c.reading}:", f"{c.statement} \u2014 {number}{why} [{c.design}]")
+        )
     return out
 
 
@@ -360,7 +368,10 @@ SCORECARD_NOTE = (
     "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
     "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
     + scorecard.STRATA_RULE
-    + " (each claim's rule says what it was stratified on)."
+    + " (each claim's rule says what it was stratified on). Each verdict names its split (train, validation = "
+    "eval_in_dist / eval_hard, test = test_in_dist), its pairing with the unit of replication, and its role: decided "
+    "from a comparison the sweep file declared before its runs (primary or secondary), or exploratory (no declared "
+    "comparison, or runs that deviate from it): a finding to confirm."
 )
 
 

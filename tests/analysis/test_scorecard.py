@@ -54,7 +54,7 @@ def test_missing_algorithm_is_inconclusive_with_reason(tmp_path) -> None:
     for claim in ("C1", "C2", "C3", "C4", "C5"):
         assert cards[claim].verdict == INCONCLUSIVE
         assert cards[claim].reason.startswith(NOT_IN_STUDY), cards[claim]
-        assert cards[claim].label.startswith(f"inconclusive: {NOT_IN_STUDY}")
+        assert cards[claim].label.startswith(f"exploratory: inconclusive: {NOT_IN_STUDY}")
     assert "grpo" in cards["C1"].reason and "grpo" in cards["C2"].reason
     assert "max_new_tokens" in cards["C6"].reason  # length axis not swept
 
@@ -379,3 +379,58 @@ def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
     for name in ("gspo", "grpo"):
         assert by_alg[f"reward({name})"] == pytest.approx(win.loc[alg == name, "value"].mean())
         assert (win.loc[alg == name, "compute_from"] >= 0.9 * c_end).all()
+
+
+def _declared(seeds, **kw):
+    from analysis import declared
+
+    entry = {
+        "name": "replay_cost_grpo",
+        "role": "primary",
+        "claim": "C3",
+        "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
+        "metric": "eval_in_dist",
+        "window": "gain",
+        "threshold": -0.1,
+        "seeds": list(seeds),
+        "power": 0.8,
+        "assumed_sd": 0.05,
+        "pairing": "seed",
+        **kw,
+    }
+    return declared.Comparison.from_entry(entry)
+
+
+_REPLAY = {"grpo": C(a=0.3, c_mid=2e12), "grpo_rr": C(a=0.8, c_mid=2e12), "gspo": C(a=0.8, c_mid=2e12)}
+
+
+def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(tmp_path) -> None:
+    from analysis import declared
+
+    st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
+    comp = _declared((0, 1, 2))
+    cards = {r.claim: r for r in scorecard.scorecard(st, comparisons=[comp])}
+    c3, c1 = cards["C3"], cards["C1"]
+    conf = declared.confirm(st.long, comp, st.runs)
+    assert not conf.deviations and c3.verdict == conf.reading == SUPPORTED  # grpo's gain is far below grpo_rr's
+    assert (c3.role, c3.split, c3.pairing, c3.declared) == ("primary", "validation", scorecard.PAIRED, comp.name)
+    assert c3.evidence[0].estimate == pytest.approx(conf.estimate.estimate) and "paired" in c3.evidence[0].n
+    assert c3.label.startswith("primary: supported") and scorecard.DECLARED_RULE in c3.rule
+    assert c3.reason.startswith("the exploratory reading of the whole study: ")  # its old reading, for reference
+    # undeclared claims: exploratory, labelled so, with their split and pairing
+    assert c1.role == "exploratory" and c1.label.startswith("exploratory: ") and c1.split == "train"
+    assert "unit of replication" in c1.pairing and "no declared comparison" in c1.design
+
+
+def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headline(tmp_path) -> None:
+    from analysis import sections
+
+    st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
+    cards = scorecard.scorecard(st, comparisons=[_declared((0, 1, 2, 3))])  # seed 3 was never run
+    c3 = {r.claim: r for r in cards}["C3"]
+    assert c3.role == "exploratory" and any("[3]" in d for d in c3.deviations)
+    assert c3.label.startswith("exploratory: ") and "the runs deviate from replay_cost_grpo" in c3.design
+    head = sections.headline(cards, st)
+    assert head[0][0] == "deviation" and "C3" in head[0][2] and "[3]" in head[0][2]
+    table = scorecard.scorecard_table(cards).set_index("claim")
+    assert "[3]" in table.loc["C3", "deviations"] and table.loc["C1", "deviations"] == ""
