@@ -9,7 +9,7 @@ Two outcomes, stated with their numbers either way:
     GRPO + Routing Replay and GSPO did not (their intervals not below 0): Figure 3 reproduced, or not;
 (ii) no such stratum: the highest volatility reached and at which M, the dense control's and GSPO's gains there, the
     highest volatility at which the dense control still learned, and, within the regime reached, the GRPO minus GRPO
-    + Routing Replay held-out gaps the seeds exclude (those outside its 95% Welch interval at each M).
+    + Routing Replay held-out gaps the seeds exclude (those outside its 95% interval at each M, paired by seed).
 
 The claims are about the paper's algorithms, so this module names them (through analysis.scorecard's names and the
 registry's replay partner).
@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats as sps
 
 from analysis import collapse, design, gain, regime, scorecard, stats, style, vocab
 from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
-from analysis.tidy import ALGORITHM, RUN_ID, Study
+from analysis.tidy import ALGORITHM, RUN_ID, SEED, Study
 
 # --- Figure 9's tables ------------------------------------------------------------------------------------------------
 HELD_OUT, FINAL = "held-out gain", "final reward"
@@ -53,8 +54,11 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
       interval over runs; `threshold` (default analysis.regime.MIN_VOLATILITY) and whether the mean reaches it;
     - `arms`: per model, algorithm, M and quantity, the mean over seeds with a 95% t interval;
     - `gaps`: per M, each algorithm minus its Routing Replay partner (the pairs of C3 and C4, reversed: what dropping
-      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), with
-      95% Welch intervals, at the MoE's volatility of that M;
+      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), at the
+      MoE's volatility of that M: paired by seed where both arms ran the same seeds (a seed's arms share prompts, cold
+      start and evaluation sampling; `design.paired_difference`), else Welch, with its 95% interval and p-value, and,
+      the table read as one exploratory family (`family`), the Holm-adjusted p-value (`p_holm`) and the simultaneous
+      (Bonferroni) interval (`simultaneous_low`, `simultaneous_high`);
     - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
       the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
       dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
@@ -109,6 +113,14 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
         return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)
 
+    seed_of = dict(zip(runs[RUN_ID].astype(str), runs[SEED], strict=True))
+
+    def by_seed(q: Mapping[str, float], mod: str, alg: str, m: Any) -> dict[Any, float] | None:
+        """The arm's values keyed by seed; None when a seed has several runs (the seed then identifies no pair)."""
+        ids = arm.get((mod, alg, m), [])
+        seeds = [seed_of[r] for r in ids]
+        return None if len(set(seeds)) < len(seeds) else {s: q.get(r, np.nan) for s, r in zip(seeds, ids, strict=True)}
+
     rows = []
     for m in ms:
         ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
@@ -153,22 +165,37 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     dense_alg = algs[DENSE][0] if algs[DENSE] else None
     m0 = ms[0]
 
-    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-        d = stats.mean_difference(x, y)
+    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, ka: tuple, kb: tuple) -> dict[str, Any]:
+        """minuend arm `ka` minus subtrahend arm `kb` ((model, algorithm, M)): paired by seed when both arms ran the
+        same seeds (two or more, one run each), else Welch."""
+        x, y = of(quantities[q], *ka), of(quantities[q], *kb)
+        sx, sy = by_seed(quantities[q], *ka), by_seed(quantities[q], *kb)
+        paired = None
+        if sx is not None and sy is not None and set(sx) == set(sy) and len(sx) >= 2:
+            paired = design.paired_difference(sx, sy)
+        if paired is not None and paired.ci.n >= 2:
+            d, p, diffs, how = paired.ci, paired.p_value, paired.differences, design.UNIT
+            n = f"{d.n} seeds, paired"
+        else:
+            d, how = stats.mean_difference(x, y), "unpaired (Welch)"
+            xf, yf = x[np.isfinite(x)], y[np.isfinite(y)]
+            p = float(sps.ttest_ind(xf, yf, equal_var=False).pvalue) if min(xf.size, yf.size) > 1 else np.nan
+            diffs, n = (), f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"
         return {"comparison": what, "minuend": a, "subtrahend": b, "model": model, axis: m, "volatility": x_of[m],
-                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high,
-                "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"}  # fmt: skip
+                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high, "n": n,
+                "pairing": f"paired by {how}" if how == design.UNIT else how, "p": p, "_diffs": diffs,
+                "_xy": (x, y)}  # fmt: skip
 
     rows = []
     for q, m in itertools.product(quantities, ms):
         for free, rr in pairs:
             if (MOE, free, m) in arm and (MOE, rr, m) in arm:
-                x, y = of(quantities[q], MOE, free, m), of(quantities[q], MOE, rr, m)
-                rows.append(gap_row(f"{style.label(free)} - {style.label(rr)}", free, rr, MOE, m, q, x, y))
+                what = f"{style.label(free)} - {style.label(rr)}"
+                rows.append(gap_row(what, free, rr, MOE, m, q, (MOE, free, m), (MOE, rr, m)))
         if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
-            x, y = of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)
             what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
-            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, x, y))
+            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, (DENSE, dense_alg, m), (DENSE, dense_alg, m0)))
+    _family(rows)
     gap_cols = [
         "comparison",
         "minuend",
@@ -181,6 +208,12 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         "low",
         "high",
         "n",
+        "pairing",
+        "p",
+        "p_holm",
+        "simultaneous_low",
+        "simultaneous_high",
+        "family",
     ]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
@@ -257,6 +290,34 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
                     )
         tables["collapse_rate"] = pd.DataFrame(rows)
     return tables
+
+
+FAMILY = (
+    "exploratory, family of {n}, Holm-adjusted (simultaneous intervals: Bonferroni, each at {level:.4g}%); unit of "
+    "replication: {unit}"
+)
+"""The `family` column of Figure 9's gaps: how the table is to be read."""
+
+
+def _family(rows: list[dict[str, Any]]) -> None:
+    """The gaps read together as one exploratory family: `p_holm` (design.holm over the rows with a p-value) and the
+    simultaneous intervals (design.simultaneous, Bonferroni over the paired rows' differences; a Welch row gets its
+    interval at the same per-interval level); each row's `family` says so. In place."""
+    m = int(sum(np.isfinite(r["p"]) for r in rows))
+    for r, adj in zip(rows, design.holm([r["p"] for r in rows]), strict=True):
+        r["p_holm"] = float(adj)
+    level = 1 - 0.05 / max(m, 1)
+    paired = [r for r in rows if len(r["_diffs"]) >= 2]
+    for r, ci in zip(paired, design.simultaneous([r["_diffs"] for r in paired]), strict=True):
+        r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+    for r in rows:
+        x, y = r.pop("_xy")
+        if "simultaneous_low" not in r:  # unpaired: Welch's interval at the family's per-interval level
+            ci = stats.mean_difference(x, y, confidence=level)
+            r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+        r.pop("_diffs")
+        r["family"] = FAMILY.format(n=m, level=100 * level, unit=f"{design.UNIT} (the arms of a seed share prompts, "
+                                    "cold start and evaluation sampling)")  # fmt: skip
 
 
 # --- the outcome ------------------------------------------------------------------------------------------------------
@@ -408,7 +469,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         out.append(
             f"Within the regime reached (volatility {regime.percent(float(finite['_v'].min()))} to "
             f"{regime.percent(float(finite['_v'].max()))}), the seeds exclude only the {lab[grpo]} \u2212 {lab[rr]} "
-            f"held-out gain gaps outside each M's 95% Welch interval ({per}); the narrowest interval is "
+            f"held-out gain gaps outside each M's 95% interval (paired by seed) ({per}); the narrowest interval is "
             f"{width:.3f} wide, so no smaller gap is ruled out.{tail}"
         )
     return Outcome(NOT_IN_REGIME, tuple(out))

@@ -195,8 +195,11 @@ def figure9_offpolicy_replay(
         "off-policy damage without routing; minibatch m of M follows m - 1 updates since pi_old. (c), (d) Each "
         "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: the reward over "
         f"{design.window_rule(frac)}), at the volatility of each M "
-        "(negative: dropping replay cost that much), with 95% Welch t intervals; grey: the dense control's "
-        "off-policy loss, its value at M minus at the fewest M, with its Welch interval. Runs per M: MoE "
+        "(negative: dropping replay cost that much), with 95% t intervals paired by seed (a seed's arms share "
+        "prompts, cold start and evaluation sampling; Welch where the arms' seeds differ); grey: the dense control's "
+        "off-policy loss, its value at M minus at the fewest M, paired alike. The table gaps reads them as one "
+        "exploratory family: Holm-adjusted p-values and simultaneous (Bonferroni) intervals beside the unadjusted "
+        "ones. Runs per M: MoE "
         f"{per_arm or 'none'}; dense control {dense_n}."
         + (
             " Collapsed runs (status.json or the reward-drop rule): "

@@ -86,7 +86,13 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
             known = f(_truth(m, MOE, r["minuend"])) - f(_truth(m, MOE, r["subtrahend"]))
         else:
             known = f(_truth(m, DENSE, "grpo")) - f(_truth(1, DENSE, "grpo"))
-        assert r["low"] <= known <= r["high"], (r.to_dict(), known)
+        # the family's simultaneous intervals cover every known gap together (95%); each unadjusted one is narrower
+        assert r["simultaneous_low"] <= known <= r["simultaneous_high"], (r.to_dict(), known)
+        assert r["simultaneous_low"] < r["low"] and r["high"] < r["simultaneous_high"]
+        assert r["pairing"] == "paired by seed" and r["n"] == "3 seeds, paired" and r["p"] <= r["p_holm"]
+    n = len(gaps)
+    assert (gaps["family"].str.startswith(f"exploratory, family of {n}, Holm-adjusted")).all()
+    assert gaps["family"].str.contains("unit of replication: seed").all()
     grpo = gaps[(gaps["minuend"] == "grpo") & (gaps["model"] == MOE)]
     assert (grpo.loc[grpo[M] == 64, "high"] < -0.2).all() and (grpo.loc[grpo[M] < 64, "high"] > 0).all()
     assert set(gaps.loc[gaps["model"] == DENSE, M]) == {4, 16, 64}
@@ -107,7 +113,7 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
     assert _layout_problems(made[True].fig) == []
     assert not [ax for ax in made[True].fig.axes if ax.get_legend() is not None]
     cap = made[True].caption
-    assert "threshold 5%" in cap and "Welch" in cap and "dense control 3/3/3/3" in cap and "GSPO 3/3/3/3" in cap
+    assert "threshold 5%" in cap and "paired by seed" in cap and "Holm" in cap and "dense control 3/3/3/3" in cap and "GSPO 3/3/3/3" in cap
     dense_line = [ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() ==
                   "arm-dense-grpo"]  # fmt: skip
     assert dense_line
@@ -122,6 +128,22 @@ def test_figure9_final_reward_is_the_compute_window_its_caption_names(made, stud
     for _, r in arms[(arms["model"] == MOE) & (arms["quantity"] == offpolicy.FINAL)].iterrows():
         ids = runs.loc[(runs["algorithm"].astype(str) == r["algorithm"]) & (runs[M] == r[M]), "run_id"].astype(str)
         assert r["mean"] == pytest.approx(win.loc[ids, "value"].mean(), rel=1e-12), r.to_dict()
+
+
+def test_figure9_gaps_are_paired_by_seed_and_read_as_one_holm_family(made, studies) -> None:
+    from analysis import gain
+
+    _, st = studies[True]
+    gaps = made[True].tables["gaps"]
+    per = gain.per_run(st.long, vocab.EVAL_IN_DIST)
+    per = per[per["model.num_experts"] != 1].set_index(["algorithm", M, "seed"])["value"]
+    row = gaps[(gaps["minuend"] == "grpo") & (gaps[M] == 64) & (gaps["quantity"] == HELD_OUT)].iloc[0]
+    x, y = (per.xs((a, 64), level=("algorithm", M)).to_dict() for a in ("grpo", "grpo_rr"))
+    want = design.paired_difference(x, y)
+    assert (row["estimate"], row["low"], row["high"], row["p"]) == pytest.approx(
+        (want.ci.estimate, want.ci.low, want.ci.high, want.p_value)
+    )
+    np.testing.assert_allclose(gaps["p_holm"], design.holm(gaps["p"].tolist()))
 
 
 def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:
