@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from analysis import vocab
+from analysis import regime, vocab
 from analysis.stats import CI, group_columns, mean_band, mean_ci, metric_rows, run_info, run_slices, training_rows
 from analysis.tidy import COMPUTE, SEED, STEP, VALUE
 
@@ -184,10 +184,8 @@ def compute_window(
 
 
 # --- routing volatility: per update vs cumulative ---------------------------------------------------------------------
-PAPER_PER_UPDATE = 0.10
-"""The paper: about 10% of activated experts change after one gradient update (Qwen3-30B-A3B)."""
-PER_UPDATE = f"{vocab.ROUTING_SLOT}_mb2"
-"""The expert-slot mismatch of minibatch 2: the routing's change after exactly one update since pi_old."""
+PAPER_PER_UPDATE = regime.PAPER_PER_UPDATE
+PER_UPDATE = regime.PER_UPDATE
 
 
 @dataclass(frozen=True)

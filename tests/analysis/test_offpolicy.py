@@ -113,7 +113,13 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
     assert _layout_problems(made[True].fig) == []
     assert not [ax for ax in made[True].fig.axes if ax.get_legend() is not None]
     cap = made[True].caption
-    assert "threshold 5%" in cap and "paired by seed" in cap and "Holm" in cap and "dense control 3/3/3/3" in cap and "GSPO 3/3/3/3" in cap
+    assert (
+        "threshold 5%" in cap
+        and "paired by seed" in cap
+        and "Holm" in cap
+        and "dense control 3/3/3/3" in cap
+        and "GSPO 3/3/3/3" in cap
+    )
     dense_line = [ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() ==
                   "arm-dense-grpo"]  # fmt: skip
     assert dense_line
@@ -151,14 +157,15 @@ def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:
     said = offpolicy.outcome(tables)
     assert (said.kind, said.reproduced, said.strata) == (offpolicy.IN_REGIME, True, (64,))
     text = " ".join(said.sentences)
-    assert text.startswith("Outcome (i): at M = 64 the MoE's routing volatility was 7.7% [")
+    assert text.startswith("Outcome (i): at M = 64 the MoE's routing volatility was cumulative 7.7% [")
+    assert "per update 6% of expert slots" in text and "at or above the 5% per-update threshold" in text
     assert "Figure 3 is reproduced there" in text and "GRPO collapsed in 3 of 3 runs there." in text
     ex = tables["offpolicy_loss"].set_index(["algorithm", M, "quantity"])
     r = ex.loc[("grpo", 64, HELD_OUT)]
     assert f"{r['excess']:+.3f} [{r['excess_low']:+.3f}, {r['excess_high']:+.3f}] for GRPO," in text
-    # at a lower threshold M = 16 (3.3%) enters the regime too: there GRPO did not fall, so it is not reproduced
-    # there, while M = 64 still reproduces it
-    lower = offpolicy.outcome(tables, threshold=0.02)
+    # at a lower threshold M = 16 (1.3% per update) enters the regime too: there GRPO did not fall, so it is not
+    # reproduced there, while M = 64 still reproduces it
+    lower = offpolicy.outcome(tables, threshold=0.012)
     assert lower.strata == (16, 64) and lower.reproduced
     assert "Figure 3 is not reproduced there (GRPO did not fall beyond it)" in lower.sentences[1]
     assert lower.sentences[3].startswith("Figure 3 is reproduced there")
@@ -172,10 +179,12 @@ def test_outcome_ii_names_the_highest_volatility_the_dense_controls_limit_and_th
     arms = tables["arms"].set_index(["model", "algorithm", M, "quantity"])
     d64, g64 = arms.loc[(DENSE, "grpo", 64, HELD_OUT)], arms.loc[(MOE, "gspo", 64, HELD_OUT)]
     assert d64["mean"] < 0  # the dense control fell where the volatility reached the regime
-    assert "The highest routing volatility reached was 7.7% [" in first and "at M = 64, at or above the 5%" in first
+    assert "The highest routing volatility reached was cumulative 7.7% [" in first
+    assert "at M = 64, at or above the 5% per-update threshold" in first
     assert f"(GRPO) was {d64['mean']:+.3f} [{d64['low']:+.3f}, {d64['high']:+.3f}]" in first
     assert f"of GSPO {g64['mean']:+.3f} [" in first
-    assert dense.startswith("The dense control still learned (held-out gain's mean above 0) up to a volatility of 3.3%")
+    learned = "The dense control still learned (held-out gain's mean above 0) up to a cumulative volatility of 3.3%"
+    assert dense.startswith(learned)
     g = tables["gaps"]
     g = g[(g["minuend"] == "grpo") & (g["subtrahend"] == "grpo_rr") & (g["quantity"] == HELD_OUT)]
     assert f"the narrowest interval is {(g['high'] - g['low']).min():.3f} wide" in excluded
@@ -184,6 +193,19 @@ def test_outcome_ii_names_the_highest_volatility_the_dense_controls_limit_and_th
     # the outcome reads the tables as the report reads them back from CSV (results.reuse_figures)
     back = {k: pd.read_csv(io.StringIO(df.to_csv(index=False)), **CSV_EXACT) for k, df in tables.items()}
     assert offpolicy.outcome(back).sentences == said.sentences
+
+
+def test_a_stratum_in_regime_only_cumulatively_is_not_tested(made) -> None:
+    # at a 7% threshold M = 64's cumulative 7.7% reaches it but its 6% per update does not: no stratum in regime
+    tables = made[True].tables
+    vol = tables["volatility"].set_index(M)
+    assert vol.loc[64, "mean"] >= 0.07 > vol.loc[64, "per_update"] >= 0.05
+    said = offpolicy.outcome(tables, threshold=0.07)
+    assert said.kind == offpolicy.NOT_IN_REGIME and said.strata == ()
+    assert "below the 7% per-update threshold" in said.sentences[0]
+    assert (
+        "only the cumulative volatility reaches it, not the paper's unit (one update): not tested" in said.sentences[0]
+    )
 
 
 def test_figure9_is_skipped_with_its_reason_without_the_minibatch_axis(tmp_path) -> None:
