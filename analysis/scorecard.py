@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, design, power, regime, stats, style, vocab
+from analysis import collapse, design, gain, power, regime, stats, style, vocab
 from analysis import declared as declared_
 from analysis.fit import A_NOISE
 from analysis.strata import (
@@ -62,6 +62,8 @@ from analysis.verdicts import (
 )
 
 NOT_IN_STUDY = "not in this study"
+PAPER_SIZE = "beside the paper"
+"""The evidence line of a size read against the paper's (C2)."""
 EXPLORATORY, PRIMARY, SECONDARY = "exploratory", "primary", "secondary"
 """A verdict's role: decided from a comparison the sweep file declared before its runs (its `role:`, primary or
 secondary) on runs that match the declaration, or exploratory (everything else: a finding to confirm)."""
@@ -214,6 +216,9 @@ class ClaimResult:
     deviations: tuple[str, ...] = ()
     """How the finished runs differ from the declared comparison (analysis.declared.deviations): the verdict is then
     exploratory."""
+    paper: str = ""
+    """The measured size read beside the paper's (C2: "direction supported, size 0.6 of the paper's"; C6: truncation's
+    part beside RL's), "" when the claim has none."""
 
     @property
     def strata_summary(self) -> str:
@@ -245,7 +250,8 @@ class ClaimResult:
             role = f"exploratory ({why})"
         else:
             role = f"{self.role} (declared comparison {self.declared})"
-        return f"split: {self.split} ({SPLITS[self.split]}); {self.pairing}; {role}"
+        split = " + ".join(f"{x} ({SPLITS[x]})" for x in self.split.split(" + ") if x in SPLITS) or self.split
+        return f"split: {split}; {self.pairing}; {role}"
 
     @property
     def label(self) -> str:
@@ -476,7 +482,9 @@ def claim_c2(study: Study) -> ClaimResult:
     base = _grpo_baseline(present)
     rule = (
         f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
-        f"per run then over seeds; {CLIP_DECISION}."
+        f"per run then over seeds; {CLIP_DECISION}. Beside it, the ratio against the paper's ~"
+        f"{design.PAPER_CLIP_RATIO:g}x (two orders of magnitude): 'direction supported' when the interval lies above "
+        "1, and the size as log(ratio) / log(paper's) (1 = the paper's orders of magnitude)."
     )
     if GSPO not in present or base is None:
         return _absent("C2", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -492,16 +500,27 @@ def claim_c2(study: Study) -> ClaimResult:
         inside = rid.isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
         x = per_run.loc[inside & (alg == GSPO), "value"].to_numpy()
         y = per_run.loc[inside & (alg == base), "value"].to_numpy()
-        est, lo, hi = _ci(stats.ratio_ci(x, y))
+        ratio = stats.ratio_ci(x, y)
+        est, lo, hi = _ci(ratio)
+        size = design.size_against_paper(ratio)
         ev = [
             Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
             _mean_ev(f"clip_frac({GSPO})", x),
             _mean_ev(f"clip_frac({base})", y),
+            Evidence(f"{PAPER_SIZE}: {size.sentence}", size.size_of_paper, np.nan, np.nan, _n(x, y)),
         ]
         return CLIP_DECISION(lo, hi), ev
 
     strat = stratify(study, groups)
-    return _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    res = _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    sizes = [e for st_ in res.strata for e in st_.evidence if e.name.startswith(PAPER_SIZE)]
+    vals = [e.estimate for e in sizes if np.isfinite(e.estimate)]
+    if len(sizes) == 1:
+        res.paper = sizes[0].name.removeprefix(f"{PAPER_SIZE}: ")
+    elif vals:
+        res.paper = (f"size {min(vals):.2g} to {max(vals):.2g} of the paper's ~{design.PAPER_CLIP_RATIO:g}x over "
+                     f"{len(vals)} strata (log scale; per stratum in the evidence)")  # fmt: skip
+    return res
 
 
 def _collapsed(study: Study) -> pd.DataFrame:
@@ -720,8 +739,11 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     present = _present(study)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
-        f"third quarter; (b) length gain = final-window reward ({FINAL_RULE}) at the largest {axis} minus at the "
-        "smallest. Each "
+        f"third quarter; (b) RL's length gain = the held-out gain (eval_in_dist's last evaluation minus its step-0 "
+        f"evaluation of the cold start, per run) at the largest {axis} minus at the smallest (Welch: each length its "
+        "own runs), with RL's gain at each length; truncation's part (the cold start's difference between the two "
+        "lengths: what the budget does before any RL) is reported beside it and does not decide; without step-0 "
+        f"evaluations, the final-window reward ({FINAL_RULE}) at the largest minus at the smallest. Each "
         f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
     )
     if GSPO not in present:
@@ -749,17 +771,45 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         ev = [Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n)), _detectable_ev(name, [x], (1,))]
         return POSITIVE(ci.low, ci.high), ev
 
+    held = gain.per_run(study.long, vocab.EVAL_IN_DIST) if vocab.EVAL_IN_DIST in study.metrics else pd.DataFrame()
+    truncation: list[str] = []
+
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable_ids)
         lens = study.runs.loc[m, axis]
         if lens.nunique() < 2:
             return None
         lo_v, hi_v = lens.min(), lens.max()
-        vals, _ = _final_reward_at_common_compute(
+        ids = set(study.runs.loc[m & study.runs[axis].isin([lo_v, hi_v]), RUN_ID].astype(str))
+        g = held[held[RUN_ID].astype(str).isin(ids)] if len(held) else held
+        if len(g) and g[axis].nunique() >= 2:  # RL's part: the held-out gain at each length
+            dec = design.length_decomposition(g, axis=axis)
+            at = {x: g.loc[g[axis].astype(float) == x, "value"].to_numpy(np.float64) for x in (dec.long, dec.short)}
+            n = _n(at[dec.long], at[dec.short])
+            name = f"RL's length gain ({axis} {hi_v} vs {lo_v}: held-out gain at the longest minus at the shortest)"
+            tr = dec.truncation_part
+            ev = [
+                Evidence(name, *_ci(dec.rl_part), n),
+                *(Evidence(f"RL's held-out gain at {axis}={x:g}", *_ci(ci), str(ci.n)) for x, ci in dec.gains.items()),
+                Evidence(
+                    f"truncation's part before RL (cold start at {axis}={hi_v} minus at {lo_v}; reported, not decided)",
+                    *_ci(tr),
+                    n,
+                ),
+                Evidence("final held-out difference (= truncation's part + RL's)", *_ci(dec.final_difference), n),
+                _detectable_ev(name, [at[dec.long], at[dec.short]], (1, -1)),
+            ]
+            truncation.append(
+                f"truncation's part before RL (cold start at {axis}={hi_v} minus at {lo_v}) "
+                f"{tr.estimate:+.3g} [{tr.low:+.3g}, {tr.high:+.3g}] beside RL's {dec.rl_part.estimate:+.3g} "
+                f"[{dec.rl_part.low:+.3g}, {dec.rl_part.high:+.3g}]"
+            )
+            return POSITIVE(dec.rl_part.low, dec.rl_part.high), ev
+        vals, _ = _final_reward_at_common_compute(  # no step-0 evaluation: the training reward's difference
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
         est, lo, hi = _ci(stats.mean_difference(vals["long"], vals["short"]))
-        name = f"length gain ({axis} {hi_v} vs {lo_v})"
+        name = f"length gain, training reward ({axis} {hi_v} vs {lo_v}; no step-0 evaluation to split off truncation)"
         ev = [
             Evidence(name, est, lo, hi, _n(vals["long"], vals["short"])),
             _detectable_ev(name, [vals["long"], vals["short"]], (1, -1)),
@@ -794,7 +844,10 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
             evidence.append(
                 Evidence(e.name, e.estimate, e.low, e.high, e.n, label, s.verdict if label and k == 0 else "")
             )
-    return _with_power(ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata))
+    res = ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
+    res.paper = "; ".join(truncation)
+    res.split = f"{TRAIN} + {VALIDATION}" if truncation else TRAIN
+    return _with_power(res)
 
 
 def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarray | None:

@@ -271,9 +271,9 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
         else:
             number = c.reason
         why = f" ({c.reason})" if c.verdict == scorecard.INCONCLUSIVE and c.reason and number != c.reason else ""
-        out.append(
-            (css_class(c.verdict), f"{c.claim} {c.reading}:", f"{c.statement} \u2014 {number}{why} [{c.design}]")
-        )
+        paper = f"; {c.paper}" if c.paper else ""
+        text = f"{c.statement} \u2014 {number}{why}{paper} [{c.design}]"
+        out.append((css_class(c.verdict), f"{c.claim} {c.reading}:", text))
     return out
 
 

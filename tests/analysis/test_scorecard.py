@@ -271,9 +271,17 @@ def test_c6_supported_when_longer_generation_learns_more_and_contradicted_when_l
     )
     r = scorecard.claim_c6(st)
     assert r.verdict == verdict, r
-    length = [e for e in r.evidence if e.name.startswith("length gain") and e.verdict]
+    length = [e for e in r.evidence if e.name.startswith("RL's length gain") and e.verdict]
     assert len(length) == 1 and (length[0].low > 0 if verdict == SUPPORTED else length[0].high < 0)
     assert "compute part supported, length part " + verdict in r.reason
+    # the verdict is on RL's part (the held-out gain at each length); truncation's part is reported beside it: the
+    # same cold start (R0 = 0.1) at both lengths here, so it is ~0
+    names = [e.name for e in r.evidence]
+    assert "RL's held-out gain at max_new_tokens=256" in names and "RL's held-out gain at max_new_tokens=1024" in names
+    trunc = next(e for e in r.evidence if e.name.startswith("truncation's part before RL"))
+    assert trunc.low < 0 < trunc.high and abs(trunc.estimate) < 0.02
+    assert r.paper.startswith("truncation's part before RL (cold start at max_new_tokens=1024 minus at 256)")
+    assert r.split == "train + validation" and "eval_in_dist" in r.design
 
 
 # --- regimes: C3, C4 and C5 tested only where their precondition was measured ---------------------------------------
@@ -457,3 +465,40 @@ def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headlin
     assert head[0][0] == "deviation" and "C3" in head[0][2] and "[3]" in head[0][2]
     table = scorecard.scorecard_table(cards).set_index("claim")
     assert "[3]" in table.loc["C3", "deviations"] and table.loc["C1", "deviations"] == ""
+
+
+def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) -> None:
+    from analysis import design, sections
+    from analysis.stats import CI
+
+    # GSPO clips 0.06 of tokens, GRPO 0.0012: ratio 50, log(50) / log(100) = 0.85 of the paper's orders of magnitude
+    curves = {"gspo": C(clip_low=0.02, clip_high=0.04), "grpo": C(clip_low=0.0004, clip_high=0.0008)}
+    st = _load(tmp_path, curves, seeds=(0, 1, 2))
+    r = scorecard.claim_c2(st)
+    ratio = r.evidence[0]
+    assert ratio.estimate == pytest.approx(50, rel=0.05) and ratio.low > 1
+    want = design.size_against_paper(CI(ratio.estimate, ratio.low, ratio.high, 3))
+    assert r.paper.startswith("direction supported, size 0.85 of the paper's") and r.paper == want.sentence
+    assert "vs the paper's ~100x" in r.paper and "two orders of magnitude" in r.rule
+    head = next(t for _, h, t in sections.headline([r]) if h.startswith("C2"))
+    assert "direction supported, size 0.85 of the paper's" in head
+
+
+def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
+    # the longer budget starts higher (cold start R0 0.3 vs 0.1: truncation, before any RL) and ends at the same
+    # asymptote: the final held-out score is no higher, RL gained less there, so the length part is contradicted,
+    # and truncation's part (+0.18) is reported beside it
+    st = _two_strata(
+        tmp_path,
+        {
+            256: {"gspo": C(a=0.7, r0=0.1, c_mid=1e12, noise=0.01)},
+            1024: {"gspo": C(a=0.7, r0=0.3, c_mid=1e12, noise=0.01)},
+        },
+        seeds=(0, 1, 2),
+    )
+    r = scorecard.claim_c6(st)
+    rl = next(e for e in r.evidence if e.name.startswith("RL's length gain"))
+    trunc = next(e for e in r.evidence if e.name.startswith("truncation's part before RL"))
+    assert rl.high < 0 and trunc.low > 0.1 and trunc.estimate == pytest.approx(0.9 * 0.2, abs=0.03)
+    assert "length part contradicted" in r.reason and r.verdict == CONTRADICTED
+    assert "truncation's part before RL" in r.paper and "beside RL's" in r.paper
