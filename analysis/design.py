@@ -348,7 +348,66 @@ def probability_of_improvement(
     return _stratified(metrics.probability_of_improvement, [x, y], reps=reps, confidence=confidence, seed=seed)
 
 
+ALGORITHM_TABLE_NOTE = (
+    "Per algorithm, its runs pooled over the configurations of the other swept axes (tasks): the mean over runs with "
+    "its 95% Student t interval; rliable's interquartile mean (the mean of the middle 50% of all run x task scores, "
+    "robust to an outlying seed) and its probability of improvement P(algorithm > {ref}) (the Mann-Whitney "
+    "statistic per task, averaged over tasks), each with a 95% stratified percentile bootstrap over runs within each "
+    "task ({reps} resamples). A task keeps the seeds every algorithm ran in it; exploratory (no declared comparison)."
+)
+"""The text under the report's algorithm table (format with ref, reps)."""
+
+
+def algorithm_table(
+    per_run: pd.DataFrame,
+    tasks: Sequence[str],
+    *,
+    reference: str | None = None,
+    reps: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """The report's algorithm table from a per-run table (one row per run: algorithm, `tasks` columns, seed, value,
+    e.g. gain.per_run's): per algorithm, n runs, the mean with its t interval, the IQM and P(algorithm > `reference`)
+    with their stratified bootstrap intervals. Tasks are the combinations of `tasks` values; a task keeps the seeds
+    every algorithm has a finite value for in it (so each algorithm's score matrix is runs x tasks, rectangular);
+    tasks with no such seed are left out. Columns: algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference,
+    p_improve, p_low, p_high, tasks."""
+    from analysis.tidy import ALGORITHM
+
+    df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
+    df[ALGORITHM] = df[ALGORITHM].astype(str)
+    algs = list(dict.fromkeys(df[ALGORITHM]))
+    key = df[list(tasks)].astype(str).agg("|".join, axis=1) if tasks else pd.Series("all", index=df.index)
+    df["_task"] = key.to_numpy()
+    matrices: dict[str, list[np.ndarray]] = {a: [] for a in algs}
+    for _, t in df.groupby("_task", sort=True):
+        seeds = set.intersection(*(set(t.loc[t[ALGORITHM] == a, SEED]) for a in algs))
+        if not seeds:
+            continue
+        order = sorted(seeds, key=str)
+        for a in algs:
+            v = t[t[ALGORITHM] == a].drop_duplicates(SEED).set_index(SEED)["value"].astype(float)
+            matrices[a].append(v.loc[order].to_numpy())
+    cols = ["algorithm", "n", "mean", "low", "high", "iqm", "iqm_low", "iqm_high", "reference", "p_improve", "p_low",
+            "p_high", "tasks"]  # fmt: skip
+    if not algs or not matrices[algs[0]]:
+        return pd.DataFrame(columns=cols)
+    n_tasks = len(matrices[algs[0]])
+    width = min(len(m) for m in matrices[algs[0]])
+    mats = {a: np.column_stack([m[:width] for m in ms]) for a, ms in matrices.items()}  # (runs, tasks)
+    iqm = iqm_interval(mats, reps=reps, seed=seed)
+    rows = []
+    for a in algs:
+        ci = mean_ci(df.loc[df[ALGORITHM] == a, "value"].to_numpy(np.float64))
+        p = (np.nan, np.nan, np.nan)
+        if reference is not None and reference in mats and a != reference:
+            p = probability_of_improvement(mats[a], mats[reference], reps=reps, seed=seed)
+        rows.append([a, ci.n, ci.estimate, ci.low, ci.high, *iqm[a], reference or "", *p, n_tasks])
+    return pd.DataFrame(rows, columns=cols)
+
+
 __all__ = [
+    "ALGORITHM_TABLE_NOTE",
     "COMMON_END",
     "PAPER_CLIP_RATIO",
     "PAPER_PER_UPDATE",
@@ -361,6 +420,7 @@ __all__ = [
     "Paired",
     "SizeReading",
     "Volatility",
+    "algorithm_table",
     "compute_window",
     "holm",
     "iqm_interval",

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, figures, offpolicy, power, render, scorecard, style, vocab
+from analysis import collapse, design, figures, offpolicy, power, render, scorecard, style, vocab
 from analysis import gain as gain_
 from analysis.natural import natural_sorted
 from analysis.results import StudyNotes
@@ -375,7 +375,48 @@ SCORECARD_NOTE = (
 )
 
 
-def scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOutGain) -> list[render.Block]:
+ALGORITHM_REPS = 2000
+"""Bootstrap resamples of the algorithm table's IQM and probability of improvement."""
+
+
+def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORITHM_REPS) -> tuple[pd.DataFrame, str]:
+    """The algorithm table (design.algorithm_table) of the held-out gain per run, the tasks being the configurations
+    of the swept axes every algorithm ran alike, the reference the GRPO baseline (else the first algorithm); and the
+    note under it. Empty when no run has a held-out gain."""
+    if not gain.available:
+        return pd.DataFrame(), ""
+    per = gain_.per_run(study.long, gain.metric)
+    per = per[per[RUN_ID].astype(str).isin(set(study.runs.loc[study.runs["state"] != "failed", RUN_ID].astype(str)))]
+    algs = style.order_or_sorted(per[ALGORITHM].astype(str).unique())
+    values = {
+        a: [set(per.loc[per[ALGORITHM].astype(str) == g, a].astype(str)) for g in algs] for a in study.axes if a in per
+    }
+    tasks = [a for a, v in values.items() if all(x == v[0] for x in v)]
+    ref = scorecard._grpo_baseline(algs) or algs[0]
+    per = per.assign(**{ALGORITHM: pd.Categorical(per[ALGORITHM].astype(str), categories=algs, ordered=True)})
+    per = per.sort_values(ALGORITHM, kind="stable")
+    t = design.algorithm_table(per, tasks, reference=ref, reps=reps)
+    if t.empty:
+        return t, ""
+    out = pd.DataFrame({"algorithm": [style.label_or_name(a) for a in t["algorithm"]], "n runs": t["n"]})
+    fmt = "{:.3f}".format
+    out[f"{gain.metric} gain, mean [95% t]"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in
+                                                 zip(t["mean"], t["low"], t["high"], strict=True)]  # fmt: skip
+    out["IQM [95% bootstrap]"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in
+                                  zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)]  # fmt: skip
+    out[f"P(> {style.label_or_name(ref)}) [95% bootstrap]"] = [
+        "" if not np.isfinite(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}]"
+        for p, lo, hi in zip(t["p_improve"], t["p_low"], t["p_high"], strict=True)
+    ]
+    out["tasks"] = t["tasks"]
+    note = design.ALGORITHM_TABLE_NOTE.format(ref=style.label_or_name(ref), reps=reps)
+    what = f"Held-out gain ({gain.metric}: last evaluation minus step 0) per run; tasks: "
+    return out, what + (", ".join(tasks) if tasks else "one (no other swept axis)") + ". " + note
+
+
+def scorecard_section(
+    cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOutGain, algorithms: tuple[pd.DataFrame, str] | None = None
+) -> list[render.Block]:
     """The scorecard with its note on intervals and strata, the held-out gain, then the per-stratum verdicts when any
     claim has strata."""
     out: list[render.Block] = [
@@ -384,6 +425,12 @@ def scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOu
         render.ScorecardTable(tuple(cards), scorecard.scorecard_table(cards)),
         *_gain_section(gain),
     ]
+    if algorithms is not None and not algorithms[0].empty:
+        out += [
+            render.h(3, "Algorithms: mean, IQM and probability of improvement", anchor="algorithms"),
+            render.p(algorithms[1]),
+            render.Table(algorithms[0]),
+        ]
     strata_df = scorecard.strata_table(cards)
     if not strata_df.empty:
         out += [render.h(3, "Per-stratum verdicts"), render.Table(strata_df)]
