@@ -370,8 +370,8 @@ def algorithm_table(
     e.g. gain.per_run's): per algorithm, n runs, the mean with its t interval, the IQM and P(algorithm > `reference`)
     with their stratified bootstrap intervals. Tasks are the combinations of `tasks` values; a task keeps the seeds
     every algorithm has a finite value for in it (so each algorithm's score matrix is runs x tasks, rectangular);
-    tasks with no such seed are left out. Columns: algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference,
-    p_improve, p_low, p_high, tasks."""
+    tasks with no such seed are left out; with one run per task the estimates have no interval (NaN). Columns:
+    algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference, p_improve, p_low, p_high, tasks."""
     from analysis.tidy import ALGORITHM
 
     df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
@@ -395,13 +395,24 @@ def algorithm_table(
     n_tasks = len(matrices[algs[0]])
     width = min(len(m) for m in matrices[algs[0]])
     mats = {a: np.column_stack([m[:width] for m in ms]) for a, ms in matrices.items()}  # (runs, tasks)
-    iqm = iqm_interval(mats, reps=reps, seed=seed)
+    boot = width >= 2  # a bootstrap over runs needs two runs per task; with one, the estimates without interval
+    if boot:
+        iqm = iqm_interval(mats, reps=reps, seed=seed)
+    else:
+        from rliable import metrics
+
+        iqm = {a: (float(metrics.aggregate_iqm(m)), np.nan, np.nan) for a, m in mats.items()}
     rows = []
     for a in algs:
         ci = mean_ci(df.loc[df[ALGORITHM] == a, "value"].to_numpy(np.float64))
         p = (np.nan, np.nan, np.nan)
         if reference is not None and reference in mats and a != reference:
-            p = probability_of_improvement(mats[a], mats[reference], reps=reps, seed=seed)
+            if boot:
+                p = probability_of_improvement(mats[a], mats[reference], reps=reps, seed=seed)
+            else:
+                from rliable import metrics
+
+                p = (float(metrics.probability_of_improvement(mats[a], mats[reference])), np.nan, np.nan)
         rows.append([a, ci.n, ci.estimate, ci.low, ci.high, *iqm[a], reference or "", *p, n_tasks])
     return pd.DataFrame(rows, columns=cols)
 

@@ -170,3 +170,11 @@ def test_algorithm_table_puts_iqm_and_probability_of_improvement_beside_the_t_in
         "P(> GRPO) [95% bootstrap]",
     ]
     assert table.iloc[1, 4].startswith("1.00 [") and "stratified percentile bootstrap" in note and "exploratory" in note
+
+
+def test_algorithm_table_with_one_run_per_task_has_estimates_without_interval() -> None:
+    per = pd.DataFrame({"algorithm": ["a", "b", "a", "b"], "task": [1, 1, 2, 2], "seed": [0, 0, 0, 0],
+                        "value": [0.5, 0.2, 0.6, 0.1]})  # fmt: skip
+    t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
+    assert t.loc["a", "iqm"] == pytest.approx(0.55) and np.isnan(t.loc["a", "iqm_low"])
+    assert t.loc["a", "p_improve"] == 1.0 and np.isnan(t.loc["a", "p_low"])
