@@ -205,7 +205,7 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     pos = [page.index(marker) for marker in order]
     assert pos == sorted(pos)
     headline = re.search(r'<ul class="headline">(.*?)</ul>', page).group(1)
-    lines = re.findall(r'<li class="(\w+)"><b>(C\d) (\w+):</b> ([^<]*)</li>', headline)
+    lines = re.findall(r'<li class="(\w+)"><b>(C\d) exploratory: (\w+):</b> ([^<]*)</li>', headline)  # no declaration
     assert [c for _, c, _, _ in lines] == ["C1", "C2", "C3", "C4", "C5", "C6"]
     for cls, _, verdict, text in lines:
         assert cls == verdict and verdict in ("supported", "contradicted", "inconclusive") and " \u2014 " in text
