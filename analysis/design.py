@@ -366,12 +366,13 @@ def algorithm_table(
     reps: int = 2000,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """The report's algorithm table from a per-run table (one row per run: algorithm, `tasks` columns, seed, value,
-    e.g. gain.per_run's): per algorithm, n runs, the mean with its t interval, the IQM and P(algorithm > `reference`)
-    with their stratified bootstrap intervals. Tasks are the combinations of `tasks` values; a task keeps the seeds
-    every algorithm has a finite value for in it (so each algorithm's score matrix is runs x tasks, rectangular);
-    tasks with no such seed are left out; with one run per task the estimates have no interval (NaN). Columns:
-    algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference, p_improve, p_low, p_high, tasks."""
+    """The report's algorithm table from a per-run table (one row per run: algorithm, `tasks` columns, seed, value, e.g.
+    gain.per_run's): per algorithm, n runs (those in the score matrix), the mean with its t interval, the IQM and
+    P(algorithm > `reference`) with their stratified bootstrap intervals. Tasks are the combinations of `tasks`
+    values; a task keeps the seeds every algorithm has a finite value for in it (so each algorithm's score matrix is
+    runs x tasks, rectangular); tasks with no such seed are left out; with one run per task the estimates have no
+    interval (NaN). Columns: algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference, p_improve, p_low,
+    p_high, tasks."""
     from analysis.tidy import ALGORITHM
 
     df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
@@ -381,6 +382,7 @@ def algorithm_table(
     df["_task"] = key.to_numpy()
     matrices: dict[str, list[np.ndarray]] = {a: [] for a in algs}
     for _, t in df.groupby("_task", sort=True):
+        t = t.drop_duplicates([ALGORITHM, SEED])  # a seed identifies one run of an algorithm in a task
         seeds = set.intersection(*(set(t.loc[t[ALGORITHM] == a, SEED]) for a in algs))
         if not seeds:
             continue
@@ -404,7 +406,7 @@ def algorithm_table(
         iqm = {a: (float(metrics.aggregate_iqm(m)), np.nan, np.nan) for a, m in mats.items()}
     rows = []
     for a in algs:
-        ci = mean_ci(df.loc[df[ALGORITHM] == a, "value"].to_numpy(np.float64))
+        ci = mean_ci(mats[a].ravel())  # the same runs as the IQM's
         p = (np.nan, np.nan, np.nan)
         if reference is not None and reference in mats and a != reference:
             if boot:

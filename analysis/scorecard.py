@@ -417,9 +417,11 @@ def _regime_note(strata: Sequence[Stratum], measured: dict[int, regime.Measured]
         if values
         else f"not measured (no compared run logged a finite {pre.metric})"
     )
+    of = f" {pre.name}" if pre.name else ""
+    ref = f" ({pre.reference})" if pre.reference else ""
     return (
-        f"{pre.quantity} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)} the "
-        "claim needs"
+        f"{pre.quantity}{of} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)}{of} "
+        f"the claim needs{ref}"
     )
 
 

@@ -388,10 +388,7 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     per = gain_.per_run(study.long, gain.metric)
     per = per[per[RUN_ID].astype(str).isin(set(study.runs.loc[study.runs["state"] != "failed", RUN_ID].astype(str)))]
     algs = style.order_or_sorted(per[ALGORITHM].astype(str).unique())
-    values = {
-        a: [set(per.loc[per[ALGORITHM].astype(str) == g, a].astype(str)) for g in algs] for a in study.axes if a in per
-    }
-    tasks = [a for a, v in values.items() if all(x == v[0] for x in v)]
+    tasks = [a for a in study.axes if a in per]  # a configuration of the other swept axes is a task
     ref = scorecard._grpo_baseline(algs) or algs[0]
     per = per.assign(**{ALGORITHM: pd.Categorical(per[ALGORITHM].astype(str), categories=algs, ordered=True)})
     per = per.sort_values(ALGORITHM, kind="stable")
@@ -410,8 +407,15 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     ]
     out["tasks"] = t["tasks"]
     note = design.ALGORITHM_TABLE_NOTE.format(ref=style.label_or_name(ref), reps=reps)
-    what = f"Held-out gain ({gain.metric}: last evaluation minus step 0) per run; tasks: "
-    return out, what + (", ".join(tasks) if tasks else "one (no other swept axis)") + ". " + note
+    left = len(per) - int(t["n"].sum())
+    what = (
+        f"Held-out gain ({gain.metric}: last evaluation minus step 0) per run; tasks: the configurations of "
+        + (", ".join(tasks) if tasks else "none (no other swept axis: one task)")
+        + " that every algorithm ran"
+        + (f" ({left} run(s) of configurations some algorithm did not run are left out)" if left else "")
+        + ". "
+    )
+    return out, what + note
 
 
 def scorecard_section(
