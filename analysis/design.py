@@ -378,8 +378,9 @@ def algorithm_table(
     df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
     df[ALGORITHM] = df[ALGORITHM].astype(str)
     algs = list(dict.fromkeys(df[ALGORITHM]))
-    key = df[list(tasks)].astype(str).agg("|".join, axis=1) if tasks else pd.Series("all", index=df.index)
-    df["_task"] = key.to_numpy()
+    cells = [df[c].astype(object).map(str) for c in tasks]  # a value a run lacks (NaN) is one value, "nan"
+    key = pd.Series(["|".join(k) for k in zip(*cells, strict=True)], index=df.index) if tasks else "all"
+    df["_task"] = key
     matrices: dict[str, list[np.ndarray]] = {a: [] for a in algs}
     for _, t in df.groupby("_task", sort=True):
         t = t.drop_duplicates([ALGORITHM, SEED])  # a seed identifies one run of an algorithm in a task

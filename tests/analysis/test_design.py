@@ -178,3 +178,14 @@ def test_algorithm_table_with_one_run_per_task_has_estimates_without_interval() 
     t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
     assert t.loc["a", "iqm"] == pytest.approx(0.55) and np.isnan(t.loc["a", "iqm_low"])
     assert t.loc["a", "p_improve"] == 1.0 and np.isnan(t.loc["a", "p_low"])
+
+
+def test_algorithm_table_tasks_with_a_missing_axis_value_and_configurations_one_algorithm_lacks() -> None:
+    # the dense control's axis (NaN for the MoE runs) is a task value like any other; a configuration only "a" ran
+    # (task 3) is left out, so both algorithms are scored on the same two tasks and the mean is over those runs
+    per = pd.DataFrame({"algorithm": ["a", "b"] * 4 + ["a", "a"], "task": [1.0, 1.0, 1.0, 1.0, np.nan, np.nan,
+                        np.nan, np.nan, 3.0, 3.0], "seed": [0, 0, 1, 1, 0, 0, 1, 1, 0, 1],
+                        "value": [0.5, 0.2, 0.7, 0.1, 0.6, 0.3, 0.4, 0.2, 9.0, 9.0]})  # fmt: skip
+    t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
+    assert t["tasks"].tolist() == [2, 2] and t["n"].tolist() == [4, 4]
+    assert t.loc["a", "mean"] == pytest.approx(0.55) and t.loc["a", "p_improve"] == 1.0
