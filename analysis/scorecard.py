@@ -935,11 +935,12 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
     exploratory with `declared.deviations` listed; the exploratory reading is kept in the reason."""
     if not comparisons:
         return res
-    confs = []
+    confs, unread = [], {}
     for c in comparisons:
         try:
             confs.append(declared_.confirm(study.long, c, study.runs))
         except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
+            unread[c.name] = str(exc).strip("'\"")
             devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
             nan = stats.CI(np.nan, np.nan, np.nan, 0)
             confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
@@ -951,6 +952,9 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
         verdicts.append(_declared_verdict(p, c, est.estimate) if len(confs) > 1 else conf.reading)
         pair = f"{est.n} seeds, paired" if c.pairing == "seed" else f"{est.n} runs, unpaired"
         name = f"{c.name}: {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
+        if c.name in unread:
+            evidence.append(Evidence(f"{name}: no reading ({unread[c.name]})", np.nan, np.nan, np.nan, "0"))
+            continue
         evidence.append(Evidence(name, est.estimate, est.low, est.high, pair))
         what = "Holm-adjusted p" if len(confs) > 1 else "p"
         evidence.append(Evidence(f"{c.name}: {what} ({c.alternative}, alpha {c.alpha:g})", p, np.nan, np.nan, pair))

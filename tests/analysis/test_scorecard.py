@@ -503,3 +503,12 @@ def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
     assert rl.high < 0 and trunc.low > 0.1 and trunc.estimate == pytest.approx(0.9 * 0.2, abs=0.03)
     assert "length part contradicted" in r.reason and r.verdict == CONTRADICTED
     assert "truncation's part before RL" in r.paper and "beside RL's" in r.paper
+
+
+def test_a_declaration_the_runs_cannot_be_read_by_says_so_instead_of_a_number(tmp_path) -> None:
+    # two runs of one seed in the declared arm (no stratum separates the two lengths): no pair, no reading
+    st = _two_strata(tmp_path, {256: _REPLAY, 1024: _REPLAY}, seeds=(0, 1, 2))
+    c3 = {r.claim: r for r in scorecard.scorecard(st, comparisons=[_declared((0, 1, 2))])}["C3"]
+    assert c3.role == "exploratory" and c3.verdict == INCONCLUSIVE
+    assert any("several runs of seed(s) [0, 1, 2]" in d for d in c3.deviations)
+    assert "no reading (" in c3.evidence[0].name and "nan" not in str(c3.evidence[0])
