@@ -125,9 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "study's notes, docs/studies/<sweep stem>.md (what was chosen and why)")  # fmt: skip
     rep.add_argument("--doc", default=None, help="the study's notes (Markdown) when not docs/studies/<sweep stem>.md")
     rep.add_argument("--min-volatility", type=float, default=MIN_VOLATILITY, metavar="FRACTION",
-                     help="C3, C4 are tested only where the compared runs' routing volatility in the off-policy "
-                     "minibatches (routing_slot_mismatch) reaches this fraction of expert slots changed since pi_old "
-                     "(default %(default)g)")  # fmt: skip
+                     help="C3, C4 are tested only where the compared runs' routing volatility per update "
+                     "(routing_slot_mismatch_mb2: the change after one update, the paper's unit, ~0.1 in the paper) "
+                     "reaches this fraction of expert slots (default %(default)g)")  # fmt: skip
     rep.add_argument("--min-mismatch", type=float, default=MIN_MISMATCH, metavar="NATS",
                      help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
                      "nats per response token) reaches this (default %(default)g)")  # fmt: skip
