@@ -28,9 +28,23 @@ RATIO_LEVELS: tuple[str, ...] = typing.get_args(RatioLevel)
 
 # Legend colours by registration index (colour-blind-safe Okabe-Ito first, then tab10 tones).
 PALETTE = (
-    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000",
-    "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF", "#9467BD", "#2CA02C", "#D62728", "#1F77B4",
-)  # fmt: skip
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+    "#CC79A7",
+    "#E69F00",
+    "#56B4E9",
+    "#F0E442",
+    "#000000",
+    "#8C564B",
+    "#7F7F7F",
+    "#BCBD22",
+    "#17BECF",
+    "#9467BD",
+    "#2CA02C",
+    "#D62728",
+    "#1F77B4",
+)
 
 # Keyword arguments of a loss that are inputs, not hyper-parameters.
 LOSS_INPUTS = frozenset({"rollout_logp"})

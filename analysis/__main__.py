@@ -65,22 +65,35 @@ def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathL
     for name, caption in rendered.captions.items():
         files.write(out / CAPTIONS / f"{name}.rst", rst_escape(caption) + "\n")
     tables = {
-        name: {t: files.write(out / figures.TABLES / f"{name}.{t}.csv", df.to_csv(index=False)).relative_to(out)
-               for t, df in dfs.items()}
+        name: {
+            t: files.write(out / figures.TABLES / f"{name}.{t}.csv", df.to_csv(index=False)).relative_to(out)
+            for t, df in dfs.items()
+        }
         for name, dfs in rendered.tables.items()
-    }  # fmt: skip
+    }
     entries = {
-        name: {"files": [p.name for p in paths], "caption": rendered.captions[name],
-               "tables": {t: rel.as_posix() for t, rel in tables.get(name, {}).items()}}
+        name: {
+            "files": [p.name for p in paths],
+            "caption": rendered.captions[name],
+            "tables": {t: rel.as_posix() for t, rel in tables.get(name, {}).items()},
+        }
         for name, paths in rendered.paths.items()
-    }  # fmt: skip
-    index = {"study": study or "all", "data": figures.data_fingerprint(st), "figures": entries,
-             "skipped": dict(rendered.skipped), "missing": list(st.missing),
-             "unreadable": dict(zip(st.unreadable["run_id"], st.unreadable["reason"], strict=True))}  # fmt: skip
+    }
+    index = {
+        "study": study or "all",
+        "data": figures.data_fingerprint(st),
+        "figures": entries,
+        "skipped": dict(rendered.skipped),
+        "missing": list(st.missing),
+        "unreadable": dict(zip(st.unreadable["run_id"], st.unreadable["reason"], strict=True)),
+    }
     path = files.write(out / figures.INDEX, json.dumps(index, indent=1) + "\n")
     for name, why in rendered.skipped.items():
-        stale = [out / CAPTIONS / f"{name}.rst", *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg")),
-                 *(out / figures.TABLES).glob(f"{name}.*.csv")]  # fmt: skip
+        stale = [
+            out / CAPTIONS / f"{name}.rst",
+            *(out / f"{name}.{ext}" for ext in ("png", "pdf", "svg")),
+            *(out / figures.TABLES).glob(f"{name}.*.csv"),
+        ]
         for old in stale:
             old.unlink(missing_ok=True)  # drawn by an earlier call into this directory, no longer valid
         print(f"skipped {name}: {why}")
@@ -118,19 +131,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("results_dir", help="the results directory (holding runs/{run_id}/)")
     rep.add_argument("--study", default=None, help=study_help)
     rep.add_argument("--out", default=None, help="output directory (default RESULTS_DIR/<study or 'all'>/report)")
-    rep.add_argument("--figures", default=None,
-                     help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
-                     "drawn again (drawn again if its runs differ)")  # fmt: skip
-    rep.add_argument("--sweep", default=None, help="the study's sweep file: the report shows its description and the "
-                     "study's notes, docs/studies/<sweep stem>.md (what was chosen and why)")  # fmt: skip
+    rep.add_argument(
+        "--figures",
+        default=None,
+        help="a `figures` output drawn from the same runs: its files and tables are copied instead of "
+        "drawn again (drawn again if its runs differ)",
+    )
+    rep.add_argument(
+        "--sweep",
+        default=None,
+        help="the study's sweep file: the report shows its description and the "
+        "study's notes, docs/studies/<sweep stem>.md (what was chosen and why)",
+    )
     rep.add_argument("--doc", default=None, help="the study's notes (Markdown) when not docs/studies/<sweep stem>.md")
-    rep.add_argument("--min-volatility", type=float, default=MIN_VOLATILITY, metavar="FRACTION",
-                     help="C3, C4 are tested only where the compared runs' routing volatility per update "
-                     "(routing_slot_mismatch_mb2: the change after one update, the paper's unit, ~0.1 in the paper) "
-                     "reaches this fraction of expert slots (default %(default)g)")  # fmt: skip
-    rep.add_argument("--min-mismatch", type=float, default=MIN_MISMATCH, metavar="NATS",
-                     help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
-                     "nats per response token) reaches this (default %(default)g)")  # fmt: skip
+    rep.add_argument(
+        "--min-volatility",
+        type=float,
+        default=MIN_VOLATILITY,
+        metavar="FRACTION",
+        help="C3, C4 are tested only where the compared runs' routing volatility per update "
+        "(routing_slot_mismatch_mb2: the change after one update, the paper's unit, ~0.1 in the paper) "
+        "reaches this fraction of expert slots (default %(default)g)",
+    )
+    rep.add_argument(
+        "--min-mismatch",
+        type=float,
+        default=MIN_MISMATCH,
+        metavar="NATS",
+        help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
+        "nats per response token) reaches this (default %(default)g)",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "collect":
@@ -157,8 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = report.report_from_results(args.results_dir, study=args.study, out_dir=args.out, figures_dir=args.figures,
-                                        sweep=args.sweep, doc=args.doc, rules=rules)  # fmt: skip
+    result = report.report_from_results(
+        args.results_dir,
+        study=args.study,
+        out_dir=args.out,
+        figures_dir=args.figures,
+        sweep=args.sweep,
+        doc=args.doc,
+        rules=rules,
+    )
     from analysis import sections
 
     asked, gone = sections.not_read(result.study)

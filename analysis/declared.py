@@ -108,9 +108,15 @@ def _t_power(df: int, nc: float, alpha: float, alternative: str) -> float:
 
 
 def seeds_for_power(
-    sd: float, gap: float, *, power: float = 0.8, alpha: float = 0.05, alternative: str = "two-sided",
-    paired: bool = True, max_seeds: int = 1000,
-) -> int | None:  # fmt: skip
+    sd: float,
+    gap: float,
+    *,
+    power: float = 0.8,
+    alpha: float = 0.05,
+    alternative: str = "two-sided",
+    paired: bool = True,
+    max_seeds: int = 1000,
+) -> int | None:
     """The fewest seeds (pairs, or runs per arm unpaired) whose test reaches `power` at `gap`; None beyond max_seeds."""
     fn = power_paired if paired else power_unpaired
     for n in range(2, max_seeds + 1):
@@ -199,8 +205,10 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
             if c.window == "gain":
                 started = set(got.loc[got[STEP] == START_STEP, RUN_ID].astype(str))
                 if ids - started - set(without):
-                    out.append(f"{c.name}: {side} arm {arm!r}: window 'gain' needs a step-0 {c.metric}; run(s) "
-                               f"{sorted(ids - started - set(without))} have none")  # fmt: skip
+                    out.append(
+                        f"{c.name}: {side} arm {arm!r}: window 'gain' needs a step-0 {c.metric}; run(s) "
+                        f"{sorted(ids - started - set(without))} have none"
+                    )
     if c.pairing == "seed" and len(seeds_by_arm) == 2:
         alone = sorted(seeds_by_arm["treatment"] ^ seeds_by_arm["control"])
         if alone:

@@ -321,8 +321,16 @@ def _stratified(
             i += k
         return float(stat(*out))
 
-    res = sps.bootstrap(cols, statistic, n_resamples=reps, confidence_level=confidence, method="percentile",
-                        vectorized=False, paired=False, rng=np.random.default_rng(seed))  # fmt: skip
+    res = sps.bootstrap(
+        cols,
+        statistic,
+        n_resamples=reps,
+        confidence_level=confidence,
+        method="percentile",
+        vectorized=False,
+        paired=False,
+        rng=np.random.default_rng(seed),
+    )
     return float(stat(*mats)), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -334,8 +342,10 @@ def iqm_interval(
     {alg: (iqm, low, high)}."""
     from rliable import metrics
 
-    return {k: _stratified(metrics.aggregate_iqm, [v], reps=reps, confidence=confidence, seed=seed)
-            for k, v in scores.items()}  # fmt: skip
+    return {
+        k: _stratified(metrics.aggregate_iqm, [v], reps=reps, confidence=confidence, seed=seed)
+        for k, v in scores.items()
+    }
 
 
 def probability_of_improvement(
@@ -391,8 +401,21 @@ def algorithm_table(
         for a in algs:
             v = t[t[ALGORITHM] == a].drop_duplicates(SEED).set_index(SEED)["value"].astype(float)
             matrices[a].append(v.loc[order].to_numpy())
-    cols = ["algorithm", "n", "mean", "low", "high", "iqm", "iqm_low", "iqm_high", "reference", "p_improve", "p_low",
-            "p_high", "tasks"]  # fmt: skip
+    cols = [
+        "algorithm",
+        "n",
+        "mean",
+        "low",
+        "high",
+        "iqm",
+        "iqm_low",
+        "iqm_high",
+        "reference",
+        "p_improve",
+        "p_low",
+        "p_high",
+        "tasks",
+    ]
     if not algs or not matrices[algs[0]]:
         return pd.DataFrame(columns=cols)
     n_tasks = len(matrices[algs[0]])

@@ -146,8 +146,19 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
                 "in_regime": bool(pu.n > 0 and pu.estimate >= threshold),
             }
         )
-    vol_cols = [axis, "mean", "low", "high", "n", "per_update", "per_update_low", "per_update_high", "per_update_n",
-                "threshold", "in_regime"]  # fmt: skip
+    vol_cols = [
+        axis,
+        "mean",
+        "low",
+        "high",
+        "n",
+        "per_update",
+        "per_update_low",
+        "per_update_high",
+        "per_update_n",
+        "threshold",
+        "in_regime",
+    ]
     volatility = pd.DataFrame(rows, columns=vol_cols)
     x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
 
@@ -192,10 +203,23 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
             xf, yf = x[np.isfinite(x)], y[np.isfinite(y)]
             p = float(sps.ttest_ind(xf, yf, equal_var=False).pvalue) if min(xf.size, yf.size) > 1 else np.nan
             diffs, n = (), f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"
-        return {"comparison": what, "minuend": a, "subtrahend": b, "model": model, axis: m, "volatility": x_of[m],
-                "quantity": q, "estimate": d.estimate, "low": d.low, "high": d.high, "n": n,
-                "pairing": f"paired by {how}" if how == design.UNIT else how, "p": p, "_diffs": diffs,
-                "_xy": (x, y)}  # fmt: skip
+        return {
+            "comparison": what,
+            "minuend": a,
+            "subtrahend": b,
+            "model": model,
+            axis: m,
+            "volatility": x_of[m],
+            "quantity": q,
+            "estimate": d.estimate,
+            "low": d.low,
+            "high": d.high,
+            "n": n,
+            "pairing": f"paired by {how}" if how == design.UNIT else how,
+            "p": p,
+            "_diffs": diffs,
+            "_xy": (x, y),
+        }
 
     rows = []
     for q, m in itertools.product(quantities, ms):
@@ -327,8 +351,11 @@ def _family(rows: list[dict[str, Any]]) -> None:
             ci = stats.mean_difference(x, y, confidence=level)
             r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
         r.pop("_diffs")
-        r["family"] = FAMILY.format(n=m, level=100 * level, unit=f"{design.UNIT} (the arms of a seed share prompts, "
-                                    "cold start and evaluation sampling)")  # fmt: skip
+        r["family"] = FAMILY.format(
+            n=m,
+            level=100 * level,
+            unit=f"{design.UNIT} (the arms of a seed share prompts, cold start and evaluation sampling)",
+        )
 
 
 # --- the outcome ------------------------------------------------------------------------------------------------------
@@ -478,9 +505,11 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     if finite.empty:
         out.append(f"No {lab[grpo]} \u2212 {lab[rr]} held-out gap has an interval at a measured M.")
     else:
-        per = "; ".join(f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
-                        f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
-                        for _, r in finite.iterrows())  # fmt: skip
+        per = "; ".join(
+            f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
+            f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
+            for _, r in finite.iterrows()
+        )
         below = finite[finite["high"].astype(float) < 0]
         tail = (
             " At "
@@ -530,10 +559,11 @@ def _in_regime(
             if fell[a] is not False:
                 why.append(f"{lab[a]} fell beyond it too" if fell[a] else f"{lab[a]}: no interval")
         excess = {
-            a: "not run" if row is None else _ci(float(row["excess"]), float(row["excess_low"]),
-                                                 float(row["excess_high"]))
+            a: "not run"
+            if row is None
+            else _ci(float(row["excess"]), float(row["excess_low"]), float(row["excess_high"]))
             for a, row in ex.items()
-        }  # fmt: skip
+        }
         gap = []
         for q in (HELD_OUT, FINAL):
             row = _row(gaps, minuend=grpo, subtrahend=rr, quantity=q, **{axis: m})

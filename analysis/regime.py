@@ -127,8 +127,10 @@ class Measured:
         p = self.precondition
         if self.companion is not None:
             both = [(p.companion_name, self.companion, p.companion), (p.name, self.ci, p.metric)]
-            parts = [f"{name} {p.fmt(ci.estimate)}" if ci.n else f"{name} not measured ({metric})"
-                     for name, ci, metric in both]  # fmt: skip
+            parts = [
+                f"{name} {p.fmt(ci.estimate)}" if ci.n else f"{name} not measured ({metric})"
+                for name, ci, metric in both
+            ]
             n = max(self.ci.n, self.companion.n)
             return f"{', '.join(parts)} {p.unit} (n={n} runs)" if n else f"not measured ({p.metric}, {p.companion})"
         if self.ci.n == 0:

@@ -98,8 +98,10 @@ def check_study(results_dir: str | os.PathLike[str], study: str | None) -> None:
         raise ValueError(f"--study {study!r}: a study name, not a path (the folder RESULTS_DIR/NAME)")
     if study_run_ids(root, study) is None:
         known = studies(root)
-        raise ValueError(f"--study {study!r}: no such study in {results_dir} (no {study}/run_ids.txt, study.json or "
-                         f"configs/); valid: {', '.join(known) or 'none yet'}")  # fmt: skip
+        raise ValueError(
+            f"--study {study!r}: no such study in {results_dir} (no {study}/run_ids.txt, study.json or "
+            f"configs/); valid: {', '.join(known) or 'none yet'}"
+        )
 
 
 def budget_tables(results_dir: str | os.PathLike[str], study: str | None) -> pd.DataFrame | None:
@@ -170,8 +172,10 @@ def declared_comparisons(sweep: str | os.PathLike[str]) -> list[Any]:
         try:
             out.append(declared.Comparison.from_entry(entry))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"sweep file {sweep}: comparisons[{i}]: {type(exc).__name__} {exc}; the fields are "
-                             "sweeps.schema.COMPARISON_FIELDS") from exc  # fmt: skip
+            raise ValueError(
+                f"sweep file {sweep}: comparisons[{i}]: {type(exc).__name__} {exc}; the fields are "
+                "sweeps.schema.COMPARISON_FIELDS"
+            ) from exc
     return out
 
 

@@ -520,8 +520,10 @@ def claim_c2(study: Study) -> ClaimResult:
     if len(sizes) == 1:
         res.paper = sizes[0].name.removeprefix(f"{PAPER_SIZE}: ")
     elif vals:
-        res.paper = (f"size {min(vals):.2g} to {max(vals):.2g} of the paper's ~{design.PAPER_CLIP_RATIO:g}x over "
-                     f"{len(vals)} strata (log scale; per stratum in the evidence)")  # fmt: skip
+        res.paper = (
+            f"size {min(vals):.2g} to {max(vals):.2g} of the paper's ~{design.PAPER_CLIP_RATIO:g}x over "
+            f"{len(vals)} strata (log scale; per stratum in the evidence)"
+        )
     return res
 
 

@@ -108,8 +108,16 @@ def problem_runs(study: Study) -> pd.DataFrame:
     order = {a: i for i, a in enumerate(style.order_or_sorted({str(r.get(ALGORITHM)) for r in records}))}
     records.sort(key=lambda r: (str(r["state"]), order.get(str(r.get(ALGORITHM)), 0), *(str(r.get(c)) for c in cols)))
     for _, u in study.unreadable.iterrows():
-        records.append({RUN_ID: u[RUN_ID], ALGORITHM: u[ALGORITHM], "seed": u["seed"], "state": "unreadable",
-                        "flagged_by": "unreadable", "reason": u["reason"]})  # fmt: skip
+        records.append(
+            {
+                RUN_ID: u[RUN_ID],
+                ALGORITHM: u[ALGORITHM],
+                "seed": u["seed"],
+                "state": "unreadable",
+                "flagged_by": "unreadable",
+                "reason": u["reason"],
+            }
+        )
     for rid in study.missing:
         records.append({RUN_ID: rid, "state": "missing", "flagged_by": "missing", "reason": "no run directory"})
     return pd.DataFrame.from_records(records, columns=cols)
@@ -237,21 +245,41 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
             if whole
             else "Some strata were not put to the test"
         )
-        out.append((css_class(NOT_IN_REGIME), "Not tested in regime:", f"{verb}: the runs did not reach the regime the "
-                    f"claim is about, so no verdict for or against it is drawn there. {parts}."))  # fmt: skip
+        out.append(
+            (
+                css_class(NOT_IN_REGIME),
+                "Not tested in regime:",
+                f"{verb}: the runs did not reach the regime the "
+                f"claim is about, so no verdict for or against it is drawn there. {parts}.",
+            )
+        )
     deviating = [c for c in cards if c.deviations]
     if deviating:
         parts = "; ".join(f"{c.claim} ({c.declared}): " + "; ".join(c.deviations) for c in deviating)
-        out.insert(0, ("deviation", "Deviation from the declared comparison:", f"the runs do not match what the sweep "
-                    f"file declared, so {', '.join(c.claim for c in deviating)} "
-                    f"{'is' if len(deviating) == 1 else 'are'} exploratory, not confirmed: {parts}."))  # fmt: skip
+        out.insert(
+            0,
+            (
+                "deviation",
+                "Deviation from the declared comparison:",
+                f"the runs do not match what the sweep "
+                f"file declared, so {', '.join(c.claim for c in deviating)} "
+                f"{'is' if len(deviating) == 1 else 'are'} exploratory, not confirmed: {parts}.",
+            ),
+        )
     asked, gone = not_read(study) if study is not None else (0, 0)
     if gone:
-        what = ", ".join(f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing)))
-                         if n)  # fmt: skip
-        out.append(("not-read", "Runs not read:", f"{gone} of the {asked} runs of the study ({what}) are in no "
-                    "verdict, figure or table below; each is listed with the reason under 'Failed, collapsed, "
-                    "unreadable and missing runs'."))  # fmt: skip
+        what = ", ".join(
+            f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing))) if n
+        )
+        out.append(
+            (
+                "not-read",
+                "Runs not read:",
+                f"{gone} of the {asked} runs of the study ({what}) are in no "
+                "verdict, figure or table below; each is listed with the reason under 'Failed, collapsed, "
+                "unreadable and missing runs'.",
+            )
+        )
     for c in cards:
         stratified = len(c.strata) > 1
         firsts = [e for e in c.evidence if e.verdict and e.verdict != scorecard.NO_DATA] if stratified else []
@@ -397,10 +425,13 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
         return t, ""
     out = pd.DataFrame({"algorithm": [style.label_or_name(a) for a in t["algorithm"]], "n runs": t["n"]})
     fmt = "{:.3f}".format
-    out[f"{gain.metric} gain, mean [95% t]"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in
-                                                 zip(t["mean"], t["low"], t["high"], strict=True)]  # fmt: skip
-    out["IQM [95% bootstrap]"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else fmt(m) for m, lo, hi in
-                                  zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)]  # fmt: skip
+    out[f"{gain.metric} gain, mean [95% t]"] = [
+        f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in zip(t["mean"], t["low"], t["high"], strict=True)
+    ]
+    out["IQM [95% bootstrap]"] = [
+        f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else fmt(m)
+        for m, lo, hi in zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)
+    ]
     out[f"P(> {style.label_or_name(ref)}) [95% bootstrap]"] = [
         "" if not np.isfinite(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"{p:.2f}"
         for p, lo, hi in zip(t["p_improve"], t["p_low"], t["p_high"], strict=True)

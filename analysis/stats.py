@@ -460,8 +460,10 @@ def aggregate_curves(
     groups = run_info(rows, slices, by).groupby(by, sort=True, dropna=False).indices
     starts = run_starts(rows, x=x, log=log)
     # where each configuration's curve begins: at the last of its runs' first points when aligned
-    begin = {k: (float(np.nanmax(starts[idx])) if aligned and np.isfinite(starts[idx]).any() else -np.inf)
-             for k, idx in groups.items()}  # fmt: skip
+    begin = {
+        k: (float(np.nanmax(starts[idx])) if aligned and np.isfinite(starts[idx]).any() else -np.inf)
+        for k, idx in groups.items()
+    }
     if grid is None:
         first = min(begin.values()) if begin and aligned else None
         grid = compute_grid(rows[x].to_numpy(), n=n_grid, log=log, start=first)

@@ -102,8 +102,11 @@ def stratify(study: Study, groups: Mapping[str, pd.Series], *, exclude: Sequence
     for m in groups.values():
         members |= m & ok
     # axis values as strings, unset (None / NaN) as "unset", so that grouping and matching agree
-    text = {a: runs[a].map(lambda v: "unset" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
-            for a in study.axes if a not in exclude}  # fmt: skip
+    text = {
+        a: runs[a].map(lambda v: "unset" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v))
+        for a in study.axes
+        if a not in exclude
+    }
     sub = pd.DataFrame({a: t[members] for a, t in text.items()})
     strat: list[str] = []
     unshared: list[str] = []

@@ -153,9 +153,23 @@ def order_or_sorted(names: Iterable[str]) -> list[str]:
 
 
 CATEGORICAL = (
-    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",  # Okabe-Ito, less its yellow
-    "#332288", "#882255", "#44AA99", "#999933", "#AA4499", "#117733", "#88CCEE", "#CC6677", "#777777",  # Paul Tol
-)  # fmt: skip
+    "#0072B2",
+    "#D55E00",
+    "#009E73",
+    "#CC79A7",
+    "#E69F00",
+    "#56B4E9",
+    "#000000",  # Okabe-Ito, less its yellow
+    "#332288",
+    "#882255",
+    "#44AA99",
+    "#999933",
+    "#AA4499",
+    "#117733",
+    "#88CCEE",
+    "#CC6677",
+    "#777777",  # Paul Tol
+)
 """Colour-blind-safe colours with no yellow on white, for what is not an algorithm (algorithms: the registry's)."""
 
 

@@ -354,8 +354,9 @@ def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN
     if (path / TOKENS_FILE).exists():  # optional
         try:
             seed = zlib.crc32(path.name.encode())  # the same subset on every load
-            tokens, sequences = read_token_samples(files.check_regular(path / TOKENS_FILE), max_rows=max_token_rows,
-                                                   seed=seed)  # fmt: skip
+            tokens, sequences = read_token_samples(
+                files.check_regular(path / TOKENS_FILE), max_rows=max_token_rows, seed=seed
+            )
         except Exception as exc:
             errors.append(f"{TOKENS_FILE}: {exc}")
     return RunRecord(
@@ -428,10 +429,17 @@ def load_study(
     if unreadable is not None:
         why = [unreadable(r) for r in records]
         aside = [
-            {"run_id": r.run_id, "algorithm": r.algorithm, "seed": r.seed, "state": r.state, "reason": w,
-             "path": str(r.path)}
-            for r, w in zip(records, why, strict=True) if w
-        ]  # fmt: skip
+            {
+                "run_id": r.run_id,
+                "algorithm": r.algorithm,
+                "seed": r.seed,
+                "state": r.state,
+                "reason": w,
+                "path": str(r.path),
+            }
+            for r, w in zip(records, why, strict=True)
+            if w
+        ]
         records = [r for r, w in zip(records, why, strict=True) if not w]
     study = build_study(records, axes=axes, metrics=metrics, missing=missing)
     study.unreadable = pd.DataFrame(aside, columns=UNREADABLE_COLUMNS)
@@ -464,8 +472,10 @@ def unreadable_reason(record: RunRecord, algorithms: Collection[str] | None = No
         reasons.append(f"seed {seed!r} is not an integer")
     copy_of = record.manifest.get("run_id")
     if isinstance(copy_of, str) and copy_of != record.run_id:
-        reasons.append(f"{MANIFEST_FILE} names run {copy_of}, not {record.run_id}: a copy of another run's directory "
-                       "(a run's directory is named by its config's hash), not a run of its own")  # fmt: skip
+        reasons.append(
+            f"{MANIFEST_FILE} names run {copy_of}, not {record.run_id}: a copy of another run's directory "
+            "(a run's directory is named by its config's hash), not a run of its own"
+        )
     for e in record.read_errors:
         if e.startswith(METRICS_FILE) and not (
             e == f"{METRICS_FILE}: missing" and record.state in ("failed", "running")

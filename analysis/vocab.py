@@ -35,8 +35,22 @@ LAYER_FLIP = "set_flip_rate"
 RESPONSE_LEN = "response_len_mean"
 TRUNCATION = "truncation_rate"
 TOKENS = "tokens"
-METRICS = (REWARD, CLIP, CLIP_LOW, CLIP_HIGH, *MISMATCH, ROUTING_SLOT, ROUTING_FLIP, ROUTING_ENGINE, EXPERT_LOAD,
-           ROUTER_ENTROPY, ENGINE_EXPERT_LOAD, RESPONSE_LEN, TRUNCATION, TOKENS)  # fmt: skip
+METRICS = (
+    REWARD,
+    CLIP,
+    CLIP_LOW,
+    CLIP_HIGH,
+    *MISMATCH,
+    ROUTING_SLOT,
+    ROUTING_FLIP,
+    ROUTING_ENGINE,
+    EXPERT_LOAD,
+    ROUTER_ENTROPY,
+    ENGINE_EXPERT_LOAD,
+    RESPONSE_LEN,
+    TRUNCATION,
+    TOKENS,
+)
 """Every per-step metric named here (the eval metrics are matched by EVAL_PREFIXES instead; EVAL_IN_DIST is one)."""
 LAYER_METRICS = (LAYER_SLOT, LAYER_FLIP, EXPERT_LOAD, ROUTER_ENTROPY, ENGINE_EXPERT_LOAD)
 """Per-layer metrics (columns of routing_layers.parquet) named here; the last three are also step metrics' names."""

@@ -71,10 +71,15 @@ def main() -> None:
             texts = timed(best, "decode", decode, responses)
             timed(best, "score", score, items, texts, g)
             samples = [
-                {"prompt": prompts[i // g], "response": x, "logp": torch.randn(len(x)), "adv": 0.0,
-                 "routes": torch.randint(0, 4, (len(prompts[i // g]) + len(x) - 1, 2, 2), dtype=torch.uint8)}
+                {
+                    "prompt": prompts[i // g],
+                    "response": x,
+                    "logp": torch.randn(len(x)),
+                    "adv": 0.0,
+                    "routes": torch.randint(0, 4, (len(prompts[i // g]) + len(x) - 1, 2, 2), dtype=torch.uint8),
+                }
                 for i, x in enumerate(responses)
-            ]  # fmt: skip
+            ]
             timed(best, "pad", batch.pad, samples, t)
         row = " ".join(f"{1e3 * best[k]:8.2f}" for k in ("take", "encode", "decode", "score", "pad"))
         print(f"{p}x{g}x{t:<5} {row}")

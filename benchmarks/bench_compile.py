@@ -198,8 +198,20 @@ def main() -> None:
             f"of {args.repeats} per round"
         )
         for mode in modes:
-            cmd = [sys.executable, __file__, "--preset", args.preset, "--repeats", str(args.repeats), "--rounds",
-                   str(args.rounds), "--update-batch", args.update_batch, "--_update-mode", mode]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--preset",
+                args.preset,
+                "--repeats",
+                str(args.repeats),
+                "--rounds",
+                str(args.rounds),
+                "--update-batch",
+                args.update_batch,
+                "--_update-mode",
+                mode,
+            ]
             subprocess.run(cmd, check=True)
 
 

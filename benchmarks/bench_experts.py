@@ -95,8 +95,10 @@ def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
     experts = build_hf_model(cfg).model.layers[0].mlp.experts
     fns = implementations()
     gen = torch.Generator().manual_seed(0)
-    print(f"\npreset {preset_name}: {cfg.num_experts} experts, top-{cfg.moe_top_k}, hidden {cfg.hidden_size}, "
-          f"expert width {cfg.moe_ffn_hidden_size}")  # fmt: skip
+    print(
+        f"\npreset {preset_name}: {cfg.num_experts} experts, top-{cfg.moe_top_k}, hidden {cfg.hidden_size}, "
+        f"expert width {cfg.moe_ffn_hidden_size}"
+    )
     print(f"| tokens | {' | '.join(fns)} |")
     print(f"|---:|{'---:|' * len(fns)}")
     for t in tokens:
@@ -142,11 +144,15 @@ def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
     def function(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return ExpertsFunction.apply(x, probs, per_expert.tolist(), *weights)
 
-    print(f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm and one Function, "
-          f"forward + backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
-          f"expert width {cfg.moe_ffn_hidden_size}")  # fmt: skip
-    print("| routed rows | SequentialMLP | GFLOP/s | grouped_mm | one Function | max difference: grouped_mm forward; "
-          "Function forward, input grad, weight grads, probs grad |\n|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    print(
+        f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm and one Function, "
+        f"forward + backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
+        f"expert width {cfg.moe_ffn_hidden_size}"
+    )
+    print(
+        "| routed rows | SequentialMLP | GFLOP/s | grouped_mm | one Function | max difference: grouped_mm forward; "
+        "Function forward, input grad, weight grads, probs grad |\n|---:|---:|---:|---:|---:|---|"
+    )
     gen = torch.Generator().manual_seed(0)
     for rows in rows_list:
         x = torch.randn(rows, cfg.hidden_size, generator=gen, requires_grad=True)
@@ -163,12 +169,16 @@ def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
             y.backward(grad)
             grads[name] = [y.detach(), x.grad, torch.cat([w.grad.flatten() for w in weights]), probs.grad]
         fn_diff = ", ".join(f"{(a - b).abs().max().item():.0e}" for a, b in zip(*grads.values(), strict=True))
-        calls = {k: functools.partial(_forward_backward, f, (x, per_expert, probs), grad)
-                 for k, f in (("sequential", sequential), ("grouped", grouped), ("function", function))}  # fmt: skip
+        calls = {
+            k: functools.partial(_forward_backward, f, (x, per_expert, probs), grad)
+            for k, f in (("sequential", sequential), ("grouped", grouped), ("function", function))
+        }
         secs = time_calls(calls, repeats)
         gflop = 3 * 2 * rows * 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size / 1e9
-        print(f"| {rows} | {secs['sequential'] * 1e3:.3f} | {gflop / secs['sequential']:.1f} | "
-              f"{secs['grouped'] * 1e3:.3f} | {secs['function'] * 1e3:.3f} | {diff:.0e}; {fn_diff} |")  # fmt: skip
+        print(
+            f"| {rows} | {secs['sequential'] * 1e3:.3f} | {gflop / secs['sequential']:.1f} | "
+            f"{secs['grouped'] * 1e3:.3f} | {secs['function'] * 1e3:.3f} | {diff:.0e}; {fn_diff} |"
+        )
 
 
 def main() -> None:

@@ -54,8 +54,13 @@ def bench(name: str, dtype: str, replay: bool, *, tokens: int, iters: int, warmu
             times.append(time.perf_counter() - t0)
     ctl.free()
     ms = 1e3 * sum(times) / len(times)
-    return {"ms": ms, "tokens_per_s": batch * seq / (ms / 1e3), "batch": batch, "seq": seq,
-            "params_m": count_parameters(model) / 1e6}  # fmt: skip
+    return {
+        "ms": ms,
+        "tokens_per_s": batch * seq / (ms / 1e3),
+        "batch": batch,
+        "seq": seq,
+        "params_m": count_parameters(model) / 1e6,
+    }
 
 
 def main() -> None:
@@ -74,8 +79,11 @@ def main() -> None:
         iters = args.iters if (name, dtype) in (("tiny", "fp32"), ("tiny", "bf16")) else max(2, args.iters // 3)
         r = bench(name, dtype, replay, tokens=args.tokens, iters=iters, warmup=args.warmup)
         shape = f"{r['batch']}x{r['seq']}"
-        print(f"{name:<7} {dtype:<5} {('yes' if replay else 'no'):<6} {r['params_m']:>7.2f}M {shape:>8} "
-              f"{r['ms']:>9.1f} {r['tokens_per_s']:>9.0f}", flush=True)  # fmt: skip
+        print(
+            f"{name:<7} {dtype:<5} {('yes' if replay else 'no'):<6} {r['params_m']:>7.2f}M {shape:>8} "
+            f"{r['ms']:>9.1f} {r['tokens_per_s']:>9.0f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ def one_process(preset: str, rows: int, seq: int, iters: int) -> float:
 
 
 def _worker(rank: int, port: int, layout: ParallelLayout, preset: str, rows: int, seq: int, iters: int, out) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from study.policy import parallel as P
     from study.policy.model import build_policy, token_logp
@@ -106,12 +107,19 @@ def _worker(rank: int, port: int, layout: ParallelLayout, preset: str, rows: int
     t_routes = _median(lambda: P.gather_rows(routing.routes().experts, rows), iters)  # TP gather, then DP rows
     t_export = _median(lambda: dict(P.full_hf_weights(model)), max(2, iters // 2))
     if rank == 0:
-        out.put({"step": step, "reduce": statistics.median(state["reduce"]),
-                 "gather": statistics.median(state["gather"]), "routes_gather": t_routes, "export": t_export,
-                 # what a rank's routers hold: its rows' routes, under sequence parallelism its sequence shard's
-                 "route_bytes_local": routes.numel() * routes.element_size() // layout.tensor,
-                 "route_bytes_rows": routes.numel() * routes.element_size(),
-                 "route_shape": tuple(routes.shape)})  # fmt: skip
+        out.put(
+            {
+                "step": step,
+                "reduce": statistics.median(state["reduce"]),
+                "gather": statistics.median(state["gather"]),
+                "routes_gather": t_routes,
+                "export": t_export,
+                # what a rank's routers hold: its rows' routes, under sequence parallelism its sequence shard's
+                "route_bytes_local": routes.numel() * routes.element_size() // layout.tensor,
+                "route_bytes_rows": routes.numel() * routes.element_size(),
+                "route_shape": tuple(routes.shape),
+            }
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -140,11 +148,13 @@ def main() -> None:
         r = q.get()
         tokens = args.rows * args.seq
         per = r["route_bytes_rows"] / (r["route_shape"][0] * r["route_shape"][1] * cfg.num_layers * cfg.moe_top_k)
-        print(f"world 2 {layout.to_dict()}: update {r['step'] * 1e3:.0f} ms (gradient reduction "
-              f"{r['reduce'] * 1e3:.1f} ms, log-prob + route gathers {r['gather'] * 1e3:.1f} ms), full-weight export "
-              f"{r['export'] * 1e3:.0f} ms; routes: {per:.0f} byte per token, layer and slot "
-              f"({route_index_dtype(cfg.num_experts)}), {r['route_bytes_local']} bytes held per rank, all-gather of "
-              f"the step's {tokens} tokens' routes {r['routes_gather'] * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"world 2 {layout.to_dict()}: update {r['step'] * 1e3:.0f} ms (gradient reduction "
+            f"{r['reduce'] * 1e3:.1f} ms, log-prob + route gathers {r['gather'] * 1e3:.1f} ms), full-weight export "
+            f"{r['export'] * 1e3:.0f} ms; routes: {per:.0f} byte per token, layer and slot "
+            f"({route_index_dtype(cfg.num_experts)}), {r['route_bytes_local']} bytes held per rank, all-gather of "
+            f"the step's {tokens} tokens' routes {r['routes_gather'] * 1e3:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -70,9 +70,17 @@ def update(name: str, threads: int, *, batch: int, seq: int, iters: int, warmup:
     tokens = batch * seq
     flops = 3 * forward_flops(cfg, tokens, seq / 2)
     wall, cpu = statistics.median(walls), statistics.median(cpus)
-    return {"params_m": count_parameters(model) / 1e6, "active_m": cfg.active_params_per_token / 1e6,
-            "tokens": tokens, "gflop": flops / 1e9, "wall": wall, "cpu": cpu, "adam": statistics.median(adam),
-            "gflops": flops / wall / 1e9, "gflops_cpu": flops / (cpu / threads) / 1e9}  # fmt: skip
+    return {
+        "params_m": count_parameters(model) / 1e6,
+        "active_m": cfg.active_params_per_token / 1e6,
+        "tokens": tokens,
+        "gflop": flops / 1e9,
+        "wall": wall,
+        "cpu": cpu,
+        "adam": statistics.median(adam),
+        "gflops": flops / wall / 1e9,
+        "gflops_cpu": flops / (cpu / threads) / 1e9,
+    }
 
 
 def main() -> None:
@@ -85,8 +93,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     threads = [int(t) for t in args.threads.split(",")]
     peak, peak_cpu = {}, {}
     for t in threads:
@@ -94,17 +104,23 @@ def main() -> None:
         peak[t] = max(w for w, _ in res.values())
         peak_cpu[t] = max(c for _, c in res.values())
         sizes = "  ".join(f"n={n}: {w:5.1f} ({c:5.1f})" for n, (w, c) in res.items())
-        print(f"GEMM fp32 threads={t}: {sizes} GFLOP/s wall (CPU time) -> peak {peak[t]:.1f} ({peak_cpu[t]:.1f})",
-              flush=True)  # fmt: skip
-    print(f"{'preset':<6} {'thr':>3} {'params':>8} {'active':>7} {'B x S':>7} {'GFLOP':>7} {'wall s':>7} "
-          f"{'cpu s':>7} {'adam s':>7} {'GFLOP/s':>8} {'% peak':>7} {'% peak(cpu)':>11}")  # fmt: skip
+        print(
+            f"GEMM fp32 threads={t}: {sizes} GFLOP/s wall (CPU time) -> peak {peak[t]:.1f} ({peak_cpu[t]:.1f})",
+            flush=True,
+        )
+    print(
+        f"{'preset':<6} {'thr':>3} {'params':>8} {'active':>7} {'B x S':>7} {'GFLOP':>7} {'wall s':>7} "
+        f"{'cpu s':>7} {'adam s':>7} {'GFLOP/s':>8} {'% peak':>7} {'% peak(cpu)':>11}"
+    )
     for name in args.presets.split(","):
         for t in threads:
             r = update(name, t, batch=args.batch, seq=args.seq, iters=args.iters, warmup=args.warmup)
-            print(f"{name:<6} {t:>3} {r['params_m']:>7.2f}M {r['active_m']:>6.2f}M {args.batch:>3}x{args.seq:<3} "
-                  f"{r['gflop']:>7.2f} {r['wall']:>7.3f} {r['cpu']:>7.3f} {r['adam']:>7.3f} {r['gflops']:>8.1f} "
-                  f"{100 * r['gflops'] / peak[t]:>6.1f}% {100 * r['gflops_cpu'] / peak_cpu[t]:>10.1f}%",
-                  flush=True)  # fmt: skip
+            print(
+                f"{name:<6} {t:>3} {r['params_m']:>7.2f}M {r['active_m']:>6.2f}M {args.batch:>3}x{args.seq:<3} "
+                f"{r['gflop']:>7.2f} {r['wall']:>7.3f} {r['cpu']:>7.3f} {r['adam']:>7.3f} {r['gflops']:>8.1f} "
+                f"{100 * r['gflops'] / peak[t]:>6.1f}% {100 * r['gflops_cpu'] / peak_cpu[t]:>10.1f}%",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

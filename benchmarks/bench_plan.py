@@ -59,10 +59,23 @@ def measure(config: dict, world: int) -> list[dict[str, int]]:
         for rank in range(world):
             env = dict(os.environ)
             if world > 1:
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(config), results], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+                env.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(world),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", CHILD, json.dumps(config), results],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         if p.returncode:
@@ -96,34 +109,60 @@ def main(argv: list[str] | None = None) -> int:
 
     parallel = parse_parallel(args.parallel)
     layout = ParallelLayout.from_mapping(parallel)
-    config = {"model": args.preset, "coldstart": "scratch", "steps": args.steps, "prompts_per_step": args.prompts,
-              "group_size": args.group_size, "minibatches": args.minibatches, "max_new_tokens": args.max_new_tokens,
-              "eval_every": 0, "checkpoint_every": 0, "threads": 1, "rollout_engine": "hf",
-              "parallel": parallel}  # fmt: skip
+    config = {
+        "model": args.preset,
+        "coldstart": "scratch",
+        "steps": args.steps,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group_size,
+        "minibatches": args.minibatches,
+        "max_new_tokens": args.max_new_tokens,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "threads": 1,
+        "rollout_engine": "hf",
+        "parallel": parallel,
+    }
     cfg = resolve_model(args.preset)
     tok = build_tokenizer(cfg.vocab_size, ["chain_sum"], n_per_task=400)
     items = tasks.make_task("chain_sum", seed=0, **tasks.DEFAULT_KNOBS["chain_sum"]).take(256)
     prompt_len = max(len(tok.encode_prompt(item.prompt)) for item in items)
-    work = Workload(prompts=args.prompts, group_size=args.group_size, prompt_len=prompt_len,
-                    response_len=args.max_new_tokens)  # fmt: skip
+    work = Workload(
+        prompts=args.prompts, group_size=args.group_size, prompt_len=prompt_len, response_len=args.max_new_tokens
+    )
     measured = measure(config, layout.world_size)
     worst = 0.0
     if not args.json:
-        print(f"preset {args.preset}, {layout.world_size} rank(s) {parallel or ''}: {args.prompts} x "
-              f"{args.group_size} sequences of <= {prompt_len} + {args.max_new_tokens} tokens, {args.minibatches} "
-              f"minibatches, {args.steps} steps, fp32, hf engine")  # fmt: skip
+        print(
+            f"preset {args.preset}, {layout.world_size} rank(s) {parallel or ''}: {args.prompts} x "
+            f"{args.group_size} sequences of <= {prompt_len} + {args.max_new_tokens} tokens, {args.minibatches} "
+            f"minibatches, {args.steps} steps, fp32, hf engine"
+        )
     for rank, m in enumerate(measured):
         est = cpu_run_estimate(cfg, work, minibatches=args.minibatches, parallel=layout, rank=rank)
         err = est["peak"] / m["peak"] - 1
         above = (est["peak"] - est["process"]) / (m["peak"] - m["baseline"]) - 1
         worst = max(worst, abs(err), abs(above))
         if args.json:
-            print(json.dumps({"preset": args.preset, "parallel": parallel, "rank": rank, "plan": est, **m,
-                              "error": err, "error_above_process": above}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "preset": args.preset,
+                        "parallel": parallel,
+                        "rank": rank,
+                        "plan": est,
+                        **m,
+                        "error": err,
+                        "error_above_process": above,
+                    }
+                )
+            )
             continue
         print(f" rank {rank}: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in est.items()) + " GB")
-        print(f"   measured: process {m['baseline'] / GB:.3f}, peak {m['peak'] / GB:.3f} GB; planned peak "
-              f"{est['peak'] / GB:.3f} GB, error {err:+.1%}; above the process {above:+.1%}")  # fmt: skip
+        print(
+            f"   measured: process {m['baseline'] / GB:.3f}, peak {m['peak'] / GB:.3f} GB; planned peak "
+            f"{est['peak'] / GB:.3f} GB, error {err:+.1%}; above the process {above:+.1%}"
+        )
     return 0 if worst <= args.tolerance else 1
 
 

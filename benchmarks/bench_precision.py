@@ -52,16 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     specs = [f"{n}{m}" for n in PRECISION_NAMES[1:] for m in ("", "-emulated")]
     t0 = time.perf_counter()
     deltas = logp_deltas(specs, n_seqs=args.seqs)
-    print(f"\n|delta| of token log-probs against fp32 (tiny model, init_std 0.1, {args.seqs} x 48 response tokens; "
-          f"{time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    print(
+        f"\n|delta| of token log-probs against fp32 (tiny model, init_std 0.1, {args.seqs} x 48 response tokens; "
+        f"{time.perf_counter() - t0:.0f} s)"
+    )
     for where in ("trainer", "engine"):
         print(f"  {where}:")
         for name in PRECISION_NAMES[1:]:
             real, emu = deltas[where][name], deltas[where][f"{name}-emulated"]
             for label, d in ((name, real), (f"{name}-emulated", emu)):
                 s = summarize(d)
-                print(f"    {label:24s} mean {s['mean']:.2e}  median {s['median']:.2e}  p99 {s['p99']:.2e}  "
-                      f"max {s['max']:.2e}")  # fmt: skip
+                print(
+                    f"    {label:24s} mean {s['mean']:.2e}  median {s['median']:.2e}  p99 {s['p99']:.2e}  "
+                    f"max {s['max']:.2e}"
+                )
             print(f"    {'KS(emulated, real)':24s} {ks_statistic(emu, real):.3f}")
     print("  cross-engine mismatch |logp_trainer - logp_engine| (same precision in both engines):")
     for label, d in deltas["mismatch"].items():

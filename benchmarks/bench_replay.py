@@ -32,19 +32,33 @@ def _side(preset: str, alg: str, steps: int) -> dict:
     from study.core.model_config import route_index_dtype
     from study.run.config import PRESET_RUNS, RunConfig
 
-    cfg = RunConfig.from_dict({**PRESET_RUNS[preset], "algorithm": alg, "coldstart": "scratch", "steps": steps,
-                               "eval_every": 0, "checkpoint_every": 0, "threads": 1})  # fmt: skip
+    cfg = RunConfig.from_dict(
+        {
+            **PRESET_RUNS[preset],
+            "algorithm": alg,
+            "coldstart": "scratch",
+            "steps": steps,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+            "threads": 1,
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, wall, cpu = timed_run(cfg, tmp)
         m = pd.read_parquet(run_dir / "metrics.parquet")
     mcfg = cfg.model_config()
     kept = mcfg.num_layers * mcfg.moe_top_k * torch_itemsize(route_index_dtype(mcfg.num_experts))
-    return {"wall": wall, "cpu": cpu,
-            "update": m["time_update_s"].tolist(), "old": m["time_old_logp_s"].tolist(),
-            "tokens_total": m["tokens_total"].tolist(),
-            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "bytes_kept": kept, "bytes_replay": 8 * mcfg.num_layers * mcfg.moe_top_k,
-            "shape": f"{cfg.prompts_per_step}x{cfg.group_size}x{cfg.max_new_tokens} M={cfg.minibatches}"}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "update": m["time_update_s"].tolist(),
+        "old": m["time_old_logp_s"].tolist(),
+        "tokens_total": m["tokens_total"].tolist(),
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "bytes_kept": kept,
+        "bytes_replay": 8 * mcfg.num_layers * mcfg.moe_top_k,
+        "shape": f"{cfg.prompts_per_step}x{cfg.group_size}x{cfg.max_new_tokens} M={cfg.minibatches}",
+    }
 
 
 def torch_itemsize(dtype) -> int:  # type: ignore[no-untyped-def]
@@ -66,10 +80,14 @@ def main() -> None:
     if args.side is not None:
         print(json.dumps(_side(args.side[0], args.side[1], args.steps)))
         return
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, threads=1, reps={args.reps} "
-          f"(+{args.warmup} warm-up)")  # fmt: skip
-    print(f"{'preset':<8} {'P x G x T':<14} {'alg':<8} {'s/step':>7} {'cpu s':>7} {'update s':>8} {'old s':>6} "
-          f"{'peak RSS':>9} {'B/token kept':>12} {'B/token replay':>14}  overhead")  # fmt: skip
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, threads=1, reps={args.reps} "
+        f"(+{args.warmup} warm-up)"
+    )
+    print(
+        f"{'preset':<8} {'P x G x T':<14} {'alg':<8} {'s/step':>7} {'cpu s':>7} {'update s':>8} {'old s':>6} "
+        f"{'peak RSS':>9} {'B/token kept':>12} {'B/token replay':>14}  overhead"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for preset in args.presets.split(","):
         base = None
@@ -88,9 +106,11 @@ def main() -> None:
                 base = (wall, cpu)
             else:
                 over = f"  wall {100 * (wall / base[0] - 1):+.1f}%, cpu {100 * (cpu / base[1] - 1):+.1f}%"
-            print(f"{preset:<8} {r['shape']:<14} {alg:<8} {wall:>7.3f} {cpu:>7.3f} {upd:>8.3f} {old:>6.3f} "
-                  f"{r['rss_gib']:>7.2f}Gi {r['bytes_kept']:>12} {r['bytes_replay']:>14}{over}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{preset:<8} {r['shape']:<14} {alg:<8} {wall:>7.3f} {cpu:>7.3f} {upd:>8.3f} {old:>6.3f} "
+                f"{r['rss_gib']:>7.2f}Gi {r['bytes_kept']:>12} {r['bytes_replay']:>14}{over}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

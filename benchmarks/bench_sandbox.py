@@ -69,8 +69,11 @@ def main() -> None:
     for name in SANDBOXED:
         for entry in reasoning_gym.create_dataset(name, seed=5, size=8):
             meta = {**entry["metadata"], "question": entry["question"]}
-            items.append(tasks.TaskItem(task="user", prompt="q\n", solution="", answer=entry["answer"], verifier=name,
-                                        metadata=meta))  # fmt: skip
+            items.append(
+                tasks.TaskItem(
+                    task="user", prompt="q\n", solution="", answer=entry["answer"], verifier=name, metadata=meta
+                )
+            )
     box = sandbox.start(SANDBOXED)
     for item in items:  # start the worker, check every item scores
         if tasks.score(item, f"#### {item.answer}") != 1.0:

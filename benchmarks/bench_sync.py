@@ -79,9 +79,18 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
     tmp = tempfile.mkdtemp()
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config(cfg), f)
-    llm = LLM(model=tmp, load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=cfg.max_seq_len,
-              skip_tokenizer_init=True, enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_seq_len, 8192),
-              max_num_seqs=16, kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    llm = LLM(
+        model=tmp,
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=cfg.max_seq_len,
+        skip_tokenizer_init=True,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(cfg.max_seq_len, 8192),
+        max_num_seqs=16,
+        kv_cache_memory_bytes=64 << 20,
+    )
     times = []
     _, before = _rss(reset=True)
     for i in range(syncs + 1):
@@ -98,15 +107,24 @@ def run_full_copy(preset_name: str, syncs: int) -> dict:
 
     def score(prompts, resps):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p + r} for p, r in zip(prompts, resps, strict=True)], params,
-                            use_tqdm=False)  # fmt: skip
-        return [torch.tensor([o.prompt_logprobs[t][(p + r)[t]].logprob for t in range(len(p), len(p) + len(r))])
-                for o, p, r in zip(outs, prompts, resps, strict=True)]  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": p + r} for p, r in zip(prompts, resps, strict=True)], params, use_tqdm=False
+        )
+        return [
+            torch.tensor([o.prompt_logprobs[t][(p + r)[t]].logprob for t in range(len(p), len(p) + len(r))])
+            for o, p, r in zip(outs, prompts, resps, strict=True)
+        ]
 
     parity = _parity(policy, cfg, score)
     model_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
-    return {"path": "in-process, full copy", "seconds": statistics.median(times[1:]), "trainer_peak_extra": peak,
-            "engine_peak_extra": None, "model_bytes": model_bytes, "parity": parity}  # fmt: skip
+    return {
+        "path": "in-process, full copy",
+        "seconds": statistics.median(times[1:]),
+        "trainer_peak_extra": peak,
+        "engine_peak_extra": None,
+        "model_bytes": model_bytes,
+        "parity": parity,
+    }
 
 
 def run_bucketed(preset_name: str, syncs: int, bucket_mb: float) -> dict:
@@ -131,10 +149,15 @@ def run_bucketed(preset_name: str, syncs: int, bucket_mb: float) -> dict:
         ((engine_peak, _),) = engine.memory()
         parity = _parity(policy, cfg, lambda p, r: engine.score(p, r)[0])
         model_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
-        return {"path": f"own process, {bucket_mb:g} MiB buckets ({engine.last_sync['buckets']:.0f})",
-                "seconds": statistics.median(times[1:]), "trainer_peak_extra": peak,
-                "engine_peak_extra": engine_peak - engine_before, "model_bytes": model_bytes, "parity": parity,
-                "buffer_bytes": engine.bucket_bytes}  # fmt: skip
+        return {
+            "path": f"own process, {bucket_mb:g} MiB buckets ({engine.last_sync['buckets']:.0f})",
+            "seconds": statistics.median(times[1:]),
+            "trainer_peak_extra": peak,
+            "engine_peak_extra": engine_peak - engine_before,
+            "model_bytes": model_bytes,
+            "parity": parity,
+            "buffer_bytes": engine.bucket_bytes,
+        }
     finally:
         engine.close()
 
@@ -162,16 +185,22 @@ def main() -> None:
         f"{'buffer MiB':>11} {'parity':>9}"
     )
     for one in ["full", *args.buckets.split(",")]:
-        proc = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--syncs", str(args.syncs),
-                               "--one", one], capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, __file__, "--preset", args.preset, "--syncs", str(args.syncs), "--one", one],
+            capture_output=True,
+            text=True,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
             sys.exit(f"{one}: failed\n{proc.stderr[-3000:]}")
         r = json.loads(lines[-1][len("RESULT ") :])
         eng = "-" if r["engine_peak_extra"] is None else f"{r['engine_peak_extra'] / mib:.1f}"
         buf = f"{r['buffer_bytes'] / mib:.1f}" if "buffer_bytes" in r else "-"
-        print(f"{r['path']:<40} {r['seconds']:>8.3f} {r['trainer_peak_extra'] / mib:>23.1f} {eng:>22} {buf:>11} "
-              f"{r['parity']:>9.1e}", flush=True)  # fmt: skip
+        print(
+            f"{r['path']:<40} {r['seconds']:>8.3f} {r['trainer_peak_extra'] / mib:>23.1f} {eng:>22} {buf:>11} "
+            f"{r['parity']:>9.1e}",
+            flush=True,
+        )
     print(f"model: {r['model_bytes'] / mib:.1f} MiB of fp32 weights")
 
 

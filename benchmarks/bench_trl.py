@@ -110,18 +110,38 @@ def _side_ours(preset: str, alg: str, batch: str, steps: int, threads: int, wrap
         HFEngine.__init__ = init_wrapped
 
     p, g, t = _parse_batch(batch)
-    cfg = RunConfig.from_dict({"algorithm": alg, "model": preset, "task": TASK, "coldstart": "scratch",
-                               "steps": steps, "prompts_per_step": p, "group_size": g, "minibatches": MINIBATCHES,
-                               "max_new_tokens": t, "eval_every": 0, "checkpoint_every": 0, "threads": threads,
-                               "seed": 0, "lr": 1e-4, "grad_clip": 1.0})  # fmt: skip
+    cfg = RunConfig.from_dict(
+        {
+            "algorithm": alg,
+            "model": preset,
+            "task": TASK,
+            "coldstart": "scratch",
+            "steps": steps,
+            "prompts_per_step": p,
+            "group_size": g,
+            "minibatches": MINIBATCHES,
+            "max_new_tokens": t,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+            "threads": threads,
+            "seed": 0,
+            "lr": 1e-4,
+            "grad_clip": 1.0,
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, wall, cpu = timed_run(cfg, tmp)
         import pandas as pd
 
         m = pd.read_parquet(run_dir / "metrics.parquet")
     parts = {k: m[f"time_{k}_s"].tolist() for k in ("rollout", "old_logp", "update", "sync")}
-    return {"wall": wall, "cpu": cpu, "tokens": m["tokens"].tolist(), "parts": parts,
-            "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": m["tokens"].tolist(),
+        "parts": parts,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) -> dict:
@@ -163,16 +183,43 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
         return [tasks.score(items[i], text) for i, text in zip(idx, completions, strict=True)]
 
     args = GRPOConfig(
-        output_dir=str(tmp / "out"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        beta=0.0, learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, warmup_steps=0,
-        per_device_train_batch_size=p * g // MINIBATCHES, gradient_accumulation_steps=1,
-        steps_per_generation=MINIBATCHES, num_generations=g, max_completion_length=t, temperature=1.0,
-        top_p=1.0, loss_type="grpo", epsilon=hp["eps_low"], epsilon_high=hp["eps_high"],
-        importance_sampling_level="sequence" if alg == "gspo" else "token", num_iterations=1,
-        max_steps=steps * MINIBATCHES, shuffle_dataset=False, seed=0, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
-    )  # fmt: skip
+        output_dir=str(tmp / "out"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        beta=0.0,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        warmup_steps=0,
+        per_device_train_batch_size=p * g // MINIBATCHES,
+        gradient_accumulation_steps=1,
+        steps_per_generation=MINIBATCHES,
+        num_generations=g,
+        max_completion_length=t,
+        temperature=1.0,
+        top_p=1.0,
+        loss_type="grpo",
+        epsilon=hp["eps_low"],
+        epsilon_high=hp["eps_high"],
+        importance_sampling_level="sequence" if alg == "gspo" else "token",
+        num_iterations=1,
+        max_steps=steps * MINIBATCHES,
+        shuffle_dataset=False,
+        seed=0,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
     stamps: list[tuple[float, float]] = []
     lockstep = Lockstep()
 
@@ -186,8 +233,9 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
                 stamps.append((time.perf_counter(), time.process_time()))
                 control.should_training_stop = lockstep.after_step(stamps)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=hf_tok,
-                          callbacks=[Stamp()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=hf_tok, callbacks=[Stamp()]
+    )
     gen_s: list[float] = []  # transformers' generate inside TRL's rollout: TRL's rollout phase
     generate = trainer.model.generate
 
@@ -203,19 +251,53 @@ def _side_trl(preset_name: str, alg: str, batch: str, steps: int, threads: int) 
     trainer.train()
     wall = [b[0] - a[0] for a, b in itertools.pairwise(stamps)]
     cpu = [b[1] - a[1] for a, b in itertools.pairwise(stamps)]
-    return {"wall": wall, "cpu": cpu, "tokens": completion_tokens, "threads": torch.get_num_threads(), "gen": gen_s,
-            "params": sum(q.numel() for q in model.parameters())}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": completion_tokens,
+        "threads": torch.get_num_threads(),
+        "gen": gen_s,
+        "params": sum(q.numel() for q in model.parameters()),
+    }
 
 
-def _start_side(preset: str, side: str, alg: str, batch: str, steps: int, threads: int, wrapped: bool,
-                lockstep: str | None = None, cpus: set[int] | None = None) -> subprocess.Popen:  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", **({LOCKSTEP_ENV: lockstep} if lockstep else {})}  # fmt: skip
-    cmd = [sys.executable, __file__, "--preset", preset, "--side", side, "--algorithms", alg, "--batches", batch,
-           "--steps", str(steps), "--threads", str(threads), *(["--wrapped-decode"] if wrapped else [])]  # fmt: skip
+def _start_side(
+    preset: str,
+    side: str,
+    alg: str,
+    batch: str,
+    steps: int,
+    threads: int,
+    wrapped: bool,
+    lockstep: str | None = None,
+    cpus: set[int] | None = None,
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        **({LOCKSTEP_ENV: lockstep} if lockstep else {}),
+    }
+    cmd = [
+        sys.executable,
+        __file__,
+        "--preset",
+        preset,
+        "--side",
+        side,
+        "--algorithms",
+        alg,
+        "--batches",
+        batch,
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        *(["--wrapped-decode"] if wrapped else []),
+    ]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=pin)  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pin)
 
 
 def _result(proc: subprocess.Popen, what: str) -> dict:
@@ -230,19 +312,39 @@ def _run_side(preset: str, side: str, alg: str, batch: str, steps: int, threads:
     return _result(_start_side(preset, side, alg, batch, steps, threads, wrapped), f"{side} side ({alg}, {batch})")
 
 
-def _run_concurrent(preset: str, sides: list[str], alg: str, batch: str, warmup: int, reps: int, threads: int,
-                    wrapped: bool, round_: int) -> dict[str, dict]:  # fmt: skip
+def _run_concurrent(
+    preset: str,
+    sides: list[str],
+    alg: str,
+    batch: str,
+    warmup: int,
+    reps: int,
+    threads: int,
+    wrapped: bool,
+    round_: int,
+) -> dict[str, dict]:
     """Both sides at once, each pinned to its own `threads` CPUs (swapped every round), timed in lock-step."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < len(sides) * threads:
-        raise SystemExit(f"--concurrent needs {len(sides) * threads} CPUs ({threads} per side), this process has "
-                         f"{len(cpus)}")  # fmt: skip
+        raise SystemExit(
+            f"--concurrent needs {len(sides) * threads} CPUs ({threads} per side), this process has {len(cpus)}"
+        )
     order = sides if round_ % 2 == 0 else sides[::-1]
     with tempfile.TemporaryDirectory(prefix="bench_lockstep_") as where:
-        procs = {side: _start_side(preset, side, alg, batch, warmup + 3 * reps, threads, wrapped,
-                                   f"{where}:{side}:{warmup}:{reps}",
-                                   set(cpus[order.index(side) * threads:(order.index(side) + 1) * threads]))
-                 for side in sides}  # fmt: skip
+        procs = {
+            side: _start_side(
+                preset,
+                side,
+                alg,
+                batch,
+                warmup + 3 * reps,
+                threads,
+                wrapped,
+                f"{where}:{side}:{warmup}:{reps}",
+                set(cpus[order.index(side) * threads : (order.index(side) + 1) * threads]),
+            )
+            for side in sides
+        }
         return {side: _result(p, f"{side} side ({alg}, {batch}, concurrent)") for side, p in procs.items()}
 
 
@@ -300,11 +402,13 @@ def main() -> None:
         trl_version = trl.__version__
     except ImportError:
         trl_version = None
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
-          f"threads={args.threads}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
-          f"preset={args.preset}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
-          f"{', concurrent (lock-step, pinned)' if args.concurrent else ''}"
-          f"{', ours: wrapped decode' if args.wrapped_decode else ''}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
+        f"threads={args.threads}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+        f"preset={args.preset}, task={TASK}, M={MINIBATCHES}, reps={args.reps} (+{args.warmup} warm-up)"
+        f"{', concurrent (lock-step, pinned)' if args.concurrent else ''}"
+        f"{', ours: wrapped decode' if args.wrapped_decode else ''}"
+    )
     sides = args.sides.split(",")
     if "trl" in sides and trl_version is None:
         raise SystemExit("TRL is not installed here: run `make bench-trl` (it uses .venv-bench)")
@@ -313,8 +417,10 @@ def main() -> None:
     peak = gemm_peak(1, sizes=(1024,))[1024][0]  # GFLOP/s, wall, best of 5
     print(f"fp32 GEMM peak, 1 thread: {peak:.1f} GFLOP/s (torch.mm 1024 x 1024, best of 5)")
     cfg = preset(args.preset)
-    print(f"{'batch PxGxT':<12} {'alg':<5} {'side':<5} {'s/step':>7} {'cpu s':>7} {'tokens':>7} {'tok/s':>7} "
-          f"{'rollout':>7} {'old':>6} {'update':>7} {'sync':>6}  TRL/ours")  # fmt: skip
+    print(
+        f"{'batch PxGxT':<12} {'alg':<5} {'side':<5} {'s/step':>7} {'cpu s':>7} {'tokens':>7} {'tok/s':>7} "
+        f"{'rollout':>7} {'old':>6} {'update':>7} {'sync':>6}  TRL/ours"
+    )
     for batch in args.batches.split(","):
         p, g, _t = _parse_batch(batch)
         prompt_len = _prompt_len(p, args.warmup + args.reps, cfg.vocab_size)
@@ -324,14 +430,26 @@ def main() -> None:
             runs: dict[str, list[dict]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 if args.concurrent:
-                    both = _run_concurrent(args.preset, sides, alg, batch, args.warmup, args.reps, args.threads,
-                                           args.wrapped_decode, round_)  # fmt: skip
+                    both = _run_concurrent(
+                        args.preset,
+                        sides,
+                        alg,
+                        batch,
+                        args.warmup,
+                        args.reps,
+                        args.threads,
+                        args.wrapped_decode,
+                        round_,
+                    )
                     for side in sides:
                         runs[side].append(both[side])
                     continue
                 for side in sides:
-                    runs[side].append(_run_side(args.preset, side, alg, batch, args.warmup + args.reps, args.threads,
-                                                args.wrapped_decode))  # fmt: skip
+                    runs[side].append(
+                        _run_side(
+                            args.preset, side, alg, batch, args.warmup + args.reps, args.threads, args.wrapped_decode
+                        )
+                    )
             keep = slice(args.warmup, args.warmup + args.reps)  # lock-step sides run on past their timed steps
             for side in sides:
                 r = min(runs[side], key=lambda x: statistics.median(x["wall"][keep]))  # the fastest round
@@ -343,29 +461,39 @@ def main() -> None:
                 if r.get("gen"):  # TRL: its rollout phase (generate); the rest is not split
                     parts = f"{statistics.median(r['gen'][keep]):>7.3f}"
                 if "parts" in r:
-                    parts = " ".join(f"{statistics.median(v[keep]):>{w}.3f}"
-                                     for v, w in zip(r["parts"].values(), (7, 6, 7, 6), strict=True))  # fmt: skip
+                    parts = " ".join(
+                        f"{statistics.median(v[keep]):>{w}.3f}"
+                        for v, w in zip(r["parts"].values(), (7, 6, 7, 6), strict=True)
+                    )
                 ratio = f"  {res['trl'] / res['ours']:.2f}x" if side == sides[-1] and len(res) == 2 else ""
                 if ratio and args.concurrent:  # rounds are paired (the same window): the median of their ratios
-                    paired = [statistics.median(t["wall"][keep]) / statistics.median(o["wall"][keep])
-                              for o, t in zip(runs["ours"], runs["trl"], strict=True)]  # fmt: skip
+                    paired = [
+                        statistics.median(t["wall"][keep]) / statistics.median(o["wall"][keep])
+                        for o, t in zip(runs["ours"], runs["trl"], strict=True)
+                    ]
                     ratio = f"  {statistics.median(paired):.2f}x paired (" + "/".join(f"{x:.2f}" for x in paired) + ")"
                 spread = ""
                 if args.rounds > 1:
                     spread = "  rounds " + "/".join(f"{statistics.median(x['wall'][keep]):.3f}" for x in runs[side])
-                print(f"{batch:<12} {alg:<5} {side:<5} {wall:>7.3f} {cpu:>7.3f} {tokens:>7.0f} {tokens / wall:>7.0f} "
-                      f"{parts:<30}{ratio}{spread}", flush=True)  # fmt: skip
+                print(
+                    f"{batch:<12} {alg:<5} {side:<5} {wall:>7.3f} {cpu:>7.3f} {tokens:>7.0f} {tokens / wall:>7.0f} "
+                    f"{parts:<30}{ratio}{spread}",
+                    flush=True,
+                )
             cells = []
             for side, (w, wall) in work.items():
                 total, parts = sum(w.values()), " / ".join(f"{v / 1e9:.2f}" for v in w.values())
                 rate = total / wall / 1e9
-                cells.append(f"{side} {total / 1e9:.2f} GFLOP ({parts}) in {wall:.3f} s = {rate:.1f} GFLOP/s, "
-                             f"{rate / peak:.0%}")  # fmt: skip
+                cells.append(
+                    f"{side} {total / 1e9:.2f} GFLOP ({parts}) in {wall:.3f} s = {rate:.1f} GFLOP/s, {rate / peak:.0%}"
+                )
             if "trl" in work:
                 w, wall = work["trl"]
                 cells.append(f"2x TRL: {2 * sum(w.values()) / wall / 1e9 / peak:.0%}")
-            print(f"{'':<12} {alg:<5} work (rollout / pi_old / updates) and share of GEMM peak: " + "; ".join(cells),
-                  flush=True)  # fmt: skip
+            print(
+                f"{'':<12} {alg:<5} work (rollout / pi_old / updates) and share of GEMM peak: " + "; ".join(cells),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

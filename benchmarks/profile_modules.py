@@ -72,15 +72,33 @@ def rollout(preset_name: str, p: int, g: int, t: int, repeats: int) -> tuple[flo
     prompts = [torch.randint(3, cfg.vocab_size, (k,), generator=gen).tolist() for k in lens]
     acc: dict[str, float] = collections.defaultdict(float)
     body = engine.model.model
-    _hook_modules({"embed": body.embed_tokens, "rotary": body.rotary_emb, "final norm": body.norm,
-                   "lm_head": engine.model.lm_head}, acc)  # fmt: skip
+    _hook_modules(
+        {
+            "embed": body.embed_tokens,
+            "rotary": body.rotary_emb,
+            "final norm": body.norm,
+            "lm_head": engine.model.lm_head,
+        },
+        acc,
+    )
     for layer in body.layers:  # every layer's modules under the same names: summed over the layers
         attn, mlp = layer.self_attn, layer.mlp
-        _hook_modules({"L#": layer, "L#.self_attn": attn, "L#.mlp": mlp, "L#.mlp.gate": mlp.gate,
-                       "L#.mlp.experts": mlp.experts, "L#.input_layernorm": layer.input_layernorm,
-                       "L#.post_attention_layernorm": layer.post_attention_layernorm,
-                       **{f"L#.self_attn.{q}": getattr(attn, q) for q in
-                          ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}}, acc)  # fmt: skip
+        _hook_modules(
+            {
+                "L#": layer,
+                "L#.self_attn": attn,
+                "L#.mlp": mlp,
+                "L#.mlp.gate": mlp.gate,
+                "L#.mlp.experts": mlp.experts,
+                "L#.input_layernorm": layer.input_layernorm,
+                "L#.post_attention_layernorm": layer.post_attention_layernorm,
+                **{
+                    f"L#.self_attn.{q}": getattr(attn, q)
+                    for q in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+                },
+            },
+            acc,
+        )
     AttentionInterface.register(hf.DECODE_ATTENTION, _timed(hf.decode_attention, acc, "decode attention (function)"))
     modeling_qwen3_moe.apply_rotary_pos_emb = _timed(modeling_qwen3_moe.apply_rotary_pos_emb, acc, "apply RoPE")
     layer_cls = hf._growing_layer()
@@ -159,8 +177,10 @@ def main() -> None:
     if shapes[1] and shapes[1][2] > shapes[1][1]:
         raise SystemExit(f"--update: {shapes[1][2]} response positions > {shapes[1][1]} positions")
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
-          f"preset={args.preset}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+        f"preset={args.preset}"
+    )
     if shapes[0]:
         p, g, t = shapes[0]
         total, rows = rollout(args.preset, p, g, t, args.repeats)

@@ -53,8 +53,16 @@ def main() -> None:
     from study.run import rundir
     from study.run.config import PRESET_RUNS, RunConfig, parse_set
 
-    data = {**PRESET_RUNS[args.preset], "algorithm": args.algorithm, "coldstart": "scratch", "steps": args.steps,
-            "eval_every": 0, "checkpoint_every": 0, "threads": 1, **parse_set(args.set)}  # fmt: skip
+    data = {
+        **PRESET_RUNS[args.preset],
+        "algorithm": args.algorithm,
+        "coldstart": "scratch",
+        "steps": args.steps,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "threads": 1,
+        **parse_set(args.set),
+    }
     cfg = RunConfig.from_dict(data)
     prof = cProfile.Profile(time.thread_time)
     seen = [0]
@@ -74,9 +82,11 @@ def main() -> None:
     steps = cfg.steps - 1
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # self time of everything = profiled CPU
-    print(f"preset={args.preset} algorithm={args.algorithm} P x G x T = {cfg.prompts_per_step} x {cfg.group_size} x "
-          f"{cfg.max_new_tokens}, M={cfg.minibatches}, profiled steps={steps}, load average "
-          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"preset={args.preset} algorithm={args.algorithm} P x G x T = {cfg.prompts_per_step} x {cfg.group_size} x "
+        f"{cfg.max_new_tokens}, M={cfg.minibatches}, profiled steps={steps}, load average "
+        f"{os.getloadavg()[0]:.2f}"
+    )
     print(f"profiled CPU per step: {1e3 * total / steps:.1f} ms")
     print("by phase (cumulative CPU ms per step; _collect contains generate, backward contains nothing else):")
     for phase, (suffix, fn) in PHASES.items():

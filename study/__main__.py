@@ -22,8 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     run_p = sub.add_parser("run", help="run one RL configuration (skipped if finished, resumed if interrupted)")
     run_p.add_argument("config", nargs="?", help="YAML file of RunConfig fields")
     run_p.add_argument("--preset", help="start from a preset: tiny (tests, smoke) or default (the embedded study)")
-    run_p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set algorithm=gspo --set hparams.eps_high=5e-3")  # fmt: skip
+    run_p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set algorithm=gspo --set hparams.eps_high=5e-3",
+    )
     run_p.add_argument("--results", default="results", help="results directory (runs go to RESULTS/runs/RUN_ID)")
     run_p.add_argument("--quiet", action="store_true", help="no progress bar")
     run_p.add_argument("--trackers", default=None, metavar="LIST", help=TRACKERS_HELP)
@@ -32,16 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     resume_p = sub.add_parser("resume", help="continue a killed run from its last checkpoint")
     resume_p.add_argument("run_dir")
     resume_p.add_argument("--quiet", action="store_true")
-    resume_p.add_argument("--trackers", default=None, metavar="LIST",
-                          help="as for run; default: the trackers the run recorded (its trackers.json), or "
-                          "STUDY_TRACKERS when set")  # fmt: skip
+    resume_p.add_argument(
+        "--trackers",
+        default=None,
+        metavar="LIST",
+        help="as for run; default: the trackers the run recorded (its trackers.json), or STUDY_TRACKERS when set",
+    )
 
     sub.add_parser(
         "coldstart", help="make (or reuse) the cold-start checkpoint; see `coldstart --help`", add_help=False
     )
 
-    sub.add_parser("status", help="one line per run: state, progress, reward, eval, time left, why it failed; "
-                   "see `status --help`", add_help=False)  # fmt: skip
+    sub.add_parser(
+        "status",
+        help="one line per run: state, progress, reward, eval, time left, why it failed; see `status --help`",
+        add_help=False,
+    )
     sub.add_parser("export", help="a run's policy as a Hugging Face checkpoint; see `export --help`", add_help=False)
     sub.add_parser("plan", help="memory per GPU of each parallel layout; see `plan --help`", add_help=False)
 

@@ -83,8 +83,13 @@ def pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1, temperat
         routes[torch.arange(width) < r_rows[:, None]] = torch.cat([s["routes"] for s in samples])
         engine_routes = Routes(routes)
     return Batch(
-        input_ids=full[:, :-1] * am, targets=full[:, 1:] * am, attn_mask=am,
+        input_ids=full[:, :-1] * am,
+        targets=full[:, 1:] * am,
+        attn_mask=am,
         pos=(p_len[:, None] - 1 + steps).clamp(max=width - 1),  # target index of response token t
-        mask=in_resp.float(), rollout_logp=roll, advantages=torch.tensor([s["adv"] for s in samples]),
-        engine_routes=engine_routes, temperature=temperature,
-    )  # fmt: skip
+        mask=in_resp.float(),
+        rollout_logp=roll,
+        advantages=torch.tensor([s["adv"] for s in samples]),
+        engine_routes=engine_routes,
+        temperature=temperature,
+    )

@@ -31,8 +31,19 @@ from study.run import rundir
 from study.tools.plan import param_counts
 
 STATE = "state.pt"
-CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "torch_rng", "python_rng", "numpy_rng", "step", "data_pos",
-                   "mastered", "compute", "wall")  # fmt: skip
+CHECKPOINT_KEYS = (
+    "model",
+    "optimizer",
+    "scaler",
+    "torch_rng",
+    "python_rng",
+    "numpy_rng",
+    "step",
+    "data_pos",
+    "mastered",
+    "compute",
+    "wall",
+)
 DISTRIBUTED_ONLY = (
     "{path}: holds the weights and optimizer only in megatron's distributed checkpoint {state[distributed]!r} (a "
     "layout run writes the one-process form only when 12 bytes x its parameters fit STUDY_FULL_STATE_MAX_GB, default "
@@ -69,8 +80,13 @@ def rng_state() -> dict[str, Any]:
     """Every RNG the run draws from, as tensors and plain values: torch's CPU generator, Python's, NumPy's and, where
     CUDA is in use, each visible GPU's generator (`cuda_rng`)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    numpy = {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "numpy_rng": numpy}
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -96,13 +112,22 @@ def save(run_dir: Path, parts: Trained, log: Progress) -> None:
     writes its shards and RNG states into megatron's distributed checkpoint `dist-step{N}` (made under a .tmp name,
     renamed when complete), then rank 0 writes state.pt naming it, with the one-process form when it fits
     (`full_state_fits`), else with model and optimizer None; older distributed checkpoints are removed after."""
-    position = {"step": log.step, "data_pos": log.data_pos, "mastered": sorted(log.mastered), "compute": log.compute,
-                "wall": log.wall}  # fmt: skip
+    position = {
+        "step": log.step,
+        "data_pos": log.data_pos,
+        "mastered": sorted(log.mastered),
+        "compute": log.compute,
+        "wall": log.wall,
+    }
     ckpt = run_dir / "checkpoint"
     if parts.trainer is None:
-        state = {"model": parts.policy.state_dict(), "optimizer": parts.optimizer.state_dict(),
-                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-                 **rng_state(), **position}  # fmt: skip
+        state = {
+            "model": parts.policy.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+            **rng_state(),
+            **position,
+        }
         rundir.atomic_write(ckpt / STATE, lambda tmp: torch.save(state, tmp))
         _mark_complete(run_dir, log)
         return
@@ -117,8 +142,16 @@ def save(run_dir: Path, parts: Trained, log: Progress) -> None:
         (ckpt / f"{name}.tmp").rename(ckpt / name)
         model = {n: full[n] for n in par.one_process_names(parts.policy)} if full_form else None
         optimizer = par.one_process_adam_state(adam, model, parts.trainer.hparams) if model is not None else None
-        state = {**rng, "model": model, "optimizer": optimizer, "scaler": None, **position, "distributed": name,
-                 "world": torch.distributed.get_world_size(), "parallel": current_layout().to_dict()}  # fmt: skip
+        state = {
+            **rng,
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": None,
+            **position,
+            "distributed": name,
+            "world": torch.distributed.get_world_size(),
+            "parallel": current_layout().to_dict(),
+        }
         rundir.atomic_write(ckpt / STATE, lambda tmp: torch.save(state, tmp))
         _mark_complete(run_dir, log)
         for old in ckpt.glob("dist-step*"):
@@ -145,14 +178,17 @@ def load(path: Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)  # a GPU's file on any host
     except Exception as err:
         if "Weights only load failed" in str(err):
-            what = ("refused: it holds objects other than tensors and plain values (torch.load(weights_only=True)); "
-                    "a tampered or foreign file")  # fmt: skip
+            what = (
+                "refused: it holds objects other than tensors and plain values (torch.load(weights_only=True)); "
+                "a tampered or foreign file"
+            )
         else:
             what = f"unreadable, cut short or not a checkpoint ({first_line(err)})"
         raise rundir.RunStateError(f"{path}: {what}; {rundir.RESTART}") from None
     if not isinstance(state, dict) or set(CHECKPOINT_KEYS) - set(state):
-        raise rundir.RunStateError(f"{path}: not a run checkpoint (keys {', '.join(CHECKPOINT_KEYS)}); "
-                                   f"{rundir.RESTART}")  # fmt: skip
+        raise rundir.RunStateError(
+            f"{path}: not a run checkpoint (keys {', '.join(CHECKPOINT_KEYS)}); {rundir.RESTART}"
+        )
     return state
 
 
@@ -174,11 +210,15 @@ def read(run_dir: Path, first_checkpoint: int) -> tuple[dict[str, Any] | None, P
         file = run_dir / name
         if not file.exists():
             if required:
-                raise rundir.RunStateError(f"{file}: missing, but {path} is at step {done}: the rows of steps 0-{done} "
-                                           f"are lost; {rundir.RESTART}")  # fmt: skip
-            print(f"warning: {file} is missing: its rows of steps up to the checkpoint (step {done}) are lost; the "
-                  "run continues and writes the rows after it (restart the run to have them all)",
-                  file=sys.stderr)  # fmt: skip
+                raise rundir.RunStateError(
+                    f"{file}: missing, but {path} is at step {done}: the rows of steps 0-{done} "
+                    f"are lost; {rundir.RESTART}"
+                )
+            print(
+                f"warning: {file} is missing: its rows of steps up to the checkpoint (step {done}) are lost; the "
+                "run continues and writes the rows after it (restart the run to have them all)",
+                file=sys.stderr,
+            )
             return None
         try:
             frame = pd.read_parquet(file)
@@ -186,30 +226,40 @@ def read(run_dir: Path, first_checkpoint: int) -> tuple[dict[str, Any] | None, P
                 raise ValueError("no 'step' column")
         except Exception as err:  # pyarrow raises its own types for cut-short and garbage files
             if not required:  # a damaged optional file is a missing one: a warning, the checkpoint is intact
-                print(f"warning: {file} is unreadable ({first_line(err)}), treated as missing: its rows of steps up "
-                      f"to the checkpoint (step {done}) are lost; the run continues and writes the rows after it",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"warning: {file} is unreadable ({first_line(err)}), treated as missing: its rows of steps up "
+                    f"to the checkpoint (step {done}) are lost; the run continues and writes the rows after it",
+                    file=sys.stderr,
+                )
                 return None
-            raise rundir.RunStateError(f"{file}: unreadable, cut short or not this run's table "
-                                       f"({first_line(err)}); {rundir.RESTART}") from None  # fmt: skip
+            raise rundir.RunStateError(
+                f"{file}: unreadable, cut short or not this run's table ({first_line(err)}); {rundir.RESTART}"
+            ) from None
         past = sorted(int(x) for x in frame["step"].unique() if x > done)
         if required and past:
-            print(f"note: {file} has rows of steps {past[0]}-{past[-1]} past the checkpoint (step {done}): they are "
-                  "recomputed from it", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: {file} has rows of steps {past[0]}-{past[-1]} past the checkpoint (step {done}): they are "
+                "recomputed from it",
+                file=sys.stderr,
+            )
         frame = frame[frame["step"] <= done]
         if required and not set(range(1, done + 1)) <= set(frame["step"].astype(int)):
-            raise rundir.RunStateError(f"{file}: lacks rows of steps 1-{done} that {path} has passed; "
-                                       f"{rundir.RESTART}")  # fmt: skip
+            raise rundir.RunStateError(f"{file}: lacks rows of steps 1-{done} that {path} has passed; {rundir.RESTART}")
         return frame
 
     rows = upto(METRICS, required=True)
     layers, tokens = upto(LAYERS, required=False), upto(TOKEN_SAMPLES, required=False)
     return state, Progress(
-        step=done, data_pos=state["data_pos"], mastered=set(state["mastered"]), compute=state["compute"],
-        wall=state["wall"], checkpoint=done,
+        step=done,
+        data_pos=state["data_pos"],
+        mastered=set(state["mastered"]),
+        compute=state["compute"],
+        wall=state["wall"],
+        checkpoint=done,
         rows=[] if rows is None else rows.to_dict("records"),
-        layer_rows=[] if layers is None else layers.to_dict("records"), token_frames=[] if tokens is None else [tokens],
-    )  # fmt: skip
+        layer_rows=[] if layers is None else layers.to_dict("records"),
+        token_frames=[] if tokens is None else [tokens],
+    )
 
 
 def _check_no_lost_checkpoint(run_dir: Path, path: Path, first_checkpoint: int) -> None:
@@ -227,16 +277,23 @@ def _check_no_lost_checkpoint(run_dir: Path, path: Path, first_checkpoint: int) 
     completed = record.recorded_checkpoint(metrics)
     if completed == 0:
         if reached >= 1:
-            print(f"note: {metrics} has rows of steps up to {reached}, but the run's first checkpoint (step "
-                  f"{first_checkpoint}) was never completed (the run ended while writing it): the run starts again "
-                  "from step 0 and recomputes them", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: {metrics} has rows of steps up to {reached}, but the run's first checkpoint (step "
+                f"{first_checkpoint}) was never completed (the run ended while writing it): the run starts again "
+                "from step 0 and recomputes them",
+                file=sys.stderr,
+            )
         return
     if completed is not None:
-        raise rundir.RunStateError(f"{path}: missing, but {metrics} records that the checkpoint of step {completed} "
-                                   f"was completed (its rows reach step {reached}); {rundir.RESTART}")  # fmt: skip
+        raise rundir.RunStateError(
+            f"{path}: missing, but {metrics} records that the checkpoint of step {completed} "
+            f"was completed (its rows reach step {reached}); {rundir.RESTART}"
+        )
     if reached >= first_checkpoint:
-        raise rundir.RunStateError(f"{path}: missing, but {metrics} reaches step {reached} (the first checkpoint is "
-                                   f"written at step {first_checkpoint}); {rundir.RESTART}")  # fmt: skip
+        raise rundir.RunStateError(
+            f"{path}: missing, but {metrics} reaches step {reached} (the first checkpoint is "
+            f"written at step {first_checkpoint}); {rundir.RESTART}"
+        )
 
 
 # -- restore ----------------------------------------------------------------------------------------------------------
@@ -257,9 +314,14 @@ def restore(state: dict[str, Any], parts: Trained, path: Path) -> None:
                 parts.trainer.load_full_optimizer_state(par.adam_state_by_name(state["optimizer"], names))
         else:
             if state["model"] is None:
-                raise rundir.RunStateError(DISTRIBUTED_ONLY.format(
-                    path=path, state=state, valid=f"resume it at a parallel layout (it was saved at "
-                    f"{state['parallel']!r}; another layout reshards)"))  # fmt: skip
+                raise rundir.RunStateError(
+                    DISTRIBUTED_ONLY.format(
+                        path=path,
+                        state=state,
+                        valid=f"resume it at a parallel layout (it was saved at "
+                        f"{state['parallel']!r}; another layout reshards)",
+                    )
+                )
             _load_model(parts.policy, state["model"])
             parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scaler is not None:
@@ -268,8 +330,9 @@ def restore(state: dict[str, Any], parts: Trained, path: Path) -> None:
     except rundir.RunStateError:
         raise
     except (KeyError, RuntimeError, TypeError, ValueError, FileNotFoundError) as err:
-        raise rundir.RunStateError(f"{path}: not a checkpoint of this run ({first_line(err)}); "
-                                   f"{rundir.RESTART}") from None  # fmt: skip
+        raise rundir.RunStateError(
+            f"{path}: not a checkpoint of this run ({first_line(err)}); {rundir.RESTART}"
+        ) from None
 
 
 def _load_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -140,8 +140,15 @@ class RankCheck:
             dist.destroy_process_group()
         if self.hold_s and not self.attempt:
             time.sleep(self.hold_s)
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]), "sum": float(total), "env": env,
-                "views": seen, "attempt": self.attempt, "backend": backend}  # fmt: skip
+        return {
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "sum": float(total),
+            "env": env,
+            "views": seen,
+            "attempt": self.attempt,
+            "backend": backend,
+        }
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         return submitit.helpers.DelayedSubmission(RankCheck(self.hold_s, self.attempt + 1, self.backend))
@@ -183,8 +190,14 @@ class ColdStart:
     """The submitted callable of a cold start (`study.coldstart.ensure_coldstart`, not strict: an out-of-band result
     is kept and the runs stop on it with the reason), so that on a cluster it trains on a compute node too."""
 
-    def __init__(self, model: str | dict[str, Any], task: str, results: str, threads: int = 1,
-                 settings: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        task: str,
+        results: str,
+        threads: int = 1,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
         """`settings`: further ColdStartSettings fields (a run's band and task knobs, study.coldstart.store's
         `run_coldstart`)."""
         self.model, self.task, self.results, self.threads = model, task, results, threads
@@ -194,11 +207,16 @@ class ColdStart:
         from study.coldstart import ensure_coldstart, read_record
 
         _in_job()
-        directory = ensure_coldstart(self.model, self.task, self.results, threads=self.threads, strict=False,
-                                     **self.settings)  # fmt: skip
+        directory = ensure_coldstart(
+            self.model, self.task, self.results, threads=self.threads, strict=False, **self.settings
+        )
         record = read_record(directory)
-        return {"run_dir": str(directory), "state": "completed", "coldstart": record["status"],
-                "pass_at_1": record["pass_at_1"]}  # fmt: skip
+        return {
+            "run_dir": str(directory),
+            "state": "completed",
+            "coldstart": record["status"],
+            "pass_at_1": record["pass_at_1"],
+        }
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """Time-out/preemption: requeue; an unfinished cold start is trained again (it has no mid-way checkpoint)."""
@@ -224,8 +242,15 @@ class Resources:
     signal_delay_s: int = 90
 
     def __post_init__(self) -> None:
-        lowest = {"gpus": 0, "nodes": 1, "tasks_per_node": 0, "time_min": 1, "cpus": 1, "max_timeouts": 0,
-                  "signal_delay_s": 0}  # fmt: skip
+        lowest = {
+            "gpus": 0,
+            "nodes": 1,
+            "tasks_per_node": 0,
+            "time_min": 1,
+            "cpus": 1,
+            "max_timeouts": 0,
+            "signal_delay_s": 0,
+        }
         for name, low in lowest.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -250,8 +275,12 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
         ex: submitit.Executor = submitit.LocalExecutor(folder)
         if res.nodes != 1:
             raise ValueError(f"nodes = {res.nodes}: the local launcher runs on this machine; valid: 1")
-        ex.update_parameters(timeout_min=res.time_min, gpus_per_node=res.gpus, tasks_per_node=res.ranks_per_node,
-                             signal_delay_s=res.signal_delay_s)  # fmt: skip
+        ex.update_parameters(
+            timeout_min=res.time_min,
+            gpus_per_node=res.gpus,
+            tasks_per_node=res.ranks_per_node,
+            signal_delay_s=res.signal_delay_s,
+        )
         return ex
     if launcher == "slurm":
         check_slurm_commands()  # not submitit's traceback
@@ -291,21 +320,28 @@ def cluster_shortfall(res: Resources, nodes: list[str], rule: str) -> str | None
     profile = "the profile (slurm/config.yaml or slurm-cpu/config.yaml)"
     most = [max(h[i] for h in have) for i in range(3)]
     if res.gpus > most[0]:
-        return (f"this job asks for {res.gpus} GPU(s), and no node of {where} has that many (sinfo gres: at most "
-                f"{most[0]} GPUs a node); set `set-resources: {rule}: gpus` in {profile} to at most {most[0]}, or "
-                "on a CPU cluster use `--profile slurm-cpu`")  # fmt: skip
+        return (
+            f"this job asks for {res.gpus} GPU(s), and no node of {where} has that many (sinfo gres: at most "
+            f"{most[0]} GPUs a node); set `set-resources: {rule}: gpus` in {profile} to at most {most[0]}, or "
+            "on a CPU cluster use `--profile slurm-cpu`"
+        )
     if res.mem_gb * 1024 > most[1] > 0:
-        return (f"this job asks for {res.mem_gb:g} GB, and the largest node of {where} has {most[1] / 1024:.1f} GB; "
-                f"set `set-resources: {rule}: mem_gb` in {profile} to at most {int(most[1] / 1024)}")  # fmt: skip
+        return (
+            f"this job asks for {res.mem_gb:g} GB, and the largest node of {where} has {most[1] / 1024:.1f} GB; "
+            f"set `set-resources: {rule}: mem_gb` in {profile} to at most {int(most[1] / 1024)}"
+        )
     if res.cpus > most[2] > 0:
-        return (f"this job asks for {res.cpus} CPUs (the config's `threads`), and the largest node of {where} has "
-                f"{most[2]}")  # fmt: skip
+        return (
+            f"this job asks for {res.cpus} CPUs (the config's `threads`), and the largest node of {where} has {most[2]}"
+        )
     return None
 
 
-NO_SLURM_FIX = ("valid: run where SLURM's client commands reach a controller (a cluster's login node; "
-               "scripts/slurm/start.sh starts a one-machine cluster), or --launcher local / in-process on this "
-               "machine")  # fmt: skip
+NO_SLURM_FIX = (
+    "valid: run where SLURM's client commands reach a controller (a cluster's login node; "
+    "scripts/slurm/start.sh starts a one-machine cluster), or --launcher local / in-process on this "
+    "machine"
+)
 
 
 def check_cluster(res: Resources, rule: str) -> None:
@@ -325,14 +361,16 @@ def slurm_nodes(partition: str = "") -> list[str]:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        raise ValueError(f"--launcher slurm: the SLURM controller did not answer `sinfo` within 30 s; "
-                         f"{NO_SLURM_FIX}") from None  # fmt: skip
+        raise ValueError(
+            f"--launcher slurm: the SLURM controller did not answer `sinfo` within 30 s; {NO_SLURM_FIX}"
+        ) from None
     except OSError as err:
         raise ValueError(f"--launcher slurm: `sinfo` could not run ({err}); {NO_SLURM_FIX}") from None
     if out.returncode != 0:
         said = next((ln.strip() for ln in out.stderr.splitlines() if ln.strip()), f"exit status {out.returncode}")
-        raise ValueError(f"--launcher slurm: the SLURM controller does not answer (`sinfo`: {said[:300]}); "
-                         f"{NO_SLURM_FIX}")  # fmt: skip
+        raise ValueError(
+            f"--launcher slurm: the SLURM controller does not answer (`sinfo`: {said[:300]}); {NO_SLURM_FIX}"
+        )
     return out.stdout.splitlines()
 
 
@@ -340,8 +378,9 @@ def check_slurm_commands() -> None:
     """ValueError naming the launcher and the fix when SLURM's client commands are not on PATH."""
     missing = [cmd for cmd in ("sbatch", "srun", "sinfo") if shutil.which(cmd) is None]
     if missing:
-        raise ValueError(f"--launcher slurm: no SLURM on this machine ({', '.join(missing)} not on PATH); "
-                         f"{NO_SLURM_FIX}")  # fmt: skip
+        raise ValueError(
+            f"--launcher slurm: no SLURM on this machine ({', '.join(missing)} not on PATH); {NO_SLURM_FIX}"
+        )
 
 
 def json_mapping(option: str, text: str) -> dict[str, Any]:
@@ -353,8 +392,9 @@ def json_mapping(option: str, text: str) -> dict[str, Any]:
     try:
         value = load_json(text)
     except ValueError as err:
-        raise ValueError(f"{option} = {clip_value(text)}: {json_problem(err)}; valid: a JSON mapping, e.g. "
-                         "'{\"tp\": 2}'") from None  # fmt: skip
+        raise ValueError(
+            f"{option} = {clip_value(text)}: {json_problem(err)}; valid: a JSON mapping, e.g. '{{\"tp\": 2}}'"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{option} = {clip_value(text)}: a JSON {type(value).__name__}; valid: a JSON mapping")
     return value
@@ -409,8 +449,9 @@ def check_resources(cfg: Any, launcher: str, res: Resources) -> None:
         plan.check_run_fits(cfg, gpus=res.nodes * res.gpus, gpu_mem_gb=res.gpu_mem_gb, gpus_per_node=res.gpus)
 
 
-def launch_rank_check(results: str | Path, launcher: str, res: Resources, hold_s: float = 0.0,
-                      backend: str = "auto") -> list[dict]:  # fmt: skip
+def launch_rank_check(
+    results: str | Path, launcher: str, res: Resources, hold_s: float = 0.0, backend: str = "auto"
+) -> list[dict]:
     """Submit RankCheck (of `backend`) with `res`'s nodes and tasks and block; returns every rank's view (rank
     order)."""
     folder = Path(results) / "rank-check" / "submitit"
@@ -482,22 +523,32 @@ def _raise_cancelled(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m study.launch", description=__doc__.split("\n")[0])
-    parser.add_argument("config", nargs="?",
-                        help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)")  # fmt: skip
-    parser.add_argument("--coldstart", nargs=2, metavar=("MODEL", "TASK"),
-                        help="launch the cold start of a model and task instead of a run; MODEL: a preset "
-                             "name or a YAML/JSON mapping '{preset: NAME, FIELD: VALUE, ...}'")  # fmt: skip
-    parser.add_argument("--coldstart-settings", default="{}", metavar="JSON",
-                        help="with --coldstart: further cold-start settings as a JSON mapping, e.g. "
-                             "'{\"band\": [0.3, 0.7], \"knobs\": {\"terms\": [2, 3]}}'")  # fmt: skip
+    parser.add_argument(
+        "config", nargs="?", help="YAML file of RunConfig fields (e.g. results/<study>/configs/RUN_ID.yaml)"
+    )
+    parser.add_argument(
+        "--coldstart",
+        nargs=2,
+        metavar=("MODEL", "TASK"),
+        help="launch the cold start of a model and task instead of a run; MODEL: a preset "
+        "name or a YAML/JSON mapping '{preset: NAME, FIELD: VALUE, ...}'",
+    )
+    parser.add_argument(
+        "--coldstart-settings",
+        default="{}",
+        metavar="JSON",
+        help="with --coldstart: further cold-start settings as a JSON mapping, e.g. "
+        '\'{"band": [0.3, 0.7], "knobs": {"terms": [2, 3]}}\'',
+    )
     parser.add_argument("--results", default="results", help="results directory (the run goes to RESULTS/runs/RUN_ID)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="in-process", help="where the run executes")
     parser.add_argument("--partition", default="", help="SLURM partition (default: the cluster's)")
     parser.add_argument("--account", default="", help="SLURM account (default: the user's)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node")
     parser.add_argument("--nodes", type=int, default=1, help="nodes per run")
-    parser.add_argument("--tasks-per-node", type=int, default=0,
-                        help="ranks per node (default 0: one per GPU, one for a CPU job)")  # fmt: skip
+    parser.add_argument(
+        "--tasks-per-node", type=int, default=0, help="ranks per node (default 0: one per GPU, one for a CPU job)"
+    )
     parser.add_argument(
         "--gpu-mem-gb",
         type=float,
@@ -509,33 +560,64 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead of a run: start the ranks and check they agree on the distributed env",
     )
-    parser.add_argument("--rank-check-backend", default="auto", choices=("auto", "gloo", "nccl"),
-                        help="the rank check's process group: auto (NCCL where the job sees CUDA, as a run's ranks; "
-                             "else gloo), gloo or nccl")  # fmt: skip
+    parser.add_argument(
+        "--rank-check-backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="the rank check's process group: auto (NCCL where the job sees CUDA, as a run's ranks; "
+        "else gloo), gloo or nccl",
+    )
     parser.add_argument("--time-min", type=int, default=Resources.time_min, help="time limit per job, minutes")
     parser.add_argument("--mem-gb", type=float, default=Resources.mem_gb, help="memory per run, GB")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs per run (default: the config's `threads`)")
-    parser.add_argument("--rollout-runtime", default="", metavar="JSON",
-                        help="the vllm engine's runtime settings over the config's rollout_runtime (a JSON mapping, "
-                             "e.g. '{\"tp\": 2, \"placement\": \"separate\"}'; study/run/rollout_runtime.py); "
-                             "not in the run id; ignored by runs of another engine")  # fmt: skip
-    parser.add_argument("--max-timeouts", type=int, default=Resources.max_timeouts,
-                        help="requeues after SLURM time-outs before giving up (preemptions: unlimited)")  # fmt: skip
-    parser.add_argument("--signal-delay-s", type=int, default=Resources.signal_delay_s,
-                        help="seconds before the time limit at which SLURM signals the job to checkpoint")  # fmt: skip
-    parser.add_argument("--trackers", default=None, metavar="LIST",
-                        help="live trackers besides TensorBoard (always on): tensorboard, wandb, mlflow, "
-                        "comma-separated (default: the STUDY_TRACKERS variable); not part of the run id")  # fmt: skip
-    parser.add_argument("--study", default=None,
-                        help="the study the trackers group the run under (default: STUDY of a config at "
-                        "RESULTS/STUDY/configs/RUN_ID.yaml, whose sibling configs give its axis values)")  # fmt: skip
+    parser.add_argument(
+        "--rollout-runtime",
+        default="",
+        metavar="JSON",
+        help="the vllm engine's runtime settings over the config's rollout_runtime (a JSON mapping, "
+        'e.g. \'{"tp": 2, "placement": "separate"}\'; study/run/rollout_runtime.py); '
+        "not in the run id; ignored by runs of another engine",
+    )
+    parser.add_argument(
+        "--max-timeouts",
+        type=int,
+        default=Resources.max_timeouts,
+        help="requeues after SLURM time-outs before giving up (preemptions: unlimited)",
+    )
+    parser.add_argument(
+        "--signal-delay-s",
+        type=int,
+        default=Resources.signal_delay_s,
+        help="seconds before the time limit at which SLURM signals the job to checkpoint",
+    )
+    parser.add_argument(
+        "--trackers",
+        default=None,
+        metavar="LIST",
+        help="live trackers besides TensorBoard (always on): tensorboard, wandb, mlflow, "
+        "comma-separated (default: the STUDY_TRACKERS variable); not part of the run id",
+    )
+    parser.add_argument(
+        "--study",
+        default=None,
+        help="the study the trackers group the run under (default: STUDY of a config at "
+        "RESULTS/STUDY/configs/RUN_ID.yaml, whose sibling configs give its axis values)",
+    )
     args = parser.parse_args(argv)
     if args.rank_check:
         try:
-            res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, nodes=args.nodes,
-                            tasks_per_node=args.tasks_per_node, time_min=args.time_min, mem_gb=args.mem_gb,
-                            cpus=args.cpus or 1, max_timeouts=args.max_timeouts,
-                            signal_delay_s=args.signal_delay_s)  # fmt: skip
+            res = Resources(
+                partition=args.partition,
+                account=args.account,
+                gpus=args.gpus,
+                nodes=args.nodes,
+                tasks_per_node=args.tasks_per_node,
+                time_min=args.time_min,
+                mem_gb=args.mem_gb,
+                cpus=args.cpus or 1,
+                max_timeouts=args.max_timeouts,
+                signal_delay_s=args.signal_delay_s,
+            )
             if args.launcher == "slurm":
                 slurm_nodes(res.partition)
             views = launch_rank_check(args.results, args.launcher, res, backend=args.rank_check_backend)
@@ -570,10 +652,19 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = cfg.replace(rollout_runtime={**cfg.rollout_runtime, **runtime})  # validated; same run id
         if cfg is not None:
             tracking = study_tracking(args.config, parse_trackers(args.trackers), args.study).to_dict()
-        res = Resources(partition=args.partition, account=args.account, gpus=args.gpus, nodes=args.nodes,
-                        tasks_per_node=args.tasks_per_node, gpu_mem_gb=args.gpu_mem_gb, time_min=args.time_min,
-                        mem_gb=args.mem_gb, cpus=args.cpus or (cfg.threads if cfg else 1),
-                        max_timeouts=args.max_timeouts, signal_delay_s=args.signal_delay_s)  # fmt: skip
+        res = Resources(
+            partition=args.partition,
+            account=args.account,
+            gpus=args.gpus,
+            nodes=args.nodes,
+            tasks_per_node=args.tasks_per_node,
+            gpu_mem_gb=args.gpu_mem_gb,
+            time_min=args.time_min,
+            mem_gb=args.mem_gb,
+            cpus=args.cpus or (cfg.threads if cfg else 1),
+            max_timeouts=args.max_timeouts,
+            signal_delay_s=args.signal_delay_s,
+        )
         if cfg is not None:
             res = layout_ranks(cfg, res)
             check_resources(cfg, args.launcher, res)  # before any job is asked for

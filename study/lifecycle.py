@@ -70,18 +70,24 @@ def check_coldstart_dir(cfg: RunConfig) -> None:
 
     directory = Path(cfg.coldstart)
     if not directory.is_dir():
-        raise ValueError(f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
-                         "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+        raise ValueError(
+            f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
+            "cold-start directory (policy.pt) or an HF checkpoint directory"
+        )
     policy = directory / "policy.pt"
     if not policy.is_file() and not hf_import.is_hf_checkpoint(directory):
-        raise ValueError(f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
-                         "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
-                         "*.safetensors)")  # fmt: skip
+        raise ValueError(
+            f"coldstart = {cfg.coldstart!r}: neither a cold-start directory (policy.pt; "
+            "`python -m study coldstart` makes one) nor an HF checkpoint (config.json + "
+            "*.safetensors)"
+        )
     if not (directory / "tokenizer.json").is_file():
-        raise ValueError(f"coldstart = {cfg.coldstart!r}: {directory / 'tokenizer.json'} is missing; the run encodes "
-                         "with the cold start's tokenizer (tokenizer.json, with tokenizer_config.json and "
-                         "special_tokens_map.json, as `python -m study coldstart` and `python -m study export` "
-                         "write them)")  # fmt: skip
+        raise ValueError(
+            f"coldstart = {cfg.coldstart!r}: {directory / 'tokenizer.json'} is missing; the run encodes "
+            "with the cold start's tokenizer (tokenizer.json, with tokenizer_config.json and "
+            "special_tokens_map.json, as `python -m study coldstart` and `python -m study export` "
+            "write them)"
+        )
     if policy.is_file():
         try:
             read_policy_file(policy, mmap=True)  # the pickle read and checked; the weights mapped, not read
@@ -138,23 +144,30 @@ def check_layout(cfg: RunConfig, results: Path) -> None:
     layout = cfg.layout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if layout.world_size != world:
-        raise ValueError(f"parallel = {cfg.parallel} needs {layout.world_size} ranks, the launcher started {world} "
-                         "(torchrun --nproc_per_node, or the launcher's tasks_per_node)")  # fmt: skip
+        raise ValueError(
+            f"parallel = {cfg.parallel} needs {layout.world_size} ranks, the launcher started {world} "
+            "(torchrun --nproc_per_node, or the launcher's tasks_per_node)"
+        )
     if layout == ParallelLayout():
         return
     alg = algorithms.get(cfg.algorithm)
     rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
     why = (
-        f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary" if alg.dynamic_sampling
+        f"{cfg.algorithm} drops groups (dynamic sampling): the minibatches' sizes vary"
+        if alg.dynamic_sampling
         else f"a minibatch of {rows} sequences does not split evenly over parallel.data = {layout.data}"
         if rows % layout.data
-        else "router_lr_scale != 1 (one optimizer group)" if cfg.router_lr_scale != 1.0
-        else "fp16 (loss scaling)" if cfg.train_dtype == "fp16"
-        else "emulated precision" if cfg.precisions[0].emulated
+        else "router_lr_scale != 1 (one optimizer group)"
+        if cfg.router_lr_scale != 1.0
+        else "fp16 (loss scaling)"
+        if cfg.train_dtype == "fp16"
+        else "emulated precision"
+        if cfg.precisions[0].emulated
         else "coldstart = 'scratch' and parallel.expert > 1 (megatron draws each rank's experts from one RNG "
-        "stream: not the one-process run's initial weights)" if cfg.coldstart == "scratch" and layout.expert > 1
+        "stream: not the one-process run's initial weights)"
+        if cfg.coldstart == "scratch" and layout.expert > 1
         else ""
-    )  # fmt: skip
+    )
     if why:
         raise ValueError(f"parallel = {cfg.parallel}: the RL loop does not run this layout with {why}")
     if cfg.coldstart == "auto":
@@ -163,8 +176,10 @@ def check_layout(cfg: RunConfig, results: Path) -> None:
 
         settings = resolve_settings(cfg.model, cfg.task, **run_coldstart(cfg))
         if not is_complete(Path(results) / "coldstart" / settings.dirname):
-            raise ValueError(f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
-                             "first (python -m study coldstart, or the same run with parallel = {})")  # fmt: skip
+            raise ValueError(
+                f"parallel = {cfg.parallel}: the cold start is trained by one process; make it "
+                "first (python -m study coldstart, or the same run with parallel = {})"
+            )
 
 
 def record_refusal(cfg: RunConfig, run_dir: Path, err: Exception) -> None:
@@ -178,8 +193,10 @@ def record_refusal(cfg: RunConfig, run_dir: Path, err: Exception) -> None:
     try:
         rundir.check_no_links(run_dir)
         rundir.write_yaml(run_dir / "config.yaml", cfg.to_dict())
-        rundir.write_json(run_dir / rundir.FAILURE_FILE, {"state": "failed", "step": 0, "time": time.time(),
-                                                          "error": f"refused before it started: {err}"})  # fmt: skip
+        rundir.write_json(
+            run_dir / rundir.FAILURE_FILE,
+            {"state": "failed", "step": 0, "time": time.time(), "error": f"refused before it started: {err}"},
+        )
     except (OSError, rundir.RunStateError) as why:
         print(f"warning: the refusal of run {run_dir.name} could not be recorded ({why})", file=sys.stderr)
 
@@ -229,8 +246,13 @@ def manifest(cfg: RunConfig) -> dict:
     tells a copied run directory by it), which engine ran emulated
     (study/core/precision.py), whether the optional C kernels ran, and the parallel layout (a runtime choice, not in
     the run id)."""
-    return {**rundir.manifest(cfg.seed, cfg.threads), "run_id": cfg.run_id, **precision_mod.labels(*cfg.precisions),
-            "native_kernels": _kernels_available(), "parallel": cfg.layout.to_dict()}  # fmt: skip
+    return {
+        **rundir.manifest(cfg.seed, cfg.threads),
+        "run_id": cfg.run_id,
+        **precision_mod.labels(*cfg.precisions),
+        "native_kernels": _kernels_available(),
+        "parallel": cfg.layout.to_dict(),
+    }
 
 
 def recorded_layout(run_dir: Path) -> ParallelLayout | None:
@@ -287,8 +309,9 @@ def resume_config(run_dir: Path) -> RunConfig:
             raise ValueError("not a mapping of config fields")
         cfg = RunConfig.from_dict(data, where=str(path))
     except (OSError, ValueError, yaml.YAMLError) as err:
-        raise rundir.RunStateError(f"{path}: cannot be read as this run's config ({err}); restore it, or "
-                                   f"{rundir.RESTART}") from None  # fmt: skip
+        raise rundir.RunStateError(
+            f"{path}: cannot be read as this run's config ({err}); restore it, or {rundir.RESTART}"
+        ) from None
     if cfg.run_id != run_dir.name:
         raise rundir.RunStateError(
             f"{path} was edited: it hashes to run {cfg.run_id}, not to {run_dir.name}; restore it, or run the edited "

@@ -93,9 +93,10 @@ def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
         train, held = cfg.user_split()
         return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
     stream = tasks.make_task(cfg.task, seed=cfg.seed, held_out_test=cfg.eval_test_size > 0, **cfg.task_knobs)
-    return stream, {split: tasks.eval_set(cfg.task, split, size=cfg.eval_size,
-                                          knobs=cfg.task_knobs if split == "in_dist" else None)
-                    for split in tasks.EVAL_SPLITS}  # fmt: skip
+    return stream, {
+        split: tasks.eval_set(cfg.task, split, size=cfg.eval_size, knobs=cfg.task_knobs if split == "in_dist" else None)
+        for split in tasks.EVAL_SPLITS
+    }
 
 
 @dataclass
@@ -148,12 +149,12 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     eps = precision_mod.adam_eps(train_prec)
     trainer = None
     if parallel is not None:  # the shards' optimizer (study/policy/parallel.py); checks in lifecycle.check_layout
-        trainer = par.ShardedTrainer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
-                                     grad_clip=cfg.grad_clip)  # fmt: skip
+        trainer = par.ShardedTrainer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps, grad_clip=cfg.grad_clip)
         optimizer = trainer.optimizer
     else:
-        optimizer = build_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps,
-                                    router_lr_scale=cfg.router_lr_scale)  # fmt: skip
+        optimizer = build_optimizer(
+            policy, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=eps, router_lr_scale=cfg.router_lr_scale
+        )
     engine_kw = precision_mod.engine_kwargs(rollout_prec)
     if cfg.rollout_engine == "vllm":  # its own process(es), run as rollout_runtime says (study/run/rollout_runtime.py)
         engine_kw.update(runtime=cfg.rollout_runtime, threads=cfg.threads)
@@ -174,12 +175,24 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
         ref_prec = precision_mod.apply_precision(ref, train_prec)
         ref.requires_grad_(False)
     return Parts(
-        alg=alg, hparams=alg.check_hparams(cfg.hparams), mcfg=mcfg, tok=tok, policy=policy, prec=prec,
-        optimizer=optimizer, scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
-        params=list(policy.parameters()), routing=RoutingController(policy), engine=engine, stream=stream,
-        evals=evals, ref=ref, ref_prec=ref_prec, emulated=train_prec.emulated or rollout_prec.emulated,
+        alg=alg,
+        hparams=alg.check_hparams(cfg.hparams),
+        mcfg=mcfg,
+        tok=tok,
+        policy=policy,
+        prec=prec,
+        optimizer=optimizer,
+        scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
+        params=list(policy.parameters()),
+        routing=RoutingController(policy),
+        engine=engine,
+        stream=stream,
+        evals=evals,
+        ref=ref,
+        ref_prec=ref_prec,
+        emulated=train_prec.emulated or rollout_prec.emulated,
         trainer=trainer,
-    )  # fmt: skip
+    )
 
 
 def micro_chunks(rows: torch.Tensor, micro_batch: int) -> tuple[torch.Tensor, ...]:
@@ -222,9 +235,14 @@ def forward_local(
     whole batch), or None: free routing recorded; with `entropy` each token's router entropy too."""
     routing = parts.routing
     with routing.replaying(replay[rows]) if replay is not None else routing.recording():
-        logp = token_logp(parts.policy, batch.input_ids[rows], batch.targets[rows],
-                          attention_mask=batch.attn_mask[rows], positions=batch.pos[rows],
-                          temperature=batch.temperature).cpu()  # fmt: skip
+        logp = token_logp(
+            parts.policy,
+            batch.input_ids[rows],
+            batch.targets[rows],
+            attention_mask=batch.attn_mask[rows],
+            positions=batch.pos[rows],
+            temperature=batch.temperature,
+        ).cpu()
     # the loop's tensors live on the CPU (a no-op there); on CUDA the copy is differentiable back to the GPU
     free = routing.free_routes() if replay is not None else routing.routes()
     return Forward(logp, free, routing.router_entropy() if entropy else None)
@@ -284,8 +302,14 @@ def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor
     ref_logp = None
     if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
         with torch.no_grad():
-            ref_logp = token_logp(parts.ref, batch.input_ids, batch.targets, attention_mask=batch.attn_mask,
-                                  positions=batch.pos, temperature=batch.temperature).cpu()  # (B, T)  # fmt: skip
+            ref_logp = token_logp(
+                parts.ref,
+                batch.input_ids,
+                batch.targets,
+                attention_mask=batch.attn_mask,
+                positions=batch.pos,
+                temperature=batch.temperature,
+            ).cpu()  # (B, T)
     return PiOld(old.logp, old.routes, old.entropy, head.logp if fused else None, ref_logp, first_s)
 
 

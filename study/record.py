@@ -91,10 +91,19 @@ def layer_rows(step: int, volatility: list[dict[str, float]], load: dict[str, fl
     """routing_layers.parquet's rows of the step: per layer, the minibatches' mean slot mismatch and set-flip rate,
     then the pi_old pass's expert load and router entropy and the engine's expert load (NaN without its routes)."""
     moved = volatility[0] if volatility else {}  # no update-minibatch (one minibatch): NaN volatility
-    return [{"step": step, "layer": layer, **{m: float(np.mean([v[f"{m}_l{layer}"] for v in volatility]))
-                                               if f"{m}_l{layer}" in moved else load.get(f"{m}_l{layer}", math.nan)
-                                               for m in LAYER_METRICS}}
-            for layer in range(num_layers)]  # fmt: skip
+    return [
+        {
+            "step": step,
+            "layer": layer,
+            **{
+                m: float(np.mean([v[f"{m}_l{layer}"] for v in volatility]))
+                if f"{m}_l{layer}" in moved
+                else load.get(f"{m}_l{layer}", math.nan)
+                for m in LAYER_METRICS
+            },
+        }
+        for layer in range(num_layers)
+    ]
 
 
 def write_metrics(run_dir: Path, log: Progress, *, metrics_only: bool = False) -> None:
@@ -104,8 +113,9 @@ def write_metrics(run_dir: Path, log: Progress, *, metrics_only: bool = False) -
     from one that was lost (an error). `metrics_only`: metrics.parquet alone."""
     if not log.rows:
         return
-    frame = pd.DataFrame(log.rows, columns=list(STEP_METRICS) + sorted({k for r in log.rows for k in r} -
-                                                                       set(STEP_METRICS)))  # fmt: skip
+    frame = pd.DataFrame(
+        log.rows, columns=list(STEP_METRICS) + sorted({k for r in log.rows for k in r} - set(STEP_METRICS))
+    )
     frame["step"] = frame["step"].astype("int64")
     table = pa.Table.from_pandas(frame, preserve_index=False)
     table = table.replace_schema_metadata({**table.schema.metadata, CHECKPOINT_KEY: str(log.checkpoint).encode()})

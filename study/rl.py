@@ -224,8 +224,9 @@ def train(
         rundir.set_status(run_dir, "completed", step=cfg.steps)
 
 
-def _restore(cfg: RunConfig, parts: Parts, run_dir: Path, state: Any, log: record.Progress,
-             tracking: Tracking | None) -> record.Recorder:  # fmt: skip
+def _restore(
+    cfg: RunConfig, parts: Parts, run_dir: Path, state: Any, log: record.Progress, tracking: Tracking | None
+) -> record.Recorder:
     """The checkpoint's `state` into the parts (a resume; None: a new run), the layout into the manifest, and the
     run's Recorder with the live trackers (study/run/trackers.py: rank 0's get every row as it is recorded). The
     engine is closed if any of it fails."""
@@ -277,8 +278,16 @@ def _rollout_batch(cfg: RunConfig, parts: Parts, log: record.Progress, step: int
     return collected
 
 
-def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: TaskTokenizer, data_pos: int, step: int,
-             mastered: set[str]) -> Collected:  # fmt: skip
+def _collect(
+    cfg: RunConfig,
+    alg: Algorithm,
+    engine: Any,
+    stream: Any,
+    tok: TaskTokenizer,
+    data_pos: int,
+    step: int,
+    mastered: set[str],
+) -> Collected:
     """Rollouts for one step as a padded batch, with what was measured on them. With prompt_filter = mastered the
     stream's prompts in `mastered` are skipped, and the prompts every response solved are returned to join it."""
     t0 = time.perf_counter()
@@ -334,8 +343,15 @@ def _collect(cfg: RunConfig, alg: Algorithm, engine: Any, stream: Any, tok: Task
             for j in range(cfg.group_size):
                 i = p * cfg.group_size + j
                 routes = rollout.routes[i] if rollout.routes is not None else None
-                kept.append({"prompt": prompts[p], "response": rollout.tokens[i], "logp": rollout.logprobs[i],
-                             "adv": float(adv[i]), "routes": routes})  # fmt: skip
+                kept.append(
+                    {
+                        "prompt": prompts[p],
+                        "response": rollout.tokens[i],
+                        "logp": rollout.logprobs[i],
+                        "adv": float(adv[i]),
+                        "routes": routes,
+                    }
+                )
     metrics = {
         "reward_mean": float(np.mean(all_rewards)),
         "reward_std": float(np.std(all_rewards)),
@@ -360,8 +376,16 @@ Update = tuple[dict[str, float], Routes]
 """One minibatch update's metrics and the routes free routing chose in its forward."""
 
 
-def _updates(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor], old: PiOld,
-             old_logp: torch.Tensor, replay: Routes | None, step: int) -> list[Update]:  # fmt: skip
+def _updates(
+    cfg: RunConfig,
+    parts: Parts,
+    batch: Batch,
+    chunks: list[torch.Tensor],
+    old: PiOld,
+    old_logp: torch.Tensor,
+    replay: Routes | None,
+    step: int,
+) -> list[Update]:
     """The step's minibatch updates in order, each against `old_logp` (B, T) with `replay`'s routes forced (None:
     free routing): the first one from pi_old's fused forward (`old.first_logp`), the others forwarded here; or, with
     no fused forward, each in micro-batches (`_update_micro`)."""
@@ -376,8 +400,15 @@ def _updates(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tens
     return out
 
 
-def _loss(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
-          ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+def _loss(
+    cfg: RunConfig,
+    parts: Parts,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    batch: Batch,
+    idx: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The minibatch's loss from its log-probs `logp` (b, T) against `old_logp` (b, T), and its metrics."""
     alg, hparams, mask = parts.alg, parts.hparams, batch.mask[idx]  # mask: (b, T)
     # ALGO: the loss
@@ -390,8 +421,17 @@ def _loss(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tens
     return loss, metrics
 
 
-def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
-            ref_logp: torch.Tensor | None, step: int, accumulated: bool = False) -> dict[str, float]:  # fmt: skip
+def _update(
+    cfg: RunConfig,
+    parts: Parts,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    batch: Batch,
+    idx: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    step: int,
+    accumulated: bool = False,
+) -> dict[str, float]:
     """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
     (+ the KL hook), backward, global-norm clip, optimiser step (`accumulated`: the gradients are there already,
     `logp` their forwards' values). Returns the minibatch's metrics; raises Collapse on an exploding ratio or a
@@ -420,8 +460,14 @@ def _update(cfg: RunConfig, parts: Parts, logp: torch.Tensor, old_logp: torch.Te
     with torch.no_grad():
         approx_kl = float(torch.where(mask.bool(), k3(d), 0.0).sum() / n)  # k3 KL(pi_old || pi_theta)
         entropy = float(-torch.where(mask.bool(), logp.detach(), 0.0).sum() / n)
-    return {**metrics, "loss": loss.item(), "approx_kl": approx_kl, "entropy_est": entropy,
-            "grad_norm": float(grad_norm), "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask)}  # fmt: skip
+    return {
+        **metrics,
+        "loss": loss.item(),
+        "approx_kl": approx_kl,
+        "entropy_est": entropy,
+        "grad_norm": float(grad_norm),
+        "ratio_gt2_frac": ratio_gt2_frac(logp.detach(), old_logp, mask),
+    }
 
 
 def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> float:
@@ -432,9 +478,15 @@ def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
 
 
 def _update_micro(
-    cfg: RunConfig, parts: Parts, old_logp: torch.Tensor, batch: Batch, idx: torch.Tensor,
-    ref_logp: torch.Tensor | None, step: int, replay: Routes | None,
-) -> tuple[dict[str, float], Routes]:  # fmt: skip
+    cfg: RunConfig,
+    parts: Parts,
+    old_logp: torch.Tensor,
+    batch: Batch,
+    idx: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    step: int,
+    replay: Routes | None,
+) -> tuple[dict[str, float], Routes]:
     """`_update` of the minibatch idx with this rank's rows forwarded in micro-batches of `micro_batch` sequences,
     each backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as
     constants. Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's
@@ -565,8 +617,9 @@ def _sync_parity(policy: torch.nn.Module, routing: RoutingController, engine: An
 
 
 @torch.no_grad()
-def _evaluate(cfg: RunConfig, engine: Any, tok: TaskTokenizer, evals: dict[str, list[tasks.TaskItem]],
-              step: int) -> dict[str, float]:  # fmt: skip
+def _evaluate(
+    cfg: RunConfig, engine: Any, tok: TaskTokenizer, evals: dict[str, list[tasks.TaskItem]], step: int
+) -> dict[str, float]:
     """Mean pass@1 over k samples on each held-out set of the step's plan (RunConfig.eval_plan: the validation sets,
     and the test split at the first and last evaluations), with the same sampling seed at every evaluation."""
     out = {}
@@ -670,8 +723,10 @@ class StepMeasures:
                 # the old vs the new policy's choice of experts for the same tokens
                 volatility.append(routing_volatility(old.routes[idx], routes, attention[idx]))
                 changed = routing_volatility(old.routes[idx], routes, response[idx], per_layer=False)
-                per_minibatch[-1].update(routing_slot_mismatch=volatility[-1]["slot_mismatch"],
-                                         routing_token_changed_frac=changed["token_flip_rate"])  # fmt: skip
+                per_minibatch[-1].update(
+                    routing_slot_mismatch=volatility[-1]["slot_mismatch"],
+                    routing_token_changed_frac=changed["token_flip_rate"],
+                )
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
             self._flops(batch, int(attention[idx].sum()), passes=3)

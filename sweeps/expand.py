@@ -101,12 +101,26 @@ class Sweep:
                 listed = {_canonical(v) for v in axes[name]}
                 for value in values:
                     if _canonical(value) not in listed:
-                        raise SweepError(f"{where}: exclude[{i}].{name} = {_short(value)} is not a value of "
-                                         f"axes.{name}; valid: {', '.join(_short(v) for v in axes[name])}")  # fmt: skip
+                        raise SweepError(
+                            f"{where}: exclude[{i}].{name} = {_short(value)} is not a value of "
+                            f"axes.{name}; valid: {', '.join(_short(v) for v in axes[name])}"
+                        )
         tuned = data.get("tuned")
         tuned_values = load_tuned(tuned, where=f"{where}: tuned") if tuned else None
-        sweep = cls(data["name"], dict(data.get("base") or {}), axes, mode, data.get("preset"), where, tuned,
-                    tuned_values, data.get("tune"), data.get("per_algorithm"), max_runs, exclude)  # fmt: skip
+        sweep = cls(
+            data["name"],
+            dict(data.get("base") or {}),
+            axes,
+            mode,
+            data.get("preset"),
+            where,
+            tuned,
+            tuned_values,
+            data.get("tune"),
+            data.get("per_algorithm"),
+            max_runs,
+            exclude,
+        )
         sweep.check_size()
         return sweep
 
@@ -130,9 +144,11 @@ class Sweep:
         size = self.size()
         if size > cap:
             shape = " x ".join(f"{len(v)} {k}" for k, v in self.axes.items())
-            raise SweepError(f"{self.source}: the sweep makes {size} runs ({shape}), more than max_runs = {cap}; "
-                             "valid: fewer axis values, or raise the cap with `max_runs: N` in the sweep "
-                             "(or --max-runs N) if you mean it")  # fmt: skip
+            raise SweepError(
+                f"{self.source}: the sweep makes {size} runs ({shape}), more than max_runs = {cap}; "
+                "valid: fewer axis values, or raise the cap with `max_runs: N` in the sweep "
+                "(or --max-runs N) if you mean it"
+            )
 
     def combinations(self) -> list[dict[str, Any]]:
         """The axis values of every run, in file order (grid: last axis fastest)."""
@@ -293,8 +309,10 @@ def _check_placeholders(data: dict[str, Any], values: dict[str, Any], where: str
             match = _PLACEHOLDER.search(node)
             if match:
                 name, declared = match.group(1), ", ".join(values) or "none"
-                raise SweepError(f"{where}: {at} = {_short(node)}: placeholder {{{name}}} is not declared in vars:; "
-                                 f"valid: {declared} (declare it: vars: {{{name}: DEFAULT}})")  # fmt: skip
+                raise SweepError(
+                    f"{where}: {at} = {_short(node)}: placeholder {{{name}}} is not declared in vars:; "
+                    f"valid: {declared} (declare it: vars: {{{name}: DEFAULT}})"
+                )
         elif isinstance(node, list):
             for i, v in enumerate(node):
                 walk(v, f"{at}[{i}]")
@@ -334,10 +352,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output YAML path for --write-config")
     parser.add_argument("--write-configs", metavar="DIR", help="write every run's resolved config to DIR/RUN_ID.yaml")
     parser.add_argument("--run-ids", metavar="FILE", help="write the study's run ids to FILE, one a line")
-    parser.add_argument("--max-runs", type=int, default=None, metavar="N",
-                        help=f"allow a sweep of up to N runs (default: its max_runs:, else {MAX_RUNS})")  # fmt: skip
-    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                        help="a value of the sweep's vars (--var checkpoint=/data/Qwen3-30B-A3B-Base)")  # fmt: skip
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"allow a sweep of up to N runs (default: its max_runs:, else {MAX_RUNS})",
+    )
+    parser.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a value of the sweep's vars (--var checkpoint=/data/Qwen3-30B-A3B-Base)",
+    )
     args = parser.parse_args(argv)
     try:
         variables = {}

@@ -264,8 +264,10 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
     base = data.get("base") or {}
     primaries = [c.get("name") for c in data.get("comparisons") or () if c.get("role") == "primary"]
     if len(primaries) > 1:
-        raise SweepError(f"{where}: comparisons: {len(primaries)} primary comparisons {primaries}; valid: one "
-                         "(role: secondary for the rest)")  # fmt: skip
+        raise SweepError(
+            f"{where}: comparisons: {len(primaries)} primary comparisons {primaries}; valid: one "
+            "(role: secondary for the rest)"
+        )
     seen: set[str] = set()
     for i, c in enumerate(data.get("comparisons") or ()):
         at = f"{where}: comparisons[{i}]"
@@ -279,8 +281,10 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
         values = list(algorithms.names()) if values == "all" else values
         for side in ("treatment", "control"):
             if arms[side] not in values:
-                raise SweepError(f"{at}.arms.{side} = {arms[side]!r}: not a value of axes.{arms['axis']}; valid: "
-                                 f"{', '.join(map(str, values))}")  # fmt: skip
+                raise SweepError(
+                    f"{at}.arms.{side} = {arms[side]!r}: not a value of axes.{arms['axis']}; valid: "
+                    f"{', '.join(map(str, values))}"
+                )
         if arms["treatment"] == arms["control"]:
             raise SweepError(f"{at}.arms: treatment = control = {arms['control']!r}; valid: two different values")
         if c["metric"] not in STEP_METRICS:
@@ -298,8 +302,10 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
                 valid = ", ".join(a for a in axes if a not in (arms["axis"], "seed"))
                 raise SweepError(f"{at}.stratum.{axis}: not another axis of the sweep; valid: {valid or 'none'}")
             if value not in axes[axis]:
-                raise SweepError(f"{at}.stratum.{axis} = {value!r}: not a value of axes.{axis}; valid: "
-                                 f"{', '.join(map(str, axes[axis]))}")  # fmt: skip
+                raise SweepError(
+                    f"{at}.stratum.{axis} = {value!r}: not a value of axes.{axis}; valid: "
+                    f"{', '.join(map(str, axes[axis]))}"
+                )
         swept = axes.get("seed", [base.get("seed", 0)])
         if sorted(c["seeds"]) != sorted(swept):
             raise SweepError(f"{at}.seeds = {c['seeds']}: the sweep runs seeds {swept}; valid: the same seeds")
@@ -462,12 +468,16 @@ def validate_sweep(data: Any, *, where: str = "sweep") -> None:
     """Raise SweepError listing every schema violation of `data` (a parsed sweep file)."""
     name = data.get("name") if isinstance(data, dict) else None
     if name == "tune" and isinstance(data, dict) and "tune" not in data:
-        raise SweepError(f"{where}: name = 'tune': reserved for tuning sweeps (results/tune/ holds the tuning "
-                         "stores); valid: another name")  # fmt: skip
+        raise SweepError(
+            f"{where}: name = 'tune': reserved for tuning sweeps (results/tune/ holds the tuning "
+            "stores); valid: another name"
+        )
     if isinstance(name, str) and (name in RESERVED_NAMES or not re.fullmatch(NAME_PATTERN, name)):
-        raise SweepError(f"{where}: name = {name!r}: a study's folder under the results root; valid: letters, "
-                         f"digits, _ . - not starting with a dot, and not one of {', '.join(RESERVED_NAMES)} "
-                         "(reserved)")  # fmt: skip
+        raise SweepError(
+            f"{where}: name = {name!r}: a study's folder under the results root; valid: letters, "
+            f"digits, _ . - not starting with a dot, and not one of {', '.join(RESERVED_NAMES)} "
+            "(reserved)"
+        )
     _validate(sweep_schema(), data, where)
     if data.get("comparisons"):
         check_comparisons(data, where)

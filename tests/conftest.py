@@ -98,11 +98,22 @@ class ColdStarts:
         (self.root / "locks").mkdir(parents=True, exist_ok=True)
         with FileLock(self.root / "locks" / f"{name}.lock"):  # another worker may be training it: wait for it
             if not is_complete(directory):
-                cmd = [sys.executable, "-m", "study.launch", "--coldstart", model, task, "--results", str(self.root),
-                       "--coldstart-settings", json.dumps(settings)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "study.launch",
+                    "--coldstart",
+                    model,
+                    task,
+                    "--results",
+                    str(self.root),
+                    "--coldstart-settings",
+                    json.dumps(settings),
+                ]
                 env = {k: v for k, v in os.environ.items() if k != "STUDY_NATIVE"}  # the C kernels on, their default
-                self.training = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+                self.training = subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
                 try:
                     _, err = self.training.communicate(timeout=900)
                 finally:

@@ -68,8 +68,10 @@ def required() -> set[str]:
     """The names STUDY_REQUIRE lists (comma-separated); an unknown name is a ValueError naming the valid ones."""
     names = {n.strip() for n in os.environ.get("STUDY_REQUIRE", "").split(",") if n.strip()}
     if unknown := sorted(names - REQUIREMENTS.keys()):
-        raise ValueError(f"STUDY_REQUIRE = {os.environ['STUDY_REQUIRE']!r}: unknown {', '.join(unknown)}; valid: "
-                         f"{', '.join(REQUIREMENTS)}")  # fmt: skip
+        raise ValueError(
+            f"STUDY_REQUIRE = {os.environ['STUDY_REQUIRE']!r}: unknown {', '.join(unknown)}; valid: "
+            f"{', '.join(REQUIREMENTS)}"
+        )
     return names
 
 

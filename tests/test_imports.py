@@ -12,9 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("study", "algorithms", "analysis", "sweeps")
 ROOMS = (
-    "study.core", "study.run", "study.data", "study.policy", "study.rollout", "study.coldstart", "study.kernels",
+    "study.core",
+    "study.run",
+    "study.data",
+    "study.policy",
+    "study.rollout",
+    "study.coldstart",
+    "study.kernels",
     "study.tools",
-)  # fmt: skip
+)
 # The RL loop at study/'s top: rl.py over the modules it is made of (none imports rl.py; the rooms import none of them)
 LOOP = ("study.rl", "study.parts", "study.batch", "study.record", "study.checkpoint", "study.lifecycle")
 
@@ -63,8 +69,13 @@ def _in(module: str, package: str) -> bool:
 
 
 def _violations(source: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
-    return sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _in(m, source) for t in targets
-                  if any(_in(t, f) for f in forbidden) and not any(_in(t, a) for a in allowed))  # fmt: skip
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in GRAPH.items()
+        if _in(m, source)
+        for t in targets
+        if any(_in(t, f) for f in forbidden) and not any(_in(t, a) for a in allowed)
+    )
 
 
 def test_the_graph_sees_the_packages() -> None:
@@ -115,8 +126,11 @@ def test_core_imports_no_other_room() -> None:
 def test_science_modules_name_no_kernel() -> None:
     """Only the two places that choose the speed paths name a kernel module (study/kernels/__init__.py)."""
     choosers = {"study.policy.layers", "study.rollout.hf", "study.lifecycle"}  # lifecycle asks whether they built
-    users = {m for m, targets in GRAPH.items() if not _in(m, "study.kernels") and any(_in(t, "study.kernels")
-                                                                                     for t in targets)}  # fmt: skip
+    users = {
+        m
+        for m, targets in GRAPH.items()
+        if not _in(m, "study.kernels") and any(_in(t, "study.kernels") for t in targets)
+    }
     assert users <= choosers, sorted(users - choosers)
 
 

@@ -20,8 +20,18 @@ def _pytest(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("hidden by tests/test_requirements.py")\n')
     env = {**os.environ, "PYTHONPATH": str(shadow.parent), **env}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "-k", "own_process",
-           "tests/study/rollout/test_vllm_engine.py"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *args,
+        "-k",
+        "own_process",
+        "tests/study/rollout/test_vllm_engine.py",
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -228,8 +228,9 @@ def _plot_curves(
             if points:
                 bars = c[c["low"].notna() & c["high"].notna() & (c["high"] > c["low"])]
                 err = np.vstack([bars["mean"] - bars["low"], bars["high"] - bars["mean"]])
-                ax.errorbar(bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8,
-                            color=style.color(alg))  # fmt: skip
+                ax.errorbar(
+                    bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8, color=style.color(alg)
+                )
             else:
                 ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
             at0 = c[c[x] == 0]
@@ -265,16 +266,29 @@ def _err(t: pd.DataFrame, mean: str = "mean") -> np.ndarray:
     return np.where(np.isfinite(e), np.maximum(e, 0), 0)
 
 
-def _gap_bars(ax: Axes, x: pd.Series, p: pd.DataFrame, xerr: pd.DataFrame, alg: str, k: int, label: str,
-              gid: str) -> None:  # fmt: skip
+def _gap_bars(
+    ax: Axes, x: pd.Series, p: pd.DataFrame, xerr: pd.DataFrame, alg: str, k: int, label: str, gid: str
+) -> None:
     """One comparison's gaps (`p`: estimate, low, high) at `x`, with `xerr` (lo, hi columns) the x intervals, in
     `alg`'s colour and the k-th marker: Figures 8 and 9 draw their gaps alike."""
-    ax.errorbar(x, p["estimate"], yerr=_err(p, "estimate"), xerr=xerr.to_numpy().T, color=style.color(alg),
-                marker=MARKERS[k % len(MARKERS)], ms=4, lw=1.0, capsize=1.5, label=label, gid=gid)  # fmt: skip
+    ax.errorbar(
+        x,
+        p["estimate"],
+        yerr=_err(p, "estimate"),
+        xerr=xerr.to_numpy().T,
+        color=style.color(alg),
+        marker=MARKERS[k % len(MARKERS)],
+        ms=4,
+        lw=1.0,
+        capsize=1.5,
+        label=label,
+        gid=gid,
+    )
 
 
-def _top_tags(fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *,
-              crowded: str) -> None:  # fmt: skip
+def _top_tags(
+    fig: Figure, axes: Sequence[Axes], xs: np.ndarray, tags: Sequence[str], title: str, *, crowded: str
+) -> None:
     """Tick labels on top of each of `axes` naming what each x in `xs` is (`tags`, 6 pt, lines split by newlines),
     titled `title`; where neighbouring tags would overlap, none is written and the title says `crowded`."""
     from matplotlib import ticker

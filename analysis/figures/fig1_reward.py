@@ -89,5 +89,7 @@ def _temperature_note(st: Study) -> str:
     rollout, held_out = values("temperature"), values("eval_temperature")
     if rollout == held_out == "1":
         return ""
-    return (f" The training reward is the rollouts', sampled at temperature {rollout}; the held-out evaluations "
-            f"sample at temperature {held_out}.")  # fmt: skip
+    return (
+        f" The training reward is the rollouts', sampled at temperature {rollout}; the held-out evaluations "
+        f"sample at temperature {held_out}."
+    )

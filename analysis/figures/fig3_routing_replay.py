@@ -77,8 +77,16 @@ def figure3_routing_replay(
         where_cfg = ", ".join(f"{c}={v}" for c, v in zip(cfg_cols, cfg, strict=True))
         for ax, fam in zip(axs, fams, strict=True):
             if not any(((algs == alg) & in_cfg).any() for alg in fam):  # a cell the sweep left out, said as such
-                ax.text(0.5, 0.5, "not run in this configuration", transform=ax.transAxes, ha="center",
-                        va="center", color=style.NEUTRAL, fontsize="small")  # fmt: skip
+                ax.text(
+                    0.5,
+                    0.5,
+                    "not run in this configuration",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    color=style.NEUTRAL,
+                    fontsize="small",
+                )
             for alg in fam:
                 idx = np.flatnonzero((algs == alg) & in_cfg)
                 col = style.color(alg)
@@ -90,14 +98,12 @@ def figure3_routing_replay(
                         last = np.flatnonzero(np.isfinite(mat[i]))
                         if np.isfinite(cx) and last.size:
                             yv = np.interp(np.log(cx), np.log(grid[last]), mat[i][last])
-                            ax.plot([cx / scale], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none",
-                                    gid="collapse")  # fmt: skip
+                            ax.plot([cx / scale], [yv], marker="x", ms=6, mew=1.5, color=col, ls="none", gid="collapse")
                 if idx.size:  # the mean begins where every seed has logged (its first point is a mean over all)
                     m = mat[idx].copy()
                     m[:, grid < np.nanmax(starts[idx]) * (1 - 1e-12)] = np.nan
                     mean = stats.mean_band(m)[0]
-                    ax.plot(grid / scale, mean, color=col, lw=1.8,
-                            label=f"{style.label(alg)} ({reg.get(alg).routing})")  # fmt: skip
+                    ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
             _compute_axis(ax, unit)
             ax.set_title(style.label(fam[0]) + (f"\n{where_cfg}" if where_cfg else ""))
     for axs in grid_axs:

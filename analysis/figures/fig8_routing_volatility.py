@@ -65,8 +65,16 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     rows = []
     for i in range(len(keys)):
         ci = stats.mean_ci(vol.loc[vol["config"] == i, "value"].to_numpy())
-        rows.append({"config": label(i), **dict(zip(axes, keys[i], strict=True)), "mean": ci.estimate,
-                     "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
+        rows.append(
+            {
+                "config": label(i),
+                **dict(zip(axes, keys[i], strict=True)),
+                "mean": ci.estimate,
+                "low": ci.low,
+                "high": ci.high,
+                "n": ci.n,
+            }
+        )
     volatility = pd.DataFrame(rows)
 
     present = sorted(set(study.runs.loc[~study.runs["state"].isin(["failed", "unknown"]), ALGORITHM].astype(str)))
@@ -83,9 +91,20 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
             x = in_cfg.loc[in_cfg[ALGORITHM] == a, "value"].to_numpy()
             y = in_cfg.loc[in_cfg[ALGORITHM] == b, "value"].to_numpy()
             d = stats.mean_difference(x, y)
-            rows.append({"config": label(i), "comparison": f"{style.label(a)} - {style.label(b)}", "claim": claim,
-                         "minuend": a, "subtrahend": b, "quantity": what, "estimate": d.estimate, "low": d.low,
-                         "high": d.high, "n": f"{len(x)} vs {len(y)}"})  # fmt: skip
+            rows.append(
+                {
+                    "config": label(i),
+                    "comparison": f"{style.label(a)} - {style.label(b)}",
+                    "claim": claim,
+                    "minuend": a,
+                    "subtrahend": b,
+                    "quantity": what,
+                    "estimate": d.estimate,
+                    "low": d.low,
+                    "high": d.high,
+                    "n": f"{len(x)} vs {len(y)}",
+                }
+            )
     gap_cols = ["config", "comparison", "claim", "minuend", "subtrahend", "quantity", "estimate", "low", "high", "n"]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
@@ -96,8 +115,17 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
         t = per_config(stats.run_mean(study.long, metric))
         for (i, alg), grp in t.groupby(["config", ALGORITHM], sort=True):
             ci = stats.mean_ci(grp["value"].to_numpy())
-            rows.append({"config": label(int(i)), ALGORITHM: alg, "metric": metric, "mean": ci.estimate,
-                         "low": ci.low, "high": ci.high, "n": ci.n})  # fmt: skip
+            rows.append(
+                {
+                    "config": label(int(i)),
+                    ALGORITHM: alg,
+                    "metric": metric,
+                    "mean": ci.estimate,
+                    "low": ci.low,
+                    "high": ci.high,
+                    "n": ci.n,
+                }
+            )
     load = pd.DataFrame(rows, columns=["config", ALGORITHM, "metric", "mean", "low", "high", "n"])
     return {"volatility": volatility, "gaps": gaps, "routing_load": load}
 
@@ -130,8 +158,16 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                 continue
             p["x"] = p["config"].map(xs)
             p = p.sort_values("x")
-            _gap_bars(ax, p["x"], p, xerr.loc[p["config"]], a, k,
-                      f"{style.label(a)} − {style.label(b)} ({claim})", f"gap-{what}-{a}-{b}")  # fmt: skip
+            _gap_bars(
+                ax,
+                p["x"],
+                p,
+                xerr.loc[p["config"]],
+                a,
+                k,
+                f"{style.label(a)} − {style.label(b)} ({claim})",
+                f"gap-{what}-{a}-{b}",
+            )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.set_ylabel(f"{what} gap")
         ax.set_title(f"{what}: gap between the compared algorithms")
@@ -150,8 +186,18 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
             p = p.sort_values("x")
             dodge = (k - (n_alg - 1) / 2) * 0.025  # algorithms side by side at their configuration's volatility
             x = p["x"] * (1 + dodge) if log_x else p["x"] + dodge * float(np.nanmax(xs) - np.nanmin(xs) or 1.0)
-            ax.errorbar(x, p["mean"], yerr=_err(p), color=style.color(alg), marker="o", ms=3, lw=0.8, capsize=1.5,
-                        label=style.label(alg), gid=f"load-{metric}-{alg}")  # fmt: skip
+            ax.errorbar(
+                x,
+                p["mean"],
+                yerr=_err(p),
+                color=style.color(alg),
+                marker="o",
+                ms=3,
+                lw=0.8,
+                capsize=1.5,
+                label=style.label(alg),
+                gid=f"load-{metric}-{alg}",
+            )
         ax.set_ylabel(ylabel)
         ax.set_title(metric)
         ax.set_xlabel("routing volatility: expert-slot mismatch since pi_old")

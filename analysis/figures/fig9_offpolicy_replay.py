@@ -169,8 +169,16 @@ def figure9_offpolicy_replay(
             p = g[(g["minuend"] == a) & (g["subtrahend"] == b)].sort_values("volatility")
             if p.empty:
                 continue
-            _gap_bars(ax, p["volatility"], p, xerr.loc[p[axis]], a, k, f"{style.label(a)} − {style.label(b)}",
-                      f"gap-{q}-{a}-{b}")  # fmt: skip
+            _gap_bars(
+                ax,
+                p["volatility"],
+                p,
+                xerr.loc[p[axis]],
+                a,
+                k,
+                f"{style.label(a)} − {style.label(b)}",
+                f"gap-{q}-{a}-{b}",
+            )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.axvline(thr, color=style.NEUTRAL, lw=0.9, ls="--")
         ax.xaxis.set_major_formatter(pct)

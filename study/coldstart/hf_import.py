@@ -39,8 +39,25 @@ INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors header read (the safetensors library's own limit)."""
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I64": 8, "I32": 4,
-               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8}  # fmt: skip
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "C64": 8,
+}
 """Bytes per element of each safetensors dtype."""
 
 
@@ -73,8 +90,10 @@ def _confined(directory: Path, name: Any, source: str) -> Path:
     except (OSError, RuntimeError):  # missing, a link loop
         raise ValueError(f"{where}: shard {name[:200]!r} is missing") from None
     if not inside:
-        raise ValueError(f"{where}: shard {name[:200]!r} is a link to {path.resolve()}, outside the checkpoint's "
-                         "folder; valid: a file in it")  # fmt: skip
+        raise ValueError(
+            f"{where}: shard {name[:200]!r} is a link to {path.resolve()}, outside the checkpoint's "
+            "folder; valid: a file in it"
+        )
     if not path.is_file():
         raise ValueError(f"{where}: shard {name[:200]!r} is not a file")
     return path
@@ -94,12 +113,16 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
         raise ValueError(f"{_where(directory)}: {index}: {json_problem(err)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{_where(directory)}: {index}: no weight_map; valid: a JSON object whose weight_map maps "
-                         "each tensor name to its shard file")  # fmt: skip
+        raise ValueError(
+            f"{_where(directory)}: {index}: no weight_map; valid: a JSON object whose weight_map maps "
+            "each tensor name to its shard file"
+        )
     for name, file in weight_map.items():
         if not isinstance(file, str):
-            raise ValueError(f"{_where(directory)}: {index}: weight_map[{name[:200]!r}] = {str(file)[:100]}; valid: "
-                             "a shard file name")  # fmt: skip
+            raise ValueError(
+                f"{_where(directory)}: {index}: weight_map[{name[:200]!r}] = {str(file)[:100]}; valid: "
+                "a shard file name"
+            )
     return weight_map
 
 
@@ -128,8 +151,10 @@ def safetensors_names(path: Path, where: str) -> list[str]:
             raise ValueError(f"{where}: {size} bytes; not a safetensors file (its first 8 bytes are the header length)")
         (n,) = struct.unpack("<Q", f.read(8))
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise ValueError(f"{where}: the header says it is {n} bytes, the file has {size - 8} after the length; "
-                             "not a safetensors file, or cut short")  # fmt: skip
+            raise ValueError(
+                f"{where}: the header says it is {n} bytes, the file has {size - 8} after the length; "
+                "not a safetensors file, or cut short"
+            )
         raw = f.read(n)
     try:
         header = load_json(raw, max_bytes=MAX_HEADER_BYTES)
@@ -150,18 +175,26 @@ def safetensors_names(path: Path, where: str) -> list[str]:
             raise ValueError(f"{bad}: dtype {str(dtype)[:50]!r}; valid: {', '.join(DTYPE_BYTES)}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"{bad}: shape {str(shape)[:100]}; valid: a list of sizes >= 0")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):  # fmt: skip
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data
+        ):
             raise ValueError(f"{bad}: data_offsets {str(offsets)[:100]} outside the file's {data} bytes of data")
         if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise ValueError(f"{bad}: shape {shape} of {dtype} is {math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its "
-                             f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")  # fmt: skip
+            raise ValueError(
+                f"{bad}: shape {shape} of {dtype} is {math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its "
+                f"data_offsets {offsets} hold {offsets[1] - offsets[0]}"
+            )
         ranges.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(ranges):
         if begin != end:
-            raise ValueError(f"{where}: tensor {name[:200]!r} starts at byte {begin} of the data, not at {end}; the "
-                             "tensors must tile the data (overlapping or with gaps)")  # fmt: skip
+            raise ValueError(
+                f"{where}: tensor {name[:200]!r} starts at byte {begin} of the data, not at {end}; the "
+                "tensors must tile the data (overlapping or with gaps)"
+            )
         end = stop
     if end != data:
         raise ValueError(f"{where}: the tensors hold {end} bytes, the file has {data} after the header")
@@ -193,9 +226,14 @@ def check_files(directory: str | Path, cfg: ModelConfig) -> None:
     expected = set(hf_param_names(cfg))
     missing, unknown = sorted(expected - set(found)), sorted(set(found) - expected)
     if missing or unknown:
-        raise ValueError(f"{where}: " + "; ".join(
-            f"{len(names)} tensors {what}, e.g. {names[:3]}" for names, what in
-            ((missing, "of the model are missing"), (unknown, "are not tensors of the model")) if names))  # fmt: skip
+        raise ValueError(
+            f"{where}: "
+            + "; ".join(
+                f"{len(names)} tensors {what}, e.g. {names[:3]}"
+                for names, what in ((missing, "of the model are missing"), (unknown, "are not tensors of the model"))
+                if names
+            )
+        )
     check_tokenizer(directory)
 
 
@@ -209,8 +247,9 @@ def check_tokenizer(directory: str | Path) -> None:
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{_where(directory)}: {err}") from None
     if tok.chat_template is not None:
-        source = directory / ("chat_template.jinja" if (directory / "chat_template.jinja").is_file() else
-                              "tokenizer_config.json")  # fmt: skip
+        source = directory / (
+            "chat_template.jinja" if (directory / "chat_template.jinja").is_file() else "tokenizer_config.json"
+        )
         chat_template.check(tok.chat_template, tok.specials, where=f"{_where(directory)}: {source}")
 
 
@@ -240,8 +279,13 @@ class HFCheckpoint:
         expected = set(hf_param_names(self.cfg))
         seen: set[str] = set()
         pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
-        groups = {"q_proj": ("q", "k", "v"), "k_proj": ("q", "k", "v"), "v_proj": ("q", "k", "v"),
-                  "gate_proj": ("gate", "up"), "up_proj": ("gate", "up")}  # fmt: skip
+        groups = {
+            "q_proj": ("q", "k", "v"),
+            "k_proj": ("q", "k", "v"),
+            "v_proj": ("q", "k", "v"),
+            "gate_proj": ("gate", "up"),
+            "up_proj": ("gate", "up"),
+        }
         for name, tensor in self.hf_tensors():
             if name not in expected or name in seen:
                 what = "appears twice" if name in seen else "is not a tensor of the model"
@@ -259,8 +303,10 @@ class HFCheckpoint:
                 yield from self._mapped(parts, te_spec)
         missing = expected - seen
         if missing:
-            raise ValueError(f"coldstart = {str(self.directory)!r}: {len(missing)} tensors of the model are missing, "
-                             f"e.g. {sorted(missing)[:3]}")  # fmt: skip
+            raise ValueError(
+                f"coldstart = {str(self.directory)!r}: {len(missing)} tensors of the model are missing, "
+                f"e.g. {sorted(missing)[:3]}"
+            )
 
     def _mapped(self, hf_part: dict[str, torch.Tensor], te_spec: bool) -> Iterator[tuple[str, torch.Tensor]]:
         yield from hf_to_megatron(hf_part, self.cfg, te_spec=te_spec, partial=True, copy=False).items()
@@ -278,16 +324,21 @@ class HFCheckpoint:
             if dst is None:
                 raise ValueError(f"coldstart = {str(self.directory)!r}: the model has no parameter {name!r}")
             if dst.shape != tensor.shape:
-                raise ValueError(f"coldstart = {str(self.directory)!r}: {name} has shape {tuple(tensor.shape)}, the "
-                                 f"model's is {tuple(dst.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"coldstart = {str(self.directory)!r}: {name} has shape {tuple(tensor.shape)}, the "
+                    f"model's is {tuple(dst.shape)}"
+                )
             dst.data.copy_(tensor)
             written.add(name)
             copied += tensor.numel()
-        unwritten = sorted(set(params) - written - {n for n in params if n.endswith(("local_tokens_per_expert",
-                                                                                      "expert_bias"))})  # fmt: skip
+        unwritten = sorted(
+            set(params) - written - {n for n in params if n.endswith(("local_tokens_per_expert", "expert_bias"))}
+        )
         if unwritten:
-            raise ValueError(f"coldstart = {str(self.directory)!r}: {len(unwritten)} parameters were not loaded, "
-                             f"e.g. {unwritten[:3]}")  # fmt: skip
+            raise ValueError(
+                f"coldstart = {str(self.directory)!r}: {len(unwritten)} parameters were not loaded, "
+                f"e.g. {unwritten[:3]}"
+            )
         return copied
 
 

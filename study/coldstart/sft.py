@@ -113,8 +113,10 @@ class ColdStartSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", model_spec(self.model))
         if self.model_config.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"model.vocab_size = {self.model_config.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the "
-                             "tokenizer's 256 bytes and special tokens)")  # fmt: skip
+            raise ValueError(
+                f"model.vocab_size = {self.model_config.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the "
+                "tokenizer's 256 bytes and special tokens)"
+            )
         if self.task not in tasks.TASKS:
             raise ValueError(f"coldstart.task = {self.task!r}; valid: {', '.join(tasks.TASKS)}")
         if not isinstance(self.knobs, dict):
@@ -125,8 +127,16 @@ class ColdStartSettings:
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"coldstart.band = {self.band!r}; valid: (low, high) with 0 <= low < high <= 1")
         object.__setattr__(self, "band", (lo, hi))
-        for name in ("batch_size", "max_steps", "eval_every", "eval_size", "eval_samples", "max_new_tokens",
-                     "threads", "tokenizer_n_per_task"):  # fmt: skip
+        for name in (
+            "batch_size",
+            "max_steps",
+            "eval_every",
+            "eval_size",
+            "eval_samples",
+            "max_new_tokens",
+            "threads",
+            "tokenizer_n_per_task",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"coldstart.{name} = {value!r}: must be a positive integer")
@@ -239,15 +249,18 @@ def read_policy_file(path: str | Path, *, mmap: bool = False) -> dict[str, torch
             state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:
         if "Weights only load failed" in str(err):
-            why = ("refused, not loaded: it holds objects other than tensors and plain values (a tampered or foreign "
-                   "file); valid: a state dict of tensors, as `python -m study coldstart` writes")  # fmt: skip
+            why = (
+                "refused, not loaded: it holds objects other than tensors and plain values (a tampered or foreign "
+                "file); valid: a state dict of tensors, as `python -m study coldstart` writes"
+            )
         else:
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
             why = f"not a readable state dict, cut short or another format ({type(err).__name__}: {first[:300]})"
         raise ValueError(f"{path}: {why}") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: not a state dict (a mapping of parameter names to tensors), a "
-                         f"{type(state).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{path}: not a state dict (a mapping of parameter names to tensors), a {type(state).__name__}"
+        )
     return state
 
 
@@ -382,26 +395,49 @@ class Check:
 
     def row(self) -> dict[str, float]:
         """The check as coldstart.json's trajectory keeps it."""
-        return {"step": self.step, "pass_at_1": self.pass_at_1, "truncation_rate": self.truncation_rate,
-                "loss": self.loss, "wall_s": self.wall_s}  # fmt: skip
+        return {
+            "step": self.step,
+            "pass_at_1": self.pass_at_1,
+            "truncation_rate": self.truncation_rate,
+            "loss": self.loss,
+            "wall_s": self.wall_s,
+        }
 
 
-def check_policy(engine: Any, model: torch.nn.Module, tok: TaskTokenizer, items: Sequence[tasks.TaskItem],
-                 settings: ColdStartSettings, step: int, *, loss: float, since: float) -> Check:  # fmt: skip
+def check_policy(
+    engine: Any,
+    model: torch.nn.Module,
+    tok: TaskTokenizer,
+    items: Sequence[tasks.TaskItem],
+    settings: ColdStartSettings,
+    step: int,
+    *,
+    loss: float,
+    since: float,
+) -> Check:
     """Score the policy's pass@1 at SFT `step` (the sampling seed derived from the settings' seed and the step) and
     place it against the band. `since`: the cold start's perf_counter start."""
     t = time.perf_counter()
     model.eval()
     seed = settings.seed * 1_000_003 + step
-    score, truncated = eval_pass_at_1(engine, model, tok, items, k=settings.eval_samples, seed=seed,
-                                      max_new_tokens=settings.max_new_tokens)  # fmt: skip
+    score, truncated = eval_pass_at_1(
+        engine, model, tok, items, k=settings.eval_samples, seed=seed, max_new_tokens=settings.max_new_tokens
+    )
     model.train()
     lo, hi = settings.band
     outcome = "in_band" if lo <= score <= hi else "overshoot" if score > hi else "budget"
     now = time.perf_counter()
     distance = _band_distance(score, settings.band)
-    return Check(step=step, pass_at_1=score, truncation_rate=truncated, loss=loss, distance=distance,
-                 outcome=outcome, wall_s=now - since, eval_s=now - t)  # fmt: skip
+    return Check(
+        step=step,
+        pass_at_1=score,
+        truncation_rate=truncated,
+        loss=loss,
+        distance=distance,
+        outcome=outcome,
+        wall_s=now - since,
+        eval_s=now - t,
+    )
 
 
 def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: bool = False) -> dict[str, Any]:
@@ -453,15 +489,27 @@ def train_coldstart(settings: ColdStartSettings, out_dir: Path, *, progress: boo
         best: tuple[Check, dict[str, torch.Tensor]] | None = None  # the check nearest the band and its weights
         train_s = 0.0
 
-        bar = tqdm(total=settings.max_steps, desc=f"coldstart {settings.label}/{settings.task}", disable=not progress,
-                   file=sys.stderr)  # fmt: skip
+        bar = tqdm(
+            total=settings.max_steps,
+            desc=f"coldstart {settings.label}/{settings.task}",
+            disable=not progress,
+            file=sys.stderr,
+        )
         step = 0
         while True:
             # a check every eval_every steps and at the budget's end; at step 0 only a given checkpoint is checked
             if (step % settings.eval_every == 0 or step == settings.max_steps) and (step or settings.init is not None):
                 window = losses[-settings.eval_every :]
-                record = check_policy(engine, model, tok, eval_items, settings, step,
-                                      loss=sum(window) / len(window) if window else math.nan, since=t_all)  # fmt: skip
+                record = check_policy(
+                    engine,
+                    model,
+                    tok,
+                    eval_items,
+                    settings,
+                    step,
+                    loss=sum(window) / len(window) if window else math.nan,
+                    since=t_all,
+                )
                 checks.append(record)
                 if best is None or record.distance < best[0].distance:
                     best = (record, copy.deepcopy(model.state_dict()))
@@ -528,5 +576,7 @@ def load_policy(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, wh
     result = model.load_state_dict(dict(state), strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
-        raise KeyError(f"{where}: state dict does not fit the model: missing {missing[:4]}, "
-                       f"unexpected {result.unexpected_keys[:4]}")  # fmt: skip
+        raise KeyError(
+            f"{where}: state dict does not fit the model: missing {missing[:4]}, "
+            f"unexpected {result.unexpected_keys[:4]}"
+        )

@@ -49,8 +49,9 @@ def read_record(directory: str | Path) -> dict[str, Any]:
     try:
         return read_json(path)
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path}: {json_problem(err)}; restore it, or delete {directory} to make the cold start "
-                         "again") from None  # fmt: skip
+        raise ValueError(
+            f"{path}: {json_problem(err)}; restore it, or delete {directory} to make the cold start again"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -98,8 +99,9 @@ def ensure_coldstart(
     that ended outside the band (status overshoot or budget) raises ColdStartError naming the directory, reused or
     not.
     """
-    settings = resolve_settings(model, task, band=band, seed=seed, threads=threads,
-                                init=None if init is None else str(init), **overrides)  # fmt: skip
+    settings = resolve_settings(
+        model, task, band=band, seed=seed, threads=threads, init=None if init is None else str(init), **overrides
+    )
     root = Path(results) / "coldstart"
     directory = root / settings.dirname
     if not is_complete(directory):
@@ -143,16 +145,31 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides: `--model default --set num_experts=32 --set moe_top_k=8`, or the same as one YAML/JSON mapping, "
         "`--model '{preset: default, num_experts: 32, moe_top_k: 8}'` (a run config's `model`).",
     )
-    p.add_argument("--model", default="tiny", type=parse_model,
-                   help=f"model preset ({', '.join(PRESETS)}) or a YAML/JSON mapping {{preset: NAME, FIELD: VALUE, "
-                        "...}} (default: tiny)")  # fmt: skip
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
-                   help=f"override a field of the model's shape (repeatable; `model.FIELD=VALUE` too): "
-                        f"{', '.join(SHAPE_FIELDS)}")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default="tiny",
+        type=parse_model,
+        help=f"model preset ({', '.join(PRESETS)}) or a YAML/JSON mapping {{preset: NAME, FIELD: VALUE, "
+        "...}} (default: tiny)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"override a field of the model's shape (repeatable; `model.FIELD=VALUE` too): {', '.join(SHAPE_FIELDS)}",
+    )
     p.add_argument("--task", default="chain_sum", help=f"task: {', '.join(tasks.TASKS)} (default: chain_sum)")
     p.add_argument("--results", default="results", help="results root (default: results)")
-    p.add_argument("--band", type=float, nargs=2, default=(0.1, 0.5), metavar=("LOW", "HIGH"),
-                   help="target pass@1 band (default: 0.1 0.5)")  # fmt: skip
+    p.add_argument(
+        "--band",
+        type=float,
+        nargs=2,
+        default=(0.1, 0.5),
+        metavar=("LOW", "HIGH"),
+        help="target pass@1 band (default: 0.1 0.5)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--max-steps", type=int, default=None, help="SFT step budget (default: the preset's)")
@@ -208,16 +225,28 @@ def coldstart_main(argv: Sequence[str] | None = None) -> int:
     try:
         model = with_sets(args.model, args.sets)
         directory = ensure_coldstart(
-            model, args.task, args.results, band=tuple(args.band), seed=args.seed, threads=args.threads,
-            init=args.init, strict=False, progress=not args.quiet, max_steps=args.max_steps, lr=args.lr,
-            batch_size=args.batch_size, eval_every=args.eval_every,
-        )  # fmt: skip
+            model,
+            args.task,
+            args.results,
+            band=tuple(args.band),
+            seed=args.seed,
+            threads=args.threads,
+            init=args.init,
+            strict=False,
+            progress=not args.quiet,
+            max_steps=args.max_steps,
+            lr=args.lr,
+            batch_size=args.batch_size,
+            eval_every=args.eval_every,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"coldstart: {exc}", file=sys.stderr)
         return 2
     record = read_record(directory)
-    print(f"{directory}\nstatus {record['status']}: pass@1 {record['pass_at_1']:.3f} (band {record['band']}) at "
-          f"step {record['step']} of {record['steps_trained']}, {record['timings']['total_s']:.1f} s")  # fmt: skip
+    print(
+        f"{directory}\nstatus {record['status']}: pass@1 {record['pass_at_1']:.3f} (band {record['band']}) at "
+        f"step {record['step']} of {record['steps_trained']}, {record['timings']['total_s']:.1f} s"
+    )
     return 0 if record["status"] == "in_band" or args.no_strict else 1
 
 

@@ -114,17 +114,47 @@ PRESETS: dict[str, ModelConfig] = {
     # Tests and smoke runs: seconds per RL step on one CPU thread.
     "tiny": ModelConfig(),
     # The embedded default study: a few minutes per run on one core.
-    "default": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, num_experts=8,
-                           moe_top_k=2, moe_ffn_hidden_size=256, vocab_size=1024, max_seq_len=512),
+    "default": ModelConfig(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        num_experts=8,
+        moe_top_k=2,
+        moe_ffn_hidden_size=256,
+        vocab_size=1024,
+        max_seq_len=512,
+    ),
     # Benchmarks of the update's share of GEMM peak.
-    "small": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, head_dim=64,
-                         num_experts=16, moe_top_k=4, moe_ffn_hidden_size=512, vocab_size=4096, max_seq_len=1024),
+    "small": ModelConfig(
+        num_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=4,
+        head_dim=64,
+        num_experts=16,
+        moe_top_k=4,
+        moe_ffn_hidden_size=512,
+        vocab_size=4096,
+        max_seq_len=1024,
+    ),
     # The paper's model, Qwen3-30B-A3B(-Base)'s config.json: for planning (study/tools/plan.py) and, with its
     # checkpoint as the run's `coldstart` (or the checkpoint directory as `model`), for runs on a GPU cluster.
-    "qwen3-30b-a3b": ModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
-                                 head_dim=128, num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,
-                                 vocab_size=151936, max_seq_len=32768, rotary_base=1000000.0, norm_eps=1e-6),
-}  # fmt: skip
+    "qwen3-30b-a3b": ModelConfig(
+        num_layers=48,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        vocab_size=151936,
+        max_seq_len=32768,
+        rotary_base=1000000.0,
+        norm_eps=1e-6,
+    ),
+}
 
 
 def dense_control(cfg: ModelConfig) -> ModelConfig:
@@ -170,10 +200,20 @@ SHAPE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelCo
 FLOAT_FIELDS: tuple[str, ...] = ("rotary_base", "norm_eps", "init_std")
 """The SHAPE_FIELDS that hold numbers; the others hold positive integers."""
 SHAPE_CODES: dict[str, str] = {
-    "num_layers": "l", "hidden_size": "h", "num_attention_heads": "a", "num_query_groups": "g", "head_dim": "d",
-    "num_experts": "e", "moe_top_k": "k", "moe_ffn_hidden_size": "f", "vocab_size": "v", "max_seq_len": "s",
-    "rotary_base": "rope", "norm_eps": "eps", "init_std": "std",
-}  # fmt: skip
+    "num_layers": "l",
+    "hidden_size": "h",
+    "num_attention_heads": "a",
+    "num_query_groups": "g",
+    "head_dim": "d",
+    "num_experts": "e",
+    "moe_top_k": "k",
+    "moe_ffn_hidden_size": "f",
+    "vocab_size": "v",
+    "max_seq_len": "s",
+    "rotary_base": "rope",
+    "norm_eps": "eps",
+    "init_std": "std",
+}
 """Short name of each SHAPE_FIELD in a shape's label (`default_e32_k8`: the default preset, 32 experts, top-8)."""
 
 _MAPPING_HELP = "a local HF checkpoint directory (with config.json), or a mapping {preset: NAME, FIELD: VALUE, ...}"
@@ -267,25 +307,42 @@ def hf_model_config(hf: Mapping[str, Any], *, where: str = "config.json") -> Mod
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "silu")
     need("shared_expert_intermediate_size", not hf.get("shared_expert_intermediate_size"), "0 or absent")
     scaling = hf.get("rope_scaling") or {}
-    need("rope_scaling", not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
-         "null or rope_type default")  # fmt: skip
+    need(
+        "rope_scaling",
+        not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
+        "null or rope_type default",
+    )
     params = hf.get("rope_parameters") or {}
     need("rope_parameters", params.get("rope_type", "default") == "default", "rope_type default")
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     top_k = hf.get("num_experts_per_tok")
     # megatron pre-softmaxes for top-1 (study.policy.model.norm_topk_prob); for top-k > 1 it renormalises.
-    need("norm_topk_prob", bool(hf.get("norm_topk_prob", False)) == (isinstance(top_k, int) and top_k > 1),
-         "true for num_experts_per_tok > 1, false for 1")  # fmt: skip
+    need(
+        "norm_topk_prob",
+        bool(hf.get("norm_topk_prob", False)) == (isinstance(top_k, int) and top_k > 1),
+        "true for num_experts_per_tok > 1, false for 1",
+    )
     fields = {
-        "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
-        "num_query_groups": "num_key_value_heads", "head_dim": "head_dim", "num_experts": "num_experts",
-        "moe_top_k": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size",
-        "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings", "rotary_base": "rope_theta",
-        "norm_eps": "rms_norm_eps", "init_std": "initializer_range",
-    }  # fmt: skip
-    defaults = {"num_key_value_heads": heads, "head_dim": hidden // heads if isinstance(hidden, int) and
-                isinstance(heads, int) and heads else None, "rope_theta": params.get("rope_theta", 10000.0),
-                "initializer_range": 0.02}  # fmt: skip
+        "num_layers": "num_hidden_layers",
+        "hidden_size": "hidden_size",
+        "num_attention_heads": "num_attention_heads",
+        "num_query_groups": "num_key_value_heads",
+        "head_dim": "head_dim",
+        "num_experts": "num_experts",
+        "moe_top_k": "num_experts_per_tok",
+        "moe_ffn_hidden_size": "moe_intermediate_size",
+        "vocab_size": "vocab_size",
+        "max_seq_len": "max_position_embeddings",
+        "rotary_base": "rope_theta",
+        "norm_eps": "rms_norm_eps",
+        "init_std": "initializer_range",
+    }
+    defaults = {
+        "num_key_value_heads": heads,
+        "head_dim": hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None,
+        "rope_theta": params.get("rope_theta", 10000.0),
+        "initializer_range": 0.02,
+    }
     aliases = {"num_experts": "num_local_experts"}  # transformers 5 writes Qwen3-MoE's expert count under this name
     values: dict[str, Any] = {}
     for name, key in fields.items():
@@ -295,8 +352,10 @@ def hf_model_config(hf: Mapping[str, Any], *, where: str = "config.json") -> Mod
         try:
             values[name] = _shape_value(name, value)
         except ValueError:
-            raise ValueError(f"{where}: {key} = {value!r}: must be a positive "
-                             f"{'finite number' if name in FLOAT_FIELDS else 'integer'}") from None  # fmt: skip
+            raise ValueError(
+                f"{where}: {key} = {value!r}: must be a positive "
+                f"{'finite number' if name in FLOAT_FIELDS else 'integer'}"
+            ) from None
     try:
         return ModelConfig(**values)
     except ValueError as e:
@@ -381,8 +440,10 @@ class ParallelLayout:
                 raise ValueError(f"parallel.{name} = {value!r}: must be a positive integer")
         for name, what in (("pipeline", "pipeline"), ("context", "context")):
             if getattr(self, name) != 1:
-                raise ValueError(f"parallel.{name} = {getattr(self, name)}: {what} parallelism is not supported (the "
-                                 "study's policies fit one stage and its sequences one rank); valid: 1")  # fmt: skip
+                raise ValueError(
+                    f"parallel.{name} = {getattr(self, name)}: {what} parallelism is not supported (the "
+                    "study's policies fit one stage and its sequences one rank); valid: 1"
+                )
         if self.world_size % (self.expert * self.expert_tensor):
             raise ValueError(
                 f"parallel.expert x parallel.expert_tensor = {self.expert} x {self.expert_tensor} must divide the "
@@ -410,9 +471,13 @@ class ParallelLayout:
 
     def check_model(self, cfg: ModelConfig) -> None:
         """The shape splits evenly under this layout; errors name both fields."""
-        for model_field, size_field in (("num_attention_heads", "tensor"), ("num_query_groups", "tensor"),
-                                        ("vocab_size", "tensor"), ("num_experts", "expert"),
-                                        ("moe_ffn_hidden_size", "expert_tensor")):  # fmt: skip
+        for model_field, size_field in (
+            ("num_attention_heads", "tensor"),
+            ("num_query_groups", "tensor"),
+            ("vocab_size", "tensor"),
+            ("num_experts", "expert"),
+            ("moe_ffn_hidden_size", "expert_tensor"),
+        ):
             value, size = getattr(cfg, model_field), getattr(self, size_field)
             if value % size:
                 raise ValueError(f"model.{model_field} = {value} is not divisible by parallel.{size_field} = {size}")

@@ -163,8 +163,11 @@ def _hf_pieces(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, 
         return [(prefix + _LAYER_RENAMES[rest], t)]
     if rest == "self_attention.linear_qkv.weight":
         q, k, v = split_qkv(t, cfg)
-        return [(prefix + "self_attn.q_proj.weight", q), (prefix + "self_attn.k_proj.weight", k),
-                (prefix + "self_attn.v_proj.weight", v)]  # fmt: skip
+        return [
+            (prefix + "self_attn.q_proj.weight", q),
+            (prefix + "self_attn.k_proj.weight", k),
+            (prefix + "self_attn.v_proj.weight", v),
+        ]
     e = _MG_LOCAL_EXPERT.fullmatch(rest) or _MG_GROUPED_EXPERT.fullmatch(rest)
     if e is None:
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
@@ -265,11 +268,20 @@ def hf_param_names(cfg: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
-        names += [p + s for s in (
-            "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-        )]  # fmt: skip
+        names += [
+            p + s
+            for s in (
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "mlp.gate.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+            )
+        ]
         for e in range(cfg.num_experts):
             names += [f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
     return names
@@ -280,14 +292,24 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     H, F, d = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
     by_suffix: dict[str, tuple[int, ...]] = {
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
         "mlp.gate.weight": (cfg.num_experts, H),
-        "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
-        "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "gate_proj.weight": (F, H), "up_proj.weight": (F, H), "down_proj.weight": (H, F),
-    }  # fmt: skip
-    glob = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,),
-            "lm_head.weight": (cfg.vocab_size, H)}  # fmt: skip
+        "self_attn.q_proj.weight": (q, H),
+        "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H),
+        "self_attn.o_proj.weight": (H, q),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "gate_proj.weight": (F, H),
+        "up_proj.weight": (F, H),
+        "down_proj.weight": (H, F),
+    }
+    glob = {
+        "model.embed_tokens.weight": (cfg.vocab_size, H),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (cfg.vocab_size, H),
+    }
     out: dict[str, tuple[int, ...]] = {}
     for name in hf_param_names(cfg):
         if name in glob:
@@ -364,8 +386,11 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tdtype = TORCH_DTYPES[dtype]
-    save_file({k: v.detach().to(tdtype).contiguous() for k, v in hf_state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.detach().to(tdtype).contiguous() for k, v in hf_state.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     os.chmod(out / "model.safetensors", FILE_MODE)  # safetensors writes 0600; the umask's mode, as every result file
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return out
@@ -418,12 +443,18 @@ def _checkpoint_spec(hf: dict[str, Any]) -> ModelSpec | None:
     when none does (another architecture, tied embeddings, ...)."""
     heads = hf.get("num_attention_heads")
     shape = {
-        "num_layers": hf.get("num_hidden_layers"), "hidden_size": hf.get("hidden_size"), "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads", heads), "head_dim": hf.get("head_dim"),
-        "num_experts": hf.get("num_experts", hf.get("num_local_experts")), "moe_top_k": hf.get("num_experts_per_tok"),
-        "moe_ffn_hidden_size": hf.get("moe_intermediate_size"), "vocab_size": hf.get("vocab_size"),
-        "rotary_base": _rope_theta(hf), "norm_eps": hf.get("rms_norm_eps"),
-    }  # fmt: skip
+        "num_layers": hf.get("num_hidden_layers"),
+        "hidden_size": hf.get("hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads),
+        "head_dim": hf.get("head_dim"),
+        "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+        "moe_top_k": hf.get("num_experts_per_tok"),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size"),
+        "vocab_size": hf.get("vocab_size"),
+        "rotary_base": _rope_theta(hf),
+        "norm_eps": hf.get("rms_norm_eps"),
+    }
     shape = {k: v for k, v in shape.items() if v is not None and k in SHAPE_FIELDS}
     found: list[tuple[int, ModelSpec]] = []
     for name in PRESETS:

@@ -46,9 +46,11 @@ def render(template: Any, prompt: str, specials: dict[str, str | None]) -> str:
     """`prompt` as one user message with the generation prompt appended; ValueError past MAX_RENDER_CHARS."""
     parts, n = [], 0
     for part in template.generate(
-        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-        bos_token=specials.get("bos_token") or "", eos_token=specials.get("eos_token") or "",
-    ):  # fmt: skip
+        messages=[{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        bos_token=specials.get("bos_token") or "",
+        eos_token=specials.get("eos_token") or "",
+    ):
         n += len(part)
         if n > MAX_RENDER_CHARS:
             raise ValueError(f"tokenizer chat template: renders more than {MAX_RENDER_CHARS} characters")
@@ -62,25 +64,38 @@ def check(template: str, specials: dict[str, str | None], *, where: str, timeout
     limit."""
     timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
     if len(template) > MAX_TEMPLATE_CHARS:
-        raise ValueError(f"{where}: the chat template is {len(template)} characters; valid: at most "
-                         f"{MAX_TEMPLATE_CHARS}")  # fmt: skip
+        raise ValueError(
+            f"{where}: the chat template is {len(template)} characters; valid: at most {MAX_TEMPLATE_CHARS}"
+        )
     root = str(Path(__file__).resolve().parents[2])
     request = json.dumps({"template": template, "specials": specials, "timeout_s": timeout_s})
     try:
-        done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-                               "from study.data.chat_template import _child; _child()"],
-                              input=request, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {root!r}); from study.data.chat_template import _child; _child()",
+            ],
+            input=request,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise ValueError(f"{where}: the chat template did not render a prompt within {timeout_s:g} s; valid: a "
-                         "template that renders in well under a second") from None  # fmt: skip
+        raise ValueError(
+            f"{where}: the chat template did not render a prompt within {timeout_s:g} s; valid: a "
+            "template that renders in well under a second"
+        ) from None
     from study.core.bounded import load_json
 
     try:
         reply = load_json(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         why = "it ran out of memory" if "MemoryError" in done.stderr else f"exit status {done.returncode}"
-        raise ValueError(f"{where}: the chat template could not render a prompt ({why}, limits: "
-                         f"{MEMORY_BYTES >> 30} GiB, {timeout_s:g} s)") from None  # fmt: skip
+        raise ValueError(
+            f"{where}: the chat template could not render a prompt ({why}, limits: "
+            f"{MEMORY_BYTES >> 30} GiB, {timeout_s:g} s)"
+        ) from None
     if "error" in reply:
         raise ValueError(f"{where}: the chat template could not render a prompt ({reply['error']})")
 

@@ -496,8 +496,13 @@ def evaluation_plan(
     return plan
 
 
-def eval_set(task: str, split: Literal["in_dist", "hard"] = "in_dist", *, size: int | None = None,
-             knobs: Mapping[str, Any] | None = None) -> list[TaskItem]:  # fmt: skip
+def eval_set(
+    task: str,
+    split: Literal["in_dist", "hard"] = "in_dist",
+    *,
+    size: int | None = None,
+    knobs: Mapping[str, Any] | None = None,
+) -> list[TaskItem]:
     """The held-out set (task, split): fixed seed, distinct prompts, disjoint from every training stream of the
     task. `knobs` (in_dist only): the training knobs the set follows (the task's defaults when None or empty: the
     in-distribution set is the training distribution's). `size` takes a prefix (so smaller sets nest in larger

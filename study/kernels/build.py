@@ -25,8 +25,16 @@ import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp-simd", "-std=gnu11", "-shared",
-         "-fPIC")  # fmt: skip
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-fopenmp-simd",
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+)
 LIBS = ("-lmvec", "-lm")  # glibc's vector math (expf over 16 lanes), libm
 
 

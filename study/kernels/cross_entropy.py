@@ -24,8 +24,10 @@ from study.kernels import build
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
     p, i64 = build.PTR, build.I64
-    return build.bind("cross_entropy", {"ce_forward": ([p, p, i64, i64, p, p], None),
-                                         "ce_backward": ([p, p, p, p, i64, i64, p], None)})  # fmt: skip
+    return build.bind(
+        "cross_entropy",
+        {"ce_forward": ([p, p, i64, i64, p, p], None), "ce_backward": ([p, p, p, p, i64, i64, p], None)},
+    )
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -45,8 +47,15 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits, target, lse = ctx.saved_tensors
         grad = grad.contiguous()
         dx = torch.empty_like(logits)
-        library().ce_backward(logits.data_ptr(), target.data_ptr(), lse.data_ptr(), grad.data_ptr(), target.numel(),
-                              logits.shape[-1], dx.data_ptr())  # fmt: skip
+        library().ce_backward(
+            logits.data_ptr(),
+            target.data_ptr(),
+            lse.data_ptr(),
+            grad.data_ptr(),
+            target.numel(),
+            logits.shape[-1],
+            dx.data_ptr(),
+        )
         return dx, None
 
 

@@ -23,8 +23,23 @@ from study.kernels import build
 _P = ctypes.POINTER(ctypes.c_float)
 
 
-_INTS = ("n", "hidden", "hq", "hk", "d", "experts", "top_k", "ffn", "vocab", "layers", "capacity", "norm_topk",
-         "stride_t", "samples", "prompt")  # fmt: skip
+_INTS = (
+    "n",
+    "hidden",
+    "hq",
+    "hk",
+    "d",
+    "experts",
+    "top_k",
+    "ffn",
+    "vocab",
+    "layers",
+    "capacity",
+    "norm_topk",
+    "stride_t",
+    "samples",
+    "prompt",
+)
 
 
 class _Model(ctypes.Structure):
@@ -38,8 +53,22 @@ class _Model(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(f, _P) for f in ("norm1", "qkv_t", "qk_norm", "o_t", "norm2", "router_t", "gate_up_t", "down_t",
-                                  "keys", "values", "keys_t")]  # fmt: skip
+    _fields_ = [
+        (f, _P)
+        for f in (
+            "norm1",
+            "qkv_t",
+            "qk_norm",
+            "o_t",
+            "norm2",
+            "router_t",
+            "gate_up_t",
+            "down_t",
+            "keys",
+            "values",
+            "keys_t",
+        )
+    ]
 
 
 def library() -> ctypes.CDLL | None:
@@ -51,11 +80,14 @@ def library() -> ctypes.CDLL | None:
 def _library() -> ctypes.CDLL | None:
     p, i64, f64, rc = build.PTR, build.I64, build.F64, build.INT
     model, layers = ctypes.POINTER(_Model), ctypes.POINTER(_Layer)
-    return build.bind("qwen3_moe_decode", {
-        "qwen3_moe_decode_step": ([model, layers, p, p, i64, p, p], rc),
-        "qwen3_moe_generate": ([model, layers, p, p, i64, p, f64, p, i64, i64, p, p, p, p, p], i64),
-        "qwen3_moe_sample": ([p, i64, i64, p, f64, p, p], rc),
-    })  # fmt: skip
+    return build.bind(
+        "qwen3_moe_decode",
+        {
+            "qwen3_moe_decode_step": ([model, layers, p, p, i64, p, p], rc),
+            "qwen3_moe_generate": ([model, layers, p, p, i64, p, f64, p, i64, i64, p, p, p, p, p], i64),
+            "qwen3_moe_sample": ([p, i64, i64, p, f64, p, p], rc),
+        },
+    )
 
 
 def _ptr(t: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -104,8 +136,17 @@ class NativeDecoder:
     Holds pointers to the given tensors (kept alive here) and a transposed copy of each layer's keys, the layout the C
     attention reads. `available()` says whether it can be built; the caller keeps its own torch step for elsewhere."""
 
-    def __init__(self, shape: DecodeShape, model: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]],
-                 attend: torch.Tensor | None, *, length: int, samples: int = 1, prompt: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shape: DecodeShape,
+        model: dict[str, torch.Tensor],
+        layers: list[dict[str, torch.Tensor]],
+        attend: torch.Tensor | None,
+        *,
+        length: int,
+        samples: int = 1,
+        prompt: int = 0,
+    ) -> None:
         """`length`: positions already in the key/value buffers (the prefill's); `attend` (n, capacity) bool, False
         on pad keys, or None; `samples`, `prompt`: each run of `samples` rows holds the same keys and values at
         positions < `prompt` (a prompt's prefill copied to its samples), so the step reads them from the run's first
@@ -125,12 +166,26 @@ class NativeDecoder:
         for name in MODEL_TENSORS:
             _check(name, model[name])
         self.model = _Model(
-            n=n, hidden=shape.hidden, hq=shape.hq, hk=shape.hk, d=shape.d, experts=shape.experts, top_k=shape.top_k,
-            ffn=shape.ffn, vocab=shape.vocab, layers=shape.layers, capacity=capacity, norm_topk=int(shape.norm_topk),
-            stride_t=stride_t, samples=samples, prompt=prompt, eps=shape.eps, scaling=shape.d**-0.5,
+            n=n,
+            hidden=shape.hidden,
+            hq=shape.hq,
+            hk=shape.hk,
+            d=shape.d,
+            experts=shape.experts,
+            top_k=shape.top_k,
+            ffn=shape.ffn,
+            vocab=shape.vocab,
+            layers=shape.layers,
+            capacity=capacity,
+            norm_topk=int(shape.norm_topk),
+            stride_t=stride_t,
+            samples=samples,
+            prompt=prompt,
+            eps=shape.eps,
+            scaling=shape.d**-0.5,
             **{name: _ptr(model[name]) for name in MODEL_TENSORS},
             attend=None if self.attend is None else ctypes.cast(self.attend.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
-        )  # fmt: skip
+        )
         self.layers = (_Layer * shape.layers)()
         for i, tensors in enumerate(layers):
             t = {name: tensors[name] for name in LAYER_TENSORS}
@@ -151,8 +206,17 @@ class NativeDecoder:
         keys_t[..., :length] = keys[:, :, :length].transpose(-2, -1)
         return keys_t
 
-    def generate(self, logits: torch.Tensor, position_ids: torch.Tensor, *, temperature: float, gen: torch.Generator,
-                 stops: torch.Tensor, max_new_tokens: int, routes: bool = False):  # fmt: skip
+    def generate(
+        self,
+        logits: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        temperature: float,
+        gen: torch.Generator,
+        stops: torch.Tensor,
+        max_new_tokens: int,
+        routes: bool = False,
+    ):
         """The sampling loop from the prefill's `logits` (n, V) and last positions (n, 1), in one C call: one uniform
         per row and step (`max_new_tokens` x n from `gen`, drawn up front; inverse-CDF sampling; log-probs of
         the tempered distribution sampled, as `sample`), stopping a row at its first stop token and every row once
@@ -167,10 +231,23 @@ class NativeDecoder:
         tokens, lps = torch.empty(n, t, dtype=torch.long), torch.empty(n, t)
         length, done = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.uint8)
         r = torch.empty(max(t - 1, 0), self.shape.layers, n, self.shape.top_k, dtype=torch.long) if routes else None
-        steps = self.lib.qwen3_moe_generate(ctypes.byref(self.model), self.layers, logits.data_ptr(), pos.data_ptr(),
-                                            self.length, u.data_ptr(), temperature, stops.data_ptr(), stops.numel(),
-                                            t, tokens.data_ptr(), lps.data_ptr(), length.data_ptr(), done.data_ptr(),
-                                            None if r is None else r.data_ptr())  # fmt: skip
+        steps = self.lib.qwen3_moe_generate(
+            ctypes.byref(self.model),
+            self.layers,
+            logits.data_ptr(),
+            pos.data_ptr(),
+            self.length,
+            u.data_ptr(),
+            temperature,
+            stops.data_ptr(),
+            stops.numel(),
+            t,
+            tokens.data_ptr(),
+            lps.data_ptr(),
+            length.data_ptr(),
+            done.data_ptr(),
+            None if r is None else r.data_ptr(),
+        )
         if steps < 0:
             raise MemoryError("native decode: out of memory for its workspace")
         self.length += steps - 1  # the decode steps wrote positions length .. length + steps - 2
@@ -185,8 +262,9 @@ class NativeDecoder:
         logits = torch.empty(self.shape.n, self.shape.vocab)
         r = torch.empty(self.shape.layers, self.shape.n, self.shape.top_k, dtype=torch.long) if routes else None
         out = None if r is None else r.data_ptr()
-        rc = self.lib.qwen3_moe_decode_step(ctypes.byref(self.model), self.layers, tok.data_ptr(), pos.data_ptr(),
-                                            self.length, logits.data_ptr(), out)  # fmt: skip
+        rc = self.lib.qwen3_moe_decode_step(
+            ctypes.byref(self.model), self.layers, tok.data_ptr(), pos.data_ptr(), self.length, logits.data_ptr(), out
+        )
         if rc != 0:
             raise MemoryError("native decode step: out of memory for its workspace")
         self.length += 1

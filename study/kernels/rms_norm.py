@@ -24,8 +24,13 @@ from study.kernels import build
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures, or None where they cannot be built or are turned off."""
     p, i64 = build.PTR, build.I64
-    return build.bind("rms_norm", {"rms_forward": ([p, p, i64, i64, build.F64, p, p], None),
-                                    "rms_backward": ([p, p, p, p, i64, i64, p, p], None)})  # fmt: skip
+    return build.bind(
+        "rms_norm",
+        {
+            "rms_forward": ([p, p, i64, i64, build.F64, p, p], None),
+            "rms_backward": ([p, p, p, p, i64, i64, p, p], None),
+        },
+    )
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -48,8 +53,16 @@ class RMSNormFunction(torch.autograd.Function):
         grad = grad.contiguous()
         d = x.shape[-1]
         dx, dw = torch.empty_like(x), torch.empty_like(weight)
-        library().rms_backward(grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), rstd.numel(), d,
-                               dx.data_ptr(), dw.data_ptr())  # fmt: skip
+        library().rms_backward(
+            grad.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            rstd.data_ptr(),
+            rstd.numel(),
+            d,
+            dx.data_ptr(),
+            dw.data_ptr(),
+        )
         return dx, dw, None
 
 

@@ -292,8 +292,9 @@ def _patch_optimizer() -> None:
     for module in (moptimizer, clip_grads):  # 6a: their `device='cuda'` scalars
         _replace(module, module.__name__, "torch", cpu_torch)
     l2 = clip_grads.l2_norm_impl  # megatron.core.utils.local_multi_tensor_l2_norm: its result on 'cuda'
-    l2_cpu = types.FunctionType(l2.__code__, {**l2.__globals__, "torch": cpu_torch}, l2.__name__, l2.__defaults__,
-                                l2.__closure__)  # fmt: skip
+    l2_cpu = types.FunctionType(
+        l2.__code__, {**l2.__globals__, "torch": cpu_torch}, l2.__name__, l2.__defaults__, l2.__closure__
+    )
     _replace(clip_grads, clip_grads.__name__, "l2_norm_impl", _shim(functools.wraps(l2)(l2_cpu)))
 
     clip = moptimizer.clip_grad_by_total_norm_fp32  # 6b: asserts param.grad.type() == 'torch.cuda.FloatTensor'
@@ -307,8 +308,10 @@ def _patch_optimizer() -> None:
 
     _replace(moptimizer, moptimizer.__name__, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
-    for cls, module in ((moptimizer.Float16OptimizerWithFloat16Params, moptimizer),
-                        (distrib_optimizer.DistributedOptimizer, distrib_optimizer)):  # fmt: skip
+    for cls, module in (
+        (moptimizer.Float16OptimizerWithFloat16Params, moptimizer),
+        (distrib_optimizer.DistributedOptimizer, distrib_optimizer),
+    ):
         init = cls.__init__
 
         @_shim
@@ -347,8 +350,15 @@ def apply_parallel() -> None:
     original = WrappedTorchNorm.__new__
 
     @_shim
-    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,  # type: ignore[no-untyped-def]
-                normalization="LayerNorm"):  # fmt: skip
+    def __new__(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,  # type: ignore[no-untyped-def]
+        normalization="LayerNorm",
+    ):
         sequence_parallel = config.sequence_parallel
         config.sequence_parallel = False  # megatron asserts it off; the norm it builds is exact on a shard
         try:
@@ -381,8 +391,12 @@ def _patch_torch_adam_step() -> None:
         current = self._get_main_param_and_optimizer_states(model_param)  # the same tensors: copying is a no-op
         original(self, model_param, {**current, **tensors})
 
-    _replace(cls, f"{cls.__module__}.DistributedOptimizer", "_set_main_param_and_optimizer_states",
-             _set_main_param_and_optimizer_states)  # fmt: skip
+    _replace(
+        cls,
+        f"{cls.__module__}.DistributedOptimizer",
+        "_set_main_param_and_optimizer_states",
+        _set_main_param_and_optimizer_states,
+    )
 
     load_state_dict = cls.load_state_dict
 

@@ -92,8 +92,9 @@ def fused_sequential_mlp() -> type:
             weights = [e.linear_fc1.weight for e in self.local_experts] + [
                 e.linear_fc2.weight for e in self.local_experts
             ]
-            out = ExpertsFunction.apply(permuted_local_hidden_states, permuted_probs, tokens_per_expert.tolist(),
-                                        *weights)  # fmt: skip
+            out = ExpertsFunction.apply(
+                permuted_local_hidden_states, permuted_probs, tokens_per_expert.tolist(), *weights
+            )
             return out, None
 
     return FusedSequentialMLP

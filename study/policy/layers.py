@@ -86,8 +86,15 @@ class FusedNormSpec:
     """In megatron's layer spec where `WrappedTorchNorm` goes (same arguments): a `FusedRMSNorm` for RMSNorm,
     megatron's own norm otherwise."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,  # type: ignore[no-untyped-def]
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):  # fmt: skip
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,  # type: ignore[no-untyped-def]
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         norm = WrappedTorchNorm(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
@@ -125,11 +132,13 @@ def sdpa_core_attention() -> type:
                 and getattr(self.config, "softmax_type", "vanilla") == "vanilla"
             )
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):  # type: ignore[no-untyped-def]
             if not self.plain(attention_bias, packed_seq_params):
-                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                       packed_seq_params)  # fmt: skip
+                return super().forward(
+                    query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+                )
             sq, b = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (S, B, h, d) -> (B, h, S, d)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -140,8 +149,9 @@ def sdpa_core_attention() -> type:
                 # (left padding) stays finite, as megatron's -10000 fill keeps it (its output is masked out anyway).
                 eye = torch.eye(sq, k.shape[2], dtype=torch.bool, device=q.device)
                 mask, causal = ~attention_mask | eye, False
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (S, B, h d)
 
     return SDPADotProductAttention
@@ -155,16 +165,17 @@ def fused_core_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
 
     class FusedDotProductAttention(sdpa_core_attention()):  # type: ignore[misc]
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):  # type: ignore[no-untyped-def]  # fmt: skip
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):  # type: ignore[no-untyped-def]
             hooked = self._forward_hooks or self._forward_pre_hooks
             if attention is not None and self.plain(attention_bias, packed_seq_params) and not hooked:
                 mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-                out = attention(query, key, value, attention_mask, causal=mask_type == AttnMaskType.causal,
-                                scale=self.softmax_scale)  # fmt: skip
+                out = attention(
+                    query, key, value, attention_mask, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale
+                )
                 if out is not None:
                     return out
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                   packed_seq_params)  # fmt: skip
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
     return FusedDotProductAttention

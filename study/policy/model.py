@@ -139,8 +139,9 @@ def init_distributed(
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             torch.distributed.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                                 timeout=timeout)  # fmt: skip
+            torch.distributed.init_process_group(
+                backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     world = torch.distributed.get_world_size()
     if layout is None:
         tp, ep = tensor_parallel or 1, expert_parallel or 1
@@ -324,8 +325,9 @@ def build_policy(
         raise ValueError(f"layers = {layers!r}; valid: {', '.join(LAYERS)}")
     fast = layers == "fast"
     rope_fusion = fast and fast_layers.install_rope()
-    tconfig = transformer_config(cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion,
-                                 parallel=parallel)  # fmt: skip
+    tconfig = transformer_config(
+        cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion, parallel=parallel
+    )
     layout = init_distributed(parallel or ParallelLayout())
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
@@ -407,8 +409,10 @@ def _check_ids(model: torch.nn.Module, input_ids: torch.Tensor, name: str = "inp
         raise ValueError(f"{name} must be (B, S), got shape {tuple(input_ids.shape)}")
     tp = _sequence_parallel_size(model)
     if input_ids.shape[1] % tp:
-        raise ValueError(f"{name} length {input_ids.shape[1]}: under sequence parallelism the sequence is split over "
-                         f"parallel.tensor = {tp} ranks, so it must be a multiple of {tp} (right-pad it)")  # fmt: skip
+        raise ValueError(
+            f"{name} length {input_ids.shape[1]}: under sequence parallelism the sequence is split over "
+            f"parallel.tensor = {tp} ranks, so it must be a multiple of {tp} (right-pad it)"
+        )
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be an integer tensor, got {input_ids.dtype}")
     cfg: ModelConfig | None = getattr(model, "study_config", None)

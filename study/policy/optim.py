@@ -50,12 +50,15 @@ def build_optimizer(
         routers = {id(p) for n, p in model.named_parameters() if n.endswith(".mlp.router.weight") and p.requires_grad}
         if not routers:
             raise ValueError("router_lr_scale != 1 but the model has no MoE router weights (*.mlp.router.weight)")
-        groups = [{"params": [p for p in params if id(p) not in routers]},
-                  {"params": [p for p in params if id(p) in routers], "lr": lr * router_lr_scale}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if id(p) not in routers]},
+            {"params": [p for p in params if id(p) in routers], "lr": lr * router_lr_scale},
+        ]
     if eps is None:
         eps = 1e-6 if any(p.dtype == torch.float16 for p in params) else 1e-8
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                for p in params)  # fmt: skip
+    fused = all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
+    )
     kwargs = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused or None)
     if any(p.dtype != torch.float32 or getattr(p, ROUND_ATTR, None) is not None for p in params):
         return MasterWeightAdamW(groups, **kwargs)

@@ -54,9 +54,13 @@ def _sizes() -> tuple[int, int, int, int, int]:
 
     if not ps.model_parallel_is_initialized():
         return 1, 0, 1, 0, 0
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-            ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
-            ps.get_expert_model_parallel_rank())  # fmt: skip
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+    )
 
 
 def _is_expert(name: str) -> bool:
@@ -195,8 +199,10 @@ def stream_full_weights(model: torch.nn.Module, *, dst: int = 0) -> Iterator[tup
     tp, _, etp, _, _ = _sizes()
     ep = _ep_size()
     tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
-    with_dst = {"tp": dst in torch.distributed.get_process_group_ranks(tp_group),
-                "etp": dst in torch.distributed.get_process_group_ranks(etp_group)}  # fmt: skip
+    with_dst = {
+        "tp": dst in torch.distributed.get_process_group_ranks(tp_group),
+        "etp": dst in torch.distributed.get_process_group_ranks(etp_group),
+    }
     if ep > 1:  # the ranks whose expert shards make up dst's experts: dst's expert-data replica (module doc)
         ep_group = ps.get_expert_model_parallel_group()
         ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
@@ -232,15 +238,22 @@ def stream_full_weights(model: torch.nn.Module, *, dst: int = 0) -> Iterator[tup
                 local_name, local_param = mine[e]
                 if feeds and _sizes()[4] == r:  # this rank holds a shard of expert g (or all of it)
                     sharded = getattr(local_param, "tensor_model_parallel", False) and etp > 1
-                    full = (_gather_to(local_param, local_name, model, etp_group, etp_root) if sharded
-                            else local_param.detach())  # fmt: skip
+                    full = (
+                        _gather_to(local_param, local_name, model, etp_group, etp_root)
+                        if sharded
+                        else local_param.detach()
+                    )
                     if me == etp_root and owner != dst:
                         torch.distributed.send(full.contiguous(), dst=dst)
                         full = None
                 if me == dst and owner != dst:
-                    full = torch.empty(local_param.shape if not (getattr(local_param, "tensor_model_parallel",
-                                       False) and etp > 1) else _full_shape(local_param, etp), dtype=local_param.dtype,
-                                       device=local_param.device)  # fmt: skip
+                    full = torch.empty(
+                        local_param.shape
+                        if not (getattr(local_param, "tensor_model_parallel", False) and etp > 1)
+                        else _full_shape(local_param, etp),
+                        dtype=local_param.dtype,
+                        device=local_param.device,
+                    )
                     torch.distributed.recv(full, src=owner)
                 yield g, (full if me == dst else None)
 
@@ -364,8 +377,9 @@ def load_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     return copied
 
 
-def _shards(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *,
-            strict: bool = True) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:  # fmt: skip
+def _shards(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
     """(local name, parameter, this rank's slice of `state`'s full tensor) for each parameter of the shard whose
     one-process name `state` holds (all of them with `strict`)."""
     for key, (name, param) in _shard_params(model).items():
@@ -442,16 +456,26 @@ class ShardedTrainer:
     `build_optimizer` (torch's fused AdamW) up to rounding.
     """
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float | None = None, grad_clip: float = 0.0,
-                 distributed_optimizer: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float | None = None,
+        grad_clip: float = 0.0,
+        distributed_optimizer: bool = True,
+    ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = model.config
         if config.fp16:
-            raise ValueError("train_dtype = 'fp16' with a parallel layout: megatron's loss scaler is not wired here; "
-                             "valid: fp32 or bf16")  # fmt: skip
+            raise ValueError(
+                "train_dtype = 'fp16' with a parallel layout: megatron's loss scaler is not wired here; "
+                "valid: fp32 or bf16"
+            )
         from study.core.precision import ROUND_ATTR
 
         if any(getattr(p, ROUND_ATTR, None) is not None for p in model.parameters()):
@@ -465,14 +489,24 @@ class ShardedTrainer:
         self.hparams = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
         self.distributed_optimizer = distributed_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=distributed_optimizer)  # fmt: skip
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        )
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=config.bf16, fp16=False,
-            params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
-        )  # fmt: skip
+            optimizer="adam",
+            lr=lr,
+            min_lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=eps,
+            clip_grad=grad_clip,
+            bf16=config.bf16,
+            fp16=False,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distributed_optimizer,
+        )
         # config_overrides={}: weight decay on every weight, as build_optimizer (megatron's default exempts biases
         # and 1-d weights)
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], config_overrides={})
@@ -595,24 +629,29 @@ class ShardedTrainer:
                         if any(main is q for g in o.optimizer.param_groups for q in g["params"]):
                             if main is not param:
                                 main.copy_(param.float())
-                            o.optimizer.state[main] = {"step": step.clone(), **{k: v.clone() for k, v in
-                                                                                local[id(param)].items()}}  # fmt: skip
+                            o.optimizer.state[main] = {
+                                "step": step.clone(),
+                                **{k: v.clone() for k, v in local[id(param)].items()},
+                            }
                 for s in o.optimizer.state.values():
                     s["step"] = step.clone()
 
 
-def one_process_adam_state(full: Mapping[str, Any], weights: Mapping[str, torch.Tensor],
-                           hparams: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+def one_process_adam_state(
+    full: Mapping[str, Any], weights: Mapping[str, torch.Tensor], hparams: Mapping[str, Any]
+) -> dict[str, Any]:
     """`ShardedTrainer.full_optimizer_state`'s Adam states as the state dict of the torch AdamW a one-process run
     builds (study.policy.optim.build_optimizer over the one-process model's weights, `weights` in their order): what
     a one-process resume loads. Each state in its weight's dtype (a one-process bf16 run's AdamW holds bf16 states)."""
     from study.policy.optim import build_optimizer
 
     holder = torch.nn.Module()
-    holder.weights = torch.nn.ParameterList([torch.nn.Parameter(w.detach(), requires_grad=True)
-                                             for w in weights.values()])  # fmt: skip
-    optimizer = build_optimizer(holder, lr=hparams["lr"], weight_decay=hparams["weight_decay"],
-                                betas=hparams["betas"], eps=hparams["eps"])  # fmt: skip
+    holder.weights = torch.nn.ParameterList(
+        [torch.nn.Parameter(w.detach(), requires_grad=True) for w in weights.values()]
+    )
+    optimizer = build_optimizer(
+        holder, lr=hparams["lr"], weight_decay=hparams["weight_decay"], betas=hparams["betas"], eps=hparams["eps"]
+    )
     step = torch.tensor(float(full["step"]))
     for name, p in zip(weights, holder.weights, strict=True):
         optimizer.state[p] = {"step": step.clone(), **{k: full[k][name].to(p.dtype) for k in ADAM_STATES}}
@@ -623,8 +662,9 @@ def adam_state_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, 
     """Inverse of `one_process_adam_state`: a one-process run's torch AdamW state dict (its weights named `names`, in
     their order) as {"step", "exp_avg": {name: tensor}, "exp_avg_sq": {...}}."""
     if len(state["param_groups"]) != 1:
-        raise ValueError(f"the optimizer state has {len(state['param_groups'])} parameter groups, one expected "
-                         "(router_lr_scale = 1)")  # fmt: skip
+        raise ValueError(
+            f"the optimizer state has {len(state['param_groups'])} parameter groups, one expected (router_lr_scale = 1)"
+        )
     indices = state["param_groups"][0]["params"]
     if len(indices) != len(names):
         raise ValueError(f"the optimizer state covers {len(indices)} weights, the model has {len(names)}")
@@ -695,14 +735,22 @@ def one_process_names(model: torch.nn.Module) -> list[str]:
         if local == 0:
             tails[head].append(tail)
     experts = per_rank * _ep_size()
-    return [n for item in out for n in ([item] if isinstance(item, str) else
-            [f"{item[0]}{e}{t}" for e in range(experts) for t in tails[item[0]]])]  # fmt: skip
+    return [
+        n
+        for item in out
+        for n in (
+            [item] if isinstance(item, str) else [f"{item[0]}{e}{t}" for e in range(experts) for t in tails[item[0]]]
+        )
+    ]
 
 
 # What torch DCP's `.metadata` pickle of a megatron torch_dist checkpoint names: DCP's own metadata classes, torch.Size,
 # dtypes and layouts. Anything else (a hostile or foreign file) is refused before torch reads it with pickle.load.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                "torch.distributed.checkpoint.filesystem")  # fmt: skip
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
 
 
 def check_checkpoint_metadata(directory: str | Path) -> None:

@@ -268,8 +268,10 @@ class RoutingController:
             raise TypeError(f"routes must be Routes, got {type(routes).__name__}")
         b, s, n_layers, k = routes.shape
         if s % self._sp_size:
-            raise ValueError(f"routes of a sequence of {s} under sequence parallelism over {self._sp_size} ranks: "
-                             f"the sequence length must be divisible by parallel.tensor = {self._sp_size}")  # fmt: skip
+            raise ValueError(
+                f"routes of a sequence of {s} under sequence parallelism over {self._sp_size} ranks: "
+                f"the sequence length must be divisible by parallel.tensor = {self._sp_size}"
+            )
         if n_layers != self.num_layers or k != self.top_k:
             raise ValueError(
                 f"routes have {n_layers} layers x top-{k}, the model {self.num_layers} layers x top-{self.top_k}"
@@ -342,9 +344,10 @@ class RoutingController:
             raise RuntimeError(f"{what}: no forward ran in record or replay mode since the mode was set")
         b, s = shape
         if any(t.shape[0] * self._sp_size != b * s for t in per_layer):
-            raise RuntimeError(f"{what}: routers saw a different token count than the last input {shape}"
-                               + (f" split over {self._sp_size} sequence-parallel ranks" if self._sp_size > 1
-                                  else ""))  # fmt: skip
+            raise RuntimeError(
+                f"{what}: routers saw a different token count than the last input {shape}"
+                + (f" split over {self._sp_size} sequence-parallel ranks" if self._sp_size > 1 else "")
+            )
         if self._sp_size == 1:
             return per_layer
         return _gather_first_dim(per_layer, self._sp_group)

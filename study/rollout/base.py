@@ -108,8 +108,10 @@ def register_engine(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEn
 
     def deco(cls: type[RolloutEngine]) -> type[RolloutEngine]:
         if name not in ENGINES:
-            raise ValueError(f"rollout engine {name!r} is not one of study.run.config.ENGINES ({', '.join(ENGINES)}); "
-                             "add it there, the one list of engine names a run config may use")  # fmt: skip
+            raise ValueError(
+                f"rollout engine {name!r} is not one of study.run.config.ENGINES ({', '.join(ENGINES)}); "
+                "add it there, the one list of engine names a run config may use"
+            )
         if name in _ENGINES:
             raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name].__qualname__})")
         cls.name = name
@@ -137,8 +139,9 @@ def get_engine(name: str, cfg: ModelConfig, *, dtype: str = "fp32", **kwargs: ob
     return engine_class(name)(cfg, dtype=dtype, **kwargs)
 
 
-def check_generate_args(prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int,
-                        cfg: ModelConfig) -> None:  # fmt: skip
+def check_generate_args(
+    prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int, cfg: ModelConfig
+) -> None:
     """Shared argument validation: errors, never silent clipping."""
     if n < 1:
         raise ValueError(f"n = {n}: must be >= 1")

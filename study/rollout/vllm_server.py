@@ -166,8 +166,16 @@ class Server:
     def op_wake(self, tags: list[str] | None) -> None:
         self.llm.wake_up(tags=tags)
 
-    def op_generate(self, prompts: list[list[int]], n: int, seed: int, temperature: float, max_new_tokens: int,
-                    stop_token_ids: list[int], return_routes: bool) -> list[list[tuple[Any, ...]]]:  # fmt: skip
+    def op_generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seed: int,
+        temperature: float,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        return_routes: bool,
+    ) -> list[list[tuple[Any, ...]]]:
         """Per prompt, per child in order: (token ids, log-probs, finish reason, routes or None)."""
         import numpy as np
         from vllm import SamplingParams

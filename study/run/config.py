@@ -232,7 +232,7 @@ class RunConfig:
             and all(isinstance(v, int | float) and not isinstance(v, bool) for v in band)
             and 0.0 <= band[0] < band[1] <= 1.0
         ):
-            raise ValueError(f"coldstart_band = {band!r}; valid: [low, high] with 0 <= low < high <= 1")  # fmt: skip
+            raise ValueError(f"coldstart_band = {band!r}; valid: [low, high] with 0 <= low < high <= 1")
         _choice("rollout_engine", self.rollout_engine, ENGINES)
         self._validate_rollout_runtime()
         _choice("train_dtype", self.train_dtype, DTYPES)
@@ -241,8 +241,16 @@ class RunConfig:
         _choice("prompt_filter", self.prompt_filter, PROMPT_FILTERS)
         _choice("recompute", self.recompute, RECOMPUTE)
         self._validate_precision()
-        for name in ("steps", "prompts_per_step", "minibatches", "max_new_tokens", "eval_size", "eval_samples",
-                     "collapse_window", "threads"):  # fmt: skip
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "minibatches",
+            "max_new_tokens",
+            "eval_size",
+            "eval_samples",
+            "collapse_window",
+            "threads",
+        ):
             _positive(name, getattr(self, name))
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: must be >= 2 (group-relative advantages)")
@@ -258,15 +266,19 @@ class RunConfig:
         if self.task != "user":  # the held-out sets are prefixes of fixed pools (task = "user": user_split checks)
             pool = min(tasks.EVAL_SPECS[(self.task, split)].size for split in tasks.EVAL_SPLITS)
             if self.eval_size > pool:
-                raise ValueError(f"eval_size = {self.eval_size}: the {self.task} held-out sets hold {pool} problems; "
-                                 f"valid: 1..{pool}")  # fmt: skip
+                raise ValueError(
+                    f"eval_size = {self.eval_size}: the {self.task} held-out sets hold {pool} problems; "
+                    f"valid: 1..{pool}"
+                )
         model = self.model_config()
         if self.max_new_tokens >= model.max_seq_len:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be < model.max_seq_len {model.max_seq_len}")
         if self.engine_router_noise and self.rollout_engine != "hf":
-            raise ValueError(f"engine_router_noise = {self.engine_router_noise} perturbs the router logits of "
-                             f"rollout_engine = 'hf' only (rollout_engine = {self.rollout_engine!r} has no hook for "
-                             "it); valid: engine_router_noise = 0, or rollout_engine = 'hf'")  # fmt: skip
+            raise ValueError(
+                f"engine_router_noise = {self.engine_router_noise} perturbs the router logits of "
+                f"rollout_engine = 'hf' only (rollout_engine = {self.rollout_engine!r} has no hook for "
+                "it); valid: engine_router_noise = 0, or rollout_engine = 'hf'"
+            )
         if self.old_logp_source == "rollout" and alg.routing == "replay":
             raise ValueError(
                 f"algorithm {self.algorithm} replays the routes of the pi_old recompute, but old_logp_source = "
@@ -289,8 +301,10 @@ class RunConfig:
         from study.run.rollout_runtime import EngineSettings
 
         if self.rollout_runtime and self.rollout_engine != "vllm":
-            raise ValueError(f"rollout_runtime = {self.rollout_runtime!r} is read by rollout_engine = 'vllm' only "
-                             f"(rollout_engine = {self.rollout_engine!r}); valid: rollout_runtime = {{}}")  # fmt: skip
+            raise ValueError(
+                f"rollout_runtime = {self.rollout_runtime!r} is read by rollout_engine = 'vllm' only "
+                f"(rollout_engine = {self.rollout_engine!r}); valid: rollout_runtime = {{}}"
+            )
         EngineSettings.parse(self.rollout_runtime, field="rollout_runtime")
 
     def _validate_model(self) -> None:
@@ -299,8 +313,10 @@ class RunConfig:
 
         model = self.model_config()
         if model.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"model.vocab_size = {model.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the tokenizer's "
-                             "256 bytes and special tokens)")  # fmt: skip
+            raise ValueError(
+                f"model.vocab_size = {model.vocab_size}: must be >= {MIN_VOCAB_SIZE} (the tokenizer's "
+                "256 bytes and special tokens)"
+            )
 
     def _validate_user_data(self) -> None:
         """User data hook: task = "user" needs `data` and `verifier`; the files load (every row checked by the
@@ -310,20 +326,26 @@ class RunConfig:
         if self.task != "user":
             for name in ("data", "verifier", "eval_data"):
                 if getattr(self, name):
-                    raise ValueError(f"{name} = {getattr(self, name)!r} is only read with task = 'user' (task = "
-                                     f"{self.task!r}); valid: task = 'user', or {name} = ''")  # fmt: skip
+                    raise ValueError(
+                        f"{name} = {getattr(self, name)!r} is only read with task = 'user' (task = "
+                        f"{self.task!r}); valid: task = 'user', or {name} = ''"
+                    )
             return
         if self.task_knobs:
             raise ValueError(f"task_knobs = {self.task_knobs!r}: task = 'user' has no knobs; valid: {{}}")
         if not self.data:
             raise ValueError("data = '': task = 'user' needs a JSONL or parquet file of (prompt, answer) rows")
         if not self.verifier:
-            raise ValueError(f"verifier = '': task = 'user' needs one; valid: {', '.join(tasks.USER_VERIFIERS)}, "
-                             "or a reasoning-gym task name")  # fmt: skip
+            raise ValueError(
+                f"verifier = '': task = 'user' needs one; valid: {', '.join(tasks.USER_VERIFIERS)}, "
+                "or a reasoning-gym task name"
+            )
         tasks.check_verifier(self.verifier)
         if self.coldstart == "auto":
-            raise ValueError("coldstart = 'auto' trains on a generated task; with task = 'user' valid: 'scratch', a "
-                             "cold-start directory (policy.pt) or an HF checkpoint directory")  # fmt: skip
+            raise ValueError(
+                "coldstart = 'auto' trains on a generated task; with task = 'user' valid: 'scratch', a "
+                "cold-start directory (policy.pt) or an HF checkpoint directory"
+            )
         self.user_split()
 
     def user_split(self) -> tuple[list[Any], list[Any]]:
@@ -355,21 +377,34 @@ class RunConfig:
             raise ValueError(f"eval_test_size = {self.eval_test_size}: valid: 0 (no test split) .. {tasks.TEST_POOL}")
         _positive("eval_test_samples", self.eval_test_samples)
         if self.eval_test_size and self.task == "user":
-            raise ValueError(f"eval_test_size = {self.eval_test_size}: task = 'user' has one held-out set "
-                             "(eval_data); valid: eval_test_size = 0")  # fmt: skip
+            raise ValueError(
+                f"eval_test_size = {self.eval_test_size}: task = 'user' has one held-out set "
+                "(eval_data); valid: eval_test_size = 0"
+            )
         if self.eval_test_size and not self.eval_every:
-            raise ValueError(f"eval_test_size = {self.eval_test_size}: the test split is scored at the first and last "
-                             "evaluations; valid: eval_every >= 1, or eval_test_size = 0")  # fmt: skip
+            raise ValueError(
+                f"eval_test_size = {self.eval_test_size}: the test split is scored at the first and last "
+                "evaluations; valid: eval_every >= 1, or eval_test_size = 0"
+            )
 
     def eval_plan(self, validation: dict[str, list[Any]], step: int) -> list[EvalPass]:
         """What the evaluation at `step` scores (tasks.evaluation_plan): the validation sets, and the test split at
         step 0 and the last step."""
         from study.data import tasks
 
-        test = (tasks.held_out_test_set(self.task, size=self.eval_test_size, knobs=self.task_knobs)
-                if self.eval_test_size else [])  # fmt: skip
-        return tasks.evaluation_plan(validation, samples=self.eval_samples, step=step, last_step=self.steps,
-                                     test=test, test_samples=self.eval_test_samples)  # fmt: skip
+        test = (
+            tasks.held_out_test_set(self.task, size=self.eval_test_size, knobs=self.task_knobs)
+            if self.eval_test_size
+            else []
+        )
+        return tasks.evaluation_plan(
+            validation,
+            samples=self.eval_samples,
+            step=step,
+            last_step=self.steps,
+            test=test,
+            test_samples=self.eval_test_samples,
+        )
 
     def _validate_coldstart(self) -> None:
         """An HF checkpoint directory (config.json + safetensors, no policy.pt) must match the model's shape; other
@@ -569,12 +604,31 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 PRESET_RUNS: dict[str, dict[str, Any]] = {
     # Tests and smoke runs: a minute or two per run on one thread; random-init cold start is made automatically.
-    "tiny": {"model": "tiny", "steps": 6, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
-             "max_new_tokens": 48, "eval_every": 3, "eval_size": 8, "eval_samples": 2, "checkpoint_every": 3},
+    "tiny": {
+        "model": "tiny",
+        "steps": 6,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "minibatches": 2,
+        "max_new_tokens": 48,
+        "eval_every": 3,
+        "eval_size": 8,
+        "eval_samples": 2,
+        "checkpoint_every": 3,
+    },
     # The embedded default study: a few minutes per run on one core.
-    "default": {"model": "default", "steps": 40, "prompts_per_step": 8, "group_size": 8, "minibatches": 4,
-                "max_new_tokens": 48, "eval_every": 10, "eval_size": 32, "eval_samples": 4},
-}  # fmt: skip
+    "default": {
+        "model": "default",
+        "steps": 40,
+        "prompts_per_step": 8,
+        "group_size": 8,
+        "minibatches": 4,
+        "max_new_tokens": 48,
+        "eval_every": 10,
+        "eval_size": 32,
+        "eval_samples": 4,
+    },
+}
 
 
 MAX_SET_CHARS = 1 << 16
@@ -591,8 +645,10 @@ def parse_set(items: list[str]) -> dict[str, Any]:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         if len(raw) > MAX_SET_CHARS:
-            raise ValueError(f"--set {key}=...: a value of {len(raw)} characters; valid: at most {MAX_SET_CHARS} "
-                             "(put a long value in a config file)")  # fmt: skip
+            raise ValueError(
+                f"--set {key}=...: a value of {len(raw)} characters; valid: at most {MAX_SET_CHARS} "
+                "(put a long value in a config file)"
+            )
         try:
             value = _scalar(raw)
         except yaml.YAMLError as err:
@@ -624,8 +680,9 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None, se
     if path is not None:
         loaded = read_yaml_file(path, what="a YAML file of RunConfig fields")
         if loaded is None:
-            raise ValueError(f"{path}: empty (no config fields); give a YAML mapping of RunConfig fields, e.g. "
-                             "'algorithm: gspo'")  # fmt: skip
+            raise ValueError(
+                f"{path}: empty (no config fields); give a YAML mapping of RunConfig fields, e.g. 'algorithm: gspo'"
+            )
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: must hold a mapping of config fields")
         data.update(loaded)

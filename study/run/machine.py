@@ -61,8 +61,12 @@ def _estimate(cfg: Any, *, prompts: int, group: int, new_tokens: int, minibatche
 
 
 def _knobs(run: Any) -> dict[str, Any]:
-    return {"prompts": run.prompts_per_step, "group": run.group_size, "new_tokens": run.max_new_tokens,
-            "minibatches": run.minibatches}  # fmt: skip
+    return {
+        "prompts": run.prompts_per_step,
+        "group": run.group_size,
+        "new_tokens": run.max_new_tokens,
+        "minibatches": run.minibatches,
+    }
 
 
 def _with_evaluation(cfg: Any, parts: dict[str, float], eval_size: int, eval_samples: int) -> dict[str, float]:

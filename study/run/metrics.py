@@ -39,8 +39,11 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
 _LOOP = "study.rl.StepMeasures"
 _COLLECT = "study.rl._collect"
 _UPDATE = "study.rl._update"
-_LOSS_SOURCES = {"clip_frac": "algorithms.common.clip_metrics", "clip_frac_low": "algorithms.common.clip_metrics",
-                 "clip_frac_high": "algorithms.common.clip_metrics"}  # fmt: skip
+_LOSS_SOURCES = {
+    "clip_frac": "algorithms.common.clip_metrics",
+    "clip_frac_low": "algorithms.common.clip_metrics",
+    "clip_frac_high": "algorithms.common.clip_metrics",
+}
 
 
 STEP_METRICS: dict[str, Metric] = {

@@ -81,8 +81,9 @@ class EngineSettings:
                 f"{field}.ep = {out.ep}: valid: 1 (experts tensor-sliced) or tp = {out.tp} (experts split over a "
                 "replica's tensor-parallel ranks)"
             )
-        if out.gpus and (out.placement != "separate" or len(out.gpus) != out.tp * out.dp or len(set(out.gpus)) !=
-                         len(out.gpus)):  # fmt: skip
+        if out.gpus and (
+            out.placement != "separate" or len(out.gpus) != out.tp * out.dp or len(set(out.gpus)) != len(out.gpus)
+        ):
             raise ValueError(
                 f"{field}.gpus = {list(out.gpus)}: needs placement = 'separate' and tp * dp = {out.tp * out.dp} "
                 "distinct indices"
@@ -92,8 +93,11 @@ class EngineSettings:
     def to_dict(self) -> dict[str, Any]:
         """The non-default settings (what a config spells)."""
         default = EngineSettings()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(default, f.name)}  # fmt: skip
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
 
     def replica_gpus(self, visible: int) -> list[list[int]]:
         """The GPU indices of each replica given `visible` GPUs; a clear error when there are not enough."""

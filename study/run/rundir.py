@@ -229,8 +229,12 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _holder() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "job_id": os.environ.get("SLURM_JOB_ID"),
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def _describe(holder: dict[str, Any]) -> str:
@@ -270,8 +274,9 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             holder = _read_holder(fd)
             os.close(fd)
             who = _describe(holder) if holder else "another process (starting)"
-            raise RunLocked(f"{run_dir} is being run by {who} (lock file {path}); wait for it to end or stop it, "
-                            "then run again") from None  # fmt: skip
+            raise RunLocked(
+                f"{run_dir} is being run by {who} (lock file {path}); wait for it to end or stop it, then run again"
+            ) from None
         try:
             same = os.fstat(fd).st_ino == os.lstat(path).st_ino  # not a file its releasing holder just removed
         except FileNotFoundError:
@@ -330,8 +335,10 @@ def _link_message(path: Path) -> str:
         target = os.readlink(path)
     except OSError:
         target = "?"
-    return (f"{path}: a symbolic link (to {target}); a run directory holds only its own files, and a run never "
-            "writes through a link: remove the link and run again")  # fmt: skip
+    return (
+        f"{path}: a symbolic link (to {target}); a run directory holds only its own files, and a run never "
+        "writes through a link: remove the link and run again"
+    )
 
 
 def check_no_links(run_dir: Path) -> None:
@@ -401,8 +408,13 @@ def recorded(run_dir: Path, last_step: Callable[[], int]) -> Iterator[None]:
     with contextlib.suppress(OSError):
         crashed = crash_path.read_text(errors="replace") if crash_path.is_file() and not crash_path.is_symlink() else ""
         if crashed.strip():  # the previous process died in a native crash: its record, before a new crash file
-            _record(run_dir, "failed", step=_safe(last_step), error="died in a native crash (abort, segfault)",
-                    traceback=crashed[-20000:])  # fmt: skip
+            _record(
+                run_dir,
+                "failed",
+                step=_safe(last_step),
+                error="died in a native crash (abort, segfault)",
+                traceback=crashed[-20000:],
+            )
             set_status(run_dir, "running", step=_safe(last_step))
     crash_fd = -1
     with contextlib.suppress(OSError, RunStateError):
@@ -420,8 +432,13 @@ def recorded(run_dir: Path, last_step: Callable[[], int]) -> Iterator[None]:
         raise
     except BaseException as exc:  # any other exit, a native library's panic (not an Exception) included
         clean_temporary_files(run_dir)
-        _record(run_dir, "failed", step=_safe(last_step), error=f"{type(exc).__name__}: {exc}",
-                traceback=traceback.format_exc())  # fmt: skip
+        _record(
+            run_dir,
+            "failed",
+            step=_safe(last_step),
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(),
+        )
         raise
     finally:
         for signum, handler in previous.items():
@@ -459,8 +476,13 @@ def git_sha() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -70,8 +70,10 @@ def study_run_ids(results: Path, study: str) -> list[str]:
     if listed.is_file():
         ids += [ln.strip() for ln in listed.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     if not ids:
-        raise ValueError(f"--study = {study!r}: no {base}/configs/ or run_ids.txt; valid: "
-                         f"{', '.join(studies(results)) or f'none (no study under {results})'}")  # fmt: skip
+        raise ValueError(
+            f"--study = {study!r}: no {base}/configs/ or run_ids.txt; valid: "
+            f"{', '.join(studies(results)) or f'none (no study under {results})'}"
+        )
     return list(dict.fromkeys(ids))
 
 
@@ -79,8 +81,9 @@ def studies(results: Path) -> list[str]:
     """The studies under RESULTS: folders holding configs/ or run_ids.txt."""
     if not results.is_dir():
         return []
-    return sorted(p.name for p in results.iterdir()
-                  if p.is_dir() and ((p / "configs").is_dir() or (p / "run_ids.txt").is_file()))  # fmt: skip
+    return sorted(
+        p.name for p in results.iterdir() if p.is_dir() and ((p / "configs").is_dir() or (p / "run_ids.txt").is_file())
+    )
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -121,8 +124,9 @@ def _last(frame: Any, column: str) -> float | None:
 def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) -> RunLine:
     """One run's line from its directory (a pending one when there is none)."""
     steps = config.get("steps")
-    line = RunLine(run_id, config.get("algorithm"), PENDING, None, steps if isinstance(steps, int) else None,
-                   path=str(run_dir))  # fmt: skip
+    line = RunLine(
+        run_id, config.get("algorithm"), PENDING, None, steps if isinstance(steps, int) else None, path=str(run_dir)
+    )
     if not run_dir.is_dir():
         return line
     held: bool | None = None
@@ -265,8 +269,20 @@ def table(lines: Sequence[RunLine]) -> str:
         step = f"{'-' if ln.step is None else ln.step}/{'-' if ln.steps is None else ln.steps}"
         evals = f"{_num(ln.eval_in_dist)}/{_num(ln.eval_hard)}"
         axes = " ".join(f"{k}={v}" for k, v in ln.axes.items()) or "-"
-        rows.append((ln.run_id, ln.algorithm or "-", axes, ln.state, step, _num(ln.reward), evals,
-                     _duration(ln.elapsed_s), _duration(ln.eta_s), ln.reason or ""))  # fmt: skip
+        rows.append(
+            (
+                ln.run_id,
+                ln.algorithm or "-",
+                axes,
+                ln.state,
+                step,
+                _num(ln.reward),
+                evals,
+                _duration(ln.elapsed_s),
+                _duration(ln.eta_s),
+                ln.reason or "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     out = ["  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip() for r in rows]
     counts = summary(lines)
@@ -300,8 +316,9 @@ def document(lines: Sequence[RunLine]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m study status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m study status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("results", nargs="?", default="results", help="results root (default: results)")
     parser.add_argument("--study", default=None, help="a study's runs (RESULTS/NAME/configs, run_ids.txt)")
     parser.add_argument("--watch", action="store_true", help="redraw until no run is running or pending")

@@ -133,8 +133,10 @@ def read_state(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / STATE_FILE
     if not path.exists():
         return {}
-    fix = ("restore it, or delete it to go on without it (the trackers then start new runs, and the study and tags "
-           "it recorded are lost)")  # fmt: skip
+    fix = (
+        "restore it, or delete it to go on without it (the trackers then start new runs, and the study and tags "
+        "it recorded are lost)"
+    )
     try:
         state = rundir.read_json(path)
     except rundir.RunStateError as err:
@@ -181,8 +183,9 @@ class TensorBoard:
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int,
-                 state: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int, state: dict[str, Any]
+    ) -> None:
         from tensorboardX import SummaryWriter
 
         # purge_step: events at or after it that an earlier process logged (after the checkpoint it resumes from, or
@@ -211,22 +214,26 @@ class WandB:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int,
-                 state: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int, state: dict[str, Any]
+    ) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE", "offline")
         kwargs: dict[str, Any] = {"id": state["id"], "resume": "allow"} if state.get("id") else {}
         self.run = wandb.init(
             project=state.get("project") or os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-            dir=str(run_dir), mode=mode, group=tracking.study or None, name=run_dir.name,
+            dir=str(run_dir),
+            mode=mode,
+            group=tracking.study or None,
+            name=run_dir.name,
             job_type=str(config.get("algorithm", "")) or None,
             tags=[f"{k}={v}"[:64] for k, v in tracking.tags.items()],
             config={**flatten(config), "study": tracking.study, "run_dir": str(run_dir)},
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off", save_code=False, x_disable_stats=True),
             **kwargs,
-        )  # fmt: skip
+        )
         self.state = {"id": self.run.id, "project": self.run.project, "mode": mode, "dir": str(run_dir / "wandb")}
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -245,13 +252,17 @@ class MLflow:
 
     name = "mlflow"
 
-    def __init__(self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int,
-                 state: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, run_dir: Path, tracking: Tracking, config: Mapping[str, Any], start_step: int, state: dict[str, Any]
+    ) -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
-        uri = state.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or (
-            run_dir.resolve().parent.parent / "mlruns").as_uri()  # fmt: skip
+        uri = (
+            state.get("tracking_uri")
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or (run_dir.resolve().parent.parent / "mlruns").as_uri()
+        )
         if uri.startswith("file:"):  # MLflow 3.18 refuses its file store (in maintenance, still supported) unasked
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
@@ -268,8 +279,11 @@ class MLflow:
                     exp_id = self.client.get_experiment_by_name(experiment).experiment_id
             else:
                 exp_id = found.experiment_id
-            tags = {"study": tracking.study, "run_dir": str(run_dir), **{f"axis.{k}": v for k, v in
-                                                                          tracking.tags.items()}}  # fmt: skip
+            tags = {
+                "study": tracking.study,
+                "run_dir": str(run_dir),
+                **{f"axis.{k}": v for k, v in tracking.tags.items()},
+            }
             run = self.client.create_run(exp_id, tags=tags, run_name=run_dir.name)
             self.run_id = run.info.run_id
             params = [Param(k, _text(v)[:6000]) for k, v in flatten(config).items()]
@@ -329,8 +343,9 @@ class RunLogger:
         for tracker in list(self.trackers):
             self._call(tracker, "flush")
         state = {t.name: {**t.state, "last_step": self.last[t.name]} for t in self.trackers}
-        rundir.write_json(self.run_dir / STATE_FILE, {**state, "study": self.tracking.study,
-                                                      "tags": self.tracking.tags})  # fmt: skip
+        rundir.write_json(
+            self.run_dir / STATE_FILE, {**state, "study": self.tracking.study, "tags": self.tracking.tags}
+        )
 
     def close(self, state: str) -> None:
         self.flush()
@@ -346,7 +361,10 @@ class RunLogger:
         except Exception as exc:
             import sys
 
-            print(f"warning: tracker {tracker.name} failed ({type(exc).__name__}: {exc}); it logs no more for "
-                  f"run {self.run_dir.name}; metrics.parquet has every step", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: tracker {tracker.name} failed ({type(exc).__name__}: {exc}); it logs no more for "
+                f"run {self.run_dir.name}; metrics.parquet has every step",
+                file=sys.stderr,
+            )
             self.trackers.remove(tracker)
             return False

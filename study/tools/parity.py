@@ -29,14 +29,18 @@ def ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
 def summarize(x: torch.Tensor) -> dict[str, float]:
     """mean, median, p99 and max of a 1-D sample (|delta| of token log-probs)."""
     x = x.flatten().double()
-    return {"mean": float(x.mean()), "median": float(x.median()), "p99": float(x.quantile(0.99)),
-            "max": float(x.max())}  # fmt: skip
+    return {"mean": float(x.mean()), "median": float(x.median()), "p99": float(x.quantile(0.99)), "max": float(x.max())}
 
 
 def logp_deltas(
-    specs: list[str], *, n_seqs: int = 16, prompt_len: int = 16, response_len: int = 48, seed: int = 0,
+    specs: list[str],
+    *,
+    n_seqs: int = 16,
+    prompt_len: int = 16,
+    response_len: int = 48,
+    seed: int = 0,
     init_std: float = 0.1,
-) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
+) -> dict[str, dict[str, torch.Tensor]]:
     """Token log-probs of the tiny model in each precision of `specs`, for the trainer (megatron token_logp) and the
     hf engine (teacher-forced score), on the same random weights and tokens.
 

@@ -110,8 +110,16 @@ class Layout:
         return self.tp * self.dp // self.ep
 
     def label(self) -> str:
-        flags = [s for s, on in (("SP", self.sp), ("DistOpt", self.dist_opt), ("Recompute", self.recompute),
-                                 ("Offload", self.offload)) if on]  # fmt: skip
+        flags = [
+            s
+            for s, on in (
+                ("SP", self.sp),
+                ("DistOpt", self.dist_opt),
+                ("Recompute", self.recompute),
+                ("Offload", self.offload),
+            )
+            if on
+        ]
         return f"TP{self.tp} EP{self.ep} DP{self.dp}" + ("".join(f" +{s}" for s in flags))
 
     def check(self, cfg: ModelConfig) -> str | None:
@@ -193,8 +201,9 @@ class EngineLayout:
     @classmethod
     def from_settings(cls, settings: Any, dtype: str = "bf16") -> EngineLayout:
         """The layout of an EngineSettings (a run's rollout_runtime)."""
-        return cls(tp=settings.tp, ep=settings.ep, dp=settings.dp, dtype=dtype, kv_dtype=dtype,
-                   gpu_memory=settings.gpu_memory)  # fmt: skip
+        return cls(
+            tp=settings.tp, ep=settings.ep, dp=settings.dp, dtype=dtype, kv_dtype=dtype, gpu_memory=settings.gpu_memory
+        )
 
     def runtime(self) -> dict[str, Any]:
         """The rollout_runtime keys that give this layout."""
@@ -204,8 +213,10 @@ class EngineLayout:
     def check(self, cfg: ModelConfig, gpus_per_node: int) -> str | None:
         """Why the vllm engine would refuse this layout for `cfg` (None: it starts)."""
         if cfg.num_query_groups % self.tp or cfg.num_experts % self.ep:
-            return (f"engine tp = {self.tp}, ep = {self.ep} must divide model.num_query_groups = "
-                    f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}")  # fmt: skip
+            return (
+                f"engine tp = {self.tp}, ep = {self.ep} must divide model.num_query_groups = "
+                f"{cfg.num_query_groups} and model.num_experts = {cfg.num_experts}"
+            )
         if self.tp * max(1, self.dp) > gpus_per_node:
             return f"engine tp x dp = {self.tp} x {max(1, self.dp)} GPUs, rank 0's node has {gpus_per_node}"
         return None
@@ -315,9 +326,19 @@ def estimate(
     )
     if engine.gpu_memory and gpu_mem_gb:
         engine_kv = max(0.0, engine.gpu_memory * gpu_mem_gb * GB - engine_weights)
-    return Estimate(layout=layout, params=dense + expert, weights=weights, grads=grads, optimizer=optimizer,
-                    activations=activations, engine_weights=engine_weights, engine_kv=engine_kv,
-                    reserve=reserve_gb * GB, colocated_sleep=colocated_sleep, fragmentation=fragmentation)  # fmt: skip
+    return Estimate(
+        layout=layout,
+        params=dense + expert,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        engine_weights=engine_weights,
+        engine_kv=engine_kv,
+        reserve=reserve_gb * GB,
+        colocated_sleep=colocated_sleep,
+        fragmentation=fragmentation,
+    )
 
 
 def training_activations(cfg: ModelConfig, layout: Layout, work: Workload, act_bytes: int) -> float:
@@ -365,8 +386,12 @@ def default_engine(cfg: ModelConfig, gpus: int, dtype: str = "bf16", *, gpus_per
     node = max(1, min(gpus, gpus_per_node))
     counts = param_counts(cfg)
     t = 1
-    while (sum(counts.per_rank(t, t)) * DTYPE_BYTES[dtype] > 16 * GB and t * 2 <= node
-           and cfg.num_query_groups % (t * 2) == 0 and cfg.num_experts % (t * 2) == 0):  # fmt: skip
+    while (
+        sum(counts.per_rank(t, t)) * DTYPE_BYTES[dtype] > 16 * GB
+        and t * 2 <= node
+        and cfg.num_query_groups % (t * 2) == 0
+        and cfg.num_experts % (t * 2) == 0
+    ):
         t *= 2
     return EngineLayout(tp=t, ep=t, dtype=dtype, kv_dtype=dtype, dp=node // t, gpu_memory=0.3)
 
@@ -390,8 +415,10 @@ def plan(
     engine = engine or default_engine(cfg, gpus, dtype)
     precision = Precision.of(dtype)
     layouts = candidate_layouts(cfg, gpus, gpus_per_node=gpus_per_node)
-    found = [estimate(cfg, layout, work, precision=precision, engine=engine, reserve_gb=reserve_gb,
-                      gpu_mem_gb=gpu_mem_gb) for layout in layouts]  # fmt: skip
+    found = [
+        estimate(cfg, layout, work, precision=precision, engine=engine, reserve_gb=reserve_gb, gpu_mem_gb=gpu_mem_gb)
+        for layout in layouts
+    ]
     budget = gpu_mem_gb * GB
     return sorted(found, key=lambda e: (not e.fits(budget), e.total))
 
@@ -402,8 +429,13 @@ def fitting(estimates: Iterable[Estimate], gpu_mem_gb: float) -> list[Estimate]:
 
 def run_workload(run: Any, *, prompt_len: int = 1024, micro_batch: int = 1) -> Workload:
     """The Workload of a RunConfig (study.run.config): its P, G, max_new_tokens; prompts up to `prompt_len`."""
-    return Workload(prompts=run.prompts_per_step, group_size=run.group_size, prompt_len=prompt_len,
-                    response_len=run.max_new_tokens, micro_batch=micro_batch)  # fmt: skip
+    return Workload(
+        prompts=run.prompts_per_step,
+        group_size=run.group_size,
+        prompt_len=prompt_len,
+        response_len=run.max_new_tokens,
+        micro_batch=micro_batch,
+    )
 
 
 def run_layout(run: Any) -> Layout | None:
@@ -414,8 +446,14 @@ def run_layout(run: Any) -> Layout | None:
     par = run.layout
     if par.world_size == 1:
         return None
-    return Layout(tp=par.tensor, ep=par.expert, dp=par.data, sp=par.tensor > 1, dist_opt=True,
-                  recompute=getattr(run, "recompute", "none") == "full")  # fmt: skip
+    return Layout(
+        tp=par.tensor,
+        ep=par.expert,
+        dp=par.data,
+        sp=par.tensor > 1,
+        dist_opt=True,
+        recompute=getattr(run, "recompute", "none") == "full",
+    )
 
 
 def run_engine(run: Any, gpus: int, gpus_per_node: int) -> EngineLayout:
@@ -447,12 +485,15 @@ def check_run_fits(
     dp = layout.dp if layout is not None else 1
     if not micro:  # 0: each rank forwards its whole share of a minibatch at once
         micro = max(1, run.prompts_per_step * run.group_size // run.minibatches // dp)
-    work = run_workload(run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)),
-                        micro_batch=micro)  # fmt: skip
+    work = run_workload(
+        run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)), micro_batch=micro
+    )
     if layout is not None:
         if layout.world != gpus:
-            raise ValueError(f"run {run.run_id}: parallel = {run.parallel} has {layout.world} ranks, the job "
-                             f"{gpus} GPU(s); valid: one GPU per rank")  # fmt: skip
+            raise ValueError(
+                f"run {run.run_id}: parallel = {run.parallel} has {layout.world} ranks, the job "
+                f"{gpus} GPU(s); valid: one GPU per rank"
+            )
         bad = layout.check(cfg)
         if bad:
             raise ValueError(f"run {run.run_id}: parallel = {run.parallel}: {bad}")
@@ -483,14 +524,18 @@ def _check_engine_memory(run: Any, est: Estimate, gpu_mem_gb: float) -> None:
     st = EngineSettings.parse(run.rollout_runtime)
     budget = st.gpu_memory * gpu_mem_gb * GB
     if budget < est.engine_weights * 1.1:
-        raise ValueError(f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} gives vLLM "
-                         f"{budget / GB:.1f} GB per GPU, its weights take {est.engine_weights / GB:.1f} GB; valid: a "
-                         "larger gpu_memory or engine tp")  # fmt: skip
+        raise ValueError(
+            f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} gives vLLM "
+            f"{budget / GB:.1f} GB per GPU, its weights take {est.engine_weights / GB:.1f} GB; valid: a "
+            "larger gpu_memory or engine tp"
+        )
     if st.placement == "colocated" and budget + est.static + est.reserve > gpu_mem_gb * GB:
-        raise ValueError(f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} ({budget / GB:.1f} GB) "
-                         f"beside the trainer's {est.static / GB:.1f} GB that stays on the GPU exceeds "
-                         f"{gpu_mem_gb:g} GB; valid: gpu_memory <= "
-                         f"{(gpu_mem_gb * GB - est.static - est.reserve) / (gpu_mem_gb * GB):.2f}")  # fmt: skip
+        raise ValueError(
+            f"run {run.run_id}: rollout_runtime.gpu_memory = {st.gpu_memory:g} ({budget / GB:.1f} GB) "
+            f"beside the trainer's {est.static / GB:.1f} GB that stays on the GPU exceeds "
+            f"{gpu_mem_gb:g} GB; valid: gpu_memory <= "
+            f"{(gpu_mem_gb * GB - est.static - est.reserve) / (gpu_mem_gb * GB):.2f}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -599,8 +644,10 @@ parameters and optimizer; counted here as the optimizer state off the GPU)."""
 
 
 def format_table(estimates: Sequence[Estimate], gpu_mem_gb: float, *, limit: int | None = None) -> str:
-    head = (f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
-            f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB")  # fmt: skip
+    head = (
+        f"{'layout':<45} {'params':>8} {'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'train':>7} "
+        f"{'engine':>7} {'(kv)':>6} {'total':>7}  fits {gpu_mem_gb:g} GB"
+    )
     rows = [head, "-" * len(head)]
     for e in list(estimates)[: limit or None]:
         rows.append(
@@ -619,8 +666,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     from study.core.model_config import resolve_model
 
     p = argparse.ArgumentParser(prog="python -m study plan", description=plan_main.__doc__)
-    p.add_argument("--model", default=None, help="a preset (qwen3-30b-a3b, small, ...), a model mapping or an HF "
-                   "checkpoint directory; default: the run config's")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a preset (qwen3-30b-a3b, small, ...), a model mapping or an HF "
+        "checkpoint directory; default: the run config's",
+    )
     p.add_argument("--config", help="a run config YAML (its model, batch, lengths and dtype)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="run config override")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all (nodes x GPUs per node)")
@@ -660,18 +711,28 @@ def plan_main(argv: list[str] | None = None) -> int:
         )
         engine = default_engine(cfg, args.gpus)
         engine = dataclasses.replace(engine, tp=args.engine_tp or engine.tp, ep=args.engine_ep or engine.ep)
-        estimates = plan(cfg, args.gpus, args.gpu_mem, work, dtype=dtype, gpus_per_node=args.gpus_per_node,
-                         engine=engine, reserve_gb=args.reserve_gb)  # fmt: skip
+        estimates = plan(
+            cfg,
+            args.gpus,
+            args.gpu_mem,
+            work,
+            dtype=dtype,
+            gpus_per_node=args.gpus_per_node,
+            engine=engine,
+            reserve_gb=args.reserve_gb,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     counts = param_counts(cfg)
-    print(f"model: {param_counts(cfg).total / 1e9:.3f}B parameters ({counts.experts / 1e9:.3f}B in experts), "
-          f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
-          f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
-          f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
-          f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
-          "GB per GPU:")  # fmt: skip
+    print(
+        f"model: {param_counts(cfg).total / 1e9:.3f}B parameters ({counts.experts / 1e9:.3f}B in experts), "
+        f"active per token {cfg.active_params_per_token / 1e9:.3f}B; {dtype} training; batch {work.prompts} x "
+        f"{work.group_size} sequences of {work.prompt_len} + {work.response_len} tokens, micro-batch "
+        f"{work.micro_batch}; engine TP {engine.tp} EP {engine.ep} ({engine.dtype}, colocated, sleeps during the "
+        f"update); total = peak x 1.1 (allocator fragmentation) + {args.reserve_gb:g} GB reserve. "
+        "GB per GPU:"
+    )
     print(format_table(estimates, args.gpu_mem, limit=None if args.all else 20))
     n_fit = len(fitting(estimates, args.gpu_mem))
     print(f"{n_fit} of {len(estimates)} layouts fit on {args.gpus} GPU(s) of {args.gpu_mem:g} GB")
@@ -679,9 +740,18 @@ def plan_main(argv: list[str] | None = None) -> int:
 
     if cfg == PRESETS["qwen3-30b-a3b"]:
         print("published layouts of this model (each on its own GPU count, this batch and engine):")
-        published = [estimate(cfg, layout, work, precision=Precision.of(dtype), engine=default_engine(cfg, gpus),
-                              gpu_mem_gb=args.gpu_mem,
-                              reserve_gb=args.reserve_gb) for gpus, layout in PUBLISHED.values()]  # fmt: skip
+        published = [
+            estimate(
+                cfg,
+                layout,
+                work,
+                precision=Precision.of(dtype),
+                engine=default_engine(cfg, gpus),
+                gpu_mem_gb=args.gpu_mem,
+                reserve_gb=args.reserve_gb,
+            )
+            for gpus, layout in PUBLISHED.values()
+        ]
         table = format_table(published, args.gpu_mem).splitlines()
         print("\n".join(table[:2] + [f"{row}  ({name})" for row, name in zip(table[2:], PUBLISHED, strict=True)]))
     return 0 if n_fit else 1

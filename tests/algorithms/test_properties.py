@@ -32,8 +32,15 @@ def batches(draw: st.DrawFn) -> dict:
     logp = old + scale * torch.randn(b, t, generator=gen)
     rewards = (torch.rand(b, generator=gen) > 0.5).float()
     roll = old + scale * torch.randn(b, t, generator=gen)
-    return {"name": name, "group_size": group_size, "mask": mask, "old": old, "logp": logp, "rewards": rewards,
-            "roll": roll}  # fmt: skip
+    return {
+        "name": name,
+        "group_size": group_size,
+        "mask": mask,
+        "old": old,
+        "logp": logp,
+        "rewards": rewards,
+        "roll": roll,
+    }
 
 
 def run(alg: algorithms.Algorithm, logp, old, adv, mask, roll):  # type: ignore[no-untyped-def]

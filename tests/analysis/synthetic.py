@@ -382,8 +382,9 @@ def offpolicy_truth(m: int, *, reproduced: bool) -> dict[str, dict[str, Curve]]:
         if high and not reproduced:
             asym = 0.05
         collapse = OFFPOLICY_COLLAPSE if (high and reproduced and alg == "grpo") else None
-        moe[alg] = Curve(a=asym, r0=0.1, c_mid=2e12, slot_mismatch=slot, per_update=OFFPOLICY_PER_UPDATE[m],
-                         collapse_step=collapse)  # fmt: skip
+        moe[alg] = Curve(
+            a=asym, r0=0.1, c_mid=2e12, slot_mismatch=slot, per_update=OFFPOLICY_PER_UPDATE[m], collapse_step=collapse
+        )
     dense_a = 0.03 if (high and not reproduced) else 0.6 - 0.03 * steps
     dense = {"grpo": Curve(a=dense_a, r0=0.1, c_mid=2e12, slot_mismatch=0.0 if m > 1 else slot)}
     return {"MoE": moe, "dense": dense}
@@ -431,6 +432,7 @@ def make_offpolicy_study(
         for family, shape in (("MoE", MOE_SHAPE), ("dense", DENSE_SHAPE)):
             curves = {a: c for a, c in truth[family].items() if not (m == 1 and a.endswith("_rr"))}
             grid = {**{k: [v] for k, v in shape.items()}, "minibatches": [m]}
-            ids += make_study(root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS,
-                              eval_every=OFFPOLICY_EVERY, **kwargs)  # fmt: skip
+            ids += make_study(
+                root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS, eval_every=OFFPOLICY_EVERY, **kwargs
+            )
     return ids

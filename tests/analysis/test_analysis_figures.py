@@ -32,10 +32,17 @@ def test_clip_fraction_bars_are_in_registry_order_with_the_known_heights(study):
     labels = [t.get_text() for t in ax.get_xticklabels()]
     algs = style.order(["gspo_rr", "sapo", "grpo", "gspo", "grpo_rr"])
     assert labels == [style.label(a) for a in algs]
-    per_run = {part: stats.run_mean(study.long, m) for part, m in
-               {"total": "clip_frac", "low": "clip_frac_low", "high": "clip_frac_high"}.items()}  # fmt: skip
-    truth = {"grpo": (0.0004, 0.0009), "grpo_rr": (0.0005, 0.0008), "gspo": (0.05, 0.1), "gspo_rr": (0.04, 0.09),
-             "sapo": (0.0, 0.0)}  # fmt: skip
+    per_run = {
+        part: stats.run_mean(study.long, m)
+        for part, m in {"total": "clip_frac", "low": "clip_frac_low", "high": "clip_frac_high"}.items()
+    }
+    truth = {
+        "grpo": (0.0004, 0.0009),
+        "grpo_rr": (0.0005, 0.0008),
+        "gspo": (0.05, 0.1),
+        "gspo_rr": (0.04, 0.09),
+        "sapo": (0.0, 0.0),
+    }
     for part in ("total", "low", "high"):
         bars = [p for p in ax.patches if p.get_gid() == f"clip-{part}"]
         heights = np.array([b.get_height() for b in bars])
@@ -63,14 +70,20 @@ def test_figure3_marks_collapsed_runs(study):
     # panel holds the runs of its configuration and family alone (one thin line per run, one thick mean per algorithm)
     axes = ["max_new_tokens", "rollout_dtype"]
     configs = study.runs[axes].drop_duplicates().sort_values(axes)
-    titles = [f"{style.label(fam)}\nmax_new_tokens={t}, rollout_dtype={d}" for t, d in configs.itertuples(index=False)
-              for fam in ("grpo", "gspo")]  # fmt: skip
+    titles = [
+        f"{style.label(fam)}\nmax_new_tokens={t}, rollout_dtype={d}"
+        for t, d in configs.itertuples(index=False)
+        for fam in ("grpo", "gspo")
+    ]
     assert [ax.get_title() for ax in made.fig.axes] == titles
     for ax, title in zip(made.fig.axes, titles, strict=True):
         t, d = title.split("\n")[1].replace("max_new_tokens=", "").replace("rollout_dtype=", "").split(", ")
         fam = ["grpo", "grpo_rr"] if title.startswith(style.label("grpo")) else ["gspo", "gspo_rr"]
-        runs = study.runs[study.runs["algorithm"].isin(fam) & (study.runs["max_new_tokens"].astype(str) == t)
-                          & (study.runs["rollout_dtype"].astype(str) == d)]  # fmt: skip
+        runs = study.runs[
+            study.runs["algorithm"].isin(fam)
+            & (study.runs["max_new_tokens"].astype(str) == t)
+            & (study.runs["rollout_dtype"].astype(str) == d)
+        ]
         thin = [ln for ln in ax.get_lines() if ln.get_linewidth() == 0.5]
         assert len(thin) == len(runs) > 0, title
 

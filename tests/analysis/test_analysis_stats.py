@@ -73,8 +73,18 @@ def _long(values_by_run):
     rows = []
     for rid, (alg, vals) in values_by_run.items():
         for s, v in enumerate(vals, 1):
-            rows.append({"run_id": rid, "algorithm": alg, "seed": 0, "step": s, "compute_flops": s * 1.0,
-                         "wall_s": s * 1.0, "metric": "m", "value": v})  # fmt: skip
+            rows.append(
+                {
+                    "run_id": rid,
+                    "algorithm": alg,
+                    "seed": 0,
+                    "step": s,
+                    "compute_flops": s * 1.0,
+                    "wall_s": s * 1.0,
+                    "metric": "m",
+                    "value": v,
+                }
+            )
     df = pd.DataFrame(rows)
     for c in ("run_id", "algorithm", "metric"):
         df[c] = df[c].astype("category")

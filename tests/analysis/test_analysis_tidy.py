@@ -48,8 +48,16 @@ def test_loader_keeps_failed_and_collapsed_and_reports_missing(tmp_path):
     np.testing.assert_allclose(a["value"], np.arange(1, 6) / 10)
     np.testing.assert_allclose(a["compute_flops"], np.arange(1, 6) * 1e12)
     assert set(st.long.columns) >= {
-        "run_id", "algorithm", "train.lr", "seed", "step", "compute_flops", "wall_s", "metric", "value"
-    }  # fmt: skip
+        "run_id",
+        "algorithm",
+        "train.lr",
+        "seed",
+        "step",
+        "compute_flops",
+        "wall_s",
+        "metric",
+        "value",
+    }
 
 
 def test_a_stopped_run_keeps_its_state_and_metrics(tmp_path):

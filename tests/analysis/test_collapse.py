@@ -40,10 +40,27 @@ def _runs_long(curves):
     rows, runs = [], []
     for rid, (alg, seed, vals, state) in curves.items():
         for s, v in enumerate(vals, 1):
-            rows.append({"run_id": rid, "algorithm": alg, "seed": seed, "step": s, "compute_flops": s * 1e10,
-                         "wall_s": s * 1.0, "metric": "reward_mean", "value": v})  # fmt: skip
-        runs.append({"run_id": rid, "algorithm": alg, "state": state, "collapse_step": None,
-                     "collapse_reason": "reward below floor" if state == "collapsed" else None})  # fmt: skip
+            rows.append(
+                {
+                    "run_id": rid,
+                    "algorithm": alg,
+                    "seed": seed,
+                    "step": s,
+                    "compute_flops": s * 1e10,
+                    "wall_s": s * 1.0,
+                    "metric": "reward_mean",
+                    "value": v,
+                }
+            )
+        runs.append(
+            {
+                "run_id": rid,
+                "algorithm": alg,
+                "state": state,
+                "collapse_step": None,
+                "collapse_reason": "reward below floor" if state == "collapsed" else None,
+            }
+        )
     long = pd.DataFrame(rows)
     for c in ("run_id", "algorithm", "metric"):
         long[c] = long[c].astype("category")
@@ -60,12 +77,14 @@ def test_a_real_collapse_is_flagged_by_the_reward_drop_rule_and_says_so():
     rng = np.random.default_rng(0)
     crashed = _learning(rng)
     crashed[60:] = 0.02 * rng.random(40)  # one seed falls to ~0 at step 61 and stays there; its status says completed
-    long, runs = _runs_long({
-        "a0": ("gspo", 0, crashed, "completed"),
-        "a1": ("gspo", 1, _learning(rng), "completed"),
-        "a2": ("gspo", 2, _learning(rng), "completed"),
-        "g0": ("grpo", 0, _learning(rng), "collapsed"),  # the trainer's own guard: stays a collapse
-    })  # fmt: skip
+    long, runs = _runs_long(
+        {
+            "a0": ("gspo", 0, crashed, "completed"),
+            "a1": ("gspo", 1, _learning(rng), "completed"),
+            "a2": ("gspo", 2, _learning(rng), "completed"),
+            "g0": ("grpo", 0, _learning(rng), "collapsed"),  # the trainer's own guard: stays a collapse
+        }
+    )
     ct = collapse.collapse_table(long, runs).set_index("run_id")
     assert ct.loc["a0", "collapsed"] and ct.loc["a0", "flagged_by"] == collapse.DROP
     assert 61 <= ct.loc["a0", "detected_step"] <= 70
@@ -103,10 +122,12 @@ def test_a_drop_inside_the_seed_band_is_not_flagged():
     def shape(top, bottom):
         return np.r_[np.full(50, top), np.linspace(top, bottom, 20), np.full(30, bottom)]
 
-    long, runs = _runs_long({
-        f"x{k}": ("gspo", k, shape(top, bottom) + 0.005 * rng.standard_normal(100), "completed")
-        for k, (top, bottom) in enumerate([(0.5, 0.22), (0.45, 0.25), (0.4, 0.21)])
-    })  # fmt: skip
+    long, runs = _runs_long(
+        {
+            f"x{k}": ("gspo", k, shape(top, bottom) + 0.005 * rng.standard_normal(100), "completed")
+            for k, (top, bottom) in enumerate([(0.5, 0.22), (0.45, 0.25), (0.4, 0.21)])
+        }
+    )
     assert collapse.detect_collapse(np.arange(1, 101), shape(0.5, 0.22)) is not None
     ct = collapse.collapse_table(long, runs).set_index("run_id")
     assert not ct["collapsed"].any() and ct.loc["x0", "in_band"].startswith("inside the seed band")

@@ -39,9 +39,19 @@ def runs_long(arms: dict[str, list[int]], gain: dict[str, float], *, minibatches
         for s in seeds:
             start = 0.3 + 0.05 * s
             for step, value in ((0, start), (16, start + gain[arm] + 0.004 * (-1) ** s)):
-                rows.append({"run_id": f"{arm}-{s}", "algorithm": arm, "minibatches": minibatches, "seed": s,
-                             "step": step, "compute_flops": float(step), "wall_s": float(step),
-                             "metric": "eval_in_dist", "value": value})  # fmt: skip
+                rows.append(
+                    {
+                        "run_id": f"{arm}-{s}",
+                        "algorithm": arm,
+                        "minibatches": minibatches,
+                        "seed": s,
+                        "step": step,
+                        "compute_flops": float(step),
+                        "wall_s": float(step),
+                        "metric": "eval_in_dist",
+                        "value": value,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -78,7 +88,7 @@ def test_runs_that_match_the_declaration_have_no_deviation_and_are_read_as_decla
         (BOTH, None, {"stratum": {"minibatches": 4}}, "stratum minibatches = 4: no"),
         (BOTH, None, {"stratum": {"lr": 1e-4}}, "axis 'lr' is not among the runs'"),
     ],
-)  # fmt: skip
+)
 def test_runs_that_deviate_from_the_declaration_are_flagged(arms, runs_state, change, expected) -> None:
     c = declared.Comparison.from_entry({**ENTRY, **change})
     long = runs_long(arms, {"grpo": 0.19, "grpo_rr": 0.09})
@@ -116,8 +126,10 @@ def sweep_with(**change) -> dict:
         ({"pairing": "run"}, r"comparisons\[0\].pairing = 'run'; valid: seed, none"),
         ({"power": 1.5}, r"comparisons\[0\].power = 1.5: exclusiveMaximum is 1"),
         ({"seeds": [0, 1, 2]}, r"comparisons\[0\].seeds = \[0, 1, 2\]: the sweep runs seeds \[0, 1\]; valid: the same"),
-        ({"arms": {"axis": "algorithm", "treatment": "gspo_x", "control": "grpo"}},
-         r"comparisons\[0\].arms.treatment = 'gspo_x': not a value of axes.algorithm; valid: grpo, grpo_rr, gspo"),
+        (
+            {"arms": {"axis": "algorithm", "treatment": "gspo_x", "control": "grpo"}},
+            r"comparisons\[0\].arms.treatment = 'gspo_x': not a value of axes.algorithm; valid: grpo, grpo_rr, gspo",
+        ),
         ({"arms": {"axis": "lr", "treatment": 1, "control": 2}}, r"arms.axis = 'lr': not an axis of the sweep; valid:"),
         ({"metric": "eval_middle"}, r"comparisons\[0\].metric = 'eval_middle': not a logged metric"),
         ({"metric": "test_in_dist"}, r"metric = 'test_in_dist': the sweep scores no test split; valid: base.eval_te"),
@@ -125,7 +137,7 @@ def sweep_with(**change) -> dict:
         ({"stratum": {"seed": 0}}, r"comparisons\[0\].stratum.seed: not another axis of the sweep; valid: model, mi"),
         ({"extra": 1}, r"comparisons\[0\]: unknown field\(s\) \['extra'\]; valid: name, role, claim, arms"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_declaration_names_the_field_and_the_valid_values(change: dict, message: str) -> None:
     validate_sweep(sweep_with(), where="routing.yaml")  # the unchanged entry is valid
     with pytest.raises(SweepError, match=message):

@@ -22,8 +22,19 @@ def long_table(runs: dict[str, dict], metrics: dict[str, np.ndarray | float], co
     for run_id, info in runs.items():
         for metric, value in metrics.items():
             vals = np.broadcast_to(np.asarray(value(info) if callable(value) else value, np.float64), steps.shape)
-            frames.append(pd.DataFrame({"run_id": run_id, **info, "step": steps, "compute_flops": compute,
-                                        "wall_s": steps * 1.0, "metric": metric, "value": vals}))  # fmt: skip
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "run_id": run_id,
+                        **info,
+                        "step": steps,
+                        "compute_flops": compute,
+                        "wall_s": steps * 1.0,
+                        "metric": metric,
+                        "value": vals,
+                    }
+                )
+            )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -43,8 +54,9 @@ def test_a_paired_design_that_welch_cannot_see() -> None:
 
 
 def test_paired_arms_reads_a_per_run_table_and_refuses_ambiguous_units() -> None:
-    per_run = pd.DataFrame({"algorithm": ["grpo", "grpo_rr"] * 3, "seed": [0, 0, 1, 1, 2, 2],
-                            "value": [0.1, 0.3, 0.2, 0.35, 0.15, 0.33]})  # fmt: skip
+    per_run = pd.DataFrame(
+        {"algorithm": ["grpo", "grpo_rr"] * 3, "seed": [0, 0, 1, 1, 2, 2], "value": [0.1, 0.3, 0.2, 0.35, 0.15, 0.33]}
+    )
     p = design.paired_arms(per_run, "algorithm", "grpo_rr", "grpo")
     assert p.differences == pytest.approx((0.2, 0.15, 0.18))
     with pytest.raises(ValueError, match=r"algorithm = 'grpo' has several runs of seed \[0\]"):
@@ -124,8 +136,9 @@ def test_c6_length_gain_splits_into_truncation_and_rl() -> None:
     for length, cold, gain in ((16, 0.184, 0.10), (32, 0.303, 0.10)):  # equal RL gains: all of it is truncation
         for seed in range(4):
             start = cold + rng.normal(0, 0.005)
-            rows.append({"max_new_tokens": length, "seed": seed, "start": start,
-                         "final": start + gain + rng.normal(0, 0.01)})  # fmt: skip
+            rows.append(
+                {"max_new_tokens": length, "seed": seed, "start": start, "final": start + gain + rng.normal(0, 0.01)}
+            )
     gains = pd.DataFrame(rows).assign(value=lambda d: d["final"] - d["start"])
     d = design.length_decomposition(gains)
     assert d.truncation_part.covers(0.119) and d.truncation_part.low > 0.1
@@ -173,8 +186,9 @@ def test_algorithm_table_puts_iqm_and_probability_of_improvement_beside_the_t_in
 
 
 def test_algorithm_table_with_one_run_per_task_has_estimates_without_interval() -> None:
-    per = pd.DataFrame({"algorithm": ["a", "b", "a", "b"], "task": [1, 1, 2, 2], "seed": [0, 0, 0, 0],
-                        "value": [0.5, 0.2, 0.6, 0.1]})  # fmt: skip
+    per = pd.DataFrame(
+        {"algorithm": ["a", "b", "a", "b"], "task": [1, 1, 2, 2], "seed": [0, 0, 0, 0], "value": [0.5, 0.2, 0.6, 0.1]}
+    )
     t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
     assert t.loc["a", "iqm"] == pytest.approx(0.55) and np.isnan(t.loc["a", "iqm_low"])
     assert t.loc["a", "p_improve"] == 1.0 and np.isnan(t.loc["a", "p_low"])
@@ -183,9 +197,14 @@ def test_algorithm_table_with_one_run_per_task_has_estimates_without_interval() 
 def test_algorithm_table_tasks_with_a_missing_axis_value_and_configurations_one_algorithm_lacks() -> None:
     # the dense control's axis (NaN for the MoE runs) is a task value like any other; a configuration only "a" ran
     # (task 3) is left out, so both algorithms are scored on the same two tasks and the mean is over those runs
-    per = pd.DataFrame({"algorithm": ["a", "b"] * 4 + ["a", "a"], "task": [1.0, 1.0, 1.0, 1.0, np.nan, np.nan,
-                        np.nan, np.nan, 3.0, 3.0], "seed": [0, 0, 1, 1, 0, 0, 1, 1, 0, 1],
-                        "value": [0.5, 0.2, 0.7, 0.1, 0.6, 0.3, 0.4, 0.2, 9.0, 9.0]})  # fmt: skip
+    per = pd.DataFrame(
+        {
+            "algorithm": ["a", "b"] * 4 + ["a", "a"],
+            "task": [1.0, 1.0, 1.0, 1.0, np.nan, np.nan, np.nan, np.nan, 3.0, 3.0],
+            "seed": [0, 0, 1, 1, 0, 0, 1, 1, 0, 1],
+            "value": [0.5, 0.2, 0.7, 0.1, 0.6, 0.3, 0.4, 0.2, 9.0, 9.0],
+        }
+    )
     t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
     assert t["tasks"].tolist() == [2, 2] and t["n"].tolist() == [4, 4]
     assert t.loc["a", "mean"] == pytest.approx(0.55) and t.loc["a", "p_improve"] == 1.0

@@ -120,8 +120,9 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
         and "dense control 3/3/3/3" in cap
         and "GSPO 3/3/3/3" in cap
     )
-    dense_line = [ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() ==
-                  "arm-dense-grpo"]  # fmt: skip
+    dense_line = [
+        ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() == "arm-dense-grpo"
+    ]
     assert dense_line
 
 
@@ -227,8 +228,10 @@ def _figures_dir(root: Path, st: tidy.Study) -> Path:
         for t, df in dfs.items():
             (out / figures.TABLES / f"{name}.{t}.csv").write_text(df.to_csv(index=False))
         tables[name] = {t: f"{figures.TABLES}/{name}.{t}.csv" for t in dfs}
-    entries = {n: {"files": [p.name for p in ps], "caption": rendered.captions[n], "tables": tables[n]}
-               for n, ps in rendered.paths.items()}  # fmt: skip
+    entries = {
+        n: {"files": [p.name for p in ps], "caption": rendered.captions[n], "tables": tables[n]}
+        for n, ps in rendered.paths.items()
+    }
     index = {"data": figures.data_fingerprint(st), "figures": entries, "skipped": {}}
     (out / figures.INDEX).write_text(json.dumps(index))
     return out

@@ -99,12 +99,19 @@ def test_report_renders_in_headless_chromium(built, tmp_path) -> None:
     probe_html = tmp_path / "probe.html"
     probe_html.write_text(page.replace("</body>", probe + "</body>"))
     res = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000", "--dump-dom",
-         probe_html.as_uri()],
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            probe_html.as_uri(),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     m = re.search(r"<title>IMG:(\d+):(\d+)</title>", res.stdout)
     assert m, res.stderr[-2000:]
     assert int(m.group(1)) == len(rep.figures) and m.group(1) == m.group(2)
@@ -200,8 +207,15 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     # and the runs
     _, rep = built
     page, md = rep.html.read_text(), rep.markdown.read_text()
-    order = ["id='headline'", "<figure id='figure1_reward'", "<figure id='figure3_routing_replay'", "id='scorecard'",
-             "id='problems'", "id='provenance'", "<h3>Runs</h3>"]  # fmt: skip
+    order = [
+        "id='headline'",
+        "<figure id='figure1_reward'",
+        "<figure id='figure3_routing_replay'",
+        "id='scorecard'",
+        "id='problems'",
+        "id='provenance'",
+        "<h3>Runs</h3>",
+    ]
     pos = [page.index(marker) for marker in order]
     assert pos == sorted(pos)
     headline = re.search(r'<ul class="headline">(.*?)</ul>', page).group(1)
@@ -296,11 +310,13 @@ def test_signal_table_splits_no_signal_groups_by_quarter(study):
 def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables(built, tmp_path) -> None:
     root, _ = built
     (root / "mystudy" / "coldstart_budgets").mkdir(exist_ok=True)
-    budgets = "\n".join([
-        "coldstart,task,knobs,max_new_tokens,pass_at_1,truncated,reference_fits,problems,samples,eval_s",
-        'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",16,0.08,0.85,0.2,128,4,0.1',
-        'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",48,0.41,0.02,1.0,128,4,0.2',
-    ])  # fmt: skip
+    budgets = "\n".join(
+        [
+            "coldstart,task,knobs,max_new_tokens,pass_at_1,truncated,reference_fits,problems,samples,eval_s",
+            'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",16,0.08,0.85,0.2,128,4,0.1',
+            'tiny-chain_sum-aaaa,chain_sum,"{""terms"": [2, 6]}",48,0.41,0.02,1.0,128,4,0.2',
+        ]
+    )
     (root / "mystudy" / "coldstart_budgets" / "tiny-chain_sum-aaaa.csv").write_text(budgets + "\n")
     parity = "what,precision,p99 real,p99 emulated,p99 emulated/real\nmismatch,bf16,0.121,0.0586,0.485\n"
     (root / "mystudy" / "precision_parity.csv").write_text(parity)
@@ -404,11 +420,22 @@ def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_rep
     import yaml
 
     c = synthetic.Curve
-    synthetic.make_study(tmp_path, {"grpo": c(a=0.3, c_mid=2e12), "grpo_rr": c(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2),
-                         n_steps=30)  # fmt: skip
-    entry = {"name": "replay_cost_grpo", "role": "primary", "claim": "C3", "metric": "eval_in_dist",
-             "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"}, "window": "gain",
-             "threshold": -0.1, "seeds": [0, 1, 2, 3], "power": 0.8, "assumed_sd": 0.05, "pairing": "seed"}  # fmt: skip
+    synthetic.make_study(
+        tmp_path, {"grpo": c(a=0.3, c_mid=2e12), "grpo_rr": c(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2), n_steps=30
+    )
+    entry = {
+        "name": "replay_cost_grpo",
+        "role": "primary",
+        "claim": "C3",
+        "metric": "eval_in_dist",
+        "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
+        "window": "gain",
+        "threshold": -0.1,
+        "seeds": [0, 1, 2, 3],
+        "power": 0.8,
+        "assumed_sd": 0.05,
+        "pairing": "seed",
+    }
     sweep = tmp_path / "sweeps" / "confirm.yaml"
     sweep.parent.mkdir()
     sweep.write_text(yaml.safe_dump({"name": "confirm", "comparisons": [entry]}))

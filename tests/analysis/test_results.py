@@ -123,8 +123,12 @@ def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
     from analysis import render
 
     name = "<img src=x onerror=alert(1)>"
-    blocks = [render.h(2, name), render.p("run ", name, " and \\", name), render.Table(pd.DataFrame({"run": [name]})),
-              render.Bullets((("c", name, f"{name}, a < b"),))]  # fmt: skip
+    blocks = [
+        render.h(2, name),
+        render.p("run ", name, " and \\", name),
+        render.Table(pd.DataFrame({"run": [name]})),
+        render.Bullets((("c", name, f"{name}, a < b"),)),
+    ]
     page, md = render.page(name, blocks)
     assert "<img" not in page and "<img" not in md.replace("\\<", ""), md
     assert md.count("\\<img src=x onerror=alert(1)>") == 7 and "and \\\\\\<img" in md and "a < b" in md

@@ -365,8 +365,12 @@ def test_a_volatility_reached_only_cumulatively_is_not_the_papers_regime(tmp_pat
         assert "below the 5% per update the claim needs" in r.reason and "only the cumulative reaches it" in r.reason
         assert "routing_slot_mismatch_mb2" in r.rule and "does not decide" in r.rule
     # the same cumulative volatility reached in one update is the regime
-    st2 = _load(tmp_path / "one", {a: C(a=0.6, c_mid=2e12, slot_mismatch=0.07) for a in curves}, seeds=(0, 1, 2, 3, 4),
-                n_steps=40)  # fmt: skip
+    st2 = _load(
+        tmp_path / "one",
+        {a: C(a=0.6, c_mid=2e12, slot_mismatch=0.07) for a in curves},
+        seeds=(0, 1, 2, 3, 4),
+        n_steps=40,
+    )
     assert scorecard.claim_c3(st2).verdict != NOT_IN_REGIME
 
 

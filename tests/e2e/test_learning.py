@@ -23,9 +23,21 @@ from tests.shared import sharing_coldstart
 
 STEPS = 60
 MARGIN = 0.06
-RECIPE = ["task_knobs={terms: [2, 3], digits: 1}", "coldstart_band=[0.3, 0.7]", "prompts_per_step=16",
-          "group_size=8", "minibatches=4", "max_new_tokens=32", "lr=3e-4", f"steps={STEPS}", f"eval_every={STEPS}",
-          "eval_size=128", "eval_samples=8", "threads=1", "checkpoint_every=0"]  # fmt: skip
+RECIPE = [
+    "task_knobs={terms: [2, 3], digits: 1}",
+    "coldstart_band=[0.3, 0.7]",
+    "prompts_per_step=16",
+    "group_size=8",
+    "minibatches=4",
+    "max_new_tokens=32",
+    "lr=3e-4",
+    f"steps={STEPS}",
+    f"eval_every={STEPS}",
+    "eval_size=128",
+    "eval_samples=8",
+    "threads=1",
+    "checkpoint_every=0",
+]
 
 
 @pytest.fixture(scope="module")

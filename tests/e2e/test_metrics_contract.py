@@ -33,8 +33,17 @@ from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
 from tests.shared import sharing_coldstart
 
 STEPS, EVAL_EVERY, SYNC_CHECK_EVERY = 3, 2, 2
-SETS = [f"steps={STEPS}", f"eval_every={EVAL_EVERY}", f"sync_check_every={SYNC_CHECK_EVERY}", "minibatches=2",
-        "kl_coef=0.01", "prompt_filter=mastered", "checkpoint_every=0", "eval_size=8", "eval_samples=1"]  # fmt: skip
+SETS = [
+    f"steps={STEPS}",
+    f"eval_every={EVAL_EVERY}",
+    f"sync_check_every={SYNC_CHECK_EVERY}",
+    "minibatches=2",
+    "kl_coef=0.01",
+    "prompt_filter=mastered",
+    "checkpoint_every=0",
+    "eval_size=8",
+    "eval_samples=1",
+]
 X_AXES = ("compute_flops", "wall_s")
 """Step metrics that tidy keeps as columns of the long table (the figures' x-axes), not as rows of `metric`."""
 START_ONLY = {"step", "lr", "precision_emulated", *X_AXES}
@@ -64,8 +73,9 @@ def study(results: Path, tmp_path_factory: pytest.TempPathFactory) -> tidy.Study
 
 @pytest.mark.slow
 def test_every_step_metric_reaches_the_tidy_study_where_it_applies(study: tidy.Study) -> None:
-    wide = study.long.pivot_table(index=["run_id", "step"], columns="metric", values="value", dropna=False,
-                                  observed=True)  # fmt: skip
+    wide = study.long.pivot_table(
+        index=["run_id", "step"], columns="metric", values="value", dropna=False, observed=True
+    )
     for axis in X_AXES:  # columns of the long table, beside every metric's rows
         assert study.long[axis].notna().all(), axis
     vocabulary = set(STEP_METRICS) - {"step", *X_AXES}

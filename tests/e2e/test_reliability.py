@@ -51,9 +51,15 @@ def test_every_float_field_is_finite_and_in_its_range() -> None:
         for bad in (math.nan, math.inf, -math.inf):
             with pytest.raises(ValueError, match=rf"^{name} = {bad}: must be a finite number in "):
                 RunConfig().replace(**{name: bad})
-    for sets, field in ((["lr=inf"], "lr"), (["weight_decay=inf"], "weight_decay"), (["grad_clip=nan"], "grad_clip"),
-                        (["max_log_ratio=nan"], "max_log_ratio"), (["max_log_ratio=-1"], "max_log_ratio"),
-                        (["lr=0"], "lr"), (["reward_floor=2"], "reward_floor")):  # fmt: skip
+    for sets, field in (
+        (["lr=inf"], "lr"),
+        (["weight_decay=inf"], "weight_decay"),
+        (["grad_clip=nan"], "grad_clip"),
+        (["max_log_ratio=nan"], "max_log_ratio"),
+        (["max_log_ratio=-1"], "max_log_ratio"),
+        (["lr=0"], "lr"),
+        (["reward_floor=2"], "reward_floor"),
+    ):
         with pytest.raises(ValueError, match=rf"^{field} = "):
             load_config(preset="tiny", sets=sets)
 
@@ -213,10 +219,22 @@ class Hostile:
         return (os.system, (f"touch {Path(os.environ['PWNED'])}",))
 
 
-@pytest.mark.parametrize("damage", ["hostile", "truncated", "garbage", "no_checkpoint", "metrics_truncated",
-                                    "metrics_garbage", "metrics_deleted", "status_garbage"])  # fmt: skip
-def test_damaged_state_is_one_line_naming_the_file(one_step: Path, tmp_path: Path, damage: str, monkeypatch,
-                                                   capsys) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "hostile",
+        "truncated",
+        "garbage",
+        "no_checkpoint",
+        "metrics_truncated",
+        "metrics_garbage",
+        "metrics_deleted",
+        "status_garbage",
+    ],
+)
+def test_damaged_state_is_one_line_naming_the_file(
+    one_step: Path, tmp_path: Path, damage: str, monkeypatch, capsys
+) -> None:
     run_dir = interrupted(one_step, tmp_path)
     state, metrics = run_dir / "checkpoint" / "state.pt", run_dir / "metrics.parquet"
     pwned = tmp_path / "pwned"
@@ -239,8 +257,9 @@ def test_damaged_state_is_one_line_naming_the_file(one_step: Path, tmp_path: Pat
         assert rundir.read_status(run_dir)["state"] == "failed"
 
 
-def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, tmp_path: Path, monkeypatch,
-                                                               capsys) -> None:  # fmt: skip
+def test_resume_without_token_samples_warns_and_keeps_its_step(
+    one_step: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
     run_dir = interrupted(one_step, tmp_path)
     (run_dir / record.TOKEN_SAMPLES).unlink()
     leftovers = [run_dir / "checkpoint" / ".state.pt.x1.tmp", run_dir / ".metrics.parquet.x2.tmp"]
@@ -248,8 +267,9 @@ def test_resume_without_token_samples_warns_and_keeps_its_step(one_step: Path, t
         tmp.write_bytes(b"partial")
     statuses = []
     set_status = rundir.set_status
-    monkeypatch.setattr(rundir, "set_status", lambda d, state, **f: statuses.append((state, f.get("step"))) or
-                        set_status(d, state, **f))  # fmt: skip
+    monkeypatch.setattr(
+        rundir, "set_status", lambda d, state, **f: statuses.append((state, f.get("step"))) or set_status(d, state, **f)
+    )
     assert study_main.main(["resume", str(run_dir), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert f"warning: {run_dir / record.TOKEN_SAMPLES} is missing" in err
@@ -305,8 +325,13 @@ def _study_run(results: Path, *sets: str, script: str = "", **popen: typing.Any)
     """`python -m study run` of the tiny scratch config with `sets` (or `script`, given the same arguments)."""
     entry = ["-c", script] if script else ["-m", "study"]
     cmd = [sys.executable, *entry, "run", "--preset", "tiny", "--results", str(results), "--quiet"]
-    return subprocess.Popen([*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
+    return subprocess.Popen(
+        [*cmd, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
@@ -377,8 +402,9 @@ def test_a_file_size_limit_is_named_and_the_run_resumes_without_it(tmp_path: Pat
     assert f"error: {run_dir / 'checkpoint' / 'state.pt'}: could not be written" in line, err
     assert f"the file size limit (ulimit -f) is {limit} bytes" in line and "bytes free" not in line, line
     assert rundir.read_status(run_dir)["state"] == "failed"
-    resumed = subprocess.run([sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"], capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"], capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert rundir.read_status(run_dir)["state"] == "completed"
 
@@ -428,8 +454,9 @@ def test_a_lost_checkpoint_is_still_an_error_after_the_first_completed(one_step:
 
 
 @pytest.mark.parametrize("name", ["routing_layers.parquet", record.TOKEN_SAMPLES])
-def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path, tmp_path: Path, name: str,
-                                                                  capsys) -> None:  # fmt: skip
+def test_resume_with_a_truncated_optional_table_warns_and_goes_on(
+    one_step: Path, tmp_path: Path, name: str, capsys
+) -> None:
     run_dir = interrupted(one_step, tmp_path)
     table = run_dir / name
     table.write_bytes(table.read_bytes()[: table.stat().st_size // 2])
@@ -451,8 +478,9 @@ def test_resume_with_a_truncated_optional_table_warns_and_goes_on(one_step: Path
         (["eval_every=1", "eval_samples=1000000"], "eval_samples = 1000000"),  # the evaluation's one generate
     ],
 )
-def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(tmp_path: Path, sets: list[str], field: str,
-                                                                   capsys) -> None:  # fmt: skip
+def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(
+    tmp_path: Path, sets: list[str], field: str, capsys
+) -> None:
     argv = ["run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
     line = error_line(capsys, [*argv, *(a for s in [*SCRATCH, *sets] for a in ("--set", s))])
     assert line.startswith(f"error: {field}: the run needs about ") and "planner's estimate" in line, line
@@ -490,8 +518,7 @@ def test_plan_refuses_absurd_options(option: str, value: str, message: str, caps
 
 
 def test_a_huge_value_is_not_echoed_whole(tmp_path: Path, capsys) -> None:
-    line = error_line(capsys, ["run", "--preset", "tiny", "--set", "lr=" + "x" * 5_000_000, "--results",
-                               str(tmp_path)])  # fmt: skip
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", "lr=" + "x" * 5_000_000, "--results", str(tmp_path)])
     assert (
         line == "error: --set lr=...: a value of 5000000 characters; valid: at most 65536 (put a long value in a "
         "config file)"
@@ -536,8 +563,13 @@ def test_export_to_a_read_only_or_full_disk_is_one_line(one_step: Path, request,
 def test_an_export_takes_the_umasks_modes(one_step: Path, tmp_path: Path) -> None:
     # the folder and model.safetensors (written by export_hf, as a cold start's is) readable as the umask says
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "study", "export", str(one_step), "--hf", str(out)],
-                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "study", "export", str(one_step), "--hf", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(0o027),
+    )
     assert done.returncode == 0, done.stderr
     assert oct(out.stat().st_mode & 0o777) == oct(0o750)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
@@ -618,8 +650,9 @@ def test_json_errors_name_the_file_or_option_and_the_position(one_step: Path, tm
     rundir.write_yaml(config, tiny().to_dict())
     line = error_line(capsys, [str(config), "--rollout-runtime", '{"tp": 2,}'], main=launch.main)
     assert line.startswith("error: --rollout-runtime = '{\"tp\": 2,}': not valid JSON at line 1, column 10"), line
-    line = error_line(capsys, ["--coldstart", "tiny", "chain_sum", "--coldstart-settings", '{"band": [0.1 0.5]}'],
-                      main=launch.main)  # fmt: skip
+    line = error_line(
+        capsys, ["--coldstart", "tiny", "chain_sum", "--coldstart-settings", '{"band": [0.1 0.5]}'], main=launch.main
+    )
     assert "error: --coldstart-settings = '{\"band\": [0.1 0.5]}': not valid JSON at line 1, column 15" in line, line
 
 
@@ -661,13 +694,14 @@ def test_a_fifo_or_outsized_status_json_is_reported_never_read(one_step: Path, t
 # -- the launcher: its resources checked, SIGTERM in-process one line ------------------------------------------------
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--time-min", "0", "time_min = 0: must be an integer >= 1"),
-     ("--mem-gb", "nan", "mem_gb = nan: must be a finite number > 0"),
-     ("--gpu-mem-gb", "nan", "gpu_mem_gb = nan: must be a finite number >= 0"),
-     ("--cpus", "-2", "cpus = -2: must be an integer >= 1")],
-)  # fmt: skip
-def test_the_launcher_refuses_absurd_resources(tmp_path: Path, option: str, value: str, message: str,
-                                               capsys) -> None:  # fmt: skip
+    [
+        ("--time-min", "0", "time_min = 0: must be an integer >= 1"),
+        ("--mem-gb", "nan", "mem_gb = nan: must be a finite number > 0"),
+        ("--gpu-mem-gb", "nan", "gpu_mem_gb = nan: must be a finite number >= 0"),
+        ("--cpus", "-2", "cpus = -2: must be an integer >= 1"),
+    ],
+)
+def test_the_launcher_refuses_absurd_resources(tmp_path: Path, option: str, value: str, message: str, capsys) -> None:
     config = tmp_path / "run.yaml"
     rundir.write_yaml(config, tiny("steps=1").to_dict())
     argv = [str(config), "--results", str(tmp_path / "results"), "--launcher", "in-process", option, value]
@@ -679,9 +713,12 @@ def test_sigterm_to_the_in_process_launcher_is_one_line_and_143(tmp_path: Path) 
     cfg = tiny("steps=30")
     config, run_dir = tmp_path / "run.yaml", tmp_path / "runs" / cfg.run_id
     rundir.write_yaml(config, cfg.to_dict())
-    proc = subprocess.Popen([sys.executable, "-m", "study.launch", str(config), "--results", str(tmp_path),
-                             "--launcher", "in-process"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "study.launch", str(config), "--results", str(tmp_path), "--launcher", "in-process"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError, ValueError, TypeError):

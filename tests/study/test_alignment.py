@@ -47,8 +47,13 @@ def _one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, flip: 
             return tags
 
         def loss(logp, old_logp, adv, mask, **kw):  # type: ignore[no-untyped-def]
-            entry = {"adv": adv.clone(), "old": old_logp.detach().clone(), "logp": logp.detach().clone(),
-                     "mask": mask.clone(), "grad": None}  # fmt: skip
+            entry = {
+                "adv": adv.clone(),
+                "old": old_logp.detach().clone(),
+                "logp": logp.detach().clone(),
+                "mask": mask.clone(),
+                "grad": None,
+            }
             logp.register_hook(lambda g: entry.__setitem__("grad", g.detach().clone()))
             rec["mb"].append(entry)
             return alg.loss_fn(logp, old_logp, adv, mask, **kw)
@@ -69,8 +74,17 @@ def _one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, flip: 
 
     monkeypatch.setattr(algorithms, "get", get)
     monkeypatch.setattr(parts, "get_engine", engine)
-    sets = [f"algorithm={name}", "coldstart=scratch", "steps=1", "eval_every=0", "checkpoint_every=0",
-            f"prompts_per_step={B_PROMPTS}", f"group_size={G}", f"minibatches={M}", f"max_new_tokens={T}"]  # fmt: skip
+    sets = [
+        f"algorithm={name}",
+        "coldstart=scratch",
+        "steps=1",
+        "eval_every=0",
+        "checkpoint_every=0",
+        f"prompts_per_step={B_PROMPTS}",
+        f"group_size={G}",
+        f"minibatches={M}",
+        f"max_new_tokens={T}",
+    ]
     cfg = load_config(preset="tiny", sets=sets)
     rl.run(cfg, tmp_path / f"flip{flip}", progress=False)
     monkeypatch.undo()

@@ -18,8 +18,9 @@ from study.record import Progress
 def _parts() -> SimpleNamespace:
     """A one-process run's parts as far as a checkpoint sees them."""
     policy = torch.nn.Linear(3, 2)
-    return SimpleNamespace(mcfg=None, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()), scaler=None,
-                           trainer=None)  # fmt: skip
+    return SimpleNamespace(
+        mcfg=None, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()), scaler=None, trainer=None
+    )
 
 
 @pytest.fixture

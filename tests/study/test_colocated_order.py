@@ -17,9 +17,20 @@ from study import rl
 from study.run.config import RunConfig
 from study.tools.plan import param_counts
 
-SETTINGS = {"model": "tiny", "coldstart": "scratch", "steps": 2, "prompts_per_step": 2, "group_size": 2,
-            "minibatches": 2, "max_new_tokens": 8, "eval_every": 2, "checkpoint_every": 0, "sync_check_every": 1,
-            "threads": 1, "rollout_engine": "hf"}  # fmt: skip
+SETTINGS = {
+    "model": "tiny",
+    "coldstart": "scratch",
+    "steps": 2,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "minibatches": 2,
+    "max_new_tokens": 8,
+    "eval_every": 2,
+    "checkpoint_every": 0,
+    "sync_check_every": 1,
+    "threads": 1,
+    "rollout_engine": "hf",
+}
 
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:

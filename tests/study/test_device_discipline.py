@@ -55,8 +55,10 @@ class OnDevice(torch.Tensor):
         if any(isinstance(t, OnDevice) for t in checked):
             plain = [t for t in checked if not isinstance(t, OnDevice) and t.dim() > 0]
             if plain:
-                raise DeviceMix(f"{getattr(func, '__name__', func)} mixes the trainer's device with CPU tensors of "
-                                f"shapes {[tuple(t.shape) for t in plain]}")  # fmt: skip
+                raise DeviceMix(
+                    f"{getattr(func, '__name__', func)} mixes the trainer's device with CPU tensors of "
+                    f"shapes {[tuple(t.shape) for t in plain]}"
+                )
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -67,8 +69,9 @@ def test_the_fence_refuses_what_cuda_refuses() -> None:
         x - torch.ones(6)
     with pytest.raises(DeviceMix):
         torch.cat([x, torch.ones(2)])
-    assert isinstance(x * torch.tensor(2.0), OnDevice) and isinstance(x[torch.tensor([True] * 3 + [False] * 3)],
-                                                                       OnDevice)  # fmt: skip
+    assert isinstance(x * torch.tensor(2.0), OnDevice) and isinstance(
+        x[torch.tensor([True] * 3 + [False] * 3)], OnDevice
+    )
     back = x.cpu()
     assert (
         type(back) is torch.Tensor
@@ -94,9 +97,21 @@ def test_a_run_keeps_the_trainers_tensors_apart_from_the_cpus(tmp_path: Path, mo
     from study.run.config import load_config
 
     monkeypatch.setattr(parts, "build_policy", _fenced(parts.build_policy))  # the policy and the KL reference
-    sets = ["coldstart=scratch", "algorithm=grpo_rr", "steps=2", "minibatches=2", "sync_check_every=1",
-            "eval_every=1", "checkpoint_every=1", "kl_coef=0.1", "prompts_per_step=2", "group_size=4",
-            "max_new_tokens=8", "eval_size=4", "eval_samples=1"]  # fmt: skip
+    sets = [
+        "coldstart=scratch",
+        "algorithm=grpo_rr",
+        "steps=2",
+        "minibatches=2",
+        "sync_check_every=1",
+        "eval_every=1",
+        "checkpoint_every=1",
+        "kl_coef=0.1",
+        "prompts_per_step=2",
+        "group_size=4",
+        "max_new_tokens=8",
+        "eval_size=4",
+        "eval_samples=1",
+    ]
     cfg = load_config(preset="tiny", sets=sets)
 
     def stop(step: int, row: dict) -> None:
@@ -122,8 +137,9 @@ def test_the_cold_start_keeps_the_trainers_tensors_apart_from_the_cpus(
     from study.policy import model as policy_model
 
     monkeypatch.setattr(policy_model, "build_policy", _fenced(policy_model.build_policy))
-    settings = resolve_settings("tiny", "chain_sum", max_steps=2, eval_every=2, eval_size=2, eval_samples=1,
-                                batch_size=4, max_new_tokens=8)  # fmt: skip
+    settings = resolve_settings(
+        "tiny", "chain_sum", max_steps=2, eval_every=2, eval_size=2, eval_samples=1, batch_size=4, max_new_tokens=8
+    )
     record = train_coldstart(settings, tmp_path)
     assert record["steps_trained"] == 2 and len(record["loss_curve"]) == 2 and record["probe_logp"] < 0
 
@@ -167,8 +183,10 @@ def _refusing(collective):  # type: ignore[no-untyped-def]
     def call(*args, **kwargs):  # type: ignore[no-untyped-def]
         plain = [t for t in _tensors((args, kwargs)) if not isinstance(t, OnDevice)]
         if plain:
-            raise DeviceMix(f"{collective.__name__} of CPU tensors of shapes {[tuple(t.shape) for t in plain]}: "
-                            "NCCL takes tensors on the GPU only")  # fmt: skip
+            raise DeviceMix(
+                f"{collective.__name__} of CPU tensors of shapes {[tuple(t.shape) for t in plain]}: "
+                "NCCL takes tensors on the GPU only"
+            )
         return collective(*args, **kwargs)
 
     return call
@@ -202,8 +220,9 @@ def test_collectives_gather_cpu_tensors_through_the_communication_device(tmp_pat
     (two processes: ~15 s)."""
     import json
 
-    torch.multiprocessing.spawn(_gather_on_two_ranks, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)),
-                                nprocs=2)  # fmt: skip
+    torch.multiprocessing.spawn(
+        _gather_on_two_ranks, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2
+    )
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"values": [[0.0] * 3, [1.0] * 3], "plain": [True, True]}, result

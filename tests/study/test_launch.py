@@ -175,8 +175,16 @@ def test_the_gpu_profile_on_a_cpu_cluster_is_refused_before_submission(tmp_path:
 def test_paper_dry_run_plans_multi_node_jobs(tmp_path: Path) -> None:
     """sweeps/paper.yaml through the slurm profile: the planner sizes each Qwen3-30B-A3B run for the config's
     cluster (8 GPUs of 80 GB per node): 2 nodes x 8 GPUs, in the job plan and on the launch command."""
-    cmd = [*SNAKEMAKE, "-n", "--profile", "slurm", "--config", "sweep=sweeps/paper.yaml", f"results={tmp_path}",
-           "checkpoint=/data/Qwen3-30B-A3B-Base"]  # fmt: skip
+    cmd = [
+        *SNAKEMAKE,
+        "-n",
+        "--profile",
+        "slurm",
+        "--config",
+        "sweep=sweeps/paper.yaml",
+        f"results={tmp_path}",
+        "checkpoint=/data/Qwen3-30B-A3B-Base",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     launches = [line for line in proc.stdout.splitlines() if "-m study.launch" in line]
@@ -298,12 +306,27 @@ def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Pat
     the layout and the job."""
     study = sharing_coldstart(results, tmp_path / "results")
     sweep = tmp_path / "two_ranks.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "name": "two_ranks", "description": "CI: one run on two ranks through SLURM.", "preset": "tiny",
-        "base": {"steps": 2, "eval_every": 2, "eval_size": 4, "eval_samples": 1, "checkpoint_every": 1,
-                 "prompts_per_step": 4, "minibatches": 2, "parallel": {"expert": 2, "data": 2}},
-        "axes": {"algorithm": ["grpo_rr"], "seed": [0]}, "mode": "grid",
-    }))  # fmt: skip
+    sweep.write_text(
+        yaml.safe_dump(
+            {
+                "name": "two_ranks",
+                "description": "CI: one run on two ranks through SLURM.",
+                "preset": "tiny",
+                "base": {
+                    "steps": 2,
+                    "eval_every": 2,
+                    "eval_size": 4,
+                    "eval_samples": 1,
+                    "checkpoint_every": 1,
+                    "prompts_per_step": 4,
+                    "minibatches": 2,
+                    "parallel": {"expert": 2, "data": 2},
+                },
+                "axes": {"algorithm": ["grpo_rr"], "seed": [0]},
+                "mode": "grid",
+            }
+        )
+    )
     cmd = [*SNAKEMAKE, "--profile", "slurm-cpu", "--config", f"sweep={sweep}", f"results={study}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -314,8 +337,9 @@ def test_a_two_rank_run_through_snakemake_and_the_cpu_slurm_profile(results: Pat
     assert manifest["parallel"]["expert"] == 2 and manifest["parallel"]["data"] == 2
     job_id = manifest["job_id"]
     assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
-    tasks = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NTasks,AllocNodes"], capture_output=True,
-                           text=True).stdout.split()  # fmt: skip
+    tasks = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "NTasks,AllocNodes"], capture_output=True, text=True
+    ).stdout.split()
     logs = sorted(p.name for p in (run_dir / "submitit").glob(f"{job_id}_*_log.out"))
     assert logs == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"], (logs, tasks)  # one task per rank
     assert "dist-step2" in {p.name for p in (run_dir / "checkpoint").iterdir()}
@@ -344,8 +368,13 @@ def two_task_timeout(requires_slurm: None, tmp_path_factory: pytest.TempPathFact
     """The two-task rank check whose first attempt holds past its time limit, submitted now in its own process
     (launch_rank_check blocks, and takes SIGTERM to cancel its job): (process, results dir)."""
     root = tmp_path_factory.mktemp("two-task-timeout")
-    proc = subprocess.Popen([sys.executable, "-c", TWO_TASK_TIMEOUT, str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_TASK_TIMEOUT, str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     yield proc, root
     if proc.poll() is None:
         proc.terminate()  # cancels the job
@@ -365,15 +394,28 @@ def test_a_slurm_timeout_requeues_and_finishes_identically(two_task_timeout, res
     # raised to 10 minutes, so that the requeued job finishes the run instead of being signalled again every minute.
     from study import rl
 
-    probe = rl.run(smoke_config(steps=60, eval_every=0, checkpoint_every=0),
-                   sharing_coldstart(results, tmp_path / "probe"), progress=False)  # fmt: skip
+    probe = rl.run(
+        smoke_config(steps=60, eval_every=0, checkpoint_every=0),
+        sharing_coldstart(results, tmp_path / "probe"),
+        progress=False,
+    )
     per_step = float(pd.read_parquet(probe / "metrics.parquet")["wall_s"].max()) / 60
     steps = int(min(4000, max(600, 70 / per_step)))
     cfg = smoke_config(steps=steps, eval_every=600, checkpoint_every=10)
     config = write_config(cfg, tmp_path / "long.yaml")
     other = sharing_coldstart(results, tmp_path / "other")
-    slurm_args = ["--launcher", "slurm", "--time-min", str(TIMEOUT_SLURM["time_min"]), "--signal-delay-s",
-                  str(TIMEOUT_SLURM["signal_delay_s"]), "--max-timeouts", "5", "--mem-gb", "2"]  # fmt: skip
+    slurm_args = [
+        "--launcher",
+        "slurm",
+        "--time-min",
+        str(TIMEOUT_SLURM["time_min"]),
+        "--signal-delay-s",
+        str(TIMEOUT_SLURM["signal_delay_s"]),
+        "--max-timeouts",
+        "5",
+        "--mem-gb",
+        "2",
+    ]
     run_dir = other / "runs" / cfg.run_id
 
     def log() -> str:
@@ -383,8 +425,9 @@ def test_a_slurm_timeout_requeues_and_finishes_identically(two_task_timeout, res
     try:
         for name, root, args in (("slurm", other, slurm_args), ("reference", results, ["--launcher", "in-process"])):
             with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-                procs[name] = subprocess.Popen([*LAUNCH, str(config), "--results", str(root), *args], stdout=out,
-                                               stderr=err, text=True, cwd=ROOT)  # fmt: skip
+                procs[name] = subprocess.Popen(
+                    [*LAUNCH, str(config), "--results", str(root), *args], stdout=out, stderr=err, text=True, cwd=ROOT
+                )
         deadline = time.time() + 600
         while "Calling checkpoint method" not in log() and procs["slurm"].poll() is None:  # signalled: requeueing
             assert time.time() < deadline, "no time-out signal in 10 minutes"
@@ -446,8 +489,9 @@ def test_a_run_that_cannot_fit_is_refused_before_slurm(tmp_path: Path, monkeypat
     """study.tools.plan's check, and the run's parallel layout's rank count, before any job is asked for (exit 2, no
     job)."""
     monkeypatch.setattr(launch, "_submit_and_wait", lambda *a, **k: pytest.fail("a job was submitted"))
-    big = smoke_config(model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16",
-                       max_new_tokens=4096)  # fmt: skip
+    big = smoke_config(
+        model="qwen3-30b-a3b", coldstart="scratch", train_dtype="bf16", rollout_dtype="bf16", max_new_tokens=4096
+    )
     config = write_config(big, tmp_path / "big.yaml")
     args = [str(config), "--results", str(tmp_path), "--launcher", "slurm", "--gpus", "1", "--gpu-mem-gb", "80"]
     assert launch.main(args) == 2
@@ -468,8 +512,20 @@ def test_outside_a_job_the_env_is_one_rank(monkeypatch: pytest.MonkeyPatch) -> N
 def test_two_tasks_on_one_node_agree_on_the_distributed_env(tmp_path: Path) -> None:
     """The CI cluster's one node, two tasks: each rank gets SLURM's placement as the torch env (RANK, WORLD_SIZE,
     LOCAL_RANK, one MASTER_ADDR:PORT) and a gloo all_reduce over both succeeds."""
-    cmd = [*LAUNCH, "--rank-check", "--launcher", "slurm", "--tasks-per-node", "2", "--results", str(tmp_path),
-           "--mem-gb", "1", "--time-min", "5"]  # fmt: skip
+    cmd = [
+        *LAUNCH,
+        "--rank-check",
+        "--launcher",
+        "slurm",
+        "--tasks-per-node",
+        "2",
+        "--results",
+        str(tmp_path),
+        "--mem-gb",
+        "1",
+        "--time-min",
+        "5",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "2 ranks agree" in proc.stdout, proc.stdout + proc.stderr
     views = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -486,9 +542,19 @@ def test_a_parallel_run_is_one_local_job_of_two_tasks(tmp_path: Path, easy_colds
     from study.run.config import load_config
 
     (tmp_path / "start").mkdir()
-    cfg = load_config(preset="tiny", sets=["steps=1", "eval_every=0", "prompts_per_step=2", "minibatches=2",
-                                           "max_new_tokens=8", f"coldstart={easy_coldstart}",
-                                           "parallel.expert=2", "parallel.data=2"])  # fmt: skip
+    cfg = load_config(
+        preset="tiny",
+        sets=[
+            "steps=1",
+            "eval_every=0",
+            "prompts_per_step=2",
+            "minibatches=2",
+            "max_new_tokens=8",
+            f"coldstart={easy_coldstart}",
+            "parallel.expert=2",
+            "parallel.data=2",
+        ],
+    )
     proc = run_launch(write_config(cfg, tmp_path / "ep2.yaml"), tmp_path / "r", "--launcher", "local")
     run_dir = tmp_path / "r" / "runs" / cfg.run_id
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -19,8 +19,14 @@ from study.parts import forward_rows, setup
 from study.policy.optim import build_optimizer
 from study.run.config import load_config
 
-SETS = ["coldstart=scratch", "eval_every=0", "checkpoint_every=0", "prompts_per_step=4", "group_size=4",
-        "max_new_tokens=12"]  # fmt: skip
+SETS = [
+    "coldstart=scratch",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "prompts_per_step=4",
+    "group_size=4",
+    "max_new_tokens=12",
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +96,10 @@ def test_a_run_in_micro_batches_has_the_same_metrics_and_run_id(tmp_path: Path) 
     sets = [*SETS, "algorithm=grpo_rr", "steps=2", "minibatches=2"]
     whole, micro = (load_config(preset="tiny", sets=[*sets, f"micro_batch={m}"]) for m in (0, 3))
     assert micro.micro_batch == 3 and micro.run_id == whole.run_id  # a runtime field
-    got = [pd.read_parquet(rl.run(cfg, tmp_path / str(cfg.micro_batch), progress=False) / "metrics.parquet")
-           for cfg in (whole, micro)]  # fmt: skip
+    got = [
+        pd.read_parquet(rl.run(cfg, tmp_path / str(cfg.micro_batch), progress=False) / "metrics.parquet")
+        for cfg in (whole, micro)
+    ]
     for column in ("reward_mean", "response_len_mean", "tokens_total", "clip_frac"):
         assert list(got[1][column]) == list(got[0][column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch"):
@@ -118,8 +126,10 @@ def test_selective_recompute_gives_the_same_run(tmp_path: Path, monkeypatch: pyt
     sets = [*SETS, "algorithm=grpo_rr", "steps=2", "minibatches=2"]
     plain, recomputed = (load_config(preset="tiny", sets=[*sets, f"recompute={r}"]) for r in ("none", "selective"))
     assert recomputed.run_id == plain.run_id  # a runtime field
-    got = [pd.read_parquet(rl.run(cfg, tmp_path / cfg.recompute, progress=False) / "metrics.parquet")
-           for cfg in (plain, recomputed)]  # fmt: skip
+    got = [
+        pd.read_parquet(rl.run(cfg, tmp_path / cfg.recompute, progress=False) / "metrics.parquet")
+        for cfg in (plain, recomputed)
+    ]
     assert granularity == [None, "selective"]
     for column in ("reward_mean", "response_len_mean", "loss", "grad_norm", "approx_kl", "routing_slot_mismatch"):
         assert list(got[1][column]) == pytest.approx(list(got[0][column]), rel=1e-6, abs=1e-9), column

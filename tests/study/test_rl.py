@@ -222,8 +222,9 @@ def test_sigkill_then_resume_is_bit_identical(results: Path, tmp_path: Path) -> 
     st = status(run_dir)
     assert st["state"] == "running" and st["step"] < 6, "the run finished before it could be killed"
 
-    resume = subprocess.run([sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"],
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    resume = subprocess.run(
+        [sys.executable, "-m", "study", "resume", str(run_dir), "--quiet"], capture_output=True, text=True, timeout=600
+    )
     assert resume.returncode == 0, resume.stderr
     assert status(run_dir)["state"] == "completed"
     got = pd.read_parquet(run_dir / "metrics.parquet").drop(columns=list(TIMING))
@@ -245,8 +246,10 @@ def cpu_kind() -> str:
         return f"{platform.processor() or platform.machine()} unknown"
     vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "unknown")
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    isa = next((name for flag, name in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags),
-               platform.machine())  # fmt: skip
+    isa = next(
+        (name for flag, name in (("amx_tile", "amx"), ("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags),
+        platform.machine(),
+    )
     return f"{vendor} {isa}"
 
 
@@ -317,10 +320,18 @@ def isolated_run(sets: list[str], results: Path, **env: str) -> Path:
     """rl.run of the tiny preset with `sets` in a fresh interpreter: golden numbers measure the computation alone,
     whatever earlier tests left in the test process (importing vLLM leaves the numerics alone:
     tests/study/rollout/test_vllm_import.py)."""
-    code = ("import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
-            "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))\n")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, str(results), *sets], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
+    code = (
+        "import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
+        "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(results), *sets],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -339,8 +350,11 @@ def test_golden_numbers(golden_results: Path, sets: tuple[str, ...]) -> None:
     got = _golden_columns(run_dir)
     pinned = GOLDEN_BY_CPU.get(cpu_kind())
     if pinned is None:  # no numbers for this CPU kind: the run repeats itself exactly, and the numbers are shown
-        again = isolated_run([*sets, "threads=1", "eval_every=2"], sharing_coldstart(golden_results, golden_results /
-                             f"again-{'-'.join(sets)}"), STUDY_NATIVE="1")  # fmt: skip
+        again = isolated_run(
+            [*sets, "threads=1", "eval_every=2"],
+            sharing_coldstart(golden_results, golden_results / f"again-{'-'.join(sets)}"),
+            STUDY_NATIVE="1",
+        )
         assert _golden_columns(again) == got
         warnings.warn(f"no golden numbers pinned for CPU kind {cpu_kind()!r}; {sets}: {got}", stacklevel=1)
     for column, want in ({} if pinned is None else pinned[sets]).items():
@@ -375,8 +389,9 @@ def test_the_torch_paths_give_the_kernels_metrics(golden_results: Path) -> None:
         exact = column in ("reward_mean", "response_len_mean", "clip_frac", "eval_in_dist")
         assert [g is None for g in got[column]] == [w is None for w in want[column]], column
         pairs = [(g, w) for g, w in zip(got[column], want[column], strict=True) if w is not None]
-        assert [g for g, _ in pairs] == pytest.approx([w for _, w in pairs], rel=0 if exact else KERNEL_RTOL,
-                                                      abs=0 if exact else 1e-8), column  # fmt: skip
+        assert [g for g, _ in pairs] == pytest.approx(
+            [w for _, w in pairs], rel=0 if exact else KERNEL_RTOL, abs=0 if exact else 1e-8
+        ), column
 
 
 @pytest.mark.slow
@@ -395,8 +410,14 @@ def test_the_harness_runs_without_the_kernels(tmp_path: Path, how: str) -> None:
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": "false" if how == "no-compiler" else ""}
     env.pop("STUDY_NATIVE", None)
-    out = subprocess.run([sys.executable, "-c", code, how, str(tmp_path / "results")], env=env, capture_output=True,
-                         text=True, timeout=600, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, how, str(tmp_path / "results")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     run_dir = Path(out.stdout.strip().splitlines()[-1])
     assert status(run_dir)["state"] == "completed"
     assert json.loads((run_dir / "manifest.json").read_text())["native_kernels"] is False
@@ -407,8 +428,21 @@ def test_the_harness_runs_without_the_kernels(tmp_path: Path, how: str) -> None:
 if __name__ == "__main__":  # the golden runs' numbers on this machine, to pin under its cpu_kind()
     results = Path(sys.argv[1])
     if not (results / "coldstart").is_dir():
-        subprocess.run([sys.executable, "-m", "study.launch", "--coldstart", "tiny", "chain_sum", "--results",
-                        str(results), "--coldstart-settings", "{}"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "study.launch",
+                "--coldstart",
+                "tiny",
+                "chain_sum",
+                "--results",
+                str(results),
+                "--coldstart-settings",
+                "{}",
+            ],
+            check=True,
+        )
     print(repr(cpu_kind()))
     for sets in GOLDEN_RUNS:
         print(sets, _golden_columns(isolated_run([*sets, "threads=1", "eval_every=2"], results, STUDY_NATIVE="1")))

@@ -44,8 +44,11 @@ def test_a_sweep_too_large_is_refused_fast_unless_its_cap_is_raised(tmp_path: Pa
     values = ", ".join(str(i) for i in range(1000))
     path = _sweep(tmp_path, f"name: big\npreset: tiny\naxes:\n  seed: [{values}]\n  eval_size: [{values}]\n")
     start = time.monotonic()
-    with pytest.raises(SweepError, match=rf"makes 1000000 runs \(1000 seed x 1000 eval_size\), more than max_runs = "
-                       rf"{MAX_RUNS}; valid: .*`max_runs: N`.*--max-runs N"):  # fmt: skip
+    with pytest.raises(
+        SweepError,
+        match=rf"makes 1000000 runs \(1000 seed x 1000 eval_size\), more than max_runs = "
+        rf"{MAX_RUNS}; valid: .*`max_runs: N`.*--max-runs N",
+    ):
         load_sweep(path)
     assert time.monotonic() - start < 30
     small = _sweep(tmp_path, "name: s\npreset: tiny\nmax_runs: 2\naxes:\n  seed: [1, 2, 3]\n")
@@ -84,8 +87,10 @@ def test_exclude_leaves_out_only_the_matching_combinations(tmp_path: Path) -> No
     from sweeps.expand import load_sweep
 
     dense = "{preset: tiny, num_experts: 1, moe_top_k: 1, moe_ffn_hidden_size: 256}"
-    text = (f"name: s\npreset: tiny\naxes:\n  algorithm: [grpo, grpo_rr, gspo]\n  model: [tiny, {dense}]\n"
-            f"  seed: [0, 1]\nexclude:\n  - {{algorithm: [grpo_rr, gspo], model: [{dense}]}}\n")  # fmt: skip
+    text = (
+        f"name: s\npreset: tiny\naxes:\n  algorithm: [grpo, grpo_rr, gspo]\n  model: [tiny, {dense}]\n"
+        f"  seed: [0, 1]\nexclude:\n  - {{algorithm: [grpo_rr, gspo], model: [{dense}]}}\n"
+    )
     sweep = load_sweep(_sweep(tmp_path, text))
     kept = {(c["algorithm"], c["model"] == "tiny", c["seed"]) for c in sweep.combinations()}
     assert kept == {(a, True, s) for a in ("grpo", "grpo_rr", "gspo") for s in (0, 1)} | {

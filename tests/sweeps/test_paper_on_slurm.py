@@ -19,12 +19,20 @@ from tests.shared import ROOT
 
 def _jobs(tmp_path) -> list[list[str]]:
     env = {**os.environ, "PATH": f"{os.path.dirname(os.sys.executable)}:{os.environ['PATH']}"}
-    proc = subprocess.run(["snakemake", "-n", "-p", "--profile", "slurm", "--config", "sweep=sweeps/paper.yaml",
-                           f"results={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["snakemake", "-n", "-p", "--profile", "slurm", "--config", "sweep=sweeps/paper.yaml", f"results={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cmds = [shlex.split(line.split(">")[0]) for line in proc.stdout.splitlines() if "-m study.launch" in line
-            and "--coldstart" not in line]  # fmt: skip
+    cmds = [
+        shlex.split(line.split(">")[0])
+        for line in proc.stdout.splitlines()
+        if "-m study.launch" in line and "--coldstart" not in line
+    ]
     return [cmd[cmd.index("study.launch") + 1 :] for cmd in cmds]
 
 
@@ -48,9 +56,13 @@ def test_every_paper_job_passes_the_checks_before_submission(tmp_path):
         if runtime.strip():
             cfg = cfg.replace(rollout_runtime={**cfg.rollout_runtime, **json.loads(runtime)})
         EngineSettings.parse(cfg.rollout_runtime)
-        res = launch.Resources(gpus=int(_option(args, "--gpus")), nodes=int(_option(args, "--nodes")),
-                               tasks_per_node=int(_option(args, "--tasks-per-node")),
-                               gpu_mem_gb=float(_option(args, "--gpu-mem-gb")), cpus=cfg.threads)  # fmt: skip
+        res = launch.Resources(
+            gpus=int(_option(args, "--gpus")),
+            nodes=int(_option(args, "--nodes")),
+            tasks_per_node=int(_option(args, "--tasks-per-node")),
+            gpu_mem_gb=float(_option(args, "--gpu-mem-gb")),
+            cpus=cfg.threads,
+        )
         res = launch.layout_ranks(cfg, res)
         assert res.world_size == cfg.layout.world_size == 16 and (res.nodes, res.gpus) == (2, 8)
         launch.check_resources(cfg, "slurm", res)  # raises what launch would print before any job

@@ -163,8 +163,10 @@ def test_a_sweep_crosses_shapes_with_algorithms():
     # a whole shape (a name) replaces base's shape, then the dotted axis changes one field of it, whatever the order
     axes = {"model.num_experts": [16], "model": ["tiny", "default"]}
     layered = Sweep.from_dict(sweep(base={"steps": 2, "model": {"num_layers": 3}}, axes=axes)).expand()
-    assert [c.model for c in layered.values()] == [{"preset": "tiny", "num_experts": 16},
-                                                   {"preset": "default", "num_experts": 16}]  # fmt: skip
+    assert [c.model for c in layered.values()] == [
+        {"preset": "tiny", "num_experts": 16},
+        {"preset": "default", "num_experts": 16},
+    ]
     base_only = Sweep.from_dict(sweep(base={"steps": 2, "model": {"num_layers": 3}})).expand()
     assert [c.model for c in base_only.values()] == [{"preset": "tiny", "num_layers": 3}]
 
@@ -262,9 +264,13 @@ def test_snakemake_dry_run(name, profile, tmp_path):
 
 @pytest.mark.parametrize(
     "name, profile, extra",
-    [("length_laptop", False, "coldstart_budgets"), ("precision_laptop", False, "precision_parity"),
-     ("length", True, "coldstart_budgets"), ("precision", True, None)],
-)  # fmt: skip
+    [
+        ("length_laptop", False, "coldstart_budgets"),
+        ("precision_laptop", False, "precision_parity"),
+        ("length", True, "coldstart_budgets"),
+        ("precision", True, None),
+    ],
+)
 def test_length_and_precision_studies_plan_their_extra_tables(name, profile, extra, tmp_path):
     """The laptop studies and their GPU versions (under --profile slurm as typed) resolve; a study sweeping
     max_new_tokens gets the cold start's budget table, a study emulating low precision the emulated-vs-real table,

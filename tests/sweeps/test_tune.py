@@ -162,8 +162,17 @@ def test_a_sweep_referencing_the_tuned_file_runs_the_tuned_values(tuned: tuple[t
     _, best = tuned
     doc = yaml.safe_load(best.read_text())
     compare = tmp_path / "compare.yaml"
-    compare.write_text(yaml.safe_dump({"name": "compare", "preset": "tiny", "base": FAST, "tuned": str(best),
-                                       "axes": {"algorithm": ["grpo", "gspo"], "seed": [0, 1]}}))  # fmt: skip
+    compare.write_text(
+        yaml.safe_dump(
+            {
+                "name": "compare",
+                "preset": "tiny",
+                "base": FAST,
+                "tuned": str(best),
+                "axes": {"algorithm": ["grpo", "gspo"], "seed": [0, 1]},
+            }
+        )
+    )
     runs = load_sweep(compare).expand()
     assert len(runs) == 4
     for run_id, cfg in runs.items():
@@ -172,8 +181,17 @@ def test_a_sweep_referencing_the_tuned_file_runs_the_tuned_values(tuned: tuple[t
         if cfg.seed == 0:  # the best trial's own run, reused by the comparison
             assert run_id == entry["run_id"]
     # precedence: the axis values win over the tuned ones
-    compare.write_text(yaml.safe_dump({"name": "compare", "preset": "tiny", "base": FAST, "tuned": str(best),
-                                       "axes": {"algorithm": ["grpo"], "lr": [5e-5]}}))  # fmt: skip
+    compare.write_text(
+        yaml.safe_dump(
+            {
+                "name": "compare",
+                "preset": "tiny",
+                "base": FAST,
+                "tuned": str(best),
+                "axes": {"algorithm": ["grpo"], "lr": [5e-5]},
+            }
+        )
+    )
     (cfg,) = load_sweep(compare).expand().values()
     assert cfg.lr == 5e-5 and cfg.hparams == doc["algorithms"]["grpo"]["hparams"]
 
@@ -197,8 +215,12 @@ def test_shipped_comparison_sweep_reads_the_committed_tuned_file() -> None:
 # -- pruning ------------------------------------------------------------------------------------------------------
 def test_a_pruned_trial_is_recorded_pruned_and_its_run_is_resumable(tmp_path: Path) -> None:
     # From random weights every held-out eval is 0: a threshold at 0.5 prunes every trial at its first eval (step 2)
-    p = tune.plan(write_sweep(tmp_path / "prune.yaml", axes={"algorithm": ["gspo"]}, trials=2,
-                              pruner={"name": "threshold", "lower": 0.5}), tmp_path / "results")  # fmt: skip
+    p = tune.plan(
+        write_sweep(
+            tmp_path / "prune.yaml", axes={"algorithm": ["gspo"]}, trials=2, pruner={"name": "threshold", "lower": 0.5}
+        ),
+        tmp_path / "results",
+    )
     assert tune.work(p) == {"gspo": 2}
     trials = studies(p)["gspo"]
     assert [t.state for t in trials] == [TrialState.PRUNED] * 2
@@ -237,9 +259,17 @@ def test_median_pruner_prunes_a_destructive_learning_rate(tmp_path: Path, tiny_c
         "eval_samples": 2,
         "max_log_ratio": 1000.0,
     }
-    p = tune.plan(write_sweep(tmp_path / "median.yaml", base=base, axes={"algorithm": ["grpo"]}, trials=2,
-                              space={"lr": {"low": 1e-5, "high": 0.5}, "eps_low": "fixed", "eps_high": "fixed"},
-                              pruner={"name": "median", "startup_trials": 1}), results)  # fmt: skip
+    p = tune.plan(
+        write_sweep(
+            tmp_path / "median.yaml",
+            base=base,
+            axes={"algorithm": ["grpo"]},
+            trials=2,
+            space={"lr": {"low": 1e-5, "high": 0.5}, "eps_low": "fixed", "eps_high": "fixed"},
+            pruner={"name": "median", "startup_trials": 1},
+        ),
+        results,
+    )
     study = optuna.create_study(study_name=p.study_name("grpo"), storage=tune.open_storage(p), direction="maximize")
     study.enqueue_trial({"lr": 1e-4})
     study.enqueue_trial({"lr": 0.01})
@@ -258,11 +288,26 @@ def test_two_workers_on_one_storage_lose_no_trial(storage: str, tmp_path: Path) 
     results = tmp_path / "results"
     args = [str(sweep), "--results", str(results), "--no-best"]
     if storage == "sqlite":  # one command starting a second worker process
-        procs = [subprocess.Popen([sys.executable, "-m", "sweeps.tune", *args, "--workers", "2"], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "sweeps.tune", *args, "--workers", "2"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        ]
     else:  # two independent commands, as two cluster jobs would be
-        procs = [subprocess.Popen([sys.executable, "-m", "sweeps.tune", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "sweeps.tune", *args],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(2)
+        ]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "\n".join(o[-3000:] for o in outputs)
     p = tune.plan(sweep, results)
@@ -279,14 +324,19 @@ def test_two_workers_on_one_storage_lose_no_trial(storage: str, tmp_path: Path) 
 def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     """SIGKILL a worker mid-trial: the next worker fails that trial, runs its parameters again (resuming the run) and
     the study still ends with exactly `trials` finished trials."""
-    sweep = write_sweep(tmp_path / "kill.yaml", base={"steps": 8, "checkpoint_every": 1}, axes={"algorithm": ["grpo"]},
-                        trials=2)  # fmt: skip
+    sweep = write_sweep(
+        tmp_path / "kill.yaml", base={"steps": 8, "checkpoint_every": 1}, axes={"algorithm": ["grpo"]}, trials=2
+    )
     results = tmp_path / "results"
     p = tune.plan(sweep, results)
     log = tmp_path / "worker.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sweeps.tune", str(sweep), "--results", str(results),
-                                 "--no-best"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sweeps.tune", str(sweep), "--results", str(results), "--no-best"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     # wait for a run's first checkpoint (a file, so polling does not touch the worker's database), then kill
     deadline = time.monotonic() + 300
     checkpoints: list[Path] = []
@@ -355,8 +405,11 @@ def test_bad_tuning_sweeps(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 
 def tuned_sweep(tmp_path: Path, tuned: str, algorithms_: list[str] | None = None) -> Path:
     path = tmp_path / "cmp.yaml"
-    path.write_text(yaml.safe_dump({"name": "cmp", "preset": "tiny", "tuned": tuned,
-                                    "axes": {"algorithm": algorithms_ or ["grpo"]}}))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {"name": "cmp", "preset": "tiny", "tuned": tuned, "axes": {"algorithm": algorithms_ or ["grpo"]}}
+        )
+    )
     return path
 
 
@@ -364,8 +417,10 @@ def test_missing_or_bad_tuned_file_fails_naming_the_field(tmp_path: Path) -> Non
     missing = f"{tmp_path}/tune/tune/best.yaml"  # what `python -m sweeps.tune sweeps/tune.yaml --results TMP` writes
     with pytest.raises(SweepError) as err:
         load_sweep(tuned_sweep(tmp_path, missing))
-    assert f"tuned = '{missing}': no such file; write it with `python -m sweeps.tune sweeps/tune.yaml --results " \
-           f"{tmp_path}`" in str(err.value)  # fmt: skip
+    assert (
+        f"tuned = '{missing}': no such file; write it with `python -m sweeps.tune sweeps/tune.yaml --results "
+        f"{tmp_path}`" in str(err.value)
+    )
     assert "snakemake tune --cores all --config sweep=sweeps/tune.yaml" in str(err.value)
     with pytest.raises(SweepError, match=r"tuned = 'x.json': must match"):
         load_sweep(tuned_sweep(tmp_path, "x.json"))
@@ -426,8 +481,17 @@ def test_on_eval_hook_sees_every_held_out_eval(tmp_path: Path) -> None:
     from study import rl
     from study.run.config import RunConfig
 
-    cfg = RunConfig.from_dict({**FAST, "steps": 5, "model": "tiny", "prompts_per_step": 2, "group_size": 2,
-                               "minibatches": 1, "max_new_tokens": 16})  # fmt: skip
+    cfg = RunConfig.from_dict(
+        {
+            **FAST,
+            "steps": 5,
+            "model": "tiny",
+            "prompts_per_step": 2,
+            "group_size": 2,
+            "minibatches": 1,
+            "max_new_tokens": 16,
+        }
+    )
     seen = []
     rl.run(cfg, tmp_path, progress=False, on_eval=lambda step, row: seen.append((step, row["eval_in_dist"])))
     assert [s for s, _ in seen] == [2, 4, 5] and all(0 <= v <= 1 for _, v in seen)

@@ -142,8 +142,14 @@ def test_coldstart_json_fields(fast_coldstart: tuple[Path, Path, float]) -> None
     assert set(record["timings"]) == {"tokenizer_s", "train_s", "eval_s", "write_s", "total_s"}
     assert record["timings"]["total_s"] > 0
     assert record["tokenizer_vocab_size"] <= PRESETS["tiny"].vocab_size
-    for name in ("policy.pt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                 "model.safetensors"):  # fmt: skip
+    for name in (
+        "policy.pt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+        "model.safetensors",
+    ):
         assert (directory / name).is_file(), name
 
 
@@ -177,12 +183,22 @@ def test_the_directory_is_keyed_by_the_shape() -> None:
     assert plain.hashed()["model"] == "default" and plain.dirname.startswith("default-chain_sum-")
     assert resolve_settings({"preset": "default"}, "chain_sum").dirname == plain.dirname
     assert resolve_settings({"preset": "default", "num_experts": 8}, "chain_sum").dirname == plain.dirname
-    shapes = [{"preset": "default", "num_experts": 16}, {"preset": "default", "num_experts": 32, "moe_top_k": 8},
-              {"preset": "default", "num_layers": 8}, {"preset": "default", "init_std": 0.01}, "tiny"]  # fmt: skip
+    shapes = [
+        {"preset": "default", "num_experts": 16},
+        {"preset": "default", "num_experts": 32, "moe_top_k": 8},
+        {"preset": "default", "num_layers": 8},
+        {"preset": "default", "init_std": 0.01},
+        "tiny",
+    ]
     names = [resolve_settings(shape, "chain_sum").dirname for shape in shapes]
     assert len({plain.dirname, *names}) == len(shapes) + 1
-    assert [name.rsplit("-", 2)[0] for name in names] == ["default_e16", "default_e32_k8", "default_l8",
-                                                          "default_std0p01", "tiny"]  # fmt: skip
+    assert [name.rsplit("-", 2)[0] for name in names] == [
+        "default_e16",
+        "default_e32_k8",
+        "default_l8",
+        "default_std0p01",
+        "tiny",
+    ]
     shaped = resolve_settings(shapes[1], "chain_sum")
     recipe = PRESET_DEFAULTS["default"]
     assert (shaped.lr, shaped.batch_size, shaped.max_steps) == (recipe["lr"], recipe["batch_size"], recipe["max_steps"])
@@ -222,8 +238,10 @@ def test_tiny_chain_sum_reaches_band(tiny_coldstart: Path) -> None:
     record = read_record(tiny_coldstart)
     assert tiny_coldstart.name == resolve_settings("tiny", "chain_sum", threads=1).dirname
     assert record["settings"]["threads"] == 1
-    print(f"tiny/chain_sum cold start: pass@1 {record['pass_at_1']:.3f} after {record['steps_trained']} SFT steps "
-          f"({record['timings']})")  # fmt: skip
+    print(
+        f"tiny/chain_sum cold start: pass@1 {record['pass_at_1']:.3f} after {record['steps_trained']} SFT steps "
+        f"({record['timings']})"
+    )
     assert record["status"] == "in_band"
     lo, hi = record["band"]
     assert lo <= record["pass_at_1"] <= hi
@@ -247,8 +265,24 @@ def test_budget_table_scores_the_cold_start_at_each_budget(fast_coldstart: tuple
     _, directory, _ = fast_coldstart
     knobs = {"terms": [2, 3], "digits": 1}
     out = tmp_path / "b.csv"
-    budgets.main([str(directory), "--task", "chain_sum", "--knobs", '{"terms": [2, 3], "digits": 1}',
-                  "--budgets", "48", "4", "--eval-size", "8", "--eval-samples", "2", "--out", str(out)])  # fmt: skip
+    budgets.main(
+        [
+            str(directory),
+            "--task",
+            "chain_sum",
+            "--knobs",
+            '{"terms": [2, 3], "digits": 1}',
+            "--budgets",
+            "48",
+            "4",
+            "--eval-size",
+            "8",
+            "--eval-samples",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     t = pd.read_csv(out)
     assert t["max_new_tokens"].tolist() == [4, 48] and (t["problems"] == 8).all()
     # 4 tokens hold no worked solution (the shortest, "a+b=c\n#### c", is ~10 tokens): most samples are cut (a few

@@ -19,16 +19,40 @@ from study.data.tokenizer import train_tokenizer
 from study.policy.model import build_policy
 
 QWEN3_30B_A3B_BASE = {  # Qwen/Qwen3-30B-A3B-Base config.json
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151643, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 32768,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151643,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
     "vocab_size": 151936,
-}  # fmt: skip
+}
 TEMPLATE = (
     "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|bot|>{% endif %}"
 )
@@ -41,10 +65,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     directory = tmp_path_factory.mktemp("qwen3moe")
-    hf_cfg = Qwen3MoeConfig(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=32, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=256,
-                            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=32,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(hf_cfg).float()
     with torch.no_grad():
@@ -92,8 +129,9 @@ def _rank_load(rank: int, port: int, directory: str, out: str) -> None:
     gathered back; rank 0 saves them with every rank's element count."""
     import os
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -154,10 +192,15 @@ def test_paper_model_config_maps_to_the_named_shape(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"model_type": "llama"}, "model_type"), ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-     ({"mlp_only_layers": [0]}, "mlp_only_layers"), ({"rope_scaling": {"rope_type": "yarn", "factor": 4}},
-     "rope_scaling"), ({"norm_topk_prob": False}, "norm_topk_prob"), ({"num_experts": None}, "num_experts")],
-)  # fmt: skip
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "rope_scaling"),
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"num_experts": None}, "num_experts"),
+    ],
+)
 def test_unsupported_configs_are_refused_naming_the_field(change: dict, field: str) -> None:
     hf = {**QWEN3_30B_A3B_BASE, **change}
     if change.get("num_experts", 0) is None:

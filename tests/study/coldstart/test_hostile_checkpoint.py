@@ -107,53 +107,89 @@ def _template(directory: Path, template: str) -> None:
 
 
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
-    "index to /etc/passwd": (lambda d: _index(d, lambda i: i["weight_map"].update(
-        {next(iter(i["weight_map"])): "../../../../etc/passwd"})),
-        "model.safetensors.index.json: shard '../../../../etc/passwd' is outside the checkpoint's folder"),
-    "index to an absolute path": (lambda d: _index(d, lambda i: i["weight_map"].update(
-        {next(iter(i["weight_map"])): str(d / "model.safetensors")})), "is outside the checkpoint's folder"),
-    "index to another folder's file": (lambda d: (shutil.copytree(d, d.parent / "other"), _index(
-        d, lambda i: i["weight_map"].update({k: "../other/model.safetensors" for k in i["weight_map"]}))),
-        "shard '../other/model.safetensors' is outside the checkpoint's folder"),
+    "index to /etc/passwd": (
+        lambda d: _index(d, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): "../../../../etc/passwd"})),
+        "model.safetensors.index.json: shard '../../../../etc/passwd' is outside the checkpoint's folder",
+    ),
+    "index to an absolute path": (
+        lambda d: _index(
+            d, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): str(d / "model.safetensors")})
+        ),
+        "is outside the checkpoint's folder",
+    ),
+    "index to another folder's file": (
+        lambda d: (
+            shutil.copytree(d, d.parent / "other"),
+            _index(d, lambda i: i["weight_map"].update({k: "../other/model.safetensors" for k in i["weight_map"]})),
+        ),
+        "shard '../other/model.safetensors' is outside the checkpoint's folder",
+    ),
     "a shard linked outside": (_outside_link, "shard 'model.safetensors' is a link to "),
     "index a list": (lambda d: _index(d, lambda i: [i]), "model.safetensors.index.json: no weight_map; valid: "),
-    "index nested deep": (lambda d: (d / "model.safetensors.index.json").write_text(
-        '{"metadata": ' + "[" * 5000 + "]" * 5000 + "}"),
-        "model.safetensors.index.json: not valid JSON (nested deeper than 64"),
-    "index names a shard without the tensor": (lambda d: (shutil.copy(d / "model.safetensors", d / "b.safetensors"),
-        _write_header(d / "b.safetensors", {}, keep_data=False), _index(d, lambda i: i["weight_map"].update(
-            {next(iter(i["weight_map"])): "b.safetensors"}))), "which does not hold it"),
+    "index nested deep": (
+        lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": ' + "[" * 5000 + "]" * 5000 + "}"),
+        "model.safetensors.index.json: not valid JSON (nested deeper than 64",
+    ),
+    "index names a shard without the tensor": (
+        lambda d: (
+            shutil.copy(d / "model.safetensors", d / "b.safetensors"),
+            _write_header(d / "b.safetensors", {}, keep_data=False),
+            _index(d, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): "b.safetensors"})),
+        ),
+        "which does not hold it",
+    ),
     "header length past the file": (_lie_length, "model.safetensors: the header says it is 4611686018427387904 bytes"),
     "offsets past the file": (_lie_offsets, "data_offsets [0, 1099511"),
     "shape not its bytes": (_lie_shape, "shape [7, 7] of F32 is 196 bytes, its data_offsets"),
     "a shard cut short": (_cut_short, "outside the file's"),
-    "config.json nested deep": (lambda d: (d / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
-                                "config.json (nested deeper than 64 levels)"),
-    "garbage tokenizer.json": (lambda d: (d / "tokenizer.json").write_bytes(b"\x00garbage{"),
-                               "tokenizer.json: not valid JSON at line 1, column 1"),
-    "tokenizer.json not a tokenizer": (lambda d: (d / "tokenizer.json").write_text('{"model": 7}'),
-                                       "tokenizer.json: not a tokenizer ("),
-    "tokenizer_config.json a list": (lambda d: (d / "tokenizer_config.json").write_text("[1]"),
-                                     "tokenizer_config.json: a JSON list; valid: a JSON object"),
-    "a 9 MB chat template": (lambda d: _template(d, "x" * (9 << 20)),
-                             "tokenizer_config.json: not valid JSON ("),
-    "a chat_template.jinja over 1 MiB": (lambda d: (d / "chat_template.jinja").write_text("x" * (2 << 20)),
-                                         "chat_template.jinja: unreadable as a chat template"),
-    "a template building a 4 GB string": (lambda d: _template(d, "{{ 'x' * 4000000000 }}"),
-                                          "tokenizer_config.json: the chat template could not render a prompt (it ran "
-                                          "out of memory"),
-    "a template looping for hours": (lambda d: _template(
-        d, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"),
-        "tokenizer_config.json: the chat template did not render a prompt within 3 s"),
-    "a template that does not compile": (lambda d: _template(d, "{% for %}"),
-                                         "tokenizer_config.json: the chat template could not render a prompt "
-                                         "(TemplateSyntaxError"),
-}  # fmt: skip
+    "config.json nested deep": (
+        lambda d: (d / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
+        "config.json (nested deeper than 64 levels)",
+    ),
+    "garbage tokenizer.json": (
+        lambda d: (d / "tokenizer.json").write_bytes(b"\x00garbage{"),
+        "tokenizer.json: not valid JSON at line 1, column 1",
+    ),
+    "tokenizer.json not a tokenizer": (
+        lambda d: (d / "tokenizer.json").write_text('{"model": 7}'),
+        "tokenizer.json: not a tokenizer (",
+    ),
+    "tokenizer_config.json a list": (
+        lambda d: (d / "tokenizer_config.json").write_text("[1]"),
+        "tokenizer_config.json: a JSON list; valid: a JSON object",
+    ),
+    "a 9 MB chat template": (lambda d: _template(d, "x" * (9 << 20)), "tokenizer_config.json: not valid JSON ("),
+    "a chat_template.jinja over 1 MiB": (
+        lambda d: (d / "chat_template.jinja").write_text("x" * (2 << 20)),
+        "chat_template.jinja: unreadable as a chat template",
+    ),
+    "a template building a 4 GB string": (
+        lambda d: _template(d, "{{ 'x' * 4000000000 }}"),
+        "tokenizer_config.json: the chat template could not render a prompt (it ran out of memory",
+    ),
+    "a template looping for hours": (
+        lambda d: _template(d, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"),
+        "tokenizer_config.json: the chat template did not render a prompt within 3 s",
+    ),
+    "a template that does not compile": (
+        lambda d: _template(d, "{% for %}"),
+        "tokenizer_config.json: the chat template could not render a prompt (TemplateSyntaxError",
+    ),
+}
 
 
 def _run(directory: Path, results: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    argv = ["run", "--preset", "tiny", "--results", str(results), "--quiet", "--set", f"coldstart={directory}",
-            *(a for s in SCRATCH for a in ("--set", s))]  # fmt: skip
+    argv = [
+        "run",
+        "--preset",
+        "tiny",
+        "--results",
+        str(results),
+        "--quiet",
+        "--set",
+        f"coldstart={directory}",
+        *(a for s in SCRATCH for a in ("--set", s)),
+    ]
     code = study_main.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err and err[0].startswith("error: ") and "Traceback" not in "\n".join(err), (code, err)

@@ -14,11 +14,27 @@ import yaml
 from study.core import bounded
 
 ROOT = Path(__file__).resolve().parents[3]
-LOADS = {"yaml": {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "full_load_all",
-                  "unsafe_load_all", "compose", "compose_all", "parse"},
-         "json": {"load", "loads"}}  # fmt: skip
-ALLOWED = {("study/core/bounded.py", "yaml.parse"), ("study/core/bounded.py", "yaml.load"),
-           ("study/core/bounded.py", "json.loads")}  # fmt: skip
+LOADS = {
+    "yaml": {
+        "load",
+        "safe_load",
+        "full_load",
+        "unsafe_load",
+        "load_all",
+        "safe_load_all",
+        "full_load_all",
+        "unsafe_load_all",
+        "compose",
+        "compose_all",
+        "parse",
+    },
+    "json": {"load", "loads"},
+}
+ALLOWED = {
+    ("study/core/bounded.py", "yaml.parse"),
+    ("study/core/bounded.py", "yaml.load"),
+    ("study/core/bounded.py", "json.loads"),
+}
 """The loader itself: its event-stream depth check, its strict SafeLoader, its JSON decoder."""
 
 
@@ -68,8 +84,12 @@ def test_no_yaml_or_json_load_outside_the_bounded_reader() -> None:
     assert set(found) == ALLOWED, "the allow-list names a load that is gone: drop it"
     snakemake = [p for p in (ROOT / "sweeps").rglob("*.smk")] + [ROOT / "Snakefile"]
     pattern = re.compile(r"\b(yaml\.(safe_|full_|unsafe_)?load|json\.loads?)\s*\(")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in snakemake for i, line in enumerate(p.read_text().splitlines(), 1)
-            if pattern.search(line)]  # fmt: skip
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in snakemake
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert hits == [], "load through study.core.bounded instead"
 
 

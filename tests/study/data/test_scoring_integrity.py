@@ -126,8 +126,9 @@ OWN_PIPE_MALFORMED = {
 
 
 @pytest.mark.parametrize("kind", sorted(OWN_PIPE_MALFORMED))
-def test_a_malformed_reply_is_a_counted_failure_from_either_path(box: sandbox.Sandbox, tmp_path: Path,
-                                                                 kind: str) -> None:  # fmt: skip
+def test_a_malformed_reply_is_a_counted_failure_from_either_path(
+    box: sandbox.Sandbox, tmp_path: Path, kind: str
+) -> None:
     payload = OWN_PIPE_MALFORMED[kind]
     tasks.take_scorer_failures()
     assert tasks.score(_items("string_insertion")[0], "#### " + payload.format(end="[]")) == 0.0
@@ -217,8 +218,14 @@ def test_the_server_environment_is_an_allow_list(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     env = sandbox.server_env()
     assert SECRET not in "".join(env.values())
-    assert set(env) <= {*sandbox._ENV_ALLOWED, "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                        "MKL_NUM_THREADS", "PYTHONDONTWRITEBYTECODE"}  # fmt: skip
+    assert set(env) <= {
+        *sandbox._ENV_ALLOWED,
+        "PYTHONPATH",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "PYTHONDONTWRITEBYTECODE",
+    }
 
 
 def test_no_scored_text_reads_the_harness_environment(secret_box: sandbox.Sandbox, tmp_path: Path) -> None:
@@ -271,8 +278,14 @@ FOREIGN_DIGITS = ["１+２+３", "١+٢+٣", "(１)+2+3", "1+2+３"]
 @pytest.mark.parametrize("answer", FOREIGN_DIGITS)
 def test_countdown_reads_ascii_digits_only_as_reasoning_gym_does(answer: str, tmp_path: Path) -> None:
     meta = {"numbers": [1, 2, 3], "target": 6}
-    item = tasks.TaskItem(task="user", prompt="countdown 6 from 1,2,3\n", solution="#### 1+2+3", answer="1+2+3",
-                          verifier="countdown", metadata=meta)  # fmt: skip
+    item = tasks.TaskItem(
+        task="user",
+        prompt="countdown 6 from 1,2,3\n",
+        solution="#### 1+2+3",
+        answer="1+2+3",
+        verifier="countdown",
+        metadata=meta,
+    )
     rg = get_score_answer_fn("countdown")(answer, {"metadata": meta})
     assert rg == 0.01
     assert tasks.score(item, f"#### {answer}", partial_credit=True) == rg

@@ -37,10 +37,12 @@ def test_the_test_split_is_scored_at_the_first_and_last_evaluation_only() -> Non
     validation = {"in_dist": tasks.eval_set("chain_sum", size=4), "hard": tasks.eval_set("chain_sum", "hard", size=4)}
     test = tasks.held_out_test_set("chain_sum", size=8)
     metrics = {
-        step: [(p.metric, len(p.items), p.samples) for p in
-               tasks.evaluation_plan(validation, samples=2, step=step, last_step=20, test=test, test_samples=8)]
+        step: [
+            (p.metric, len(p.items), p.samples)
+            for p in tasks.evaluation_plan(validation, samples=2, step=step, last_step=20, test=test, test_samples=8)
+        ]
         for step in (0, 10, 20)
-    }  # fmt: skip
+    }
     assert metrics[10] == [("eval_in_dist", 4, 2), ("eval_hard", 4, 2)]
     assert metrics[0] == metrics[20] == [*metrics[10], (tasks.TEST_METRIC, 8, 8)]
     none = tasks.evaluation_plan(validation, samples=2, step=0, last_step=20)
@@ -68,8 +70,13 @@ def test_tuning_reads_the_validation_split_only(tmp_path: Path) -> None:
     def sweep(name: str, base: dict, objective: str = "eval_in_dist") -> Path:
         path = tmp_path / f"{name}.yaml"
         base = {"coldstart": "scratch", "steps": 4, "eval_every": 2, "eval_size": 4, "eval_samples": 1, **base}
-        data = {"name": name, "preset": "tiny", "base": base, "axes": {"algorithm": ["grpo"]},
-                "tune": {"trials": 2, "objective": objective, "pruner": {"name": "none"}}}  # fmt: skip
+        data = {
+            "name": name,
+            "preset": "tiny",
+            "base": base,
+            "axes": {"algorithm": ["grpo"]},
+            "tune": {"trials": 2, "objective": objective, "pruner": {"name": "none"}},
+        }
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 

@@ -23,8 +23,16 @@ from study.run.config import RunConfig, load_config
 
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
 # Two steps, a held-out evaluation at step 2, short responses: seconds per run.
-RUN = ["task=user", "verifier=numeric", "steps=2", "eval_every=2", "eval_size=4", "eval_samples=2",
-       "max_new_tokens=24", "checkpoint_every=0"]  # fmt: skip
+RUN = [
+    "task=user",
+    "verifier=numeric",
+    "steps=2",
+    "eval_every=2",
+    "eval_size=4",
+    "eval_samples=2",
+    "max_new_tokens=24",
+    "checkpoint_every=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,9 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory, data: dict[str, Path]) -> P
     out = tmp_path_factory.mktemp("hf") / "ckpt"
     policy = build_policy(PRESETS["tiny"], seed=7)
     export_hf(policy, PRESETS["tiny"], out)
-    tok, _ = parts.initial_policy(load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", "coldstart=scratch"]),
-                               out)  # fmt: skip
+    tok, _ = parts.initial_policy(
+        load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", "coldstart=scratch"]), out
+    )
     tok.save(out, model_max_length=PRESETS["tiny"].max_seq_len)
     torch.save(policy.state_dict(), out.parent / "expected.pt")
     return out
@@ -64,8 +73,12 @@ def test_stream_is_deterministic_cycles_and_holds_out(data: dict[str, Path]) -> 
     cfg = load_config(preset="tiny", sets=[*RUN, f"data={data['jsonl']}", "coldstart=scratch"])
     train, held = cfg.user_split()
     assert len(held) == 4 and len(train) == 20 and not {i.prompt for i in held} & {i.prompt for i in train}
-    assert held == load_config(preset="tiny", sets=[*RUN, f"data={data['parquet']}", "coldstart=scratch",
-                                                    "seed=3"]).user_split()[1]  # fmt: skip
+    assert (
+        held
+        == load_config(
+            preset="tiny", sets=[*RUN, f"data={data['parquet']}", "coldstart=scratch", "seed=3"]
+        ).user_split()[1]
+    )
     stream = tasks.UserTask(tuple(train), seed=0)
     first, second = stream.take(20), stream.take(20, start=20)
     assert sorted(i.prompt for i in first) == sorted(i.prompt for i in train) == sorted(i.prompt for i in second)
@@ -77,8 +90,10 @@ def test_stream_is_deterministic_cycles_and_holds_out(data: dict[str, Path]) -> 
 def test_run_id_hashes_content_not_path(data: dict[str, Path], tmp_path: Path) -> None:
     copy = tmp_path / "elsewhere.jsonl"
     shutil.copy(data["jsonl"], copy)
-    ids = [load_config(preset="tiny", sets=[*RUN, f"data={p}", "coldstart=scratch"]).run_id
-           for p in (data["jsonl"], copy, data["parquet"])]  # fmt: skip
+    ids = [
+        load_config(preset="tiny", sets=[*RUN, f"data={p}", "coldstart=scratch"]).run_id
+        for p in (data["jsonl"], copy, data["parquet"])
+    ]
     assert ids[0] == ids[1] != ids[2]
     # kl_coef = 0 and the user-data fields at their defaults leave existing run ids as they were
     assert load_config(preset="tiny", sets=["kl_coef=0"]).run_id == load_config(preset="tiny").run_id
@@ -89,10 +104,14 @@ def test_jsonl_and_parquet_runs_and_kl_changes_the_loss(data: dict[str, Path], t
     # From random weights every reward is 0, so advantages are 0; weight decay moves the policy off the reference
     # anyway (decoupled AdamW decay), which is all the KL term needs to show.
     sets = [*RUN, "coldstart=scratch", "lr=0.01", "weight_decay=0.5"]
-    plain = _metrics(rl.run(load_config(preset="tiny", sets=[*sets, f"data={data['jsonl']}"]), tmp_path,
-                            progress=False))  # fmt: skip
-    kl = _metrics(rl.run(load_config(preset="tiny", sets=[*sets, f"data={data['parquet']}", "kl_coef=1.0"]),
-                         tmp_path, progress=False))  # fmt: skip
+    plain = _metrics(
+        rl.run(load_config(preset="tiny", sets=[*sets, f"data={data['jsonl']}"]), tmp_path, progress=False)
+    )
+    kl = _metrics(
+        rl.run(
+            load_config(preset="tiny", sets=[*sets, f"data={data['parquet']}", "kl_coef=1.0"]), tmp_path, progress=False
+        )
+    )
     for m in (plain, kl):
         assert m["step"].tolist() == [1, 2]
         assert m["reward_mean"].notna().all() and 0 <= m["eval_in_dist"].iloc[-1] <= 1
@@ -143,8 +162,9 @@ def test_tokenizer_special_ids_come_from_the_files(hf_dir: Path, tmp_path: Path)
     tok = TaskTokenizer.load(hf_dir)
     tok.tokenizer.add_special_tokens(["<|end|>"])
     (tmp_path / "tokenizer.json").write_text(tok.to_json())
-    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|end|>"},
-                                                                  "pad_token": "<pad>"}))  # fmt: skip
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": {"content": "<|end|>"}, "pad_token": "<pad>"})
+    )
     other = TaskTokenizer.load(tmp_path)
     end = other.tokenizer.token_to_id("<|end|>")
     assert (other.eos_id, other.bos_id, other.pad_id) == (end, None, 0) and end > 2
@@ -189,8 +209,12 @@ def test_errors_name_the_field(data: dict[str, Path], hf_dir: Path, tmp_path: Pa
     msg = _error([*base, f"data={data['jsonl']}", f"coldstart={edited}"])
     assert "num_experts: checkpoint 8, model 4" in msg and "set model = {preset: tiny, num_experts: 8}" in msg
     # checked against the resolved shape: the checkpoint fits the shape it names
-    assert load_config(preset="tiny", sets=[*base, f"data={data['jsonl']}", f"coldstart={edited}",
-                                            "model.num_experts=8"]).model_config().num_experts == 8  # fmt: skip
+    assert (
+        load_config(preset="tiny", sets=[*base, f"data={data['jsonl']}", f"coldstart={edited}", "model.num_experts=8"])
+        .model_config()
+        .num_experts
+        == 8
+    )
     (edited / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert "valid presets" in _error([*base, f"data={data['jsonl']}", f"coldstart={edited}"])  # no shape fits
     assert isinstance(load_config(preset="tiny", sets=[*base, f"data={data['jsonl']}"]), RunConfig)

@@ -41,8 +41,9 @@ def box() -> Iterator[sandbox.Sandbox]:
 
 def _item(verifier: str, answer: str, **metadata: object) -> tasks.TaskItem:
     meta = {"problem": answer, "numbers": [1, 2, 3, 4], "target": 24, "expression": answer, **metadata}
-    return tasks.TaskItem(task="user", prompt="q\n", solution=f"#### {answer}", answer=answer, verifier=verifier,
-                          metadata=meta)  # fmt: skip
+    return tasks.TaskItem(
+        task="user", prompt="q\n", solution=f"#### {answer}", answer=answer, verifier=verifier, metadata=meta
+    )
 
 
 @pytest.mark.parametrize("verifier", VERIFIERS)
@@ -114,8 +115,14 @@ def test_sandbox_scores_match_reasoning_gym_on_its_own_items(box: sandbox.Sandbo
 
     for name in ("bitwise_arithmetic", "simple_equations", "complex_arithmetic", "gcd", "word_sorting"):
         for entry in reasoning_gym.create_dataset(name, seed=3, size=3):
-            item = tasks.TaskItem(task="user", prompt="q\n", solution="", answer=entry["answer"], verifier=name,
-                                  metadata={**entry["metadata"], "question": entry["question"]})  # fmt: skip
+            item = tasks.TaskItem(
+                task="user",
+                prompt="q\n",
+                solution="",
+                answer=entry["answer"],
+                verifier=name,
+                metadata={**entry["metadata"], "question": entry["question"]},
+            )
             assert tasks.score(item, f"#### {entry['answer']}") == 1.0, (name, entry["answer"])
             assert tasks._verifier_score(name, "nonsense", item) == get_score_answer_fn(name)("nonsense", entry)
 

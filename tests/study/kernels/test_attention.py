@@ -18,8 +18,9 @@ def _sdpa(q, k, v, mask, *, causal, scale):  # type: ignore[no-untyped-def]
     qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if mask is not None:  # megatron's (B, 1, S, S): True = masked; a query always sees itself
         mask, causal = ~mask | torch.eye(s, dtype=torch.bool), False
-    out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
-                                         enable_gqa=k.shape[2] != hq)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        qq, kk, vv, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[2] != hq
+    )
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 

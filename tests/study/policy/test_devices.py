@@ -103,14 +103,18 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize(("backend", "want"), [
-    ("auto", {"backend": "gloo", "sum": 1.0}),  # no CUDA here: what a run's ranks would join
-    ("gloo", {"backend": "gloo", "sum": 1.0}),
-    ("nccl", {"error": "backend = 'nccl' needs CUDA, and none is available here; valid here: auto, gloo"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "want"),
+    [
+        ("auto", {"backend": "gloo", "sum": 1.0}),  # no CUDA here: what a run's ranks would join
+        ("gloo", {"backend": "gloo", "sum": 1.0}),
+        ("nccl", {"error": "backend = 'nccl' needs CUDA, and none is available here; valid here: auto, gloo"}),
+    ],
+)
 def test_the_rank_check_joins_the_backend_asked_for(backend, want):
-    out = subprocess.run([sys.executable, "-c", RANK_CHECK, backend, _port()], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", RANK_CHECK, backend, _port()], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
@@ -118,8 +122,10 @@ def test_the_rank_check_joins_the_backend_asked_for(backend, want):
 def test_the_launcher_takes_the_rank_check_backend(tmp_path, capsys):
     from study.launch import main
 
-    assert main(["--rank-check", "--rank-check-backend", "nccl", "--launcher", "in-process", "--results",
-                 str(tmp_path)]) == 2  # fmt: skip
+    assert (
+        main(["--rank-check", "--rank-check-backend", "nccl", "--launcher", "in-process", "--results", str(tmp_path)])
+        == 2
+    )
     assert "valid: local, slurm" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--rank-check", "--rank-check-backend", "mpi", "--launcher", "local", "--results", str(tmp_path)])
@@ -130,8 +136,11 @@ def test_cuda_takes_megatrons_fast_moe_paths_and_the_cpu_keeps_its_own(monkeypat
     from study.policy.model import device_paths, transformer_config
 
     cpu = transformer_config(PRESETS["tiny"], dtype="bf16")
-    assert (cpu.moe_token_dispatcher_type, cpu.use_cpu_initialization, cpu.moe_grouped_gemm) == ("allgather", True,
-                                                                                                  False)  # fmt: skip
+    assert (cpu.moe_token_dispatcher_type, cpu.use_cpu_initialization, cpu.moe_grouped_gemm) == (
+        "allgather",
+        True,
+        False,
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = transformer_config(PRESETS["tiny"], dtype="bf16")
     assert (gpu.moe_token_dispatcher_type, gpu.use_cpu_initialization) == ("alltoall", False)

@@ -20,8 +20,9 @@ def _port() -> int:
 
 
 def _worker(rank: int, port: int, minutes: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if minutes:
         os.environ["STUDY_DIST_TIMEOUT_MIN"] = minutes
     from megatron.core import parallel_state
@@ -31,8 +32,11 @@ def _worker(rank: int, port: int, minutes: str, out: str) -> None:
 
     init_distributed(ParallelLayout(data=2))
     cpu = torch.device("cpu")
-    groups = {"world": torch.distributed.group.WORLD, "data": parallel_state.get_data_parallel_group(),
-              "expert_data": parallel_state.get_expert_data_parallel_group()}  # fmt: skip
+    groups = {
+        "world": torch.distributed.group.WORLD,
+        "data": parallel_state.get_data_parallel_group(),
+        "expert_data": parallel_state.get_expert_data_parallel_group(),
+    }
     seen = {name: g._get_backend(cpu).options._timeout.total_seconds() for name, g in groups.items()}
     torch.distributed.barrier()
     if rank == 0:

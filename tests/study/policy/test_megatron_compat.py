@@ -140,17 +140,29 @@ def _megatron_update(dtype: str, distributed: bool) -> dict:
     stepped, norm = trainer.step()
     moved = sum(int((p.detach() != before[n]).sum()) for n, p in model.named_parameters())
     kinds = {type(o).__name__ for o in trainer.optimizer.chained_optimizers}
-    mains = {p.dtype for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups
-             for p in g["params"]}  # fmt: skip
-    return {"stepped": stepped, "norm": norm, "want": want, "moved": moved, "kinds": kinds, "mains": mains,
-            "numel": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    mains = {
+        p.dtype for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]
+    }
+    return {
+        "stepped": stepped,
+        "norm": norm,
+        "want": want,
+        "moved": moved,
+        "kinds": kinds,
+        "mains": mains,
+        "numel": sum(p.numel() for p in model.parameters()),
+    }
 
 
 @pytest.mark.parametrize(
     ("dtype", "distributed", "kind"),
-    [("fp32", False, "FP32Optimizer"), ("bf16", False, "Float16OptimizerWithFloat16Params"),
-     ("fp32", True, "DistributedOptimizer"), ("bf16", True, "DistributedOptimizer")],
-)  # fmt: skip
+    [
+        ("fp32", False, "FP32Optimizer"),
+        ("bf16", False, "Float16OptimizerWithFloat16Params"),
+        ("fp32", True, "DistributedOptimizer"),
+        ("bf16", True, "DistributedOptimizer"),
+    ],
+)
 def test_megatron_optimizer_steps_on_cpu(dtype, distributed, kind):
     got = _megatron_update(dtype, distributed)
     assert got["kinds"] == {kind}
@@ -207,13 +219,17 @@ def test_distributed_checkpoint_round_trip_with_the_shims(tmp_path):
 @pytest.mark.parametrize(
     ("target", "error"),
     [
-        (("megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync", "preload_tensors"),
-         AssertionError),  # torch.cuda.synchronize(): not compiled with CUDA
-        (("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
-         KeyError),  # 'step'
+        (
+            ("megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync", "preload_tensors"),
+            AssertionError,
+        ),  # torch.cuda.synchronize(): not compiled with CUDA
+        (
+            ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
+            KeyError,
+        ),  # 'step'
     ],
     ids=["staging_sync", "torch_adam_step"],
-)  # fmt: skip
+)
 def test_distributed_checkpoint_fails_without_each_shim(tmp_path, monkeypatch, target, error):
     _revert(monkeypatch, *target)
     with pytest.raises(error):

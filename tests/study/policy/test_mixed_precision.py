@@ -74,8 +74,9 @@ def test_the_masters_survive_a_checkpoint():
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(opt.masters, opt2.masters, strict=True))
-    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
-               zip(opt.state.values(), opt2.state.values(), strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(opt.state.values(), opt2.state.values(), strict=True)
+    )
     # a state dict without masters (torch AdamW's) takes them from the loaded weights
     opt2.load_state_dict({k: v for k, v in state.items() if k != "master_params"})
     assert all(torch.equal(m, p.float()) for m, p in zip(opt2.masters, model2.parameters(), strict=True))
@@ -108,8 +109,14 @@ def test_a_bf16_run_tracks_the_fp32_run(results):
 
     rewards = {}
     for prec in ("fp32", "bf16"):
-        sets = ["algorithm=grpo", "steps=4", "eval_every=0", "checkpoint_every=0", f"train_precision={prec}",
-                "rollout_precision=fp32"]  # fmt: skip
+        sets = [
+            "algorithm=grpo",
+            "steps=4",
+            "eval_every=0",
+            "checkpoint_every=0",
+            f"train_precision={prec}",
+            "rollout_precision=fp32",
+        ]
         run_dir = rl.run(load_config(preset="tiny", sets=sets), results, progress=False)
         state = json.loads((run_dir / "status.json").read_text())
         assert state["state"] == "completed", state

@@ -318,8 +318,12 @@ def _kernel_calls() -> dict[str, type]:
     from study.kernels.rms_norm import RMSNormFunction
     from study.kernels.rope import RopeFunction
 
-    return {"attention": AttentionFunction, "rope": RopeFunction, "rms_norm": RMSNormFunction,
-            "cross_entropy": CrossEntropyFunction}  # fmt: skip
+    return {
+        "attention": AttentionFunction,
+        "rope": RopeFunction,
+        "rms_norm": RMSNormFunction,
+        "cross_entropy": CrossEntropyFunction,
+    }
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
@@ -351,8 +355,12 @@ def test_fast_layers_match_megatrons(switch, monkeypatch):
             out[layers] = (lp.detach() * keep, {n: p.grad for n, p in m.named_parameters()})
     on = switch == "1"
     n = TINY.num_layers
-    assert {k: len(v) for k, v in calls.items()} == {"attention": n * on, "rope": 2 * n * on,
-                                                     "rms_norm": 4 * n * on, "cross_entropy": on}  # fmt: skip
+    assert {k: len(v) for k, v in calls.items()} == {
+        "attention": n * on,
+        "rope": 2 * n * on,
+        "rms_norm": 4 * n * on,
+        "cross_entropy": on,
+    }
     assert_same_policy(out["fast"], out["megatron"], exact=False)
     with pytest.raises(ValueError, match="layers = 'apex'; valid: fast, megatron"):
         build_policy(TINY, seed=0, layers="apex")

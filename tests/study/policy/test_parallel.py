@@ -80,8 +80,15 @@ def _one_process() -> dict:
     opt = build_optimizer(model, lr=1e-3)
     norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5))
     opt.step()
-    return {"state": state, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
-            "norm": norm, "stepped": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+    return {
+        "state": state,
+        "logp": logp.detach(),
+        "loss": float(loss.detach()),
+        "metrics": metrics,
+        "grads": grads,
+        "norm": norm,
+        "stepped": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 LAYOUTS = {"ep2": ParallelLayout(expert=2, data=2), "tp2sp": ParallelLayout(tensor=2), "dp2": ParallelLayout(data=2)}
@@ -89,8 +96,10 @@ LAYOUTS = {"ep2": ParallelLayout(expert=2, data=2), "tp2sp": ParallelLayout(tens
 # states sharded over the data-parallel ranks) and with megatron's replicated one, whose gradients are all-reduced
 # (the distributed optimizer's are reduce-scattered: each data-parallel rank holds its shard's, so the gradients
 # are compared in the replicated runs)
-RUNS = {**{name: (layout, True) for name, layout in LAYOUTS.items()},
-        **{f"{name}-replicated": (layout, False) for name, layout in LAYOUTS.items()}}  # fmt: skip
+RUNS = {
+    **{name: (layout, True) for name, layout in LAYOUTS.items()},
+    **{f"{name}-replicated": (layout, False) for name, layout in LAYOUTS.items()},
+}
 
 
 def _adam_numel(trainer) -> int:
@@ -101,8 +110,9 @@ def _adam_numel(trainer) -> int:
 def _worker(rank: int, port: int, ref: dict, out: str) -> None:
     """Every run of RUNS in turn in the same two processes (megatron's parallel state rebuilt for each: the imports,
     not the checks, are most of a spawn's time), then the bf16 run; rank 0 saves each run's results."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -128,12 +138,18 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
         adam = torch.tensor(_adam_numel(trainer))
         torch.distributed.all_reduce(adam)
         results[name] = {
-            "rows": rows, "logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads,
+            "rows": rows,
+            "logp": logp.detach(),
+            "loss": float(loss.detach()),
+            "metrics": metrics,
+            "grads": grads,
             "norm": norm,
-            "stepped": P.full_state_dict(model), "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
-            "took_step": stepped, "optimizers": [type(o).__name__ for o in trainer.optimizer.chained_optimizers],
+            "stepped": P.full_state_dict(model),
+            "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
+            "took_step": stepped,
+            "optimizers": [type(o).__name__ for o in trainer.optimizer.chained_optimizers],
             "adam_numel": (_adam_numel(trainer), int(adam)),
-        }  # fmt: skip
+        }
         parallel_state.destroy_model_parallel()
     # bf16 weights, fp32 main parameters in megatron's distributed optimizer (DP 2): one update
     model = build_policy(CFG, seed=3, routing_replay=False, dtype="bf16", parallel=LAYOUTS["dp2"])
@@ -144,8 +160,12 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
     loss.backward()
     stepped, norm = trainer.step()
     mains = [p for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
-    results["bf16"] = {"took_step": stepped, "norm": norm, "stepped": P.full_state_dict(model),
-                       "main_dtypes": {str(p.dtype) for p in mains}}  # fmt: skip
+    results["bf16"] = {
+        "took_step": stepped,
+        "norm": norm,
+        "stepped": P.full_state_dict(model),
+        "main_dtypes": {str(p.dtype) for p in mains},
+    }
     parallel_state.destroy_model_parallel()
     if rank == 0:
         torch.save(results, out)
@@ -278,15 +298,25 @@ def test_layout_validation():
 # ---------------------------------------------------------------------------------------------------------------------
 # The RL loop across two ranks
 # ---------------------------------------------------------------------------------------------------------------------
-RUN_SETS = ["steps=2", "eval_every=0", "checkpoint_every=1", "prompts_per_step=4", "group_size=4", "minibatches=2",
-            "max_new_tokens=16", "algorithm=grpo_rr", "task_knobs={terms: [2, 3], digits: 1}"]  # fmt: skip
+RUN_SETS = [
+    "steps=2",
+    "eval_every=0",
+    "checkpoint_every=1",
+    "prompts_per_step=4",
+    "group_size=4",
+    "minibatches=2",
+    "max_new_tokens=16",
+    "algorithm=grpo_rr",
+    "task_knobs={terms: [2, 3], digits: 1}",
+]
 # The runs start from the session's `easy_coldstart` (tests/conftest.py): a random start earns no reward, so every
 # advantage, loss and gradient of the runs would be 0 and the loops' updates would go unchecked.
 
 
 def _rl_worker(rank: int, port: int, sets: list[str], results: str, world: int = 2) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     from study import rl
     from study.run.config import load_config
 
@@ -311,8 +341,17 @@ def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2
 
     from study.run.config import load_config
 
-    one = subprocess.run([sys.executable, "-c", ONE_PROCESS_RUN, str(tmp_path / "one"), *sets], capture_output=True,
-                         text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    one = (
+        subprocess.run(
+            [sys.executable, "-c", ONE_PROCESS_RUN, str(tmp_path / "one"), *sets],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     mp.spawn(_rl_worker, args=(_port(), [*sets, *layout], str(tmp_path / "layout"), world), nprocs=world)
     return Path(one), tmp_path / "layout" / "runs" / load_config(preset="tiny", sets=[*sets, *layout]).run_id
 

@@ -56,8 +56,9 @@ def _update(model, trainer) -> None:
 
 
 def _worker(rank: int, port: int, ref: dict, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -189,8 +190,9 @@ def test_one_process_adam_state_round_trip(reference):
     assert _adam_equal(P.adam_state_by_name(opt.state_dict(), reference["names"]), reference["adam"])
     assert state["param_groups"] == reference["optimizer"]["param_groups"]
     with pytest.raises(ValueError, match="covers 2 weights, the model has"):
-        P.adam_state_by_name({**state, "param_groups": [{**state["param_groups"][0], "params": [0, 1]}]},
-                             reference["names"])  # fmt: skip
+        P.adam_state_by_name(
+            {**state, "param_groups": [{**state["param_groups"][0], "params": [0, 1]}]}, reference["names"]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -222,13 +224,15 @@ def _one_process_run(results, sets: list[str], *, stop: bool) -> None:
         "try:\n    rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n"
         "except rl.rundir.Stopped:\n    pass\n"
     )
-    subprocess.run([sys.executable, "-c", script, str(results), *sets], check=True, timeout=600,
-                   capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", script, str(results), *sets], check=True, timeout=600, capture_output=True, text=True
+    )
 
 
 def _rl_worker(rank: int, port: int, sets: list[str], results: str, stop: bool) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if stop:
         exec(STOP_AFTER_FIRST_CHECKPOINT, {})
     from study import rl
@@ -332,10 +336,13 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
     assert state["model"] is None and state["optimizer"] is None and state["distributed"] == "dist-step1"
     shutil.copytree(tmp_path / "dp2", tmp_path / "dp2_to_one", symlinks=True)
 
-    script = ("import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
-              "rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n")  # fmt: skip
-    one = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dp2_to_one"), *sets], timeout=600,
-                         capture_output=True, text=True)  # fmt: skip
+    script = (
+        "import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
+        "rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False)\n"
+    )
+    one = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "dp2_to_one"), *sets], timeout=600, capture_output=True, text=True
+    )
     assert one.returncode != 0 and "only in megatron's distributed checkpoint 'dist-step1'" in one.stderr, one.stderr
     assert "resume it at a parallel layout" in one.stderr
 

@@ -83,8 +83,9 @@ LAYOUTS = {"tp2": (2, ParallelLayout(tensor=2)), "tp2dp2": (4, ParallelLayout(te
 
 def _worker(rank: int, port: int, name: str, state: dict, out: str) -> None:
     world, layout = LAYOUTS[name]
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from study.policy import parallel as P
     from study.policy.model import build_policy
@@ -164,9 +165,21 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path, easy_coldstart):
     assert list(a["step"]) == list(b["step"]) == [1, 2]
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
         assert list(a[column]) == list(b[column]), column
-    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
-                   "expert_load_imbalance", "router_entropy", "routing_token_changed_frac", "ratio_gt2_frac",
-                   "grad_norm_spike", "routing_slot_mismatch_mb2", "grad_norm_mb1"):  # fmt: skip
+    for column in (
+        "loss",
+        "grad_norm",
+        "approx_kl",
+        "mismatch_mean_abs",
+        "routing_slot_mismatch",
+        "entropy_est",
+        "expert_load_imbalance",
+        "router_entropy",
+        "routing_token_changed_frac",
+        "ratio_gt2_frac",
+        "grad_norm_spike",
+        "routing_slot_mismatch_mb2",
+        "grad_norm_mb1",
+    ):
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
     assert (a["grad_norm"] > 0).all()  # both steps updated the policy (the cold start earns rewards)
     assert max(b["sync_parity_max_abs"]) < 1e-4 and max(a["sync_parity_max_abs"]) < 1e-4  # fp32 engine and trainer
@@ -194,8 +207,16 @@ def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path, easy_coldstart):
     assert list(a["step"]) == list(b["step"]) == [1, 2]
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
         assert list(a[column]) == list(b[column]), column
-    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est",
-                   "expert_load_imbalance", "router_entropy"):  # fmt: skip
+    for column in (
+        "loss",
+        "grad_norm",
+        "approx_kl",
+        "mismatch_mean_abs",
+        "routing_slot_mismatch",
+        "entropy_est",
+        "expert_load_imbalance",
+        "router_entropy",
+    ):
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
     assert (a["grad_norm"] > 0).all()
     assert max(b["sync_parity_max_abs"]) < 1e-4  # the weights rank 0's engine got from 4 shards are the model's

@@ -18,8 +18,18 @@ import torch
 
 from study.core.model_config import ModelConfig, ParallelLayout
 
-CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, head_dim=64, num_experts=4,
-                  moe_top_k=2, moe_ffn_hidden_size=256, vocab_size=8192, max_seq_len=64)  # fmt: skip
+CFG = ModelConfig(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=64,
+    num_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden_size=256,
+    vocab_size=8192,
+    max_seq_len=64,
+)
 LAYOUTS = {"ep2": ParallelLayout(expert=2, data=2), "tp2": ParallelLayout(tensor=2)}
 SLACK = 1 << 20
 
@@ -51,8 +61,9 @@ class _PeakRSS:
 def _worker(rank: int, port: int, state: dict, out: str) -> None:
     import gc
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 

@@ -204,8 +204,9 @@ def test_decode_attention_equals_sdpa(masked, dtype):
 
     g = torch.Generator().manual_seed(0)
     n, heads, kv_heads, length, d = 6, 4, 2, 11, 32
-    q, k, v = (torch.randn(n, h, s, d, generator=g).to(dtype) for h, s in ((heads, 1), (kv_heads, length),
-                                                                            (kv_heads, length)))  # fmt: skip
+    q, k, v = (
+        torch.randn(n, h, s, d, generator=g).to(dtype) for h, s in ((heads, 1), (kv_heads, length), (kv_heads, length))
+    )
     mask = (torch.rand(n, 1, 1, length, generator=g) > 0.4) if masked else None
     if mask is not None:
         mask[..., -1] = True  # the current token always sees itself

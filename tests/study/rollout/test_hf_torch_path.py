@@ -37,9 +37,14 @@ def test_the_torch_decode_path_samples_what_the_c_path_samples(monkeypatch: pyte
 def _experts_on(device: str, dtype: torch.dtype, **attrs: object) -> SimpleNamespace:
     """transformers' experts module as `_grouped_mm` reads it (5.18 on), its weights claiming `device`."""
     weight = SimpleNamespace(device=torch.device(device), dtype=dtype, data_ptr=lambda: 0)
-    return SimpleNamespace(config=SimpleNamespace(_experts_implementation="grouped_mm"), has_bias=False,
-                           has_gate=True, is_transposed=False, gate_up_proj=weight,
-                           **({"_is_expert_parallel": False} | attrs))  # fmt: skip
+    return SimpleNamespace(
+        config=SimpleNamespace(_experts_implementation="grouped_mm"),
+        has_bias=False,
+        has_gate=True,
+        is_transposed=False,
+        gate_up_proj=weight,
+        **({"_is_expert_parallel": False} | attrs),
+    )
 
 
 def test_the_torch_path_reads_the_experts_of_every_transformers_in_the_pin() -> None:

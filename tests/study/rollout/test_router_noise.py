@@ -58,11 +58,24 @@ def test_noisy_routes_are_seeded_recorded_and_differ_from_the_noise_free_routing
     lps, scored = eng.score(ps, a.tokens, return_routes=True)
     # at the prompt's positions the first layer's router sees the same input with and without noise, so
     # there every difference is the noise itself (routes recorded before the noise would equal `score`'s there)
-    first = torch.cat([(x[: len(p), 0].sort(-1).values != y[: len(p), 0].sort(-1).values).any(-1)
-                       for x, y, p in zip(a.routes, scored, ps, strict=True)]).float().mean()  # fmt: skip
+    first = (
+        torch.cat(
+            [
+                (x[: len(p), 0].sort(-1).values != y[: len(p), 0].sort(-1).values).any(-1)
+                for x, y, p in zip(a.routes, scored, ps, strict=True)
+            ]
+        )
+        .float()
+        .mean()
+    )
     assert float(first) > 0.1
-    flipped = torch.cat([(x.sort(-1).values != y.sort(-1).values).any(-1).flatten()
-                         for x, y in zip(a.routes, scored, strict=True)]).float().mean()  # fmt: skip
+    flipped = (
+        torch.cat(
+            [(x.sort(-1).values != y.sort(-1).values).any(-1).flatten() for x, y in zip(a.routes, scored, strict=True)]
+        )
+        .float()
+        .mean()
+    )
     assert 0.1 < float(flipped) < 1.0
     gap = torch.cat([x - y for x, y in zip(a.logprobs, lps, strict=True)]).abs().mean()
     assert float(gap) > 1e-3  # the sampled tokens' log-probs are the noisy routing's

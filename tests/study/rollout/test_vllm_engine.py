@@ -256,9 +256,17 @@ def test_rl_run_on_vllm_checks_parity_after_each_sync(tmp_path):
     from study import rl
     from study.run.config import load_config
 
-    sets = ["rollout_engine=vllm", "coldstart=scratch", "steps=2", "eval_every=0", "checkpoint_every=0",
-            "sync_check_every=1", "model.head_dim=32", f"rollout_runtime.gpu_memory={GPU_MEMORY}",
-            "rollout_runtime.bucket_mb=0.25"]  # fmt: skip
+    sets = [
+        "rollout_engine=vllm",
+        "coldstart=scratch",
+        "steps=2",
+        "eval_every=0",
+        "checkpoint_every=0",
+        "sync_check_every=1",
+        "model.head_dim=32",
+        f"rollout_runtime.gpu_memory={GPU_MEMORY}",
+        "rollout_runtime.bucket_mb=0.25",
+    ]
     cfg = load_config(preset="tiny", sets=sets)
     assert cfg.run_id == load_config(preset="tiny", sets=sets[:-1]).run_id  # runtime settings: not in the run id
     run_dir = rl.run(cfg, tmp_path, progress=False)

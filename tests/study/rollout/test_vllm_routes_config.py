@@ -30,10 +30,11 @@ def _verify(kwargs: dict, env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
         model_config=SimpleNamespace(runner_type="generate", is_moe=True),
         cache_config=SimpleNamespace(enable_prefix_caching=bool(kwargs.get("enable_prefix_caching"))),
         speculative_config=None,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+        ),
         kv_transfer_config=None,
-    )  # fmt: skip
+    )
     vllm_config.VllmConfig._verify_aux_output_compatibility(stand_in)
 
 

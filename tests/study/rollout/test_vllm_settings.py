@@ -44,8 +44,9 @@ def test_replica_gpus_by_placement() -> None:
 def test_runtime_is_validated_by_the_run_config_and_not_in_the_run_id() -> None:
     base = ["rollout_engine=vllm", "model.head_dim=32"]
     plain = load_config(preset="tiny", sets=base)
-    tuned = load_config(preset="tiny", sets=[*base, "rollout_runtime.tp=1", "rollout_runtime.bucket_mb=64",
-                                             "sync_check_every=5"])  # fmt: skip
+    tuned = load_config(
+        preset="tiny", sets=[*base, "rollout_runtime.tp=1", "rollout_runtime.bucket_mb=64", "sync_check_every=5"]
+    )
     assert tuned.rollout_runtime == {"tp": 1, "bucket_mb": 64} and tuned.run_id == plain.run_id
     with pytest.raises(ValueError, match=r"rollout_runtime.placement = 'x'"):
         load_config(preset="tiny", sets=[*base, "rollout_runtime.placement=x"])

@@ -42,17 +42,27 @@ def test_the_engine_refuses_to_start_on_a_small_shm(tmp_path, monkeypatch) -> No
 
 
 def test_a_smaller_bucket_fits() -> None:
-    need = vllm_engine.shared_memory_need(PRESETS["tiny"], EngineSettings.parse({"bucket_mb": 1}), "fp32",
-                                          max_num_seqs=4, routes=False)  # fmt: skip
+    need = vllm_engine.shared_memory_need(
+        PRESETS["tiny"], EngineSettings.parse({"bucket_mb": 1}), "fp32", max_num_seqs=4, routes=False
+    )
     assert need["sync bucket"] >= 1 * MIB and "routed experts" not in need
 
 
 def test_the_routed_experts_are_counted_on_cuda(tmp_path, monkeypatch) -> None:
     """Qwen3-30B-A3B's shape (48 layers, top-8 of 128): a byte per layer and slot of every full-length sequence; the
     bucket is at least the largest tensor (the embedding, 594 MiB in bf16)."""
-    cfg = ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
-                      num_query_groups=4, head_dim=128, num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,
-                      max_seq_len=9216)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        max_seq_len=9216,
+    )
     need = vllm_engine.shared_memory_need(cfg, EngineSettings(), "bf16", max_num_seqs=256, routes=True)
     assert need["routed experts"] == 256 * 9216 * 48 * 8
     _small_shm(monkeypatch, str(tmp_path), 1024 * MIB)
@@ -65,10 +75,15 @@ def test_the_routed_experts_are_counted_on_cuda(tmp_path, monkeypatch) -> None:
 
 
 def test_a_sleeping_engine_runs_without_expandable_segments() -> None:
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512",
-           "PYTORCH_ALLOC_CONF": "expandable_segments:True", "OTHER": "1"}  # fmt: skip
-    assert vllm_engine.server_env(env, sleeps=True) == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
-                                                        "OTHER": "1"}  # fmt: skip
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+        "OTHER": "1",
+    }
+    assert vllm_engine.server_env(env, sleeps=True) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
+        "OTHER": "1",
+    }
     assert vllm_engine.server_env(env, sleeps=False) == env  # an engine that stays awake keeps them
 
 

@@ -145,18 +145,29 @@ def test_a_shape_is_a_preset_plus_overrides() -> None:
     plain = load_config(preset="default")
     assert cfg.run_id != plain.run_id and cfg.run_id.startswith("grpo-")
     # canonical: key order, spelled-out preset values and the route (from_dict / replace / YAML) do not matter
-    same = RunConfig.from_dict({**plain.to_dict(), "model": {"moe_top_k": 8, "num_layers": 4, "num_experts": 32,
-                                                            "preset": "default"}})  # fmt: skip
+    same = RunConfig.from_dict(
+        {**plain.to_dict(), "model": {"moe_top_k": 8, "num_layers": 4, "num_experts": 32, "preset": "default"}}
+    )
     assert same.model == cfg.model and same.run_id == cfg.run_id
     assert RunConfig.from_dict(cfg.to_dict()).run_id == cfg.run_id  # resume reads config.yaml back
     assert plain.replace(model={"preset": "default", "num_experts": 32, "moe_top_k": 8}).run_id == cfg.run_id
     assert plain.replace(model={"num_experts": 32, "moe_top_k": 8}).run_id == cfg.run_id  # this shape, changed
     assert cfg.replace(model="default").run_id == plain.run_id
     # every distinct shape is a distinct run
-    ids = {load_config(preset="default", sets=sets).run_id for sets in (
-        [], ["model.num_experts=16"], ["model.num_experts=32"], ["model.num_experts=32", "model.moe_top_k=8"],
-        ["model.num_layers=8"], ["model.hidden_size=256"], ["model.moe_ffn_hidden_size=128"],
-        ["model.init_std=0.01"], ["model=tiny"])}  # fmt: skip
+    ids = {
+        load_config(preset="default", sets=sets).run_id
+        for sets in (
+            [],
+            ["model.num_experts=16"],
+            ["model.num_experts=32"],
+            ["model.num_experts=32", "model.moe_top_k=8"],
+            ["model.num_layers=8"],
+            ["model.hidden_size=256"],
+            ["model.moe_ffn_hidden_size=128"],
+            ["model.init_std=0.01"],
+            ["model=tiny"],
+        )
+    }
     assert len(ids) == 9
 
 
@@ -168,12 +179,16 @@ def test_model_in_config_files_and_set(tmp_path: Path) -> None:
     # --set on top of a file's shape changes one field; a name (or a mapping with preset) replaces the shape
     assert load_config(path, sets=["model.moe_top_k=4"]).model == {**cfg.model, "moe_top_k": 4}
     assert load_config(path, sets=["model=default"]).model == "default"
-    assert load_config(path, sets=["model={preset: default, num_layers: 2}"]).model == {"preset": "default",
-                                                                                        "num_layers": 2}  # fmt: skip
+    assert load_config(path, sets=["model={preset: default, num_layers: 2}"]).model == {
+        "preset": "default",
+        "num_layers": 2,
+    }
     # a mapping without preset overrides the preset the config has so far (the field's default: tiny)
     assert load_config(sets=["model.num_experts=8"]).model == {"preset": "tiny", "num_experts": 8}
-    assert load_config(preset="default", sets=["model.num_experts=16"]).model == {"preset": "default",
-                                                                                  "num_experts": 16}  # fmt: skip
+    assert load_config(preset="default", sets=["model.num_experts=16"]).model == {
+        "preset": "default",
+        "num_experts": 16,
+    }
 
 
 def test_parse_set_and_merge_field_for_the_model() -> None:
@@ -184,7 +199,10 @@ def test_parse_set_and_merge_field_for_the_model() -> None:
     assert parse_set(["model.num_experts=16", "model=default"]) == {"model": "default"}  # in order
     assert merge_field("model", "default", {"num_experts": 16}) == {"preset": "default", "num_experts": 16}
     assert merge_field("model", {"preset": "default", "num_layers": 8}, {"num_experts": 16}) == {
-        "preset": "default", "num_layers": 8, "num_experts": 16}  # fmt: skip
+        "preset": "default",
+        "num_layers": 8,
+        "num_experts": 16,
+    }
     assert merge_field("model", {"preset": "default", "num_layers": 8}, {"preset": "tiny"}) == {"preset": "tiny"}
     assert merge_field("model", {"preset": "default", "num_layers": 8}, "small") == "small"
     assert merge_field("hparams", {"eps_low": 0.1}, {"eps_high": 0.2}) == {"eps_low": 0.1, "eps_high": 0.2}
@@ -193,10 +211,24 @@ def test_parse_set_and_merge_field_for_the_model() -> None:
 
 def test_cli_takes_a_shape_and_rejects_a_bad_one_before_any_compute(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "study", "run", "--preset", "tiny", "--set", "model.num_experts=2", "--set",
-         "model.moe_top_k=3", "--results", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "study",
+            "run",
+            "--preset",
+            "tiny",
+            "--set",
+            "model.num_experts=2",
+            "--set",
+            "model.moe_top_k=3",
+            "--results",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "error: model.moe_top_k = 3: valid range is [1, 2]" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()
@@ -211,9 +243,11 @@ def test_router_lr_scale_and_coldstart_band() -> None:
     assert load_config(preset="tiny", sets=["router_lr_scale=1", "coldstart_band=[0.1, 0.5]"]).run_id == base.run_id
     assert load_config(preset="tiny", sets=["router_lr_scale=30"]).run_id != base.run_id
     assert load_config(preset="tiny", sets=["coldstart_band=[0.3, 0.7]"]).run_id != base.run_id
-    for bad, msg in (("router_lr_scale=-1", "router_lr_scale = -1.0: must be a finite number in (0, inf)"),
-                     ("coldstart_band=[0.6, 0.4]", "coldstart_band = [0.6, 0.4]; valid: [low, high]"),
-                     ("coldstart_band=0.5", "coldstart_band = 0.5; valid")):  # fmt: skip
+    for bad, msg in (
+        ("router_lr_scale=-1", "router_lr_scale = -1.0: must be a finite number in (0, inf)"),
+        ("coldstart_band=[0.6, 0.4]", "coldstart_band = [0.6, 0.4]; valid: [low, high]"),
+        ("coldstart_band=0.5", "coldstart_band = 0.5; valid"),
+    ):
         with pytest.raises(ValueError, match=re.escape(msg)):
             load_config(preset="tiny", sets=[bad])
     opt = build_optimizer(build_policy(base.model_config(), seed=0), lr=1e-4, router_lr_scale=30.0)
@@ -230,23 +264,26 @@ def test_parallel_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     cfg = load_config(sets=["parallel.expert=2", "parallel.data=2"])
     assert cfg.layout == ParallelLayout(expert=2, data=2) and cfg.layout.world_size == 2
     assert cfg.run_id == base.run_id  # a runtime choice: not in the run id, recorded in the manifest
-    for sets, message in ((["parallel.pipeline=2"], "parallel.pipeline = 2: pipeline parallelism"),
-                          (["parallel.context=4"], "parallel.context = 4"),
-                          (["parallel.expert=2"], "must divide the world size"),
-                          (["parallel.tensor=4"], "num_attention_heads = 2 is not divisible by parallel.tensor = 4"),
-                          (["parallel.expert=8", "parallel.data=8"], "num_experts = 4 is not divisible"),
-                          (["parallel.tensors=2"], "unknown field")):  # fmt: skip
+    for sets, message in (
+        (["parallel.pipeline=2"], "parallel.pipeline = 2: pipeline parallelism"),
+        (["parallel.context=4"], "parallel.context = 4"),
+        (["parallel.expert=2"], "must divide the world size"),
+        (["parallel.tensor=4"], "num_attention_heads = 2 is not divisible by parallel.tensor = 4"),
+        (["parallel.expert=8", "parallel.data=8"], "num_experts = 4 is not divisible"),
+        (["parallel.tensors=2"], "unknown field"),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(sets=sets)
     # the loop refuses, before any compute: a world the launcher did not start, what it does not run at a layout
     with pytest.raises(ValueError, match="needs 2 ranks, the launcher started 1"):
         rl.run(cfg, tmp_path, progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for sets, message in ((["parallel.tensor=2", "router_lr_scale=2"], "router_lr_scale != 1"),
-                          (["parallel.expert=2", "parallel.data=2", "algorithm=dapo"], "dynamic sampling"),
-                          (["parallel.data=2", "minibatches=32"], "does not split evenly over parallel.data = 2"),
-                          (["parallel.expert=2", "parallel.data=2", "coldstart=scratch"],
-                           "coldstart = 'scratch'")):  # fmt: skip
+    for sets, message in (
+        (["parallel.tensor=2", "router_lr_scale=2"], "router_lr_scale != 1"),
+        (["parallel.expert=2", "parallel.data=2", "algorithm=dapo"], "dynamic sampling"),
+        (["parallel.data=2", "minibatches=32"], "does not split evenly over parallel.data = 2"),
+        (["parallel.expert=2", "parallel.data=2", "coldstart=scratch"], "coldstart = 'scratch'"),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             rl.run(load_config(sets=sets), tmp_path, progress=False)
     monkeypatch.delenv("WORLD_SIZE")

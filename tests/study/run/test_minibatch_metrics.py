@@ -13,11 +13,21 @@ from study.run.metrics import MINIBATCH_COLUMNS, MINIBATCH_METRICS, STEP_METRICS
 def test_hand_made_steps() -> None:
     per_mb = [
         {"ratio_gt2_frac": 0.0, "grad_norm": 1.0, "clip_frac": 0.0},
-        {"ratio_gt2_frac": 0.1, "grad_norm": 4.0, "clip_frac": 0.2, "routing_slot_mismatch": 0.01,
-         "routing_token_changed_frac": 0.3},
-        {"ratio_gt2_frac": 0.2, "grad_norm": 2.0, "clip_frac": 0.4, "routing_slot_mismatch": 0.03,
-         "routing_token_changed_frac": 0.5},
-    ]  # fmt: skip
+        {
+            "ratio_gt2_frac": 0.1,
+            "grad_norm": 4.0,
+            "clip_frac": 0.2,
+            "routing_slot_mismatch": 0.01,
+            "routing_token_changed_frac": 0.3,
+        },
+        {
+            "ratio_gt2_frac": 0.2,
+            "grad_norm": 2.0,
+            "clip_frac": 0.4,
+            "routing_slot_mismatch": 0.03,
+            "routing_token_changed_frac": 0.5,
+        },
+    ]
     out = minibatch_metrics(per_mb)
     assert out["routing_token_changed_frac"] == pytest.approx(0.4)  # minibatches 2..M
     assert out["grad_norm_spike"] == pytest.approx(4.0 / 2.0)  # max over the median
@@ -31,8 +41,10 @@ def test_hand_made_steps() -> None:
 
 
 def test_columns_stop_at_the_cap_and_the_names_are_documented() -> None:
-    per_mb = [{"grad_norm": float(m), "routing_slot_mismatch": 0.0, "routing_token_changed_frac": 0.0}
-              for m in range(1, MINIBATCH_COLUMNS + 5)]  # fmt: skip
+    per_mb = [
+        {"grad_norm": float(m), "routing_slot_mismatch": 0.0, "routing_token_changed_frac": 0.0}
+        for m in range(1, MINIBATCH_COLUMNS + 5)
+    ]
     out = minibatch_metrics(per_mb)
     assert minibatch_column("grad_norm", MINIBATCH_COLUMNS) in out
     assert minibatch_column("grad_norm", MINIBATCH_COLUMNS + 1) not in out

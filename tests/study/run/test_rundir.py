@@ -94,8 +94,12 @@ with rundir.run_lock(run_dir), rundir.recorded(run_dir, lambda: 5):
 
 
 def _child(run_dir: Path, body: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED.format(body=body), str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED.format(body=body), str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "working"
     return proc
 

@@ -37,8 +37,9 @@ def _raise(exc: BaseException, at: int):  # type: ignore[no-untyped-def]
 def _run_and_kill(results: Path, sets: list[str], run_dir: Path, at_step: int) -> None:
     """`python -m study run` in a child process, SIGKILLed once it has recorded `at_step` steps."""
     cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(results), "--quiet"]
-    proc = subprocess.Popen([*cmd, *(a for s in sets for a in ("--set", s))], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [*cmd, *(a for s in sets for a in ("--set", s))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         try:
@@ -121,8 +122,9 @@ def test_watch_redraws_and_bad_arguments_are_errors(results: Path, capsys: pytes
 
 
 @pytest.mark.parametrize("damage", [b"\xff\xfe\x00garbage", b"a: [1\n", b"[" * 5000, b"- just a list\n"])
-def test_one_unreadable_config_is_reported_and_the_others_listed(results: Path, tmp_path: Path, damage: bytes,
-                                                                 capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+def test_one_unreadable_config_is_reported_and_the_others_listed(
+    results: Path, tmp_path: Path, damage: bytes, capsys: pytest.CaptureFixture
+) -> None:
     ids = json.loads((results / "ids.json").read_text())
     copy = tmp_path / "results"
     shutil.copytree(results / "runs", copy / "runs", ignore=shutil.ignore_patterns("checkpoint", "tensorboard"))

@@ -25,8 +25,9 @@ def test_a_run_directory_whose_lock_is_held_before_its_status_is_written_is_runn
 def test_status_polled_through_a_runs_start_and_end_never_says_unreadable(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
     sets = ["coldstart=scratch", "eval_every=0", "steps=1"]
-    proc = subprocess.Popen([*cmd, *(a for s in sets for a in ("--set", s))], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [*cmd, *(a for s in sets for a in ("--set", s))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     seen: Counter[str] = Counter()
     reasons = set()
     deadline = time.time() + 300

@@ -89,8 +89,11 @@ TIMINGS = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time
 def expected(path: Path) -> dict[str, dict[int, float]]:
     """A metrics.parquet as trackers should hold it: every metric but step, its non-NaN values by step."""
     frame = pd.read_parquet(path)
-    return {c: {int(s): float(v) for s, v in zip(frame["step"], frame[c], strict=True) if not np.isnan(v)}
-            for c in frame.columns if c != "step"}  # fmt: skip
+    return {
+        c: {int(s): float(v) for s, v in zip(frame["step"], frame[c], strict=True) if not np.isnan(v)}
+        for c in frame.columns
+        if c != "step"
+    }
 
 
 def sent_once(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -207,5 +210,6 @@ def test_a_study_config_gives_the_study_and_axis_values(tmp_path: Path) -> None:
     assert tracking.tags == {"algorithm": "grpo", "seed": "0", "model.num_experts": "8"}
     elsewhere = tmp_path / "one.yaml"
     elsewhere.write_text(yaml.safe_dump(base))
-    assert T.study_tracking(elsewhere, ("tensorboard",)) == T.Tracking(("tensorboard",), "", {"algorithm": "grpo",
-                                                                                            "seed": "0"})  # fmt: skip
+    assert T.study_tracking(elsewhere, ("tensorboard",)) == T.Tracking(
+        ("tensorboard",), "", {"algorithm": "grpo", "seed": "0"}
+    )

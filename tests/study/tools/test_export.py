@@ -51,9 +51,14 @@ def policy_logp(run_dir: Path, prompt: list[int], response: list[int]) -> torch.
 
 def test_the_export_holds_a_complete_hf_checkpoint(hf_dir: Path, run_dir: Path) -> None:
     assert sorted(p.name for p in hf_dir.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "moe_rl_study.json",
-        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
-    ]  # fmt: skip
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "moe_rl_study.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     source = json.loads((hf_dir / "moe_rl_study.json").read_text())
     assert (source["run_id"], source["step"], source["state"]) == (run_dir.name, 2, "completed")
     assert not [p for p in hf_dir.parent.iterdir() if p.name.startswith(".hf.")]  # no temporary folder left
@@ -73,8 +78,7 @@ def test_transformers_samples_with_the_policys_logprobs(hf_dir: Path, run_dir: P
         enc = tok(prompt, return_tensors="pt")
         assert enc.input_ids[0].tolist() == ours.encode_prompt(prompt)  # encoded as the run encoded it
         torch.manual_seed(i)
-        out = model.generate(**enc, max_new_tokens=12, do_sample=True, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(**enc, max_new_tokens=12, do_sample=True, output_logits=True, return_dict_in_generate=True)
         response = out.sequences[0, enc.input_ids.shape[1] :].tolist()
         hf = torch.stack([torch.log_softmax(lg[0].float(), -1)[t] for lg, t in zip(out.logits, response, strict=False)])
         mg = policy_logp(run_dir, enc.input_ids[0].tolist(), response)[: len(hf)]
@@ -119,8 +123,14 @@ def test_vllm_serves_the_export(hf_dir: Path, run_dir: Path) -> None:
 
     environ, world = dict(os.environ), torch.distributed.is_initialized()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in that interpreter, not a third
-    proc = subprocess.run([sys.executable, "-c", SERVE, str(hf_dir), json.dumps(PROMPTS)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, str(hf_dir), json.dumps(PROMPTS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the test process as it was: no variable of vLLM's, torch.distributed's world (rl.run's) still there
     assert dict(os.environ) == environ and torch.distributed.is_initialized() == world

@@ -25,8 +25,14 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU
 def _check(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> tuple[Any, dict]:
     """scripts/gpu_check.sh with `args`: (the finished process, the result file's parts)."""
     env = {**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **(env or {})}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), *args], env=env, capture_output=True, text=True,
-                          cwd=tmp_path, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=timeout,
+    )
     return proc, json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
 
 
@@ -49,11 +55,15 @@ def test_gpu_check_skips_cuda_parts_cleanly(tmp_path: Path) -> None:
     assert list(verdicts) == ["install", "qwen_layer", "r3_routes"]
     assert all(v.startswith("skip (no CUDA device") and v.endswith(" s]") for v in verdicts.values())
     assert summary["verdict"] == "pass" and summary["parts"] == {p: "skip" for p in parts}
-    bad_args = {"--parts=nosuch": "valid: preflight, install, megatron, sharded", "--budget=rl=soon": "PART=SECONDS",
-                "--budget=nosuch=3": "PART=SECONDS"}  # fmt: skip
+    bad_args = {
+        "--parts=nosuch": "valid: preflight, install, megatron, sharded",
+        "--budget=rl=soon": "PART=SECONDS",
+        "--budget=nosuch=3": "PART=SECONDS",
+    }
     for bad, message in bad_args.items():
-        out = subprocess.run([sys.executable, "-m", "study.tools.gpu_check", bad], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "study.tools.gpu_check", bad], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
         assert out.returncode == 2 and message in out.stderr, (bad, out.stderr)
 
 
@@ -92,8 +102,14 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_runs(tmp_path: Path) -> 
 
 def test_the_environment_installs_as_a_step_of_its_own(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--install-only"], env=env, capture_output=True,
-                          text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--install-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "environment:" in proc.stdout and not (tmp_path / "gpu_check.json").exists()
 
@@ -101,7 +117,10 @@ def test_the_environment_installs_as_a_step_of_its_own(tmp_path: Path) -> None:
 def test_the_budgets_fit_the_slot_and_the_engine_parts_share_a_process() -> None:
     assert set(gpu_check.BUDGET_S) == set(gpu_check.PARTS) and sum(gpu_check.BUDGET_S.values()) <= 460
     assert gpu_check._groups(["preflight", "vllm_parity", "weight_sync", "r3_routes", "rl"]) == [
-        ["preflight"], ["vllm_parity", "weight_sync", "r3_routes"], ["rl"]]  # fmt: skip
+        ["preflight"],
+        ["vllm_parity", "weight_sync", "r3_routes"],
+        ["rl"],
+    ]
     assert gpu_check._groups(["vllm_parity", "rl", "weight_sync"]) == [["vllm_parity"], ["rl"], ["weight_sync"]]
 
 
@@ -192,8 +211,11 @@ def test_the_rl_parts_master_weight_check_tells_mixed_from_pure_bf16() -> None:
     for kind in ("mixed", "pure"):
         model = build_policy(cfg, seed=0, dtype="bf16", routing_replay=False)
         warm = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-        opt = build_optimizer(model, lr=gpu_check.RL_LR) if kind == "mixed" else torch.optim.AdamW(
-            model.parameters(), lr=gpu_check.RL_LR)  # fmt: skip
+        opt = (
+            build_optimizer(model, lr=gpu_check.RL_LR)
+            if kind == "mixed"
+            else torch.optim.AdamW(model.parameters(), lr=gpu_check.RL_LR)
+        )
         assert isinstance(opt, MasterWeightAdamW) == (kind == "mixed")
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
@@ -215,9 +237,14 @@ def test_a_python_that_lacks_a_parts_module_stops_the_check_in_one_line(tmp_path
     shadow.mkdir()
     (shadow / "reasoning_gym.py").write_text('raise ModuleNotFoundError("no reasoning_gym", name="reasoning_gym")\n')
     env = {"PYTHONPATH": str(shadow), "WHEELHOUSE": str(tmp_path / "none")}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--parts", "install,rl"],
-                          env={**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **env},
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--parts", "install,rl"],
+        env={**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "cannot import" in line]
     assert len(lines) == 1 and "cannot import reasoning_gym, which rl needs" in lines[0], proc.stderr

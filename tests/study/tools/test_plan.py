@@ -19,8 +19,11 @@ def test_param_counts_equal_the_built_model(name: str) -> None:
     counts = plan.param_counts(cfg)
     assert counts.total == count_parameters(model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    vocab = sum(p.numel() for n, p in model.named_parameters() if n in ("embedding.word_embeddings.weight",
-                                                                         "output_layer.weight"))  # fmt: skip
+    vocab = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if n in ("embedding.word_embeddings.weight", "output_layer.weight")
+    )
     assert (counts.experts, counts.vocab) == (experts, vocab)
 
 
@@ -73,8 +76,16 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
 
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=4096, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1)  # fmt: skip
+    run = RunConfig(
+        model="qwen3-30b-a3b",
+        coldstart="scratch",
+        max_new_tokens=4096,
+        train_dtype="bf16",
+        rollout_dtype="bf16",
+        prompts_per_step=64,
+        group_size=8,
+        micro_batch=1,
+    )
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
@@ -98,10 +109,19 @@ def test_a_colocated_peak_counts_the_trainers_state_beside_the_engine() -> None:
 def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
     from study.run.config import RunConfig
 
-    run = RunConfig(model="qwen3-30b-a3b", coldstart="scratch", max_new_tokens=8192, train_dtype="bf16",
-                    rollout_dtype="bf16", prompts_per_step=64, group_size=8, micro_batch=1, rollout_engine="vllm",
-                    rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
-                    parallel={"tensor": 4, "expert": 16, "data": 4})  # fmt: skip
+    run = RunConfig(
+        model="qwen3-30b-a3b",
+        coldstart="scratch",
+        max_new_tokens=8192,
+        train_dtype="bf16",
+        rollout_dtype="bf16",
+        prompts_per_step=64,
+        group_size=8,
+        micro_batch=1,
+        rollout_engine="vllm",
+        rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
+        parallel={"tensor": 4, "expert": 16, "data": 4},
+    )
     est = plan.check_run_fits(run, gpus=16, gpu_mem_gb=80)
     assert est.layout == plan.Layout(tp=4, ep=16, dp=4, sp=True, dist_opt=True)
     with pytest.raises(ValueError, match=r"smaller micro-batch"):  # the loop's default: a rank's whole share at once
@@ -113,8 +133,10 @@ def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
     with pytest.raises(
         ValueError, match=r"with its parallel layout; the smallest, TP4 EP16 DP4 \+SP \+DistOpt, needs 97"
     ):
-        plan.check_run_fits(run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.6}), gpus=16,
-                            gpu_mem_gb=80)  # fmt: skip
+        plan.check_run_fits(
+            run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.6}), gpus=16, gpu_mem_gb=80
+        )
     with pytest.raises(ValueError, match=r"its weights take 15.3 GB"):
-        plan.check_run_fits(run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.15}), gpus=16,
-                            gpu_mem_gb=80)  # fmt: skip
+        plan.check_run_fits(
+            run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.15}), gpus=16, gpu_mem_gb=80
+        )
