@@ -149,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=MIN_VOLATILITY,
         metavar="FRACTION",
-        help="C3, C4 are tested only where the compared runs' routing volatility in the off-policy "
-        "minibatches (routing_slot_mismatch) reaches this fraction of expert slots changed since pi_old "
-        "(default %(default)g)",
+        help="C3, C4 are tested only where the compared runs' routing volatility per update "
+        "(routing_slot_mismatch_mb2: the change after one update, the paper's unit, ~0.1 in the paper) "
+        "reaches this fraction of expert slots (default %(default)g)",
     )
     rep.add_argument(
         "--min-mismatch",

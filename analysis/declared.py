@@ -243,6 +243,9 @@ class Confirmation:
     verdict: str
     """supported / contradicted / inconclusive at the declared alpha and direction; "exploratory: ..." when the
     runs deviate from the declaration."""
+    reading: str = ""
+    """The verdict read off the interval and p-value (supported / contradicted / inconclusive), without the
+    "exploratory" prefix that deviations add to `verdict`."""
 
 
 def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None) -> Confirmation:
@@ -275,9 +278,10 @@ def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None)
         verdict = "contradicted"
     else:
         verdict = "inconclusive"
+    reading = verdict
     if devs:
         verdict = f"exploratory ({verdict}): the runs deviate from the declaration ({len(devs)} deviation(s))"
-    return Confirmation(c, paired, est, float(p), devs, verdict)
+    return Confirmation(c, paired, est, float(p), devs, verdict, reading)
 
 
 def family(confirmations: Sequence[Confirmation]) -> list[float]:

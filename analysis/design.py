@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from analysis import vocab
+from analysis import regime, vocab
 from analysis.stats import CI, group_columns, mean_band, mean_ci, metric_rows, run_info, run_slices, training_rows
 from analysis.tidy import COMPUTE, SEED, STEP, VALUE
 
@@ -133,14 +133,21 @@ def simultaneous(samples: Sequence[Sequence[float] | np.ndarray], *, confidence:
 WINDOW_FRAC = 0.1
 WINDOW_RULE = (
     "the last {pct:g}% of compute: per run, the mean over its training steps whose compute_flops lie in "
-    "[(1 - {frac:g}) x C, C], C the run's last logged compute"
+    "[(1 - {frac:g}) x C, C], C {end}"
 )
-"""The rule text of `compute_window` (format with pct, frac); the text the claims quote."""
+"""The rule text of `compute_window` (format with pct, frac and end, what C is); the text the claims quote."""
+RUN_END = "the run's last logged compute"
+"""What C is without a budget (`compute_window`'s default)."""
+COMMON_END = (
+    "the compute every compared group reached (the least, over the groups, of each group's longest run); a collapsed "
+    "run that stopped before the window is held at its last value"
+)
+"""What C is for a comparison at equal compute (`compute_window` with that budget; scorecard C1, C4-C6)."""
 
 
-def window_rule(frac: float = WINDOW_FRAC) -> str:
-    """WINDOW_RULE for `frac`."""
-    return WINDOW_RULE.format(pct=100 * frac, frac=frac)
+def window_rule(frac: float = WINDOW_FRAC, end: str = RUN_END) -> str:
+    """WINDOW_RULE for `frac`, C described by `end` (RUN_END: each run's own end; COMMON_END: equal compute)."""
+    return WINDOW_RULE.format(pct=100 * frac, frac=frac, end=end)
 
 
 def compute_window(
@@ -177,10 +184,8 @@ def compute_window(
 
 
 # --- routing volatility: per update vs cumulative ---------------------------------------------------------------------
-PAPER_PER_UPDATE = 0.10
-"""The paper: about 10% of activated experts change after one gradient update (Qwen3-30B-A3B)."""
-PER_UPDATE = f"{vocab.ROUTING_SLOT}_mb2"
-"""The expert-slot mismatch of minibatch 2: the routing's change after exactly one update since pi_old."""
+PAPER_PER_UPDATE = regime.PAPER_PER_UPDATE
+PER_UPDATE = regime.PER_UPDATE
 
 
 @dataclass(frozen=True)
@@ -353,10 +358,98 @@ def probability_of_improvement(
     return _stratified(metrics.probability_of_improvement, [x, y], reps=reps, confidence=confidence, seed=seed)
 
 
+ALGORITHM_TABLE_NOTE = (
+    "Per algorithm, its runs pooled over the configurations of the other swept axes (tasks): the mean over runs with "
+    "its 95% Student t interval; rliable's interquartile mean (the mean of the middle 50% of all run x task scores, "
+    "robust to an outlying seed) and its probability of improvement P(algorithm > {ref}) (the Mann-Whitney "
+    "statistic per task, averaged over tasks), each with a 95% stratified percentile bootstrap over runs within each "
+    "task ({reps} resamples). A task keeps the seeds every algorithm ran in it; exploratory (no declared comparison)."
+)
+"""The text under the report's algorithm table (format with ref, reps)."""
+
+
+def algorithm_table(
+    per_run: pd.DataFrame,
+    tasks: Sequence[str],
+    *,
+    reference: str | None = None,
+    reps: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """The report's algorithm table from a per-run table (one row per run: algorithm, `tasks` columns, seed, value, e.g.
+    gain.per_run's): per algorithm, n runs (those in the score matrix), the mean with its t interval, the IQM and
+    P(algorithm > `reference`) with their stratified bootstrap intervals. Tasks are the combinations of `tasks`
+    values; a task keeps the seeds every algorithm has a finite value for in it (so each algorithm's score matrix is
+    runs x tasks, rectangular); tasks with no such seed are left out; with one run per task the estimates have no
+    interval (NaN). Columns: algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference, p_improve, p_low,
+    p_high, tasks."""
+    from analysis.tidy import ALGORITHM
+
+    df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
+    df[ALGORITHM] = df[ALGORITHM].astype(str)
+    algs = list(dict.fromkeys(df[ALGORITHM]))
+    cells = [df[c].astype(object).map(str) for c in tasks]  # a value a run lacks (NaN) is one value, "nan"
+    key = pd.Series(["|".join(k) for k in zip(*cells, strict=True)], index=df.index) if tasks else "all"
+    df["_task"] = key
+    matrices: dict[str, list[np.ndarray]] = {a: [] for a in algs}
+    for _, t in df.groupby("_task", sort=True):
+        t = t.drop_duplicates([ALGORITHM, SEED])  # a seed identifies one run of an algorithm in a task
+        seeds = set.intersection(*(set(t.loc[t[ALGORITHM] == a, SEED]) for a in algs))
+        if not seeds:
+            continue
+        order = sorted(seeds, key=str)
+        for a in algs:
+            v = t[t[ALGORITHM] == a].drop_duplicates(SEED).set_index(SEED)["value"].astype(float)
+            matrices[a].append(v.loc[order].to_numpy())
+    cols = [
+        "algorithm",
+        "n",
+        "mean",
+        "low",
+        "high",
+        "iqm",
+        "iqm_low",
+        "iqm_high",
+        "reference",
+        "p_improve",
+        "p_low",
+        "p_high",
+        "tasks",
+    ]
+    if not algs or not matrices[algs[0]]:
+        return pd.DataFrame(columns=cols)
+    n_tasks = len(matrices[algs[0]])
+    width = min(len(m) for m in matrices[algs[0]])
+    mats = {a: np.column_stack([m[:width] for m in ms]) for a, ms in matrices.items()}  # (runs, tasks)
+    boot = width >= 2  # a bootstrap over runs needs two runs per task; with one, the estimates without interval
+    if boot:
+        iqm = iqm_interval(mats, reps=reps, seed=seed)
+    else:
+        from rliable import metrics
+
+        iqm = {a: (float(metrics.aggregate_iqm(m)), np.nan, np.nan) for a, m in mats.items()}
+    rows = []
+    for a in algs:
+        ci = mean_ci(mats[a].ravel())  # the same runs as the IQM's
+        p = (np.nan, np.nan, np.nan)
+        if reference is not None and reference in mats and a != reference:
+            if boot:
+                p = probability_of_improvement(mats[a], mats[reference], reps=reps, seed=seed)
+            else:
+                from rliable import metrics
+
+                p = (float(metrics.probability_of_improvement(mats[a], mats[reference])), np.nan, np.nan)
+        rows.append([a, ci.n, ci.estimate, ci.low, ci.high, *iqm[a], reference or "", *p, n_tasks])
+    return pd.DataFrame(rows, columns=cols)
+
+
 __all__ = [
+    "ALGORITHM_TABLE_NOTE",
+    "COMMON_END",
     "PAPER_CLIP_RATIO",
     "PAPER_PER_UPDATE",
     "PER_UPDATE",
+    "RUN_END",
     "UNIT",
     "WINDOW_FRAC",
     "WINDOW_RULE",
@@ -364,6 +457,7 @@ __all__ = [
     "Paired",
     "SizeReading",
     "Volatility",
+    "algorithm_table",
     "compute_window",
     "holm",
     "iqm_interval",

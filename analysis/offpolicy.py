@@ -9,7 +9,7 @@ Two outcomes, stated with their numbers either way:
     GRPO + Routing Replay and GSPO did not (their intervals not below 0): Figure 3 reproduced, or not;
 (ii) no such stratum: the highest volatility reached and at which M, the dense control's and GSPO's gains there, the
     highest volatility at which the dense control still learned, and, within the regime reached, the GRPO minus GRPO
-    + Routing Replay held-out gaps the seeds exclude (those outside its 95% Welch interval at each M).
+    + Routing Replay held-out gaps the seeds exclude (those outside its 95% interval at each M, paired by seed).
 
 The claims are about the paper's algorithms, so this module names them (through analysis.scorecard's names and the
 registry's replay partner).
@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats as sps
 
-from analysis import collapse, gain, regime, scorecard, stats, style, vocab
+from analysis import collapse, design, gain, regime, scorecard, stats, style, vocab
 from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
-from analysis.tidy import ALGORITHM, RUN_ID, Study
+from analysis.tidy import ALGORITHM, RUN_ID, SEED, Study
 
 # --- Figure 9's tables ------------------------------------------------------------------------------------------------
 HELD_OUT, FINAL = "held-out gain", "final reward"
@@ -65,15 +66,20 @@ def _base_of(alg: str, present: Sequence[str]) -> str | None:
 def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
     """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
     control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
-    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward (mean over
-    its last `frac` of steps).
+    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward
+    (`design.compute_window`: the mean over the last `frac` of its compute, the window the scorecard's claims read).
 
-    - `volatility`: per M, the MoE's volatility: mean over every MoE run at that M (all algorithms) with a 95% t
-      interval over runs; `threshold` (default analysis.regime.MIN_VOLATILITY) and whether the mean reaches it;
+    - `volatility`: per M, the MoE's volatility, cumulative (`mean`: routing_slot_mismatch, over minibatches 2..M)
+      and per update (`per_update`: routing_slot_mismatch_mb2, the change after one update, the paper's unit): mean
+      over every MoE run at that M (all algorithms) with a 95% t interval over runs; `threshold` (default
+      analysis.regime.MIN_VOLATILITY) and whether the per-update mean reaches it (`in_regime`);
     - `arms`: per model, algorithm, M and quantity, the mean over seeds with a 95% t interval;
     - `gaps`: per M, each algorithm minus its Routing Replay partner (the pairs of C3 and C4, reversed: what dropping
-      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), with
-      95% Welch intervals, at the MoE's volatility of that M;
+      replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), at the
+      MoE's volatility of that M: paired by seed where both arms ran the same seeds (a seed's arms share prompts, cold
+      start and evaluation sampling; `design.paired_difference`), else Welch, with its 95% interval and p-value, and,
+      the table read as one exploratory family (`family`), the Holm-adjusted p-value (`p_holm`) and the simultaneous
+      (Bonferroni) interval (`simultaneous_low`, `simultaneous_high`);
     - `offpolicy_loss`: per MoE algorithm and M, its off-policy loss (its value at M minus its routing family's at
       the fewest M, `_base_of`) and that loss's excess over the dense control's (the contrast alg(M) - base(M_0) -
       dense(M) + dense(M_0), Welch-Satterthwaite interval): below 0 when the arm falls beyond the dense control;
@@ -121,21 +127,32 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
 
     vol = values(stats.run_mean(study.long, vocab.ROUTING_SLOT))
+    one = values(stats.run_mean(study.long, regime.PER_UPDATE)) if regime.PER_UPDATE in study.metrics else {}
     quantities = {}
     if vocab.EVAL_IN_DIST in study.metrics:
         gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
         if len(gains):
             quantities[HELD_OUT] = values(gains)
-    quantities[FINAL] = values(stats.final_window(study.long, vocab.REWARD, frac=frac))
+    quantities[FINAL] = values(design.compute_window(study.long, vocab.REWARD, frac=frac))
 
     def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
         return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)
+
+    seed_of = dict(zip(runs[RUN_ID].astype(str), runs[SEED], strict=True))
+
+    def by_seed(q: Mapping[str, float], mod: str, alg: str, m: Any) -> dict[Any, float] | None:
+        """The arm's values keyed by seed; None when a seed has several runs (the seed then identifies no pair)."""
+        ids = arm.get((mod, alg, m), [])
+        seeds = [seed_of[r] for r in ids]
+        return None if len(set(seeds)) < len(seeds) else {s: q.get(r, np.nan) for s, r in zip(seeds, ids, strict=True)}
 
     rows = []
     for m in ms:
         ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
         v = np.array([vol.get(r, np.nan) for r in ids], np.float64)
         ci = stats.mean_ci(v[np.isfinite(v)])
+        u = np.array([one.get(r, np.nan) for r in ids], np.float64)
+        pu = stats.mean_ci(u[np.isfinite(u)])
         rows.append(
             {
                 axis: m,
@@ -143,11 +160,28 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
                 "low": ci.low,
                 "high": ci.high,
                 "n": ci.n,
+                "per_update": pu.estimate,
+                "per_update_low": pu.low,
+                "per_update_high": pu.high,
+                "per_update_n": pu.n,
                 "threshold": threshold,
-                "in_regime": bool(ci.n > 0 and ci.estimate >= threshold),
+                "in_regime": bool(pu.n > 0 and pu.estimate >= threshold),
             }
         )
-    volatility = pd.DataFrame(rows, columns=[axis, "mean", "low", "high", "n", "threshold", "in_regime"])
+    vol_cols = [
+        axis,
+        "mean",
+        "low",
+        "high",
+        "n",
+        "per_update",
+        "per_update_low",
+        "per_update_high",
+        "per_update_n",
+        "threshold",
+        "in_regime",
+    ]
+    volatility = pd.DataFrame(rows, columns=vol_cols)
     x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
 
     algs = {mod: style.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
@@ -175,8 +209,22 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     dense_alg = algs[DENSE][0] if algs[DENSE] else None
     m0 = ms[0]
 
-    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-        d = stats.mean_difference(x, y)
+    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, ka: tuple, kb: tuple) -> dict[str, Any]:
+        """minuend arm `ka` minus subtrahend arm `kb` ((model, algorithm, M)): paired by seed when both arms ran the
+        same seeds (two or more, one run each), else Welch."""
+        x, y = of(quantities[q], *ka), of(quantities[q], *kb)
+        sx, sy = by_seed(quantities[q], *ka), by_seed(quantities[q], *kb)
+        paired = None
+        if sx is not None and sy is not None and set(sx) == set(sy) and len(sx) >= 2:
+            paired = design.paired_difference(sx, sy)
+        if paired is not None and paired.ci.n >= 2:
+            d, p, diffs, how = paired.ci, paired.p_value, paired.differences, design.UNIT
+            n = f"{d.n} seeds, paired"
+        else:
+            d, how = stats.mean_difference(x, y), "unpaired (Welch)"
+            xf, yf = x[np.isfinite(x)], y[np.isfinite(y)]
+            p = float(sps.ttest_ind(xf, yf, equal_var=False).pvalue) if min(xf.size, yf.size) > 1 else np.nan
+            diffs, n = (), f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"
         return {
             "comparison": what,
             "minuend": a,
@@ -188,19 +236,23 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
             "estimate": d.estimate,
             "low": d.low,
             "high": d.high,
-            "n": f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}",
+            "n": n,
+            "pairing": f"paired by {how}" if how == design.UNIT else how,
+            "p": p,
+            "_diffs": diffs,
+            "_xy": (x, y),
         }
 
     rows = []
     for q, m in itertools.product(quantities, ms):
         for free, rr in pairs:
             if (MOE, free, m) in arm and (MOE, rr, m) in arm:
-                x, y = of(quantities[q], MOE, free, m), of(quantities[q], MOE, rr, m)
-                rows.append(gap_row(f"{style.label(free)} - {style.label(rr)}", free, rr, MOE, m, q, x, y))
+                what = f"{style.label(free)} - {style.label(rr)}"
+                rows.append(gap_row(what, free, rr, MOE, m, q, (MOE, free, m), (MOE, rr, m)))
         if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
-            x, y = of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)
             what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
-            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, x, y))
+            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, (DENSE, dense_alg, m), (DENSE, dense_alg, m0)))
+    _family(rows)
     gap_cols = [
         "comparison",
         "minuend",
@@ -213,6 +265,12 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         "low",
         "high",
         "n",
+        "pairing",
+        "p",
+        "p_holm",
+        "simultaneous_low",
+        "simultaneous_high",
+        "family",
     ]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
@@ -293,6 +351,37 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     return tables
 
 
+FAMILY = (
+    "exploratory, family of {n}, Holm-adjusted (simultaneous intervals: Bonferroni, each at {level:.4g}%); unit of "
+    "replication: {unit}"
+)
+"""The `family` column of Figure 9's gaps: how the table is to be read."""
+
+
+def _family(rows: list[dict[str, Any]]) -> None:
+    """The gaps read together as one exploratory family: `p_holm` (design.holm over the rows with a p-value) and the
+    simultaneous intervals (design.simultaneous, Bonferroni over the paired rows' differences; a Welch row gets its
+    interval at the same per-interval level); each row's `family` says so. In place."""
+    m = int(sum(np.isfinite(r["p"]) for r in rows))
+    for r, adj in zip(rows, design.holm([r["p"] for r in rows]), strict=True):
+        r["p_holm"] = float(adj)
+    level = 1 - 0.05 / max(m, 1)
+    paired = [r for r in rows if len(r["_diffs"]) >= 2]
+    for r, ci in zip(paired, design.simultaneous([r["_diffs"] for r in paired]), strict=True):
+        r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+    for r in rows:
+        x, y = r.pop("_xy")
+        if "simultaneous_low" not in r:  # unpaired: Welch's interval at the family's per-interval level
+            ci = stats.mean_difference(x, y, confidence=level)
+            r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+        r.pop("_diffs")
+        r["family"] = FAMILY.format(
+            n=m,
+            level=100 * level,
+            unit=f"{design.UNIT} (the arms of a seed share prompts, cold start and evaluation sampling)",
+        )
+
+
 # --- the outcome ------------------------------------------------------------------------------------------------------
 IN_REGIME, NOT_IN_REGIME, UNDECIDED = "i", "ii", ""
 """`Outcome.kind`: "i" (a stratum in the regime, Figure 3 reproduced there or not: `Outcome.reproduced`), "ii" (no
@@ -366,18 +455,25 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
 
     unit = regime.volatility(thr).unit
 
+    def one(r: pd.Series) -> float:
+        """The per-update volatility of row `r` (NaN when not measured): what the regime is decided on."""
+        return float(r["per_update"]) if "per_update" in r and r["per_update_n"] > 0 else np.nan
+
     def volatility(r: pd.Series) -> str:
-        return (
-            f"{regime.percent(float(r['mean']))} [{regime.percent(float(r['low']))}, "
-            f"{regime.percent(float(r['high']))}] {unit} (n={int(r['n'])} runs)"
+        pct = regime.percent
+        cum = (
+            f"cumulative {pct(float(r['mean']))} [{pct(float(r['low']))}, {pct(float(r['high']))}]"
             if np.isfinite(float(r["low"]))
-            else f"{regime.percent(float(r['mean']))} {unit} (n={int(r['n'])} run)"
+            else f"cumulative {pct(float(r['mean']))}"
         )
+        u = one(r)
+        per = f"per update {pct(u)}" if np.isfinite(u) else f"per update not measured ({regime.PER_UPDATE})"
+        return f"{cum}, {per} {unit} (n={int(r['n'])} run{'s' if int(r['n']) != 1 else ''})"
 
     strata = []
     for _, r in measured.iterrows():
         m = r[axis]
-        if float(r["mean"]) >= thr and mean(gain_at(DENSE, dense, m)) > 0 and mean(gain_at(MOE, gspo, m)) > 0:
+        if one(r) >= thr and mean(gain_at(DENSE, dense, m)) > 0 and mean(gain_at(MOE, gspo, m)) > 0:
             strata.append(r)
     dense_lab = "the dense control"
     if strata:
@@ -392,24 +488,30 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
 
     top = measured.iloc[-1]
     m_top = top[axis]
-    side = "at or above" if float(top["mean"]) >= thr else "below"
+    side = "at or above" if one(top) >= thr else "below"
+    only = (
+        "; only the cumulative volatility reaches it, not the paper's unit (one update): not tested in regime"
+        if side == "below" and float(top["mean"]) >= thr
+        else ""
+    )
     out = [
         "Outcome (ii): no stratum reached the regime with the dense control and GSPO still learning. "
         f"The highest routing volatility reached was {volatility(top)} at M = {_short(m_top)}, {side} the "
-        f"{regime.percent(thr)} threshold; there the held-out gain of {dense_lab} ({style.label(dense)}) was "
+        f"{regime.percent(thr)} per-update threshold (the paper's model: ~{regime.percent(regime.PAPER_PER_UPDATE)} "
+        f"after one update){only}; there the held-out gain of {dense_lab} ({style.label(dense)}) was "
         f"{ci(gain_at(DENSE, dense, m_top))} and of {lab[gspo]} {ci(gain_at(MOE, gspo, m_top))}."
     ]
     learned = [r for _, r in measured.iterrows() if mean(gain_at(DENSE, dense, r[axis])) > 0]
     if learned:
         best = learned[-1]
         out.append(
-            f"The dense control still learned (held-out gain's mean above 0) up to a volatility of "
+            f"The dense control still learned (held-out gain's mean above 0) up to a cumulative volatility of "
             f"{regime.percent(float(best['mean']))} (M = {_short(best[axis])}, gain "
             f"{ci(gain_at(DENSE, dense, best[axis]))})."
         )
     else:
         out.append("The dense control learned (held-out gain's mean above 0) at no M with a measured volatility.")
-    in_regime = [r for _, r in measured.iterrows() if float(r["mean"]) >= thr]
+    in_regime = [r for _, r in measured.iterrows() if one(r) >= thr]
     for r in in_regime:
         if r[axis] == m_top:
             continue
@@ -442,9 +544,9 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         )
         width = float((finite["high"].astype(float) - finite["low"].astype(float)).min())
         out.append(
-            f"Within the regime reached (volatility {regime.percent(float(finite['_v'].min()))} to "
+            f"Within the regime reached (cumulative volatility {regime.percent(float(finite['_v'].min()))} to "
             f"{regime.percent(float(finite['_v'].max()))}), the seeds exclude only the {lab[grpo]} \u2212 {lab[rr]} "
-            f"held-out gain gaps outside each M's 95% Welch interval ({per}); the narrowest interval is "
+            f"held-out gain gaps outside each M's 95% interval (paired by seed) ({per}); the narrowest interval is "
             f"{width:.3f} wide, so no smaller gap is ruled out.{tail}"
         )
     return Outcome(NOT_IN_REGIME, tuple(out))
@@ -527,8 +629,9 @@ def _in_regime(
         verdict = "Figure 3 is reproduced there" if yes else f"Figure 3 is not reproduced there ({'; '.join(why)})"
         out += [
             f"Outcome (i): at M = {_short(m)} the MoE's routing volatility was {volatility(r)}, at or above the "
-            f"{regime.percent(thr)} threshold, while {dense_lab} ({dense_gain(m)}) and {lab[gspo]} "
-            f"({gspo_gain(m)}) still learned.",
+            f"{regime.percent(thr)} per-update threshold (the paper's model: "
+            f"~{regime.percent(regime.PAPER_PER_UPDATE)} after one update), while {dense_lab} ({dense_gain(m)}) "
+            f"and {lab[gspo]} ({gspo_gain(m)}) still learned.",
             f"{verdict}: the held-out gain's off-policy loss beyond {dense_lab}'s (the arm's change from the fewest "
             f"M less the dense control's, 95% interval) was {excess[grpo]} for {lab[grpo]}, {excess[rr]} for "
             f"{lab[rr]} and {excess[gspo]} for {lab[gspo]}; {lab[grpo]} \u2212 {lab[rr]}: "

@@ -109,6 +109,7 @@ ul.headline{list-style:none;padding:0}ul.headline li{margin:.3em 0;padding:.3em 
 ul.headline li.supported{border-color:#009E73}ul.headline li.contradicted{border-color:#D55E00}
 ul.headline li.not-tested-in-regime{border-color:#0072B2}ul.headline li.not-read{border-color:#E69F00}
 ul.headline li.up{border-color:#009E73}
+ul.headline li.deviation{border-color:#CC79A7;background:#fbe9f3;font-weight:600}
 .wrap{overflow-x:auto}td.long{min-width:24em}"""
 
 
@@ -217,6 +218,9 @@ class ScorecardTable:
         for r, row in zip(self.cards, self.table.itertuples(index=False), strict=True):
             ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
             strata = f"<br><small>{html.escape(row.strata)}</small>" if row.strata else ""
+            strata += f"<br><small>{html.escape(r.design)}</small>"
+            if r.deviations:
+                strata += "<br><b>deviates from the declaration:</b> " + html.escape("; ".join(r.deviations))
             out.append(
                 f'<tr class="{css_class(r.verdict)}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
                 f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"

@@ -48,6 +48,7 @@ def blocks(
     parity: pd.DataFrame | None = None,
     notes: results.StudyNotes | None = None,
     rules: scorecard.Rules = scorecard.RULES,
+    algorithms: tuple[pd.DataFrame, str] | None = None,
 ) -> list[render.Block]:
     """The page, section by section (analysis.sections): a line on the study, the outcome along off-policy updates
     over its figure (when drawn), the headline and Figures 1-3 first, the provenance, configuration and runs last."""
@@ -60,7 +61,7 @@ def blocks(
         *([render.h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
         *sections.routing_section(rendered, cards, out_dir),
         *sections.budget_section(budgets),
-        *sections.scorecard_section(cards, heldout),
+        *sections.scorecard_section(cards, heldout, algorithms),
         *sections.parity_section(parity),
         *sections.signal_section(study),
         *sections.setup_section(notes),
@@ -87,7 +88,8 @@ def build_report(
     `figures_dir`: a `python -m analysis figures` output; its files and tables are copied when they were drawn from
     the same data (`results.reuse_figures`), else the figures are drawn again (the study workflow's report rule passes
     its figures rule's output, so nothing is drawn twice). `sweep`: the study's sweep file, whose description and
-    notes (`doc`, by default docs/studies/<sweep stem>.md: `results.study_notes`) the report shows. `rules`: the
+    notes (`doc`, by default docs/studies/<sweep stem>.md: `results.study_notes`) the report shows and whose declared
+    comparisons (`comparisons:`) decide their claims (`scorecard.with_declared`). `rules`: the
     scorecard's thresholds (the regimes of C3-C5)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,10 +102,13 @@ def build_report(
             data = sources[key].read_bytes() if key in sources else df.to_csv(index=False)
             table_files[key] = files.write(out / "tables" / f"{key}.csv", data)
     table_files["runs"] = files.write(out / "tables" / "runs.csv", sections.runs_table(study).to_csv(index=False))
-    cards = scorecard.scorecard(study, rules)
+    comparisons = results.declared_comparisons(sweep) if sweep is not None else []
+    cards = scorecard.scorecard(study, rules, comparisons)
     heldout = gain.heldout_gain(study)
     problems = sections.problem_runs(study)
+    algorithms = sections.algorithm_table(study, heldout)
     for name, df in (
+        ("algorithms", algorithms[0] if not algorithms[0].empty else None),
         ("scorecard", scorecard.scorecard_table(cards)),
         ("heldout_gain", heldout.table),
         ("scorecard_strata", scorecard.strata_table(cards)),
@@ -116,7 +121,7 @@ def build_report(
     notes = results.study_notes(sweep, doc) if sweep is not None else None
     page, md = render.page(
         f"Report: {title}",
-        blocks(study, cards, rendered, problems, table_files, out, heldout, budgets, parity, notes, rules),
+        blocks(study, cards, rendered, problems, table_files, out, heldout, budgets, parity, notes, rules, algorithms),
     )
     html_path = files.write(out / "index.html", page)
     md_path = files.write(out / "index.md", md)

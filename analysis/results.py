@@ -154,6 +154,31 @@ class StudyNotes:
     why_missing: str = ""
 
 
+def declared_comparisons(sweep: str | os.PathLike[str]) -> list[Any]:
+    """The comparisons sweep file `sweep` declares (`comparisons:`, analysis.declared.Comparison; none: []). A file
+    that cannot be read, or an entry without a field the declaration needs, raises ValueError naming it."""
+    import yaml
+
+    from analysis import declared
+
+    try:
+        data = read_yaml(Path(sweep))
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"sweep file {sweep}: cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for i, entry in enumerate(data.get("comparisons") or ()):
+        try:
+            out.append(declared.Comparison.from_entry(entry))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"sweep file {sweep}: comparisons[{i}]: {type(exc).__name__} {exc}; the fields are "
+                "sweeps.schema.COMPARISON_FIELDS"
+            ) from exc
+    return out
+
+
 def study_notes(sweep: str | os.PathLike[str], doc: str | os.PathLike[str] | None = None) -> StudyNotes:
     """The description of sweep file `sweep` and the study's notes, `doc` or by default docs/studies/<sweep stem>.md
     beside the sweep file's folder; a missing or unreadable file is said, never raised."""
@@ -183,6 +208,7 @@ __all__ = [
     "StudyNotes",
     "budget_tables",
     "check_study",
+    "declared_comparisons",
     "load",
     "parity_table",
     "reuse_figures",

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, power, regime, stats, style, vocab
+from analysis import collapse, design, gain, power, regime, stats, style, vocab
+from analysis import declared as declared_
 from analysis.fit import A_NOISE
 from analysis.strata import (
     STRATA_RULE,
@@ -45,7 +46,7 @@ from analysis.strata import (
     stratify,
     usable,
 )
-from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
+from analysis.tidy import ALGORITHM, RUN_ID, Study
 from analysis.verdicts import (
     CONJUNCTION_RULE,
     CONTRADICTED,
@@ -61,14 +62,52 @@ from analysis.verdicts import (
 )
 
 NOT_IN_STUDY = "not in this study"
+PAPER_SIZE = "beside the paper"
+"""The evidence line of a size read against the paper's (C2)."""
+EXPLORATORY, PRIMARY, SECONDARY = "exploratory", "primary", "secondary"
+"""A verdict's role: decided from a comparison the sweep file declared before its runs (its `role:`, primary or
+secondary) on runs that match the declaration, or exploratory (everything else: a finding to confirm)."""
+TRAIN, VALIDATION, TEST = "train", "validation", "test"
+SPLITS = {
+    TRAIN: "the training reward or a metric of the training steps",
+    VALIDATION: "eval_in_dist / eval_hard, the held-out sets the design was chosen on",
+    TEST: "test_in_dist, the held-out test split no choice of the design saw",
+}
+"""The data a verdict is read on."""
+UNPAIRED = "unpaired (Welch over runs); unit of replication: the run (seed)"
+UNPAIRED_RATE = "unpaired (Newcombe over runs); unit of replication: the run (seed)"
+PAIRED = "paired by seed (a seed's arms share prompts, cold start and evaluation sampling); unit of replication: seed"
+
+
+PAIRING = {
+    "C1": UNPAIRED,
+    "C2": "unpaired (Welch on the log scale over runs); unit of replication: the run (seed)",
+    "C3": UNPAIRED_RATE,
+    "C4": f"reward {UNPAIRED.split(';')[0]}, collapse rate {UNPAIRED_RATE.split(';')[0]}; unit of replication: the "
+    "run (seed)",
+    "C5": "paired by seed where all four arms ran the same seeds (the evidence's n says 'paired'), else unpaired "
+    "(Welch over runs); unit of replication: seed",
+    "C6": UNPAIRED,
+}
+"""How each claim's exploratory reading pairs its runs."""
+
+
+def split_of(metric: str) -> str:
+    """The split a metric is measured on: TEST (test_*), VALIDATION (eval_* / eval/*), else TRAIN."""
+    if metric.startswith("test_"):
+        return TEST
+    return VALIDATION if metric.startswith(vocab.EVAL_PREFIXES) else TRAIN
+
+
 GSPO, GRPO = "gspo", "grpo"
 CLIP_RATIO = 10.0
 """C2: the paper's "two orders of magnitude" read conservatively as >= 10x."""
 EQUIV_MARGIN = A_NOISE
 """C4: reward differences within this margin are treated as noise across seeds (ScaleRL's 0.02)."""
-FINAL_FRAC = 0.1
-"""Final window: the last 10% of the (common) compute grid."""
-N_GRID = 100
+FINAL_FRAC = design.WINDOW_FRAC
+"""Final window: the last 10% of the compute every compared group reached."""
+FINAL_RULE = design.window_rule(FINAL_FRAC, design.COMMON_END)
+"""The final window's text, quoted by the claims that read it (C1, C4, C5, C6): `design.compute_window`'s rule."""
 POSITIVE = Decision(Bound("lower", ">", 0.0), Bound("upper", "<", 0.0))
 """C1, C5 and each gain of C6: a difference the claim says is positive."""
 CLIP_DECISION = Decision(Bound("lower", ">=", CLIP_RATIO), Bound("upper", "<", CLIP_RATIO))
@@ -164,6 +203,22 @@ class ClaimResult:
     """Where the claim has a precondition (analysis.regime) and some stratum with data did not reach it: the measured
     value against the threshold, e.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12 runs), below
     the 5% the claim needs"; "" otherwise."""
+    split: str = TRAIN
+    """The data the verdict is read on (SPLITS): "train" (the training reward or a training metric), "validation"
+    (eval_in_dist / eval_hard, the held-out sets the design was chosen on) or "test" (test_in_dist)."""
+    pairing: str = ""
+    """How the compared runs are paired and what the unit of replication is (e.g. "unpaired (Welch); unit: run")."""
+    role: str = EXPLORATORY
+    """PRIMARY or SECONDARY: decided from a comparison the sweep file declared before its runs (analysis.declared),
+    and the runs match the declaration; EXPLORATORY otherwise."""
+    declared: str = ""
+    """The declared comparison(s) the verdict was decided from ("" when none was declared for the claim)."""
+    deviations: tuple[str, ...] = ()
+    """How the finished runs differ from the declared comparison (analysis.declared.deviations): the verdict is then
+    exploratory."""
+    paper: str = ""
+    """The measured size read beside the paper's (C2: "direction supported, size 0.6 of the paper's"; C6: truncation's
+    part beside RL's), "" when the claim has none."""
 
     @property
     def strata_summary(self) -> str:
@@ -173,13 +228,38 @@ class ClaimResult:
         counts = {v: sum(s.verdict == v for s in self.strata) for v in VERDICTS}
         return f"{len(self.strata)} strata: " + ", ".join(f"{v} {c}" for v, c in counts.items() if c)
 
+    def __post_init__(self) -> None:
+        if not self.pairing:
+            self.pairing = PAIRING.get(self.claim, "")
+
+    @property
+    def reading(self) -> str:
+        """The verdict with how it was read: "exploratory: supported" (no declared comparison, or runs that deviate
+        from it: a finding to confirm, not a confirmation), "primary: supported" (the declared comparison); "not
+        tested in regime" unprefixed (no reading at all)."""
+        if self.verdict == NOT_IN_REGIME:
+            return self.verdict
+        return f"{self.role}: {self.verdict}"
+
+    @property
+    def design(self) -> str:
+        """The split, the pairing and the role in one line, e.g. "split: train; unpaired (Welch); unit: run;
+        exploratory (no declared comparison)"."""
+        if self.role == EXPLORATORY:
+            why = f"the runs deviate from {self.declared}" if self.deviations else "no declared comparison"
+            role = f"exploratory ({why})"
+        else:
+            role = f"{self.role} (declared comparison {self.declared})"
+        split = " + ".join(f"{x} ({SPLITS[x]})" for x in self.split.split(" + ") if x in SPLITS) or self.split
+        return f"split: {split}; {self.pairing}; {role}"
+
     @property
     def label(self) -> str:
-        """The verdict with its reason when inconclusive or not tested in regime, e.g. "inconclusive: not in this
-        study (gspo absent)"."""
+        """The reading with its reason when inconclusive or not tested in regime, e.g. "exploratory: inconclusive:
+        not in this study (gspo absent)"."""
         if self.verdict in (INCONCLUSIVE, NOT_IN_REGIME) and self.reason:
-            return f"{self.verdict}: {self.reason}"
-        return self.verdict
+            return f"{self.reading}: {self.reason}"
+        return self.reading
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
@@ -206,14 +286,17 @@ def _usable_ids(study: Study) -> set[str]:
 def _final_reward_at_common_compute(
     study: Study, groups: dict[str, pd.Series], metric: str = vocab.REWARD, *, seeds: dict[str, list] | None = None
 ) -> tuple[dict[str, np.ndarray], float]:
-    """Per group (a boolean mask over study.runs): each run's mean `metric` over the last FINAL_FRAC of a compute grid
-    that ends where the shortest-running group's longest run ends ("equal compute"). A collapsed run is held at its
-    last value after it stops (it does not get to skip the compute it failed at); failed runs are excluded.
-    `seeds`, when given, receives each group's run seeds in the order of its values (for paired comparisons)."""
+    """Per group (a boolean mask over study.runs): each run's `design.compute_window` of `metric` (the last
+    FINAL_FRAC of compute) with C the compute every group reached (the least, over the groups, of each group's longest
+    run: "equal compute"), so the window is the same compute range for every run (FINAL_RULE). A collapsed run that
+    stopped before the window is held at its last value (it does not get to skip the compute it failed at); failed
+    runs are excluded. `seeds`, when given, receives each group's run seeds in the order of its values (for paired
+    comparisons)."""
     usable_ids = _usable_ids(study)
     ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable_ids for g, m in groups.items()}
+    members = set().union(*ids.values())
     rows = stats.metric_rows(study.long, metric)
-    rows = rows[rows[RUN_ID].astype(str).isin(set().union(*ids.values()))]
+    rows = rows[rows[RUN_ID].astype(str).isin(members)]
     if rows.empty:
         return {g: np.array([]) for g in groups}, np.nan
     runs = study.runs.set_index(study.runs[RUN_ID].astype(str))
@@ -221,23 +304,21 @@ def _final_reward_at_common_compute(
         (float(runs.loc[list(v), "last_compute"].max()) for v in ids.values() if v),
         default=np.nan,
     )
-    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=N_GRID)
-    grid = grid[grid <= c_end * (1 + 1e-9)]
-    info, mat = stats.interpolate_runs(rows, grid)
-    k = max(1, int(np.ceil(FINAL_FRAC * len(grid))))
+    win = design.compute_window(rows, metric, frac=FINAL_FRAC, budget=c_end)
+    value = dict(zip(win[RUN_ID].astype(str), win["value"].astype(float), strict=True))
+    last = stats.training_rows(rows).groupby(RUN_ID, observed=True, sort=False)["value"].last()
+    last = {str(k): float(v) for k, v in last.items()}
     out = {}
-    rid = info[RUN_ID].astype(str).to_numpy()
-    for g, members in ids.items():
+    for g, member in ids.items():
+        order = [r for r in win[RUN_ID].astype(str) if r in member]
         vals = []
+        for r in order:
+            v = value[r]
+            if not np.isfinite(v) and runs.loc[r, "state"] == "collapsed":
+                v = last.get(r, np.nan)
+            vals.append(v)
         if seeds is not None:
-            seeds[g] = [runs.loc[rid[i], "seed"] for i in np.flatnonzero(np.isin(rid, list(members)))]
-        for i in np.flatnonzero(np.isin(rid, list(members))):
-            row = mat[i]
-            finite = np.flatnonzero(np.isfinite(row))
-            if finite.size and runs.loc[rid[i], "state"] == "collapsed":
-                row = row.copy()
-                row[finite[-1] + 1 :] = row[finite[-1]]
-            vals.append(np.nanmean(row[-k:]) if np.isfinite(row[-k:]).any() else np.nan)
+            seeds[g] = [runs.loc[r, "seed"] for r in order]
         out[g] = np.asarray(vals, np.float64)
     return out, c_end
 
@@ -336,9 +417,11 @@ def _regime_note(strata: Sequence[Stratum], measured: dict[int, regime.Measured]
         if values
         else f"not measured (no compared run logged a finite {pre.metric})"
     )
+    of = f" {pre.name}" if pre.name else ""
+    ref = f" ({pre.reference})" if pre.reference else ""
     return (
-        f"{pre.quantity} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)} the "
-        "claim needs"
+        f"{pre.quantity}{of} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)}{of} "
+        f"the claim needs{ref}"
     )
 
 
@@ -372,9 +455,8 @@ def claim_c1(study: Study) -> ClaimResult:
     present = _present(study)
     base = _grpo_baseline(present)
     rule = (
-        "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached (collapsed runs held at their last value, failed runs "
-        f"excluded); {POSITIVE}."
+        "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over "
+        f"{FINAL_RULE} (failed runs excluded); {POSITIVE}."
     )
     if GSPO not in present or base is None:
         return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -402,7 +484,9 @@ def claim_c2(study: Study) -> ClaimResult:
     base = _grpo_baseline(present)
     rule = (
         f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
-        f"per run then over seeds; {CLIP_DECISION}."
+        f"per run then over seeds; {CLIP_DECISION}. Beside it, the ratio against the paper's ~"
+        f"{design.PAPER_CLIP_RATIO:g}x (two orders of magnitude): 'direction supported' when the interval lies above "
+        "1, and the size as log(ratio) / log(paper's) (1 = the paper's orders of magnitude)."
     )
     if GSPO not in present or base is None:
         return _absent("C2", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -418,16 +502,29 @@ def claim_c2(study: Study) -> ClaimResult:
         inside = rid.isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
         x = per_run.loc[inside & (alg == GSPO), "value"].to_numpy()
         y = per_run.loc[inside & (alg == base), "value"].to_numpy()
-        est, lo, hi = _ci(stats.ratio_ci(x, y))
+        ratio = stats.ratio_ci(x, y)
+        est, lo, hi = _ci(ratio)
+        size = design.size_against_paper(ratio)
         ev = [
             Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
             _mean_ev(f"clip_frac({GSPO})", x),
             _mean_ev(f"clip_frac({base})", y),
+            Evidence(f"{PAPER_SIZE}: {size.sentence}", size.size_of_paper, np.nan, np.nan, _n(x, y)),
         ]
         return CLIP_DECISION(lo, hi), ev
 
     strat = stratify(study, groups)
-    return _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    res = _finish("C2", rule, strat, run_strata(study, strat, groups, evaluate), evaluate)
+    sizes = [e for st_ in res.strata for e in st_.evidence if e.name.startswith(PAPER_SIZE)]
+    vals = [e.estimate for e in sizes if np.isfinite(e.estimate)]
+    if len(sizes) == 1:
+        res.paper = sizes[0].name.removeprefix(f"{PAPER_SIZE}: ")
+    elif vals:
+        res.paper = (
+            f"size {min(vals):.2g} to {max(vals):.2g} of the paper's ~{design.PAPER_CLIP_RATIO:g}x over "
+            f"{len(vals)} strata (log scale; per stratum in the evidence)"
+        )
+    return res
 
 
 def _collapsed(study: Study) -> pd.DataFrame:
@@ -510,8 +607,8 @@ def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
     margin, where the routing moved enough (the volatility precondition)."""
     pre = regime.volatility(rules.min_volatility)
     rule = (
-        "g = reward of GSPO with Routing Replay minus without it, over the last "
-        f"{FINAL_FRAC:.0%} of the compute both reached; c = collapse rate (status.json or the reward-drop rule) of "
+        f"g = reward of GSPO with Routing Replay minus without it, over {FINAL_RULE}; c = collapse rate "
+        "(status.json or the reward-drop rule) of "
         f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
         f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
         f"only from {runs_to_exclude()} runs without Routing Replay. The claim: {CONJUNCTION_RULE}. {pre.rule}"
@@ -590,7 +687,7 @@ def claim_c5(study: Study, rules: Rules = RULES, *, axis: str = vocab.OLD_LOGP_A
     present = _present(study)
     pre = regime.mismatch(rules.min_mismatch)
     rule = (
-        f"drop(alg) = final-window reward with {axis}=recompute minus with {axis}=rollout "
+        f"drop(alg) = final-window reward ({FINAL_RULE}) with {axis}=recompute minus with {axis}=rollout "
         "(engine log-probs as pi_old); "
         "d = drop(GRPO) - drop(GSPO), both without Routing Replay (replaying the recompute's routes needs the "
         f"recompute); {POSITIVE}. When all four arms ran the same seeds (a seed fixes the prompts and the sampling "
@@ -646,7 +743,11 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     present = _present(study)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
-        f"third quarter; (b) length gain = final-window reward at the largest {axis} minus at the smallest. Each "
+        f"third quarter; (b) RL's length gain = the held-out gain (eval_in_dist's last evaluation minus its step-0 "
+        f"evaluation of the cold start, per run) at the largest {axis} minus at the smallest (Welch: each length its "
+        "own runs), with RL's gain at each length; truncation's part (the cold start's difference between the two "
+        "lengths: what the budget does before any RL) is reported beside it and does not decide; without step-0 "
+        f"evaluations, the final-window reward ({FINAL_RULE}) at the largest minus at the smallest. Each "
         f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
     )
     if GSPO not in present:
@@ -674,17 +775,45 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         ev = [Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n)), _detectable_ev(name, [x], (1,))]
         return POSITIVE(ci.low, ci.high), ev
 
+    held = gain.per_run(study.long, vocab.EVAL_IN_DIST) if vocab.EVAL_IN_DIST in study.metrics else pd.DataFrame()
+    truncation: list[str] = []
+
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable_ids)
         lens = study.runs.loc[m, axis]
         if lens.nunique() < 2:
             return None
         lo_v, hi_v = lens.min(), lens.max()
-        vals, _ = _final_reward_at_common_compute(
+        ids = set(study.runs.loc[m & study.runs[axis].isin([lo_v, hi_v]), RUN_ID].astype(str))
+        g = held[held[RUN_ID].astype(str).isin(ids)] if len(held) else held
+        if len(g) and g[axis].nunique() >= 2:  # RL's part: the held-out gain at each length
+            dec = design.length_decomposition(g, axis=axis)
+            at = {x: g.loc[g[axis].astype(float) == x, "value"].to_numpy(np.float64) for x in (dec.long, dec.short)}
+            n = _n(at[dec.long], at[dec.short])
+            name = f"RL's length gain ({axis} {hi_v} vs {lo_v}: held-out gain at the longest minus at the shortest)"
+            tr = dec.truncation_part
+            ev = [
+                Evidence(name, *_ci(dec.rl_part), n),
+                *(Evidence(f"RL's held-out gain at {axis}={x:g}", *_ci(ci), str(ci.n)) for x, ci in dec.gains.items()),
+                Evidence(
+                    f"truncation's part before RL (cold start at {axis}={hi_v} minus at {lo_v}; reported, not decided)",
+                    *_ci(tr),
+                    n,
+                ),
+                Evidence("final held-out difference (= truncation's part + RL's)", *_ci(dec.final_difference), n),
+                _detectable_ev(name, [at[dec.long], at[dec.short]], (1, -1)),
+            ]
+            truncation.append(
+                f"truncation's part before RL (cold start at {axis}={hi_v} minus at {lo_v}) "
+                f"{tr.estimate:+.3g} [{tr.low:+.3g}, {tr.high:+.3g}] beside RL's {dec.rl_part.estimate:+.3g} "
+                f"[{dec.rl_part.low:+.3g}, {dec.rl_part.high:+.3g}]"
+            )
+            return POSITIVE(dec.rl_part.low, dec.rl_part.high), ev
+        vals, _ = _final_reward_at_common_compute(  # no step-0 evaluation: the training reward's difference
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
         est, lo, hi = _ci(stats.mean_difference(vals["long"], vals["short"]))
-        name = f"length gain ({axis} {hi_v} vs {lo_v})"
+        name = f"length gain, training reward ({axis} {hi_v} vs {lo_v}; no step-0 evaluation to split off truncation)"
         ev = [
             Evidence(name, est, lo, hi, _n(vals["long"], vals["short"])),
             _detectable_ev(name, [vals["long"], vals["short"]], (1, -1)),
@@ -719,7 +848,10 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
             evidence.append(
                 Evidence(e.name, e.estimate, e.low, e.high, e.n, label, s.verdict if label and k == 0 else "")
             )
-    return _with_power(ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata))
+    res = ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
+    res.paper = "; ".join(truncation)
+    res.split = f"{TRAIN} + {VALIDATION}" if truncation else TRAIN
+    return _with_power(res)
 
 
 def _paired(values: Sequence[np.ndarray], seeds: Sequence[Sequence]) -> np.ndarray | None:
@@ -779,20 +911,99 @@ REGIME_CLAIMS = ("C3", "C4", "C5")
 """The claims with a precondition (analysis.regime), whose functions take the scorecard's `Rules`."""
 
 
-def scorecard(study: Study, rules: Rules = RULES) -> list[ClaimResult]:
+def scorecard(
+    study: Study, rules: Rules = RULES, comparisons: Sequence[declared_.Comparison] = ()
+) -> list[ClaimResult]:
     """Every claim C1-C6 of the GSPO paper (docs/references.md) evaluated on `study`; `rules` sets the regime
-    thresholds of C3-C5."""
-    return [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
+    thresholds of C3-C5. A claim some of `comparisons` (a sweep file's `comparisons:`, analysis.declared) declares is
+    decided from those comparisons only (`with_declared`); the others are exploratory."""
+    cards = [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
+    return [with_declared(study, r, [c for c in comparisons if c.claim == r.claim]) for r in cards]
+
+
+DECLARED_RULE = (
+    "Decided from the sweep file's declared comparison(s) only (analysis.declared.confirm): the declared metric and "
+    "window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch when "
+    "declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
+    "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). Runs that deviate from "
+    "the declaration make the verdict exploratory, with each deviation listed."
+)
+
+
+def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared_.Comparison]) -> ClaimResult:
+    """`res` decided from the declared `comparisons` of its claim (none: `res` unchanged, exploratory): the verdict
+    is `declared.confirm`'s (several: Holm-adjusted p-values, verdicts combined by `conjunction`), the split is the
+    declared metric's, the pairing the declared one, the role the declaration's when the runs match it, else
+    exploratory with `declared.deviations` listed; the exploratory reading is kept in the reason."""
+    if not comparisons:
+        return res
+    confs, unread = [], {}
+    for c in comparisons:
+        try:
+            confs.append(declared_.confirm(study.long, c, study.runs))
+        except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
+            unread[c.name] = str(exc).strip("'\"")
+            devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
+            nan = stats.CI(np.nan, np.nan, np.nan, 0)
+            confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
+    adjusted = declared_.family(confs) if len(confs) > 1 else [c.p_value for c in confs]
+    verdicts, evidence = [], []
+    for conf, p in zip(confs, adjusted, strict=True):
+        c = conf.comparison
+        est = conf.estimate
+        verdicts.append(_declared_verdict(p, c, est.estimate) if len(confs) > 1 else conf.reading)
+        pair = f"{est.n} seeds, paired" if c.pairing == "seed" else f"{est.n} runs, unpaired"
+        name = f"{c.name}: {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
+        if c.name in unread:
+            evidence.append(Evidence(f"{name}: no reading ({unread[c.name]})", np.nan, np.nan, np.nan, "0"))
+            continue
+        evidence.append(Evidence(name, est.estimate, est.low, est.high, pair))
+        what = "Holm-adjusted p" if len(confs) > 1 else "p"
+        evidence.append(Evidence(f"{c.name}: {what} ({c.alternative}, alpha {c.alpha:g})", p, np.nan, np.nan, pair))
+    devs = tuple(d for conf in confs for d in conf.deviations)
+    splits = {split_of(c.metric) for c in comparisons}
+    roles = {c.role for c in comparisons}
+    return dataclasses.replace(
+        res,
+        verdict=conjunction(verdicts) if len(verdicts) > 1 else verdicts[0],
+        rule=f"{DECLARED_RULE} Exploratory reading, for reference: {res.rule}",
+        evidence=evidence,
+        reason=f"the exploratory reading of the whole study: {res.verdict}"
+        + (f" ({res.reason})" if res.reason else ""),
+        strata=[],
+        split=splits.pop() if len(splits) == 1 else TEST if TEST in splits else VALIDATION,
+        pairing=PAIRED if all(c.pairing == "seed" for c in comparisons) else UNPAIRED,
+        role=EXPLORATORY if devs else (PRIMARY if PRIMARY in roles else SECONDARY),
+        declared=", ".join(c.name for c in comparisons),
+        deviations=devs,
+        regime="",
+    )
+
+
+def _declared_verdict(p: float, c: declared_.Comparison, estimate: float) -> str:
+    """A declared comparison's verdict at its alpha and direction from its (adjusted) p-value (declared.confirm's
+    rule)."""
+    if not np.isfinite(p) or p >= c.alpha:
+        return INCONCLUSIVE
+    if c.alternative != "two-sided" or np.sign(estimate) == np.sign(c.threshold):
+        return SUPPORTED
+    return CONTRADICTED
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
-    """One row per claim: claim, statement, verdict (with reason when inconclusive), strata (per-stratum verdict
-    counts; "" when not stratified), evidence, rule."""
+    """One row per claim: claim, statement, verdict (its reading: role, verdict, reason when inconclusive), role
+    (primary / secondary / exploratory), split (train / validation / test), pairing (with the unit of replication),
+    deviations (from the declared comparison), strata (per-stratum verdict counts; "" when not stratified), evidence,
+    rule."""
     return pd.DataFrame(
         {
             "claim": [r.claim for r in results],
             "statement": [r.statement for r in results],
             "verdict": [r.label for r in results],
+            "role": [r.role for r in results],
+            "split": [r.split for r in results],
+            "pairing": [r.pairing for r in results],
+            "deviations": ["; ".join(r.deviations) for r in results],
             "strata": [r.strata_summary for r in results],
             "evidence": ["; ".join(str(e) for e in r.evidence) for r in results],
             "rule": [r.rule for r in results],

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, figures, offpolicy, power, render, scorecard, style, vocab
+from analysis import collapse, design, figures, offpolicy, power, render, scorecard, style, vocab
 from analysis import gain as gain_
 from analysis.natural import natural_sorted
 from analysis.results import StudyNotes
@@ -253,6 +253,19 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
                 f"claim is about, so no verdict for or against it is drawn there. {parts}.",
             )
         )
+    deviating = [c for c in cards if c.deviations]
+    if deviating:
+        parts = "; ".join(f"{c.claim} ({c.declared}): " + "; ".join(c.deviations) for c in deviating)
+        out.insert(
+            0,
+            (
+                "deviation",
+                "Deviation from the declared comparison:",
+                f"the runs do not match what the sweep "
+                f"file declared, so {', '.join(c.claim for c in deviating)} "
+                f"{'is' if len(deviating) == 1 else 'are'} exploratory, not confirmed: {parts}.",
+            ),
+        )
     asked, gone = not_read(study) if study is not None else (0, 0)
     if gone:
         what = ", ".join(
@@ -286,7 +299,9 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
         else:
             number = c.reason
         why = f" ({c.reason})" if c.verdict == scorecard.INCONCLUSIVE and c.reason and number != c.reason else ""
-        out.append((css_class(c.verdict), f"{c.claim} {c.verdict}:", f"{c.statement} \u2014 {number}{why}"))
+        paper = f"; {c.paper}" if c.paper else ""
+        text = f"{c.statement} \u2014 {number}{why}{paper} [{c.design}]"
+        out.append((css_class(c.verdict), f"{c.claim} {c.reading}:", text))
     return out
 
 
@@ -381,11 +396,62 @@ SCORECARD_NOTE = (
     "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
     "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
     + scorecard.STRATA_RULE
-    + " (each claim's rule says what it was stratified on)."
+    + " (each claim's rule says what it was stratified on). Each verdict names its split (train, validation = "
+    "eval_in_dist / eval_hard, test = test_in_dist), its pairing with the unit of replication, and its role: decided "
+    "from a comparison the sweep file declared before its runs (primary or secondary), or exploratory (no declared "
+    "comparison, or runs that deviate from it): a finding to confirm."
 )
 
 
-def scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOutGain) -> list[render.Block]:
+ALGORITHM_REPS = 2000
+"""Bootstrap resamples of the algorithm table's IQM and probability of improvement."""
+
+
+def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORITHM_REPS) -> tuple[pd.DataFrame, str]:
+    """The algorithm table (design.algorithm_table) of the held-out gain per run, the tasks being the configurations
+    of the swept axes every algorithm ran alike, the reference the GRPO baseline (else the first algorithm); and the
+    note under it. Empty when no run has a held-out gain."""
+    if not gain.available:
+        return pd.DataFrame(), ""
+    per = gain_.per_run(study.long, gain.metric)
+    per = per[per[RUN_ID].astype(str).isin(set(study.runs.loc[study.runs["state"] != "failed", RUN_ID].astype(str)))]
+    algs = style.order_or_sorted(per[ALGORITHM].astype(str).unique())
+    tasks = [a for a in study.axes if a in per]  # a configuration of the other swept axes is a task
+    ref = scorecard._grpo_baseline(algs) or algs[0]
+    per = per.assign(**{ALGORITHM: pd.Categorical(per[ALGORITHM].astype(str), categories=algs, ordered=True)})
+    per = per.sort_values(ALGORITHM, kind="stable")
+    t = design.algorithm_table(per, tasks, reference=ref, reps=reps)
+    if t.empty:
+        return t, ""
+    out = pd.DataFrame({"algorithm": [style.label_or_name(a) for a in t["algorithm"]], "n runs": t["n"]})
+    fmt = "{:.3f}".format
+    out[f"{gain.metric} gain, mean [95% t]"] = [
+        f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in zip(t["mean"], t["low"], t["high"], strict=True)
+    ]
+    out["IQM [95% bootstrap]"] = [
+        f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else fmt(m)
+        for m, lo, hi in zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)
+    ]
+    out[f"P(> {style.label_or_name(ref)}) [95% bootstrap]"] = [
+        "" if not np.isfinite(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"{p:.2f}"
+        for p, lo, hi in zip(t["p_improve"], t["p_low"], t["p_high"], strict=True)
+    ]
+    out["tasks"] = t["tasks"]
+    note = design.ALGORITHM_TABLE_NOTE.format(ref=style.label_or_name(ref), reps=reps)
+    left = len(per) - int(t["n"].sum())
+    what = (
+        f"Held-out gain ({gain.metric}: last evaluation minus step 0) per run; tasks: the configurations of "
+        + (", ".join(tasks) if tasks else "none (no other swept axis: one task)")
+        + " that every algorithm ran"
+        + (f" ({left} run(s) of configurations some algorithm did not run are left out)" if left else "")
+        + ". "
+    )
+    return out, what + note
+
+
+def scorecard_section(
+    cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOutGain, algorithms: tuple[pd.DataFrame, str] | None = None
+) -> list[render.Block]:
     """The scorecard with its note on intervals and strata, the held-out gain, then the per-stratum verdicts when any
     claim has strata."""
     out: list[render.Block] = [
@@ -394,6 +460,12 @@ def scorecard_section(cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOu
         render.ScorecardTable(tuple(cards), scorecard.scorecard_table(cards)),
         *_gain_section(gain),
     ]
+    if algorithms is not None and not algorithms[0].empty:
+        out += [
+            render.h(3, "Algorithms: mean, IQM and probability of improvement", anchor="algorithms"),
+            render.p(algorithms[1]),
+            render.Table(algorithms[0]),
+        ]
     strata_df = scorecard.strata_table(cards)
     if not strata_df.empty:
         out += [render.h(3, "Per-stratum verdicts"), render.Table(strata_df)]

@@ -55,6 +55,8 @@ class Evidence:
         if self.verdict == NO_DATA:
             return f"{head}{NO_DATA}: {self.name}"
         tail = f" -> {self.verdict}" if self.verdict else ""
+        if np.isnan(self.low) and np.isnan(self.high) and np.isnan(self.estimate):  # no number: the name says why
+            return f"{head}{self.name} (n={self.n}){tail}"
         if np.isnan(self.low) and np.isnan(self.high) and np.isfinite(self.estimate):  # a size, not an estimate
             return f"{head}{self.name} = {self.estimate:.4g} (n={self.n}){tail}"
         return f"{head}{self.name} = {self.estimate:.4g} [{self.low:.4g}, {self.high:.4g}] (n={self.n}){tail}"

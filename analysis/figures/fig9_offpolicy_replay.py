@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 
-from analysis import offpolicy, style, vocab
+from analysis import design, offpolicy, style, vocab
 from analysis.figures.common import (
     DENSE,
     MOE,
@@ -71,7 +71,24 @@ def figure9_offpolicy_replay(
         label="MoE: routing volatility",
         gid="volatility",
     )
-    ax_v.axhline(thr, color=style.NEUTRAL, lw=0.9, ls="--", label=f"regime threshold {regime.percent(thr)}")
+    one = vol[vol["per_update_n"] > 0] if "per_update_n" in vol else vol.iloc[:0]
+    if len(one):
+        ax_v.errorbar(
+            one[axis].astype(float),
+            one["per_update"],
+            yerr=_err(
+                pd.DataFrame({k: one[f"per_update{s}"] for k, s in (("mean", ""), ("low", "_low"), ("high", "_high"))})
+            ),
+            color=style.NEUTRAL,
+            marker="^",
+            ms=4,
+            lw=1.0,
+            ls="-.",
+            capsize=2,
+            label="MoE: per update (after one update)",
+            gid="volatility-per-update",
+        )
+    ax_v.axhline(thr, color=style.NEUTRAL, lw=0.9, ls="--", label=f"regime threshold {regime.percent(thr)} per update")
     none = vol.loc[vol["n"] == 0, axis].tolist()
     if none:
         ax_v.text(
@@ -195,16 +212,22 @@ def figure9_offpolicy_replay(
         "(a) The MoE's routing volatility per M: the expert-slot mismatch mean(1 - |S_old & S_new| / k) of the update "
         "forward's routing against pi_old's over the off-policy minibatches (routing_slot_mismatch, measured "
         "alongside under replay), each run's mean over its steps, then the mean over the MoE's runs of every "
-        f"algorithm with a 95% t interval over runs; dashed: the regime's threshold {regime.percent(thr)} (the "
-        f"scorecard's Rules.min_volatility). (b) The {q_b} per algorithm"
+        f"algorithm with a 95% t interval over runs (black: cumulative, over minibatches 2..M; grey: per update, "
+        f"{regime.PER_UPDATE}, the change after one update, the paper's unit); dashed: the regime's threshold "
+        f"{regime.percent(thr)} per update (the scorecard's Rules.min_volatility; the paper's model changed "
+        f"~{regime.percent(regime.PAPER_PER_UPDATE)} in one update), which the per-update volatility must reach. "
+        f"(b) The {q_b} per algorithm"
         + (" (a run's last evaluation of eval_in_dist minus its step-0 one)" if q_b == offpolicy.HELD_OUT else "")
         + ", seed mean with a 95% t interval, side by side at each M; black dashed: the dense control (the runs "
         f"whose model has {vocab.NUM_EXPERTS_KEY} = 1: one expert of the MoE's active width, nothing to route), the "
         "off-policy damage without routing; minibatch m of M follows m - 1 updates since pi_old. (c), (d) Each "
-        "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: each run's mean "
-        f"over its last {frac:.0%} of steps), at the volatility of each M "
-        "(negative: dropping replay cost that much), with 95% Welch t intervals; grey: the dense control's "
-        "off-policy loss, its value at M minus at the fewest M, with its Welch interval. Runs per M: MoE "
+        "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: the reward over "
+        f"{design.window_rule(frac)}), at the volatility of each M "
+        "(negative: dropping replay cost that much), with 95% t intervals paired by seed (a seed's arms share "
+        "prompts, cold start and evaluation sampling; Welch where the arms' seeds differ); grey: the dense control's "
+        "off-policy loss, its value at M minus at the fewest M, paired alike. The table gaps reads them as one "
+        "exploratory family: Holm-adjusted p-values and simultaneous (Bonferroni) intervals beside the unadjusted "
+        "ones. Runs per M: MoE "
         f"{per_arm or 'none'}; dense control {dense_n}."
         + (
             " Collapsed runs (status.json or the reward-drop rule): "

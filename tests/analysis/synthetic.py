@@ -43,6 +43,9 @@ class Curve:
     """Reward falls to ~0 from this step and the run stops there with status collapsed."""
     slot_mismatch: float = 0.1
     """Routing volatility: routing_slot_mismatch starts here and rises by 20% of it over the run (noise 5% of it)."""
+    per_update: float | None = None
+    """The per-update volatility, routing_slot_mismatch_mb2 (the change after one update), with the same drift and
+    noise; None: equal to slot_mismatch (two minibatches per rollout batch, where the cumulative is that one update)."""
     load_imbalance: float = 1.3
     """expert_load_imbalance (mean over the run; engine: 0.05 above)."""
     router_entropy: float = 0.7
@@ -102,6 +105,8 @@ def synthetic_metrics(
     cols[vocab.ROUTER_ENTROPY] = curve.router_entropy + 0.01 * aux.standard_normal(n_steps)
     cols["zero_var_group_frac"] = 0.2 + 0.4 * frac  # no-signal groups rise as problems get solved every time
     cols["zero_var_solved_frac"] = 0.1 + 0.3 * frac
+    one = curve.slot_mismatch if curve.per_update is None else curve.per_update
+    cols[f"{vocab.ROUTING_SLOT}_mb2"] = one * (1 + 0.2 * frac + 0.05 * aux.standard_normal(n_steps))
     return cols
 
 
@@ -348,6 +353,9 @@ OFFPOLICY_MINIBATCHES = (1, 4, 16, 64)
 OFFPOLICY_VOLATILITY = {1: float("nan"), 4: 0.01, 16: 0.03, 64: 0.07}
 """The MoE's routing_slot_mismatch at the start of a run, per M (its mean over the run is 1.1 x this); NaN at M = 1,
 where no minibatch follows an update. The dense control's is 0 (one expert: nothing to route)."""
+OFFPOLICY_PER_UPDATE = {1: float("nan"), 4: 0.004, 16: 0.012, 64: 0.055}
+"""The MoE's routing_slot_mismatch_mb2 (the change after one update) at the start of a run, per M: below the
+cumulative one, and at or above 5% at M = 64 only."""
 MOE_SHAPE = {"model.num_layers": 4, "model.num_experts": 32, "model.moe_top_k": 8}
 DENSE_SHAPE = {"model.num_layers": 4, "model.num_experts": 1, "model.moe_top_k": 1, "model.moe_ffn_hidden_size": 1024}
 """The routing study's MoE and its dense control, as flattened config keys."""
@@ -374,7 +382,9 @@ def offpolicy_truth(m: int, *, reproduced: bool) -> dict[str, dict[str, Curve]]:
         if high and not reproduced:
             asym = 0.05
         collapse = OFFPOLICY_COLLAPSE if (high and reproduced and alg == "grpo") else None
-        moe[alg] = Curve(a=asym, r0=0.1, c_mid=2e12, slot_mismatch=slot, collapse_step=collapse)
+        moe[alg] = Curve(
+            a=asym, r0=0.1, c_mid=2e12, slot_mismatch=slot, per_update=OFFPOLICY_PER_UPDATE[m], collapse_step=collapse
+        )
     dense_a = 0.03 if (high and not reproduced) else 0.6 - 0.03 * steps
     dense = {"grpo": Curve(a=dense_a, r0=0.1, c_mid=2e12, slot_mismatch=0.0 if m > 1 else slot)}
     return {"MoE": moe, "dense": dense}
@@ -392,14 +402,15 @@ def expected_gain(curve: Curve, *, n_steps: int, flops_per_step: float, eval_eve
 
 
 def expected_final_reward(curve: Curve, *, n_steps: int, flops_per_step: float, frac: float = 0.1) -> float:
-    """The expectation of a synthetic run's final reward: the mean over its last `frac` of logged steps."""
+    """The expectation of a synthetic run's final reward: the mean over its last `frac` of compute
+    (analysis.design.compute_window: the steps whose compute is at least (1 - frac) x the run's last)."""
     last = n_steps if curve.collapse_step is None else min(n_steps, curve.collapse_step + 2)
     step = np.arange(1, last + 1)
     reward = sigmoid(flops_per_step * step, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid)
     if curve.collapse_step is not None:
         reward = np.where(step >= curve.collapse_step, 0.005, reward)
-    k = max(1, int(np.ceil(frac * last)))
-    return float(np.mean(reward[-k:]))
+    inside = flops_per_step * step >= (1 - frac) * (flops_per_step * last)
+    return float(np.mean(reward[inside]))
 
 
 def make_offpolicy_study(

@@ -156,3 +156,55 @@ def test_rliable_iqm_and_probability_of_improvement() -> None:
     p, lo, hi = design.probability_of_improvement(x + 1.0, x, reps=500)
     assert p == 1.0 and lo == hi == 1.0
     assert design.probability_of_improvement(x, x, reps=500)[0] == pytest.approx(0.5)
+
+
+def test_algorithm_table_puts_iqm_and_probability_of_improvement_beside_the_t_interval(tmp_path) -> None:
+    from analysis import gain, sections, tidy
+    from tests.analysis import synthetic
+
+    c = synthetic.Curve
+    curves = {"grpo": c(a=0.4, c_mid=2e12), "gspo": c(a=0.8, c_mid=2e12)}
+    synthetic.make_study(tmp_path, curves, seeds=(0, 1, 2, 3), n_steps=30, grid={"max_new_tokens": [256, 1024]})
+    st = tidy.load_study(tmp_path)
+    per = gain.per_run(st.long)
+    t = design.algorithm_table(per, ["max_new_tokens"], reference="grpo", reps=300).set_index("algorithm")
+    assert t["tasks"].tolist() == [2, 2] and t["n"].tolist() == [8, 8]
+    for alg in ("grpo", "gspo"):
+        x = per.loc[per["algorithm"].astype(str) == alg, "value"].to_numpy()
+        assert t.loc[alg, "mean"] == pytest.approx(x.mean())  # the t interval's mean, beside
+        assert t.loc[alg, "iqm"] == pytest.approx(np.mean(np.sort(x)[2:6]))  # the middle 50% of 8 scores
+        assert t.loc[alg, "iqm_low"] <= t.loc[alg, "iqm"] <= t.loc[alg, "iqm_high"]
+    # GSPO's every run gains more than GRPO's: P(gspo > grpo) = 1; the reference has none against itself
+    assert t.loc["gspo", "p_improve"] == 1.0 and np.isnan(t.loc["grpo", "p_improve"])
+    table, note = sections.algorithm_table(st, gain.heldout_gain(st), reps=300)
+    assert list(table.columns[2:5]) == [
+        "eval_in_dist gain, mean [95% t]",
+        "IQM [95% bootstrap]",
+        "P(> GRPO) [95% bootstrap]",
+    ]
+    assert table.iloc[1, 4].startswith("1.00 [") and "stratified percentile bootstrap" in note and "exploratory" in note
+
+
+def test_algorithm_table_with_one_run_per_task_has_estimates_without_interval() -> None:
+    per = pd.DataFrame(
+        {"algorithm": ["a", "b", "a", "b"], "task": [1, 1, 2, 2], "seed": [0, 0, 0, 0], "value": [0.5, 0.2, 0.6, 0.1]}
+    )
+    t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
+    assert t.loc["a", "iqm"] == pytest.approx(0.55) and np.isnan(t.loc["a", "iqm_low"])
+    assert t.loc["a", "p_improve"] == 1.0 and np.isnan(t.loc["a", "p_low"])
+
+
+def test_algorithm_table_tasks_with_a_missing_axis_value_and_configurations_one_algorithm_lacks() -> None:
+    # the dense control's axis (NaN for the MoE runs) is a task value like any other; a configuration only "a" ran
+    # (task 3) is left out, so both algorithms are scored on the same two tasks and the mean is over those runs
+    per = pd.DataFrame(
+        {
+            "algorithm": ["a", "b"] * 4 + ["a", "a"],
+            "task": [1.0, 1.0, 1.0, 1.0, np.nan, np.nan, np.nan, np.nan, 3.0, 3.0],
+            "seed": [0, 0, 1, 1, 0, 0, 1, 1, 0, 1],
+            "value": [0.5, 0.2, 0.7, 0.1, 0.6, 0.3, 0.4, 0.2, 9.0, 9.0],
+        }
+    )
+    t = design.algorithm_table(per, ["task"], reference="b", reps=100).set_index("algorithm")
+    assert t["tasks"].tolist() == [2, 2] and t["n"].tolist() == [4, 4]
+    assert t.loc["a", "mean"] == pytest.approx(0.55) and t.loc["a", "p_improve"] == 1.0

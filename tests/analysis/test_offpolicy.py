@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import figures, offpolicy, report, stats, style, tidy, vocab
+from analysis import design, figures, offpolicy, report, style, tidy, vocab
 from analysis.figures import MissingData
 from analysis.figures.fig8_routing_volatility import routing_volatility_tables
 from analysis.offpolicy import DENSE, HELD_OUT, MOE
@@ -55,7 +55,7 @@ def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(stud
     # the dense control's config overrides model.moe_ffn_hidden_size, the MoE's does not: the per-run tables and the
     # figures that group by every axis read it as missing for the MoE instead of failing
     _, st = studies[True]
-    per_run = stats.final_window(st.long, vocab.REWARD)
+    per_run = design.compute_window(st.long, vocab.REWARD)
     ffn = per_run.set_index("run_id")["model.moe_ffn_hidden_size"]
     dense = st.runs.loc[st.runs["model.num_experts"] == 1, "run_id"]
     assert (ffn[dense] == 1024).all() and ffn.drop(dense).isna().all()
@@ -86,7 +86,13 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
             known = f(_truth(m, MOE, r["minuend"])) - f(_truth(m, MOE, r["subtrahend"]))
         else:
             known = f(_truth(m, DENSE, "grpo")) - f(_truth(1, DENSE, "grpo"))
-        assert r["low"] <= known <= r["high"], (r.to_dict(), known)
+        # the family's simultaneous intervals cover every known gap together (95%); each unadjusted one is narrower
+        assert r["simultaneous_low"] <= known <= r["simultaneous_high"], (r.to_dict(), known)
+        assert r["simultaneous_low"] < r["low"] and r["high"] < r["simultaneous_high"]
+        assert r["pairing"] == "paired by seed" and r["n"] == "3 seeds, paired" and r["p"] <= r["p_holm"]
+    n = len(gaps)
+    assert (gaps["family"].str.startswith(f"exploratory, family of {n}, Holm-adjusted")).all()
+    assert gaps["family"].str.contains("unit of replication: seed").all()
     grpo = gaps[(gaps["minuend"] == "grpo") & (gaps["model"] == MOE)]
     assert (grpo.loc[grpo[M] == 64, "high"] < -0.2).all() and (grpo.loc[grpo[M] < 64, "high"] > 0).all()
     assert set(gaps.loc[gaps["model"] == DENSE, M]) == {4, 16, 64}
@@ -107,11 +113,44 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
     assert _layout_problems(made[True].fig) == []
     assert not [ax for ax in made[True].fig.axes if ax.get_legend() is not None]
     cap = made[True].caption
-    assert "threshold 5%" in cap and "Welch" in cap and "dense control 3/3/3/3" in cap and "GSPO 3/3/3/3" in cap
+    assert (
+        "threshold 5%" in cap
+        and "paired by seed" in cap
+        and "Holm" in cap
+        and "dense control 3/3/3/3" in cap
+        and "GSPO 3/3/3/3" in cap
+    )
     dense_line = [
         ln for ln in made[True].fig.axes[1].get_children() if getattr(ln, "get_gid", lambda: "")() == "arm-dense-grpo"
     ]
     assert dense_line
+
+
+def test_figure9_final_reward_is_the_compute_window_its_caption_names(made, studies) -> None:
+    _, st = studies[True]
+    arms, caption = made[True].tables["arms"], made[True].caption
+    assert design.window_rule() in caption
+    win = design.compute_window(st.long, vocab.REWARD).set_index("run_id")
+    runs = st.runs[st.runs["model.num_experts"] != 1]
+    for _, r in arms[(arms["model"] == MOE) & (arms["quantity"] == offpolicy.FINAL)].iterrows():
+        ids = runs.loc[(runs["algorithm"].astype(str) == r["algorithm"]) & (runs[M] == r[M]), "run_id"].astype(str)
+        assert r["mean"] == pytest.approx(win.loc[ids, "value"].mean(), rel=1e-12), r.to_dict()
+
+
+def test_figure9_gaps_are_paired_by_seed_and_read_as_one_holm_family(made, studies) -> None:
+    from analysis import gain
+
+    _, st = studies[True]
+    gaps = made[True].tables["gaps"]
+    per = gain.per_run(st.long, vocab.EVAL_IN_DIST)
+    per = per[per["model.num_experts"] != 1].set_index(["algorithm", M, "seed"])["value"]
+    row = gaps[(gaps["minuend"] == "grpo") & (gaps[M] == 64) & (gaps["quantity"] == HELD_OUT)].iloc[0]
+    x, y = (per.xs((a, 64), level=("algorithm", M)).to_dict() for a in ("grpo", "grpo_rr"))
+    want = design.paired_difference(x, y)
+    assert (row["estimate"], row["low"], row["high"], row["p"]) == pytest.approx(
+        (want.ci.estimate, want.ci.low, want.ci.high, want.p_value)
+    )
+    np.testing.assert_allclose(gaps["p_holm"], design.holm(gaps["p"].tolist()))
 
 
 def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:
@@ -119,14 +158,15 @@ def test_outcome_i_reproduces_figure3_with_its_numbers(made) -> None:
     said = offpolicy.outcome(tables)
     assert (said.kind, said.reproduced, said.strata) == (offpolicy.IN_REGIME, True, (64,))
     text = " ".join(said.sentences)
-    assert text.startswith("Outcome (i): at M = 64 the MoE's routing volatility was 7.7% [")
+    assert text.startswith("Outcome (i): at M = 64 the MoE's routing volatility was cumulative 7.7% [")
+    assert "per update 6% of expert slots" in text and "at or above the 5% per-update threshold" in text
     assert "Figure 3 is reproduced there" in text and "GRPO collapsed in 3 of 3 runs there." in text
     ex = tables["offpolicy_loss"].set_index(["algorithm", M, "quantity"])
     r = ex.loc[("grpo", 64, HELD_OUT)]
     assert f"{r['excess']:+.3f} [{r['excess_low']:+.3f}, {r['excess_high']:+.3f}] for GRPO," in text
-    # at a lower threshold M = 16 (3.3%) enters the regime too: there GRPO did not fall, so it is not reproduced
-    # there, while M = 64 still reproduces it
-    lower = offpolicy.outcome(tables, threshold=0.02)
+    # at a lower threshold M = 16 (1.3% per update) enters the regime too: there GRPO did not fall, so it is not
+    # reproduced there, while M = 64 still reproduces it
+    lower = offpolicy.outcome(tables, threshold=0.012)
     assert lower.strata == (16, 64) and lower.reproduced
     assert "Figure 3 is not reproduced there (GRPO did not fall beyond it)" in lower.sentences[1]
     assert lower.sentences[3].startswith("Figure 3 is reproduced there")
@@ -140,10 +180,12 @@ def test_outcome_ii_names_the_highest_volatility_the_dense_controls_limit_and_th
     arms = tables["arms"].set_index(["model", "algorithm", M, "quantity"])
     d64, g64 = arms.loc[(DENSE, "grpo", 64, HELD_OUT)], arms.loc[(MOE, "gspo", 64, HELD_OUT)]
     assert d64["mean"] < 0  # the dense control fell where the volatility reached the regime
-    assert "The highest routing volatility reached was 7.7% [" in first and "at M = 64, at or above the 5%" in first
+    assert "The highest routing volatility reached was cumulative 7.7% [" in first
+    assert "at M = 64, at or above the 5% per-update threshold" in first
     assert f"(GRPO) was {d64['mean']:+.3f} [{d64['low']:+.3f}, {d64['high']:+.3f}]" in first
     assert f"of GSPO {g64['mean']:+.3f} [" in first
-    assert dense.startswith("The dense control still learned (held-out gain's mean above 0) up to a volatility of 3.3%")
+    learned = "The dense control still learned (held-out gain's mean above 0) up to a cumulative volatility of 3.3%"
+    assert dense.startswith(learned)
     g = tables["gaps"]
     g = g[(g["minuend"] == "grpo") & (g["subtrahend"] == "grpo_rr") & (g["quantity"] == HELD_OUT)]
     assert f"the narrowest interval is {(g['high'] - g['low']).min():.3f} wide" in excluded
@@ -152,6 +194,19 @@ def test_outcome_ii_names_the_highest_volatility_the_dense_controls_limit_and_th
     # the outcome reads the tables as the report reads them back from CSV (results.reuse_figures)
     back = {k: pd.read_csv(io.StringIO(df.to_csv(index=False)), **CSV_EXACT) for k, df in tables.items()}
     assert offpolicy.outcome(back).sentences == said.sentences
+
+
+def test_a_stratum_in_regime_only_cumulatively_is_not_tested(made) -> None:
+    # at a 7% threshold M = 64's cumulative 7.7% reaches it but its 6% per update does not: no stratum in regime
+    tables = made[True].tables
+    vol = tables["volatility"].set_index(M)
+    assert vol.loc[64, "mean"] >= 0.07 > vol.loc[64, "per_update"] >= 0.05
+    said = offpolicy.outcome(tables, threshold=0.07)
+    assert said.kind == offpolicy.NOT_IN_REGIME and said.strata == ()
+    assert "below the 7% per-update threshold" in said.sentences[0]
+    assert (
+        "only the cumulative volatility reaches it, not the paper's unit (one update): not tested" in said.sentences[0]
+    )
 
 
 def test_figure9_is_skipped_with_its_reason_without_the_minibatch_axis(tmp_path) -> None:

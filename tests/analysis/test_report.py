@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
 import shutil
 import subprocess
@@ -218,7 +219,7 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     pos = [page.index(marker) for marker in order]
     assert pos == sorted(pos)
     headline = re.search(r'<ul class="headline">(.*?)</ul>', page).group(1)
-    lines = re.findall(r'<li class="(\w+)"><b>(C\d) (\w+):</b> ([^<]*)</li>', headline)
+    lines = re.findall(r'<li class="(\w+)"><b>(C\d) exploratory: (\w+):</b> ([^<]*)</li>', headline)  # no declaration
     assert [c for _, c, _, _ in lines] == ["C1", "C2", "C3", "C4", "C5", "C6"]
     for cls, _, verdict, text in lines:
         assert cls == verdict and verdict in ("supported", "contradicted", "inconclusive") and " \u2014 " in text
@@ -395,8 +396,11 @@ def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_p
     cls, head, text = items[0]
     assert (cls, head) == ("not-tested-in-regime", "Not tested in regime:")
     assert text.startswith("C3, C4 were not put to the test")
-    c3 = "C3: routing volatility 0.29% of expert slots changed since pi_old (n=10 runs), below the 5% the claim needs"
-    assert c3 in text
+    c3 = (
+        "C3: routing volatility: cumulative 0.29%, per update 0.29% of expert slots changed since pi_old (n=10 runs), "
+        "below the 5% per update the claim needs (the paper's model: ~10% after one update)"
+    )
+    assert c3 in html.unescape(text)
     verdicts = {h.split()[0]: (c, h) for c, h, _ in items[1:] if h.startswith("C")}
     for claim in ("C3", "C4"):
         assert verdicts[claim] == ("not-tested-in-regime", f"{claim} not tested in regime:")
@@ -407,5 +411,40 @@ def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_p
     assert "grpo collapsed in 0 of 5 runs and grpo_rr in 0 of 5: evidence about this scale" in md
     st = tidy.load_study(tmp_path)
     lines = sections.headline(scorecard.scorecard(st, scorecard.Rules(min_volatility=0.001)))
-    assert [h for _, h, _ in lines[:4]] == ["C1 supported:", "C2 supported:", "C3 contradicted:", "C4 supported:"]
+    heads = ["C1 exploratory: supported:", "C2 exploratory: supported:", "C3 exploratory: contradicted:"]
+    assert [h for _, h, _ in lines[:4]] == [*heads, "C4 exploratory: supported:"]
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep3"), "--min-volatility", "-1"]) == 2
+
+
+def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_report(tmp_path) -> None:
+    import yaml
+
+    c = synthetic.Curve
+    synthetic.make_study(
+        tmp_path, {"grpo": c(a=0.3, c_mid=2e12), "grpo_rr": c(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2), n_steps=30
+    )
+    entry = {
+        "name": "replay_cost_grpo",
+        "role": "primary",
+        "claim": "C3",
+        "metric": "eval_in_dist",
+        "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
+        "window": "gain",
+        "threshold": -0.1,
+        "seeds": [0, 1, 2, 3],
+        "power": 0.8,
+        "assumed_sd": 0.05,
+        "pairing": "seed",
+    }
+    sweep = tmp_path / "sweeps" / "confirm.yaml"
+    sweep.parent.mkdir()
+    sweep.write_text(yaml.safe_dump({"name": "confirm", "comparisons": [entry]}))
+    rep = report.report_from_results(tmp_path, out_dir=tmp_path / "rep", figures_dir=no_figures(tmp_path), sweep=sweep)
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    items = re.findall(r'<li class="([\w-]+)"><b>([^<]*)</b> ([^<]*)</li>', page.split('<ul class="headline">')[1])
+    cls, head, text = items[0]
+    assert (cls, head) == ("deviation", "Deviation from the declared comparison:")
+    assert "C3 (replay_cost_grpo)" in text and "declared seed(s) [3] have no usable run" in text
+    assert "ul.headline li.deviation{" in page and "deviates from the declaration:" in page
+    assert "- **Deviation from the declared comparison:**" in md.split("## Headline")[1].split("\n")[2]
+    assert "- **C3 exploratory: " in md and "- **C1 exploratory: " in md
