@@ -131,7 +131,7 @@ def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> b
             raise BoundError(f"not a regular file ({kind})")
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise BoundError(f"{size} bytes, larger than {max_bytes}")
+            raise BoundError(f"{size} bytes, larger than {max_bytes} bytes")
         data = bytearray()
         while len(data) <= max_bytes:
             chunk = os.read(fd, min(1 << 20, max_bytes + 1 - len(data)))

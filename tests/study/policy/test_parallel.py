@@ -376,7 +376,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
         assert list(a[column]) == list(b[column]), column
     for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est"):
-        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
     assert (a["grad_norm"] > 0).any() and (
         a["reward_mean"] > 0
     ).any()  # a real update (which steps: test_rl.py::cpu_kind)

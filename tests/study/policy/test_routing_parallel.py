@@ -180,7 +180,7 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path, easy_coldstart):
         "routing_slot_mismatch_mb2",
         "grad_norm_mb1",
     ):
-        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
     assert (a["grad_norm"] > 0).any()  # a real update (which steps: test_rl.py::cpu_kind)
     assert max(b["sync_parity_max_abs"]) < 1e-4 and max(a["sync_parity_max_abs"]) < 1e-4  # fp32 engine and trainer
     la, lb = pd.read_parquet(f"{one}/routing_layers.parquet"), pd.read_parquet(two / "routing_layers.parquet")
@@ -217,7 +217,7 @@ def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path, easy_coldstart):
         "expert_load_imbalance",
         "router_entropy",
     ):
-        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6), column
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
     assert (a["grad_norm"] > 0).any()  # a real update (which steps: test_rl.py::cpu_kind)
     assert max(b["sync_parity_max_abs"]) < 1e-4  # the weights rank 0's engine got from 4 shards are the model's
     dist = four / "checkpoint" / "dist-step2"
