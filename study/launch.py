@@ -15,6 +15,7 @@
    requeues it, `scontrol requeue` among them when it has not exited yet; submitit takes that for a failed requeue
    and records the job as failed, although it was requeued. In the job, `scontrol requeue` ending by SIGTERM counts
    as requeued (`requeue`): a job that in fact was not requeued ends without a result, which the launcher reports.
+   The job's own processes get that SIGTERM too: from the requeue on, it is passed over (`_slurm_requeue`).
 4. A failed job raises `FailedJobError` carrying the remote traceback; it is printed verbatim to stderr (the Snakemake
    rule's log). submitit's logs (the run's stdout/stderr) live in RESULTS/runs/RUN_ID/submitit/.
 5. SIGINT or SIGTERM cancels the job this process started (scancel for SLURM) before exiting.
@@ -75,11 +76,22 @@ def requeue(cmd: list[str], timeout: float = 60) -> bool:
     return True
 
 
-def _slurm_requeue(self: Any, countdown: int) -> None:
-    """submitit's SlurmJobEnvironment._requeue (`scontrol requeue JOB`, then a log line), through `requeue`."""
+def _slurm_requeue(self: Any, countdown: int, command: list[str] | None = None) -> None:
+    """submitit's SlurmJobEnvironment._requeue (`scontrol requeue JOB`, then a log line), through `requeue`.
+
+    From here on the job is ending for its requeue: the SIGTERM SLURM sends its processes for it is passed over, as
+    submitit's own handler does, instead of raising the run's `Terminated` inside the requeue (the run guard's
+    handler is the one installed while a run trains), which cut the requeue short before its log line.
+    `command`: the requeue command (tests), `scontrol requeue JOB` by default."""
     from submitit.core.logger import get_logger
 
-    ended = "" if requeue(["scontrol", "requeue", self.job_id]) else " (scontrol ended by the requeue's SIGTERM)"
+    def passed_over(signum: int, frame: Any) -> None:
+        get_logger().warning(f"Bypassing signal {signal.Signals(signum).name}: the job is being requeued")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, passed_over)
+    command = command or ["scontrol", "requeue", self.job_id]
+    ended = "" if requeue(command) else " (scontrol ended by the requeue's SIGTERM)"
     get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts){ended}")
 
 

@@ -216,7 +216,7 @@ def test_in_process_and_local_run_the_same_run(results: Path, tmp_path: Path) ->
 
 def test_a_requeue_ended_by_sigterm_counts_as_requeued() -> None:
     """SLURM ends a job's processes when it requeues the job, `scontrol requeue` too if it has not exited: that
-    SIGTERM means requeued (CI once failed a requeued run on it); any other failure of the command still raises."""
+    SIGTERM means requeued; any other failure of the command still raises."""
     py = [sys.executable, "-c"]
     assert launch.requeue([*py, "pass"]) is True
     assert launch.requeue([*py, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) is False
@@ -227,6 +227,29 @@ def test_a_requeue_ended_by_sigterm_counts_as_requeued() -> None:
 
     launch._in_job()  # what Run and ColdStart do first in the job
     assert SlurmJobEnvironment._requeue is launch._slurm_requeue
+
+
+def test_the_requeues_sigterm_to_the_job_itself_does_not_cut_the_requeue_short(caplog) -> None:
+    """While a run trains, the run guard's handler turns SIGTERM into `Terminated`; the SIGTERM SLURM sends the job's
+    processes for the requeue they asked for arrives while `scontrol requeue` runs. It must be passed over, so that
+    the requeue completes and logs (the old handler raised Terminated out of `requeue`'s wait, racing the log line)."""
+    import logging
+    import os
+    from types import SimpleNamespace
+
+    from study.run import rundir
+
+    previous = {s: signal.signal(s, rundir._terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        # the requeue command signals this process, as SLURM does, then goes on a while before exiting 0
+        command = [sys.executable, "-c", f"import os, time; os.kill({os.getpid()}, 15); time.sleep(0.5)"]
+        with caplog.at_level(logging.INFO):
+            launch._slurm_requeue(SimpleNamespace(job_id="7"), 3, command=command)
+        assert "Requeued job 7 (3 remaining timeouts)" in caplog.text
+        assert "Bypassing signal SIGTERM" in caplog.text
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # --- SLURM tier: the real cluster of scripts/slurm/start.sh ---------------------------------------------------------
