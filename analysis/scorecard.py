@@ -79,12 +79,17 @@ UNPAIRED_RATE = "unpaired (Newcombe over runs); unit of replication: the run (se
 PAIRED = "paired by seed (a seed's arms share prompts, cold start and evaluation sampling); unit of replication: seed"
 
 
+PAIRED_WHERE = (
+    "paired by seed where both arms ran the same seeds (the evidence's n says 'paired'), else unpaired (Welch over "
+    "runs); unit of replication: seed"
+)
 PAIRING = {
-    "C1": UNPAIRED,
-    "C2": "unpaired (Welch on the log scale over runs); unit of replication: the run (seed)",
+    "C1": PAIRED_WHERE,
+    "C2": "paired by seed on the log scale where both arms ran the same seeds (the evidence's n says 'paired'), else "
+    "unpaired (Welch on the log scale over runs); unit of replication: seed",
     "C3": UNPAIRED_RATE,
-    "C4": f"reward {UNPAIRED.split(';')[0]}, collapse rate {UNPAIRED_RATE.split(';')[0]}; unit of replication: the "
-    "run (seed)",
+    "C4": f"reward {PAIRED_WHERE.split(';')[0]}, collapse rate {UNPAIRED_RATE.split(';')[0]} (a rate has no pairs); "
+    "unit of replication: seed",
     "C5": "paired by seed where all four arms ran the same seeds (the evidence's n says 'paired'), else unpaired "
     "(Welch over runs); unit of replication: seed",
     "C6": UNPAIRED,
@@ -327,6 +332,24 @@ def _ci(ci: stats.CI) -> tuple[float, float, float]:
     return ci.estimate, ci.low, ci.high
 
 
+def _difference(
+    vals: dict[str, np.ndarray], seeds: dict[str, list], a: str, b: str, *, log: bool = False
+) -> tuple[float, float, float, str]:
+    """mean(a) - mean(b) (with `log`, the ratio mean(a) / mean(b)) with its interval and n: paired by seed (the
+    differences within each seed both arms ran, then a t interval over seeds; with `log` the per-seed log ratios,
+    exponentiated) when the arms share at least two seeds and neither has a seed twice (`_paired`), else over
+    independent runs (Welch; `stats.ratio_ci` with `log`)."""
+    pairs = _paired([vals[a], vals[b]], [seeds[a], seeds[b]])
+    if pairs is not None and (not log or (pairs > 0).all()):
+        n = f"{len(pairs)} seeds, paired"
+        if log:
+            ci = stats.mean_ci(np.log(pairs[:, 0]) - np.log(pairs[:, 1]))
+            return float(np.exp(ci.estimate)), float(np.exp(ci.low)), float(np.exp(ci.high)), n
+        return (*_ci(stats.mean_ci(pairs[:, 0] - pairs[:, 1])), n)
+    ci = stats.ratio_ci(vals[a], vals[b]) if log else stats.mean_difference(vals[a], vals[b])
+    return (*_ci(ci), _n(vals[a], vals[b]))
+
+
 def _n(*xs: np.ndarray) -> str:
     return " vs ".join(str(int(np.isfinite(x).sum())) for x in xs)
 
@@ -456,7 +479,8 @@ def claim_c1(study: Study) -> ClaimResult:
     base = _grpo_baseline(present)
     rule = (
         "d = mean reward of GSPO minus GRPO (with Routing Replay when present, else without) over "
-        f"{FINAL_RULE} (failed runs excluded); {POSITIVE}."
+        f"{FINAL_RULE} (failed runs excluded), within each seed both ran, then over seeds (paired; else over "
+        f"independent runs, Welch); {POSITIVE}."
     )
     if GSPO not in present or base is None:
         return _absent("C1", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
@@ -465,10 +489,11 @@ def claim_c1(study: Study) -> ClaimResult:
     groups = {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)}
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
-        vals, c_end = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()})
-        est, lo, hi = _ci(stats.mean_difference(vals[GSPO], vals[base]))
+        seeds: dict[str, list] = {}
+        vals, c_end = _final_reward_at_common_compute(study, {g: m & mask for g, m in groups.items()}, seeds=seeds)
+        est, lo, hi, n = _difference(vals, seeds, GSPO, base)
         ev = [
-            Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[GSPO], vals[base])),
+            Evidence(f"reward({GSPO}) - reward({base}) at {c_end:.3g} FLOPs", est, lo, hi, n),
             _mean_ev(f"reward({GSPO})", vals[GSPO]),
             _mean_ev(f"reward({base})", vals[base]),
         ]
@@ -484,7 +509,9 @@ def claim_c2(study: Study) -> ClaimResult:
     base = _grpo_baseline(present)
     rule = (
         f"r = GSPO's mean clip fraction / GRPO's (with Routing Replay when present), each the mean over all steps "
-        f"per run then over seeds; {CLIP_DECISION}. Beside it, the ratio against the paper's ~"
+        "per run; paired, the geometric mean over seeds both ran of the per-seed ratio (a t interval on the log "
+        f"scale), else the ratio of the means over seeds (Welch on the log scale); {CLIP_DECISION}. Beside it, the "
+        "ratio against the paper's ~"
         f"{design.PAPER_CLIP_RATIO:g}x (two orders of magnitude): 'direction supported' when the interval lies above "
         "1, and the size as log(ratio) / log(paper's) (1 = the paper's orders of magnitude)."
     )
@@ -497,16 +524,18 @@ def claim_c2(study: Study) -> ClaimResult:
     per_run = per_run[per_run[RUN_ID].astype(str).isin(usable_ids)]
     alg, rid = per_run[ALGORITHM].astype(str), per_run[RUN_ID].astype(str)
     groups = {GSPO: _alg_mask(study, GSPO), base: _alg_mask(study, base)}
+    seed_of = dict(zip(study.runs[RUN_ID].astype(str), study.runs["seed"], strict=True)).get
 
     def evaluate(mask: pd.Series) -> tuple[str, list[Evidence]]:
         inside = rid.isin(set(study.runs.loc[mask, RUN_ID].astype(str)))
-        x = per_run.loc[inside & (alg == GSPO), "value"].to_numpy()
-        y = per_run.loc[inside & (alg == base), "value"].to_numpy()
-        ratio = stats.ratio_ci(x, y)
-        est, lo, hi = _ci(ratio)
-        size = design.size_against_paper(ratio)
+        rows = {g: per_run[inside & (alg == g)] for g in (GSPO, base)}
+        vals = {g: r["value"].to_numpy(np.float64) for g, r in rows.items()}
+        seeds = {g: r[RUN_ID].astype(str).map(seed_of).tolist() for g, r in rows.items()}
+        x, y = vals[GSPO], vals[base]
+        est, lo, hi, n = _difference(vals, seeds, GSPO, base, log=True)
+        size = design.size_against_paper(stats.CI(est, lo, hi, min(x.size, y.size), 0.95))
         ev = [
-            Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, _n(x, y)),
+            Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, n),
             _mean_ev(f"clip_frac({GSPO})", x),
             _mean_ev(f"clip_frac({base})", y),
             Evidence(f"{PAPER_SIZE}: {size.sentence}", size.size_of_paper, np.nan, np.nan, _n(x, y)),
@@ -607,7 +636,8 @@ def claim_c4(study: Study, rules: Rules = RULES) -> ClaimResult:
     margin, where the routing moved enough (the volatility precondition)."""
     pre = regime.volatility(rules.min_volatility)
     rule = (
-        f"g = reward of GSPO with Routing Replay minus without it, over {FINAL_RULE}; c = collapse rate "
+        f"g = reward of GSPO with Routing Replay minus without it, over {FINAL_RULE}, paired by seed where both ran "
+        "the same seeds (else Welch); c = collapse rate "
         "(status.json or the reward-drop rule) of "
         f"GSPO without Routing Replay minus with it, its 95% interval {RATE_INTERVAL}. g: {REPLAY_GAIN_DECISION}. "
         f"c: {FREE_COLLAPSE_DECISION}; with no collapse in either group c's interval ends below {COLLAPSE_MARGIN:g} "
@@ -659,11 +689,11 @@ def _replay_claim(
         d, ev, counts = _rate_evidence(coll, study, mask, free, rr)
         collapse_verdict = verdict = collapse(d.low, d.high)
         if gain is not None:
-            vals, c_end = _final_reward_at_common_compute(study, {g: gm & mask for g, gm in groups.items()})
-            est, lo, hi = _ci(stats.mean_difference(vals[rr], vals[free]))
-            reward = Evidence(
-                f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, _n(vals[rr], vals[free])
-            )
+            seeds: dict[str, list] = {}
+            groups_in = {g: gm & mask for g, gm in groups.items()}
+            vals, c_end = _final_reward_at_common_compute(study, groups_in, seeds=seeds)
+            est, lo, hi, n = _difference(vals, seeds, rr, free)
+            reward = Evidence(f"reward({rr}) - reward({free}) at {c_end:.3g} FLOPs", est, lo, hi, n)
             ev = [reward, *ev]
             verdict = conjunction([gain(lo, hi), collapse_verdict])
         verdict, ev = _regime_verdict(verdict, ev, measured.get(id(mask)))

@@ -516,3 +516,54 @@ def test_a_declaration_the_runs_cannot_be_read_by_says_so_instead_of_a_number(tm
     assert c3.role == "exploratory" and c3.verdict == INCONCLUSIVE
     assert any("several runs of seed(s) [0, 1, 2]" in d for d in c3.deviations)
     assert "no reading (" in c3.evidence[0].name and "nan" not in str(c3.evidence[0])
+
+
+def _shift_by_seed(st, metric: str, offsets: dict[int, float]) -> None:
+    """Add a per-seed offset to every run's `metric`, the same for every arm of a seed (what a seed's shared prompts,
+    cold start and evaluation sampling do to its arms)."""
+    seed_of = dict(zip(st.runs["run_id"].astype(str), st.runs["seed"].astype(int), strict=True))
+    long = st.long.copy()
+    rows = long["metric"].astype(str) == metric
+    long.loc[rows, "value"] += long.loc[rows, "run_id"].astype(str).map(seed_of).map(offsets).to_numpy()
+    st.long = long
+
+
+def test_c1_pairs_by_seed_where_the_arms_share_seeds(tmp_path) -> None:
+    """A seed's arms move together (a large per-seed offset) and GSPO is ahead by 0.05 in every seed: the unpaired
+    interval spans 0, the paired one excludes it; the evidence's n says the pairing."""
+    from analysis import stats
+
+    st = _load(tmp_path, {"gspo": C(a=0.65, c_mid=1e12, noise=0.0), "grpo": C(a=0.6, c_mid=1e12, noise=0.0)})
+    _shift_by_seed(st, "reward_mean", {0: -0.2, 1: 0.15, 2: 0.0, 3: 0.25, 4: -0.1})
+    res = scorecard.claim_c1(st)
+    first = res.evidence[0]
+    assert first.n == "5 seeds, paired" and first.low > 0, first
+    assert res.verdict == SUPPORTED and "paired by seed" in res.pairing
+    seeds: dict[str, list] = {}
+    groups = {g: st.runs["algorithm"].astype(str) == g for g in ("gspo", "grpo")}
+    vals, _ = scorecard._final_reward_at_common_compute(st, groups, seeds=seeds)
+    welch = stats.mean_difference(vals["gspo"], vals["grpo"])
+    assert welch.low < 0 < welch.high and first.estimate == pytest.approx(welch.estimate)
+
+
+def test_c1_and_c2_fall_back_to_welch_when_the_arms_ran_other_seeds(tmp_path) -> None:
+    synthetic.make_study(tmp_path, {"gspo": C(a=0.7, c_mid=1e12, clip_low=0.05, clip_high=0.1)}, seeds=(0, 1, 2))
+    synthetic.make_study(tmp_path, {"grpo": C(a=0.5, c_mid=1e12, clip_low=0.001, clip_high=0.002)}, seeds=(5, 6, 7))
+    st = tidy.load_study(tmp_path)
+    for res in (scorecard.claim_c1(st), scorecard.claim_c2(st)):
+        assert res.evidence[0].n == "3 vs 3", res.evidence[0]
+
+
+def test_c2_pairs_the_log_ratio_by_seed(tmp_path) -> None:
+    """Clip fractions that scale together within a seed: the per-seed ratio is 20 in every seed, so the paired
+    interval is tight around 20 while the ratio of noisy means is wide."""
+    st = _load(tmp_path, {"gspo": C(clip_low=0.02, clip_high=0.02), "grpo": C(clip_low=0.001, clip_high=0.001)})
+    seed_of = dict(zip(st.runs["run_id"].astype(str), st.runs["seed"].astype(int), strict=True))
+    factor = {0: 0.2, 1: 3.0, 2: 1.0, 3: 0.5, 4: 2.0}
+    long = st.long.copy()
+    rows = long["metric"].astype(str) == "clip_frac"
+    long.loc[rows, "value"] *= long.loc[rows, "run_id"].astype(str).map(seed_of).map(factor).to_numpy()
+    st.long = long
+    first = scorecard.claim_c2(st).evidence[0]
+    assert first.n == "5 seeds, paired" and first.estimate == pytest.approx(20.0, rel=0.05), first
+    assert 15 < first.low <= first.high < 27, first
