@@ -26,13 +26,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
 from analysis import regime, vocab
-from analysis.stats import CI, group_columns, mean_band, mean_ci, metric_rows, run_info, run_slices, training_rows
+from analysis.stats import (
+    CI,
+    group_columns,
+    mean_band,
+    mean_ci,
+    mean_difference,
+    metric_rows,
+    run_info,
+    run_slices,
+    training_rows,
+)
 from analysis.tidy import COMPUTE, SEED, STEP, VALUE
 
 UNIT = SEED
@@ -127,6 +138,66 @@ def simultaneous(samples: Sequence[Sequence[float] | np.ndarray], *, confidence:
     level = 1 - (1 - confidence) / max(m, 1)
     mean, low, high, n = mean_band(mat, confidence=level)
     return [CI(float(e), float(lo), float(hi), int(k), level) for e, lo, hi, k in zip(mean, low, high, n, strict=True)]
+
+
+def arm_gap(x: np.ndarray, y: np.ndarray, x_by_seed: Mapping | None, y_by_seed: Mapping | None) -> dict[str, Any]:
+    """One gap of a family, arm x minus arm y: paired by seed (`paired_difference`) when both arms ran the same seeds
+    (two or more, one run each: `x_by_seed` / `y_by_seed` not None), else Welch over their runs (`x`, `y`).
+
+    Keys: estimate, low, high, n ("N seeds, paired" or "N vs M"), pairing, p (the paired or Welch t test), and the
+    private `_diffs` (the paired differences) and `_xy` that `read_as_family` consumes."""
+    paired = None
+    if x_by_seed is not None and y_by_seed is not None and set(x_by_seed) == set(y_by_seed) and len(x_by_seed) >= 2:
+        paired = paired_difference(x_by_seed, y_by_seed)
+    if paired is not None and paired.ci.n >= 2:
+        d, p, diffs = paired.ci, paired.p_value, paired.differences
+        how, n = f"paired by {UNIT}", f"{paired.ci.n} seeds, paired"
+    else:
+        d, how = mean_difference(x, y), "unpaired (Welch)"
+        xf, yf = x[np.isfinite(x)], y[np.isfinite(y)]
+        p = float(sps.ttest_ind(xf, yf, equal_var=False).pvalue) if min(xf.size, yf.size) > 1 else np.nan
+        diffs, n = (), f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"
+    return {
+        "estimate": d.estimate,
+        "low": d.low,
+        "high": d.high,
+        "n": n,
+        "pairing": how,
+        "p": p,
+        "_diffs": diffs,
+        "_xy": (x, y),
+    }
+
+
+FAMILY = (
+    "exploratory, family of {n}, Holm-adjusted (simultaneous intervals: Bonferroni, each at {level:.4g}%); unit of "
+    "replication: {unit}"
+)
+"""The `family` column of a table of gaps read as one family (Figures 8 and 9): how the table is to be read."""
+
+
+def read_as_family(rows: list[dict[str, Any]]) -> None:
+    """`arm_gap` rows read together as one exploratory family: `p_holm` (`holm` over the rows with a p-value) and
+    the simultaneous intervals (`simultaneous`, Bonferroni over the paired rows' differences; a Welch row gets its
+    interval at the same per-interval level); each row's `family` says so. In place; the private keys are dropped."""
+    m = int(sum(np.isfinite(r["p"]) for r in rows))
+    for r, adj in zip(rows, holm([r["p"] for r in rows]), strict=True):
+        r["p_holm"] = float(adj)
+    level = 1 - 0.05 / max(m, 1)
+    paired = [r for r in rows if len(r["_diffs"]) >= 2]
+    for r, ci in zip(paired, simultaneous([r["_diffs"] for r in paired]), strict=True):
+        r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+    for r in rows:
+        x, y = r.pop("_xy")
+        if "simultaneous_low" not in r:  # unpaired: Welch's interval at the family's per-interval level
+            ci = mean_difference(x, y, confidence=level)
+            r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
+        r.pop("_diffs")
+        r["family"] = FAMILY.format(
+            n=m,
+            level=100 * level,
+            unit=f"{UNIT} (the arms of a seed share prompts, cold start and evaluation sampling)",
+        )
 
 
 # --- the window -------------------------------------------------------------------------------------------------------

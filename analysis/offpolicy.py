@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
 
 from analysis import collapse, design, gain, regime, scorecard, stats, style, vocab
 from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
@@ -212,19 +211,8 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, ka: tuple, kb: tuple) -> dict[str, Any]:
         """minuend arm `ka` minus subtrahend arm `kb` ((model, algorithm, M)): paired by seed when both arms ran the
         same seeds (two or more, one run each), else Welch."""
-        x, y = of(quantities[q], *ka), of(quantities[q], *kb)
-        sx, sy = by_seed(quantities[q], *ka), by_seed(quantities[q], *kb)
-        paired = None
-        if sx is not None and sy is not None and set(sx) == set(sy) and len(sx) >= 2:
-            paired = design.paired_difference(sx, sy)
-        if paired is not None and paired.ci.n >= 2:
-            d, p, diffs, how = paired.ci, paired.p_value, paired.differences, design.UNIT
-            n = f"{d.n} seeds, paired"
-        else:
-            d, how = stats.mean_difference(x, y), "unpaired (Welch)"
-            xf, yf = x[np.isfinite(x)], y[np.isfinite(y)]
-            p = float(sps.ttest_ind(xf, yf, equal_var=False).pvalue) if min(xf.size, yf.size) > 1 else np.nan
-            diffs, n = (), f"{np.isfinite(x).sum()} vs {np.isfinite(y).sum()}"
+        v = quantities[q]
+        gap = design.arm_gap(of(v, *ka), of(v, *kb), by_seed(v, *ka), by_seed(v, *kb))
         return {
             "comparison": what,
             "minuend": a,
@@ -233,14 +221,7 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
             axis: m,
             "volatility": x_of[m],
             "quantity": q,
-            "estimate": d.estimate,
-            "low": d.low,
-            "high": d.high,
-            "n": n,
-            "pairing": f"paired by {how}" if how == design.UNIT else how,
-            "p": p,
-            "_diffs": diffs,
-            "_xy": (x, y),
+            **gap,
         }
 
     rows = []
@@ -252,7 +233,7 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
             what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
             rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, (DENSE, dense_alg, m), (DENSE, dense_alg, m0)))
-    _family(rows)
+    design.read_as_family(rows)
     gap_cols = [
         "comparison",
         "minuend",
@@ -349,37 +330,6 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
                     )
         tables["collapse_rate"] = pd.DataFrame(rows)
     return tables
-
-
-FAMILY = (
-    "exploratory, family of {n}, Holm-adjusted (simultaneous intervals: Bonferroni, each at {level:.4g}%); unit of "
-    "replication: {unit}"
-)
-"""The `family` column of Figure 9's gaps: how the table is to be read."""
-
-
-def _family(rows: list[dict[str, Any]]) -> None:
-    """The gaps read together as one exploratory family: `p_holm` (design.holm over the rows with a p-value) and the
-    simultaneous intervals (design.simultaneous, Bonferroni over the paired rows' differences; a Welch row gets its
-    interval at the same per-interval level); each row's `family` says so. In place."""
-    m = int(sum(np.isfinite(r["p"]) for r in rows))
-    for r, adj in zip(rows, design.holm([r["p"] for r in rows]), strict=True):
-        r["p_holm"] = float(adj)
-    level = 1 - 0.05 / max(m, 1)
-    paired = [r for r in rows if len(r["_diffs"]) >= 2]
-    for r, ci in zip(paired, design.simultaneous([r["_diffs"] for r in paired]), strict=True):
-        r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
-    for r in rows:
-        x, y = r.pop("_xy")
-        if "simultaneous_low" not in r:  # unpaired: Welch's interval at the family's per-interval level
-            ci = stats.mean_difference(x, y, confidence=level)
-            r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
-        r.pop("_diffs")
-        r["family"] = FAMILY.format(
-            n=m,
-            level=100 * level,
-            unit=f"{design.UNIT} (the arms of a seed share prompts, cold start and evaluation sampling)",
-        )
 
 
 # --- the outcome ------------------------------------------------------------------------------------------------------

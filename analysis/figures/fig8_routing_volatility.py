@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import gain, stats, style, vocab
+from analysis import design, gain, stats, style, vocab
 from analysis.figures.common import (
     Made,
     MissingData,
@@ -25,7 +25,7 @@ from analysis.figures.common import (
     routed,
     select,
 )
-from analysis.tidy import ALGORITHM, RUN_ID, Study
+from analysis.tidy import ALGORITHM, RUN_ID, SEED, Study
 
 
 def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, pd.DataFrame]:
@@ -34,9 +34,11 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     - `volatility`: the configuration's routing volatility: each run's mean routing_slot_mismatch over its steps, then
       the mean over every run of the configuration (all algorithms) with a 95% t interval over runs;
     - `gaps`: per comparison the claims make (scorecard.comparison_pairs: C1 GSPO minus the GRPO baseline, C3 and C4
-      the Routing Replay partner minus the algorithm), the difference of seed means of the final reward (each run's
-      mean over its last `frac` of steps) and, when runs evaluated their start, of the held-out gain (last evaluation
-      of eval_in_dist minus step 0): estimate and 95% Welch t interval (independent groups);
+      the Routing Replay partner minus the algorithm), the gap in final reward (`design.compute_window`: each run's
+      mean over the last `frac` of its compute) and, when runs evaluated their start, in held-out gain (last
+      evaluation of eval_in_dist minus step 0): `design.arm_gap`, paired by seed where both arms ran the same seeds,
+      else Welch, with its 95% interval; the gaps read as one exploratory family (`design.read_as_family`: Holm's
+      p-values, simultaneous intervals);
     - `routing_load`: per algorithm, the mean over steps per run, then over seeds (95% interval), of
       expert_load_imbalance and router_entropy (the metrics present).
     """
@@ -53,7 +55,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     keys, cfg_of = _configurations(study, axes)
 
     def per_config(per_run: pd.DataFrame) -> pd.DataFrame:
-        t = per_run[[RUN_ID, ALGORITHM, "value"]].copy()
+        t = per_run[[RUN_ID, ALGORITHM, SEED, "value"]].copy()
         t["config"] = t[RUN_ID].astype(str).map(cfg_of)
         t[ALGORITHM] = t[ALGORITHM].astype(str)
         return t.dropna(subset=["config"]).astype({"config": int})
@@ -79,7 +81,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
 
     present = sorted(set(study.runs.loc[~study.runs["state"].isin(["failed", "unknown"]), ALGORITHM].astype(str)))
     pairs = scorecard.comparison_pairs(present)
-    quantities = {"final reward": per_config(stats.final_window(study.long, vocab.REWARD, frac=frac))}
+    quantities = {"final reward": per_config(design.compute_window(study.long, vocab.REWARD, frac=frac))}
     if vocab.EVAL_IN_DIST in study.metrics:
         gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
         if len(gains):
@@ -88,9 +90,12 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     for (a, b, claim), (i, _key) in itertools.product(pairs, enumerate(keys)):
         for what, t in quantities.items():
             in_cfg = t[t["config"] == i]
-            x = in_cfg.loc[in_cfg[ALGORITHM] == a, "value"].to_numpy()
-            y = in_cfg.loc[in_cfg[ALGORITHM] == b, "value"].to_numpy()
-            d = stats.mean_difference(x, y)
+            arms = [in_cfg[in_cfg[ALGORITHM] == name] for name in (a, b)]
+            x, y = (arm["value"].to_numpy(np.float64) for arm in arms)
+            x_by, y_by = (
+                None if arm[SEED].duplicated().any() else dict(zip(arm[SEED], arm["value"].astype(float), strict=True))
+                for arm in arms
+            )
             rows.append(
                 {
                     "config": label(i),
@@ -99,13 +104,28 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
                     "minuend": a,
                     "subtrahend": b,
                     "quantity": what,
-                    "estimate": d.estimate,
-                    "low": d.low,
-                    "high": d.high,
-                    "n": f"{len(x)} vs {len(y)}",
+                    **design.arm_gap(x, y, x_by, y_by),
                 }
             )
-    gap_cols = ["config", "comparison", "claim", "minuend", "subtrahend", "quantity", "estimate", "low", "high", "n"]
+    design.read_as_family(rows)
+    gap_cols = [
+        "config",
+        "comparison",
+        "claim",
+        "minuend",
+        "subtrahend",
+        "quantity",
+        "estimate",
+        "low",
+        "high",
+        "n",
+        "pairing",
+        "p",
+        "p_holm",
+        "simultaneous_low",
+        "simultaneous_high",
+        "family",
+    ]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
     rows = []
@@ -227,14 +247,16 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
         "the table). x: the configuration's routing volatility, the expert-slot mismatch mean(1 - |S_old & S_new| / "
         "k) between the routing before and after an update (routing_slot_mismatch, measured alongside under replay), "
         "the mean over steps per run then over every run of the configuration, with its 95% t interval over "
-        f"runs. Top: {comparisons or 'no two compared algorithms are both in the study'}; the difference of seed "
-        f"means of the final reward (each run's mean over its last {frac:.0%} of steps)"
+        f"runs. Top: {comparisons or 'no two compared algorithms are both in the study'}; the gap in final reward "
+        f"(each run's mean over the last {frac:.0%} of its compute)"
         + (
-            " and of the held-out gain (the run's last evaluation of eval_in_dist minus its step-0 one)"
+            " and in held-out gain (the run's last evaluation of eval_in_dist minus its step-0 one)"
             if what
             else "; no held-out gain (no run evaluated its start at step 0)"
         )
-        + ", with 95% Welch t intervals (independent groups). Bottom: expert load "
+        + ", with 95% t intervals paired by seed where both arms ran the same seeds (a seed's arms share prompts, "
+        "cold start and evaluation sampling; Welch where they differ); exploratory: the table `gaps` reads them as one "
+        "family, with Holm-adjusted p-values and simultaneous intervals. Bottom: expert load "
         "imbalance (most tokens on one expert over the mean per expert, 1 = balanced) and router entropy per "
         "algorithm, the mean over steps per run then over seeds (95% interval), drawn side by side at their "
         "configuration's volatility: what the volatility is read against. The report lists C3 and C4 per "

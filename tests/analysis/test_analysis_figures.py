@@ -257,6 +257,10 @@ def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_s
     c4 = gaps[(gaps["claim"] == "C4") & (gaps["quantity"] == "final reward")]
     assert (c4["low"] < 0.02).all() and (c4["estimate"].abs() < 0.02).all()  # GSPO: no gap at any volatility
     assert set(gaps["quantity"]) == {"final reward", "held-out gain"}
+    # a seed's arms are paired; the gaps are one exploratory family (Holm never below the raw p-value)
+    assert (gaps["pairing"] == "paired by seed").all() and (gaps["n"] == "3 seeds, paired").all()
+    assert (gaps["p_holm"] >= gaps["p"] - 1e-12).all() and gaps["family"].str.startswith("exploratory, family").all()
+    assert ((gaps["simultaneous_low"] <= gaps["low"]) & (gaps["simultaneous_high"] >= gaps["high"])).all()
     assert set(load["metric"]) == {"expert_load_imbalance", "router_entropy"} and (load["n"] == 3).all()
     imb = load[(load["metric"] == "expert_load_imbalance") & (load["algorithm"] == "grpo_rr")]["mean"]
     assert imb.is_monotonic_increasing
