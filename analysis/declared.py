@@ -241,8 +241,8 @@ class Confirmation:
     p_value: float
     deviations: tuple[str, ...]
     verdict: str
-    """supported / contradicted / inconclusive at the declared alpha and direction; "exploratory: ..." when the
-    runs deviate from the declaration."""
+    """supported / contradicted / inconclusive (`read`: about the declared gap); "exploratory: ..." when the runs
+    deviate from the declaration."""
     reading: str = ""
     """The verdict read off the interval and p-value (supported / contradicted / inconclusive), without the
     "exploratory" prefix that deviations add to `verdict`."""
@@ -270,18 +270,34 @@ def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None)
         est = stats.mean_difference(x, y)
         test = sps.ttest_ind(x, y, equal_var=False, alternative=c.alternative)
         p = float(test.pvalue) if min(x.size, y.size) > 1 else np.nan
-    if not np.isfinite(p):
-        verdict = "inconclusive"
-    elif p < c.alpha and (c.alternative != "two-sided" or np.sign(est.estimate) == np.sign(c.threshold)):
-        verdict = "supported"
-    elif p < c.alpha:
-        verdict = "contradicted"
-    else:
-        verdict = "inconclusive"
-    reading = verdict
+    reading = verdict = read(p, est, c)
     if devs:
         verdict = f"exploratory ({verdict}): the runs deviate from the declaration ({len(devs)} deviation(s))"
     return Confirmation(c, paired, est, float(p), devs, verdict, reading)
+
+
+READING = (
+    "supported: the test at the declared alpha rejects no difference, with the declared gap's sign; contradicted: the "
+    "95% interval of treatment - control excludes the declared gap (the data rule out a gap as large as the one the "
+    "comparison was sized to detect, an opposite difference included); inconclusive: neither"
+)
+"""How a declared comparison is read (`read`): about its declared gap, not about the claim it is filed under."""
+
+
+def read(p: float, est: Any, c: Comparison) -> str:
+    """supported / contradicted / inconclusive (READING) from the test's p-value and the interval `est`."""
+    same_sign = c.alternative != "two-sided" or np.sign(est.estimate) == np.sign(c.threshold)
+    if np.isfinite(p) and p < c.alpha and same_sign:
+        return "supported"
+    short = est.high < c.threshold if c.threshold > 0 else est.low > c.threshold
+    if np.isfinite(est.low) and np.isfinite(est.high) and short:
+        return "contradicted"
+    return "inconclusive"
+
+
+def hypothesis(c: Comparison) -> str:
+    """The declared gap in words, e.g. "test_in_dist (gain) algorithm=grpo - algorithm=grpo_rr = +0.1"."""
+    return f"{c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control} = {c.threshold:+g}"
 
 
 def family(confirmations: Sequence[Confirmation]) -> list[float]:
@@ -296,8 +312,10 @@ __all__ = [
     "declared",
     "deviations",
     "family",
+    "hypothesis",
     "power_paired",
     "power_unpaired",
+    "read",
     "seeds_for_power",
     "sizing",
     "window_values",

@@ -244,6 +244,8 @@ class ClaimResult:
         tested in regime" unprefixed (no reading at all)."""
         if self.verdict == NOT_IN_REGIME:
             return self.verdict
+        if self.declared:  # the verdict is the declared comparison's, about its declared gap (declared.READING)
+            return f"{self.role}, declared {self.declared}: declared gap {self.verdict}"
         return f"{self.role}: {self.verdict}"
 
     @property
@@ -262,7 +264,7 @@ class ClaimResult:
     def label(self) -> str:
         """The reading with its reason when inconclusive or not tested in regime, e.g. "exploratory: inconclusive:
         not in this study (gspo absent)"."""
-        if self.verdict in (INCONCLUSIVE, NOT_IN_REGIME) and self.reason:
+        if (self.verdict in (INCONCLUSIVE, NOT_IN_REGIME) or self.declared) and self.reason:
             return f"{self.reading}: {self.reason}"
         return self.reading
 
@@ -955,7 +957,8 @@ DECLARED_RULE = (
     "Decided from the sweep file's declared comparison(s) only (analysis.declared.confirm): the declared metric and "
     "window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch when "
     "declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
-    "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). Runs that deviate from "
+    "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). The verdict is about "
+    "the declared gap, not the claim it is filed under: " + declared_.READING + ". Runs that deviate from "
     "the declaration make the verdict exploratory, with each deviation listed."
 )
 
@@ -977,11 +980,13 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
             nan = stats.CI(np.nan, np.nan, np.nan, 0)
             confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
     adjusted = declared_.family(confs) if len(confs) > 1 else [c.p_value for c in confs]
-    verdicts, evidence = [], []
+    verdicts, evidence, sentences = [], [], []
     for conf, p in zip(confs, adjusted, strict=True):
         c = conf.comparison
         est = conf.estimate
-        verdicts.append(_declared_verdict(p, c, est.estimate) if len(confs) > 1 else conf.reading)
+        verdicts.append(declared_.read(p, est, c) if len(confs) > 1 else conf.reading)
+        if c.name not in unread:
+            sentences.append(_declared_sentence(conf, p, verdicts[-1]))
         pair = f"{est.n} seeds, paired" if c.pairing == "seed" else f"{est.n} runs, unpaired"
         name = f"{c.name}: {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
         if c.name in unread:
@@ -998,7 +1003,9 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
         verdict=conjunction(verdicts) if len(verdicts) > 1 else verdicts[0],
         rule=f"{DECLARED_RULE} Exploratory reading, for reference: {res.rule}",
         evidence=evidence,
-        reason=f"the exploratory reading of the whole study: {res.verdict}"
+        reason="; ".join(sentences)
+        + ("; " if sentences else "")
+        + f"the exploratory reading of the whole study: {res.verdict}"
         + (f" ({res.reason})" if res.reason else ""),
         strata=[],
         split=splits.pop() if len(splits) == 1 else TEST if TEST in splits else VALIDATION,
@@ -1010,14 +1017,17 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
     )
 
 
-def _declared_verdict(p: float, c: declared_.Comparison, estimate: float) -> str:
-    """A declared comparison's verdict at its alpha and direction from its (adjusted) p-value (declared.confirm's
-    rule)."""
-    if not np.isfinite(p) or p >= c.alpha:
-        return INCONCLUSIVE
-    if c.alternative != "two-sided" or np.sign(estimate) == np.sign(c.threshold):
-        return SUPPORTED
-    return CONTRADICTED
+def _declared_sentence(conf: declared_.Confirmation, p: float, verdict: str) -> str:
+    """What the declared comparison found, in words: its declared gap, the interval and the test."""
+    c, est = conf.comparison, conf.estimate
+    interval = f"{est.estimate:+.3g} [{est.low:+.3g}, {est.high:+.3g}]"
+    if verdict == SUPPORTED:
+        found = f"a difference with the declared gap's sign, {interval}, p = {p:.3g} < {c.alpha:g}"
+    elif verdict == CONTRADICTED:
+        found = f"the 95% interval {interval} excludes the declared gap (p = {p:.3g} against no difference)"
+    else:
+        found = f"{interval}: neither a difference at alpha {c.alpha:g} (p = {p:.3g}) nor the declared gap excluded"
+    return f"{c.name} declared {declared_.hypothesis(c)}: {found}"
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:

@@ -298,9 +298,12 @@ def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None)
             number = str(c.evidence[0])
         else:
             number = c.reason
-        why = f" ({c.reason})" if c.verdict == scorecard.INCONCLUSIVE and c.reason and number != c.reason else ""
+        shown = c.verdict == scorecard.INCONCLUSIVE or c.declared  # a declared verdict says what it is about
+        why = f" ({c.reason})" if shown and c.reason and number != c.reason else ""
         paper = f"; {c.paper}" if c.paper else ""
         text = f"{c.statement} \u2014 {number}{why}{paper} [{c.design}]"
+        if c.declared:  # the verdict is about the declared gap: it leads, the claim it is filed under follows
+            text = f"{c.reason}; filed under {c.claim}: \u201c{c.statement}\u201d{paper} [{c.design}]"
         out.append((css_class(c.verdict), f"{c.claim} {c.reading}:", text))
     return out
 

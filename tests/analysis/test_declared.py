@@ -77,6 +77,30 @@ def test_runs_that_match_the_declaration_have_no_deviation_and_are_read_as_decla
 
 
 @pytest.mark.parametrize(
+    ("gaps", "threshold", "expected"),
+    [
+        ((0.0, 0.01, -0.01, 0.02, -0.02, 0.0), 0.1, "contradicted"),  # a null: the interval excludes +0.1
+        ((0.0, 0.01, -0.01, 0.02, -0.02, 0.0), -0.1, "contradicted"),  # likewise a declared -0.1
+        ((0.0, 0.2, -0.2, 0.3, -0.25, 0.1), 0.1, "inconclusive"),  # too noisy to exclude 0.1 or to find a gap
+        ((-0.1, -0.12, -0.09, -0.11, -0.1, -0.1), 0.1, "contradicted"),  # significant, the other way
+        ((0.1, 0.12, 0.09, 0.11, 0.1, 0.1), 0.1, "supported"),
+        ((0.03, 0.04, 0.02, 0.03, 0.035, 0.025), 0.1, "supported"),  # a gap with the declared sign, smaller
+    ],
+)
+def test_a_declared_gap_is_read_as_declared_a_null_that_excludes_it_included(gaps, threshold, expected) -> None:
+    """Paired differences per seed -> the reading about the declared gap (declared.READING)."""
+    seeds = list(range(len(gaps)))
+    c = declared.Comparison.from_entry({**ENTRY, "seeds": seeds, "threshold": threshold})
+    rows = []
+    for s, d in zip(seeds, gaps, strict=True):
+        base = 0.1 + 0.05 * s  # the seed moves both arms alike
+        rows += [("grpo", s, base + d), ("grpo_rr", s, base)]
+    long = pd.concat([runs_long({a: [s]}, {a: v}).assign(run_id=f"{a}-{s}") for a, s, v in rows], ignore_index=True)
+    got = declared.confirm(long, c)
+    assert got.reading == expected, (got.estimate, got.p_value)
+
+
+@pytest.mark.parametrize(
     ("arms", "runs_state", "change", "expected"),
     [
         ({"grpo": [0, 1, 2, 3], "grpo_rr": [0, 1, 2, 3]}, None, {}, "arm 'grpo': seed(s) [3] were not declared"),

@@ -447,4 +447,4 @@ def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_rep
     assert "C3 (replay_cost_grpo)" in text and "declared seed(s) [3] have no usable run" in text
     assert "ul.headline li.deviation{" in page and "deviates from the declaration:" in page
     assert "- **Deviation from the declared comparison:**" in md.split("## Headline")[1].split("\n")[2]
-    assert "- **C3 exploratory: " in md and "- **C1 exploratory: " in md
+    assert "- **C3 exploratory, declared replay_cost_grpo: " in md and "- **C1 exploratory: " in md

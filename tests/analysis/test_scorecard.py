@@ -451,8 +451,15 @@ def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(
     assert not conf.deviations and c3.verdict == conf.reading == SUPPORTED  # grpo's gain is far below grpo_rr's
     assert (c3.role, c3.split, c3.pairing, c3.declared) == ("primary", "validation", scorecard.PAIRED, comp.name)
     assert c3.evidence[0].estimate == pytest.approx(conf.estimate.estimate) and "paired" in c3.evidence[0].n
-    assert c3.label.startswith("primary: supported") and scorecard.DECLARED_RULE in c3.rule
-    assert c3.reason.startswith("the exploratory reading of the whole study: ")  # its old reading, for reference
+    assert (
+        c3.label.startswith("primary, declared replay_cost_grpo: declared gap supported")
+        and scorecard.DECLARED_RULE in c3.rule
+    )
+    # the reason names the declared gap the verdict is about, then the old reading, for reference
+    assert c3.reason.startswith(
+        "replay_cost_grpo declared eval_in_dist (gain) algorithm=grpo - algorithm=grpo_rr = -0.1"
+    )
+    assert "the exploratory reading of the whole study: " in c3.reason
     # undeclared claims: exploratory, labelled so, with their split and pairing
     assert c1.role == "exploratory" and c1.label.startswith("exploratory: ") and c1.split == "train"
     assert "unit of replication" in c1.pairing and "no declared comparison" in c1.design
@@ -465,7 +472,8 @@ def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headlin
     cards = scorecard.scorecard(st, comparisons=[_declared((0, 1, 2, 3))])  # seed 3 was never run
     c3 = {r.claim: r for r in cards}["C3"]
     assert c3.role == "exploratory" and any("[3]" in d for d in c3.deviations)
-    assert c3.label.startswith("exploratory: ") and "the runs deviate from replay_cost_grpo" in c3.design
+    assert c3.label.startswith("exploratory, declared replay_cost_grpo: ")
+    assert "the runs deviate from replay_cost_grpo" in c3.design
     head = sections.headline(cards, st)
     assert head[0][0] == "deviation" and "C3" in head[0][2] and "[3]" in head[0][2]
     table = scorecard.scorecard_table(cards).set_index("claim")
