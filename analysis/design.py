@@ -169,6 +169,19 @@ def arm_gap(x: np.ndarray, y: np.ndarray, x_by_seed: Mapping | None, y_by_seed: 
     }
 
 
+GAP_COLUMNS = (
+    "estimate",
+    "low",
+    "high",
+    "n",
+    "pairing",
+    "p",
+    "p_holm",
+    "simultaneous_low",
+    "simultaneous_high",
+    "family",
+)
+"""The columns an `arm_gap` row has after `read_as_family`, in a table's order."""
 FAMILY = (
     "exploratory, family of {n}, Holm-adjusted (simultaneous intervals: Bonferroni, each at {level:.4g}%); unit of "
     "replication: {unit}"

@@ -242,16 +242,7 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         axis,
         "volatility",
         "quantity",
-        "estimate",
-        "low",
-        "high",
-        "n",
-        "pairing",
-        "p",
-        "p_holm",
-        "simultaneous_low",
-        "simultaneous_high",
-        "family",
+        *design.GAP_COLUMNS,
     ]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 

@@ -115,16 +115,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
         "minuend",
         "subtrahend",
         "quantity",
-        "estimate",
-        "low",
-        "high",
-        "n",
-        "pairing",
-        "p",
-        "p_holm",
-        "simultaneous_low",
-        "simultaneous_high",
-        "family",
+        *design.GAP_COLUMNS,
     ]
     gaps = pd.DataFrame(rows, columns=gap_cols)
 
