@@ -533,6 +533,23 @@ def _raise_cancelled(signum: int, frame: Any) -> None:
     raise Cancelled(signum)
 
 
+def _resources(args: argparse.Namespace, *, cpus: int, gpu_mem_gb: float = 0.0) -> Resources:
+    """The job's Resources from the command line's options (Resources validates them)."""
+    return Resources(
+        partition=args.partition,
+        account=args.account,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        tasks_per_node=args.tasks_per_node,
+        gpu_mem_gb=gpu_mem_gb,
+        time_min=args.time_min,
+        mem_gb=args.mem_gb,
+        cpus=cpus,
+        max_timeouts=args.max_timeouts,
+        signal_delay_s=args.signal_delay_s,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m study.launch", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -618,18 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank_check:
         try:
-            res = Resources(
-                partition=args.partition,
-                account=args.account,
-                gpus=args.gpus,
-                nodes=args.nodes,
-                tasks_per_node=args.tasks_per_node,
-                time_min=args.time_min,
-                mem_gb=args.mem_gb,
-                cpus=args.cpus or 1,
-                max_timeouts=args.max_timeouts,
-                signal_delay_s=args.signal_delay_s,
-            )
+            res = _resources(args, cpus=args.cpus or 1)  # no run: no fit check
             if args.launcher == "slurm":
                 slurm_nodes(res.partition)
             views = launch_rank_check(args.results, args.launcher, res, backend=args.rank_check_backend)
@@ -664,19 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = cfg.replace(rollout_runtime={**cfg.rollout_runtime, **runtime})  # validated; same run id
         if cfg is not None:
             tracking = study_tracking(args.config, parse_trackers(args.trackers), args.study).to_dict()
-        res = Resources(
-            partition=args.partition,
-            account=args.account,
-            gpus=args.gpus,
-            nodes=args.nodes,
-            tasks_per_node=args.tasks_per_node,
-            gpu_mem_gb=args.gpu_mem_gb,
-            time_min=args.time_min,
-            mem_gb=args.mem_gb,
-            cpus=args.cpus or (cfg.threads if cfg else 1),
-            max_timeouts=args.max_timeouts,
-            signal_delay_s=args.signal_delay_s,
-        )
+        res = _resources(args, cpus=args.cpus or (cfg.threads if cfg else 1), gpu_mem_gb=args.gpu_mem_gb)
         if cfg is not None:
             res = layout_ranks(cfg, res)
             check_resources(cfg, args.launcher, res)  # before any job is asked for
