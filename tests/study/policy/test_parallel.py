@@ -356,6 +356,16 @@ def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2
     return Path(one), tmp_path / "layout" / "runs" / load_config(preset="tiny", sets=[*sets, *layout]).run_id
 
 
+def assert_same_run(a, b, close: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    """Two steps' metrics of the one-process run `a` and a layout's `b`: steps, rewards, lengths, clip fractions and
+    token counts equal; the `close` columns equal to rounding (NaN equal to NaN: a step without signal)."""
+    assert list(a["step"]) == list(b["step"]) == [1, 2]
+    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
+        assert list(a[column]) == list(b[column]), column
+    for column in close:
+        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
+
+
 @pytest.mark.slow
 def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     # Two GRPO + Routing Replay steps at EP 2 (dense weights data parallel over the same two ranks) against the same
@@ -372,11 +382,8 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     cfg = load_config(preset="tiny", sets=[*sets, *layout])
     assert str(one).endswith(cfg.run_id)  # the layout is not in the run id
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
-    assert list(a["step"]) == list(b["step"]) == [1, 2]
-    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
-        assert list(a[column]) == list(b[column]), column
-    for column in ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est"):
-        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
+    close = ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est")
+    assert_same_run(a, b, close)
     assert (a["grad_norm"] > 0).any() and (
         a["reward_mean"] > 0
     ).any()  # a real update (which steps: test_rl.py::cpu_kind)
