@@ -713,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run through the module's import name, so that the pickled `Run` is `study.launch.Run`, not `__main__.Run`.
+    from study.core.hugepages import reexec
     from study.launch import main as _main
 
+    reexec()  # once, with malloc's transparent huge pages (study/core/hugepages.py); the jobs inherit it
     sys.exit(_main())

@@ -1,7 +1,7 @@
 """The run directory, the contract analysis reads: results/runs/{run_id}/
 
     config.yaml        the resolved RunConfig
-    manifest.json      run id, git sha, package versions, seed, host, threads, job id, start time
+    manifest.json      run id, git sha, package versions, seed, host, threads, memory pages, job id, start time
     status.json        {"state": running | completed | collapsed | failed | stopped, "step": ..., "reason"/"error": ...}
                        (stopped: halted on purpose before its last step, e.g. a pruned tuning trial; resumable)
     metrics.parquet    one row per step (study.run.metrics.STEP_METRICS)
@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from study.core import bounded
+from study.core import bounded, hugepages
 from study.core.bounded import json_problem as json_problem  # where a text stops being JSON
 from study.core.files import FILE_MODE, atomic_write
 from study.core.files import WriteError as WriteError  # the error of every write of a run's files
@@ -431,6 +431,7 @@ def manifest(seed: int, threads: int) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
+        "memory_pages": hugepages.describe(),  # the heap's page size: a run's speed depends on it, not its numbers
         "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_JOB_ID"),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

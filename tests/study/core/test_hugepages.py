@@ -1,0 +1,96 @@
+"""The entry points' re-execution with malloc's transparent huge pages (study/core/hugepages.py): when it happens,
+what it keeps (the PID, the command line, the user's other tunables), and that a run's manifest records it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from study.core import hugepages
+
+LINUX = {"platform": "linux", "glibc": (2, 36), "mode": "madvise"}
+
+
+def test_it_re_executes_on_a_linux_glibc_with_transparent_huge_pages() -> None:
+    assert hugepages.reason({}, **LINUX) is None
+    assert hugepages.reason({}, **{**LINUX, "mode": "always"}) is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "machine", "why"),
+    [
+        ({"STUDY_HUGEPAGES": "0"}, {}, "STUDY_HUGEPAGES=0"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, "already sets"),  # the user's value stands
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, "already sets"),  # what ends the re-execution
+        ({}, {"platform": "darwin"}, "not Linux"),
+        ({}, {"glibc": (2, 31)}, "glibc 2.31; the tunable needs glibc >= 2.35"),
+        ({}, {"glibc": None}, "another C library"),
+        ({}, {"mode": "never"}, "are never"),
+        ({}, {"mode": None}, "are absent"),
+    ],
+)
+def test_it_stays_put_where_the_tunable_cannot_help_or_was_decided(environ, machine, why) -> None:  # type: ignore[no-untyped-def]
+    assert why in (hugepages.reason(environ, **{**LINUX, **machine}) or "")
+
+
+def test_the_users_other_tunables_are_kept() -> None:
+    env = hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "HOME": "/h"}
+    assert hugepages.tunable_value(env) == "1"
+    assert hugepages.environment({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path: Path) -> None:
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert hugepages.thp_mode(mode) == "madvise"
+    assert hugepages.thp_mode(tmp_path / "missing") is None
+
+
+PROBE = """
+import os, sys
+from study.core import hugepages
+print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.flags.dont_write_bytecode, sys.argv[1:], flush=True)
+hugepages.reexec()
+print("done", flush=True)
+"""
+
+
+def _machine_allows() -> bool:
+    return hugepages.why_not({}) is None
+
+
+@pytest.mark.skipif(not _machine_allows(), reason=f"no re-execution here: {hugepages.why_not({})}")
+def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}
+    env["GLIBC_TUNABLES"] = "glibc.malloc.arena_max=4"
+    out = subprocess.run(
+        [sys.executable, "-B", "-c", PROBE, "a b", "--x"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    before, after, done = out.stdout.splitlines()
+    assert before.split(" ", 2)[2] == "1 ['a b', '--x']" and before.split()[1] == "glibc.malloc.arena_max=4"
+    assert after.split()[0] == before.split()[0], "exec keeps the PID (what SLURM and Snakemake watch)"
+    assert after.split()[1] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
+    assert after.split(" ", 2)[2] == before.split(" ", 2)[2], "the interpreter's options and the arguments survive"
+    assert done == "done"
+
+
+@pytest.mark.slow
+def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
+    cmd += ["--set", "coldstart=scratch", "--set", "steps=1", "--set", "eval_every=0", "--set", "checkpoint_every=0"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    pages = json.loads((run_dir / "manifest.json").read_text())["memory_pages"]
+    if _machine_allows():
+        assert pages.startswith("huge pages (glibc.malloc.hugetlb=1; THP "), pages
+    else:
+        assert pages.startswith("4 KiB pages ("), pages
