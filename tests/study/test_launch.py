@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from study import launch
+from study.core import hugepages
 from tests.shared import ROOT, needs_slurm, sharing_coldstart, smoke_config
 
 # Columns that measure the machine, not the computation.
@@ -313,8 +314,12 @@ def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_p
     run_dirs = sorted((study / "runs").iterdir())
     assert len(run_dirs) == 2 and all(state(d) == "completed" for d in run_dirs)
     for run_dir in run_dirs:
-        job_id = json.loads((run_dir / "manifest.json").read_text())["job_id"]
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        job_id = manifest["job_id"]
         assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
+        # the job inherits the launcher's huge-page re-execution (study/core/hugepages.py) through sbatch's environment
+        expected = "huge pages (" if hugepages.why_not({}) is None else "4 KiB pages ("
+        assert manifest["memory_pages"].startswith(expected), manifest["memory_pages"]
         assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()
         assert "submitted slurm job" in (run_dir / "run.log").read_text()
 
