@@ -5,7 +5,7 @@
 The routing study's shape (`tiny` with 4 layers, 64 experts, top-1, expert width 1024: 48M parameters): one
 minibatch update exactly as study/rl.py does it (benchmarks/steptimer.py `minibatch_update`: forward, backward,
 global-norm clip, AdamW), one thread. The two sides are two child processes started together, one with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what the entry points set, study/core/hugepages.py) and one with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what STUDY_HUGEPAGES=1 sets, study/core/hugepages.py) and one with
 STUDY_HUGEPAGES=0 and no tunable, so a change of the machine's speed during the window slows both alike. Each prints
 the median seconds of each phase over `--iters` updates after `--warmup`, the AnonHugePages its process holds, and
 a hash of its parameters after the updates: the two hashes are equal, the page size changes no number.

@@ -136,5 +136,5 @@ def study_tracking_of(cfg, trackers, study):  # type: ignore[no-untyped-def]
 if __name__ == "__main__":
     from study.core.hugepages import reexec
 
-    reexec()  # once, with malloc's transparent huge pages (study/core/hugepages.py)
+    reexec()  # STUDY_HUGEPAGES=1: once, with malloc on transparent huge pages (study/core/hugepages.py)
     sys.exit(main())

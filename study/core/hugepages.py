@@ -1,21 +1,21 @@
-"""Transparent huge pages for the process's heap: the entry points re-execute themselves once with glibc's
-`glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for 2 MiB pages (madvise MADV_HUGEPAGE).
+"""Transparent huge pages for the process's heap, on request: with STUDY_HUGEPAGES=1 the entry points re-execute
+themselves once with glibc's malloc tunables (`SETTINGS`), so that malloc asks the kernel for 2 MiB pages (madvise
+MADV_HUGEPAGE) and keeps freed memory for reuse instead of returning it.
 
-Why: a step of the routing study's shape (48M parameters, 64 experts, 32 optimizer steps per rollout batch) is
-memory-bound: every minibatch streams all parameters, gradients and AdamW's moments through the CPU, while the
-experts' matmuls are skinny (~20 rows). With 4 KiB pages every 4 KiB costs a TLB miss, and in a virtual machine
-(nested paging) a miss is a two-level page walk. Measured on this project's CI machine kind (2-core VM, one thread;
-`benchmarks/bench_hugepages.py`): fused AdamW over the 48M parameters 0.18-1.0 s with 4 KiB pages and 0.065 s with
-huge pages, a whole minibatch update 2.7-4.5x faster. The numbers a run computes are the same bit for bit (the same
-kernels on the same values; tests/study/test_rl.py's golden runs pass under it).
+What it changes, measured on this project's CI machine kind (2-core VM, one thread each; docs/performance.md,
+"Memory pages"): the policy update at the routing study's shape (48M parameters, 64 experts, ~20 rows per expert per
+minibatch) is memory-bound, and on huge pages a minibatch update is 2.8x faster side by side
+(`benchmarks/bench_hugepages.py`). Whole runs gain less or lose: fresh huge pages cost more to fault in, and the
+phases that allocate large buffers (the pi_old forward, the engine's weight sync) got slower, so at one hour a whole
+step was faster on huge pages and at another slower. Hence off unless asked for. The numbers a run computes are the
+same bit for bit (the same kernels on the same values).
 
 A tunable is read when the process starts, so it cannot be switched on from inside Python: `reexec` replaces the
-process by the same command line with the tunable in its environment (same PID, so SLURM, submitit and Snakemake
-see the same job), and its children inherit it. It does nothing, and costs nothing, where it cannot help or where
-it was decided already: not Linux or not glibc >= 2.35 (older glibc ignores the tunable), the kernel's THP mode
-`never`, GLIBC_TUNABLES already naming `glibc.malloc.hugetlb` (the user's value stands; this also ends the
-re-execution), or STUDY_HUGEPAGES=0. Python code that calls study.rl.run itself sets the variable before starting
-Python (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python ...`).
+process by the same command line with the tunables in its environment (same PID, so SLURM, submitit and Snakemake
+see the same job), and its children inherit them. It does nothing where it cannot help or was decided already: not
+Linux or not glibc >= 2.35 (older glibc ignores the tunable), the kernel's THP mode `never`, or GLIBC_TUNABLES
+already naming `glibc.malloc.hugetlb` (the user's value stands; this also ends the re-execution). Python code that
+calls study.rl.run itself sets the variable before starting Python (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
-OFF_VAR = "STUDY_HUGEPAGES"
-"""STUDY_HUGEPAGES=0: leave the process's pages as the machine has them."""
+SETTINGS = (f"{TUNABLE}=1",)
+"""The tunables the re-execution adds (GLIBC_TUNABLES entries)."""
+ON_VAR = "STUDY_HUGEPAGES"
+"""STUDY_HUGEPAGES=1: run on huge pages where the machine allows; unset or anything else: 4 KiB pages."""
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
 
@@ -68,8 +70,8 @@ def why_not(environ: Mapping[str, str]) -> str | None:
 
 def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] | None, mode: str | None) -> str | None:
     """`why_not` for a given platform, glibc (major, minor) and kernel THP mode."""
-    if environ.get(OFF_VAR, "") == "0":
-        return f"{OFF_VAR}=0"
+    if environ.get(ON_VAR, "") != "1":
+        return f"not asked for ({ON_VAR}=1 asks)"
     if tunable_value(environ) is not None:
         return f"GLIBC_TUNABLES already sets {TUNABLE}"
     if platform != "linux":
@@ -83,14 +85,16 @@ def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] 
 
 
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES (the other tunables kept)."""
+    """`environ` with `SETTINGS` added to GLIBC_TUNABLES (the user's tunables kept, theirs where both name one)."""
     tunables = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{TUNABLE}=1"])}
+    named = {item.partition("=")[0] for item in tunables}
+    added = [item for item in SETTINGS if item.partition("=")[0] not in named]
+    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, *added])}
 
 
 def reexec(argv: Sequence[str] | None = None) -> None:
     """Replace this process by `argv` (default: its own command line, interpreter options included) with the
-    tunable set, where `why_not` finds no reason against it; otherwise return."""
+    tunables set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=1 among them); otherwise return."""
     if why_not(os.environ) is not None:
         return
     argv = list(sys.orig_argv if argv is None else argv)

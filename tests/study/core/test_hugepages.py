@@ -1,5 +1,6 @@
-"""The entry points' re-execution with malloc's transparent huge pages (study/core/hugepages.py): when it happens,
-what it keeps (the PID, the command line, the user's other tunables), and that a run's manifest records it."""
+"""The entry points' re-execution with malloc's transparent huge pages on request (study/core/hugepages.py): when it
+happens, what it keeps (the PID, the command line, the user's other tunables), and that a run's manifest records
+which pages it ran on."""
 
 from __future__ import annotations
 
@@ -16,22 +17,26 @@ from study.core import hugepages
 LINUX = {"platform": "linux", "glibc": (2, 36), "mode": "madvise"}
 
 
-def test_it_re_executes_on_a_linux_glibc_with_transparent_huge_pages() -> None:
-    assert hugepages.reason({}, **LINUX) is None
-    assert hugepages.reason({}, **{**LINUX, "mode": "always"}) is None
+ASKED = {"STUDY_HUGEPAGES": "1"}
+
+
+def test_it_re_executes_when_asked_on_a_linux_glibc_with_transparent_huge_pages() -> None:
+    assert hugepages.reason(ASKED, **LINUX) is None
+    assert hugepages.reason(ASKED, **{**LINUX, "mode": "always"}) is None
 
 
 @pytest.mark.parametrize(
     ("environ", "machine", "why"),
     [
-        ({"STUDY_HUGEPAGES": "0"}, {}, "STUDY_HUGEPAGES=0"),
-        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, "already sets"),  # the user's value stands
-        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, "already sets"),  # what ends the re-execution
-        ({}, {"platform": "darwin"}, "not Linux"),
-        ({}, {"glibc": (2, 31)}, "glibc 2.31; the tunable needs glibc >= 2.35"),
-        ({}, {"glibc": None}, "another C library"),
-        ({}, {"mode": "never"}, "are never"),
-        ({}, {"mode": None}, "are absent"),
+        ({}, {}, "not asked for (STUDY_HUGEPAGES=1 asks)"),  # off unless asked: whole runs can be slower
+        ({"STUDY_HUGEPAGES": "0"}, {}, "not asked for"),
+        ({**ASKED, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, "already sets"),  # the user's value stands
+        ({**ASKED, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, "already sets"),  # what ends the re-execution
+        (ASKED, {"platform": "darwin"}, "not Linux"),
+        (ASKED, {"glibc": (2, 31)}, "glibc 2.31; the tunable needs glibc >= 2.35"),
+        (ASKED, {"glibc": None}, "another C library"),
+        (ASKED, {"mode": "never"}, "are never"),
+        (ASKED, {"mode": None}, "are absent"),
     ],
 )
 def test_it_stays_put_where_the_tunable_cannot_help_or_was_decided(environ, machine, why) -> None:  # type: ignore[no-untyped-def]
@@ -62,13 +67,16 @@ print("done", flush=True)
 
 
 def _machine_allows() -> bool:
-    return hugepages.why_not({}) is None
+    return hugepages.why_not(ASKED) is None
 
 
-@pytest.mark.skipif(not _machine_allows(), reason=f"no re-execution here: {hugepages.why_not({})}")
+def _environ(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}, **extra}
+
+
+@pytest.mark.skipif(not _machine_allows(), reason=f"no re-execution here: {hugepages.why_not(ASKED)}")
 def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}
-    env["GLIBC_TUNABLES"] = "glibc.malloc.arena_max=4"
+    env = _environ(STUDY_HUGEPAGES="1", GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     out = subprocess.run(
         [sys.executable, "-B", "-c", PROBE, "a b", "--x"], env=env, capture_output=True, text=True, timeout=60
     )
@@ -82,15 +90,16 @@ def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> Non
 
 
 @pytest.mark.slow
-def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path, asked: bool) -> None:
+    env = _environ(STUDY_HUGEPAGES="1") if asked else _environ()
     cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
     cmd += ["--set", "coldstart=scratch", "--set", "steps=1", "--set", "eval_every=0", "--set", "checkpoint_every=0"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     pages = json.loads((run_dir / "manifest.json").read_text())["memory_pages"]
-    if _machine_allows():
+    if asked and _machine_allows():
         assert pages.startswith("huge pages (glibc.malloc.hugetlb=1; THP "), pages
     else:
         assert pages.startswith("4 KiB pages ("), pages
