@@ -716,5 +716,5 @@ if __name__ == "__main__":
     from study.core.hugepages import reexec
     from study.launch import main as _main
 
-    reexec()  # STUDY_HUGEPAGES=1: once, with malloc on transparent huge pages (study/core/hugepages.py); the jobs inherit it
+    reexec()  # STUDY_HUGEPAGES=1: once, on transparent huge pages (study/core/hugepages.py); jobs inherit it
     sys.exit(_main())
