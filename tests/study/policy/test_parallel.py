@@ -356,6 +356,10 @@ def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2
     return Path(one), tmp_path / "layout" / "runs" / load_config(preset="tiny", sets=[*sets, *layout]).run_id
 
 
+CLOSE = ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est")
+"""The columns every layout's run equals the one-process run's in to rounding (`assert_same_run`)."""
+
+
 def assert_same_run(a, b, close: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
     """Two steps' metrics of the one-process run `a` and a layout's `b`: steps, rewards, lengths, clip fractions and
     token counts equal; the `close` columns equal to rounding (NaN equal to NaN: a step without signal)."""
@@ -382,8 +386,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     cfg = load_config(preset="tiny", sets=[*sets, *layout])
     assert str(one).endswith(cfg.run_id)  # the layout is not in the run id
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
-    close = ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est")
-    assert_same_run(a, b, close)
+    assert_same_run(a, b, CLOSE)
     assert (a["grad_norm"] > 0).any() and (
         a["reward_mean"] > 0
     ).any()  # a real update (which steps: test_rl.py::cpu_kind)
