@@ -1,6 +1,6 @@
 """Transparent huge pages for the process's heap, on request: with STUDY_HUGEPAGES=1 the entry points re-execute
-themselves once with glibc's malloc tunables (`SETTINGS`), so that malloc asks the kernel for 2 MiB pages (madvise
-MADV_HUGEPAGE) and keeps freed memory for reuse instead of returning it.
+themselves once with glibc's `glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for 2 MiB pages (madvise
+MADV_HUGEPAGE).
 
 What it changes, measured on this project's CI machine kind (2-core VM, one thread each; docs/performance.md,
 "Memory pages"): the policy update at the routing study's shape (48M parameters, 64 experts, ~20 rows per expert per
@@ -26,8 +26,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
-SETTINGS = (f"{TUNABLE}=1",)
-"""The tunables the re-execution adds (GLIBC_TUNABLES entries)."""
 ON_VAR = "STUDY_HUGEPAGES"
 """STUDY_HUGEPAGES=1: run on huge pages where the machine allows; unset or anything else: 4 KiB pages."""
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -85,16 +83,15 @@ def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] 
 
 
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` with `SETTINGS` added to GLIBC_TUNABLES (the user's tunables kept, theirs where both name one)."""
+    """`environ` with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES (the other tunables kept; `reason` has made
+    sure it names no glibc.malloc.hugetlb of its own)."""
     tunables = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-    named = {item.partition("=")[0] for item in tunables}
-    added = [item for item in SETTINGS if item.partition("=")[0] not in named]
-    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, *added])}
+    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{TUNABLE}=1"])}
 
 
 def reexec(argv: Sequence[str] | None = None) -> None:
     """Replace this process by `argv` (default: its own command line, interpreter options included) with the
-    tunables set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=1 among them); otherwise return."""
+    tunable set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=1 among them); otherwise return."""
     if why_not(os.environ) is not None:
         return
     argv = list(sys.orig_argv if argv is None else argv)
