@@ -364,26 +364,62 @@ class LengthDecomposition:
     """gain(long) - gain(short), gain = final - cold start per run: what RL did differently at the longer budget."""
     gains: dict = field(default_factory=dict)
     """RL's gain at each length (mean and t interval over seeds)."""
+    pairing: str = "unpaired (Welch)"
+    """How the differences were taken: "paired by seed" (within each seed, then over seeds) or "unpaired (Welch)"."""
+    n: str = ""
+    """The evidence's n: "4 seeds, paired" or "4 vs 4" (runs at the longest vs the shortest length)."""
+    rl_differences: tuple[float, ...] = ()
+    """Paired: RL's gain at the longest minus at the shortest length, per seed (what a power reading needs)."""
 
 
-def length_decomposition(gains: pd.DataFrame, *, axis: str = vocab.LENGTH_AXIS) -> LengthDecomposition:
+def length_decomposition(
+    gains: pd.DataFrame, *, axis: str = vocab.LENGTH_AXIS, unit: str = UNIT
+) -> LengthDecomposition:
     """From gain.per_run's table (start = cold start, final, value = final - start, one row per run, `axis` a
-    column): RL's gain at each length and the split of the longest-minus-shortest final difference. Runs are
-    independent across lengths (each length its own runs), so the differences are Welch's."""
+    column): RL's gain at each length and the split of the longest-minus-shortest final difference.
+
+    The runs of one seed at different lengths share their prompts, cold start and evaluation sampling (every draw is
+    a function of the seed, never of the length), so the design is paired like the arms of a seed: when the longest
+    and the shortest length ran the same seeds (two or more, one run each), every difference is taken within a seed
+    and then over seeds (`paired_difference`); otherwise Welch's over the runs."""
     from analysis.stats import mean_difference
 
-    lengths = sorted(pd.unique(gains[axis].astype(float)))
+    gains = gains.assign(**{axis: gains[axis].astype(float)})
+    lengths = sorted(pd.unique(gains[axis]))
     if len(lengths) < 2:
         raise ValueError(f"{axis}: {len(lengths)} value(s) among the runs; the decomposition needs two lengths")
     lo, hi = lengths[0], lengths[-1]
-    at = {x: gains[gains[axis].astype(float) == x] for x in lengths}
+    at = {x: gains[gains[axis] == x] for x in lengths}
+    per_length = {x: mean_ci(at[x]["value"].to_numpy(np.float64)) for x in lengths}
+    seeds = {x: at[x][unit].tolist() if unit in gains else [] for x in (lo, hi)}
+    paired = (
+        unit in gains
+        and len(seeds[lo]) >= 2
+        and set(seeds[lo]) == set(seeds[hi])
+        and all(len(set(s)) == len(s) for s in seeds.values())
+    )
+    if paired:
+        parts = {col: paired_arms(gains, axis, hi, lo, unit=unit, value=col) for col in ("final", "start", "value")}
+        rl = parts["value"]
+        return LengthDecomposition(
+            short=lo,
+            long=hi,
+            final_difference=parts["final"].ci,
+            truncation_part=parts["start"].ci,
+            rl_part=rl.ci,
+            gains=per_length,
+            pairing=f"paired by {unit}",
+            n=f"{rl.ci.n} {unit}s, paired",
+            rl_differences=rl.differences,
+        )
     return LengthDecomposition(
         short=lo,
         long=hi,
         final_difference=mean_difference(at[hi]["final"], at[lo]["final"]),
         truncation_part=mean_difference(at[hi]["start"], at[lo]["start"]),
         rl_part=mean_difference(at[hi]["value"], at[lo]["value"]),
-        gains={x: mean_ci(at[x]["value"].to_numpy(np.float64)) for x in lengths},
+        gains=per_length,
+        n=f"{len(at[hi])} vs {len(at[lo])}",
     )
 
 

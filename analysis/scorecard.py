@@ -92,7 +92,8 @@ PAIRING = {
     "unit of replication: seed",
     "C5": "paired by seed where all four arms ran the same seeds (the evidence's n says 'paired'), else unpaired "
     "(Welch over runs); unit of replication: seed",
-    "C6": UNPAIRED,
+    "C6": "compute part: within each run (its last quarter minus its third), then over runs; length part: "
+    f"{PAIRED_WHERE.replace('both arms', 'the longest and the shortest length')}",
 }
 """How each claim's exploratory reading pairs its runs."""
 
@@ -821,7 +822,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         if len(g) and g[axis].nunique() >= 2:  # RL's part: the held-out gain at each length
             dec = design.length_decomposition(g, axis=axis)
             at = {x: g.loc[g[axis].astype(float) == x, "value"].to_numpy(np.float64) for x in (dec.long, dec.short)}
-            n = _n(at[dec.long], at[dec.short])
+            n = dec.n
             name = f"RL's length gain ({axis} {hi_v} vs {lo_v}: held-out gain at the longest minus at the shortest)"
             tr = dec.truncation_part
             ev = [
@@ -833,7 +834,9 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
                     n,
                 ),
                 Evidence("final held-out difference (= truncation's part + RL's)", *_ci(dec.final_difference), n),
-                _detectable_ev(name, [at[dec.long], at[dec.short]], (1, -1)),
+                _detectable_ev(name, [np.asarray(dec.rl_differences)], (1,))
+                if dec.rl_differences
+                else _detectable_ev(name, [at[dec.long], at[dec.short]], (1, -1)),
             ]
             truncation.append(
                 f"truncation's part before RL (cold start at {axis}={hi_v} minus at {lo_v}) "

@@ -394,7 +394,8 @@ def signal_section(study: Study) -> list[render.Block]:
 
 SCORECARD_NOTE = (
     "Intervals: 95% Student t over seeds (a mean: t with n - 1 df; a difference, contrast or ratio of independent "
-    "groups: Welch's, ratios on the log scale; C5 paired by seed when every arm ran the same seeds), except collapse "
+    "groups: within each seed, then over seeds, where the compared arms (or C6's lengths) ran the same seeds, else "
+    "Welch's; ratios on the log scale), except collapse "
     "rates (C3, C4): "
     "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
     "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "

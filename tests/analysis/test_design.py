@@ -149,6 +149,30 @@ def test_c6_length_gain_splits_into_truncation_and_rl() -> None:
         design.length_decomposition(gains[gains["max_new_tokens"] == 16])
 
 
+def test_c6_length_decomposition_pairs_the_seeds_both_lengths_ran() -> None:
+    # A seed's runs at both lengths share its prompts: a large seed effect on RL's gain, the same at both lengths,
+    # and a small real length effect (+0.02). Welch over runs drowns it in the seeds' spread; within each seed it
+    # is plain.
+    rng = np.random.default_rng(5)
+    seed_effect = rng.normal(0, 0.08, 6)
+    rows = []
+    for length, cold, extra in ((16, 0.184, 0.0), (32, 0.303, 0.02)):
+        for seed in range(6):
+            gain = 0.10 + seed_effect[seed] + extra + rng.normal(0, 0.003)
+            rows.append({"max_new_tokens": length, "seed": seed, "start": cold, "final": cold + gain})
+    gains = pd.DataFrame(rows).assign(value=lambda d: d["final"] - d["start"])
+    paired = design.length_decomposition(gains)
+    assert paired.pairing == "paired by seed" and paired.n == "6 seeds, paired"
+    assert paired.rl_part.low > 0 and paired.rl_part.covers(0.02) and len(paired.rl_differences) == 6
+    assert paired.final_difference.estimate == pytest.approx(paired.truncation_part.estimate + paired.rl_part.estimate)
+    welch = design.length_decomposition(gains.drop(columns="seed"))  # no unit to pair on
+    assert welch.pairing == "unpaired (Welch)" and welch.n == "6 vs 6" and welch.rl_part.covers(0.0)
+    assert welch.rl_part.estimate == pytest.approx(paired.rl_part.estimate)
+    # different seeds at the two lengths: nothing to pair
+    shifted = gains.assign(seed=gains["seed"] + 10 * (gains["max_new_tokens"] == 32))
+    assert design.length_decomposition(shifted).pairing == "unpaired (Welch)"
+
+
 def test_rliable_iqm_and_probability_of_improvement() -> None:
     x = np.array([[0.1], [0.2], [0.3], [0.4], [0.5], [0.6], [0.7], [0.8]])
     iqm, low, high = design.iqm_interval({"a": x}, reps=500)["a"]
