@@ -1,11 +1,11 @@
-"""A minibatch update with 4 KiB pages and with malloc's transparent huge pages, side by side (a script, not a test).
+"""A minibatch update with 4 KiB pages and with the heap's malloc tunables, side by side (a script, not a test).
 
     .venv/bin/python benchmarks/bench_hugepages.py [--iters 10] [--warmup 3] [--batch 32] [--seq 48]
 
 The routing study's shape (`tiny` with 4 layers, 64 experts, top-1, expert width 1024: 48M parameters): one
 minibatch update exactly as study/rl.py does it (benchmarks/steptimer.py `minibatch_update`: forward, backward,
 global-norm clip, AdamW), one thread. The two sides are two child processes started together, one with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what STUDY_HUGEPAGES=1 sets, study/core/hugepages.py) and one with
+the GLIBC_TUNABLES the entry points set (study/core/hugepages.py: huge pages, freed memory kept) and one with
 STUDY_HUGEPAGES=0 and no tunable, so a change of the machine's speed during the window slows both alike. Each prints
 the median seconds of each phase over `--iters` updates after `--warmup`, the AnonHugePages its process holds, and
 a hash of its parameters after the updates: the two hashes are equal, the page size changes no number.
@@ -74,10 +74,12 @@ def main() -> None:
     if args.side:
         print(json.dumps(side(args)))
         return
+    from study.core import hugepages
+
     base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "STUDY_HUGEPAGES")}
     envs = {
         "4 KiB pages": {**base, "STUDY_HUGEPAGES": "0"},
-        "huge pages": {**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+        "huge pages": {**base, "GLIBC_TUNABLES": hugepages.tunables({})},
     }
     cmd = [sys.executable, __file__, "--side", *sys.argv[1:]]
     procs = {name: subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for name, env in envs.items()}

@@ -136,5 +136,5 @@ def study_tracking_of(cfg, trackers, study):  # type: ignore[no-untyped-def]
 if __name__ == "__main__":
     from study.core.hugepages import reexec
 
-    reexec()  # STUDY_HUGEPAGES=1: once, with malloc on transparent huge pages (study/core/hugepages.py)
+    reexec()  # once, with the malloc tunables of study/core/hugepages.py (STUDY_HUGEPAGES=0: not)
     sys.exit(main())

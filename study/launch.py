@@ -716,5 +716,5 @@ if __name__ == "__main__":
     from study.core.hugepages import reexec
     from study.launch import main as _main
 
-    reexec()  # STUDY_HUGEPAGES=1: once, on transparent huge pages (study/core/hugepages.py); jobs inherit it
+    reexec()  # once, with the malloc tunables of study/core/hugepages.py (STUDY_HUGEPAGES=0: not); jobs inherit it
     sys.exit(_main())

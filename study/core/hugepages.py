@@ -1,21 +1,27 @@
-"""Transparent huge pages for the process's heap, on request: with STUDY_HUGEPAGES=1 the entry points re-execute
-themselves once with glibc's `glibc.malloc.hugetlb=1` tunable, so that malloc asks the kernel for 2 MiB pages (madvise
-MADV_HUGEPAGE).
+"""The heap's pages: the entry points re-execute themselves once with glibc malloc tunables that put the heap on
+transparent huge pages and keep the memory it frees (STUDY_HUGEPAGES=0 turns it off):
 
-What it changes, measured on this project's CI machine kind (2-core VM, one thread each; docs/performance.md,
-"Memory pages"): the policy update at the routing study's shape (48M parameters, 64 experts, ~20 rows per expert per
-minibatch) is memory-bound, and on huge pages a minibatch update is 2.8x faster side by side
-(`benchmarks/bench_hugepages.py`). Whole runs gain less or lose: fresh huge pages cost more to fault in, and the
-phases that allocate large buffers (the pi_old forward, the engine's weight sync) got slower, so at one hour a whole
-step was faster on huge pages and at another slower. Hence off unless asked for. The numbers a run computes are the
-same bit for bit (the same kernels on the same values).
+- `glibc.malloc.hugetlb=1`: malloc asks the kernel for 2 MiB pages (madvise MADV_HUGEPAGE);
+- `glibc.malloc.mmap_threshold` 32 MiB (glibc's largest), `glibc.malloc.trim_threshold` 16 GiB and
+  `glibc.malloc.top_pad` 64 MiB: a freed buffer stays in the heap for the next one instead of going back to the
+  kernel, so a step's activations and gradients stop being faulted in afresh at every minibatch.
+
+Why, measured on this project's CI machine kind (2-core VM, one thread per run; docs/performance.md, "Memory
+pages"): the policy update at the routing study's shape (48M parameters, 64 experts, ~20 rows per expert per
+minibatch) is memory-bound, and on a virtual machine a 4 KiB page's TLB miss is a nested page walk and its fault a
+trip through the hypervisor. Huge pages alone made the update faster but phases that allocate and free large buffers
+(the pi_old forward, the weight sync) slower: every fresh huge page is faulted in and zeroed again. Keeping freed
+memory removes that: together, a step of the confirmation sweep's shape was 26% faster in a pair of runs started
+together, page faults 17x fewer, peak RSS the same. The numbers a run computes are the same bit for bit (the same
+kernels on the same values).
 
 A tunable is read when the process starts, so it cannot be switched on from inside Python: `reexec` replaces the
 process by the same command line with the tunables in its environment (same PID, so SLURM, submitit and Snakemake
 see the same job), and its children inherit them. It does nothing where it cannot help or was decided already: not
-Linux or not glibc >= 2.35 (older glibc ignores the tunable), the kernel's THP mode `never`, or GLIBC_TUNABLES
-already naming `glibc.malloc.hugetlb` (the user's value stands; this also ends the re-execution). Python code that
-calls study.rl.run itself sets the variable before starting Python (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python`).
+Linux or not glibc >= 2.35 (older glibc ignores the hugetlb tunable), the kernel's THP mode `never`, or GLIBC_TUNABLES
+already naming `glibc.malloc.hugetlb` (the user's choice stands; this also ends the re-execution). A malloc tunable
+the user names is kept and not set again. Python code that calls study.rl.run itself sets the variable before
+starting Python (`GLIBC_TUNABLES=$(python -c "from study.core import hugepages; print(hugepages.tunables({}))")`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
+SETTINGS = (
+    (TUNABLE, "1"),
+    ("glibc.malloc.mmap_threshold", str(32 << 20)),
+    ("glibc.malloc.trim_threshold", str(16 << 30)),
+    ("glibc.malloc.top_pad", str(64 << 20)),
+)
+"""What the re-execution adds to GLIBC_TUNABLES (the module doc says why), hugetlb first."""
 ON_VAR = "STUDY_HUGEPAGES"
-"""STUDY_HUGEPAGES=1: run on huge pages where the machine allows; unset or anything else: 4 KiB pages."""
+"""STUDY_HUGEPAGES=0: 4 KiB pages and malloc's defaults; unset or anything else: the tunables where the machine
+allows."""
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
 
@@ -68,8 +82,8 @@ def why_not(environ: Mapping[str, str]) -> str | None:
 
 def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] | None, mode: str | None) -> str | None:
     """`why_not` for a given platform, glibc (major, minor) and kernel THP mode."""
-    if environ.get(ON_VAR, "") != "1":
-        return f"not asked for ({ON_VAR}=1 asks)"
+    if environ.get(ON_VAR, "") == "0":
+        return f"turned off ({ON_VAR}=0)"
     if tunable_value(environ) is not None:
         return f"GLIBC_TUNABLES already sets {TUNABLE}"
     if platform != "linux":
@@ -82,16 +96,27 @@ def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] 
     return None
 
 
+def names(environ: Mapping[str, str]) -> list[str]:
+    """The tunables GLIBC_TUNABLES names."""
+    return [item.partition("=")[0] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
+
+
+def tunables(environ: Mapping[str, str]) -> str:
+    """GLIBC_TUNABLES with SETTINGS added: the user's tunables first and kept, none of SETTINGS set twice."""
+    items = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
+    named = set(names(environ))
+    return ":".join([*items, *(f"{key}={value}" for key, value in SETTINGS if key not in named)])
+
+
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES (the other tunables kept; `reason` has made
-    sure it names no glibc.malloc.hugetlb of its own)."""
-    tunables = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{TUNABLE}=1"])}
+    """`environ` with SETTINGS added to GLIBC_TUNABLES (`tunables`; `reason` has made sure it names no
+    glibc.malloc.hugetlb of its own)."""
+    return {**environ, "GLIBC_TUNABLES": tunables(environ)}
 
 
 def reexec(argv: Sequence[str] | None = None) -> None:
     """Replace this process by `argv` (default: its own command line, interpreter options included) with the
-    tunable set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=1 among them); otherwise return."""
+    tunables set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=0 among them); otherwise return."""
     if why_not(os.environ) is not None:
         return
     argv = list(sys.orig_argv if argv is None else argv)
@@ -101,9 +126,10 @@ def reexec(argv: Sequence[str] | None = None) -> None:
 
 
 def describe(environ: Mapping[str, str] = os.environ) -> str:
-    """How this process's heap is paged, for a run's manifest: "huge pages (glibc.malloc.hugetlb=1; THP madvise)",
-    or "4 KiB pages (<why>)"."""
+    """How this process's heap is paged, for a run's manifest: "huge pages (glibc.malloc.hugetlb=1, freed memory kept;
+    THP madvise)", or "4 KiB pages (<why>)"."""
     value = tunable_value(environ)
     if value not in (None, "0") and sys.platform == "linux":
-        return f"huge pages ({TUNABLE}={value}; THP {thp_mode() or 'absent'})"
+        kept = all(key in names(environ) for key, _ in SETTINGS[1:])
+        return f"huge pages ({TUNABLE}={value}{', freed memory kept' if kept else ''}; THP {thp_mode() or 'absent'})"
     return f"4 KiB pages ({why_not(environ) or 'GLIBC_TUNABLES not set'})"

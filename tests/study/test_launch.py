@@ -318,7 +318,7 @@ def test_smoke_study_through_the_cpu_slurm_profile_as_typed(results: Path, tmp_p
         manifest = json.loads((run_dir / "manifest.json").read_text())
         job_id = manifest["job_id"]
         assert job_id and final_sacct_states(job_id) == ["COMPLETED"], (run_dir, job_id)
-        # 4 KiB pages unless STUDY_HUGEPAGES=1 asks (study/core/hugepages.py): the job records what it ran on
+        # huge pages unless STUDY_HUGEPAGES=0 or the machine rules them out (study/core/hugepages.py), as recorded
         expected = "huge pages (" if hugepages.why_not(os.environ) is None else "4 KiB pages ("
         assert manifest["memory_pages"].startswith(expected), manifest["memory_pages"]
         assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()

@@ -1,6 +1,6 @@
-"""The entry points' re-execution with malloc's transparent huge pages on request (study/core/hugepages.py): when it
-happens, what it keeps (the PID, the command line, the user's other tunables), and that a run's manifest records
-which pages it ran on."""
+"""The entry points' re-execution with malloc's tunables (study/core/hugepages.py: transparent huge pages, freed memory
+kept): when it happens, what it keeps (the PID, the command line, the user's own tunables), and that a run's manifest
+records which pages it ran on."""
 
 from __future__ import annotations
 
@@ -17,19 +17,21 @@ from study.core import hugepages
 LINUX = {"platform": "linux", "glibc": (2, 36), "mode": "madvise"}
 
 
-ASKED = {"STUDY_HUGEPAGES": "1"}
+ASKED = {}  # on unless STUDY_HUGEPAGES=0
+OFF = {"STUDY_HUGEPAGES": "0"}
+KEPT = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:glibc.malloc.top_pad=67108864"
+"""The tunables that keep freed memory in the heap, as SETTINGS writes them after glibc.malloc.hugetlb=1."""
 
 
-def test_it_re_executes_when_asked_on_a_linux_glibc_with_transparent_huge_pages() -> None:
-    assert hugepages.reason(ASKED, **LINUX) is None
-    assert hugepages.reason(ASKED, **{**LINUX, "mode": "always"}) is None
+def test_it_re_executes_by_default_on_a_linux_glibc_with_transparent_huge_pages() -> None:
+    assert hugepages.reason({}, **LINUX) is None
+    assert hugepages.reason({"STUDY_HUGEPAGES": "1"}, **{**LINUX, "mode": "always"}) is None
 
 
 @pytest.mark.parametrize(
     ("environ", "machine", "why"),
     [
-        ({}, {}, "not asked for (STUDY_HUGEPAGES=1 asks)"),  # off unless asked: whole runs can be slower
-        ({"STUDY_HUGEPAGES": "0"}, {}, "not asked for"),
+        (OFF, {}, "turned off (STUDY_HUGEPAGES=0)"),
         ({**ASKED, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}, "already sets"),  # the user's value stands
         ({**ASKED, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}, "already sets"),  # what ends the re-execution
         (ASKED, {"platform": "darwin"}, "not Linux"),
@@ -43,11 +45,18 @@ def test_it_stays_put_where_the_tunable_cannot_help_or_was_decided(environ, mach
     assert why in (hugepages.reason(environ, **{**LINUX, **machine}) or "")
 
 
-def test_the_users_other_tunables_are_kept() -> None:
+def test_the_users_own_tunables_are_kept_and_not_set_twice() -> None:
     env = hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
-    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "HOME": "/h"}
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1:{KEPT}", "HOME": "/h"}
     assert hugepages.tunable_value(env) == "1"
-    assert hugepages.environment({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert hugepages.environment({})["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{KEPT}"
+    own = hugepages.environment({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1024"})["GLIBC_TUNABLES"]
+    assert own.split(":") == [
+        "glibc.malloc.trim_threshold=1024",  # the user's value, not ours after it
+        "glibc.malloc.hugetlb=1",
+        "glibc.malloc.mmap_threshold=33554432",
+        "glibc.malloc.top_pad=67108864",
+    ]
 
 
 def test_thp_mode_reads_the_bracketed_word(tmp_path: Path) -> None:
@@ -76,7 +85,7 @@ def _environ(**extra: str) -> dict[str, str]:
 
 @pytest.mark.skipif(not _machine_allows(), reason=f"no re-execution here: {hugepages.why_not(ASKED)}")
 def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> None:
-    env = _environ(STUDY_HUGEPAGES="1", GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    env = _environ(GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     out = subprocess.run(
         [sys.executable, "-B", "-c", PROBE, "a b", "--x"], env=env, capture_output=True, text=True, timeout=60
     )
@@ -84,7 +93,7 @@ def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> Non
     before, after, done = out.stdout.splitlines()
     assert before.split(" ", 2)[2] == "1 ['a b', '--x']" and before.split()[1] == "glibc.malloc.arena_max=4"
     assert after.split()[0] == before.split()[0], "exec keeps the PID (what SLURM and Snakemake watch)"
-    assert after.split()[1] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"
+    assert after.split()[1] == f"glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1:{KEPT}"
     assert after.split(" ", 2)[2] == before.split(" ", 2)[2], "the interpreter's options and the arguments survive"
     assert done == "done"
 
@@ -92,7 +101,7 @@ def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("asked", [True, False])
 def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path, asked: bool) -> None:
-    env = _environ(STUDY_HUGEPAGES="1") if asked else _environ()
+    env = _environ() if asked else _environ(STUDY_HUGEPAGES="0")
     cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", "--results", str(tmp_path), "--quiet"]
     cmd += ["--set", "coldstart=scratch", "--set", "steps=1", "--set", "eval_every=0", "--set", "checkpoint_every=0"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -100,6 +109,6 @@ def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path, aske
     (run_dir,) = (tmp_path / "runs").iterdir()
     pages = json.loads((run_dir / "manifest.json").read_text())["memory_pages"]
     if asked and _machine_allows():
-        assert pages.startswith("huge pages (glibc.malloc.hugetlb=1; THP "), pages
+        assert pages.startswith("huge pages (glibc.malloc.hugetlb=1, freed memory kept; THP "), pages
     else:
         assert pages.startswith("4 KiB pages ("), pages
