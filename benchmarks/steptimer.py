@@ -93,9 +93,9 @@ def minibatch_update(model: Any, opt: Any, ids: Any, *, positions: Any = None) -
     """One minibatch update as study/rl.py does it on the (B, S + 1) token batch `ids`: `token_logp` forward (on the
     response `positions` (B, T) only, if given), a scalar loss, backward, global-norm clip, AdamW step. Returns the
     wall seconds of each phase: forward, backward, clip, adam."""
-    import torch
 
     from study.policy.model import token_logp
+    from study.policy.optim import clip_grad_norm
 
     t0 = time.perf_counter()
     logp = token_logp(model, ids[:, :-1], ids[:, 1:], positions=positions)
@@ -104,7 +104,7 @@ def minibatch_update(model: Any, opt: Any, ids: Any, *, positions: Any = None) -
     opt.zero_grad(set_to_none=True)
     loss.backward()
     t2 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
     t3 = time.perf_counter()
     opt.step()
     t4 = time.perf_counter()

@@ -64,6 +64,7 @@ from study.parts import (
 )
 from study.policy import parallel
 from study.policy.model import token_logp
+from study.policy.optim import clip_grad_norm
 from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
 from study.run import rundir
 from study.run.config import RunConfig
@@ -573,7 +574,7 @@ def _local_step(cfg: RunConfig, parts: Parts, step: int) -> torch.Tensor:
     params = [p for p in parts.params if p.grad is not None]
     if scaler is not None:
         scaler.unscale_(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     if not torch.isfinite(grad_norm) and scaler is None:
         raise Collapse(f"non-finite gradient norm at step {step}")
     if scaler is not None:
