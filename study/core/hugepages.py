@@ -39,7 +39,7 @@ SETTINGS = (
     ("glibc.malloc.top_pad", str(64 << 20)),
 )
 """What the re-execution adds to GLIBC_TUNABLES (the module doc says why), hugetlb first."""
-ON_VAR = "STUDY_HUGEPAGES"
+OFF_VAR = "STUDY_HUGEPAGES"
 """STUDY_HUGEPAGES=0: 4 KiB pages and malloc's defaults; unset or anything else: the tunables where the machine
 allows."""
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -82,8 +82,8 @@ def why_not(environ: Mapping[str, str]) -> str | None:
 
 def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] | None, mode: str | None) -> str | None:
     """`why_not` for a given platform, glibc (major, minor) and kernel THP mode."""
-    if environ.get(ON_VAR, "") == "0":
-        return f"turned off ({ON_VAR}=0)"
+    if environ.get(OFF_VAR, "") == "0":
+        return f"turned off ({OFF_VAR}=0)"
     if tunable_value(environ) is not None:
         return f"GLIBC_TUNABLES already sets {TUNABLE}"
     if platform != "linux":
@@ -104,7 +104,7 @@ def names(environ: Mapping[str, str]) -> list[str]:
 def tunables(environ: Mapping[str, str]) -> str:
     """GLIBC_TUNABLES with SETTINGS added: the user's tunables first and kept, none of SETTINGS set twice."""
     items = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-    named = set(names(environ))
+    named = {item.partition("=")[0] for item in items}
     return ":".join([*items, *(f"{key}={value}" for key, value in SETTINGS if key not in named)])
 
 
