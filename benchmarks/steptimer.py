@@ -93,7 +93,6 @@ def minibatch_update(model: Any, opt: Any, ids: Any, *, positions: Any = None) -
     """One minibatch update as study/rl.py does it on the (B, S + 1) token batch `ids`: `token_logp` forward (on the
     response `positions` (B, T) only, if given), a scalar loss, backward, global-norm clip, AdamW step. Returns the
     wall seconds of each phase: forward, backward, clip, adam."""
-
     from study.policy.model import token_logp
     from study.policy.optim import clip_grad_norm
 

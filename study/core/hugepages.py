@@ -66,9 +66,14 @@ def thp_mode(path: Path = THP_MODE) -> str | None:
     return picked[0] if picked else None
 
 
+def items(environ: Mapping[str, str]) -> list[str]:
+    """GLIBC_TUNABLES's items, "name=value" each, in order."""
+    return [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
+
+
 def tunable_value(environ: Mapping[str, str]) -> str | None:
     """The value GLIBC_TUNABLES gives glibc.malloc.hugetlb, None when it names none."""
-    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+    for item in items(environ):
         key, _, value = item.partition("=")
         if key == TUNABLE:
             return value
@@ -96,16 +101,11 @@ def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] 
     return None
 
 
-def names(environ: Mapping[str, str]) -> list[str]:
-    """The tunables GLIBC_TUNABLES names."""
-    return [item.partition("=")[0] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-
-
 def tunables(environ: Mapping[str, str]) -> str:
     """GLIBC_TUNABLES with SETTINGS added: the user's tunables first and kept, none of SETTINGS set twice."""
-    items = [item for item in environ.get("GLIBC_TUNABLES", "").split(":") if item]
-    named = {item.partition("=")[0] for item in items}
-    return ":".join([*items, *(f"{key}={value}" for key, value in SETTINGS if key not in named)])
+    own = items(environ)
+    named = {item.partition("=")[0] for item in own}
+    return ":".join([*own, *(f"{key}={value}" for key, value in SETTINGS if key not in named)])
 
 
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -130,6 +130,7 @@ def describe(environ: Mapping[str, str] = os.environ) -> str:
     THP madvise)", or "4 KiB pages (<why>)"."""
     value = tunable_value(environ)
     if value not in (None, "0") and sys.platform == "linux":
-        kept = all(key in names(environ) for key, _ in SETTINGS[1:])
+        named = {item.partition("=")[0] for item in items(environ)}
+        kept = all(key in named for key, _ in SETTINGS[1:])
         return f"huge pages ({TUNABLE}={value}{', freed memory kept' if kept else ''}; THP {thp_mode() or 'absent'})"
     return f"4 KiB pages ({why_not(environ) or 'GLIBC_TUNABLES not set'})"
