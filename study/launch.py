@@ -21,11 +21,13 @@
 5. SIGINT or SIGTERM cancels the job this process started (scancel for SLURM) before exiting.
 6. Multi-node: `--nodes N --gpus G` (GPUs per node) asks SLURM for N nodes with G GPUs and one task (rank) per GPU
    (`--tasks-per-node` overrides the placement); in each task `distributed_env` exports the torch.distributed
-   environment from SLURM's (MASTER_ADDR: the first node, MASTER_PORT from the job id, RANK, WORLD_SIZE,
-   LOCAL_RANK, LOCAL_WORLD_SIZE; every GPU of the node stays visible to each rank). A requeue (point 3) requeues
-   the whole job: global rank 0 checkpoints and requeues, every rank starts again. `--rank-check` runs only the
-   ranks' agreement check (an all_reduce over NCCL where the job sees CUDA, else gloo; `--rank-check-backend`), to
-   try a cluster's placement without a run.
+   environment from SLURM's (MASTER_ADDR: the first node, MASTER_PORT from the job id below the kernel's ephemeral
+   ports: `master_port`; RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; every GPU of the node stays visible to each
+   rank). srun runs the tasks with `--kill-on-bad-exit=1`: a rank that fails ends the others at once, instead of
+   leaving them waiting for it in the rendezvous or a collective until the process groups' timeout. A requeue
+   (point 3) requeues the whole job: global rank 0 checkpoints and requeues, every rank starts again.
+   `--rank-check` runs only the ranks' agreement check (an all_reduce over NCCL where the job sees CUDA, else gloo;
+   `--rank-check-backend`), to try a cluster's placement without a run.
 7. Before a GPU job is asked for, the run must fit: study.run.plan.check_run_fits with the job's GPUs (nodes x GPUs
    per node) of `--gpu-mem-gb` each; a job of several ranks must match the run's `parallel` layout (its world
    size; without `--nodes`/`--tasks-per-node` the job gets one task per rank of the layout, and the launcher
@@ -44,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,16 +105,32 @@ def _in_job() -> None:
     SlurmJobEnvironment._requeue = _slurm_requeue  # type: ignore[method-assign]
 
 
+MASTER_PORTS = (20000, 32767)
+"""The range a job's rendezvous port is drawn from: below Linux's default ephemeral ports (32768-60999), which the
+node's outgoing connections hold at random. submitit draws from 20000-60000, and a port an outgoing connection held
+failed rank 0's TCPStore with EADDRINUSE."""
+
+
+def master_port(job_id: str) -> int:
+    """The job's rendezvous port: the same on every rank and node (a hash of the job id, so a requeued job keeps it),
+    in MASTER_PORTS."""
+    low, high = MASTER_PORTS
+    return low + zlib.crc32(job_id.encode()) % (high - low + 1)
+
+
 def distributed_env() -> dict[str, str]:
     """In a job's task: export the torch.distributed env:// variables from SLURM's (submitit's
     TorchDistributedEnvironment) and return them; outside a multi-task job, nothing is exported and WORLD_SIZE 1 is
-    returned. Every GPU of the node stays visible (the trainer picks LOCAL_RANK's, the engine may use several)."""
+    returned. Every GPU of the node stays visible (the trainer picks LOCAL_RANK's, the engine may use several).
+    MASTER_PORT is `master_port`'s unless the job's environment sets one."""
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     try:
-        tasks = submitit.JobEnvironment().num_tasks
+        job = submitit.JobEnvironment()
+        tasks = job.num_tasks
     except RuntimeError:  # not in a submitit job
         tasks = 1
     if tasks > 1:
+        os.environ.setdefault("MASTER_PORT", str(master_port(job.job_id)))  # submitit's export reads it
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return {k: os.environ[k] for k in keys}
     return {k: os.environ.get(k, default) for k, default in zip(keys, ("", "", "0", "1", "0", "1"), strict=True)}
@@ -305,6 +324,7 @@ def executor(launcher: str, folder: Path, res: Resources, job_name: str) -> subm
             "nodes": res.nodes,
             "ntasks_per_node": res.ranks_per_node,
             "signal_delay_s": res.signal_delay_s,
+            "srun_args": ["--kill-on-bad-exit=1"],  # one rank's failure ends the job (module doc, point 6)
         }
         if res.gpus:
             params["gpus_per_node"] = res.gpus

@@ -565,6 +565,19 @@ def test_two_tasks_on_one_node_agree_on_the_distributed_env(tmp_path: Path) -> N
     assert [v["rank"] for v in views] == [0, 1] and all(v["sum"] == 3.0 for v in views)
     assert [v["env"]["LOCAL_RANK"] for v in views] == ["0", "1"]
     assert len({(v["env"]["MASTER_ADDR"], v["env"]["MASTER_PORT"], v["env"]["WORLD_SIZE"]) for v in views}) == 1
+    assert 20000 <= int(views[0]["env"]["MASTER_PORT"]) < 32768, "below the kernel's ephemeral ports"
+    (script,) = (tmp_path / "rank-check" / "submitit").glob("*_submission.sh")
+    assert "--kill-on-bad-exit=1" in script.read_text(), "a failed rank ends the job's other tasks"
+
+
+def test_the_rendezvous_port_is_the_job_ids_below_the_ephemeral_ports() -> None:
+    # submitit's own draw (20000-60000) lands in Linux's ephemeral range (32768-60999) for most job ids, where an
+    # outgoing connection on the node can hold the port: rank 0's TCPStore then fails with EADDRINUSE.
+    ports = [launch.master_port(str(job_id)) for job_id in range(1, 5001)]
+    assert min(ports) >= 20000 and max(ports) <= 32767
+    assert len(set(ports)) > 4000, "job ids spread over the range"
+    assert launch.master_port("8") == launch.master_port("8") != launch.master_port("9")
+    assert launch.master_port("123_4") != launch.master_port("123_5"), "array tasks differ"
 
 
 @pytest.mark.slow
