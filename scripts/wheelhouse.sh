@@ -6,6 +6,7 @@
 #
 #     scripts/wheelhouse.sh                          # TARGET_PY=3.12 (the CUDA image's), into ./wheelhouse
 #     TARGET_PY=3.11 WHEELHOUSE=/tmp/wh scripts/wheelhouse.sh
+#     IMAGE_LIST=image-freeze.txt scripts/wheelhouse.sh  # the image's `python3 -m pip freeze`, instead of IMAGE_HAS
 #
 # The dependencies are resolved by that Python's own pip (PYTHON, default pythonX.Y for TARGET_PY; pyenv's is found),
 # so markers and wheels match it; those the image has are left out (a second torch or transformers would replace the
@@ -26,7 +27,8 @@ got=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 [[ $got == "$TARGET_PY" ]] || { echo "wheelhouse: $PY is Python $got, not TARGET_PY=$TARGET_PY" >&2; exit 2; }
 # What the harness needs that the CUDA image lacks (pyproject.toml's pins).
 WANT=("megatron-core==0.16.1" "reasoning-gym==0.1.25" "tensorboardX>=2.6" "submitit>=1.5" "optuna==5.0.0")
-# The CUDA image's Python packages (/work/.library/device/KINDS.md lists them): never fetched.
+# The CUDA image's Python packages: never fetched. IMAGE_LIST names a file of the image's own `pip freeze` (or
+# `pip list --format=freeze`) output to take them from instead of this list.
 IMAGE_HAS=" absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers
@@ -41,14 +43,15 @@ scikit-image scikit-learn scipy seaborn sentencepiece setuptools shellingham sim
 statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken tokenizers
 toolz torch torchaudio torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3
 uvloop werkzeug wheel wrapt xarray xxhash yarl zipp "
+if [[ -n ${IMAGE_LIST:-} ]]; then IMAGE_HAS=" $(sed 's/[ =@<>~!;].*//' "$IMAGE_LIST" | tr '\n' ' ') "; fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 # 1. resolve WANT and its dependencies for this Python (metadata only: nothing large is downloaded)
 "$PY" -m pip install -q --dry-run --ignore-installed --report "$TMP/report.json" "${WANT[@]}"
 "$PY" - "$TMP/report.json" "$IMAGE_HAS" "$TMP/pins" "$TMP/provided" <<'PY'
 import json, re, sys
-have = set(sys.argv[2].split())
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+have = {norm(n) for n in sys.argv[2].split()}
 pins, provided = [], []
 for item in json.load(open(sys.argv[1]))["install"]:
     name = norm(item["metadata"]["name"])
