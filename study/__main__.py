@@ -1,6 +1,6 @@
-"""`python -m study run|resume|coldstart|status|export|plan`: one RL run, a resumed run, the cold-start checkpoint, the
-state of a study's runs, a run's policy as a Hugging Face checkpoint, or the memory and layout plan of a model on a
-GPU cluster."""
+"""`study run|resume|coldstart|status|export|plan` (or `python -m study ...`): one RL run, a resumed run, the cold-start
+checkpoint, the state of a study's runs, a run's policy as a Hugging Face checkpoint, or the memory and layout plan of
+a model on a GPU cluster."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ TRACKERS_HELP = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m study", description=__doc__)
+    prog = "study" if Path(sys.argv[0]).name == "study" else "python -m study"  # the console script, or -m
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run_p = sub.add_parser("run", help="run one RL configuration (skipped if finished, resumed if interrupted)")
@@ -133,8 +134,14 @@ def study_tracking_of(cfg, trackers, study):  # type: ignore[no-untyped-def]
     return Tracking(trackers, study or "", axis_values(cfg.to_dict(), []))
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The `study` command (pyproject.toml's console script) and `python -m study`: `main` in a process with the malloc
+    tunables of study/core/hugepages.py (re-executed once; STUDY_HUGEPAGES=0: not)."""
     from study.core.hugepages import reexec
 
-    reexec()  # once, with the malloc tunables of study/core/hugepages.py (STUDY_HUGEPAGES=0: not)
-    sys.exit(main())
+    reexec()
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
