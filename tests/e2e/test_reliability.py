@@ -334,10 +334,9 @@ def _study_run(results: Path, *sets: str, script: str = "", **popen: typing.Any)
     )
 
 
-def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
-    cfg = tiny("steps=30")
-    run_dir = tmp_path / "runs" / cfg.run_id
-    proc = _study_run(tmp_path, "steps=30")
+def _sigterm_after_the_first_step(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    """SIGTERM to `proc` once `run_dir` has recorded a step: it exits 128 + SIGTERM with one line naming how to resume
+    the run, no traceback."""
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError, ValueError, TypeError):
@@ -348,6 +347,13 @@ def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Pat
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+
+
+def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Path) -> None:
+    cfg = tiny("steps=30")
+    run_dir = tmp_path / "runs" / cfg.run_id
+    proc = _study_run(tmp_path, "steps=30")
+    _sigterm_after_the_first_step(proc, run_dir)
     status = rundir.read_status(run_dir)
     assert status["state"] == "stopped" and status["reason"] == "Terminated: SIGTERM received"
     assert not (run_dir / rundir.LOCK_FILE).exists() and not (run_dir / rundir.CRASH_FILE).exists()
@@ -719,14 +725,5 @@ def test_sigterm_to_the_in_process_launcher_is_one_line_and_143(tmp_path: Path) 
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            if rundir.read_status(run_dir)["step"] >= 1:
-                break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "Traceback" not in err and f"stopped (SIGTERM received): {run_dir}; resume with" in err, err
+    _sigterm_after_the_first_step(proc, run_dir)
     assert rundir.read_status(run_dir)["state"] == "stopped"

@@ -36,6 +36,13 @@ def _perturb_routers(ctl: RoutingController, scale: float = 1.0, seed: int = 0) 
             router.weight.add_(scale * torch.randn(router.weight.shape, generator=gen))
 
 
+def _recorded(ctl: RoutingController, model, ids: torch.Tensor) -> Routes:
+    """The routes `ctl` records on a forward of `model` over `ids` (no gradients)."""
+    with torch.no_grad(), ctl.recording():
+        _logp(model, ids)
+    return ctl.routes()
+
+
 @pytest.fixture()
 def model():
     return build_policy(TINY, seed=0)
@@ -44,9 +51,7 @@ def model():
 def test_record_then_replay_after_perturbing_the_router(model):
     ctl = RoutingController(model)
     ids = _batch()
-    with torch.no_grad(), ctl.recording():
-        _logp(model, ids)
-    recorded = ctl.routes()
+    recorded = _recorded(ctl, model, ids)
     assert recorded.shape == (4, 32, TINY.num_layers, TINY.moe_top_k) and recorded.experts.dtype == torch.uint8
     _perturb_routers(ctl)
     with torch.no_grad(), ctl.recording():
@@ -95,9 +100,7 @@ def test_gate_is_softmax_over_current_logits_of_forced_experts(model):
 def test_router_gets_gradients_under_replay(model):
     ctl = RoutingController(model)
     ids = _batch()
-    with torch.no_grad(), ctl.recording():
-        _logp(model, ids)
-    routes = ctl.routes()
+    routes = _recorded(ctl, model, ids)
     _perturb_routers(ctl)
     with ctl.replaying(routes):
         _logp(model, ids).mean().backward()
@@ -108,9 +111,7 @@ def test_router_gets_gradients_under_replay(model):
 def test_routes_survive_minibatch_resplitting(model):
     ctl = RoutingController(model)
     ids = _batch(6, 17)
-    with torch.no_grad(), ctl.recording():
-        _logp(model, ids)
-    routes = ctl.routes()
+    routes = _recorded(ctl, model, ids)
     _perturb_routers(ctl)
     with torch.no_grad(), ctl.replaying(routes):
         full = _logp(model, ids)  # (6, 16)
@@ -133,12 +134,8 @@ def test_two_models_do_not_interfere():
     mine = {id(r.router_replay) for r in ca.routers + cb.routers}
     assert not mine & {id(r) for r in RouterReplay.global_router_replay_instances}
     ids = _batch()
-    with torch.no_grad(), ca.recording():
-        _logp(a, ids)
-    routes_a = ca.routes()
-    with torch.no_grad(), cb.recording():
-        _logp(b, ids)
-    routes_b = cb.routes()
+    routes_a = _recorded(ca, a, ids)
+    routes_b = _recorded(cb, b, ids)
     assert routing_volatility(routes_a, routes_b)["set_flip_rate"] > 0  # different seeds route differently
     with torch.no_grad():
         free_b = _logp(b, ids)
@@ -156,9 +153,7 @@ def test_replay_errors(model):
     ids = _batch(2, 9)
     with pytest.raises(RuntimeError, match="no forward"):
         ctl.routes()
-    with torch.no_grad(), ctl.recording():
-        _logp(model, ids)
-    routes = ctl.routes()
+    routes = _recorded(ctl, model, ids)
     with pytest.raises(RuntimeError, match=r"\(B, S\)"), torch.no_grad(), ctl.replaying(routes[:1]):
         _logp(model, ids)  # routes for one sample, batch of two
     with pytest.raises(ValueError, match="layers"):
@@ -238,9 +233,7 @@ def test_replay_in_bf16():
     model = build_policy(TINY.replace(num_layers=1), seed=0, dtype="bf16")
     ctl = RoutingController(model)
     ids = _batch(2, 17)
-    with torch.no_grad(), ctl.recording():
-        _logp(model, ids)
-    routes = ctl.routes()
+    routes = _recorded(ctl, model, ids)
     _perturb_routers(ctl)
     with ctl.replaying(routes):
         _logp(model, ids).mean().backward()

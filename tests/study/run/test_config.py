@@ -101,24 +101,14 @@ def test_yaml_exponents_are_numbers(tmp_path: Path) -> None:
     assert cfg.lr == 1e-4 and cfg.hparams == {"eps_high": 5e-3}
 
 
+def _cli_run(results: Path, *sets: str) -> subprocess.CompletedProcess[str]:
+    """`python -m study run --preset tiny` with `--set` of each of `sets`, into `results`."""
+    cmd = [sys.executable, "-m", "study", "run", "--preset", "tiny", *(a for s in sets for a in ("--set", s))]
+    return subprocess.run([*cmd, "--results", str(results)], capture_output=True, text=True, timeout=120)
+
+
 def test_cli_rejects_bad_config_before_any_compute(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "study",
-            "run",
-            "--preset",
-            "tiny",
-            "--set",
-            "algorithm=gpso",
-            "--results",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _cli_run(tmp_path, "algorithm=gpso")
     assert out.returncode == 2
     assert "error: algorithm = 'gpso'; valid: " in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()
@@ -215,25 +205,7 @@ def test_parse_set_and_merge_field_for_the_model() -> None:
 
 
 def test_cli_takes_a_shape_and_rejects_a_bad_one_before_any_compute(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "study",
-            "run",
-            "--preset",
-            "tiny",
-            "--set",
-            "model.num_experts=2",
-            "--set",
-            "model.moe_top_k=3",
-            "--results",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _cli_run(tmp_path, "model.num_experts=2", "model.moe_top_k=3")
     assert out.returncode == 2, out.stderr
     assert "error: model.moe_top_k = 3: valid range is [1, 2]" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()

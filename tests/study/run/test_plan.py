@@ -4,13 +4,29 @@ arithmetic, the CLI, and the refusal of a run that cannot fit."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 from study.core.model_config import PRESETS, resolve_model
 from study.policy.model import build_policy, count_parameters
 from study.run import plan
+from study.run.config import RunConfig
 from study.tools.plan import PUBLISHED, plan_main
+
+
+def _paper_run(**changes: Any) -> RunConfig:
+    """A scratch run of the paper's model in bf16, 64 prompts x 8 samples a step, micro-batch 1, with `changes`."""
+    return RunConfig(
+        model="qwen3-30b-a3b",
+        coldstart="scratch",
+        train_precision="bf16",
+        rollout_precision="bf16",
+        prompts_per_step=64,
+        group_size=8,
+        micro_batch=1,
+        **changes,
+    )
 
 
 @pytest.mark.parametrize("name", ["tiny", "default"])
@@ -75,18 +91,7 @@ def test_published_layouts_fit_and_oversized_runs_are_refused(capsys: pytest.Cap
     assert plan_main(["--model", "nosuch", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
 
-    from study.run.config import RunConfig
-
-    run = RunConfig(
-        model="qwen3-30b-a3b",
-        coldstart="scratch",
-        max_new_tokens=4096,
-        train_precision="bf16",
-        rollout_precision="bf16",
-        prompts_per_step=64,
-        group_size=8,
-        micro_batch=1,
-    )
+    run = _paper_run(max_new_tokens=4096)
     assert plan.check_run_fits(run, gpus=16, gpu_mem_gb=80).fits(80 * plan.GB)
     with pytest.raises(ValueError, match=r"does not fit on 8 GPU\(s\) of 24 GB"):
         plan.check_run_fits(run, gpus=8, gpu_mem_gb=24)
@@ -108,17 +113,8 @@ def test_a_colocated_peak_counts_the_trainers_state_beside_the_engine() -> None:
 
 
 def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
-    from study.run.config import RunConfig
-
-    run = RunConfig(
-        model="qwen3-30b-a3b",
-        coldstart="scratch",
+    run = _paper_run(
         max_new_tokens=8192,
-        train_precision="bf16",
-        rollout_precision="bf16",
-        prompts_per_step=64,
-        group_size=8,
-        micro_batch=1,
         rollout_engine="vllm",
         rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.3},
         parallel={"tensor": 4, "expert": 16, "data": 4},
