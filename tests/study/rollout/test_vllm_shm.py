@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from study.core.model_config import PRESETS, ModelConfig
+from study.core.model_config import PRESETS
 from study.rollout import vllm_engine
 from study.run.rollout_runtime import EngineSettings
 
@@ -51,18 +51,7 @@ def test_a_smaller_bucket_fits() -> None:
 def test_the_routed_experts_are_counted_on_cuda(tmp_path, monkeypatch) -> None:
     """Qwen3-30B-A3B's shape (48 layers, top-8 of 128): a byte per layer and slot of every full-length sequence; the
     bucket is at least the largest tensor (the embedding, 594 MiB in bf16)."""
-    cfg = ModelConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        num_layers=48,
-        num_attention_heads=32,
-        num_query_groups=4,
-        head_dim=128,
-        num_experts=128,
-        moe_top_k=8,
-        moe_ffn_hidden_size=768,
-        max_seq_len=9216,
-    )
+    cfg = PRESETS["qwen3-30b-a3b"].replace(max_seq_len=9216)
     need = vllm_engine.shared_memory_need(cfg, EngineSettings(), "bf16", max_num_seqs=256, routes=True)
     assert need["routed experts"] == 256 * 9216 * 48 * 8
     _small_shm(monkeypatch, str(tmp_path), 1024 * MIB)
