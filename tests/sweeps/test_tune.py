@@ -21,6 +21,7 @@ import yaml
 from optuna.trial import TrialState
 
 from algorithms.registry import Range, register, unregister
+from study.run.config import RunConfig
 from sweeps import tune
 from sweeps.expand import load_sweep, load_tuned
 from sweeps.schema import SweepError, validate_tuned_file
@@ -162,18 +163,14 @@ def test_a_sweep_referencing_the_tuned_file_runs_the_tuned_values(tuned: tuple[t
     _, best = tuned
     doc = yaml.safe_load(best.read_text())
     compare = tmp_path / "compare.yaml"
-    compare.write_text(
-        yaml.safe_dump(
-            {
-                "name": "compare",
-                "preset": "tiny",
-                "base": FAST,
-                "tuned": str(best),
-                "axes": {"algorithm": ["grpo", "gspo"], "seed": [0, 1]},
-            }
-        )
-    )
-    runs = load_sweep(compare).expand()
+
+    def comparison(axes: dict) -> dict[str, RunConfig]:
+        """The runs of a sweep `compare` over `axes` that takes the tuned file."""
+        data = {"name": "compare", "preset": "tiny", "base": FAST, "tuned": str(best), "axes": axes}
+        compare.write_text(yaml.safe_dump(data))
+        return load_sweep(compare).expand()
+
+    runs = comparison({"algorithm": ["grpo", "gspo"], "seed": [0, 1]})
     assert len(runs) == 4
     for run_id, cfg in runs.items():
         entry = doc["algorithms"][cfg.algorithm]
@@ -181,18 +178,7 @@ def test_a_sweep_referencing_the_tuned_file_runs_the_tuned_values(tuned: tuple[t
         if cfg.seed == 0:  # the best trial's own run, reused by the comparison
             assert run_id == entry["run_id"]
     # precedence: the axis values win over the tuned ones
-    compare.write_text(
-        yaml.safe_dump(
-            {
-                "name": "compare",
-                "preset": "tiny",
-                "base": FAST,
-                "tuned": str(best),
-                "axes": {"algorithm": ["grpo"], "lr": [5e-5]},
-            }
-        )
-    )
-    (cfg,) = load_sweep(compare).expand().values()
+    (cfg,) = comparison({"algorithm": ["grpo"], "lr": [5e-5]}).values()
     assert cfg.lr == 5e-5 and cfg.hparams == doc["algorithms"]["grpo"]["hparams"]
 
 
