@@ -12,6 +12,7 @@ package's rule, study/kernels/__init__.py, plus what the fused step assumes) and
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -165,23 +166,12 @@ class NativeDecoder:
         keep = list(model.values())  # every tensor a pointer refers to lives as long as this object
         for name in MODEL_TENSORS:
             _check(name, model[name])
+        sizes = {**dataclasses.asdict(shape), "norm_topk": int(shape.norm_topk)}  # each DecodeShape field a _Model one
         self.model = _Model(
-            n=n,
-            hidden=shape.hidden,
-            hq=shape.hq,
-            hk=shape.hk,
-            d=shape.d,
-            experts=shape.experts,
-            top_k=shape.top_k,
-            ffn=shape.ffn,
-            vocab=shape.vocab,
-            layers=shape.layers,
-            capacity=capacity,
-            norm_topk=int(shape.norm_topk),
+            **sizes,
             stride_t=stride_t,
             samples=samples,
             prompt=prompt,
-            eps=shape.eps,
             scaling=shape.d**-0.5,
             **{name: _ptr(model[name]) for name in MODEL_TENSORS},
             attend=None if self.attend is None else ctypes.cast(self.attend.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
