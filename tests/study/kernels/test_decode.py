@@ -9,9 +9,7 @@ import torch
 
 from study.core import weights as W
 from study.rollout import get_engine
-from tests.study.rollout.conftest import CFG, build_megatron, random_prompts
-from tests.study.rollout.test_hf_engine import STOPS
-from tests.study.rollout.test_hf_engine import test_sampler_draws_from_the_tempered_distribution as _sampler_check
+from tests.study.rollout.conftest import CFG, STOPS, build_megatron, check_tempered_sampling, random_prompts
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -31,7 +29,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_c_sampler_draws_from_the_tempered_distribution(temperature):
-    _sampler_check(temperature, sampler="native")
+    check_tempered_sampling(temperature, sampler="native")
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,14 @@ import torch
 from study.core import weights as W
 from study.rollout import Rollout, engine_names, get_engine, register_engine
 from study.rollout.hf import HFEngine
-from tests.study.rollout.conftest import CFG, build_megatron, megatron_logp, random_prompts
-
-STOPS = list(range(0, 512, 17))  # ~1 in 17 tokens stops: both finish reasons occur in a small batch
+from tests.study.rollout.conftest import (
+    CFG,
+    STOPS,
+    build_megatron,
+    check_tempered_sampling,
+    megatron_logp,
+    random_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -147,48 +152,9 @@ def test_bad_arguments_raise(engine):
         engine.generate([[CFG.vocab_size]], 1, seed=0, max_new_tokens=4)
 
 
-def _c_sample(logits, logp, temperature, gen):  # type: ignore[no-untyped-def]
-    """The C sampler (tests/study/kernels/test_decode.py runs the test below with it)."""
-    from study.kernels import decode
-
-    tok, lp = decode.sample(logits, temperature, gen)
-    torch.testing.assert_close(lp, logp.gather(-1, tok[:, None])[:, 0], atol=1e-5, rtol=0)  # the tempered log-probs
-    return tok
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.4])
-def test_sampler_draws_from_the_tempered_distribution(temperature, sampler="torch"):
-    # 3 rows with known distributions (one with near-zero and exactly-zero-probability tokens); 40k seeded draws per
-    # row; a chi-square goodness-of-fit test (deterministic: fixed seed) and no draw of a zero-probability token. The
-    # engine's C sampler (native decode) takes the same uniforms from the generator.
-    from scipy.stats import chisquare
-
-    from study.rollout import hf
-
-    sample = hf.sample if sampler == "torch" else _c_sample
-    logits = torch.tensor(
-        [[0.0, 1.0, 2.0, 3.0, -1.0], [5.0, 5.0, -30.0, 0.0, 1.0], [0.0, float("-inf"), 0.5, -0.5, 0.0]]
-    )
-    logp = hf.sampling_logp(logits, temperature)
-    reps = 40_000
-    gen = torch.Generator().manual_seed(0)
-    draws = sample(logits.repeat(reps, 1), logp.repeat(reps, 1), temperature, gen).view(reps, 3)
-    expected = torch.softmax(logits.double() / temperature, -1)
-    for row in range(3):
-        counts = torch.bincount(draws[:, row], minlength=5).double()
-        assert counts[expected[row] == 0].sum() == 0
-        keep = expected[row] * reps >= 5  # chi-square cells need expected counts >= 5
-        f_exp = expected[row][keep] * reps
-        f_obs = counts[keep]
-        p = chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue
-        assert p > 1e-3, (row, counts.tolist(), (expected[row] * reps).tolist())
-    assert torch.equal(sample(logits, torch.log_softmax(logits, -1), 0.0, gen), logits.argmax(-1))
-    if sampler == "native":  # on the same uniforms the same tokens as the torch sampler
-        wide = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)) * 3
-        for t in (1.0, 0.7, 1.7):
-            g1, g2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
-            want = hf.sample(wide, hf.sampling_logp(wide, t), t, g1)
-            assert torch.equal(sample(wide, hf.sampling_logp(wide, t), t, g2), want)
+def test_sampler_draws_from_the_tempered_distribution(temperature):
+    check_tempered_sampling(temperature, sampler="torch")
 
 
 @pytest.mark.parametrize("masked", [False, True])
