@@ -22,17 +22,16 @@ ROOT = Path(__file__).resolve().parents[3]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
 
+def _gpu_check(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> Any:
+    """scripts/gpu_check.sh with `args`, run in `tmp_path` (its OUT) on this interpreter: the finished process."""
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **(env or {})}
+    cmd = [str(ROOT / "scripts" / "gpu_check.sh"), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=timeout)
+
+
 def _check(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> tuple[Any, dict]:
     """scripts/gpu_check.sh with `args`: (the finished process, the result file's parts)."""
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **(env or {})}
-    proc = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=timeout,
-    )
+    proc = _gpu_check(tmp_path, *args, env=env, timeout=timeout)
     return proc, json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
 
 
@@ -101,15 +100,7 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_runs(tmp_path: Path) -> 
 
 
 def test_the_environment_installs_as_a_step_of_its_own(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable}
-    proc = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh"), "--install-only"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    proc = _gpu_check(tmp_path, "--install-only", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "environment:" in proc.stdout and not (tmp_path / "gpu_check.json").exists()
 
@@ -237,14 +228,7 @@ def test_a_python_that_lacks_a_parts_module_stops_the_check_in_one_line(tmp_path
     shadow.mkdir()
     (shadow / "reasoning_gym.py").write_text('raise ModuleNotFoundError("no reasoning_gym", name="reasoning_gym")\n')
     env = {"PYTHONPATH": str(shadow), "WHEELHOUSE": str(tmp_path / "none")}
-    proc = subprocess.run(
-        [str(ROOT / "scripts" / "gpu_check.sh"), "--parts", "install,rl"],
-        env={**os.environ, "OUT": str(tmp_path), "GPU_PYTHON": sys.executable, **env},
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    proc = _gpu_check(tmp_path, "--parts", "install,rl", env=env, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "cannot import" in line]
     assert len(lines) == 1 and "cannot import reasoning_gym, which rl needs" in lines[0], proc.stderr
