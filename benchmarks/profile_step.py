@@ -34,7 +34,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "routing metrics": ("study/policy/routing.py", "routing_volatility"),
     "weight sync: megatron_to_hf": ("study/core/weights.py", "megatron_to_hf"),
     "weight sync: engine.load_weights": ("study/rollout/hf.py", "load_weights"),
-    "metrics.parquet write": ("study/rl.py", "_write_metrics"),
+    "metrics.parquet write": ("study/record.py", "write_metrics"),
     "status.json write": ("study/run/rundir.py", "set_status"),
 }
 
