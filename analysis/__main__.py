@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis import files
-from analysis.regime import MIN_MISMATCH, MIN_VOLATILITY
-from study.core.bounded import read_json
+from analysis.stats.regime import MIN_MISMATCH, MIN_VOLATILITY
+from runfiles import atomic as files
+from runfiles.bounded import read_json
 
 CAPTIONS = "captions"
 """Subdirectory of a `figures` output holding one reStructuredText caption per figure (NAME.rst)."""
@@ -56,7 +56,8 @@ def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: 
 def make_figures(results_dir: str, *, study: str | None, out_dir: str | os.PathLike[str]) -> Path:
     """Render the study's figures into `out_dir` (analysis.figures.make_all: PNG, PDF, SVG), one caption per figure
     under `out_dir/captions/NAME.rst` and the index `out_dir/figures.json`; return the index's path."""
-    from analysis import figures, results
+    from analysis import figures
+    from analysis.runs import results
 
     out = Path(out_dir)
     st = results.load(results_dir, study)
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "collect":
         collect(args.out, args.status, study=args.study)
         return 0
-    from analysis.results import check_study
+    from analysis.runs.results import check_study
 
     try:
         check_study(args.results_dir, args.study)  # before anything is written
@@ -179,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "figures":
         make_figures(args.results_dir, study=args.study, out_dir=args.out)
         return 0
-    from analysis import report
-    from analysis.scorecard import Rules
+    from analysis.claims.scorecard import Rules
+    from analysis.report import build as report
 
     try:
         rules = Rules(min_volatility=args.min_volatility, min_mismatch=args.min_mismatch)
@@ -196,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc=args.doc,
         rules=rules,
     )
-    from analysis import sections
+    from analysis.report import sections
 
     asked, gone = sections.not_read(result.study)
     if gone:

@@ -9,7 +9,9 @@ Rooms (each subpackage's `__init__` says its job; tests/test_imports.py keeps th
     kernels/    optional C kernels over plain tensors (an accelerator the science never depends on)
     core/       shared libraries, importing no other room: model_config.py (the policy's shape, presets, dtypes),
                 precision.py (precision as a study axis), weights.py (the weight mapping where policy and rollout meet),
-                bounded.py (the one reader of YAML and JSON, bounded in size and depth, refusing duplicate keys)
+                hugepages.py (the entry points' malloc tunables)
+Files are read and written through the run-files contract, the `runfiles` package beside study/ (the bounded reader of
+YAML and JSON, the atomic write, the run directory's file names), which sweeps/ and analysis/ import too.
     tools/      one-shot tools, `python -m study.tools.NAME`: plan, gpu_check, export, parity, budgets
 The RL loop at the top, importing any room: rl.py (the loop, read top to bottom: setup, then the step) and what it
 is made of: parts.py (the run's parts, built once; the trainer's forwards of a batch's rows), batch.py (the step's

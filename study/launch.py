@@ -418,7 +418,7 @@ def check_slurm_commands() -> None:
 def json_mapping(option: str, text: str) -> dict[str, Any]:
     """A JSON mapping given as a command-line option; ValueError naming the option and where the text stops being
     JSON."""
-    from study.core.bounded import load_json
+    from runfiles.bounded import load_json
     from study.run.rundir import json_problem
 
     try:

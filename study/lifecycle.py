@@ -296,7 +296,7 @@ def resume_config(run_dir: Path) -> RunConfig:
     unreadable, or edited (it no longer hashes to the directory's run id)."""
     import yaml
 
-    from study.core.bounded import read_yaml
+    from runfiles.bounded import read_yaml
 
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from algorithms import catalog
-from study.core.bounded import read_yaml
+from runfiles.bounded import read_yaml
 from study.run import rundir
 from study.run.config import PRESET_RUNS, RunConfig, merge_field
 from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
@@ -228,10 +228,7 @@ def load_tuned(path: str | Path, *, where: str = "tuned") -> dict[str, dict[str,
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"{where} = {str(path)!r}: no such file; write it with {tune_command(str(path))}")
-    try:
-        data = read_yaml(path)  # its size checked before it is read
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise SweepError(f"{where} = {str(path)!r}: not valid YAML: {_one_line(err)}") from None
+    data = _yaml_file(path, where=f"{where} = {str(path)!r}")
     validate_tuned_file(data, where=f"{where} = {str(path)!r}")
     out = {}
     for name, entry in data["algorithms"].items():
@@ -249,14 +246,19 @@ def load_sweep(path: str | Path, variables: dict[str, str] | None = None, *, max
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file {path} not found")
-    try:
-        data = read_yaml(path)  # its size checked before it is read
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise SweepError(f"{path}: not valid YAML: {_one_line(err)}") from None
+    data = _yaml_file(path, where=str(path))
     data = substitute_vars(data, variables, where=str(path))
     if max_runs is not None and isinstance(data, dict):
         data = {**data, "max_runs": max_runs}
     return Sweep.from_dict(data, where=str(path))
+
+
+def _yaml_file(path: Path, *, where: str) -> Any:
+    """The YAML document in `path` (its size checked before it is read); SweepError "`where`: not valid YAML" else."""
+    try:
+        return read_yaml(path)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SweepError(f"{where}: not valid YAML: {_one_line(err)}") from None
 
 
 def _one_line(err: BaseException) -> str:

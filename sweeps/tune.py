@@ -621,7 +621,7 @@ def write_best(p: Plan, out: Path | None = None, algorithms_: list[str] | None =
     """Write the tuned file (and trials.csv, every trial of the written algorithms) atomically."""
     import pandas as pd
 
-    from study.core.files import atomic_write
+    from runfiles.atomic import atomic_write
     from study.run.rundir import write_text
 
     storage = open_storage(p)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("study", "algorithms", "analysis", "sweeps")
+PACKAGES = ("runfiles", "study", "algorithms", "analysis", "sweeps")
 ROOMS = (
     "study.core",
     "study.run",
@@ -22,7 +22,15 @@ ROOMS = (
     "study.tools",
 )
 # The RL loop at study/'s top: rl.py over the modules it is made of (none imports rl.py; the rooms import none of them)
-LOOP = ("study.rl", "study.parts", "study.batch", "study.record", "study.checkpoint", "study.lifecycle")
+LOOP = (
+    "study.rl",
+    "study.parts",
+    "study.batch",
+    "study.measures",
+    "study.record",
+    "study.checkpoint",
+    "study.lifecycle",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -99,7 +107,8 @@ def test_the_graph_sees_the_packages() -> None:
         ),
         ("study.run", ("study.policy", "study.rollout", "study.coldstart", "study.kernels"), ()),
         ("algorithms", ("study",), ()),
-        ("analysis", ("study",), ("study.core.bounded",)),  # the one bounded YAML/JSON reader
+        ("runfiles", ("study", "algorithms", "analysis", "sweeps", "megatron", "transformers"), ()),
+        ("analysis", ("study", "sweeps"), ()),
         *((room, LOOP, ()) for room in ROOMS if room != "study.tools"),
         ("study.lifecycle", ("study.policy", "study.rollout", *LOOP), ()),
         ("study.checkpoint", ("study.rollout", "study.parts", "study.lifecycle", "study.rl"), ()),
@@ -121,9 +130,33 @@ def test_only_entry_points_and_tools_import_the_loop() -> None:
 
 def test_nothing_below_the_loop_imports_the_tools() -> None:
     """study/tools/ holds what is run, not what is imported: the rooms and the modules the loop is made of import
-    none of it (the planner's arithmetic, the atomic write are libraries: study/run/plan.py, study/core/files.py)."""
+    none of it (the planner's arithmetic, the atomic write are libraries: study/run/plan.py, runfiles/atomic.py)."""
     below = (*(r for r in ROOMS if r != "study.tools"), *(m for m in LOOP if m != "study.rl"))
     assert [v for source in below for v in _violations(source, ("study.tools",))] == []
+
+
+ANALYSIS_FLOORS = ("runs", "stats", "claims", "figures", "report")
+"""analysis/'s layers, bottom up: reading runs, statistics, the claims, drawing, the report (the CLI on top)."""
+
+
+def test_analysis_is_built_in_floors() -> None:
+    """Each of analysis/'s modules sits in one of its floors' folders (or is the package or its CLI), and imports only
+    from its own floor or the ones below: no arrow back up."""
+    floor = {name: i for i, name in enumerate(ANALYSIS_FLOORS)}
+    up = []
+    for m, targets in GRAPH.items():
+        if not _in(m, "analysis") or m in ("analysis", "analysis.__main__"):
+            continue
+        own = m.split(".")[1]
+        assert own in floor, f"{m} is in no floor's folder ({', '.join(ANALYSIS_FLOORS)})"
+        lower = ("analysis", "analysis.__main__")
+        up += [
+            f"{m} imports {t}"
+            for t in targets
+            if _in(t, "analysis") and t not in lower and floor[t.split(".")[1]] > floor[own]
+        ]
+    assert up == []
+    assert all(any(_in(m, f"analysis.{f}") for m in GRAPH) for f in ANALYSIS_FLOORS)
 
 
 def _room(module: str) -> str:

@@ -1,4 +1,4 @@
-"""The paper's figures from a loaded study (analysis.tidy.Study), one module per figure. No function here names an
+"""The paper's figures from a loaded study (analysis.runs.tidy.Study), one module per figure. No function here names an
 algorithm.
 
 Each `figureN_*` returns a `Made`: the matplotlib Figure, a file name, a caption, and the tables behind it (for the
@@ -16,14 +16,14 @@ renders every figure whose data the study has and says why it skipped the others
    when no run wrote one);
 5. length: final reward and efficiency vs maximum generation length;
 6. routing volatility: expert-slot mismatch per layer and over training; its relation to the clip fraction;
-7. compute-scaling fits (analysis.fit): points, curve, extrapolation, and the table of A, B, C_mid;
+7. compute-scaling fits (analysis.stats.fit): points, curve, extrapolation, and the table of A, B, C_mid;
 8. routing volatility: per configuration of the non-algorithm swept axes, the gaps the claims compare (Routing Replay
    partner minus the algorithm, GSPO minus the GRPO baseline) in final reward and held-out gain against the measured
    expert-slot mismatch, and expert load imbalance and router entropy at the same x;
 9. Routing Replay along off-policy updates (minibatches per rollout batch): the MoE's routing volatility, the held-out
    gain per algorithm beside the dense control, and what dropping Routing Replay costs against the volatility.
 
-Metric and axis names: analysis.vocab.
+Metric and axis names: analysis.runs.vocab.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import style
-from analysis.figures.common import Made, MissingData, routed, select
+from analysis.figures import style
+from analysis.figures.common import Made
 from analysis.figures.fig1_reward import figure1_reward
 from analysis.figures.fig2_clipping import figure2_clipping
 from analysis.figures.fig3_routing_replay import figure3_routing_replay
@@ -47,7 +47,9 @@ from analysis.figures.fig6_routing import figure6_routing
 from analysis.figures.fig7_fits import figure7_fits
 from analysis.figures.fig8_routing_volatility import figure8_routing_volatility
 from analysis.figures.fig9_offpolicy_replay import figure9_offpolicy_replay
-from analysis.tidy import RUN_ID, Study
+from analysis.runs.columns import RUN_ID
+from analysis.runs.select import MissingData, routed, select
+from analysis.runs.tidy import Study
 
 FIGURES: dict[str, Callable[[Study], Made]] = {
     fn.__name__: fn

@@ -1,6 +1,6 @@
 """What the figure modules share: `Made` (a built figure) and `MissingData`, selecting runs (`select`, `routed`), the
 compute axis, seed-mean curves and their legend, and the gap markers and top tags of Figures 8 and 9. Names with a
-leading underscore are internal to analysis.figures (and analysis.offpolicy, which builds Figure 9's tables)."""
+leading underscore are internal to analysis.figures (and analysis.claims.offpolicy, which builds Figure 9's tables)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from analysis import stats, style, vocab
-from analysis.natural import natural_keys
-from analysis.tidy import ALGORITHM, COMPUTE, EMULATED, RUN_ID, Study
+from analysis.figures import style
+from analysis.runs import names
+from analysis.runs.columns import ALGORITHM, COMPUTE, EMULATED
+from analysis.runs.natural import natural_keys
+from analysis.runs.select import equal, key, varying
+from analysis.runs.tidy import Study
+from analysis.stats import curves
 
 
 @dataclass
@@ -27,51 +31,6 @@ class Made:
     name: str
     caption: str
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
-
-
-class MissingData(ValueError):
-    """The study lacks the metric or axis a figure needs (message says which, and what is there)."""
-
-
-def select(study: Study, where: Mapping[str, Any] | None) -> Study:
-    """The runs of `study` whose axis values match `where` (e.g. {"max_new_tokens": 512})."""
-    if not where:
-        return study
-    ids = set(study.runs[RUN_ID].astype(str))
-    for key, value in where.items():
-        if key not in study.runs.columns:
-            raise MissingData(f"cannot select on {key!r}: not a column; axes are {study.axes}")
-        ids &= set(study.runs.loc[_equal(study.runs[key], value), RUN_ID].astype(str))
-    return _only(study, ids)
-
-
-def routed(study: Study) -> Study:
-    """`study` without its dense-control runs (a model of one expert: nothing to route, so no routing to measure),
-    for the routing figures; unchanged when it has none or has nothing else."""
-    ids = study.runs[RUN_ID].astype(str).tolist()
-    moe = {r for r, m in zip(ids, _model_of(study, ids), strict=True) if m == MOE}
-    return study if not moe or len(moe) == len(ids) else _only(study, moe)
-
-
-def _only(study: Study, ids: set[str]) -> Study:
-    """`study` restricted to the runs `ids`."""
-    long, runs, layers, tokens, seqs = study.long, study.runs, study.layers, study.tokens, study.sequences
-    long = long[long[RUN_ID].astype(str).isin(ids)]
-    layers = layers[layers[RUN_ID].astype(str).isin(ids)]
-    runs = runs[runs[RUN_ID].astype(str).isin(ids)]
-    tokens = tokens[tokens[RUN_ID].astype(str).isin(ids)] if len(tokens) else tokens
-    seqs = seqs[seqs[RUN_ID].astype(str).isin(ids)] if len(seqs) else seqs
-    return Study(
-        long=long,
-        runs=runs,
-        layers=layers,
-        axes=study.axes,
-        missing=study.missing,
-        configs=study.configs,
-        manifests=study.manifests,
-        tokens=tokens,
-        sequences=seqs,
-    )
 
 
 def emulation_note(runs: pd.DataFrame) -> str:
@@ -87,29 +46,14 @@ def emulation_note(runs: pd.DataFrame) -> str:
     )
 
 
-def _varying(study: Study) -> list[str]:
-    """Swept axes that still take more than one value in (a selection of) the study."""
-    return [a for a in study.axes if study.runs[a].nunique(dropna=False) > 1]
-
-
 def _counts(sizes: pd.Series) -> str:
     """{"GRPO": 3, ...} as "GRPO 3, GSPO 3" (registry labels, plain ints); "" when empty."""
-    return ", ".join(f"{style.label(str(k))} {int(v)}" for k, v in sizes.items() if int(v))
-
-
-def _need_metric(study: Study, metric: str) -> None:
-    if metric not in study.metrics:
-        raise MissingData(f"metric {metric!r} not logged; present: {', '.join(study.metrics)}")
-
-
-def _need_axis(study: Study, axis: str) -> None:
-    if axis not in study.axes:
-        raise MissingData(f"axis {axis!r} is not swept in this study; swept axes: {study.axes or 'none'}")
+    return ", ".join(f"{names.label(str(k))} {int(v)}" for k, v in sizes.items() if int(v))
 
 
 def _group_label(alg: str, extra: Mapping[str, Any]) -> str:
     tail = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in extra.items())
-    return f"{style.label(alg)} ({tail})" if tail else style.label(alg)
+    return f"{names.label(alg)} ({tail})" if tail else names.label(alg)
 
 
 def _curves(
@@ -118,12 +62,12 @@ def _curves(
     """Seed-mean curves per configuration: aligned (each begins where all its seeds have a value) and, with
     `smooth`, a centred rolling mean (the first point averages the first steps, it is not one step's reward). With
     `evaluations` (held-out scores, logged at the same steps in every run): the seed mean at each evaluation step,
-    at the seeds' mean compute there (`stats.step_points`), from the step-0 evaluation at compute 0 where the runs
+    at the seeds' mean compute there (`curves.step_points`), from the step-0 evaluation at compute 0 where the runs
     have one."""
-    by = [ALGORITHM, *_varying(study)]
+    by = [ALGORITHM, *varying(study)]
     if evaluations:
-        return stats.step_points(study.long, metric, by=by).sort_values([*by, COMPUTE], kind="stable")
-    return stats.aggregate_curves(
+        return curves.step_points(study.long, metric, by=by).sort_values([*by, COMPUTE], kind="stable")
+    return curves.aggregate_curves(
         study.long, metric, by=by, smooth=smooth, center=True, aligned=True, n_grid=n_grid, log=log
     )
 
@@ -171,25 +115,12 @@ DASHES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1
 """Line styles of the configurations of the other swept axes within one algorithm (colour = algorithm)."""
 
 
-def _key(values: Sequence[Any]) -> tuple[Any, ...]:
-    """Axis values as a lookup key: NaN (an axis a run's config lacks, e.g. a model field only a dense control sets)
-    as None, which equals itself (NaN does not, so a tuple holding one would never be found again)."""
-    return tuple(None if isinstance(v, float) and np.isnan(v) else v for v in values)
-
-
-def _equal(column: pd.Series, value: Any) -> np.ndarray:
-    """Rows of `column` equal to `value`, NaN matching NaN (an axis a run's config lacks: `_key`)."""
-    if isinstance(value, float) and np.isnan(value):
-        return column.isna().to_numpy()
-    return (column == value).to_numpy()
-
-
 def _combos(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, ...]]:
     """The value combinations of `extra_axes` in `curves`, sorted: their index picks the line style."""
     if not extra_axes:
         return [()]
     keys = curves[list(extra_axes)].drop_duplicates()
-    return sorted({_key(k) for k in keys.itertuples(index=False, name=None)}, key=natural_keys)
+    return sorted({key(k) for k in keys.itertuples(index=False, name=None)}, key=natural_keys)
 
 
 def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple[Any, str]]:
@@ -197,8 +128,8 @@ def _curve_legend(curves: pd.DataFrame, extra_axes: Sequence[str]) -> list[tuple
     combination (its line style, in grey), so a legend of 5 algorithms x 4 configurations has 9 entries, not 20."""
     from matplotlib.lines import Line2D
 
-    algs = style.order(curves[ALGORITHM].astype(str).unique())
-    out = [(Line2D([], [], color=style.color(a)), style.label(a)) for a in algs]
+    algs = names.order(curves[ALGORITHM].astype(str).unique())
+    out = [(Line2D([], [], color=names.color(a)), names.label(a)) for a in algs]
     if extra_axes:
         for k, combo in enumerate(_combos(curves, extra_axes)):
             tail = ", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(extra_axes, combo, strict=True))
@@ -214,49 +145,32 @@ def _plot_curves(
     evaluations): the interval as an error bar at each measured point instead of a band between them."""
     combos = {c: k for k, c in enumerate(_combos(curves, extra_axes))}
     keys = curves[[ALGORITHM, *extra_axes]].drop_duplicates()
-    algs = style.order(keys[ALGORITHM].astype(str))
+    algs = names.order(keys[ALGORITHM].astype(str))
     for alg in algs:
         sub = keys[keys[ALGORITHM].astype(str) == alg]
-        for _, key in sub.iterrows():
+        for _, row in sub.iterrows():
             mask = np.ones(len(curves), dtype=bool)
             for col in [ALGORITHM, *extra_axes]:
-                mask &= _equal(curves[col], key[col])
+                mask &= equal(curves[col], row[col])
             c = curves[mask]
-            ls = DASHES[combos[_key([key[a] for a in extra_axes])] % len(DASHES)]
-            label = _group_label(alg, {a: key[a] for a in extra_axes})
-            ax.plot(c[x] / scale, c["mean"], color=style.color(alg), ls=ls, label=label)
+            ls = DASHES[combos[key([row[a] for a in extra_axes])] % len(DASHES)]
+            label = _group_label(alg, {a: row[a] for a in extra_axes})
+            ax.plot(c[x] / scale, c["mean"], color=names.color(alg), ls=ls, label=label)
             if points:
                 bars = c[c["low"].notna() & c["high"].notna() & (c["high"] > c["low"])]
                 err = np.vstack([bars["mean"] - bars["low"], bars["high"] - bars["mean"]])
                 ax.errorbar(
-                    bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8, color=style.color(alg)
+                    bars[x] / scale, bars["mean"], yerr=err, fmt="o", ms=3, capsize=2, lw=0.8, color=names.color(alg)
                 )
             else:
-                ax.fill_between(c[x] / scale, c["low"], c["high"], color=style.color(alg), alpha=0.2, lw=0)
+                ax.fill_between(c[x] / scale, c["low"], c["high"], color=names.color(alg), alpha=0.2, lw=0)
             at0 = c[c[x] == 0]
             if len(at0):  # the starting policy's evaluation (step 0): a measured point, not an interpolation
-                ax.plot(at0[x], at0["mean"], "o", ms=3, color=style.color(alg), gid="start")
+                ax.plot(at0[x], at0["mean"], "o", ms=3, color=names.color(alg), gid="start")
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 """Marker per series where colour alone would repeat (Figure 8's comparisons)."""
-
-
-def _configurations(study: Study, axes: Sequence[str]) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
-    """The value combinations of `axes` among the usable runs (natural order) and run_id -> its combination's index."""
-    runs = study.runs[~study.runs["state"].isin(["failed", "unknown"])]
-    keys = sorted({_key(r) for r in runs[list(axes)].itertuples(index=False, name=None)}, key=natural_keys)
-    index = {k: i for i, k in enumerate(keys)}
-    of = {str(rid): index[_key(v)] for rid, *v in runs[[RUN_ID, *axes]].itertuples(index=False, name=None)}
-    return keys, of
-
-
-def _short(v: Any) -> str:
-    """An axis value as a tick label: numbers as %g (30, not 30.0), the rest as text."""
-    try:
-        return f"{float(v):g}"
-    except (TypeError, ValueError):
-        return str(v)
 
 
 def _err(t: pd.DataFrame, mean: str = "mean") -> np.ndarray:
@@ -276,7 +190,7 @@ def _gap_bars(
         p["estimate"],
         yerr=_err(p, "estimate"),
         xerr=xerr.to_numpy().T,
-        color=style.color(alg),
+        color=names.color(alg),
         marker=MARKERS[k % len(MARKERS)],
         ms=4,
         lw=1.0,
@@ -306,15 +220,3 @@ def _top_tags(
         top.tick_params(labelsize=6, length=2)
         top.xaxis.set_minor_locator(ticker.NullLocator())
         top.set_xlabel(title if room else crowded, fontsize=7)
-
-
-MOE, DENSE = "MoE", "dense"
-"""A run's model (`_model_of`; the `model` column of Figure 9's tables): the MoE, or its dense control (a run whose
-model has one expert)."""
-
-
-def _model_of(study: Study, run_ids: Sequence[str]) -> list[str]:
-    """DENSE for a run whose config has one expert (vocab.NUM_EXPERTS_KEY = 1), else MOE."""
-    return [
-        DENSE if study.configs.get(str(r), {}).get(vocab.NUM_EXPERTS_KEY) in (1, 1.0, "1") else MOE for r in run_ids
-    ]

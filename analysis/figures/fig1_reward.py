@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from analysis import style, vocab
+from analysis.figures import style
 from analysis.figures.common import (
     Made,
     _compute_axis,
@@ -15,13 +15,13 @@ from analysis.figures.common import (
     _curves,
     _first_step_compute,
     _legend,
-    _need_metric,
     _plot_curves,
     _unit,
-    _varying,
-    select,
 )
-from analysis.tidy import ALGORITHM, COMPUTE, Study
+from analysis.runs import vocab
+from analysis.runs.columns import ALGORITHM, COMPUTE
+from analysis.runs.select import need_metric, select, varying
+from analysis.runs.tidy import Study
 
 
 @style.styled
@@ -31,11 +31,11 @@ def figure1_reward(
     """Training reward and each held-out eval vs training compute (log x, shared), seed mean with a 95% t
     band."""
     st = select(study, where)
-    _need_metric(st, vocab.REWARD)
+    need_metric(st, vocab.REWARD)
     metrics = [vocab.REWARD, *vocab.eval_metrics(st.metrics)]
     fig = style.new_figure(ncols=len(metrics), width=min(style.WIDTH_DOUBLE, 2.6 * len(metrics)) or None)
     axs = fig.subplots(1, len(metrics), squeeze=False, sharex=True)[0]
-    extra = _varying(st)
+    extra = varying(st)
     scale, unit = _unit(st)
     tables = {}
     for metric in metrics:  # held-out evaluations: per evaluation step, never smoothed

@@ -9,20 +9,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import stats, style, vocab
-from analysis.figures.common import (
-    Made,
-    _compute_axis,
-    _curve_legend,
-    _curves,
-    _legend,
-    _need_metric,
-    _plot_curves,
-    _unit,
-    _varying,
-    select,
-)
-from analysis.tidy import ALGORITHM, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _compute_axis, _curve_legend, _curves, _legend, _plot_curves, _unit
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM
+from analysis.runs.select import need_metric, select, varying
+from analysis.runs.tidy import Study
+from analysis.stats import curves
 
 
 def clip_table(study: Study, *, confidence: float = 0.95) -> pd.DataFrame:
@@ -33,13 +26,13 @@ def clip_table(study: Study, *, confidence: float = 0.95) -> pd.DataFrame:
     parts = {"total": vocab.CLIP, "low": vocab.CLIP_LOW, "high": vocab.CLIP_HIGH}
     frames = []
     for part, metric in parts.items():
-        _need_metric(study, metric)
-        per_run = stats.run_mean(study.long, metric)
-        s = stats.summarize(per_run, by=[ALGORITHM], confidence=confidence)
+        need_metric(study, metric)
+        per_run = curves.run_mean(study.long, metric)
+        s = curves.summarize(per_run, by=[ALGORITHM], confidence=confidence)
         s.insert(1, "part", part)
         frames.append(s)
     out = pd.concat(frames, ignore_index=True)
-    algs = style.order(out[ALGORITHM].astype(str))
+    algs = names.order(out[ALGORITHM].astype(str))
     out["_o"] = out[ALGORITHM].astype(str).map({a: i for i, a in enumerate(algs)})
     out["_p"] = out["part"].map({p: i for i, p in enumerate(parts)})
     return out.sort_values(["_o", "_p"]).drop(columns=["_o", "_p"]).reset_index(drop=True)
@@ -70,7 +63,7 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
             heights,
             width,
             yerr=err.tolist(),  # an array warns in matplotlib 3.11 when there is one bar (NumPy scalar conversion)
-            color=[style.color(a) for a in algs],
+            color=[names.color(a) for a in algs],
             alpha=shades[part],
             hatch=hatches[part],
             edgecolor="white",
@@ -81,12 +74,12 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
             if h == 0:
                 ax.annotate("0", (xi, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=6)
     style.log_scale(ax, "y")
-    ax.set_xticks(np.arange(len(algs)), [style.label(a) for a in algs], rotation=30, ha="right")
+    ax.set_xticks(np.arange(len(algs)), [names.label(a) for a in algs], rotation=30, ha="right")
     ax.set_ylabel("avg. fraction of clipped tokens")
     ax.grid(axis="x", visible=False)
     curves = _curves(st, vocab.CLIP, smooth=smooth, n_grid=100)
     scale, unit = _unit(st)
-    _plot_curves(ax2, curves, _varying(st), scale=scale)
+    _plot_curves(ax2, curves, varying(st), scale=scale)
     _compute_axis(ax2, unit)
     style.log_scale(ax2, "y")
     ax2.set_ylabel("clipped-token fraction")
@@ -94,13 +87,13 @@ def figure2_clipping(study: Study, *, where: Mapping[str, Any] | None = None, sm
         (Patch(facecolor=style.NEUTRAL, alpha=shades[p], hatch=hatches[p], edgecolor="white"), f"bars: {p}")
         for p in shades
     ]
-    _legend(fig, extra=[*_curve_legend(curves, _varying(st)), *parts])
+    _legend(fig, extra=[*_curve_legend(curves, varying(st)), *parts])
     tot = table[table["part"] == "total"].set_index(ALGORITHM)["mean"]
     caption = (
         "Figure 2. Average fraction of clipped tokens (token-weighted, clipped branch active) per algorithm, split "
         "into the low side (ratio < 1 - eps_low, A < 0) and the high side (ratio > 1 + eps_high, A > 0); mean over "
         "training steps per run, then mean and 95% t interval over seeds. Right: over training. Averages: "
-        + ", ".join(f"{style.label(str(a))} {v:.3g}" for a, v in tot.items())
+        + ", ".join(f"{names.label(str(a))} {v:.3g}" for a, v in tot.items())
         + "."
     )
     return Made(fig, "figure2_clipping", caption, {"clip_fraction": table, "clip_over_training": curves})

@@ -1,5 +1,5 @@
 """Figure 3 (the paper's Figure 3): reward with vs without Routing Replay per loss function, every run drawn,
-from the table `collapses` (analysis.collapse.collapse_table)."""
+from the table `collapses` (analysis.stats.collapse.collapse_table)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, stats, style, vocab
-from analysis.figures.common import (
-    Made,
-    MissingData,
-    _compute_axis,
-    _equal,
-    _legend,
-    _need_metric,
-    _unit,
-    select,
-)
-from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _compute_axis, _legend, _unit
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, COMPUTE, RUN_ID
+from analysis.runs.select import MissingData, equal, need_metric, select
+from analysis.runs.tidy import Study
+from analysis.stats import collapse, curves, intervals
 
 
-def routing_families(names: Sequence[str]) -> list[list[str]]:
+def routing_families(present: Sequence[str]) -> list[list[str]]:
     """Groups of algorithms that share a loss function but differ in routing mode (the registry's `routing_variants`),
     registry order, free first.
 
     Only groups with at least two routing modes present are returned (these are the Routing Replay ablations).
     """
-    reg = style.registry()
-    ordered = style.order(names)
+    reg = names.registry()
+    ordered = names.order(present)
     modes = {m: i for i, m in enumerate(reg.ROUTING_MODES)}
     out, seen = [], set()
     for n in ordered:
@@ -53,27 +48,27 @@ def figure3_routing_replay(
     run drawn thin, the seed mean thick, collapsed runs (reported in status.json or detected in the reward) marked
     with an x."""
     st = select(study, where)
-    _need_metric(st, vocab.REWARD)
+    need_metric(st, vocab.REWARD)
     fams = routing_families(st.runs[ALGORITHM].dropna().astype(str).unique())
     if not fams:
         raise MissingData("no pair of algorithms with the same loss and different routing in this study")
-    rows = stats.metric_rows(st.long, vocab.REWARD)
-    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=100)
-    info, mat = stats.interpolate_runs(rows, grid, smooth=smooth, center=True)
-    cfg_cols = [c for c in stats.group_columns(rows) if c in info.columns and c != ALGORITHM]
+    rows = curves.metric_rows(st.long, vocab.REWARD)
+    grid = curves.compute_grid(rows[COMPUTE].to_numpy(), n=100)
+    info, mat = curves.interpolate_runs(rows, grid, smooth=smooth, center=True)
+    cfg_cols = [c for c in curves.group_columns(rows) if c in info.columns and c != ALGORITHM]
     configs = list(info[cfg_cols].drop_duplicates().sort_values(cfg_cols).itertuples(index=False)) if cfg_cols else [()]
     fig = style.new_figure(ncols=len(fams), nrows=len(configs), width=min(style.WIDTH_DOUBLE, 3.5 * len(fams)))
     grid_axs = fig.subplots(len(configs), len(fams), squeeze=False, sharey=True, sharex=True)
-    starts = stats.run_starts(rows)
+    starts = curves.run_starts(rows)
     scale, unit = _unit(st)
     coll = collapse.collapse_table(st.long, st.runs, vocab.REWARD, **collapse_rules)
     coll_by = coll.set_index(RUN_ID)
-    reg = style.registry()
+    reg = names.registry()
     algs = info[ALGORITHM].astype(str).to_numpy()
     for axs, cfg in zip(grid_axs, configs, strict=True):
         in_cfg = np.ones(len(info), dtype=bool)
         for col, value in zip(cfg_cols, cfg, strict=True):
-            in_cfg &= _equal(info[col], value)
+            in_cfg &= equal(info[col], value)
         where_cfg = ", ".join(f"{c}={v}" for c, v in zip(cfg_cols, cfg, strict=True))
         for ax, fam in zip(axs, fams, strict=True):
             if not any(((algs == alg) & in_cfg).any() for alg in fam):  # a cell the sweep left out, said as such
@@ -89,7 +84,7 @@ def figure3_routing_replay(
                 )
             for alg in fam:
                 idx = np.flatnonzero((algs == alg) & in_cfg)
-                col = style.color(alg)
+                col = names.color(alg)
                 for i in idx:
                     ax.plot(grid / scale, mat[i], color=col, lw=0.5, alpha=0.35)
                     rid = str(info[RUN_ID].iloc[i])
@@ -102,10 +97,10 @@ def figure3_routing_replay(
                 if idx.size:  # the mean begins where every seed has logged (its first point is a mean over all)
                     m = mat[idx].copy()
                     m[:, grid < np.nanmax(starts[idx]) * (1 - 1e-12)] = np.nan
-                    mean = stats.mean_band(m)[0]
-                    ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{style.label(alg)} ({reg.get(alg).routing})")
+                    mean = intervals.mean_band(m)[0]
+                    ax.plot(grid / scale, mean, color=col, lw=1.8, label=f"{names.label(alg)} ({reg.get(alg).routing})")
             _compute_axis(ax, unit)
-            ax.set_title(style.label(fam[0]) + (f"\n{where_cfg}" if where_cfg else ""))
+            ax.set_title(names.label(fam[0]) + (f"\n{where_cfg}" if where_cfg else ""))
     for axs in grid_axs:
         axs[0].set_ylabel("training reward")
     from matplotlib.lines import Line2D
@@ -132,7 +127,7 @@ def collapse_counts(coll: pd.DataFrame) -> str:
     if c.empty:
         return "none"
     parts = []
-    for alg in style.order(c[ALGORITHM].astype(str)):
+    for alg in names.order(c[ALGORITHM].astype(str)):
         by = c[c[ALGORITHM].astype(str) == alg]["flagged_by"].value_counts()
-        parts.append(f"{style.label(alg)} {int(by.sum())} (" + ", ".join(f"{k} {int(v)}" for k, v in by.items()) + ")")
+        parts.append(f"{names.label(alg)} {int(by.sum())} (" + ", ".join(f"{k} {int(v)}" for k, v in by.items()) + ")")
     return ", ".join(parts)

@@ -1,5 +1,5 @@
 """Figure 4 (this study's): final reward and engine/trainer mismatch per precision configuration, from one
-`stats.final_summary` table per metric."""
+`curves.final_summary` table per metric."""
 
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 
-from analysis import stats, style, vocab
-from analysis.figures.common import (
-    Made,
-    MissingData,
-    _legend,
-    _need_metric,
-    emulation_note,
-)
-from analysis.tidy import ALGORITHM, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _legend, emulation_note
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM
+from analysis.runs.select import MissingData, need_metric
+from analysis.runs.tidy import Study
+from analysis.stats import curves
 
 
 def _config_bars(
@@ -27,7 +25,7 @@ def _config_bars(
     summary = summary.copy()
     summary["_cfg"] = summary[list(config_cols)].astype(str).agg(" / ".join, axis=1)
     cfgs = list(dict.fromkeys(summary.sort_values(list(config_cols))["_cfg"]))
-    algs = style.order(summary[ALGORITHM].astype(str))
+    algs = names.order(summary[ALGORITHM].astype(str))
     width = 0.8 / max(1, len(algs))
     for k, alg in enumerate(algs):
         s = summary[summary[ALGORITHM].astype(str) == alg].set_index("_cfg").reindex(cfgs)
@@ -35,7 +33,7 @@ def _config_bars(
         h = s["mean"].to_numpy(float)
         err = np.vstack([h - s["low"].to_numpy(float), s["high"].to_numpy(float) - h])
         err = np.where(np.isfinite(err), np.maximum(err, 0), 0)
-        ax.bar(xs, h, width, yerr=err.tolist(), color=style.color(alg), label=style.label(alg), error_kw={"lw": 0.7})
+        ax.bar(xs, h, width, yerr=err.tolist(), color=names.color(alg), label=names.label(alg), error_kw={"lw": 0.7})
     ax.set_xticks(np.arange(len(cfgs)), cfgs, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     if log:
@@ -58,13 +56,13 @@ def figure4_precision(
     if not present:
         raise MissingData(f"none of the precision axes {list(axes)} is swept; swept axes: {study.axes or 'none'}")
     for m in (vocab.REWARD, *mismatch):
-        _need_metric(study, m)
+        need_metric(study, m)
     by = [ALGORITHM, *present]
     fig = style.new_figure(ncols=1 + len(mismatch), width=style.WIDTH_DOUBLE, height=3.0)
     axs = fig.subplots(1, 1 + len(mismatch), squeeze=False)[0]
     tables = {}
     for ax, metric in zip(axs, [vocab.REWARD, *mismatch], strict=True):
-        s = stats.final_summary(study.long, metric, frac=frac, by=by, runs=study.runs)
+        s = curves.final_summary(study.long, metric, frac=frac, by=by, runs=study.runs)
         tables[metric] = s
         _config_bars(ax, s, present, ylabel=metric, log=metric != vocab.REWARD)
         ax.set_title("final reward" if metric == vocab.REWARD else metric)

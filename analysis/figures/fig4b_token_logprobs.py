@@ -9,15 +9,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import style, vocab
-from analysis.figures.common import (
-    Made,
-    MissingData,
-    _legend,
-    emulation_note,
-    select,
-)
-from analysis.tidy import EMULATED, PRECISION_KEYS, RUN_ID, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _legend, emulation_note
+from analysis.runs import vocab
+from analysis.runs.columns import EMULATED, PRECISION_KEYS, RUN_ID
+from analysis.runs.select import MissingData, select
+from analysis.runs.tidy import Study
 
 
 def _precision_label(frame: pd.DataFrame, cols: Sequence[str]) -> pd.Series:

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from analysis import stats, style, vocab
-from analysis.figures.common import (
-    Made,
-    _legend,
-    _need_axis,
-    _need_metric,
-    _unit,
-)
-from analysis.tidy import ALGORITHM, RUN_ID, VALUE, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _legend, _unit
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, RUN_ID, VALUE
+from analysis.runs.select import need_axis, need_metric
+from analysis.runs.tidy import Study
+from analysis.stats import curves
 
 
 @style.styled
@@ -23,11 +21,11 @@ def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float =
     """
     from matplotlib import ticker
 
-    _need_axis(study, axis)
-    _need_metric(study, vocab.REWARD)
+    need_axis(study, axis)
+    need_metric(study, vocab.REWARD)
     scale, unit = _unit(study)
-    fw = stats.final_window(study.long, vocab.REWARD, frac=frac)
-    first = stats.metric_rows(study.long, vocab.REWARD).groupby(RUN_ID, observed=True)[VALUE].first()
+    fw = curves.final_window(study.long, vocab.REWARD, frac=frac)
+    first = curves.metric_rows(study.long, vocab.REWARD).groupby(RUN_ID, observed=True)[VALUE].first()
     fw["efficiency"] = (fw["value"].to_numpy() - first.reindex(fw[RUN_ID].astype(str)).to_numpy()) / (
         fw["compute_to"].to_numpy() / scale
     )
@@ -36,13 +34,13 @@ def figure5_length(study: Study, *, axis: str = vocab.LENGTH_AXIS, frac: float =
     tables = {}
     lengths = sorted(float(v) for v in study.runs[axis].dropna().unique())
     for ax, col, ylabel in ((axs[0], "value", "final reward"), (axs[1], "efficiency", f"reward gain per {unit}")):
-        s = stats.summarize(fw, value=col, by=[ALGORITHM, axis])
+        s = curves.summarize(fw, value=col, by=[ALGORITHM, axis])
         tables[col] = s
-        for alg in style.order(s[ALGORITHM].astype(str)):
+        for alg in names.order(s[ALGORITHM].astype(str)):
             t = s[s[ALGORITHM].astype(str) == alg].sort_values(axis)
             xs = t[axis].to_numpy(dtype=float)
-            ax.plot(xs, t["mean"], marker="o", color=style.color(alg), label=style.label(alg))
-            ax.fill_between(xs, t["low"].to_numpy(float), t["high"].to_numpy(float), color=style.color(alg), alpha=0.2)
+            ax.plot(xs, t["mean"], marker="o", color=names.color(alg), label=names.label(alg))
+            ax.fill_between(xs, t["low"].to_numpy(float), t["high"].to_numpy(float), color=names.color(alg), alpha=0.2)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [f"{v:g}" for v in lengths], rotation=0 if len(lengths) <= 5 else 45)
         ax.xaxis.set_minor_locator(ticker.NullLocator())

@@ -1,5 +1,5 @@
 """Figure 7 (this study's): ScaleRL compute-scaling fits per algorithm, from the table `fits`
-(analysis.fit.fits_table)."""
+(analysis.stats.fit.fits_table)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from analysis import fit as fitting
-from analysis import style, vocab
-from analysis.figures.common import (
-    Made,
-    _compute_axis,
-    _need_metric,
-    _unit,
-    select,
-)
-from analysis.tidy import ALGORITHM, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _compute_axis, _unit
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM
+from analysis.runs.select import need_metric, select
+from analysis.runs.tidy import Study
+from analysis.stats import fit as fitting
 
 
 @style.styled
@@ -34,27 +31,27 @@ def figure7_fits(
     asymptote A (dotted); below, the table of A, B, C_mid, or what the data do not identify."""
     st = select(study, where)
     if fits is None:
-        _need_metric(st, vocab.REWARD)  # a study whose runs all failed before their first step has none
+        need_metric(st, vocab.REWARD)  # a study whose runs all failed before their first step has none
         fits = fitting.fit_study(st.long, vocab.REWARD, runs=st.runs, n_boot=n_boot)
     table = fitting.fits_table(fits)
-    algs = style.order(str(k[0]) for k in fits)
+    algs = names.order(str(k[0]) for k in fits)
     scale, unit = _unit(st)
     rows_h = 0.2 * (len(algs) + 1)
-    leg_h = 0.2 * -(-len(algs) // style.legend_ncols([f"{style.label(a)} (not identified)" for a in algs]))
+    leg_h = 0.2 * -(-len(algs) // style.legend_ncols([f"{names.label(a)} (not identified)" for a in algs]))
     fig = style.new_figure(ncols=1, width=style.WIDTH_DOUBLE, height=2.6 + leg_h + rows_h)
     ax, ax_l, ax_t = fig.subplots(3, 1, height_ratios=[2.6, leg_h, rows_h])
     for alg in algs:
         f = fits[(alg,)]
-        col = style.color(alg)
+        col = names.color(alg)
         if f.identified:
             ax.plot(f.x / scale, f.y, "o", ms=2.5, color=col, alpha=0.7, gid=f"fit-points-{alg}")
             xs = np.geomspace(f.x.min(), f.c_max, 100)
             xe = np.geomspace(f.c_max, f.c_max * extrapolate, 50)
-            ax.plot(xs / scale, f.predict(xs), color=col, label=style.label(alg), gid=f"fit-curve-{alg}")
+            ax.plot(xs / scale, f.predict(xs), color=col, label=names.label(alg), gid=f"fit-curve-{alg}")
             ax.plot(xe / scale, f.predict(xe), color=col, ls="--", gid=f"fit-extrapolation-{alg}")
             ax.axhline(f.params.a, color=col, ls=":", lw=0.8, gid=f"fit-asymptote-{alg}")
         else:  # the points only: a curve through parameters at their bounds would read as a prediction
-            label = f"{style.label(alg)} (not identified)"
+            label = f"{names.label(alg)} (not identified)"
             ax.plot(f.x / scale, f.y, "o", ms=2.5, mfc="none", color=col, label=label, gid=f"fit-points-{alg}")
     _compute_axis(ax, unit)
     ax.set_ylabel("training reward")
@@ -74,7 +71,7 @@ def figure7_fits(
         if f.identified:
             cells.append(
                 [
-                    style.label(alg),
+                    names.label(alg),
                     ci(r["A"], r["A_low"], r["A_high"], ".3f"),
                     ci(r["B"], r["B_low"], r["B_high"], ".2f"),
                     ci(r["C_mid"] / scale, r["C_mid_low"] / scale, r["C_mid_high"] / scale, ".3g"),
@@ -82,7 +79,7 @@ def figure7_fits(
                 ]
             )
         else:  # no numbers: what the data do not identify, across the columns
-            cells.append([style.label(alg), "not identified: " + f.why_not_identified, "", "", ""])
+            cells.append([names.label(alg), "not identified: " + f.why_not_identified, "", "", ""])
     if cells:  # monospaced text rather than a matplotlib table, whose cells do not grow with their text
         head = ["", "A", "B", f"C_mid ({unit})", "identified"]
         widths = [max(len(row[k]) for row in [head, *cells] if k == 0 or row[2]) for k in range(len(head))]
@@ -101,7 +98,7 @@ def figure7_fits(
             fontsize=6.5,
             gid="fit-table",
         )
-    unidentified = [f"{style.label(str(k[0]))} ({f.why_not_identified})" for k, f in fits.items() if not f.identified]
+    unidentified = [f"{names.label(str(k[0]))} ({f.why_not_identified})" for k, f in fits.items() if not f.identified]
     caption = (
         "Figure 7. ScaleRL fits R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) per algorithm (R0 fixed to the initial "
         "reward, early phase dropped): fitted points, the curve (solid), its extrapolation (dashed) and the "
@@ -115,7 +112,7 @@ def figure7_fits(
             else "Every fit is identified."
         )
         + (
-            " Not fitted: " + ", ".join(f"{style.label(str(k[0]))} ({why})" for k, why in fits.skipped.items()) + "."
+            " Not fitted: " + ", ".join(f"{names.label(str(k[0]))} ({why})" for k, why in fits.skipped.items()) + "."
             if getattr(fits, "skipped", None)
             else ""
         )

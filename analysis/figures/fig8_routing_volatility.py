@@ -10,22 +10,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import design, gain, stats, style, vocab
-from analysis.figures.common import (
-    Made,
-    MissingData,
-    _configurations,
-    _err,
-    _gap_bars,
-    _legend,
-    _need_metric,
-    _short,
-    _top_tags,
-    _varying,
-    routed,
-    select,
-)
-from analysis.tidy import ALGORITHM, RUN_ID, SEED, Study
+from analysis.figures import style
+from analysis.figures.common import Made, _err, _gap_bars, _legend, _top_tags
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, RUN_ID, SEED
+from analysis.runs.select import MissingData, configurations, need_metric, routed, select, short, varying
+from analysis.runs.tidy import Study
+from analysis.stats import curves, design, gain, intervals
 
 
 def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, pd.DataFrame]:
@@ -42,17 +33,17 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     - `routing_load`: per algorithm, the mean over steps per run, then over seeds (95% interval), of
       expert_load_imbalance and router_entropy (the metrics present).
     """
-    from analysis import scorecard
+    from analysis.claims import scorecard
 
-    axes = _varying(study)
+    axes = varying(study)
     if not axes:
         raise MissingData(
             "the routing-volatility figure compares configurations of a swept axis other than algorithm and seed "
             "(e.g. router_lr_scale, the model shape); this study sweeps none"
         )
     for m in (vocab.ROUTING_SLOT, vocab.REWARD):
-        _need_metric(study, m)
-    keys, cfg_of = _configurations(study, axes)
+        need_metric(study, m)
+    keys, cfg_of = configurations(study, axes)
 
     def per_config(per_run: pd.DataFrame) -> pd.DataFrame:
         t = per_run[[RUN_ID, ALGORITHM, SEED, "value"]].copy()
@@ -63,10 +54,10 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     def label(i: int) -> str:
         return ", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, keys[i], strict=True))
 
-    vol = per_config(stats.run_mean(study.long, vocab.ROUTING_SLOT))
+    vol = per_config(curves.run_mean(study.long, vocab.ROUTING_SLOT))
     rows = []
     for i in range(len(keys)):
-        ci = stats.mean_ci(vol.loc[vol["config"] == i, "value"].to_numpy())
+        ci = intervals.mean_ci(vol.loc[vol["config"] == i, "value"].to_numpy())
         rows.append(
             {
                 "config": label(i),
@@ -99,7 +90,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
             rows.append(
                 {
                     "config": label(i),
-                    "comparison": f"{style.label(a)} - {style.label(b)}",
+                    "comparison": f"{names.label(a)} - {names.label(b)}",
                     "claim": claim,
                     "minuend": a,
                     "subtrahend": b,
@@ -123,9 +114,9 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     for metric in (vocab.EXPERT_LOAD, vocab.ROUTER_ENTROPY):
         if metric not in study.metrics:
             continue
-        t = per_config(stats.run_mean(study.long, metric))
+        t = per_config(curves.run_mean(study.long, metric))
         for (i, alg), grp in t.groupby(["config", ALGORITHM], sort=True):
-            ci = stats.mean_ci(grp["value"].to_numpy())
+            ci = intervals.mean_ci(grp["value"].to_numpy())
             rows.append(
                 {
                     "config": label(int(i)),
@@ -176,13 +167,13 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                 xerr.loc[p["config"]],
                 a,
                 k,
-                f"{style.label(a)} − {style.label(b)} ({claim})",
+                f"{names.label(a)} − {names.label(b)} ({claim})",
                 f"gap-{what}-{a}-{b}",
             )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
         ax.set_ylabel(f"{what} gap")
         ax.set_title(f"{what}: gap between the compared algorithms")
-    algs = style.order(load[ALGORITHM].astype(str).unique()) if len(load) else []
+    algs = names.order(load[ALGORITHM].astype(str).unique()) if len(load) else []
     n_alg = max(1, len(algs))
     for ax, metric, ylabel in (
         (ax_l, vocab.EXPERT_LOAD, "expert load imbalance (max / mean)"),
@@ -201,12 +192,12 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
                 x,
                 p["mean"],
                 yerr=_err(p),
-                color=style.color(alg),
+                color=names.color(alg),
                 marker="o",
                 ms=3,
                 lw=0.8,
                 capsize=1.5,
-                label=style.label(alg),
+                label=names.label(alg),
                 gid=f"load-{metric}-{alg}",
             )
         ax.set_ylabel(ylabel)
@@ -217,21 +208,21 @@ def figure8_routing_volatility(study: Study, *, where: Mapping[str, Any] | None 
             ax.axvline(x, color=style.NEUTRAL, lw=0.5, ls=":", alpha=0.6)
         if log_x:
             style.log_scale(ax, "x")
-    axes = _varying(st)
-    names = ", ".join(a.rsplit(".", 1)[-1] for a in axes)
+    axes = varying(st)
+    axis_names = ", ".join(a.rsplit(".", 1)[-1] for a in axes)
     keys = [tuple(vol.loc[i, a] for a in axes) for i in range(len(vol))]
     tags, long_values = [], []
     for i, key in enumerate(keys):  # short values as they are (30, bf16); long ones (a model shape) as #1, #2, ...
-        text = [_short(v) for v in key]
+        text = [short(v) for v in key]
         if any(len(t) > 14 for t in text):
             tags.append(f"#{i + 1}")
             long_values.append(f"#{i + 1} = {vol.loc[i, 'config']}")
         else:
             tags.append("\n".join(text))
-    _top_tags(fig, (ax_r, ax_g), xs.to_numpy(), tags, names, crowded="configurations: too close to label")
+    _top_tags(fig, (ax_r, ax_g), xs.to_numpy(), tags, axis_names, crowded="configurations: too close to label")
     _legend(fig, [ax_r, ax_l])
     what = "held-out gain" if (gaps["quantity"] == "held-out gain").any() else ""
-    comparisons = "; ".join(f"{style.label(a)} minus {style.label(b)} ({c})" for a, b, c in pairs)
+    comparisons = "; ".join(f"{names.label(a)} minus {names.label(b)} ({c})" for a, b, c in pairs)
     caption = (
         "Figure 8. Routing volatility and the gaps between the algorithms the claims compare, per configuration of "
         f"{', '.join(axes)} ({len(xs)} configurations, dotted lines; their values on top where they fit, else in "

@@ -1,4 +1,4 @@
-"""Figure 9 (this study's): Routing Replay along off-policy updates, from analysis.offpolicy.offpolicy_tables
+"""Figure 9 (this study's): Routing Replay along off-policy updates, from analysis.claims.offpolicy.offpolicy_tables
 (`volatility`, `arms`, `gaps`, `offpolicy_loss`, `collapse_rate`)."""
 
 from __future__ import annotations
@@ -10,19 +10,14 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 
-from analysis import design, offpolicy, style, vocab
-from analysis.figures.common import (
-    DENSE,
-    MOE,
-    Made,
-    _err,
-    _gap_bars,
-    _legend,
-    _short,
-    _top_tags,
-    select,
-)
-from analysis.tidy import ALGORITHM, Study
+from analysis.claims import offpolicy
+from analysis.figures import style
+from analysis.figures.common import Made, _err, _gap_bars, _legend, _top_tags
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM
+from analysis.runs.select import DENSE, MOE, select, short
+from analysis.runs.tidy import Study
+from analysis.stats import design
 
 
 def _log2_axis(ax: Axes, ms: Sequence[Any]) -> None:
@@ -30,7 +25,7 @@ def _log2_axis(ax: Axes, ms: Sequence[Any]) -> None:
     from matplotlib import ticker
 
     ax.set_xscale("log", base=2)
-    ax.set_xticks([float(m) for m in ms], [_short(m) for m in ms])
+    ax.set_xticks([float(m) for m in ms], [short(m) for m in ms])
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlabel("minibatches per rollout batch M")
 
@@ -45,7 +40,7 @@ def figure9_offpolicy_replay(
     volatility, the dense control's off-policy loss in grey (`offpolicy_tables`)."""
     from matplotlib import ticker
 
-    from analysis import regime
+    from analysis.stats import regime
 
     st = select(study, where)
     tables = offpolicy.offpolicy_tables(st, frac=frac, threshold=threshold)
@@ -94,7 +89,7 @@ def figure9_offpolicy_replay(
         ax_v.text(
             0.02,
             0.95,
-            f"M = {', '.join(_short(m) for m in none)}: no off-policy minibatch, no volatility",
+            f"M = {', '.join(short(m) for m in none)}: no off-policy minibatch, no volatility",
             transform=ax_v.transAxes,
             ha="left",
             va="top",
@@ -108,8 +103,8 @@ def figure9_offpolicy_replay(
     # (b) held-out gain (else final reward) per algorithm against M
     q_b = offpolicy.HELD_OUT if (arms["quantity"] == offpolicy.HELD_OUT).any() else offpolicy.FINAL
     t = arms[arms["quantity"] == q_b]
-    series = [(MOE, a) for a in style.order(t.loc[t["model"] == MOE, ALGORITHM])]
-    series += [(DENSE, a) for a in style.order(t.loc[t["model"] == DENSE, ALGORITHM])]
+    series = [(MOE, a) for a in names.order(t.loc[t["model"] == MOE, ALGORITHM])]
+    series += [(DENSE, a) for a in names.order(t.loc[t["model"] == DENSE, ALGORITHM])]
     for k, (mod, alg) in enumerate(series):
         p = t[(t["model"] == mod) & (t[ALGORITHM] == alg)].sort_values(axis)
         dodge = 2 ** ((k - (len(series) - 1) / 2) * 0.04)  # side by side at each M
@@ -118,13 +113,13 @@ def figure9_offpolicy_replay(
             p[axis].astype(float) * dodge,
             p["mean"],
             yerr=_err(p),
-            color="black" if dense else style.color(alg),
+            color="black" if dense else names.color(alg),
             ls="--" if dense else "-",
             marker="s" if dense else "o",
             ms=3.5,
             lw=1.2 if dense else 1.0,
             capsize=1.5,
-            label=f"dense control ({style.label(alg)})" if dense else style.label(alg),
+            label=f"dense control ({names.label(alg)})" if dense else names.label(alg),
             gid=f"arm-{mod}-{alg}",
         )
     ax_g.axhline(0.0, color="black", lw=0.6, ls=":")
@@ -176,7 +171,7 @@ def figure9_offpolicy_replay(
                 xerr.loc[p[axis]],
                 a,
                 k,
-                f"{style.label(a)} − {style.label(b)}",
+                f"{names.label(a)} − {names.label(b)}",
                 f"gap-{q}-{a}-{b}",
             )
         ax.axhline(0.0, color="black", lw=0.6, ls=":")
@@ -187,7 +182,7 @@ def figure9_offpolicy_replay(
         ax.set_ylabel(f"{q} gap")
         ax.set_title(f"({panel}) {q}: cost of dropping replay")
     if len(drawn):
-        tags = [f"M={_short(m)}" for m in drawn[axis]]
+        tags = [f"M={short(m)}" for m in drawn[axis]]
         _top_tags(
             fig,
             (ax_ch, ax_cr),
@@ -201,14 +196,14 @@ def figure9_offpolicy_replay(
     n_moe = arms[(arms["model"] == MOE) & (arms["quantity"] == offpolicy.FINAL)]
     n_dense = arms[(arms["model"] == DENSE) & (arms["quantity"] == offpolicy.FINAL)]
     per_arm = ", ".join(
-        f"{style.label(a)} {'/'.join(str(int(v)) for v in n_moe.loc[n_moe[ALGORITHM] == a, 'n'])}"
-        for a in style.order(n_moe[ALGORITHM])
+        f"{names.label(a)} {'/'.join(str(int(v)) for v in n_moe.loc[n_moe[ALGORITHM] == a, 'n'])}"
+        for a in names.order(n_moe[ALGORITHM])
     )
     dense_n = "/".join(str(int(v)) for v in n_dense["n"]) if len(n_dense) else "0"
     coll = tables.get("collapse_rate")
     caption = (
         "Figure 9. Routing Replay along off-policy updates: M minibatches per rollout batch (M = "
-        f"{', '.join(_short(m) for m in ms)}), the first on-policy, each later one after one more update since pi_old. "
+        f"{', '.join(short(m) for m in ms)}), the first on-policy, each later one after one more update since pi_old. "
         "(a) The MoE's routing volatility per M: the expert-slot mismatch mean(1 - |S_old & S_new| / k) of the update "
         "forward's routing against pi_old's over the off-policy minibatches (routing_slot_mismatch, measured "
         "alongside under replay), each run's mean over its steps, then the mean over the MoE's runs of every "
@@ -232,7 +227,7 @@ def figure9_offpolicy_replay(
         + (
             " Collapsed runs (status.json or the reward-drop rule): "
             + ", ".join(
-                f"{style.label(r[ALGORITHM])} ({r['model']}) at M = {_short(r[axis])} {int(r['collapsed'])}"
+                f"{names.label(r[ALGORITHM])} ({r['model']}) at M = {short(r[axis])} {int(r['collapsed'])}"
                 f" of {int(r['runs'])}"
                 for _, r in coll[coll["collapsed"] > 0].iterrows()
             )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from study.core.bounded import load_json, read_json
+from runfiles.bounded import load_json, read_json
 from study.core.model_config import ModelConfig
 from study.core.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
 from study.data import chat_template
@@ -138,7 +138,7 @@ def shard_files(directory: str | Path) -> list[Path]:
 
 def safetensors_names(path: Path, where: str) -> list[str]:
     """The tensor names of a safetensors file, its header checked against the file without reading any tensor: the
-    header's length within the file (at most MAX_HEADER_BYTES), the header a JSON object (study.core.bounded), each
+    header's length within the file (at most MAX_HEADER_BYTES), the header a JSON object (runfiles.bounded), each
     tensor a known dtype with a shape whose size is its byte range, the ranges tiling the data exactly. ValueError
     naming the file otherwise."""
     import math

@@ -276,12 +276,12 @@ def read_hf_config(directory: str | Any) -> ModelConfig:
     """The ModelConfig of the HF checkpoint in `directory` (its config.json, `hf_model_config`)."""
     import os
 
-    from study.core.bounded import read_json
+    from runfiles.bounded import read_json
 
     path = os.path.join(directory, "config.json")
     try:
         hf = read_json(path)
-    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (study.core.bounded)
+    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (runfiles.bounded)
         raise ValueError(f"model = {str(directory)!r}: cannot read config.json ({e})") from None
     return hf_model_config(hf, where=f"model = {str(directory)!r}: config.json")
 

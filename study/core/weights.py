@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from study.core.bounded import read_json
+from runfiles.bounded import read_json
 from study.core.model_config import (
     PRESETS,
     SHAPE_FIELDS,
@@ -481,7 +481,7 @@ def check_checkpoint(directory: str | Path, model: ModelSpec | ModelConfig) -> N
     directory = Path(directory)
     try:
         hf = read_json(directory / "config.json")
-    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (study.core.bounded)
+    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (runfiles.bounded)
         raise ValueError(f"coldstart = {str(directory)!r}: cannot read config.json ({e})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"coldstart = {str(directory)!r}: config.json must hold an object")

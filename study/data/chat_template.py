@@ -86,7 +86,7 @@ def check(template: str, specials: dict[str, str | None], *, where: str, timeout
             f"{where}: the chat template did not render a prompt within {timeout_s:g} s; valid: a "
             "template that renders in well under a second"
         ) from None
-    from study.core.bounded import load_json
+    from runfiles.bounded import load_json
 
     try:
         reply = load_json(done.stdout.strip().splitlines()[-1])
@@ -104,7 +104,7 @@ def _child() -> None:
     """The check's child: limits itself, renders the template of the request on stdin, replies one JSON line."""
     import resource
 
-    from study.core.bounded import load_json
+    from runfiles.bounded import load_json
 
     request = load_json(sys.stdin.read(), max_bytes=4 * MAX_TEMPLATE_CHARS + 4096)  # the parent's own request
     cpu = int(request["timeout_s"]) + 1

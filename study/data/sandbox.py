@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from study.core.bounded import load_json
+from runfiles.bounded import load_json
 
 TIMEOUT_S = 5.0
 """Default time limit of one scoring request, seconds."""

@@ -58,7 +58,7 @@ from typing import Any, Literal
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as RG_DATASETS
 
-from study.core.bounded import load_json
+from runfiles.bounded import load_json
 from study.data import arith, sandbox
 
 ANSWER_DELIMITER = "####"
@@ -701,7 +701,7 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
             where = f"{path}:{lineno}"
             try:
                 row = load_json(line)
-            except ValueError as e:  # json.JSONDecodeError, or a bound of study.core.bounded
+            except ValueError as e:  # json.JSONDecodeError, or a bound of runfiles.bounded
                 raise ValueError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
@@ -758,7 +758,7 @@ def load_user_data(
         if isinstance(metadata, str):
             try:
                 metadata = load_json(metadata)
-            except ValueError as e:  # json.JSONDecodeError, or a bound of study.core.bounded
+            except ValueError as e:  # json.JSONDecodeError, or a bound of runfiles.bounded
                 why = getattr(e, "msg", e)
                 raise ValueError(f"{where}: field {metadata_field!r} is not valid JSON ({why})") from None
         if not isinstance(metadata, dict):

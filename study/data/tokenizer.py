@@ -30,8 +30,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from study.core.bounded import json_problem, load_json, read_json, read_text
-from study.core.files import atomic_write
+from runfiles.bounded import json_problem, load_json, read_json, read_text
+from runfiles.atomic import atomic_write
 from study.data import chat_template
 from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
 
@@ -214,7 +214,7 @@ def _chat_template(directory: Path) -> str | None:
 
 
 def _json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in `path` (study.core.bounded's bounds); ValueError naming the file otherwise."""
+    """The JSON object in `path` (runfiles.bounded's bounds); ValueError naming the file otherwise."""
     try:
         data = read_json(path)
     except OSError as err:

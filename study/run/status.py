@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study.core.bounded import load_json, load_yaml
+from runfiles.bounded import load_json, load_yaml
 from study.run.rundir import CRASH_FILE, FAILURE_FILE, LOCK_FILE, STATES, lock_held, read_regular
-from study.run.trackers import flatten
+from runfiles import flatten
 
 PENDING = "pending"
 """A run the study lists that has no run directory yet."""

@@ -34,6 +34,7 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
+from runfiles import flatten
 from study.run import rundir
 from study.run.metrics import STEP_METRICS
 
@@ -82,18 +83,6 @@ class Tracking:
         return cls(tuple(data.get("trackers") or (ALWAYS,)), str(data.get("study") or ""), dict(data.get("tags") or {}))
 
 
-def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested config mappings as dotted keys (`model.num_experts`, `hparams.eps_low`)."""
-    out: dict[str, Any] = {}
-    for key, value in mapping.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def axis_values(config: Mapping[str, Any], others: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """The run's values of the config keys that differ among the study's runs (`others`, the run itself may be
     among them), algorithm and seed always included: a sweep's axes, read from its resolved configs."""
@@ -109,7 +98,7 @@ def study_tracking(config_path: str | Path, trackers: tuple[str, ...], study: st
     config anywhere else has no study unless one is given, and its algorithm and seed as tags."""
     import yaml
 
-    from study.core.bounded import read_yaml
+    from runfiles.bounded import read_yaml
 
     path = Path(config_path)
     config = read_yaml(path) or {}

@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from study.core.bounded import load_json, read_json
+from runfiles.bounded import load_json, read_json
 from study.run.rundir import json_problem
 
 COLUMNS = (

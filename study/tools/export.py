@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import yaml
 
-from study.core.bounded import read_json, read_yaml
+from runfiles.bounded import read_json, read_yaml
 
 CHECKPOINT = Path("checkpoint") / "state.pt"
 

@@ -998,7 +998,7 @@ class Driver:
         first: float | None = None  # when the process's first part started
         allowed: float | None = 0.0  # the budgets of the parts started so far (None: one has no budget)
         stopped: str | None = None
-        from study.core.bounded import load_json
+        from runfiles.bounded import load_json
 
         while True:
             done = proc.poll() is not None

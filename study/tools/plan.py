@@ -168,7 +168,7 @@ def _parse_model(text: Any) -> Any:
         return text
     import yaml
 
-    from study.core.bounded import load_yaml
+    from runfiles.bounded import load_yaml
 
     try:
         return load_yaml(text)

@@ -9,7 +9,7 @@ from snakemake.utils import validate
 sys.path.insert(0, workflow.basedir)  # the repository root: study, sweeps, analysis
 
 from study.coldstart import resolve_settings  # noqa: E402
-from study.core.bounded import read_json  # noqa: E402
+from runfiles.bounded import read_json  # noqa: E402
 from study.coldstart.store import run_coldstart  # noqa: E402
 from study.run.trackers import ENV as TRACKERS_ENV, parse_trackers  # noqa: E402
 from sweeps.expand import load_sweep, write_config  # noqa: E402

@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from analysis import tidy
+from analysis.runs import tidy
 from tests.analysis import synthetic
 
 C = synthetic.Curve

@@ -2,7 +2,7 @@
 
 Each algorithm gets a `Curve`: the reward follows the ScaleRL sigmoid R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 of cumulative compute C plus Gaussian noise; the clip fractions are constants plus noise; the other metrics of the
-vocabulary (analysis.vocab) are smooth functions of the step. Runs can be made to collapse or fail.
+vocabulary (analysis.runs.vocab) are smooth functions of the step. Runs can be made to collapse or fail.
 
 Token samples (`token_samples.parquet`, what Figure 4b reads) are optional: `synthetic_token_samples` draws each
 sequence's log-ratio mean_t(trainer_logp - engine_logp) from N(mu, sigma) and adds zero-mean token noise whose mean
@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from analysis import vocab
-from analysis.fit import sigmoid
+from analysis.runs import vocab
+from analysis.stats.fit import sigmoid
 
 
 @dataclass(frozen=True)
@@ -403,7 +403,7 @@ def expected_gain(curve: Curve, *, n_steps: int, flops_per_step: float, eval_eve
 
 def expected_final_reward(curve: Curve, *, n_steps: int, flops_per_step: float, frac: float = 0.1) -> float:
     """The expectation of a synthetic run's final reward: the mean over its last `frac` of compute
-    (analysis.design.compute_window: the steps whose compute is at least (1 - frac) x the run's last)."""
+    (analysis.stats.design.compute_window: the steps whose compute is at least (1 - frac) x the run's last)."""
     last = n_steps if curve.collapse_step is None else min(n_steps, curve.collapse_step + 2)
     step = np.arange(1, last + 1)
     reward = sigmoid(flops_per_step * step, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid)

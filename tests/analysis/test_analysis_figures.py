@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
-from analysis import figures, stats, style
+from analysis import figures
 from analysis.figures import MissingData
 from analysis.figures.fig3_routing_replay import routing_families
+from analysis.runs import names
+from analysis.stats import curves
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +32,10 @@ def test_clip_fraction_bars_are_in_registry_order_with_the_known_heights(study):
     made = figures.figure2_clipping(study)
     ax = made.fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    algs = style.order(["gspo_rr", "sapo", "grpo", "gspo", "grpo_rr"])
-    assert labels == [style.label(a) for a in algs]
+    algs = names.order(["gspo_rr", "sapo", "grpo", "gspo", "grpo_rr"])
+    assert labels == [names.label(a) for a in algs]
     per_run = {
-        part: stats.run_mean(study.long, m)
+        part: curves.run_mean(study.long, m)
         for part, m in {"total": "clip_frac", "low": "clip_frac_low", "high": "clip_frac_high"}.items()
     }
     truth = {
@@ -52,7 +54,7 @@ def test_clip_fraction_bars_are_in_registry_order_with_the_known_heights(study):
         known = np.array([sum(truth[a]) if part == "total" else truth[a][part == "high"] for a in algs])
         np.testing.assert_allclose(heights, known, rtol=0.05)
         assert [b.get_facecolor()[:3] for b in bars] == [
-            tuple(int(style.color(a)[i : i + 2], 16) / 255 for i in (1, 3, 5)) for a in algs
+            tuple(int(names.color(a)[i : i + 2], 16) / 255 for i in (1, 3, 5)) for a in algs
         ]
     assert ax.get_yscale() == "log"
 
@@ -71,14 +73,14 @@ def test_figure3_marks_collapsed_runs(study):
     axes = ["max_new_tokens", "rollout_precision"]
     configs = study.runs[axes].drop_duplicates().sort_values(axes)
     titles = [
-        f"{style.label(fam)}\nmax_new_tokens={t}, rollout_precision={d}"
+        f"{names.label(fam)}\nmax_new_tokens={t}, rollout_precision={d}"
         for t, d in configs.itertuples(index=False)
         for fam in ("grpo", "gspo")
     ]
     assert [ax.get_title() for ax in made.fig.axes] == titles
     for ax, title in zip(made.fig.axes, titles, strict=True):
         t, d = title.split("\n")[1].replace("max_new_tokens=", "").replace("rollout_precision=", "").split(", ")
-        fam = ["grpo", "grpo_rr"] if title.startswith(style.label("grpo")) else ["gspo", "gspo_rr"]
+        fam = ["grpo", "grpo_rr"] if title.startswith(names.label("grpo")) else ["gspo", "gspo_rr"]
         runs = study.runs[
             study.runs["algorithm"].isin(fam)
             & (study.runs["max_new_tokens"].astype(str) == t)
@@ -128,7 +130,7 @@ def _layout_problems(fig):
 def small_study(tmp_path_factory):
     # a laptop default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
     # noisy rewards: the eval panels' ticks must not overlap ("3x10^-4 4x10^-4 6x10^-4") nor legends cover data
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     C = synthetic.Curve
@@ -159,13 +161,13 @@ def test_algorithm_colours_are_colour_blind_safe_and_visible_on_white():
         c = np.where(c <= 0.03928, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
         return float(c @ [0.2126, 0.7152, 0.0722])
 
-    reg = style.registry()
-    colours = [style.color(n) for n in reg.names()]
+    reg = names.registry()
+    colours = [names.color(n) for n in reg.names()]
     assert len(set(colours)) == len(colours)  # every algorithm its own colour
     for name, c in zip(reg.names(), colours, strict=True):
         assert 1.05 / (luminance(c) + 0.05) >= 2.0, f"{name}: {c} is too light on white (yellow?)"
     okabe_ito = {"#D55E00", "#0072B2", "#009E73", "#CC79A7"}
-    assert {style.color(a) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")} == okabe_ito
+    assert {names.color(a) for a in ("grpo", "grpo_rr", "gspo", "gspo_rr")} == okabe_ito
 
 
 def test_curves_begin_where_every_seed_has_logged(study):
@@ -193,7 +195,7 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
     assert made.fig.axes[1].xaxis.get_major_locator()()[0] == 0.0  # "0" is the first tick
 
     # runs without a step-0 row: a plain log axis from the first evaluation, and the caption says why
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=30, start_eval=False)
@@ -214,7 +216,7 @@ def test_figure1_keeps_an_evaluation_whose_compute_differs_by_seed(tmp_path):
     generated different lengths): the held-out panel's last point is the mean of both seeds, not left out."""
     import pandas as pd
 
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     synthetic.make_study(tmp_path, {"gspo": synthetic.Curve()}, seeds=(0, 1), n_steps=16, eval_every=16)
@@ -232,7 +234,7 @@ def test_figure1_keeps_an_evaluation_whose_compute_differs_by_seed(tmp_path):
 
 @pytest.fixture(scope="module")
 def routing_study(tmp_path_factory):
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     root = tmp_path_factory.mktemp("routing")
@@ -270,7 +272,7 @@ def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_s
 
 
 def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp_path):
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     with pytest.raises(MissingData, match="swept axis other than algorithm"):
@@ -282,7 +284,7 @@ def test_figure8_needs_a_swept_axis_and_says_so_without_a_start(small_study, tmp
 
 
 def test_figure8_without_a_compared_pair_draws_the_volatility_and_says_why(tmp_path):
-    from analysis import tidy
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     C = synthetic.Curve

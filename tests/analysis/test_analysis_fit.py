@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from analysis import fit
+from analysis.stats import fit
 
 X = 1e11 * np.arange(1, 1001)  # cumulative compute of 1,000 steps
 GRID = np.geomspace(X[0], X[-1], 60)
@@ -88,7 +88,8 @@ def test_flat_data_are_not_identified():
 
 
 def test_figure7_draws_identified_fits_only(tmp_path):
-    from analysis import figures, tidy
+    from analysis import figures
+    from analysis.runs import tidy
     from tests.analysis import synthetic
 
     C = synthetic.Curve

@@ -7,7 +7,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import sections, tidy
+import runfiles
+from analysis.report import sections
+from analysis.runs import tidy
 from tests.analysis import synthetic
 
 
@@ -71,7 +73,7 @@ def test_a_stopped_run_keeps_its_state_and_metrics(tmp_path):
 
 def test_a_failed_run_whose_status_a_workflow_deleted_is_read_from_its_failure_record(tmp_path):
     path = _write(tmp_path, "f", "failed", step=1, error="RuntimeError: boom")
-    (path / tidy.FAILURE_FILE).write_text((path / "status.json").read_text())
+    (path / runfiles.FAILURE).write_text((path / "status.json").read_text())
     (path / "status.json").unlink()  # Snakemake removes a failed job's declared output
     st = tidy.load_study(tmp_path)
     row = st.runs.set_index("run_id").loc["f"]

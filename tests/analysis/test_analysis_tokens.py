@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import figures, tidy
+from analysis import figures
 from analysis.figures import MissingData
+from analysis.runs import columns, tidy
 from tests.analysis import synthetic
 
 from .conftest import TOKEN_TRUTH
@@ -114,7 +115,7 @@ def test_tokens_round_trip_through_write(study, tmp_path):
     study.write(tmp_path / "tidy")
     back = tidy.read_study(tmp_path / "tidy")
     assert len(back.tokens) == len(study.tokens) and len(back.sequences) == len(study.sequences)
-    assert len(study.tokens) <= tidy.MAX_TOKEN_ROWS * len(study.runs)
+    assert len(study.tokens) <= columns.MAX_TOKEN_ROWS * len(study.runs)
 
 
 def test_token_budget_bounds_the_whole_study(tmp_path):

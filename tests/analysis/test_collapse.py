@@ -4,7 +4,7 @@ known."""
 import numpy as np
 import pandas as pd
 
-from analysis import collapse
+from analysis.stats import collapse
 
 
 def test_detect_collapse_rules():

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import declared
+from analysis.claims import declared
 from sweeps.schema import SweepError, validate_sweep
 
 ROOT = Path(__file__).resolve().parents[2]

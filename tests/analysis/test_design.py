@@ -1,4 +1,4 @@
-"""analysis.design on synthetic runs with known answers: pairing by seed, a family's multiplicity control, the
+"""analysis.stats.design on synthetic runs with known answers: pairing by seed, a family's multiplicity control, the
 compute window the rule names, per-update vs cumulative routing volatility, C2 in the paper's units, C6's split."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from analysis import design, stats, vocab
-from analysis.stats import CI
+from analysis.runs import vocab
+from analysis.stats import curves, design, intervals
+from analysis.stats.intervals import CI
 
 
 def long_table(runs: dict[str, dict], metrics: dict[str, np.ndarray | float], compute: np.ndarray) -> pd.DataFrame:
@@ -43,7 +44,7 @@ def test_a_paired_design_that_welch_cannot_see() -> None:
     seed_effect = rng.normal(0, 0.1, 6)  # a seed's prompts and cold start move both of its arms
     control = {s: 0.4 + seed_effect[s] + rng.normal(0, 0.005) for s in range(6)}
     treatment = {s: 0.43 + seed_effect[s] + rng.normal(0, 0.005) for s in range(6)}
-    unpaired = stats.mean_difference(list(treatment.values()), list(control.values()))
+    unpaired = intervals.mean_difference(list(treatment.values()), list(control.values()))
     paired = design.paired_difference(treatment, control)
     assert unpaired.low < 0 < unpaired.high  # the seed spread swamps the gap
     assert paired.ci.low > 0 and paired.ci.covers(0.03) and paired.p_value < 0.01
@@ -69,7 +70,7 @@ def test_a_null_family_of_28_excludes_zero_far_more_often_unadjusted() -> None:
     diffs = rng.normal(0.0, 0.05, (sims, m, seeds))  # every comparison null
     p = sps.ttest_1samp(diffs, 0.0, axis=2).pvalue  # (sims, m): each comparison's paired t test
     raw = np.mean(
-        [bool(((low > 0) | (high < 0)).any()) for _, low, high, _ in map(stats.mean_band, diffs.transpose(0, 2, 1))]
+        [bool(((low > 0) | (high < 0)).any()) for _, low, high, _ in map(intervals.mean_band, diffs.transpose(0, 2, 1))]
     )
     bonf = np.mean([any(not c.covers(0.0) for c in design.simultaneous(list(family))) for family in diffs])
     holm = [bool((design.holm(family) < 0.05).any()) for family in p[:20]]  # statsmodels: a gc pass per call
@@ -96,7 +97,7 @@ def test_the_window_the_rule_names_is_the_one_computed() -> None:
     assert compute[inside[0] - 1] < (1 - frac) * end  # the step before lies outside
     assert win["n_points"].tolist() == [inside.size] * 2
     assert win["value"].tolist() == pytest.approx([np.mean(inside), np.mean(inside) + 1])
-    assert inside.size != stats.final_window(long, vocab.REWARD)["n_points"].iloc[0]  # 10% of steps differs
+    assert inside.size != curves.final_window(long, vocab.REWARD)["n_points"].iloc[0]  # 10% of steps differs
     # a common budget: a run that stopped before the window has no value
     cut = long[~((long["run_id"] == "b") & (long["step"] > 20))]
     assert np.isnan(design.compute_window(cut, vocab.REWARD, budget=end)["value"].iloc[1])
@@ -183,7 +184,9 @@ def test_rliable_iqm_and_probability_of_improvement() -> None:
 
 
 def test_algorithm_table_puts_iqm_and_probability_of_improvement_beside_the_t_interval(tmp_path) -> None:
-    from analysis import gain, sections, tidy
+    from analysis.report import sections
+    from analysis.runs import tidy
+    from analysis.stats import gain
     from tests.analysis import synthetic
 
     c = synthetic.Curve

@@ -3,7 +3,8 @@ and why it is not available for runs that never evaluated their start."""
 
 import pytest
 
-from analysis import gain, style, tidy
+from analysis.runs import names, tidy
+from analysis.stats import gain
 from tests.analysis import synthetic
 from tests.analysis.test_analysis_stats import _with_and_without_start
 
@@ -43,9 +44,9 @@ def test_heldout_gain_per_configuration_and_why_not_for_older_runs(tmp_path) -> 
     truth = {a: 0.9 * (synthetic.sigmoid(6e12, r0=0.1, a=c.a, b=c.b, c_mid=c.c_mid) - 0.1) for a, c in curves.items()}
     for (alg, _), row in t.iterrows():
         assert row["gain"] == pytest.approx(truth[alg], abs=0.02) and row["low"] > 0 and row["n"] == row["runs"] == 3
-        assert row["final_step"] == "60" and row["label"] == style.label(alg)
+        assert row["final_step"] == "60" and row["label"] == names.label(alg)
     heads = [h for h, _ in g.lines()]
-    assert heads == [f"Held-out gain, {style.label(a)}:" for a in ("grpo", "gspo")]
+    assert heads == [f"Held-out gain, {names.label(a)}:" for a in ("grpo", "gspo")]
     assert "over 2 configurations of max_new_tokens" in g.lines()[0][1]
     one = gain.heldout_gain(_load(tmp_path / "one", {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2)))
     ((_, text),) = one.lines()

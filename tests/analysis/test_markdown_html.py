@@ -1,6 +1,6 @@
 """The study notes' Markdown renderer: what the notes use becomes HTML, and nothing in a note runs or injects markup."""
 
-from analysis.markdown_html import to_html
+from analysis.report.markdown_html import to_html
 
 
 def test_headings_paragraphs_lists_tables_and_code() -> None:

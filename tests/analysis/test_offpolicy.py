@@ -12,11 +12,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import design, figures, offpolicy, report, style, tidy, vocab
-from analysis.figures import MissingData
+from analysis import figures
+from analysis.claims import offpolicy
+from analysis.claims.offpolicy import DENSE, HELD_OUT, MOE
+from analysis.figures import MissingData, style
 from analysis.figures.fig8_routing_volatility import routing_volatility_tables
-from analysis.offpolicy import DENSE, HELD_OUT, MOE
-from analysis.results import CSV_EXACT
+from analysis.report import build as report
+from analysis.runs import columns, names, tidy, vocab
+from analysis.runs.results import CSV_EXACT
+from analysis.stats import design
 from tests.analysis import synthetic
 from tests.analysis.test_analysis_figures import _layout_problems
 
@@ -138,7 +142,7 @@ def test_figure9_final_reward_is_the_compute_window_its_caption_names(made, stud
 
 
 def test_figure9_gaps_are_paired_by_seed_and_read_as_one_holm_family(made, studies) -> None:
-    from analysis import gain
+    from analysis.stats import gain
 
     _, st = studies[True]
     gaps = made[True].tables["gaps"]
@@ -276,7 +280,7 @@ def test_figures_1_and_3_draw_the_runs_whose_config_lacks_an_axis(studies) -> No
     fig1 = figures.figure1_reward(st).fig
     drawn = {to_hex(line.get_color()) for line in fig1.axes[0].get_lines()}
     for alg in set(st.runs["algorithm"].astype(str)):
-        assert to_hex(style.color(alg)) in drawn, alg
+        assert to_hex(names.color(alg)) in drawn, alg
     fig3 = figures.figure3_routing_replay(st).fig
     per_panel = [len(ax.get_lines()) for ax in fig3.axes if ax.get_lines()]
     assert len(per_panel) >= 2 * 4 and min(per_panel) > 0  # a row per MoE configuration, both families drawn
@@ -286,7 +290,7 @@ def test_the_mechanism_sentence_reads_the_highest_ms_grpo_beside_the_dense_contr
     """routing_attribution's table: at the highest M with a routing log-ratio, GRPO's volatility, the routing's and
     the weights' log-ratio on the MoE, and the dense control's weights' log-ratio at that M; nothing without it."""
     axis = vocab.MINIBATCH_AXIS
-    cols = ["model", tidy.ALGORITHM, axis, "n", vocab.ROUTING_SLOT, *vocab.LOGRATIOS]
+    cols = ["model", columns.ALGORITHM, axis, "n", vocab.ROUTING_SLOT, *vocab.LOGRATIOS]
     mech = pd.DataFrame(
         [
             [MOE, "grpo", 4, 2, 0.0135, 0.0021, 0.0004, 0.050, 0.010],

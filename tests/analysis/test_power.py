@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from analysis import power
-from analysis.scorecard import _paired
+from analysis.claims.scorecard import _paired
+from analysis.stats import power
 
 
 def test_detectable_is_the_t_formula_on_the_pooled_seed_sd() -> None:

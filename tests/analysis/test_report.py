@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from analysis import figures, gain, render, report, results, scorecard, sections, style, tidy
+from analysis import figures
+from analysis.claims import scorecard
+from analysis.report import build as report
+from analysis.report import render, sections
+from analysis.runs import names, results, tidy
+from analysis.stats import gain
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -127,7 +132,7 @@ def test_report_links_pdf_svg_lists_runs_and_strata(built) -> None:
             assert f"<a href='figures/{name}.{ext}'>{ext.upper()}</a>" in page
             assert f"[{ext.upper()}](figures/{name}.{ext})" in md
     # every run listed with its registry label; the scorecard is stratified by max_new_tokens
-    assert "### Runs" in md and style.label("grpo_rr") in md
+    assert "### Runs" in md and names.label("grpo_rr") in md
     assert (out / "tables" / "runs.csv").is_file() and (out / "tables" / "scorecard_strata.csv").is_file()
     assert "### Per-stratum verdicts" in md and "max_new_tokens=256" in md and "max_new_tokens=1024" in md
     assert "contradicted if the comparison is contradicted in any stratum with data" in page
@@ -238,7 +243,7 @@ def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp
     import numpy as np
     import pandas as pd
 
-    from analysis import tidy
+    from analysis.runs import tidy
 
     root, _ = built
     st = tidy.load_study(root, warn_missing=False)
@@ -253,7 +258,7 @@ def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("error", FutureWarning)
-        reused = results.reuse_figures(st, src, tmp_path / "out")
+        reused = report.reuse_figures(st, src, tmp_path / "out")
     assert reused is not None
     table = reused[0].tables["f"]["t"]
     assert table["x"].to_numpy().tobytes() == values.tobytes()  # bit for bit
@@ -264,7 +269,7 @@ def test_headline_has_the_heldout_gain_and_the_scorecard_its_table(built) -> Non
     md = rep.markdown.read_text()
     headline = md.split("## Headline")[1].split("\n## ")[0]
     for alg in ("grpo", "grpo_rr", "gspo"):  # sapo failed: no gain
-        assert f"**Held-out gain, {style.label(alg)}:** RL " in headline
+        assert f"**Held-out gain, {names.label(alg)}:** RL " in headline
     assert "over 2 configurations of max_new_tokens" in headline
     assert "### Held-out gain" in md and (rep.html.parent / "tables" / "heldout_gain.csv").is_file()
     assert gain.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
@@ -298,7 +303,7 @@ def test_signal_table_splits_no_signal_groups_by_quarter(study):
     whole way (a collapsed or failed run's quarters are of its own, shorter, length)."""
     table = sections.signal_table(study)
     assert len(table) == study.runs.groupby(study.group_cols, observed=True).ngroups
-    full = table[table["algorithm"].isin([style.label(a) for a in ("gspo", "gspo_rr", "grpo_rr")])]
+    full = table[table["algorithm"].isin([names.label(a) for a in ("gspo", "gspo_rr", "grpo_rr")])]
     assert len(full) == 12
     for _, row in full.iterrows():
         assert float(row["first quarter"]) == pytest.approx(0.2 + 0.4 * 0.125, abs=0.01)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import results
 from analysis.__main__ import main
+from analysis.report import build
+from analysis.runs import results
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -120,7 +121,7 @@ def test_a_copied_run_and_a_non_integer_seed_are_set_aside_and_names_stay_text(t
 def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
     import pandas as pd
 
-    from analysis import render
+    from analysis.report import render
 
     name = "<img src=x onerror=alert(1)>"
     blocks = [
@@ -136,7 +137,8 @@ def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
 
 @pytest.mark.parametrize("key", ["data", "figures", "skipped"])
 def test_a_figures_index_without_a_key_it_always_has_is_drawn_again_saying_which(tmp_path, capsys, key) -> None:
-    from analysis import figures, tidy
+    from analysis import figures
+    from analysis.runs import tidy
 
     _study(tmp_path)
     st = tidy.load_study(tmp_path)
@@ -144,7 +146,7 @@ def test_a_figures_index_without_a_key_it_always_has_is_drawn_again_saying_which
     src.mkdir()
     index = {"data": figures.data_fingerprint(st), "figures": {}, "skipped": {}}
     (src / figures.INDEX).write_text(json.dumps({k: v for k, v in index.items() if k != key}))
-    assert results.reuse_figures(st, src, tmp_path / "out") is None
+    assert build.reuse_figures(st, src, tmp_path / "out") is None
     assert f"figures in {src} not reused (figures.json has no '{key}'): drawing them" in capsys.readouterr().out
     (src / figures.INDEX).write_text(json.dumps(index))
-    assert results.reuse_figures(st, src, tmp_path / "out") is not None
+    assert build.reuse_figures(st, src, tmp_path / "out") is not None

@@ -7,8 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from analysis import power, scorecard, tidy
-from analysis.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NOT_IN_STUDY, SUPPORTED
+from analysis.claims import scorecard
+from analysis.claims.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NOT_IN_STUDY, SUPPORTED
+from analysis.runs import tidy
+from analysis.stats import power
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -106,7 +108,7 @@ def test_c3_no_collapse_in_either_arm_is_inconclusive_with_three_seeds_not_contr
 
 
 def test_rate_difference_matches_newcombe_1998_and_wilson_bounds() -> None:
-    from analysis import stats
+    from analysis.stats import intervals
 
     # Newcombe (1998), Statistics in Medicine 17:873, Table II, method 10
     for (k1, n1, k2, n2), (lo, hi) in {
@@ -115,10 +117,10 @@ def test_rate_difference_matches_newcombe_1998_and_wilson_bounds() -> None:
         (6, 7, 2, 7): (0.0582, 0.8062),
         (5, 56, 0, 29): (-0.0381, 0.1926),
     }.items():
-        d = stats.rate_difference(k1, n1, k2, n2)
+        d = intervals.rate_difference(k1, n1, k2, n2)
         assert (round(d.low, 4), round(d.high, 4)) == (lo, hi)
-    assert stats.wilson_interval(0, 10) == (0.0, pytest.approx(1.96**2 / (10 + 1.96**2), abs=1e-4))
-    assert stats.wilson_interval(4, 4)[1] == 1.0 and np.isnan(stats.rate_difference(0, 0, 1, 2).low)
+    assert intervals.wilson_interval(0, 10) == (0.0, pytest.approx(1.96**2 / (10 + 1.96**2), abs=1e-4))
+    assert intervals.wilson_interval(4, 4)[1] == 1.0 and np.isnan(intervals.rate_difference(0, 0, 1, 2).low)
 
 
 def test_c4_contradicted_when_gspo_needs_replay(tmp_path) -> None:
@@ -402,7 +404,8 @@ def test_rules_refuse_what_is_not_a_threshold() -> None:
 
 def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
     """C1 reads design.compute_window over the compute both arms reached, and its rule quotes that window's text."""
-    from analysis import design, vocab
+    from analysis.runs import vocab
+    from analysis.stats import design
 
     st = _load(tmp_path, {"gspo": C(a=0.8, c_mid=1e12), "grpo": C(a=0.5, c_mid=1e12)}, seeds=(0, 1, 2), n_steps=40)
     res = scorecard.claim_c1(st)
@@ -418,7 +421,7 @@ def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
 
 
 def _declared(seeds, **kw):
-    from analysis import declared
+    from analysis.claims import declared
 
     entry = {
         "name": "replay_cost_grpo",
@@ -441,7 +444,7 @@ _REPLAY = {"grpo": C(a=0.3, c_mid=2e12), "grpo_rr": C(a=0.8, c_mid=2e12), "gspo"
 
 
 def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(tmp_path) -> None:
-    from analysis import declared
+    from analysis.claims import declared
 
     st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
     comp = _declared((0, 1, 2))
@@ -466,7 +469,7 @@ def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(
 
 
 def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headline(tmp_path) -> None:
-    from analysis import sections
+    from analysis.report import sections
 
     st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
     cards = scorecard.scorecard(st, comparisons=[_declared((0, 1, 2, 3))])  # seed 3 was never run
@@ -481,8 +484,9 @@ def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headlin
 
 
 def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) -> None:
-    from analysis import design, sections
-    from analysis.stats import CI
+    from analysis.report import sections
+    from analysis.stats import design
+    from analysis.stats.intervals import CI
 
     # GSPO clips 0.06 of tokens, GRPO 0.0012: ratio 50, log(50) / log(100) = 0.85 of the paper's orders of magnitude
     curves = {"gspo": C(clip_low=0.02, clip_high=0.04), "grpo": C(clip_low=0.0004, clip_high=0.0008)}
@@ -539,7 +543,7 @@ def _shift_by_seed(st, metric: str, offsets: dict[int, float]) -> None:
 def test_c1_pairs_by_seed_where_the_arms_share_seeds(tmp_path) -> None:
     """A seed's arms move together (a large per-seed offset) and GSPO is ahead by 0.05 in every seed: the unpaired
     interval spans 0, the paired one excludes it; the evidence's n says the pairing."""
-    from analysis import stats
+    from analysis.stats import intervals
 
     st = _load(tmp_path, {"gspo": C(a=0.65, c_mid=1e12, noise=0.0), "grpo": C(a=0.6, c_mid=1e12, noise=0.0)})
     _shift_by_seed(st, "reward_mean", {0: -0.2, 1: 0.15, 2: 0.0, 3: 0.25, 4: -0.1})
@@ -550,7 +554,7 @@ def test_c1_pairs_by_seed_where_the_arms_share_seeds(tmp_path) -> None:
     seeds: dict[str, list] = {}
     groups = {g: st.runs["algorithm"].astype(str) == g for g in ("gspo", "grpo")}
     vals, _ = scorecard._final_reward_at_common_compute(st, groups, seeds=seeds)
-    welch = stats.mean_difference(vals["gspo"], vals["grpo"])
+    welch = intervals.mean_difference(vals["gspo"], vals["grpo"])
     assert welch.low < 0 < welch.high and first.estimate == pytest.approx(welch.estimate)
 
 

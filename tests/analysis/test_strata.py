@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis import strata
-from analysis.tidy import Study
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence
+from analysis.runs.tidy import Study
+from analysis.stats import strata
+from analysis.stats.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, SUPPORTED, Evidence
 
 
 def _study(rows: list[dict], axes: list[str]) -> Study:

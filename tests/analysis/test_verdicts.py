@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, SUPPORTED, Bound, Decision, conjunction
+from analysis.stats.verdicts import CONTRADICTED, INCONCLUSIVE, SUPPORTED, Bound, Decision, conjunction
 
 NAN, INF = float("nan"), float("inf")
 

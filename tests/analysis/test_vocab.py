@@ -5,12 +5,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from analysis import vocab
+from analysis.runs import vocab
 
-ANALYSIS = Path(vocab.__file__).parent
+ANALYSIS = Path(vocab.__file__).parent.parent
 TABLE_NAMES = {
     ("figures/fig4b_token_logprobs.py", "tokens"),  # Figure 4b's table of token counts, not the metric
-    ("tidy.py", "tokens"),  # Study.tokens, the token-sample table
+    ("runs/tidy.py", "tokens"),  # Study.tokens, the token-sample table
     ("figures/fig6_routing.py", "slot_mismatch"),  # Figure 6's vs_clip column: each run's mean routing_slot_mismatch
 }
 """Strings that equal a metric name but name a table or a column analysis writes."""

@@ -1,5 +1,5 @@
 """YAML and JSON nested past 64 levels, or a mapping with a key twice, at every entry that reads them (each through
-study.core.bounded): one `error: ...` line naming the file or option and why, a non-zero exit, no traceback, nothing
+runfiles.bounded): one `error: ...` line naming the file or option and why, a non-zero exit, no traceback, nothing
 written."""
 
 from __future__ import annotations
@@ -94,10 +94,9 @@ def test_an_hf_models_deep_config_json_is_one_line(tmp_path: Path, capsys) -> No
 
 def test_status_and_analysis_list_a_deep_config_as_unreadable(deep_run: Path) -> None:
     """Readers that list runs report a hostile one and go on, never crash."""
-    from analysis import tidy
     from study.run import status
 
     config, why = status._read_yaml(deep_run / "config.yaml")
     assert config == {} and NESTED in why, why
-    data, reason = tidy._read_config(deep_run)
+    data, reason = rundir._read_config(deep_run)
     assert data == {} and NESTED in reason, reason

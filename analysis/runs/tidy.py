@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,112 +59,43 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from analysis import files, vocab
-from study.core.bounded import read_json, read_yaml
-
-# --- the contract's names, in one place -------------------------------------------------------------------------------
-RUNS_SUBDIR = "runs"
-STATUS_FILE = "status.json"
-FAILURE_FILE = "failure.json"
-"""The last failure's record beside status.json (read when status.json is gone: Snakemake deletes the declared
-outputs of a failed job, and status.json is the run rule's)."""
-MANIFEST_FILE = "manifest.json"
-METRICS_FILE = "metrics.parquet"
-LAYERS_FILE = "routing_layers.parquet"
-TOKENS_FILE = "token_samples.parquet"
-TOKEN_COLUMNS = ("step", "sample", "pos", *vocab.TOKEN_LOGPS)
-MAX_TOKEN_ROWS = 20_000
-"""Token rows kept per run in `Study.tokens` (a seeded random subset beyond this; sequences use every row)."""
-TOKEN_BUDGET = 2_000_000
-"""Token rows kept over the whole study (~40 MB): the per-run cap shrinks to TOKEN_BUDGET / runs for big studies."""
-PRECISION_KEYS = ("train_precision", "rollout_precision", "old_logp_source")
-"""Config keys that define a precision configuration (joined to the token tables even when not swept)."""
-EMULATED = "precision_emulated"
-CONFIG_FILES = (
-    "config.yaml",
-    "config.yml",
-    "config.json",
-    "resolved_config.yaml",
-    "resolved_config.yml",
-    "resolved_config.json",
+from analysis.runs.columns import (
+    ALGORITHM,
+    COMPUTE,
+    CONFIG_FILES,
+    EMULATED,
+    LAYER,
+    MAX_TOKEN_ROWS,
+    METRIC,
+    NON_AXIS_KEYS,
+    OUTPUT_FILES,
+    PRECISION_KEYS,
+    RUN_ID,
+    RUNS_SUBDIR,
+    SEED,
+    STEP,
+    TOKEN_BUDGET,
+    UNKNOWN_STATE,
+    UNREADABLE_COLUMNS,
+    VALUE,
+    WALL,
 )
-STEP, COMPUTE, WALL, LAYER = "step", "compute_flops", "wall_s", "layer"
-START_STEP = 0
-"""The step of the row that holds only the starting policy's evaluation (before any RL step; compute 0)."""
-RUN_ID, ALGORITHM, SEED, METRIC, VALUE = "run_id", "algorithm", "seed", "metric", "value"
-STATES = ("running", "completed", "collapsed", "failed", "stopped")
-UNKNOWN_STATE = "unknown"  # a directory without a readable status.json
-# Flattened config keys that are bookkeeping, never a swept axis (matched on the last dotted component).
-NON_AXIS_KEYS = frozenset(
-    {"run_id", "seed", "algorithm", "name", "results", "results_dir", "output_dir", "out_dir", "run_dir", "job_id"}
+from analysis.runs.rundir import (
+    RunRecord,
+    axis_value,
+    collapse_reason,
+    collapse_step,
+    error_of,
+    has_start,
+    hashable,
+    last,
+    read_run,
+    rl_steps,
 )
-UNREADABLE_COLUMNS = ("run_id", "algorithm", "seed", "state", "reason", "path")
-"""Study.unreadable's columns."""
-OUTPUT_FILES = {
-    "long": "tidy.parquet",
-    "runs": "runs.parquet",
-    "layers": "layers.parquet",
-    "tokens": "tokens.parquet",
-    "sequences": "sequences.parquet",
-    "missing": "missing.json",
-}
-
-
-@dataclass
-class RunRecord:
-    """One run directory as read from disk (metrics untouched)."""
-
-    run_id: str
-    path: Path
-    config: dict[str, Any]
-    """Resolved config, flattened to dotted keys."""
-    manifest: dict[str, Any]
-    status: dict[str, Any]
-    metrics: pa.Table | None
-    layers: pa.Table | None
-    read_errors: list[str] = field(default_factory=list)
-    """Files of the contract that could not be read (reported in the runs table's `error`)."""
-    tokens: dict[str, np.ndarray] | None = None
-    """token_samples.parquet's columns, subsampled to at most MAX_TOKEN_ROWS rows (None: no file)."""
-    sequences: dict[str, np.ndarray] | None = None
-    """Per-sequence step, sample, n_tokens and seq_log_ratio from every token row (None: no file)."""
-
-    @property
-    def state(self) -> str:
-        state = self.status.get("state")
-        return state if state in STATES else UNKNOWN_STATE
-
-    @property
-    def algorithm(self) -> str | None:
-        return _algorithm_of(self.config)
-
-    @property
-    def seed(self) -> int | None:
-        value = self.seed_value
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    @property
-    def seed_value(self) -> Any:
-        """The seed as recorded (config `seed`, `run.seed`, `train.seed` or a lone `*.seed`, else the manifest's),
-        which `unreadable_reason` requires to be an integer."""
-        for key in ("seed", "run.seed", "train.seed"):
-            if key in self.config:
-                return self.config[key]
-        seeds = [v for k, v in self.config.items() if k.endswith(".seed")]
-        if len(seeds) == 1:
-            return seeds[0]
-        return self.manifest.get("seed")
-
-    @property
-    def precision_emulated(self) -> bool | None:
-        """The manifest's precision_emulated, else whether a *_precision config value ends in "-emulated"."""
-        value = self.manifest.get(EMULATED)
-        if isinstance(value, bool):
-            return value
-        labels = [v for k, v in self.config.items() if k.endswith("_precision") and isinstance(v, str) and v]
-        return any(v.endswith("-emulated") for v in labels) if labels else None
+from runfiles import FAILURE, MANIFEST, METRICS, STATES, STATUS
+from runfiles import atomic as files
+from runfiles.bounded import read_json
 
 
 @dataclass
@@ -232,144 +162,6 @@ def read_study(out_dir: str | os.PathLike[str]) -> Study:
         axes=list(meta["axes"]),
         missing=list(meta["missing"]),
         unreadable=pd.DataFrame(meta["unreadable"], columns=UNREADABLE_COLUMNS),
-    )
-
-
-# --- reading ----------------------------------------------------------------------------------------------------------
-def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists are kept as values."""
-    out: dict[str, Any] = {}
-    for key, value in mapping.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
-
-
-def _read_config(run_dir: Path) -> tuple[dict[str, Any], str | None]:
-    for name in CONFIG_FILES:
-        path = run_dir / name
-        if not path.exists():
-            continue
-        try:
-            data = _read_json(path) if path.suffix == ".json" else read_yaml(path) or {}
-            return flatten(data), None
-        except Exception as exc:  # reported per run, never fatal for the study
-            return {}, f"{name}: {exc}"
-    return {}, f"no resolved config (looked for {', '.join(CONFIG_FILES)})"
-
-
-def read_token_samples(
-    path: str | os.PathLike[str], *, max_rows: int = MAX_TOKEN_ROWS, seed: int = 0
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """token_samples.parquet -> (token columns subsampled to `max_rows` rows, per-sequence table from every row).
-
-    The subset is a seeded uniform random choice of rows, kept in file order. The per-sequence table has one row per
-    (step, sample): n_tokens and seq_log_ratio = mean over its tokens of trainer_logp - engine_logp (float64).
-    Raises ValueError when a column is missing.
-    """
-    t = pq.read_table(path)
-    absent = [c for c in TOKEN_COLUMNS if c not in t.column_names]
-    if absent:
-        raise ValueError(f"missing column(s) {', '.join(absent)}; present: {', '.join(t.column_names)}")
-    step = t.column("step").to_numpy().astype(np.int64)
-    sample = t.column("sample").to_numpy().astype(np.int64)
-    trainer = t.column(vocab.TRAINER_LOGP).cast(pa.float32()).to_numpy(zero_copy_only=False)
-    engine = t.column(vocab.ENGINE_LOGP).cast(pa.float32()).to_numpy(zero_copy_only=False)
-    # sequences: group rows by (step, sample) with one stable sort (files are written grouped, but do not rely on it)
-    diff = trainer.astype(np.float64) - engine.astype(np.float64)
-    order = np.lexsort((sample, step))
-    key_s, key_i = step[order], sample[order]
-    start = np.flatnonzero(np.r_[True, (np.diff(key_s) != 0) | (np.diff(key_i) != 0)]) if len(order) else order
-    n_tok = np.diff(np.r_[start, len(order)])
-    sums = np.add.reduceat(diff[order], start) if len(order) else np.zeros(0)
-    sequences = {
-        "step": key_s[start],
-        "sample": key_i[start],
-        "n_tokens": n_tok.astype(np.int64),
-        "seq_log_ratio": sums / np.maximum(n_tok, 1),
-    }
-    n, keep = t.num_rows, slice(None)
-    if n > max_rows:
-        keep = np.sort(np.random.default_rng(seed).choice(n, size=max_rows, replace=False))
-    pos = t.column("pos").to_numpy().astype(np.int64)
-    tokens = {
-        "step": step[keep].astype(np.int32),
-        "sample": sample[keep].astype(np.int32),
-        "pos": pos[keep].astype(np.int32),
-        vocab.TRAINER_LOGP: trainer[keep],
-        vocab.ENGINE_LOGP: engine[keep],
-    }
-    return tokens, sequences
-
-
-def read_run(run_dir: str | os.PathLike[str], *, max_token_rows: int = MAX_TOKEN_ROWS) -> RunRecord:
-    """Read one run directory. Unreadable files are recorded in `read_errors`, never raised."""
-    path = Path(run_dir)
-    errors: list[str] = []
-    config, err = _read_config(path)
-    if err:
-        errors.append(err)
-    docs: dict[str, dict[str, Any]] = {}
-    for name in (STATUS_FILE, MANIFEST_FILE):
-        try:
-            docs[name] = _read_json(path / name)
-        except FileNotFoundError:
-            docs[name] = {}
-            if name == STATUS_FILE and (path / FAILURE_FILE).is_file():  # a workflow deleted a failed job's output
-                try:
-                    docs[name] = _read_json(path / FAILURE_FILE)
-                    continue
-                except Exception as exc:
-                    errors.append(f"{FAILURE_FILE}: {exc}")
-            errors.append(f"{name}: missing")
-        except Exception as exc:
-            docs[name] = {}
-            errors.append(f"{name}: {exc}")
-    tables: dict[str, pa.Table | None] = {}
-    for name in (METRICS_FILE, LAYERS_FILE):
-        try:
-            tables[name] = pq.read_table(files.check_regular(path / name))
-        except FileNotFoundError:
-            tables[name] = None
-            if name == METRICS_FILE:
-                errors.append(f"{name}: missing")
-        except Exception as exc:
-            tables[name] = None
-            errors.append(f"{name}: {exc}")
-    metrics = tables[METRICS_FILE]
-    if metrics is not None and STEP not in metrics.column_names:
-        errors.append(f"{METRICS_FILE}: no '{STEP}' column")
-        metrics = None
-    tokens = sequences = None
-    if (path / TOKENS_FILE).exists():  # optional
-        try:
-            seed = zlib.crc32(path.name.encode())  # the same subset on every load
-            tokens, sequences = read_token_samples(
-                files.check_regular(path / TOKENS_FILE), max_rows=max_token_rows, seed=seed
-            )
-        except Exception as exc:
-            errors.append(f"{TOKENS_FILE}: {exc}")
-    return RunRecord(
-        run_id=path.name,
-        path=path,
-        config=config,
-        manifest=docs[MANIFEST_FILE],
-        status=docs[STATUS_FILE],
-        metrics=metrics,
-        layers=tables[LAYERS_FILE],
-        read_errors=errors,
-        tokens=tokens,
-        sequences=sequences,
     )
 
 
@@ -464,22 +256,20 @@ def unreadable_reason(record: RunRecord, algorithms: Collection[str] | None = No
                 f"{', '.join(sorted(algorithms))})"
             )
     if record.state == UNKNOWN_STATE:
-        errs = [e for e in record.read_errors if e.startswith((STATUS_FILE, FAILURE_FILE))]
+        errs = [e for e in record.read_errors if e.startswith((STATUS, FAILURE))]
         state = record.status.get("state")
-        reasons += errs or [f"{STATUS_FILE}: state {state!r} is not one of {', '.join(STATES)}"]
+        reasons += errs or [f"{STATUS}: state {state!r} is not one of {', '.join(STATES)}"]
     seed = record.seed_value
     if seed is not None and record.seed is None:
         reasons.append(f"seed {seed!r} is not an integer")
     copy_of = record.manifest.get("run_id")
     if isinstance(copy_of, str) and copy_of != record.run_id:
         reasons.append(
-            f"{MANIFEST_FILE} names run {copy_of}, not {record.run_id}: a copy of another run's directory "
+            f"{MANIFEST} names run {copy_of}, not {record.run_id}: a copy of another run's directory "
             "(a run's directory is named by its config's hash), not a run of its own"
         )
     for e in record.read_errors:
-        if e.startswith(METRICS_FILE) and not (
-            e == f"{METRICS_FILE}: missing" and record.state in ("failed", "running")
-        ):
+        if e.startswith(METRICS) and not (e == f"{METRICS}: missing" and record.state in ("failed", "running")):
             reasons.append(e)
     return "; ".join(reasons) or None
 
@@ -491,13 +281,13 @@ def infer_axes(configs: Sequence[Mapping[str, Any]]) -> list[str]:
     part of what the algorithm is, not an axis."""
     configs = [c for c in configs if c]
     keys = sorted({k for c in configs for k in c})
-    algorithms = {_hashable(c.get("algorithm")) for c in configs}
+    algorithms = {hashable(c.get("algorithm")) for c in configs}
     out = []
     for key in keys:
         if key.rsplit(".", 1)[-1] in NON_AXIS_KEYS or key == "algorithm.name":
             continue
-        values = {_hashable(c.get(key)) for c in configs}
-        per_algorithm = {(_hashable(c.get("algorithm")), _hashable(c.get(key))) for c in configs}
+        values = {hashable(c.get(key)) for c in configs}
+        per_algorithm = {(hashable(c.get("algorithm")), hashable(c.get(key))) for c in configs}
         if len(values) > 1 and not (len(algorithms) > 1 and len(per_algorithm) == len(algorithms)):
             out.append(key)
     return out
@@ -515,7 +305,7 @@ def build_study(
     run_ids = [r.run_id for r in records]
     algs = [r.algorithm for r in records]
     seeds = [r.seed for r in records]
-    axis_values = {a: [_axis_value(r.config.get(a)) for r in records] for a in axes}
+    axis_values = {a: [axis_value(r.config.get(a)) for r in records] for a in axes}
 
     runs = pd.DataFrame(
         {
@@ -524,13 +314,13 @@ def build_study(
             **axis_values,
             SEED: pd.array(seeds, dtype="Int64"),
             "state": [r.state for r in records],
-            "collapse_step": pd.array([_collapse_step(r) for r in records], dtype="Int64"),
-            "collapse_reason": [_collapse_reason(r) for r in records],
-            "error": [_error_of(r) for r in records],
-            "n_steps": [_rl_steps(r.metrics) for r in records],
-            "start_eval": [_has_start(r.metrics) for r in records],
-            "last_step": pd.array([_last(r.metrics, STEP) for r in records], dtype="Int64"),
-            "last_compute": [_last(r.metrics, COMPUTE) for r in records],
+            "collapse_step": pd.array([collapse_step(r) for r in records], dtype="Int64"),
+            "collapse_reason": [collapse_reason(r) for r in records],
+            "error": [error_of(r) for r in records],
+            "n_steps": [rl_steps(r.metrics) for r in records],
+            "start_eval": [has_start(r.metrics) for r in records],
+            "last_step": pd.array([last(r.metrics, STEP) for r in records], dtype="Int64"),
+            "last_compute": [last(r.metrics, COMPUTE) for r in records],
             EMULATED: pd.array([r.precision_emulated for r in records], dtype="boolean"),
             "path": [str(r.path) for r in records],
         }
@@ -541,7 +331,7 @@ def build_study(
     layers = _long_table([r.layers for r in records], run_cols, index=(STEP, LAYER), metrics=None)
     token_cols = {
         **run_cols,
-        **{k: [_axis_value(r.config.get(k)) for r in records] for k in PRECISION_KEYS if k not in run_cols},
+        **{k: [axis_value(r.config.get(k)) for r in records] for k in PRECISION_KEYS if k not in run_cols},
         EMULATED: [r.precision_emulated for r in records],
     }
     tokens = _stack([r.tokens for r in records], token_cols)
@@ -672,78 +462,3 @@ def _column(t: pa.Table, name: str, n: int) -> np.ndarray:
     if pa.types.is_integer(col.type) and col.null_count == 0:
         return col.to_numpy()
     return col.cast(pa.float64()).to_numpy(zero_copy_only=False)
-
-
-# --- per-run fields ---------------------------------------------------------------------------------------------------
-def _algorithm_of(config: Mapping[str, Any]) -> str | None:
-    for key in ("algorithm", "algorithm.name", "alg", "run.algorithm"):
-        value = config.get(key)
-        if isinstance(value, str):
-            return value
-    found = [v for k, v in config.items() if k.endswith(".algorithm") and isinstance(v, str)]
-    return found[0] if len(found) == 1 else None
-
-
-def _collapse_step(r: RunRecord) -> int | None:
-    if r.state != "collapsed":
-        return None
-    for key in ("collapse_step", "step", "at_step"):
-        if key in r.status:
-            return _as_int(r.status[key])
-    return None
-
-
-def _collapse_reason(r: RunRecord) -> str | None:
-    if r.state != "collapsed":
-        return None
-    for key in ("reason", "collapse_reason", "message"):
-        if r.status.get(key) is not None:
-            return str(r.status[key])
-    return None
-
-
-def _error_of(r: RunRecord) -> str | None:
-    parts = []
-    if r.state == "failed":
-        err = r.status.get("error", r.status.get("message"))
-        if isinstance(err, Mapping):
-            err = ": ".join(str(err[k]) for k in ("type", "message") if k in err) or json.dumps(err)
-        parts.append(str(err) if err is not None else "failed (no error recorded)")
-    no_metrics_yet = r.state in ("failed", "running")  # no metrics file is expected there, not an error
-    parts.extend(e for e in r.read_errors if not (no_metrics_yet and e == f"{METRICS_FILE}: missing"))
-    return "; ".join(parts) if parts else None
-
-
-def _rl_steps(t: pa.Table | None) -> int:
-    """Rows of RL steps (step >= 1): the step-0 evaluation row is not a step."""
-    if t is None:
-        return 0
-    return int((t.column(STEP).to_numpy(zero_copy_only=False) > START_STEP).sum())
-
-
-def _has_start(t: pa.Table | None) -> bool:
-    """Whether metrics.parquet has the step-0 row (the starting policy's evaluation)."""
-    return t is not None and bool((t.column(STEP).to_numpy(zero_copy_only=False) == START_STEP).any())
-
-
-def _last(t: pa.Table | None, col: str) -> Any:
-    if t is None or t.num_rows == 0 or col not in t.column_names:
-        return None
-    value = t.column(col)[-1].as_py()
-    return value
-
-
-def _as_int(value: Any) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _hashable(value: Any) -> Any:
-    return json.dumps(value, sort_keys=True, default=str) if isinstance(value, (list, dict, tuple)) else value
-
-
-def _axis_value(value: Any) -> Any:
-    """Scalars as they are; lists/dicts as canonical JSON strings (so they group)."""
-    return _hashable(value)

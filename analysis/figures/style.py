@@ -1,8 +1,8 @@
-"""The one matplotlib style of the project: rcParams, figure sizes, algorithm colours/labels, atomic saving.
+"""The one matplotlib style of the project: rcParams, figure sizes, colours, axes, atomic saving.
 
 Figures are built on `matplotlib.figure.Figure` directly (no pyplot state, no backend needed) and saved as PNG (for
 the HTML report) and PDF + SVG (for papers) with fixed metadata, so that re-rendering unchanged data gives the same
-files. Labels and colours come from the algorithm registry (`registry()`): no figure code names an algorithm.
+files. Algorithms' labels and colours come from the registry (`analysis.runs.names`): no figure code names an algorithm.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import functools
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import matplotlib as mpl
@@ -23,7 +22,7 @@ from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from analysis import files
+from runfiles import atomic as files
 
 FORMATS = ("png", "pdf", "svg")
 DPI = 200
@@ -106,50 +105,6 @@ def legend_ncols(labels: Sequence[str], width: float = WIDTH_DOUBLE, max_cols: i
         return 1
     per = 0.055 * max(len(lb) for lb in labels) + 0.45
     return max(1, min(max_cols, len(labels), int(width // per)))
-
-
-def registry() -> ModuleType:
-    """The algorithm registry (the `algorithms` package), imported on first use because it imports torch: colours,
-    labels and order here, routing modes and Routing Replay partners (`replay_partner`, `routing_variants`) for the
-    figures and the scorecard."""
-    import algorithms
-
-    return algorithms
-
-
-def color(name: str) -> str:
-    """The registry colour of algorithm `name` (unknown names raise, listing the valid ones)."""
-    return registry().get(name).color
-
-
-def label(name: str) -> str:
-    """The registry label of algorithm `name`."""
-    return registry().get(name).label
-
-
-def order(names: Iterable[str]) -> list[str]:
-    """`names` in registry order (the legend and bar order of every figure)."""
-    reg = {n: i for i, n in enumerate(registry().names())}
-    names = list(dict.fromkeys(names))
-    unknown = [n for n in names if n not in reg]
-    if unknown:
-        registry().get(unknown[0])  # raises with the valid names
-    return sorted(names, key=reg.__getitem__)
-
-
-def label_or_name(name: str) -> str:
-    """The registry label of `name`, or `name` itself for an algorithm the registry does not know."""
-    try:
-        return label(name)
-    except LookupError:  # algorithms.UnknownAlgorithmError
-        return name
-
-
-def order_or_sorted(names: Iterable[str]) -> list[str]:
-    """`names` in registry order, then the names the registry does not know, sorted."""
-    known = set(registry().names())
-    names = list(dict.fromkeys(names))
-    return order(n for n in names if n in known) + sorted(n for n in names if n not in known)
 
 
 CATEGORICAL = (

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.natural import natural_keys
-from analysis.tidy import Study
-from analysis.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, NOT_IN_REGIME, SUPPORTED, Evidence, conjunction
+from analysis.runs.natural import natural_keys
+from analysis.runs.tidy import Study
+from analysis.stats.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, NOT_IN_REGIME, SUPPORTED, Evidence, conjunction
 
 UNUSABLE_STATES = ("failed", "unknown")
 """Run states that carry no evidence: failed (infrastructure) and unknown (no readable status.json)."""

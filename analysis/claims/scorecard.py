@@ -7,7 +7,7 @@ volatility of the off-policy minibatches at or above `Rules.min_volatility`, C5 
 above `Rules.min_mismatch`; the verdict then names the measured value and the threshold) and comes with the numbers it
 was decided on (point estimate, 95% Student t interval over seeds, n) and the rule as a sentence, so a
 reader can disagree with the rule rather than with a hidden threshold. The verdict is read off the interval by the
-claim's `Decision`s (DECISIONS, analysis.verdicts) and the rule quotes their own sentences, so prose and code
+claim's `Decision`s (DECISIONS, analysis.stats.verdicts) and the rule quotes their own sentences, so prose and code
 agree. A claim whose algorithms or axis are absent from the study is "inconclusive" with a reason starting "not in
 this study".
 
@@ -19,7 +19,7 @@ Intervals (analysis.stats): a mean over seeds gets a t interval, a difference or
 means Welch's (Welch-Satterthwaite degrees of freedom), a ratio of means Welch's on the log scale; with 3-6 seeds a
 percentile bootstrap would be too narrow. Failed runs (infrastructure) are excluded; collapsed runs count.
 
-Stratification (analysis.strata): each claim's comparison is made within every stratum of the other swept axes,
+Stratification (analysis.stats.strata): each claim's comparison is made within every stratum of the other swept axes,
 never pooled across them, and the per-stratum verdicts are combined by STRATA_RULE.
 """
 
@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, design, gain, power, regime, stats, style, vocab
-from analysis import declared as declared_
-from analysis.fit import A_NOISE
-from analysis.strata import (
+from analysis.claims import declared as declared_
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, RUN_ID
+from analysis.runs.tidy import Study
+from analysis.stats import collapse, curves, design, gain, intervals, power, regime
+from analysis.stats.fit import A_NOISE
+from analysis.stats.strata import (
     STRATA_RULE,
     Evaluate,
     Stratification,
@@ -46,8 +49,7 @@ from analysis.strata import (
     stratify,
     usable,
 )
-from analysis.tidy import ALGORITHM, RUN_ID, Study
-from analysis.verdicts import (
+from analysis.stats.verdicts import (
     CONJUNCTION_RULE,
     CONTRADICTED,
     INCONCLUSIVE,
@@ -125,7 +127,7 @@ RATE_INTERVAL = (
     "Newcombe's hybrid score interval for a difference of proportions (Wilson intervals per group; a bootstrap over "
     "seeds would be [0, 0] whenever no run collapsed, whatever the number of runs)"
 )
-"""How the 95% interval of a collapse-rate difference is computed (stats.rate_difference), as the rules say it."""
+"""How the 95% interval of a collapse-rate difference is computed (intervals.rate_difference), as the rules say it."""
 COLLAPSE_DECISION = Decision(
     Bound("lower", ">", 0.0, "GRPO without Routing Replay collapses more often"),
     Bound("upper", "<", COLLAPSE_MARGIN, f"the data exclude an excess collapse rate of {COLLAPSE_MARGIN:g} or more"),
@@ -148,7 +150,7 @@ def runs_to_exclude(margin: float = COLLAPSE_MARGIN) -> int:
     upper bound is then the Wilson bound z^2 / (n + z^2)). Fewer runs cannot decide C3 against the claim, nor C4 for
     it."""
     n = 1
-    while stats.rate_difference(0, n, 0, 1).high >= margin:
+    while intervals.rate_difference(0, n, 0, 1).high >= margin:
         n += 1
     return n
 
@@ -174,7 +176,8 @@ CLAIMS = {
 
 @dataclass(frozen=True)
 class Rules:
-    """The scorecard's settable thresholds: the preconditions of the claims that need a regime (analysis.regime)."""
+    """The scorecard's settable thresholds: the preconditions of the claims that need a regime
+    (analysis.stats.regime)."""
 
     min_volatility: float = regime.MIN_VOLATILITY
     """C3, C4: routing volatility in the off-policy minibatches, fraction of expert slots changed since pi_old."""
@@ -206,22 +209,22 @@ class ClaimResult:
     strata: list[Stratum] = field(default_factory=list)
     """Per-stratum verdicts (one entry, key {}, when no other axis is swept)."""
     regime: str = ""
-    """Where the claim has a precondition (analysis.regime) and some stratum with data did not reach it: the measured
-    value against the threshold, e.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12 runs), below
-    the 5% the claim needs"; "" otherwise."""
+    """Where the claim has a precondition (analysis.stats.regime) and some stratum with data did not reach it: the
+    measured value against the threshold, e.g. "routing volatility 0.41% of expert slots changed since pi_old (n=12
+    runs), below the 5% the claim needs"; "" otherwise."""
     split: str = TRAIN
     """The data the verdict is read on (SPLITS): "train" (the training reward or a training metric), "validation"
     (eval_in_dist / eval_hard, the held-out sets the design was chosen on) or "test" (test_in_dist)."""
     pairing: str = ""
     """How the compared runs are paired and what the unit of replication is (e.g. "unpaired (Welch); unit: run")."""
     role: str = EXPLORATORY
-    """PRIMARY or SECONDARY: decided from a comparison the sweep file declared before its runs (analysis.declared),
-    and the runs match the declaration; EXPLORATORY otherwise."""
+    """PRIMARY or SECONDARY: decided from a comparison the sweep file declared before its runs
+    (analysis.claims.declared), and the runs match the declaration; EXPLORATORY otherwise."""
     declared: str = ""
     """The declared comparison(s) the verdict was decided from ("" when none was declared for the claim)."""
     deviations: tuple[str, ...] = ()
-    """How the finished runs differ from the declared comparison (analysis.declared.deviations): the verdict is then
-    exploratory."""
+    """How the finished runs differ from the declared comparison (analysis.claims.declared.deviations): the verdict is
+    then exploratory."""
     paper: str = ""
     """The measured size read beside the paper's (C2: "direction supported, size 0.6 of the paper's"; C6: truncation's
     part beside RL's), "" when the claim has none."""
@@ -273,13 +276,13 @@ class ClaimResult:
 # --- helpers ----------------------------------------------------------------------------------------------------------
 def _replay_partner_in(name: str, present: Sequence[str]) -> str | None:
     """The registry's Routing Replay partner of `name` (algorithms.replay_partner) when the study ran it."""
-    partner = style.registry().replay_partner(name)
+    partner = names.registry().replay_partner(name)
     return partner if partner in present else None
 
 
 def _free_of(name: str, present: Sequence[str]) -> str | None:
     """`name` itself when present and its routing is free (checked in the registry)."""
-    return name if name in present and style.registry().get(name).routing == "free" else None
+    return name if name in present and names.registry().get(name).routing == "free" else None
 
 
 def _absent(claim: str, rule: str, what: str) -> ClaimResult:
@@ -303,7 +306,7 @@ def _final_reward_at_common_compute(
     usable_ids = _usable_ids(study)
     ids = {g: set(study.runs.loc[m, RUN_ID].astype(str)) & usable_ids for g, m in groups.items()}
     members = set().union(*ids.values())
-    rows = stats.metric_rows(study.long, metric)
+    rows = curves.metric_rows(study.long, metric)
     rows = rows[rows[RUN_ID].astype(str).isin(members)]
     if rows.empty:
         return {g: np.array([]) for g in groups}, np.nan
@@ -314,7 +317,7 @@ def _final_reward_at_common_compute(
     )
     win = design.compute_window(rows, metric, frac=FINAL_FRAC, budget=c_end)
     value = dict(zip(win[RUN_ID].astype(str), win["value"].astype(float), strict=True))
-    last = stats.training_rows(rows).groupby(RUN_ID, observed=True, sort=False)["value"].last()
+    last = curves.training_rows(rows).groupby(RUN_ID, observed=True, sort=False)["value"].last()
     last = {str(k): float(v) for k, v in last.items()}
     out = {}
     for g, member in ids.items():
@@ -331,7 +334,7 @@ def _final_reward_at_common_compute(
     return out, c_end
 
 
-def _ci(ci: stats.CI) -> tuple[float, float, float]:
+def _ci(ci: intervals.CI) -> tuple[float, float, float]:
     return ci.estimate, ci.low, ci.high
 
 
@@ -341,15 +344,15 @@ def _difference(
     """mean(a) - mean(b) (with `log`, the ratio mean(a) / mean(b)) with its interval and n: paired by seed (the
     differences within each seed both arms ran, then a t interval over seeds; with `log` the per-seed log ratios,
     exponentiated) when the arms share at least two seeds and neither has a seed twice (`_paired`), else over
-    independent runs (Welch; `stats.ratio_ci` with `log`)."""
+    independent runs (Welch; `intervals.ratio_ci` with `log`)."""
     pairs = _paired([vals[a], vals[b]], [seeds[a], seeds[b]])
     if pairs is not None and (not log or (pairs > 0).all()):
         n = f"{len(pairs)} seeds, paired"
         if log:
-            ci = stats.mean_ci(np.log(pairs[:, 0]) - np.log(pairs[:, 1]))
+            ci = intervals.mean_ci(np.log(pairs[:, 0]) - np.log(pairs[:, 1]))
             return float(np.exp(ci.estimate)), float(np.exp(ci.low)), float(np.exp(ci.high)), n
-        return (*_ci(stats.mean_ci(pairs[:, 0] - pairs[:, 1])), n)
-    ci = stats.ratio_ci(vals[a], vals[b]) if log else stats.mean_difference(vals[a], vals[b])
+        return (*_ci(intervals.mean_ci(pairs[:, 0] - pairs[:, 1])), n)
+    ci = intervals.ratio_ci(vals[a], vals[b]) if log else intervals.mean_difference(vals[a], vals[b])
     return (*_ci(ci), _n(vals[a], vals[b]))
 
 
@@ -403,7 +406,7 @@ def _present(study: Study) -> list[str]:
     return list(study.runs[ALGORITHM].dropna().astype(str).unique())
 
 
-# --- regimes: a claim tested only where its precondition was measured (analysis.regime) ------------------------------
+# --- regimes: a claim tested only where its precondition was measured (analysis.stats.regime) -----------------------
 def _measure_strata(
     study: Study, strat: Stratification, groups: dict[str, pd.Series], pre: regime.Precondition
 ) -> dict[int, regime.Measured]:
@@ -522,7 +525,7 @@ def claim_c2(study: Study) -> ClaimResult:
         return _absent("C2", rule, ", ".join(n for n in (GSPO, GRPO) if n not in present) + " absent")
     if vocab.CLIP not in study.metrics:
         return _absent("C2", rule, f"metric {vocab.CLIP} not logged")
-    per_run = stats.run_mean(study.long, vocab.CLIP)
+    per_run = curves.run_mean(study.long, vocab.CLIP)
     usable_ids = _usable_ids(study)
     per_run = per_run[per_run[RUN_ID].astype(str).isin(usable_ids)]
     alg, rid = per_run[ALGORITHM].astype(str), per_run[RUN_ID].astype(str)
@@ -536,7 +539,7 @@ def claim_c2(study: Study) -> ClaimResult:
         seeds = {g: r[RUN_ID].astype(str).map(seed_of).tolist() for g, r in rows.items()}
         x, y = vals[GSPO], vals[base]
         est, lo, hi, n = _difference(vals, seeds, GSPO, base, log=True)
-        size = design.size_against_paper(stats.CI(est, lo, hi, min(x.size, y.size), 0.95))
+        size = design.size_against_paper(intervals.CI(est, lo, hi, min(x.size, y.size), 0.95))
         ev = [
             Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, n),
             _mean_ev(f"clip_frac({GSPO})", x),
@@ -583,15 +586,15 @@ Counts = tuple[int, int, int, int]
 
 def _rate_evidence(
     coll: pd.DataFrame, study: Study, mask: pd.Series, free: str, rr: str
-) -> tuple[stats.CI, list[Evidence], Counts]:
-    """The collapse-rate difference free - rr in one stratum (stats.rate_difference), its evidence lines (the
+) -> tuple[intervals.CI, list[Evidence], Counts]:
+    """The collapse-rate difference free - rr in one stratum (intervals.rate_difference), its evidence lines (the
     difference, then each group's rate with its Wilson interval) and the counts."""
     a, b = _rates(coll, study, mask, free), _rates(coll, study, mask, rr)
     k1, n1, k2, n2 = int(a.sum()), a.size, int(b.sum()), b.size
-    d = stats.rate_difference(k1, n1, k2, n2)
+    d = intervals.rate_difference(k1, n1, k2, n2)
     ev = [Evidence(f"collapse_rate({free}) - collapse_rate({rr})", d.estimate, d.low, d.high, f"{n1} vs {n2}")]
     for name, k, n in ((free, k1, n1), (rr, k2, n2)):
-        lo, hi = stats.wilson_interval(k, n)
+        lo, hi = intervals.wilson_interval(k, n)
         ev.append(Evidence(f"collapse_rate({name}), {k} of {n}", k / n if n else np.nan, lo, hi, str(n)))
     return d, ev, (k1, n1, k2, n2)
 
@@ -748,19 +751,19 @@ def claim_c5(study: Study, rules: Rules = RULES, *, axis: str = vocab.OLD_LOGP_A
         paired = _paired(g, [seeds[k] for k in names])
         if paired is not None:  # every arm ran the same seeds: the contrast per seed, then over seeds
             d = paired @ np.array([1.0, -1.0, -1.0, 1.0])
-            ci = stats.mean_ci(d)
+            ci = intervals.mean_ci(d)
             est, lo, hi, n = ci.estimate, ci.low, ci.high, f"{d.size} seeds, paired"
             det = power.detectable([d], (1,))
             needed = power.seeds_needed([d], (1,), power.TARGET)
             size = Evidence(power.sentence("drop(grpo) - drop(gspo)", det, needed), det.mdd, np.nan, np.nan, n)
         else:
-            est, lo, hi = _ci(stats.contrast_ci(g, (1, -1, -1, 1)))
+            est, lo, hi = _ci(intervals.contrast_ci(g, (1, -1, -1, 1)))
             n = _n(*g)
             size = _detectable_ev("drop(grpo) - drop(gspo)", g, (1, -1, -1, 1))
         ev = [
             Evidence("drop(grpo) - drop(gspo)", est, lo, hi, n),
-            Evidence("drop(grpo)", *_ci(stats.mean_difference(g[0], g[1])), _n(g[0], g[1])),
-            Evidence("drop(gspo)", *_ci(stats.mean_difference(g[2], g[3])), _n(g[2], g[3])),
+            Evidence("drop(grpo)", *_ci(intervals.mean_difference(g[0], g[1])), _n(g[0], g[1])),
+            Evidence("drop(gspo)", *_ci(intervals.mean_difference(g[2], g[3])), _n(g[2], g[3])),
             size,
         ]
         return _regime_verdict(POSITIVE(lo, hi), ev, measured.get(id(mask)))
@@ -788,7 +791,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     if vocab.REWARD not in study.metrics:
         return _absent("C6", rule, f"metric {vocab.REWARD} not logged")
     usable_ids = _usable_ids(study)
-    rows = stats.metric_rows(study.long, vocab.REWARD)
+    rows = curves.metric_rows(study.long, vocab.REWARD)
     rows = rows[(rows[ALGORITHM].astype(str) == GSPO) & rows[RUN_ID].astype(str).isin(usable_ids)]
     gains: dict[str, float] = {}
     for rid, r in rows.groupby(RUN_ID, observed=True, sort=False):
@@ -801,7 +804,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     def compute_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         ids = set(study.runs.loc[mask & gspo[GSPO], RUN_ID].astype(str))
         x = np.asarray([g for r, g in gains.items() if r in ids])
-        ci = stats.mean_ci(x)
+        ci = intervals.mean_ci(x)
         if ci.n == 0:
             return None
         name = "compute gain (last vs third quarter)"
@@ -847,7 +850,7 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         vals, _ = _final_reward_at_common_compute(  # no step-0 evaluation: the training reward's difference
             study, {"long": m & (study.runs[axis] == hi_v), "short": m & (study.runs[axis] == lo_v)}
         )
-        est, lo, hi = _ci(stats.mean_difference(vals["long"], vals["short"]))
+        est, lo, hi = _ci(intervals.mean_difference(vals["long"], vals["short"]))
         name = f"length gain, training reward ({axis} {hi_v} vs {lo_v}; no step-0 evaluation to split off truncation)"
         ev = [
             Evidence(name, est, lo, hi, _n(vals["long"], vals["short"])),
@@ -935,7 +938,7 @@ def _with_power(res: ClaimResult) -> ClaimResult:
 
 
 def _mean_ev(name: str, x: np.ndarray) -> Evidence:
-    ci = stats.mean_ci(x)
+    ci = intervals.mean_ci(x)
     return Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n))
 
 
@@ -943,23 +946,23 @@ CLAIM_FUNCTIONS = {"C1": claim_c1, "C2": claim_c2, "C3": claim_c3, "C4": claim_c
 
 
 REGIME_CLAIMS = ("C3", "C4", "C5")
-"""The claims with a precondition (analysis.regime), whose functions take the scorecard's `Rules`."""
+"""The claims with a precondition (analysis.stats.regime), whose functions take the scorecard's `Rules`."""
 
 
 def scorecard(
     study: Study, rules: Rules = RULES, comparisons: Sequence[declared_.Comparison] = ()
 ) -> list[ClaimResult]:
     """Every claim C1-C6 of the GSPO paper (docs/references.md) evaluated on `study`; `rules` sets the regime
-    thresholds of C3-C5. A claim some of `comparisons` (a sweep file's `comparisons:`, analysis.declared) declares is
-    decided from those comparisons only (`with_declared`); the others are exploratory."""
+    thresholds of C3-C5. A claim some of `comparisons` (a sweep file's `comparisons:`, analysis.claims.declared)
+    declares is decided from those comparisons only (`with_declared`); the others are exploratory."""
     cards = [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
     return [with_declared(study, r, [c for c in comparisons if c.claim == r.claim]) for r in cards]
 
 
 DECLARED_RULE = (
-    "Decided from the sweep file's declared comparison(s) only (analysis.declared.confirm): the declared metric and "
-    "window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch when "
-    "declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
+    "Decided from the sweep file's declared comparison(s) only (analysis.claims.declared.confirm): the declared "
+    "metric and window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch "
+    "when declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
     "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). The verdict is about "
     "the declared gap, not the claim it is filed under: " + declared_.READING + ". Runs that deviate from "
     "the declaration make the verdict exploratory, with each deviation listed."
@@ -980,7 +983,7 @@ def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared
         except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
             unread[c.name] = str(exc).strip("'\"")
             devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
-            nan = stats.CI(np.nan, np.nan, np.nan, 0)
+            nan = intervals.CI(np.nan, np.nan, np.nan, 0)
             confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
     adjusted = declared_.family(confs) if len(confs) > 1 else [c.p_value for c in confs]
     verdicts, evidence, sentences = [], [], []

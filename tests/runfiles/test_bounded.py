@@ -1,4 +1,4 @@
-"""The one bounded YAML/JSON reader (study/core/bounded.py): its bounds, and that nothing in study/, sweeps/ or
+"""The one bounded YAML/JSON reader (runfiles/bounded.py): its bounds, and that nothing in study/, sweeps/ or
 analysis/ loads YAML or JSON around it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from study.core import bounded
+from runfiles import bounded
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 LOADS = {
     "yaml": {
         "load",
@@ -31,9 +31,9 @@ LOADS = {
     "json": {"load", "loads"},
 }
 ALLOWED = {
-    ("study/core/bounded.py", "yaml.parse"),
-    ("study/core/bounded.py", "yaml.load"),
-    ("study/core/bounded.py", "json.loads"),
+    ("runfiles/bounded.py", "yaml.parse"),
+    ("runfiles/bounded.py", "yaml.load"),
+    ("runfiles/bounded.py", "json.loads"),
     ("algorithms/catalog.py", "json.loads"),
 }
 """The loader itself: its event-stream depth check, its strict SafeLoader, its JSON decoder; and the variant catalog
@@ -70,10 +70,10 @@ def _direct_loads(path: Path, source: str) -> list[str]:
 
 
 def _sources() -> list[tuple[str, str]]:
-    """(path, Python source) of every module of study/, sweeps/ and analysis/, and of the Snakemake rules (Python
-    with rule blocks: the Python lines that load are found by a pattern)."""
+    """(path, Python source) of every module of runfiles/, study/, sweeps/, analysis/ and algorithms/, and of the
+    Snakemake rules (Python with rule blocks: the Python lines that load are found by a pattern)."""
     out = []
-    for package in ("study", "sweeps", "analysis", "algorithms"):
+    for package in ("runfiles", "study", "sweeps", "analysis", "algorithms"):
         out += [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / package).rglob("*.py"))]
     return out
 
@@ -82,7 +82,7 @@ def test_no_yaml_or_json_load_outside_the_bounded_reader() -> None:
     sources = _sources()
     assert len(sources) > 100 and any(path == "study/run/config.py" for path, _ in sources)  # it sees the tree
     found = sorted((path, call) for path, source in sources for call in _direct_loads(Path(path), source))
-    assert [f for f in found if f not in ALLOWED] == [], "load through study.core.bounded instead"
+    assert [f for f in found if f not in ALLOWED] == [], "load through runfiles.bounded instead"
     assert set(found) == ALLOWED, "the allow-list names a load that is gone: drop it"
     snakemake = [p for p in (ROOT / "sweeps").rglob("*.smk")] + [ROOT / "Snakefile"]
     pattern = re.compile(r"\b(yaml\.(safe_|full_|unsafe_)?load|json\.loads?)\s*\(")
@@ -92,7 +92,7 @@ def test_no_yaml_or_json_load_outside_the_bounded_reader() -> None:
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
-    assert hits == [], "load through study.core.bounded instead"
+    assert hits == [], "load through runfiles.bounded instead"
 
 
 def test_the_scan_finds_every_spelling() -> None:

@@ -7,21 +7,24 @@ verdict read off runs that deviate is exploratory, and the report says which dev
 of the declared test (a one-sample t test on the paired differences: the noncentral t with n - 1 df and
 noncentrality gap / (sd / sqrt(n)); Welch's two-sample test when unpaired, by its normal-theory df), and
 `seeds_for_power` the fewest seeds reaching a target power: what a confirmation sweep is sized with. `confirm` reads
-the declared comparison: the declared window of each run, paired by seed (analysis.design), a family of one.
+the declared comparison: the declared window of each run, paired by seed (analysis.stats.design), a family of one.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from analysis import design
-from analysis.tidy import METRIC, RUN_ID, SEED, START_STEP, STEP, VALUE
+from analysis.runs.columns import METRIC, RUN_ID, SEED, START_STEP, STEP, VALUE
+from analysis.stats import design
+from runfiles.bounded import read_yaml
 
 
 @dataclass(frozen=True)
@@ -217,9 +220,9 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
 
 
 def window_values(long: pd.DataFrame, c: Comparison) -> pd.DataFrame:
-    """Per run: the declared window of the declared metric (columns as analysis.gain.per_run / design.compute_window:
-    the run's axes, seed, value)."""
-    from analysis import gain
+    """Per run: the declared window of the declared metric (columns as analysis.stats.gain.per_run /
+    design.compute_window: the run's axes, seed, value)."""
+    from analysis.stats import gain
 
     if c.window == "gain":
         return gain.per_run(long, c.metric)
@@ -237,7 +240,7 @@ class Confirmation:
     paired: design.Paired | None
     """The paired estimate (pairing = seed); None unpaired."""
     estimate: Any
-    """The interval read (design.Paired.ci or a Welch stats.CI)."""
+    """The interval read (design.Paired.ci or a Welch intervals.CI)."""
     p_value: float
     deviations: tuple[str, ...]
     verdict: str
@@ -251,7 +254,7 @@ class Confirmation:
 def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None) -> Confirmation:
     """The declared comparison on the runs: the window's value per run in the declared stratum, treatment minus
     control paired by seed (or Welch), tested at the declared alpha in the declared direction."""
-    from analysis import stats
+    from analysis.stats import intervals
 
     devs = tuple(deviations(long, c, runs))
     per = window_values(long, c)
@@ -267,7 +270,7 @@ def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None)
         paired = None
         x = per.loc[arm.map(lambda v: _same(v, c.treatment)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
         y = per.loc[arm.map(lambda v: _same(v, c.control)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
-        est = stats.mean_difference(x, y)
+        est = intervals.mean_difference(x, y)
         test = sps.ttest_ind(x, y, equal_var=False, alternative=c.alternative)
         p = float(test.pvalue) if min(x.size, y.size) > 1 else np.nan
     reading = verdict = read(p, est, c)
@@ -320,3 +323,26 @@ __all__ = [
     "sizing",
     "window_values",
 ]
+
+
+def from_sweep(sweep: str | os.PathLike[str]) -> list[Any]:
+    """The comparisons sweep file `sweep` declares (`comparisons:`, analysis.claims.Comparison; none: []). A file
+    that cannot be read, or an entry without a field the declaration needs, raises ValueError naming it."""
+    import yaml
+
+    try:
+        data = read_yaml(Path(sweep))
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"sweep file {sweep}: cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        return []
+    out = []
+    for i, entry in enumerate(data.get("comparisons") or ()):
+        try:
+            out.append(Comparison.from_entry(entry))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"sweep file {sweep}: comparisons[{i}]: {type(exc).__name__} {exc}; the fields are "
+                "sweeps.schema.COMPARISON_FIELDS"
+            ) from exc
+    return out

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis import vocab
-from analysis.verdicts import Evidence
+from analysis.runs import vocab
+from analysis.stats.verdicts import Evidence
 
 if TYPE_CHECKING:  # the command line reads the thresholds without loading pandas and scipy
-    from analysis.stats import CI
-    from analysis.tidy import Study
+    from analysis.runs.tidy import Study
+    from analysis.stats.intervals import CI
 
 MIN_VOLATILITY = 0.05
 """C3, C4: the routing volatility the compared runs must reach in the paper's unit, the fraction of expert slots
@@ -63,7 +63,7 @@ class Precondition:
     quantity: str
     """What is measured, in words ("routing volatility")."""
     metric: str
-    """The per-step metric it is measured with (analysis.vocab)."""
+    """The per-step metric it is measured with (analysis.runs.vocab)."""
     threshold: float
     unit: str
     """The unit after a formatted value ("of expert slots changed since pi_old")."""
@@ -91,18 +91,18 @@ class Precondition:
 
     def measure(self, study: Study, run_ids: Iterable[str]) -> Measured:
         """The quantity over the runs `run_ids` (each run's mean over its RL steps, then the mean over runs)."""
-        from analysis import stats
-        from analysis.tidy import RUN_ID
+        from analysis.runs.columns import RUN_ID
+        from analysis.stats import curves, intervals
 
         ids = {str(r) for r in run_ids}
 
         def of(metric: str) -> CI:
             values = np.array([], np.float64)
             if metric in study.metrics:
-                per_run = stats.run_mean(study.long, metric)
+                per_run = curves.run_mean(study.long, metric)
                 per_run = per_run[per_run[RUN_ID].astype(str).isin(ids)]
                 values = per_run["value"].to_numpy(np.float64)
-            return stats.mean_ci(values[np.isfinite(values)])
+            return intervals.mean_ci(values[np.isfinite(values)])
 
         return Measured(self, of(self.metric), of(self.companion) if self.companion else None)
 

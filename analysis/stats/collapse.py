@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis import vocab
-from analysis.stats import group_columns, metric_rows, run_info, run_slices, training_rows
-from analysis.tidy import ALGORITHM, COMPUTE, RUN_ID, STEP, VALUE
+from analysis.runs import vocab
+from analysis.runs.columns import ALGORITHM, COMPUTE, RUN_ID, STEP, VALUE
+from analysis.stats.curves import group_columns, metric_rows, run_info, run_slices, training_rows
 
 NON_FINITE, FLOOR, DROP = "non-finite reward", "reward floor", "reward drop"
 """The rules `detect_collapse` applies, as `Collapse.rule` names them."""

@@ -1,5 +1,5 @@
-"""The one atomic file write of study/ (and sweeps/): a temporary file next to the target, fsynced, renamed into
-place, so a crash or kill never leaves a half-written file under the final name."""
+"""The one atomic file write of study/, sweeps/ and analysis/: a temporary file next to the target, fsynced, renamed
+into place, so a crash or kill never leaves a half-written file under the final name."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 class WriteError(OSError):
@@ -26,10 +27,11 @@ FILE_MODE = 0o666 & ~_UMASK
 """The mode the process's umask gives an ordinary file."""
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(tmp)` on a temporary file next to `path`, fsync it, then rename it to `path`: the one atomic write
-    of study/ (and sweeps/). The file gets the mode the umask gives an ordinary file (mkstemp's is 0600, unreadable
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp)` on a temporary file next to `path`, fsync it, then rename it to `path`; returns `path`. The
+    file gets the mode the umask gives an ordinary file (mkstemp's is 0600, unreadable
     by a group on a shared cluster)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -40,6 +42,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        return path
     except (OSError, RuntimeError) as err:  # torch's writer raises RuntimeError on a full disk
         if isinstance(err, WriteError):
             _free(tmp)
@@ -56,6 +59,26 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise failure from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> Path:
+    """`text` (UTF-8) to `path`, atomically."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """`data` to `path`, atomically."""
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    """`data` to `path`, atomically: text as UTF-8, bytes as they are."""
+    return write_text(path, data) if isinstance(data, str) else write_bytes(path, data)
+
+
+def write_parquet(path: Path, df: Any) -> Path:
+    """A pandas DataFrame to `path` as parquet (no index), atomically."""
+    return atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def _over_size_limit(err: BaseException, tmp: Path) -> bool:

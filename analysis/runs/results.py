@@ -1,7 +1,7 @@
 """Finding a study's results on disk: which runs it has (`study_run_ids`, `studies`, `check_study`), loading them with
-the runs that cannot be read set aside with the reason (`load`), a `figures` output of the same runs to reuse
-(`reuse_figures`), the tables other workflow rules wrote beside them (`budget_tables`, `parity_table`), and the
-study's notes (`study_notes`: the sweep file's description and docs/studies/<sweep stem>.md).
+the runs that cannot be read set aside with the reason (`load`), the tables other workflow rules wrote beside them
+(`budget_tables`, `parity_table`), and the study's notes (`study_notes`: the sweep file's description and
+docs/studies/<sweep stem>.md).
 """
 
 from __future__ import annotations
@@ -14,49 +14,13 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import figures, files, style, tidy
-from analysis.tidy import Study
-from study.core.bounded import read_json, read_yaml
+from analysis.runs import names, tidy
+from analysis.runs.tidy import Study
+from runfiles.bounded import read_json, read_yaml
 
 CSV_EXACT: dict[str, Any] = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
 """read_csv arguments that read back exactly the floats `to_csv` wrote: pandas 3's default parser does (and warns
 that float_precision is deprecated, Pandas4Warning); pandas 2's needs float_precision="round_trip"."""
-
-
-def reuse_figures(
-    study: Study, figures_dir: str | os.PathLike[str], out_dir: Path
-) -> tuple[figures.Rendered, dict[str, Path]] | None:
-    """The figures, captions and tables of a `python -m analysis figures` output, copied into `out_dir`, when they were
-    drawn from the same data as `study` (`figures.data_fingerprint`); None (with the reason printed) otherwise.
-    Also returns the CSV file of each table, "FIGURE.TABLE" -> path, to be copied byte for byte."""
-    src = Path(figures_dir)
-    try:
-        index = read_json(src / figures.INDEX)
-        data, entries, skipped = index["data"], index["figures"], index["skipped"]
-    except (OSError, ValueError) as exc:
-        print(f"figures in {src} not reused ({exc}): drawing them")
-        return None
-    except KeyError as exc:
-        print(f"figures in {src} not reused ({figures.INDEX} has no {exc}): drawing them")
-        return None
-    if data != figures.data_fingerprint(study):
-        print(f"figures in {src} were drawn from other runs: drawing them")
-        return None
-    needed = [src / f for e in entries.values() for f in e["files"]]
-    needed += [src / rel for e in entries.values() for rel in e["tables"].values()]
-    if any(not p.is_file() for p in needed):
-        print(f"figures in {src} are incomplete: drawing them")
-        return None
-    rendered = figures.Rendered({}, {}, {}, dict(skipped))
-    sources: dict[str, Path] = {}
-    for name, entry in entries.items():
-        rendered.paths[name] = [files.write(out_dir / f, (src / f).read_bytes()) for f in entry["files"]]
-        rendered.captions[name] = entry["caption"]
-        rendered.tables[name] = {}
-        for tname, rel in entry["tables"].items():
-            sources[f"{name}.{tname}"] = src / rel
-            rendered.tables[name][tname] = pd.read_csv(src / rel, **CSV_EXACT)
-    return rendered, sources
 
 
 def study_run_ids(results_dir: str | os.PathLike[str], study: str | None) -> list[str] | None:
@@ -117,7 +81,7 @@ def load(results_dir: str | os.PathLike[str], study: str | None = None, *, warn_
     """The study's runs (`study_run_ids`), each run that cannot be read set aside in `Study.unreadable` with the
     reason (`tidy.unreadable_reason`: a config that cannot be read or names no registered algorithm, an unreadable
     status.json, a metrics.parquet that cannot be read), never dropped silently and never a crash."""
-    known = set(style.registry().names())
+    known = set(names.registry().names())
     return tidy.load_study(
         results_dir,
         study_run_ids(results_dir, study),
@@ -154,31 +118,6 @@ class StudyNotes:
     why_missing: str = ""
 
 
-def declared_comparisons(sweep: str | os.PathLike[str]) -> list[Any]:
-    """The comparisons sweep file `sweep` declares (`comparisons:`, analysis.declared.Comparison; none: []). A file
-    that cannot be read, or an entry without a field the declaration needs, raises ValueError naming it."""
-    import yaml
-
-    from analysis import declared
-
-    try:
-        data = read_yaml(Path(sweep))
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ValueError(f"sweep file {sweep}: cannot be read ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(data, dict):
-        return []
-    out = []
-    for i, entry in enumerate(data.get("comparisons") or ()):
-        try:
-            out.append(declared.Comparison.from_entry(entry))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"sweep file {sweep}: comparisons[{i}]: {type(exc).__name__} {exc}; the fields are "
-                "sweeps.schema.COMPARISON_FIELDS"
-            ) from exc
-    return out
-
-
 def study_notes(sweep: str | os.PathLike[str], doc: str | os.PathLike[str] | None = None) -> StudyNotes:
     """The description of sweep file `sweep` and the study's notes, `doc` or by default docs/studies/<sweep stem>.md
     beside the sweep file's folder; a missing or unreadable file is said, never raised."""
@@ -208,10 +147,8 @@ __all__ = [
     "StudyNotes",
     "budget_tables",
     "check_study",
-    "declared_comparisons",
     "load",
     "parity_table",
-    "reuse_figures",
     "studies",
     "study_notes",
     "study_run_ids",

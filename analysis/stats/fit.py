@@ -38,8 +38,9 @@ import pandas as pd
 from scipy import optimize
 from scipy import stats as sps
 
-from analysis import stats, vocab
-from analysis.tidy import ALGORITHM, COMPUTE
+from analysis.runs import vocab
+from analysis.runs.columns import ALGORITHM, COMPUTE
+from analysis.stats import curves
 
 A_NOISE = 0.02
 
@@ -461,7 +462,7 @@ def fit_study(
     each fit's notes; a configuration with no such run is in `fits.skipped` with the reason. R0 is the mean over
     runs of their first logged value of `metric`.
     """
-    rows = stats.metric_rows(long, metric)
+    rows = curves.metric_rows(long, metric)
     excluded: dict[tuple[object, ...], int] = {}
     fits = Fits()
     if runs is not None:
@@ -476,8 +477,8 @@ def fit_study(
                 fits.skipped[key] = f"not fitted: none of its {n} run(s) is {'/'.join(states)}"
     if rows.empty:
         return fits
-    grid = stats.compute_grid(rows[COMPUTE].to_numpy(), n=n_grid, log=True)
-    info, mat = stats.interpolate_runs(rows, grid)
+    grid = curves.compute_grid(rows[COMPUTE].to_numpy(), n=n_grid, log=True)
+    info, mat = curves.interpolate_runs(rows, grid)
     for key, idx in info.groupby(list(by), sort=True).indices.items():
         key = key if isinstance(key, tuple) else (key,)
         f = fit_curves(

@@ -2,11 +2,11 @@
 and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun), with its tables as CSV under
 `tables/` and the figures (PNG, PDF, SVG) under `figures/`.
 
-What the report shows, section by section, is analysis.sections; how a block is written as HTML and Markdown,
-analysis.render; where a study's runs, figures, side tables and notes are found, analysis.results. This module puts
-them together: `build_report` for a loaded study, `report_from_results` for a results directory. Every file is written
-atomically (analysis.files); the report is written whatever the runs hold: a run that cannot be read is listed with
-the reason and counted in the headline, never a crash.
+What the report shows, section by section, is analysis.report.sections; how a block is written as HTML and Markdown,
+analysis.report.render; where a study's runs, figures, side tables and notes are found, analysis.runs.results. This
+module puts them together: `build_report` for a loaded study, `report_from_results` for a results directory. Every file
+is written atomically (runfiles.atomic); the report is written whatever the runs hold: a run that cannot be read is
+listed with the reason and counted in the headline, never a crash.
 """
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import figures, files, gain, render, results, scorecard, sections
-from analysis.tidy import Study
+from analysis import figures
+from analysis.claims import declared, scorecard
+from analysis.report import render, sections
+from analysis.runs import results
+from analysis.runs.tidy import Study
+from analysis.stats import gain
+from runfiles import atomic as files
+from runfiles.bounded import read_json
 
 
 @dataclass
@@ -50,8 +56,9 @@ def blocks(
     rules: scorecard.Rules = scorecard.RULES,
     algorithms: tuple[pd.DataFrame, str] | None = None,
 ) -> list[render.Block]:
-    """The page, section by section (analysis.sections): a line on the study, the outcome along off-policy updates
-    over its figure (when drawn), the headline and Figures 1-3 first, the provenance, configuration and runs last."""
+    """The page, section by section (analysis.report.sections): a line on the study, the outcome along off-policy
+    updates over its figure (when drawn), the headline and Figures 1-3 first, the provenance, configuration and runs
+    last."""
     main = sections.figure_blocks(rendered, sections.MAIN_FIGURES, out_dir)
     return [
         sections.lead(study),
@@ -93,7 +100,7 @@ def build_report(
     scorecard's thresholds (the regimes of C3-C5)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reused = results.reuse_figures(study, figures_dir, out / "figures") if figures_dir is not None else None
+    reused = reuse_figures(study, figures_dir, out / "figures") if figures_dir is not None else None
     rendered, sources = reused if reused is not None else (figures.make_all(study, out / "figures"), {})
     table_files: dict[str, Path] = {}
     for name, tables in rendered.tables.items():
@@ -102,7 +109,7 @@ def build_report(
             data = sources[key].read_bytes() if key in sources else df.to_csv(index=False)
             table_files[key] = files.write(out / "tables" / f"{key}.csv", data)
     table_files["runs"] = files.write(out / "tables" / "runs.csv", sections.runs_table(study).to_csv(index=False))
-    comparisons = results.declared_comparisons(sweep) if sweep is not None else []
+    comparisons = declared.from_sweep(sweep) if sweep is not None else []
     cards = scorecard.scorecard(study, rules, comparisons)
     heldout = gain.heldout_gain(study)
     problems = sections.problem_runs(study)
@@ -159,3 +166,39 @@ def report_from_results(
 
 
 __all__ = ["Report", "blocks", "build_report", "report_from_results"]
+
+
+def reuse_figures(
+    study: Study, figures_dir: str | os.PathLike[str], out_dir: Path
+) -> tuple[figures.Rendered, dict[str, Path]] | None:
+    """The figures, captions and tables of a `python -m analysis figures` output, copied into `out_dir`, when they were
+    drawn from the same data as `study` (`figures.data_fingerprint`); None (with the reason printed) otherwise.
+    Also returns the CSV file of each table, "FIGURE.TABLE" -> path, to be copied byte for byte."""
+    src = Path(figures_dir)
+    try:
+        index = read_json(src / figures.INDEX)
+        data, entries, skipped = index["data"], index["figures"], index["skipped"]
+    except (OSError, ValueError) as exc:
+        print(f"figures in {src} not reused ({exc}): drawing them")
+        return None
+    except KeyError as exc:
+        print(f"figures in {src} not reused ({figures.INDEX} has no {exc}): drawing them")
+        return None
+    if data != figures.data_fingerprint(study):
+        print(f"figures in {src} were drawn from other runs: drawing them")
+        return None
+    needed = [src / f for e in entries.values() for f in e["files"]]
+    needed += [src / rel for e in entries.values() for rel in e["tables"].values()]
+    if any(not p.is_file() for p in needed):
+        print(f"figures in {src} are incomplete: drawing them")
+        return None
+    rendered = figures.Rendered({}, {}, {}, dict(skipped))
+    sources: dict[str, Path] = {}
+    for name, entry in entries.items():
+        rendered.paths[name] = [files.write(out_dir / f, (src / f).read_bytes()) for f in entry["files"]]
+        rendered.captions[name] = entry["caption"]
+        rendered.tables[name] = {}
+        for tname, rel in entry["tables"].items():
+            sources[f"{name}.{tname}"] = src / rel
+            rendered.tables[name][tname] = pd.read_csv(src / rel, **results.CSV_EXACT)
+    return rendered, sources

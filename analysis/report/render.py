@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from analysis import markdown_html
-from analysis.verdicts import css_class
+from analysis.report import markdown_html
+from analysis.stats.verdicts import css_class
 
 if TYPE_CHECKING:
-    from analysis.scorecard import ClaimResult
+    from analysis.claims.scorecard import ClaimResult
 
 MAX_INLINE_ROWS = 40
 """Tables longer than this are linked as CSV instead of printed."""
@@ -208,7 +208,7 @@ class ScorecardTable:
 
     cards: tuple[ClaimResult, ...]
     table: pd.DataFrame
-    """analysis.scorecard.scorecard_table(cards)."""
+    """analysis.claims.scorecard.scorecard_table(cards)."""
 
     def html(self) -> str:
         out = [
@@ -280,7 +280,7 @@ def table_or_link(df: pd.DataFrame, csv: Path | None, out_dir: Path) -> Block:
 
 @dataclass(frozen=True)
 class Notes:
-    """A Markdown document embedded in the report (a study's notes): rendered to HTML (analysis.markdown_html,
+    """A Markdown document embedded in the report (a study's notes): rendered to HTML (analysis.report.markdown_html,
     headings shifted under the section's), kept as written in the Markdown twin (its headings shifted the same)."""
 
     text: str

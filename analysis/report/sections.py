@@ -1,13 +1,13 @@
-"""The report's sections, in the order a reader needs them, each a list of blocks (analysis.render): a line on the
-study (`lead`); for a study along off-policy updates, the outcome it shows over its figure (analysis.offpolicy); the
-headline (one line per claim C1-C6: its verdict and the number it was decided on, after a line on the claims not
-tested in their regime and on the runs that could not be read; then the held-out gain); Figures 1-3 and the
-routing-volatility figure with C3 and C4 per configuration; the cold start's generation budget; the scorecard (rules,
-evidence with intervals, per-stratum verdicts, held-out gain, power); the precision parity; the learning signal; how
-the study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the failed, collapsed,
-unreadable and missing runs with the rule or reason that flagged each; and at the end the study and its provenance
-(git sha, package versions, machine from the manifests; the config common to every run, the swept axes, and every run
-with its axis values and state).
+"""The report's sections, in the order a reader needs them, each a list of blocks (analysis.report.render): a line on
+the study (`lead`); for a study along off-policy updates, the outcome it shows over its figure
+(analysis.claims.offpolicy); the headline (one line per claim C1-C6: its verdict and the number it was decided on, after
+a line on the claims not tested in their regime and on the runs that could not be read; then the held-out gain); Figures
+1-3 and the routing-volatility figure with C3 and C4 per configuration; the cold start's generation budget; the
+scorecard (rules, evidence with intervals, per-stratum verdicts, held-out gain, power); the precision parity; the
+learning signal; how the study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the
+failed, collapsed, unreadable and missing runs with the rule or reason that flagged each; and at the end the study and
+its provenance (git sha, package versions, machine from the manifests; the config common to every run, the swept axes,
+and every run with its axis values and state).
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, design, figures, offpolicy, power, render, scorecard, style, vocab
-from analysis import gain as gain_
-from analysis.natural import natural_sorted
-from analysis.results import StudyNotes
-from analysis.tidy import ALGORITHM, EMULATED, METRIC, RUN_ID, STEP, VALUE, Study
-from analysis.verdicts import NOT_IN_REGIME, css_class
+from analysis import figures
+from analysis.claims import offpolicy, scorecard
+from analysis.report import render
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, EMULATED, METRIC, RUN_ID, STEP, VALUE
+from analysis.runs.natural import natural_sorted
+from analysis.runs.results import StudyNotes
+from analysis.runs.tidy import Study
+from analysis.stats import collapse, design, power
+from analysis.stats import gain as gain_
+from analysis.stats.verdicts import NOT_IN_REGIME, css_class
 
 
 def natural_sorted_text(values: Any) -> list[str]:
@@ -105,7 +110,7 @@ def problem_runs(study: Study) -> pd.DataFrame:
         rec = {c: r.get(c) for c in cols if c in runs.columns}
         rec.update(flagged_by=flagged, collapse_step=step, reason=reason)
         records.append(rec)
-    order = {a: i for i, a in enumerate(style.order_or_sorted({str(r.get(ALGORITHM)) for r in records}))}
+    order = {a: i for i, a in enumerate(names.order_or_sorted({str(r.get(ALGORITHM)) for r in records}))}
     records.sort(key=lambda r: (str(r["state"]), order.get(str(r.get(ALGORITHM)), 0), *(str(r.get(c)) for c in cols)))
     for _, u in study.unreadable.iterrows():
         records.append(
@@ -147,7 +152,7 @@ def runs_table(study: Study) -> pd.DataFrame:
     runs = study.runs
     cols = [RUN_ID, ALGORITHM, *study.axes, "seed", "state", "last_step"]
     out = runs[cols].copy()
-    out.insert(2, "label", [style.label_or_name(str(a)) for a in out[ALGORITHM]])
+    out.insert(2, "label", [names.label_or_name(str(a)) for a in out[ALGORITHM]])
     if runs[EMULATED].notna().any():
         out[EMULATED] = runs[EMULATED]
     return out.reset_index(drop=True)
@@ -176,7 +181,7 @@ def _study_summary(study: Study) -> dict[str, Any]:
         "missing": len(study.missing),
         "missing run ids": list(study.missing),
         "algorithms": [
-            style.label_or_name(a) for a in style.order_or_sorted(study.runs[ALGORITHM].dropna().astype(str).unique())
+            names.label_or_name(a) for a in names.order_or_sorted(study.runs[ALGORITHM].dropna().astype(str).unique())
         ],
         "seeds": natural_sorted_text(study.runs["seed"].dropna().unique()),
         "swept axes": {a: natural_sorted_text(study.runs[a].dropna().unique()) for a in study.axes},
@@ -227,7 +232,7 @@ def study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path) 
 
 
 def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None) -> list[tuple[str, str, str]]:
-    """The headline's claim lines: first, when some claim was not tested in its regime (analysis.regime), one line
+    """The headline's claim lines: first, when some claim was not tested in its regime (analysis.stats.regime), one line
     saying which and why (the measured value against the threshold); then, when some runs of `study` could not be
     read or are missing, one line counting them; then one line per claim: (css class, "C1 supported:", "statement —
     number"), where the number is the quantity the verdict was read off (estimate [95% interval] (n)), or its range
@@ -361,7 +366,7 @@ def signal_table(study: Study) -> pd.DataFrame:
         by_q = per_run.groupby(level="quarter").mean()
         zv = "zero_var_group_frac"
         row = dict(zip(cols, key, strict=True))
-        row[ALGORITHM] = style.label_or_name(str(row[ALGORITHM]))
+        row[ALGORITHM] = names.label_or_name(str(row[ALGORITHM]))
         row.update(
             {
                 "runs": len(runs),
@@ -419,7 +424,7 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
         return pd.DataFrame(), ""
     per = gain_.per_run(study.long, gain.metric)
     per = per[per[RUN_ID].astype(str).isin(set(study.runs.loc[study.runs["state"] != "failed", RUN_ID].astype(str)))]
-    algs = style.order_or_sorted(per[ALGORITHM].astype(str).unique())
+    algs = names.order_or_sorted(per[ALGORITHM].astype(str).unique())
     tasks = [a for a in study.axes if a in per]  # a configuration of the other swept axes is a task
     ref = scorecard._grpo_baseline(algs) or algs[0]
     per = per.assign(**{ALGORITHM: pd.Categorical(per[ALGORITHM].astype(str), categories=algs, ordered=True)})
@@ -427,7 +432,7 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     t = design.algorithm_table(per, tasks, reference=ref, reps=reps)
     if t.empty:
         return t, ""
-    out = pd.DataFrame({"algorithm": [style.label_or_name(a) for a in t["algorithm"]], "n runs": t["n"]})
+    out = pd.DataFrame({"algorithm": [names.label_or_name(a) for a in t["algorithm"]], "n runs": t["n"]})
     fmt = "{:.3f}".format
     out[f"{gain.metric} gain, mean [95% t]"] = [
         f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in zip(t["mean"], t["low"], t["high"], strict=True)
@@ -436,12 +441,12 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
         f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else fmt(m)
         for m, lo, hi in zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)
     ]
-    out[f"P(> {style.label_or_name(ref)}) [95% bootstrap]"] = [
+    out[f"P(> {names.label_or_name(ref)}) [95% bootstrap]"] = [
         "" if not np.isfinite(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"{p:.2f}"
         for p, lo, hi in zip(t["p_improve"], t["p_low"], t["p_high"], strict=True)
     ]
     out["tasks"] = t["tasks"]
-    note = design.ALGORITHM_TABLE_NOTE.format(ref=style.label_or_name(ref), reps=reps)
+    note = design.ALGORITHM_TABLE_NOTE.format(ref=names.label_or_name(ref), reps=reps)
     left = len(per) - int(t["n"].sum())
     what = (
         f"Held-out gain ({gain.metric}: last evaluation minus step 0) per run; tasks: the configurations of "
@@ -641,14 +646,14 @@ def routing_section(
 
 OFFPOLICY_FIGURE = "figure9_offpolicy_replay"
 """Shown first, right after the line on the study, when drawn (a study sweeping minibatches per rollout batch), under
-the outcome it shows (analysis.offpolicy)."""
+the outcome it shows (analysis.claims.offpolicy)."""
 
 
 def offpolicy_section(
     rendered: figures.Rendered, out_dir: Path, threshold: float = scorecard.RULES.min_volatility
 ) -> list[render.Block]:
     """The off-policy figure, when drawn, under the sentences that say which outcome the runs show
-    (analysis.offpolicy.outcome, with the scorecard's volatility threshold); nothing otherwise."""
+    (analysis.claims.offpolicy.outcome, with the scorecard's volatility threshold); nothing otherwise."""
     fig = figure_blocks(rendered, [OFFPOLICY_FIGURE], out_dir)
     if not fig:
         return []

@@ -1,7 +1,7 @@
 """A scorecard verdict: the three verdicts, the evidence line, the decision rule that reads a verdict off an interval.
 
 Every verdict is one of "supported", "contradicted" or "inconclusive" (at this scale), or "not tested in regime" for a
-claim whose precondition the compared runs did not reach (analysis.regime); a stratum in which some compared group
+claim whose precondition the compared runs did not reach (analysis.stats.regime); a stratum in which some compared group
 has no usable run has "no data" instead. Neither "no data" nor "not tested in regime" counts when strata are
 combined.
 
@@ -24,7 +24,7 @@ SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "contradicted", "inconclusi
 NO_DATA = "no data"
 """A stratum in which some compared group has no usable run (not counted in the combined verdict)."""
 NOT_IN_REGIME = "not tested in regime"
-"""A claim (or stratum) whose compared runs did not reach the claim's precondition (analysis.regime): whatever its
+"""A claim (or stratum) whose compared runs did not reach the claim's precondition (analysis.stats.regime): whatever its
 interval says, it is not evidence for or against the claim (not counted in the combined verdict)."""
 VERDICTS = (SUPPORTED, CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NO_DATA)
 """Every verdict, in the order counts of them are written."""

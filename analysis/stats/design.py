@@ -12,7 +12,7 @@ A family. A study that reads m comparisons at 95% each excludes 0 somewhere by c
 time. `holm` adjusts the family's p-values (Holm's step-down: the family-wise error at alpha, uniformly more
 powerful than Bonferroni; statsmodels' multipletests), `simultaneous` widens each interval to 1 - alpha / m
 (Bonferroni), so all m cover together with probability >= 1 - alpha. The confirmatory comparison a sweep declares
-(analysis.declared) is a family of one; everything else is exploratory and is read with these.
+(analysis.claims.declared) is a family of one; everything else is exploratory and is read with these.
 
 The window. "The last 10% of compute" is, per run, the steps whose compute_flops lie in [(1 - frac) C, C], C the
 run's last logged compute (or a budget given for every run): `compute_window`, with WINDOW_RULE its text, is what
@@ -32,19 +32,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from analysis import regime, vocab
-from analysis.stats import (
-    CI,
-    group_columns,
-    mean_band,
-    mean_ci,
-    mean_difference,
-    metric_rows,
-    run_info,
-    run_slices,
-    training_rows,
-)
-from analysis.tidy import COMPUTE, SEED, STEP, VALUE
+from analysis.runs import vocab
+from analysis.runs.columns import COMPUTE, SEED, STEP, VALUE
+from analysis.stats import regime
+from analysis.stats.curves import group_columns, metric_rows, run_info, run_slices, training_rows
+from analysis.stats.intervals import CI, mean_band, mean_ci, mean_difference
 
 UNIT = SEED
 """The unit of replication: the arms of one seed share prompts, cold start and evaluation sampling."""
@@ -291,8 +283,8 @@ def volatility(long: pd.DataFrame, run_ids: Sequence[str] | None = None, *, thre
     regime only when the per-update volatility reaches `threshold`; "not tested in regime: cumulative X%, per update
     Y%" when only the cumulative one does (many off-policy updates add up to what one update of the paper's model
     does), and when neither does."""
-    from analysis.regime import percent
-    from analysis.stats import run_mean
+    from analysis.stats.curves import run_mean
+    from analysis.stats.regime import percent
 
     def measure(metric: str) -> CI:
         try:
@@ -382,7 +374,7 @@ def length_decomposition(
     a function of the seed, never of the length), so the design is paired like the arms of a seed: when the longest
     and the shortest length ran the same seeds (two or more, one run each), every difference is taken within a seed
     and then over seeds (`paired_difference`); otherwise Welch's over the runs."""
-    from analysis.stats import mean_difference
+    from analysis.stats.intervals import mean_difference
 
     gains = gains.assign(**{axis: gains[axis].astype(float)})
     lengths = sorted(pd.unique(gains[axis]))
@@ -503,7 +495,7 @@ def algorithm_table(
     runs x tasks, rectangular); tasks with no such seed are left out; with one run per task the estimates have no
     interval (NaN). Columns: algorithm, n, mean, low, high, iqm, iqm_low, iqm_high, reference, p_improve, p_low,
     p_high, tasks."""
-    from analysis.tidy import ALGORITHM
+    from analysis.runs.columns import ALGORITHM
 
     df = per_run[np.isfinite(per_run["value"].astype(float))].copy()
     df[ALGORITHM] = df[ALGORITHM].astype(str)

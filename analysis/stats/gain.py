@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis import stats, style, vocab
-from analysis.stats import group_columns, metric_rows, run_info, run_slices
-from analysis.strata import usable
-from analysis.tidy import ALGORITHM, RUN_ID, SEED, START_STEP, STEP, VALUE, Study
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, RUN_ID, SEED, START_STEP, STEP, VALUE
+from analysis.runs.tidy import Study
+from analysis.stats import curves
+from analysis.stats.curves import group_columns, metric_rows, run_info, run_slices
+from analysis.stats.strata import usable
 
 
 def per_run(long: pd.DataFrame, metric: str = vocab.EVAL_IN_DIST) -> pd.DataFrame:
@@ -78,7 +80,7 @@ class HeldOutGain:
             return [("Held-out gain:", f"not available: {self.reason}")]
         out = []
         t = self.table.dropna(subset=["gain"])
-        for alg in style.order_or_sorted(t[ALGORITHM].astype(str).unique()):
+        for alg in names.order_or_sorted(t[ALGORITHM].astype(str).unique()):
             rows = t[t[ALGORITHM].astype(str) == alg]
             head = f"Held-out gain, {rows['label'].iloc[0]}:"
             if len(rows) == 1:
@@ -124,15 +126,15 @@ def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
         )
         return HeldOutGain(metric, empty, axes, why)
     by = [ALGORITHM, *axes]
-    summary = stats.summarize(runs, value="value", by=by)
+    summary = curves.summarize(runs, value="value", by=by)
     means = runs.groupby(by, observed=True, dropna=False)[["start", "final"]].mean().reset_index()
     steps = runs.groupby(by, observed=True, dropna=False)["final_step"].agg(["min", "max"]).reset_index()
     steps["final_step"] = [str(a) if a == b else f"{a}-{b}" for a, b in zip(steps["min"], steps["max"], strict=True)]
     counts = study.runs[usable(study.runs)].groupby(by, observed=True, dropna=False).size().rename("runs").reset_index()
     out = summary.merge(means, on=by).merge(steps[[*by, "final_step"]], on=by).merge(counts, on=by, how="left")
     out = out.rename(columns={"mean": "gain"})
-    out["label"] = [style.label_or_name(str(a)) for a in out[ALGORITHM]]
-    order = {a: i for i, a in enumerate(style.order_or_sorted(out[ALGORITHM].astype(str).unique()))}
+    out["label"] = [names.label_or_name(str(a)) for a in out[ALGORITHM]]
+    order = {a: i for i, a in enumerate(names.order_or_sorted(out[ALGORITHM].astype(str).unique()))}
     out = out.sort_values(by, key=lambda c: c.astype(str).map(order) if c.name == ALGORITHM else c, kind="stable")
     return HeldOutGain(metric, out[cols].reset_index(drop=True), axes)
 

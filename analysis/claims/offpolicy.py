@@ -11,8 +11,8 @@ Two outcomes, stated with their numbers either way:
     highest volatility at which the dense control still learned, and, within the regime reached, the GRPO minus GRPO
     + Routing Replay held-out gaps the seeds exclude (those outside its 95% interval at each M, paired by seed).
 
-The claims are about the paper's algorithms, so this module names them (through analysis.scorecard's names and the
-registry's replay partner).
+The claims are about the paper's algorithms, so this module names them (through analysis.claims.scorecard's names and
+the registry's replay partner).
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import collapse, design, gain, regime, scorecard, stats, style, vocab
-from analysis.figures.common import DENSE, MOE, MissingData, _configurations, _model_of, _need_metric, _short, _varying
-from analysis.tidy import ALGORITHM, RUN_ID, SEED, Study
+from analysis.claims import scorecard
+from analysis.runs import names, vocab
+from analysis.runs.columns import ALGORITHM, RUN_ID, SEED
+from analysis.runs.select import DENSE, MOE, MissingData, configurations, model_of, need_metric, short, varying
+from analysis.runs.tidy import Study
+from analysis.stats import collapse, curves, design, gain, intervals, regime
 
 # --- Figure 9's tables ------------------------------------------------------------------------------------------------
 HELD_OUT, FINAL = "held-out gain", "final reward"
@@ -41,7 +44,7 @@ def _mechanism(study: Study, arm: Mapping[tuple[str, str, Any], list[str]]) -> p
     per_run = {
         m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
         for m in names
-        if len(r := stats.run_mean(study.long, m))
+        if len(r := curves.run_mean(study.long, m))
     }
     rows = []
     for (mod, alg, m), ids in arm.items():
@@ -59,19 +62,19 @@ def _base_of(alg: str, present: Sequence[str]) -> str | None:
     with one minibatch, so a study leaves the replay arms out there."""
     if alg in present:
         return alg
-    return next((v for v in style.registry().routing_variants(alg) if v in present), None)
+    return next((v for v in names.registry().routing_variants(alg) if v in present), None)
 
 
 def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
     """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
     control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
-    routing_slot_mismatch over its steps), its held-out gain (analysis.gain.per_run) and its final reward
+    routing_slot_mismatch over its steps), its held-out gain (analysis.stats.gain.per_run) and its final reward
     (`design.compute_window`: the mean over the last `frac` of its compute, the window the scorecard's claims read).
 
     - `volatility`: per M, the MoE's volatility, cumulative (`mean`: routing_slot_mismatch, over minibatches 2..M)
       and per update (`per_update`: routing_slot_mismatch_mb2, the change after one update, the paper's unit): mean
       over every MoE run at that M (all algorithms) with a 95% t interval over runs; `threshold` (default
-      analysis.regime.MIN_VOLATILITY) and whether the per-update mean reaches it (`in_regime`);
+      analysis.stats.regime.MIN_VOLATILITY) and whether the per-update mean reaches it (`in_regime`);
     - `arms`: per model, algorithm, M and quantity, the mean over seeds with a 95% t interval;
     - `gaps`: per M, each algorithm minus its Routing Replay partner (the pairs of C3 and C4, reversed: what dropping
       replay costs) on the MoE, and the dense control's off-policy loss (its value at M minus at the fewest M), at the
@@ -85,30 +88,31 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     - `mechanism` (only when runs measured the routing log-ratio, routing_attribution): per model, algorithm and M,
       the seed means of each run's step means of the routing volatility and of the off-policy minibatches'
       log-ratios (vocab.LOGRATIOS: the routing's part and the weights');
-    - `collapse_rate` (only when some run collapsed, analysis.collapse): per model, algorithm and M, collapsed runs
+    - `collapse_rate` (only when some run collapsed, analysis.stats.collapse): per model, algorithm and M, collapsed
+    runs
       of the runs, with a Wilson interval.
     """
     threshold = regime.MIN_VOLATILITY if threshold is None else float(threshold)
     axis = vocab.MINIBATCH_AXIS
-    varying = _varying(study)
-    if axis not in varying:
+    swept = varying(study)
+    if axis not in swept:
         raise MissingData(
             f"the off-policy figure compares minibatches per rollout batch ({axis!r}); this study does not sweep it "
-            f"(swept axes: {', '.join(varying) or 'none'})"
+            f"(swept axes: {', '.join(swept) or 'none'})"
         )
     for m in (vocab.ROUTING_SLOT, vocab.REWARD):
-        _need_metric(study, m)
-    other = [a for a in varying if a != axis and a.split(".")[0] != "model"]
+        need_metric(study, m)
+    other = [a for a in swept if a != axis and a.split(".")[0] != "model"]
     if other:
         raise MissingData(
             f"the off-policy figure reads one configuration besides {axis} and the model; this study "
             f"also sweeps {', '.join(other)}: select one value of each (where=)"
         )
-    keys, m_of = _configurations(study, [axis])
+    keys, m_of = configurations(study, [axis])
     ms = [k[0] for k in keys]
     runs = study.runs[study.runs[RUN_ID].astype(str).isin(m_of)].copy()
-    runs["model"] = _model_of(study, runs[RUN_ID].astype(str).tolist())
-    shape_cols = [a for a in varying if a.split(".")[0] == "model"]
+    runs["model"] = model_of(study, runs[RUN_ID].astype(str).tolist())
+    shape_cols = [a for a in swept if a.split(".")[0] == "model"]
     moe = runs[runs["model"] == MOE]
     if moe.empty:
         raise MissingData(f"the off-policy figure needs MoE runs; every run's {vocab.NUM_EXPERTS_KEY} is 1")
@@ -125,8 +129,8 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     def values(per_run: pd.DataFrame) -> dict[str, float]:
         return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
 
-    vol = values(stats.run_mean(study.long, vocab.ROUTING_SLOT))
-    one = values(stats.run_mean(study.long, regime.PER_UPDATE)) if regime.PER_UPDATE in study.metrics else {}
+    vol = values(curves.run_mean(study.long, vocab.ROUTING_SLOT))
+    one = values(curves.run_mean(study.long, regime.PER_UPDATE)) if regime.PER_UPDATE in study.metrics else {}
     quantities = {}
     if vocab.EVAL_IN_DIST in study.metrics:
         gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
@@ -149,9 +153,9 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     for m in ms:
         ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
         v = np.array([vol.get(r, np.nan) for r in ids], np.float64)
-        ci = stats.mean_ci(v[np.isfinite(v)])
+        ci = intervals.mean_ci(v[np.isfinite(v)])
         u = np.array([one.get(r, np.nan) for r in ids], np.float64)
-        pu = stats.mean_ci(u[np.isfinite(u)])
+        pu = intervals.mean_ci(u[np.isfinite(u)])
         rows.append(
             {
                 axis: m,
@@ -183,12 +187,12 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     volatility = pd.DataFrame(rows, columns=vol_cols)
     x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
 
-    algs = {mod: style.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
+    algs = {mod: names.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
     rows = []
     for mod, q, m in itertools.product((MOE, DENSE), quantities, ms):
         for alg in algs[mod]:
             if (mod, alg, m) in arm:
-                ci = stats.mean_ci(of(quantities[q], mod, alg, m))
+                ci = intervals.mean_ci(of(quantities[q], mod, alg, m))
                 rows.append(
                     {
                         "model": mod,
@@ -228,10 +232,10 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     for q, m in itertools.product(quantities, ms):
         for free, rr in pairs:
             if (MOE, free, m) in arm and (MOE, rr, m) in arm:
-                what = f"{style.label(free)} - {style.label(rr)}"
+                what = f"{names.label(free)} - {names.label(rr)}"
                 rows.append(gap_row(what, free, rr, MOE, m, q, (MOE, free, m), (MOE, rr, m)))
         if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
-            what = f"dense control ({style.label(dense_alg)}): at M minus at M = {_short(m0)}"
+            what = f"dense control ({names.label(dense_alg)}): at M minus at M = {short(m0)}"
             rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, (DENSE, dense_alg, m), (DENSE, dense_alg, m0)))
     design.read_as_family(rows)
     gap_cols = [
@@ -253,11 +257,11 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
         if (MOE, alg, m) not in arm or base is None:
             continue
         groups = [of(quantities[q], MOE, alg, m), of(quantities[q], MOE, base, m0)]
-        loss = stats.mean_difference(*groups)
-        excess = stats.CI(np.nan, np.nan, np.nan, 0)
+        loss = intervals.mean_difference(*groups)
+        excess = intervals.CI(np.nan, np.nan, np.nan, 0)
         if dense_alg is not None and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
             dense = [of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)]
-            excess = stats.contrast_ci([*groups, *dense], (1.0, -1.0, -1.0, 1.0))
+            excess = intervals.contrast_ci([*groups, *dense], (1.0, -1.0, -1.0, 1.0))
         rows.append(
             {
                 ALGORITHM: alg,
@@ -306,7 +310,7 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
                 ids = arm.get((mod, alg, m), [])
                 if ids:
                     k = sum(fell.get(r, False) for r in ids)
-                    lo, hi = stats.wilson_interval(k, len(ids))
+                    lo, hi = intervals.wilson_interval(k, len(ids))
                     rows.append(
                         {
                             "model": mod,
@@ -367,12 +371,12 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     axis = vocab.MINIBATCH_AXIS
     vol, arms, gaps = (tables[k] for k in ("volatility", "arms", "gaps"))
     thr = float(vol["threshold"].iloc[0]) if threshold is None else float(threshold)
-    reg = style.registry()
+    reg = names.registry()
     grpo, gspo = scorecard.GRPO, scorecard.GSPO
     rr = reg.replay_partner(grpo)
-    dense_algs = style.order_or_sorted(arms.loc[arms["model"] == DENSE, ALGORITHM].astype(str))
+    dense_algs = names.order_or_sorted(arms.loc[arms["model"] == DENSE, ALGORITHM].astype(str))
     moe_algs = set(arms.loc[arms["model"] == MOE, ALGORITHM].astype(str))
-    missing = [style.label_or_name(a) for a in (grpo, rr, gspo) if a not in moe_algs]
+    missing = [names.label_or_name(a) for a in (grpo, rr, gspo) if a not in moe_algs]
     missing += [] if dense_algs else ["a dense control (runs whose model has one expert)"]
     if missing:
         return Outcome(UNDECIDED, (f"No outcome: the off-policy study lacks {', '.join(missing)}.",))
@@ -380,7 +384,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         why = "no held-out gain (no run evaluated its starting policy at step 0), which the outcome is decided on"
         return Outcome(UNDECIDED, (f"No outcome: {why}.",))
     dense = dense_algs[0]
-    lab = {a: style.label(a) for a in (grpo, rr, gspo)}  # GRPO, its replay partner, GSPO: in this order
+    lab = {a: names.label(a) for a in (grpo, rr, gspo)}  # GRPO, its replay partner, GSPO: in this order
     measured = vol[vol["n"].astype(int) > 0].sort_values("mean")
     if measured.empty:
         return Outcome(UNDECIDED, ("No outcome: no MoE run measured its routing volatility (no M above one).",))
@@ -420,7 +424,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     if strata:
 
         def dense_gain(m: object) -> str:
-            return f"{style.label(dense)}: held-out gain {ci(gain_at(DENSE, dense, m))}"
+            return f"{names.label(dense)}: held-out gain {ci(gain_at(DENSE, dense, m))}"
 
         def gspo_gain(m: object) -> str:
             return ci(gain_at(MOE, gspo, m))
@@ -437,9 +441,9 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     )
     out = [
         "Outcome (ii): no stratum reached the regime with the dense control and GSPO still learning. "
-        f"The highest routing volatility reached was {volatility(top)} at M = {_short(m_top)}, {side} the "
+        f"The highest routing volatility reached was {volatility(top)} at M = {short(m_top)}, {side} the "
         f"{regime.percent(thr)} per-update threshold (the paper's model: ~{regime.percent(regime.PAPER_PER_UPDATE)} "
-        f"after one update){only}; there the held-out gain of {dense_lab} ({style.label(dense)}) was "
+        f"after one update){only}; there the held-out gain of {dense_lab} ({names.label(dense)}) was "
         f"{ci(gain_at(DENSE, dense, m_top))} and of {lab[gspo]} {ci(gain_at(MOE, gspo, m_top))}."
     ]
     learned = [r for _, r in measured.iterrows() if mean(gain_at(DENSE, dense, r[axis])) > 0]
@@ -447,7 +451,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         best = learned[-1]
         out.append(
             f"The dense control still learned (held-out gain's mean above 0) up to a cumulative volatility of "
-            f"{regime.percent(float(best['mean']))} (M = {_short(best[axis])}, gain "
+            f"{regime.percent(float(best['mean']))} (M = {short(best[axis])}, gain "
             f"{ci(gain_at(DENSE, dense, best[axis]))})."
         )
     else:
@@ -457,7 +461,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         if r[axis] == m_top:
             continue
         out.append(
-            f"At M = {_short(r[axis])}, also at or above the threshold ({volatility(r)}), the held-out gain of "
+            f"At M = {short(r[axis])}, also at or above the threshold ({volatility(r)}), the held-out gain of "
             f"{dense_lab} was {ci(gain_at(DENSE, dense, r[axis]))} and of {lab[gspo]} "
             f"{ci(gain_at(MOE, gspo, r[axis]))}."
         )
@@ -471,14 +475,14 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
         out.append(f"No {lab[grpo]} \u2212 {lab[rr]} held-out gap has an interval at a measured M.")
     else:
         per = "; ".join(
-            f"M = {_short(r[axis])} ({regime.percent(float(r['_v']))}): "
+            f"M = {short(r[axis])} ({regime.percent(float(r['_v']))}): "
             f"{_ci(float(r['estimate']), float(r['low']), float(r['high']))}"
             for _, r in finite.iterrows()
         )
         below = finite[finite["high"].astype(float) < 0]
         tail = (
             " At "
-            + ", ".join(f"M = {_short(m)}" for m in below[axis])
+            + ", ".join(f"M = {short(m)}" for m in below[axis])
             + " the interval lies below 0: dropping replay cost held-out gain there."
             if len(below)
             else ""
@@ -512,7 +516,7 @@ def mechanism(tables: Mapping[str, pd.DataFrame]) -> tuple[str, ...]:
         return f"{float(row[mean]):.4f} (tokens past ln 2: {regime.percent(float(row[share]))})"
 
     said = (
-        f"The mechanism, at M = {_short(top[axis])}: {style.label(grpo)}'s routing moved "
+        f"The mechanism, at M = {short(top[axis])}: {names.label(grpo)}'s routing moved "
         f"{regime.percent(float(top[vocab.ROUTING_SLOT]))} of expert slots since pi_old, and routing alone moved "
         f"log pi_theta / pi_old by a mean |.| of {pair(top, vocab.ROUTING_LOGRATIO, vocab.ROUTING_LOGRATIO_LN2)}, "
         f"against {pair(top, vocab.WEIGHT_LOGRATIO, vocab.WEIGHT_LOGRATIO_LN2)} for the whole change"
@@ -569,7 +573,7 @@ def _in_regime(
             fell_runs = f" {lab[grpo]} collapsed in {int(c['collapsed'])} of {int(c['runs'])} runs there."
         verdict = "Figure 3 is reproduced there" if yes else f"Figure 3 is not reproduced there ({'; '.join(why)})"
         out += [
-            f"Outcome (i): at M = {_short(m)} the MoE's routing volatility was {volatility(r)}, at or above the "
+            f"Outcome (i): at M = {short(m)} the MoE's routing volatility was {volatility(r)}, at or above the "
             f"{regime.percent(thr)} per-update threshold (the paper's model: "
             f"~{regime.percent(regime.PAPER_PER_UPDATE)} after one update), while {dense_lab} ({dense_gain(m)}) "
             f"and {lab[gspo]} ({gspo_gain(m)}) still learned.",
