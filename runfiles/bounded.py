@@ -7,7 +7,8 @@ Bounds, each a one-line error saying which:
   tokenizer.json); a file's size is checked before it is read;
 - depth: mappings and lists nested at most MAX_DEPTH (64) deep, checked on YAML's event stream before anything is
   built, and on JSON while it is parsed (the decoder's recursion refused, then the result walked without recursion);
-- YAML aliases: at most MAX_NODES nodes once every alias is expanded (a "billion laughs" document is a few lines);
+- YAML aliases: at most MAX_NODES nodes once every alias is expanded (a "billion laughs" document is a few lines),
+  and no alias inside the node it names (`&a {x: *a}` would build an object that contains itself);
 - duplicate keys: a mapping with the same key twice is refused (YAML and JSON would keep the last silently).
 
 YAML is parsed by yaml.SafeLoader (no Python objects); errors are yaml.YAMLError. JSON errors are ValueError:
@@ -78,6 +79,11 @@ def load_yaml(text: str, *, max_bytes: int = MAX_BYTES) -> Any:
             if anchor is not None:
                 anchored[anchor] = total - start
         elif isinstance(event, yaml.AliasEvent):
+            if any(anchor == event.anchor for anchor, _ in opened):
+                raise yaml.YAMLError(
+                    f"the alias *{event.anchor} stands inside its own anchor &{event.anchor} (line "
+                    f"{event.start_mark.line + 1}): a document that contains itself; valid: aliases of finished nodes"
+                )
             total += anchored.get(event.anchor, 1)
         elif isinstance(event, yaml.ScalarEvent):
             total += 1

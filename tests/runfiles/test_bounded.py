@@ -155,3 +155,17 @@ def test_json_that_is_not_json_keeps_its_position() -> None:
     with pytest.raises(json.JSONDecodeError) as err:
         bounded.load_json('{"a": 1,,}')
     assert (err.value.lineno, err.value.colno) == (1, 9)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["&a {x: *a}", "&a [1, *a]", "base: &a {runs: [{inner: *a}]}\n", "vars: &v\n  self: *v\n"],
+)
+def test_yaml_that_contains_itself_is_refused(text: str, tmp_path: Path) -> None:
+    """A self-referencing alias builds an object that contains itself: every reader would recurse forever on it."""
+    with pytest.raises(yaml.YAMLError, match=r"the alias \*\w stands inside its own anchor"):
+        bounded.load_yaml(text)
+    (tmp_path / "sweep.yaml").write_text(text)
+    with pytest.raises(yaml.YAMLError, match="inside its own anchor"):
+        bounded.read_yaml(tmp_path / "sweep.yaml")
+    assert bounded.load_yaml("a: &a [1]\nb: [*a, *a]\n") == {"a": [1], "b": [[1], [1]]}  # an alias of a finished node
