@@ -1,16 +1,17 @@
 """`python -m algorithms [--json]`: the registered variants, their routing, ratio level and default hyper-parameters
-(--json: every variant's metadata, what algorithms.catalog reads)."""
+(--json: every variant's `Spec`, what algorithms.catalog reads)."""
 
 import json
 import sys
+from collections.abc import Mapping
 
 import algorithms
-from algorithms.catalog import spec_document
 
 
 def main(argv: list[str]) -> None:
     if argv == ["--json"]:
-        print(json.dumps({name: spec_document(algorithms.get(name).spec) for name in algorithms.names()}))
+        specs = {name: vars(algorithms.get(name).spec) for name in algorithms.names()}
+        print(json.dumps(specs, default=lambda o: dict(o) if isinstance(o, Mapping) else vars(o)))  # Range: vars
         return
     rows = [("name", "label", "routing", "ratio", "rollout_logp", "hyper-parameters")]
     for name in algorithms.names():

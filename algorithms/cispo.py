@@ -13,15 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    log_ratio,
-    no_clip_metrics,
-    per_token,
-    ratio_metrics,
-    to_floats,
-    token_mean,
-)
+from algorithms.common import no_clip_metrics, to_floats, token_mean, token_ratio
 from algorithms.registry import Range, register
 
 if TYPE_CHECKING:
@@ -39,12 +31,9 @@ def cispo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     import torch
 
-    check_inputs(logp, old_logp, advantages, mask)
-    w = log_ratio(logp, old_logp, mask).exp()  # (B, T)
-    adv = per_token(advantages, mask)  # (B, T)
+    w, adv = token_ratio(logp, old_logp, advantages, mask)  # (B, T)  w_{i,t}, A_{i,t}
     # J = mean_tokens sg(min(w, eps_max)) A log pi_theta
     obj = w.clamp(max=eps_max).detach() * adv * torch.where(mask.bool(), logp.float(), 0.0)
     with torch.no_grad():
         trunc = token_mean((w > eps_max).float(), mask)
-    metrics = {**no_clip_metrics(mask), **ratio_metrics(w, mask), "is_trunc_frac": trunc}
-    return -token_mean(obj, mask), to_floats(metrics)
+    return -token_mean(obj, mask), to_floats({**no_clip_metrics(w, mask), "is_trunc_frac": trunc})

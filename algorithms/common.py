@@ -46,6 +46,15 @@ def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) ->
     return torch.where(mask.bool(), logp.float() - old_logp.float(), 0.0)
 
 
+def token_ratio(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs checked, then (w_{i,t}, A_{i,t}), both (B, T) fp32: the token ratio pi_theta / pi_old and the
+    advantages broadcast to the tokens."""
+    check_inputs(logp, old_logp, advantages, mask)
+    return log_ratio(logp, old_logp, mask).exp(), per_token(advantages, mask)
+
+
 def lengths(mask: torch.Tensor) -> torch.Tensor:
     """|y_i| (B,), at least 1 so that empty responses contribute 0 instead of NaN."""
     return mask.float().sum(-1).clamp_min(1.0)
@@ -81,11 +90,28 @@ def per_sequence(advantages: torch.Tensor, name: str) -> torch.Tensor:
     return advantages.float()
 
 
+def clipped_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's term min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) of a per-token (B, T) or per-sequence (B,) ratio r,
+    and its clip and ratio metrics."""
+    import torch
+
+    obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+    with torch.no_grad():  # the clipped branch is active (zero gradient) exactly in these two cases
+        low = (ratio < 1.0 - eps_low) & (adv < 0)
+        high = (ratio > 1.0 + eps_high) & (adv > 0)
+    return obj, {**clip_metrics(low, high, mask), **ratio_metrics(ratio, mask)}
+
+
 def clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Token-weighted active-clip fractions from boolean (B, T) masks of clipped tokens."""
+    """Token-weighted active-clip fractions from boolean masks of clipped tokens (B, T) or sequences (B,): a clipped
+    sequence counts all its tokens."""
     import torch
 
     with torch.no_grad():
+        if low.dim() == 1:
+            low, high = low[:, None].expand(mask.shape), high[:, None].expand(mask.shape)
         m = mask.bool()
         n = m.sum().clamp_min(1)
         lo = (low & m).sum() / n
@@ -93,21 +119,22 @@ def clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> d
         return {"clip_frac": lo + hi, "clip_frac_low": lo, "clip_frac_high": hi}
 
 
-def no_clip_metrics(mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Clip fractions of a variant that never zeroes a gradient by clipping."""
+def no_clip_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Clip fractions (0) and ratio metrics of a variant that never zeroes a gradient by clipping."""
     import torch
 
     with torch.no_grad():
         zero = torch.zeros((), device=mask.device)
-        return {"clip_frac": zero, "clip_frac_low": zero, "clip_frac_high": zero}
+        return {"clip_frac": zero, "clip_frac_low": zero, "clip_frac_high": zero, **ratio_metrics(ratio, mask)}
 
 
-def ratio_metrics(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean / max / min of `ratio` where `valid` (any shape); 1.0 when nothing is valid."""
+def ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean / max / min of a per-token ratio (B, T) over response tokens, or of a per-sequence ratio (B,) over the
+    sequences with a token; 1.0 when there is none."""
     import torch
 
     with torch.no_grad():
-        r = ratio.detach().float()[valid.bool()]
+        r = ratio.detach().float()[mask.bool() if ratio.dim() == 2 else mask.bool().any(-1)]
         if r.numel() == 0:
             one = torch.ones((), device=ratio.device)
             return {"ratio_mean": one, "ratio_max": one, "ratio_min": one}

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from algorithms.common import check_inputs, per_token, token_mean
-from algorithms.registry import LossFn, Range, hparam_parameters, loss_ratio_level
+from algorithms.registry import LOSS_INPUTS, LossFn, Range, hparam_parameters, loss_ratio_level
 
 if TYPE_CHECKING:
     import torch
@@ -43,27 +43,18 @@ def _delta(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tenso
 
 def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any, float]], weights: WeightFn) -> LossFn:
     """Wrap `loss_fn` so its advantages are scaled by `weights(...)`, adding `params` as hyper-parameters."""
-    base_sig = inspect.signature(loss_fn)
-    base_hparams = {p.name: p for p in hparam_parameters(loss_fn)}  # annotations evaluated: Range stays readable
     if level == "token" and loss_ratio_level(loss_fn) == "sequence":
         raise ValueError(
             f"{name}: a token-level correction cannot wrap a sequence-level ratio ({loss_fn.__name__}); use with_mis, "
             "or a token-level loss such as gspo_token"
         )
-    taken = set(base_sig.parameters) & set(params)
+    signature = inspect.signature(loss_fn)
+    taken = set(signature.parameters) & set(params)
     if taken:
         raise ValueError(f"{name}: hyper-parameter name(s) {sorted(taken)} already used by {loss_fn.__name__}")
     inner_needs_rollout = bool(getattr(loss_fn, "needs_rollout_logp", False))
 
-    def corrected(
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        rollout_logp: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def corrected(logp, old_logp, advantages, mask, *, rollout_logp=None, **kwargs):  # typed by its __signature__
         import torch
 
         if rollout_logp is None:
@@ -84,23 +75,15 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
         values = torch.stack([v.float().reshape(()) for v in extra.values()]).tolist()
         return loss, {**metrics, **dict(zip(extra, values, strict=True))}
 
-    new_params = [base_hparams.get(p.name, p) for p in base_sig.parameters.values() if p.name != "rollout_logp"]
-    for key, (annotation, default) in params.items():
-        new_params.append(
-            inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-        )
-    new_params.append(
-        inspect.Parameter(
-            "rollout_logp", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="torch.Tensor | None"
-        )
+    # its signature: the loss's inputs and hyper-parameters (annotations evaluated: Range stays readable), `params`
+    hparams = {p.name: p for p in hparam_parameters(loss_fn)}
+    keyword = [(k, annotation, default) for k, (annotation, default) in params.items()]
+    keyword.append(("rollout_logp", "torch.Tensor | None", None))
+    corrected.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[hparams.get(p.name, p) for p in signature.parameters.values() if p.name not in LOSS_INPUTS]
+        + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a) for k, a, d in keyword]
     )
-    corrected.__signature__ = base_sig.replace(parameters=new_params)  # type: ignore[attr-defined]
-    corrected.__annotations__ = {
-        **{p.name: p.annotation for p in new_params if p.annotation is not inspect.Parameter.empty},
-        **({"return": base_sig.return_annotation} if base_sig.return_annotation is not inspect.Signature.empty else {}),
-    }
-    corrected.__name__ = f"{loss_fn.__name__}_{name.lower()}"
-    corrected.__qualname__ = corrected.__name__
+    corrected.__name__ = corrected.__qualname__ = f"{loss_fn.__name__}_{name.lower()}"
     corrected.__module__ = loss_fn.__module__
     corrected.needs_rollout_logp = True  # type: ignore[attr-defined]
     corrected.ratio_level = loss_ratio_level(loss_fn)  # type: ignore[attr-defined]

@@ -12,15 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    clip_metrics,
-    log_ratio,
-    per_sequence,
-    ratio_metrics,
-    seq_mean,
-    to_floats,
-)
+from algorithms.common import check_inputs, clip_metrics, log_ratio, per_sequence, ratio_metrics, seq_mean, to_floats
 from algorithms.registry import Range, ratio_level, register
 
 if TYPE_CHECKING:
@@ -52,4 +44,4 @@ def gmpo_loss(
         low = (lr < -eps_low) & (adv < 0)[:, None]
         high = (lr > eps_high) & pos
     geo_ratio = seq_mean(lr, mask).exp()  # unclipped geometric-mean ratio, for the ratio stats
-    return loss, to_floats({**clip_metrics(low, high, mask), **ratio_metrics(geo_ratio, mask.bool().any(-1))})
+    return loss, to_floats({**clip_metrics(low, high, mask), **ratio_metrics(geo_ratio, mask)})

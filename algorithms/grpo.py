@@ -13,15 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    clip_metrics,
-    log_ratio,
-    per_token,
-    ratio_metrics,
-    seq_mean,
-    to_floats,
-)
+from algorithms.common import clipped_objective, seq_mean, to_floats, token_ratio
 from algorithms.registry import Range, register
 
 if TYPE_CHECKING:
@@ -37,17 +29,8 @@ def clipped_token_objective(
     eps_high: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO term min(w A, clip(w, 1-eps_low, 1+eps_high) A) (B, T) and its clip/ratio metrics."""
-    import torch
-
-    check_inputs(logp, old_logp, advantages, mask)
-    w = log_ratio(logp, old_logp, mask).exp()  # (B, T)  w_{i,t}
-    adv = per_token(advantages, mask)  # (B, T)  A_{i,t}
-    # min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)
-    obj = torch.minimum(w * adv, w.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    with torch.no_grad():  # the clipped branch is active (zero gradient) exactly in these two cases
-        low = (w < 1.0 - eps_low) & (adv < 0)
-        high = (w > 1.0 + eps_high) & (adv > 0)
-    return obj, {**clip_metrics(low, high, mask), **ratio_metrics(w, mask)}
+    w, adv = token_ratio(logp, old_logp, advantages, mask)  # (B, T)  w_{i,t}, A_{i,t}
+    return clipped_objective(w, adv, mask, eps_low, eps_high)
 
 
 @register("grpo", label="GRPO", color="#D55E00")

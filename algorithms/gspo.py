@@ -13,15 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    clip_metrics,
-    log_ratio,
-    per_sequence,
-    ratio_metrics,
-    seq_mean,
-    to_floats,
-)
+from algorithms.common import check_inputs, clipped_objective, log_ratio, per_sequence, seq_mean, to_floats
 from algorithms.registry import Range, ratio_level, register
 
 if TYPE_CHECKING:
@@ -39,15 +31,9 @@ def gspo_loss(
     eps_low: Annotated[float, Range(ge=0.0, lt=1.0)] = 3e-4,
     eps_high: Annotated[float, Range(ge=0.0)] = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    import torch
-
     check_inputs(logp, old_logp, advantages, mask)
     adv = per_sequence(advantages, "gspo")  # (B,)  A_i
     s = seq_mean(log_ratio(logp, old_logp, mask), mask).exp()  # (B,)  s_i = exp(mean_t l_{i,t})
-    # J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
-    loss = -torch.minimum(s * adv, s.clamp(1.0 - eps_low, 1.0 + eps_high) * adv).mean()
-    with torch.no_grad():  # a clipped sequence counts all its tokens
-        low = ((s < 1.0 - eps_low) & (adv < 0))[:, None].expand(mask.shape)  # (B, T)
-        high = ((s > 1.0 + eps_high) & (adv > 0))[:, None].expand(mask.shape)
-    has_tokens = mask.bool().any(-1)  # (B,)
-    return loss, to_floats({**clip_metrics(low, high, mask), **ratio_metrics(s, has_tokens)})
+    # J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); a clipped sequence counts all its tokens
+    obj, metrics = clipped_objective(s, adv, mask, eps_low, eps_high)  # (B,)
+    return -obj.mean(), to_floats(metrics)

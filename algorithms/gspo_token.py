@@ -11,15 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    clip_metrics,
-    log_ratio,
-    per_token,
-    ratio_metrics,
-    seq_mean,
-    to_floats,
-)
+from algorithms.common import check_inputs, clipped_objective, log_ratio, per_token, seq_mean, to_floats
 from algorithms.registry import Range, register
 
 if TYPE_CHECKING:
@@ -44,9 +36,5 @@ def gspo_token_loss(
     lp = logp.float()
     # log s_{i,t} = sg[log s_i] + log pi_theta(y_{i,t}) - sg[log pi_theta(y_{i,t})]
     s_t = (log_s.detach()[:, None] + torch.where(mask.bool(), lp - lp.detach(), 0.0)).exp()  # (B, T)
-    obj = torch.minimum(s_t * adv, s_t.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
-    loss = -seq_mean(obj, mask).mean()
-    with torch.no_grad():
-        low = (s_t < 1.0 - eps_low) & (adv < 0)
-        high = (s_t > 1.0 + eps_high) & (adv > 0)
-    return loss, to_floats({**clip_metrics(low, high, mask), **ratio_metrics(s_t, mask)})
+    obj, metrics = clipped_objective(s_t, adv, mask, eps_low, eps_high)  # (B, T)
+    return -seq_mean(obj, mask).mean(), to_floats(metrics)

@@ -5,25 +5,23 @@ tensor function whose keyword-only parameters *are* the hyper-parameters: their 
 `Annotated[..., Range(...)]` bounds are checked by `alg.check_hparams` before any compute is spent. Its ratio level
 is the loss's own (`ratio_level`), so every registration of a loss, or of a correction wrapping it, has it.
 
-The variants are the modules of this package (each registers on import); the first `get`, `names` or `register`
-imports them all. `Spec` is what is read of a variant without running it (algorithms.catalog reads it without
-importing torch).
+The variants are the modules of this package (each registers on import): the first `get` or `names` imports them all.
+The registry's order (the legend order of every figure) is that of the files that register, by name, then of the
+registrations within a file; variants registered elsewhere (a test's) follow.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
-import itertools
 import math
 import pkgutil
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from algorithms.common import group_normalized_advantages
 
@@ -34,29 +32,22 @@ Routing = Literal["free", "replay", "rollout_replay"]
 RatioLevel = Literal["token", "sequence"]
 ROUTING_MODES: tuple[str, ...] = typing.get_args(Routing)
 RATIO_LEVELS: tuple[str, ...] = typing.get_args(RatioLevel)
-
-# Legend colours by registration index (colour-blind-safe Okabe-Ito first, then tab10 tones).
-PALETTE = (
-    "#0072B2",
-    "#D55E00",
-    "#009E73",
-    "#CC79A7",
-    "#E69F00",
-    "#56B4E9",
-    "#F0E442",
-    "#000000",
-    "#8C564B",
-    "#7F7F7F",
-    "#BCBD22",
-    "#17BECF",
-    "#9467BD",
-    "#2CA02C",
-    "#D62728",
-    "#1F77B4",
-)
-
-# Keyword arguments of a loss that are inputs, not hyper-parameters.
+EXTRA_COLORS = ("#AA4499", "#117733", "#88CCEE", "#CC6677", "#8C564B", "#9467BD", "#BCBD22", "#D62728")
+"""Legend colours of variants registered without one: the first that no registered variant has (the built-in variants
+name theirs)."""
 LOSS_INPUTS = frozenset({"rollout_logp"})
+"""Keyword arguments of a loss that are inputs, not hyper-parameters."""
+PACKAGE = Path(__file__).resolve().parent
+"""The folder of the variants: every module in it not starting with "_" and not in LIBRARY registers some."""
+LIBRARY = frozenset({"catalog", "common", "corrections", "registry"})
+
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+AdvantageFn = Callable[["torch.Tensor", int], "torch.Tensor"]
+T = TypeVar("T")
+
+
+class UnknownAlgorithmError(LookupError):
+    """An algorithm name that is not registered."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +73,6 @@ class Range:
         return f"{lo}, {hi}"
 
 
-LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
-AdvantageFn = Callable[["torch.Tensor", int], "torch.Tensor"]
-
-
 def ratio_level(level: RatioLevel) -> Callable[[LossFn], LossFn]:
     """Declare, where a loss is defined, the level of its importance ratio: `@ratio_level("sequence")` under the
     `register` line. A loss without the declaration is token-level."""
@@ -104,68 +91,62 @@ def loss_ratio_level(loss_fn: LossFn) -> RatioLevel:
     return getattr(loss_fn, "ratio_level", "token")
 
 
-def check_hparams(
-    name: str, hparams: Mapping[str, Any], ranges: Mapping[str, Range], overrides: Mapping[str, Any]
-) -> dict[str, Any]:
-    """`hparams` with validated `overrides` applied; errors name the field, the value and the valid choices."""
-    out = dict(hparams)
-    for key, value in overrides.items():
-        if key not in hparams:
-            raise ValueError(f"algorithm '{name}' has no hyper-parameter '{key}'; valid: {', '.join(hparams)}")
-        default = hparams[key]
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}.{key} = {value!r}: must be a finite number")
-            bounds = ranges.get(key)
-            if bounds is not None and not bounds.check(value):
-                raise ValueError(f"{name}.{key} = {value!r}: valid range is {bounds}")
-        out[key] = value
-    return out
+def hparam_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """A loss's hyper-parameters: its keyword-only parameters but the inputs. A postponed annotation (a string, under
+    `from __future__ import annotations`) is evaluated in the loss's module, as `typing.get_type_hints` would, but
+    only these: the tensor annotations stay strings, so reading a loss's hyper-parameters never imports torch."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    module = getattr(inspect.unwrap(fn), "__globals__", {})
+    return [
+        p.replace(annotation=eval(p.annotation, module)) if isinstance(p.annotation, str) else p
+        for p in params
+        if p.name not in LOSS_INPUTS
+    ]
 
 
 @dataclass(frozen=True)
 class Spec:
-    """What is read of a variant without running it: its name, legend, routing, ratio level, hyper-parameters."""
+    """What is read of a variant without running it (algorithms.catalog): its name, legend, routing, ratio level and
+    hyper-parameters."""
 
     name: str
     label: str
     routing: Routing
     ratio_level: RatioLevel
     color: str
-    needs_rollout_logp: bool
-    dynamic_sampling: bool
-    doc: str
-    module: str
+    needs_rollout_logp: bool  # the loss corrects training-inference mismatch and needs the engine's log-probs
+    dynamic_sampling: bool  # drop zero-variance groups and refill (DAPO)
+    doc: str  # the docstring of the file that registers it
+    module: str  # that file's module
     hparams: Mapping[str, Any]
     ranges: Mapping[str, Range]
 
     def check_hparams(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
-        """Validated `hparams` with `overrides` applied; errors name the field, the value and the valid choices."""
-        return check_hparams(self.name, self.hparams, self.ranges, overrides)
+        """`hparams` with validated `overrides` applied; errors name the field, the value and the valid choices."""
+        out = dict(self.hparams)
+        for key, value in overrides.items():
+            if key not in self.hparams:
+                raise ValueError(
+                    f"algorithm '{self.name}' has no hyper-parameter '{key}'; valid: {', '.join(self.hparams)}"
+                )
+            default = self.hparams[key]
+            if isinstance(default, (int, float)) and not isinstance(default, bool):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"{self.name}.{key} = {value!r}: must be a finite number")
+                bounds = self.ranges.get(key)
+                if bounds is not None and not bounds.check(value):
+                    raise ValueError(f"{self.name}.{key} = {value!r}: valid range is {bounds}")
+            out[key] = value
+        return out
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    """One registered variant. Call `loss` and `advantages`; read the rest."""
+class Algorithm(Spec):
+    """One registered variant: its Spec and its functions. Call `loss` and `advantages`; read the rest."""
 
-    name: str
-    label: str
     loss_fn: LossFn
     advantages_fn: AdvantageFn
-    routing: Routing
-    ratio_level: RatioLevel
-    color: str
-    dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
-    reward_shaping: Callable[..., torch.Tensor] | None = None  # (rewards, lengths, max_len) -> rewards
-    doc: str = ""
-    module: str = ""
-    hparams: Mapping[str, Any] = field(default_factory=dict)
-    ranges: Mapping[str, Range] = field(default_factory=dict)
-
-    @property
-    def needs_rollout_logp(self) -> bool:
-        """True when the loss corrects for training-inference mismatch and needs the engine's log-probs."""
-        return bool(getattr(self.loss_fn, "needs_rollout_logp", False))
+    reward_shaping: Callable[..., torch.Tensor] | None  # (rewards, lengths, max_len) -> rewards
 
     def loss(
         self,
@@ -192,119 +173,18 @@ class Algorithm:
         """(B,) advantages from (B,) rewards laid out group by group."""
         return self.advantages_fn(rewards, group_size)
 
-    def check_hparams(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
-        """Validated `hparams` with `overrides` applied; errors name the field, the value and the valid choices."""
-        return check_hparams(self.name, self.hparams, self.ranges, overrides)
-
     @property
     def spec(self) -> Spec:
         """The variant's metadata, without its functions."""
-        return Spec(
-            name=self.name,
-            label=self.label,
-            routing=self.routing,
-            ratio_level=self.ratio_level,
-            color=self.color,
-            needs_rollout_logp=self.needs_rollout_logp,
-            dynamic_sampling=self.dynamic_sampling,
-            doc=self.doc,
-            module=self.module,
-            hparams=self.hparams,
-            ranges=self.ranges,
-        )
+        return Spec(**{f.name: getattr(self, f.name) for f in fields(Spec)})
 
     def with_hparams(self, **overrides: Any) -> Algorithm:
         """A copy with validated new defaults (same name: a tuned instance of the same variant)."""
-        merged = self.check_hparams(overrides)
-        return replace(self, hparams=MappingProxyType(merged))
-
-
-def hparam_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
-    """A loss's hyper-parameters (its keyword-only parameters but the inputs), each annotation evaluated in the
-    loss's own module. Only these are evaluated: the tensor annotations stay strings, so reading a loss's
-    hyper-parameters never imports torch."""
-    params = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in LOSS_INPUTS:
-            continue
-        if isinstance(p.annotation, str):  # postponed (`from __future__ import annotations`): as get_type_hints does
-            p = p.replace(annotation=eval(p.annotation, getattr(inspect.unwrap(fn), "__globals__", {})))
-        params.append(p)
-    return params
-
-
-def loss_hparams(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Range]]:
-    """Defaults and ranges of a loss's keyword-only parameters (its hyper-parameters)."""
-    defaults: dict[str, Any] = {}
-    ranges: dict[str, Range] = {}
-    for p in hparam_parameters(fn):
-        if p.default is inspect.Parameter.empty:
-            raise TypeError(f"{getattr(fn, '__name__', fn)}: hyper-parameter '{p.name}' needs a default")
-        defaults[p.name] = p.default
-        for meta in getattr(p.annotation, "__metadata__", ()):
-            if isinstance(meta, Range):
-                ranges[p.name] = meta
-    return defaults, ranges
+        return replace(self, hparams=MappingProxyType(self.check_hparams(overrides)))
 
 
 _REGISTRY: dict[str, Algorithm] = {}
-_SEQUENCE: dict[str, int] = {}  # name -> its registration's number (itertools.count)
-_COUNT = itertools.count()
-_AUTO_COLOR: set[str] = set()  # names whose colour is their place in the registry's order
-PACKAGE = Path(__file__).resolve().parent
-"""The folder of the variants: every module in it not starting with "_" and not in LIBRARY registers some."""
-LIBRARY = frozenset({"catalog", "common", "corrections", "registry"})
-_discovery: list[str] = []  # "started" once discover() has begun
-
-
-class UnknownAlgorithmError(LookupError):
-    """An algorithm name that is not registered."""
-
-
-def variant_modules() -> list[str]:
-    """The variant modules' names, sorted: the registry's order (and with it legend colours) is theirs everywhere."""
-    return sorted(
-        m.name for m in pkgutil.iter_modules([str(PACKAGE)]) if not m.name.startswith("_") and m.name not in LIBRARY
-    )
-
-
-def registered_in(path: Path) -> list[str]:
-    """The names a variant file registers: the string first argument of each `register(...)` call in its source."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        called = getattr(node, "func", None)
-        first = node.args[0] if isinstance(node, ast.Call) and node.args else None
-        if getattr(called, "id", getattr(called, "attr", "")) == "register" and isinstance(first, ast.Constant):
-            names.append(str(first.value))
-    return names
-
-
-def discover() -> None:
-    """Import every variant module, once, whichever was imported first. Each variant is then attributed to the file
-    whose source registers it (a one-line variant of another file's loss has its own file's docstring as its doc),
-    and the registry is ordered by those files' sorted names, then by registration within a file; variants
-    registered elsewhere (a test's) follow."""
-    if _discovery:
-        return
-    _discovery.append("started")
-    modules = variant_modules()
-    place: dict[str, int] = {}
-    try:
-        for index, short in enumerate(modules):
-            module = importlib.import_module(f"{__package__}.{short}")
-            for name in registered_in(PACKAGE / f"{short}.py"):
-                if name in _REGISTRY:
-                    alg = _REGISTRY[name]
-                    doc = alg.doc or (module.__doc__ or "").strip()
-                    _REGISTRY[name] = replace(alg, module=module.__name__, doc=doc)
-                    place[name] = index
-    except BaseException:  # a variant that fails to import fails every lookup, not only the first
-        _discovery.clear()
-        raise
-    ordered = sorted(_REGISTRY.items(), key=lambda item: (place.get(item[0], len(modules)), _SEQUENCE[item[0]]))
-    _REGISTRY.clear()
-    for index, (name, alg) in enumerate(ordered):
-        _REGISTRY[name] = replace(alg, color=PALETTE[index % len(PALETTE)]) if name in _AUTO_COLOR else alg
+_discovered: list[bool] = []  # [True] once every variant module is imported
 
 
 def register(
@@ -319,50 +199,74 @@ def register(
     doc: str | None = None,
 ) -> Callable[[LossFn], LossFn]:
     """Register `loss_fn` as the variant `name`. Use as a decorator, or call on an existing loss. The variant's ratio
-    level is the loss's (`ratio_level`); its doc, unless given, the docstring of the variant file that registers it."""
+    level is the loss's (`ratio_level`); its doc, unless given, the docstring of the file that calls `register`."""
     if not name.isidentifier() or name != name.lower():
         raise ValueError(f"algorithm name {name!r} must be a lower-case identifier")
     if routing not in ROUTING_MODES:
         raise ValueError(f"{name}: routing={routing!r}; valid: {', '.join(ROUTING_MODES)}")
+    caller = inspect.currentframe().f_back.f_globals  # type: ignore[union-attr]  # the file that registers
 
     def decorator(loss_fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"algorithm '{name}' is already registered (by {_REGISTRY[name].module})")
-        defaults, ranges = loss_hparams(loss_fn)
+        params = hparam_parameters(loss_fn)
+        missing = [p.name for p in params if p.default is p.empty]
+        if missing:
+            raise TypeError(f"{getattr(loss_fn, '__name__', loss_fn)}: hyper-parameter '{missing[0]}' needs a default")
+        ranges = {p.name: m for p in params for m in getattr(p.annotation, "__metadata__", ()) if isinstance(m, Range)}
+        taken = {alg.color for alg in _REGISTRY.values()}
         _REGISTRY[name] = Algorithm(
             name=name,
             label=label,
-            loss_fn=loss_fn,
-            advantages_fn=advantages,
             routing=routing,
             ratio_level=loss_ratio_level(loss_fn),
-            color=color or PALETTE[len(_REGISTRY) % len(PALETTE)],
+            color=color or next((c for c in EXTRA_COLORS if c not in taken), EXTRA_COLORS[-1]),
+            needs_rollout_logp=bool(getattr(loss_fn, "needs_rollout_logp", False)),
             dynamic_sampling=dynamic_sampling,
-            reward_shaping=reward_shaping,
-            doc=(doc or "").strip(),
-            module=getattr(loss_fn, "__module__", "?"),
-            hparams=MappingProxyType(defaults),
+            doc=(doc or caller.get("__doc__") or "").strip(),
+            module=caller.get("__name__", "?"),
+            hparams=MappingProxyType({p.name: p.default for p in params}),
             ranges=MappingProxyType(ranges),
+            loss_fn=loss_fn,
+            advantages_fn=advantages,
+            reward_shaping=reward_shaping,
         )
-        _SEQUENCE[name] = next(_COUNT)
-        if color is None:
-            _AUTO_COLOR.add(name)
         return loss_fn
 
     return decorator
 
 
+def discover() -> None:
+    """Import every variant module, once, in the order of their names, and order the registry by them."""
+    if _discovered:
+        return
+    modules = sorted(
+        m.name for m in pkgutil.iter_modules([str(PACKAGE)]) if not m.name.startswith("_") and m.name not in LIBRARY
+    )
+    place = {f"{__package__}.{short}": index for index, short in enumerate(modules)}
+    for module in place:
+        importlib.import_module(module)
+    ordered = sorted(_REGISTRY.values(), key=lambda alg: place.get(alg.module, len(place)))  # stable: then in turn
+    _REGISTRY.clear()
+    _REGISTRY.update((alg.name, alg) for alg in ordered)
+    _discovered.append(True)
+
+
+def lookup(table: Mapping[str, T], name: str) -> T:
+    """`table[name]`; an unknown name raises listing the valid ones."""
+    if name not in table:
+        raise UnknownAlgorithmError(f"unknown algorithm {name!r}; valid names: {', '.join(table)}")
+    return table[name]
+
+
 def get(name: str) -> Algorithm:
     """The registered algorithm `name`; an unknown name raises listing the valid ones."""
     discover()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownAlgorithmError(f"unknown algorithm {name!r}; valid names: {', '.join(_REGISTRY)}") from None
+    return lookup(_REGISTRY, name)
 
 
 def names() -> list[str]:
-    """Registered names, in registration order."""
+    """Registered names, in the registry's order."""
     discover()
     return list(_REGISTRY)
 
@@ -383,4 +287,3 @@ def replay_partner(name: str) -> str | None:
 def unregister(name: str) -> None:
     """Remove `name` (tests that register throw-away variants clean up with this)."""
     _REGISTRY.pop(name, None)
-    _AUTO_COLOR.discard(name)

@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from algorithms.common import (
-    check_inputs,
-    log_ratio,
-    no_clip_metrics,
-    per_token,
-    ratio_metrics,
-    seq_mean,
-    to_floats,
-    token_mean,
-)
+from algorithms.common import no_clip_metrics, seq_mean, to_floats, token_mean, token_ratio
 from algorithms.registry import Range, register
 
 if TYPE_CHECKING:
@@ -40,13 +31,11 @@ def sapo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     import torch
 
-    check_inputs(logp, old_logp, advantages, mask)
-    w = log_ratio(logp, old_logp, mask).exp()  # (B, T)
-    adv = per_token(advantages, mask)  # (B, T)
+    w, adv = token_ratio(logp, old_logp, advantages, mask)  # (B, T)  w_{i,t}, A_{i,t}
     tau = torch.where(adv > 0, tau_pos, tau_neg)  # (B, T)
     gate = torch.sigmoid(tau * (w - 1.0))
     # f(w) = sigmoid(tau (w - 1)) * 4 / tau;  J = (1/G) sum_i (1/|y_i|) sum_t f(w_{i,t}) A_{i,t}
     loss = -seq_mean(gate * 4.0 / tau * adv, mask).mean()
     with torch.no_grad():
         slope = token_mean(4.0 * gate * (1.0 - gate), mask)
-    return loss, to_floats({**no_clip_metrics(mask), **ratio_metrics(w, mask), "soft_gate_mean": slope})
+    return loss, to_floats({**no_clip_metrics(w, mask), "soft_gate_mean": slope})
