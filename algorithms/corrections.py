@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from algorithms.common import check_inputs, per_token, token_mean
-from algorithms.registry import LOSS_INPUTS, LossFn, Range, hparam_parameters, loss_ratio_level
+from algorithms.registry import LOSS_INPUTS, LossFn, Range, hparam_parameters
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,8 @@ def _delta(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tenso
 
 def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any, float]], weights: WeightFn) -> LossFn:
     """Wrap `loss_fn` so its advantages are scaled by `weights(...)`, adding `params` as hyper-parameters."""
-    if level == "token" and loss_ratio_level(loss_fn) == "sequence":
+    inner_level = getattr(loss_fn, "ratio_level", "token")
+    if level == "token" and inner_level == "sequence":
         raise ValueError(
             f"{name}: a token-level correction cannot wrap a sequence-level ratio ({loss_fn.__name__}); use with_mis, "
             "or a token-level loss such as gspo_token"
@@ -86,7 +87,7 @@ def _compose(loss_fn: LossFn, level: str, name: str, params: dict[str, tuple[Any
     corrected.__name__ = corrected.__qualname__ = f"{loss_fn.__name__}_{name.lower()}"
     corrected.__module__ = loss_fn.__module__
     corrected.needs_rollout_logp = True  # type: ignore[attr-defined]
-    corrected.ratio_level = loss_ratio_level(loss_fn)  # type: ignore[attr-defined]
+    corrected.ratio_level = inner_level  # type: ignore[attr-defined]
     return corrected
 
 

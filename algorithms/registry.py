@@ -86,11 +86,6 @@ def ratio_level(level: RatioLevel) -> Callable[[LossFn], LossFn]:
     return mark
 
 
-def loss_ratio_level(loss_fn: LossFn) -> RatioLevel:
-    """The ratio level a loss declares (`ratio_level`), "token" when it declares none."""
-    return getattr(loss_fn, "ratio_level", "token")
-
-
 def hparam_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     """A loss's hyper-parameters: its keyword-only parameters but the inputs. A postponed annotation (a string, under
     `from __future__ import annotations`) is evaluated in the loss's module, as `typing.get_type_hints` would, but
@@ -184,7 +179,7 @@ class Algorithm(Spec):
 
 
 _REGISTRY: dict[str, Algorithm] = {}
-_discovered: list[bool] = []  # [True] once every variant module is imported
+_discovered = False  # True once every variant module is imported
 
 
 def register(
@@ -219,7 +214,7 @@ def register(
             name=name,
             label=label,
             routing=routing,
-            ratio_level=loss_ratio_level(loss_fn),
+            ratio_level=getattr(loss_fn, "ratio_level", "token"),
             color=color or next((c for c in EXTRA_COLORS if c not in taken), EXTRA_COLORS[-1]),
             needs_rollout_logp=bool(getattr(loss_fn, "needs_rollout_logp", False)),
             dynamic_sampling=dynamic_sampling,
@@ -238,6 +233,7 @@ def register(
 
 def discover() -> None:
     """Import every variant module, once, in the order of their names, and order the registry by them."""
+    global _discovered
     if _discovered:
         return
     modules = sorted(
@@ -249,7 +245,7 @@ def discover() -> None:
     ordered = sorted(_REGISTRY.values(), key=lambda alg: place.get(alg.module, len(place)))  # stable: then in turn
     _REGISTRY.clear()
     _REGISTRY.update((alg.name, alg) for alg in ordered)
-    _discovered.append(True)
+    _discovered = True
 
 
 def lookup(table: Mapping[str, T], name: str) -> T:

@@ -73,6 +73,16 @@ def docs_one_liner() -> str:
     return line
 
 
+def test_the_docs_variant_table_is_the_commands_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/algorithms.md shows `python -m algorithms` as it prints now."""
+    from algorithms.__main__ import main
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    (shown,) = re.findall(r"<!-- python -m algorithms -->\n```text\n(.*?)```", text, re.S)
+    main([])
+    assert shown == capsys.readouterr().out
+
+
 def test_a_registration_has_the_ratio_level_of_the_loss_it_wraps() -> None:
     """docs/algorithms.md's one-liner, followed literally (label filled in), registers GSPO's sequence-level loss as
     sequence-level, as does a correction wrapping it; the level is declared once, on the loss."""
@@ -114,6 +124,8 @@ def test_names_are_in_registration_order() -> None:
     try:
         algorithms.register("test_last", label="last")(grpo_loss)
         assert algorithms.names() == [*names, "test_last"]
+        # registered without a colour: one that no other variant has
+        assert algorithms.get("test_last").color not in {algorithms.get(name).color for name in names}
     finally:
         algorithms.unregister("test_last")
 
