@@ -1,12 +1,13 @@
 """Helpers several test folders share: what the environment provides (`require`: vLLM, SLURM, chromium, the
 trackers; a skip here, a failure where STUDY_REQUIRE names it), the smoke sweep's runs, a results dir sharing another's
-cold start. The session fixtures live in tests/conftest.py."""
+cold start, the rendezvous of gloo ranks spawned on this machine. The session fixtures live in tests/conftest.py."""
 
 from __future__ import annotations
 
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,18 @@ def sharing_coldstart(results: Path, other: Path) -> Path:
         if is_complete(src):
             os.symlink(src, other / "coldstart" / src.name)
     return other
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: the rendezvous of a test's gloo ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_rank_env(rank: int, port: int, world: int = 2) -> None:
+    """torch.distributed's variables in this (spawned) process: rank `rank` of `world` on this machine, meeting at
+    127.0.0.1:`port`."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )

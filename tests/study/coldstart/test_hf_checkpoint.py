@@ -17,6 +17,7 @@ from study.core.model_config import PRESETS, hf_model_config, model_spec, resolv
 from study.core.weights import export_hf
 from study.data.tokenizer import train_tokenizer
 from study.policy.model import build_policy
+from tests.shared import free_port, set_rank_env
 
 QWEN3_30B_A3B_BASE = {  # Qwen/Qwen3-30B-A3B-Base config.json
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -127,11 +128,7 @@ def test_checkpoint_loads_streaming_and_exports_bit_for_bit(checkpoint: Path, tm
 def _rank_load(rank: int, port: int, directory: str, out: str) -> None:
     """One of two gloo ranks: per layout, the checkpoint streamed into this rank's shard, then the full weights
     gathered back; rank 0 saves them with every rank's element count."""
-    import os
-
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -157,19 +154,14 @@ def _rank_load(rank: int, port: int, directory: str, out: str) -> None:
 def test_two_ranks_stream_the_checkpoint_into_their_shards(checkpoint: Path, tmp_path: Path) -> None:
     """EP 2 and TP 2 (gloo, two processes): each rank streams the checkpoint and keeps its slice only (it copies
     exactly its shard's elements, less than the model); gathered back, the weights equal a one-process load."""
-    import socket
-
     import torch.multiprocessing as mp
 
     cfg = resolve_model(str(checkpoint))
     one = build_policy(cfg, seed=1)
     total = HFCheckpoint(checkpoint, cfg).load_into(one)
     want = {n: t for n, t in one.state_dict().items() if not n.endswith("_extra_state")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_load, args=(port, str(checkpoint), str(out)), nprocs=2)
+    mp.spawn(_rank_load, args=(free_port(), str(checkpoint), str(out)), nprocs=2)
     for layout, got in torch.load(out, weights_only=False).items():
         assert got["copied"][0] == got["held"] < total and sum(got["copied"]) >= total, layout
         assert set(got["full"]) == set(want), layout

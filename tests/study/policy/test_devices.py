@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.shared import free_port
+
 ONE_GPU_PER_TASK = r"""
 import json, os, sys
 import torch
@@ -95,14 +97,6 @@ except ValueError as err:
 """
 
 
-def _port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("backend", "want"),
     [
@@ -113,7 +107,7 @@ def _port() -> str:
 )
 def test_the_rank_check_joins_the_backend_asked_for(backend, want):
     out = subprocess.run(
-        [sys.executable, "-c", RANK_CHECK, backend, _port()], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", RANK_CHECK, backend, str(free_port())], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want

@@ -7,22 +7,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 
 import pytest
 import torch
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.shared import free_port, set_rank_env
 
 
 def _worker(rank: int, port: int, minutes: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     if minutes:
         os.environ["STUDY_DIST_TIMEOUT_MIN"] = minutes
     from megatron.core import parallel_state
@@ -51,7 +44,7 @@ def test_every_group_times_out_after_the_configured_minutes(tmp_path):
     import torch.multiprocessing as mp
 
     out, expect_s = tmp_path / "timeouts.json", 45 * 60
-    mp.spawn(_worker, args=(_port(), "45", str(out)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), "45", str(out)), nprocs=2)
     seen = json.loads(out.read_text())
     assert seen == {"world": expect_s, "data": expect_s, "expert_data": expect_s}
     assert min(seen.values()) > 10 * 60  # NCCL's watchdog default

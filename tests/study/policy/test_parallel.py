@@ -23,46 +23,12 @@ The export equals the one-process weights exactly. The six runs and the bf16 one
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
-from study.core.model_config import PRESETS, ParallelLayout
-
-CFG = PRESETS["tiny"]
-ROWS, WIDTH = 4, 17
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids (B, S), mask (B, S-1) of real targets, advantages (B,), pi_old offsets (B, S-1): a fixed global batch."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, CFG.vocab_size, (ROWS, WIDTH), generator=g)
-    mask = torch.ones(ROWS, WIDTH - 1)
-    mask[1, 11:] = 0
-    mask[3, 8:] = 0
-    adv = torch.randn(ROWS, generator=g)
-    # pi_old != pi_theta: rows 0-1's sequence ratios leave the trust region on the clipped side, rows 2-3's do not
-    side = torch.tensor([-1.0, -1.0, 1.0, 1.0]) * adv.sign()
-    offsets = 0.1 * side[:, None] + 0.05 * torch.randn(ROWS, WIDTH - 1, generator=g)
-    return ids, mask, adv, offsets
-
-
-def _forward(model, rows):
-    from study.policy.model import token_logp
-
-    ids, mask, _, _ = _batch()
-    return token_logp(model, ids[rows, :-1], ids[rows, 1:], attention_mask=mask[rows].long())  # right padded
-
-
-def _loss(logp_full):
-    import algorithms
-
-    _, mask, adv, offsets = _batch()
-    alg = algorithms.get("gspo")
-    old = logp_full.detach() + offsets
-    return alg.loss(logp_full, old, adv, mask, **alg.check_hparams({}))
+from study.core.model_config import ParallelLayout
+from tests.shared import free_port, set_rank_env
+from tests.study.policy.helpers import CFG, CLOSE, ROWS, RUN_SETS, assert_same_run, forward, gspo_loss, one_and_layout
 
 
 def _one_process() -> dict:
@@ -73,8 +39,8 @@ def _one_process() -> dict:
 
     model = build_policy(CFG, seed=3, routing_replay=False)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    logp = _forward(model, torch.arange(ROWS))
-    loss, metrics = _loss(logp)
+    logp = forward(model, torch.arange(ROWS))
+    loss, metrics = gspo_loss(logp)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, lr=1e-3)
@@ -110,9 +76,7 @@ def _adam_numel(trainer) -> int:
 def _worker(rank: int, port: int, ref: dict, out: str) -> None:
     """Every run of RUNS in turn in the same two processes (megatron's parallel state rebuilt for each: the imports,
     not the checks, are most of a spawn's time), then the bf16 run; rank 0 saves each run's results."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -128,8 +92,8 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
         trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5, distributed_optimizer=distributed)
         trainer.zero_grad()
         rows = P.data_rows(ROWS)
-        logp = _forward(model, rows)
-        loss, metrics = _loss(P.gather_rows(logp, ROWS))
+        logp = forward(model, rows)
+        loss, metrics = gspo_loss(P.gather_rows(logp, ROWS))
         loss.backward()
         trainer.reduce()
         grads = dict(P.full_weights(model, grads=True))
@@ -156,7 +120,7 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
     P.load_full_state(model, {k: v.bfloat16() for k, v in ref["state"].items()})
     trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5)
     trainer.zero_grad()
-    loss, _ = _loss(P.gather_rows(_forward(model, P.data_rows(ROWS)).float(), ROWS))
+    loss, _ = gspo_loss(P.gather_rows(forward(model, P.data_rows(ROWS)).float(), ROWS))
     loss.backward()
     stepped, norm = trainer.step()
     mains = [p for o in trainer.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
@@ -176,12 +140,6 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference():
     return _one_process()
@@ -199,7 +157,7 @@ def reference_bf16(reference):
         for n, p in model.named_parameters():
             p.copy_(reference["state"][n])
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loss, _ = _loss(_forward(model, torch.arange(ROWS)).float())
+    loss, _ = gspo_loss(forward(model, torch.arange(ROWS)).float())
     loss.backward()
     mains = {n: torch.nn.Parameter(p.detach().float()) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -217,7 +175,7 @@ def two_ranks(reference, tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = str(tmp_path_factory.mktemp("two_ranks") / "rank0.pt")
-    mp.spawn(_worker, args=(_port(), reference, out), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), reference, out), nprocs=2)
     return torch.load(out, weights_only=False)
 
 
@@ -298,78 +256,6 @@ def test_layout_validation():
 # ---------------------------------------------------------------------------------------------------------------------
 # The RL loop across two ranks
 # ---------------------------------------------------------------------------------------------------------------------
-RUN_SETS = [
-    "steps=2",
-    "eval_every=0",
-    "checkpoint_every=1",
-    "prompts_per_step=4",
-    "group_size=4",
-    "minibatches=2",
-    "max_new_tokens=16",
-    "algorithm=grpo_rr",
-    "task_knobs={terms: [2, 3], digits: 1}",
-]
-# The runs start from the session's `easy_coldstart` (tests/conftest.py): a random start earns no reward, so every
-# advantage, loss and gradient of the runs would be 0 and the loops' updates would go unchecked.
-
-
-def _rl_worker(rank: int, port: int, sets: list[str], results: str, world: int = 2) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    from study import rl
-    from study.run.config import load_config
-
-    rl.run(load_config(preset="tiny", sets=sets), results, progress=False)
-    torch.distributed.destroy_process_group()
-
-
-ONE_PROCESS_RUN = (
-    "import sys\nfrom study import rl\nfrom study.run.config import load_config\n"
-    "print(rl.run(load_config(preset='tiny', sets=sys.argv[2:]), sys.argv[1], progress=False))"
-)
-
-
-def _one_and_layout(tmp_path, sets: list[str], layout: list[str], world: int = 2):  # type: ignore[no-untyped-def]
-    """The RL run of `sets` at one process (a subprocess, results under tmp_path/one) and with the `layout` sets on
-    `world` gloo processes (under tmp_path/layout): the two run directories."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch.multiprocessing as mp
-
-    from study.run.config import load_config
-
-    one = (
-        subprocess.run(
-            [sys.executable, "-c", ONE_PROCESS_RUN, str(tmp_path / "one"), *sets],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    mp.spawn(_rl_worker, args=(_port(), [*sets, *layout], str(tmp_path / "layout"), world), nprocs=world)
-    return Path(one), tmp_path / "layout" / "runs" / load_config(preset="tiny", sets=[*sets, *layout]).run_id
-
-
-CLOSE = ("loss", "grad_norm", "approx_kl", "mismatch_mean_abs", "routing_slot_mismatch", "entropy_est")
-"""The columns every layout's run equals the one-process run's in to rounding (`assert_same_run`)."""
-
-
-def assert_same_run(a, b, close: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
-    """Two steps' metrics of the one-process run `a` and a layout's `b`: steps, rewards, lengths, clip fractions and
-    token counts equal; the `close` columns equal to rounding (NaN equal to NaN: a step without signal)."""
-    assert list(a["step"]) == list(b["step"]) == [1, 2]
-    for column in ("reward_mean", "response_len_mean", "clip_frac", "tokens_total"):
-        assert list(a[column]) == list(b[column]), column
-    for column in close:
-        assert list(b[column]) == pytest.approx(list(a[column]), rel=1e-4, abs=1e-6, nan_ok=True), column
-
-
 @pytest.mark.slow
 def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
     # Two GRPO + Routing Replay steps at EP 2 (dense weights data parallel over the same two ranks) against the same
@@ -382,7 +268,7 @@ def test_rl_run_at_ep2_equals_one_process(tmp_path, easy_coldstart):
 
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     layout = ["parallel.expert=2", "parallel.data=2"]
-    one, two = _one_and_layout(tmp_path, sets, layout)
+    one, two = one_and_layout(tmp_path, sets, layout)
     cfg = load_config(preset="tiny", sets=[*sets, *layout])
     assert str(one).endswith(cfg.run_id)  # the layout is not in the run id
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
@@ -412,7 +298,7 @@ def test_megatron_optimizer_on_cuda():
     assert {type(o).__name__ for o in trainer.optimizer.chained_optimizers} == {"DistributedOptimizer"}
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     trainer.zero_grad()
-    loss, _ = _loss(_forward(model, torch.arange(ROWS)).float().cpu())
+    loss, _ = gspo_loss(forward(model, torch.arange(ROWS)).float().cpu())
     loss.backward()
     trainer.reduce()
     want = float(torch.linalg.vector_norm(torch.stack([p.main_grad.float().norm() for p in model.parameters()])))

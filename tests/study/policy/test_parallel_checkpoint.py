@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from study.core.model_config import ParallelLayout
-from tests.study.policy.test_parallel import CFG, ROWS, _forward, _loss, _port
+from tests.shared import free_port, set_rank_env
+from tests.study.policy.helpers import CFG, ROWS, RUN_SETS, forward, gspo_loss
 
 LR = 1e-3
 DP2, EP2, TP2 = ParallelLayout(data=2), ParallelLayout(expert=2, data=2), ParallelLayout(tensor=2)
@@ -36,7 +37,7 @@ def _one_process() -> dict:
     model = build_policy(CFG, seed=3, routing_replay=False)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, lr=LR)
-    loss, _ = _loss(_forward(model, torch.arange(ROWS)))
+    loss, _ = gspo_loss(forward(model, torch.arange(ROWS)))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
     opt.step()
@@ -50,15 +51,13 @@ def _update(model, trainer) -> None:
     from study.policy import parallel as P
 
     trainer.zero_grad()
-    loss, _ = _loss(P.gather_rows(_forward(model, P.data_rows(ROWS)), ROWS))
+    loss, _ = gspo_loss(P.gather_rows(forward(model, P.data_rows(ROWS)), ROWS))
     loss.backward()
     assert trainer.step()[0]
 
 
 def _worker(rank: int, port: int, ref: dict, tmp: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -74,22 +73,25 @@ def _worker(rank: int, port: int, ref: dict, tmp: str) -> None:
         return {"weights": weights, "adam": trainer.full_optimizer_state()}
 
     out = {}
+
+    def second_update(model, trainer, name):
+        """The second update at this layout, its weights kept as `name`; then the layout's groups torn down."""
+        _update(model, trainer)
+        out[name] = P.full_state_dict(model)
+        parallel_state.destroy_model_parallel()
+
     # DP 2: one update from the reference start, saved; then a second update
     model, trainer = policy(DP2)
     P.load_full_state(model, ref["start"])
     _update(model, trainer)
     P.save_distributed(trainer, f"{tmp}/dp2")
     out["dp2"] = snapshot(model, trainer)
-    _update(model, trainer)
-    out["dp2_next"] = P.full_state_dict(model)
-    parallel_state.destroy_model_parallel()
+    second_update(model, trainer, "dp2_next")
     # EP 2 (other initial weights): DP 2's checkpoint, then the same second update
     model, trainer = policy(EP2, seed=5)
     P.load_distributed(trainer, f"{tmp}/dp2")
     out["dp2->ep2"] = snapshot(model, trainer)
-    _update(model, trainer)
-    out["ep2_next"] = P.full_state_dict(model)
-    parallel_state.destroy_model_parallel()
+    second_update(model, trainer, "ep2_next")
     # EP 2 from one process's weights and Adam states, saved; loaded at DP 2
     model, trainer = policy(EP2, seed=5)
     P.load_full_state(model, ref["stepped"])
@@ -117,7 +119,7 @@ def two_ranks(reference, tmp_path_factory):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("checkpoints")
-    mp.spawn(_worker, args=(_port(), reference, str(tmp)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), reference, str(tmp)), nprocs=2)
     return torch.load(tmp / "out.pt", weights_only=False)
 
 
@@ -230,9 +232,7 @@ def _one_process_run(results, sets: list[str], *, stop: bool) -> None:
 
 
 def _rl_worker(rank: int, port: int, sets: list[str], results: str, stop: bool) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     if stop:
         exec(STOP_AFTER_FIRST_CHECKPOINT, {})
     from study import rl
@@ -247,15 +247,13 @@ def _rl_worker(rank: int, port: int, sets: list[str], results: str, stop: bool) 
 def _two_rank_run(results, sets: list[str], *, stop: bool) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rl_worker, args=(_port(), sets, str(results), stop), nprocs=2)
+    mp.spawn(_rl_worker, args=(free_port(), sets, str(results), stop), nprocs=2)
 
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, easy_coldstart):  # type: ignore[no-untyped-def]
     """The uninterrupted one-process run of RUN_SETS from the easy cold start, which both resume tests compare with
     (its results dir)."""
-    from tests.study.policy.test_parallel import RUN_SETS
-
     results = tmp_path_factory.mktemp("reference")
     _one_process_run(results, [*RUN_SETS, f"coldstart={easy_coldstart}"], stop=False)
     return results
@@ -274,7 +272,6 @@ def test_rl_resume_across_layouts(tmp_path, easy_coldstart, reference_run):
 
     from study.run import rundir
     from study.run.config import load_config
-    from tests.study.policy.test_parallel import RUN_SETS
 
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]
     ep2, dp2 = ["parallel.expert=2", "parallel.data=2"], ["parallel.data=2"]
@@ -325,7 +322,6 @@ def test_a_model_too_large_for_the_one_process_form_resumes_from_its_distributed
     from study.run import rundir
     from study.run.config import load_config
     from study.tools import export
-    from tests.study.policy.test_parallel import RUN_SETS
 
     monkeypatch.setenv("STUDY_FULL_STATE_MAX_GB", "0")  # inherited by the spawned ranks
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}"]

@@ -15,13 +15,12 @@ machine.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from study.core.model_config import PRESETS, ParallelLayout
-from tests.study.policy.test_parallel import CLOSE, RUN_SETS, _one_and_layout, _port, assert_same_run
+from tests.shared import free_port, set_rank_env
+from tests.study.policy.helpers import CLOSE, RUN_SETS, assert_same_run, one_and_layout
 
 CFG = PRESETS["tiny"]
 ROWS, WIDTH, KEEP = 3, 17, 5  # S = 16 splits over 2 ranks; T = 5 kept positions pads to 6 (model.token_logp)
@@ -83,9 +82,7 @@ LAYOUTS = {"tp2": (2, ParallelLayout(tensor=2)), "tp2dp2": (4, ParallelLayout(te
 
 def _worker(rank: int, port: int, name: str, state: dict, out: str) -> None:
     world, layout = LAYOUTS[name]
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port, world)
     torch.set_num_threads(1)
     from study.policy import parallel as P
     from study.policy.model import build_policy
@@ -124,7 +121,7 @@ def test_tp2_routes_record_and_replay_equal_one_process(name, one, tmp_path):
 
     state, one = one
     world = LAYOUTS[name][0]
-    mp.spawn(_worker, args=(_port(), name, state, str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(free_port(), name, state, str(tmp_path)), nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert sorted(int(i) for got in ranks[::2] for i in got["rows"]) == list(range(ROWS))  # TP rank 0 of each group
     x = _inputs()
@@ -160,7 +157,7 @@ def test_rl_run_at_tp2_equals_one_process(tmp_path, easy_coldstart):
     # sync_check_every: after each weight sync every rank runs the trainer's forward (collective), rank 0's engine
     # scores the same sequences
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}", "sync_check_every=1"]
-    one, two = _one_and_layout(tmp_path, sets, ["parallel.tensor=2"])
+    one, two = one_and_layout(tmp_path, sets, ["parallel.tensor=2"])
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(two / "metrics.parquet")
     assert_same_run(
         a,
@@ -195,7 +192,7 @@ def test_rl_run_at_tp2_ep4_world4_equals_one_process(tmp_path, easy_coldstart):
 
     sets = [*RUN_SETS, f"coldstart={easy_coldstart}", "sync_check_every=1"]
     layout = ["parallel.tensor=2", "parallel.data=2", "parallel.expert=4"]
-    one, four = _one_and_layout(tmp_path, sets, layout, world=4)
+    one, four = one_and_layout(tmp_path, sets, layout, world=4)
     cfg = load_config(preset="tiny", sets=[*sets, *layout])
     assert cfg.layout.world_size == 4 and cfg.layout.expert_data == 1
     a, b = pd.read_parquet(f"{one}/metrics.parquet"), pd.read_parquet(four / "metrics.parquet")

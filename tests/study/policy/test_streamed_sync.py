@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from study.core.model_config import ModelConfig, ParallelLayout
+from tests.shared import free_port, set_rank_env
 
 CFG = ModelConfig(
     num_layers=4,
@@ -61,9 +61,7 @@ class _PeakRSS:
 def _worker(rank: int, port: int, state: dict, out: str) -> None:
     import gc
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
@@ -96,12 +94,6 @@ def _worker(rank: int, port: int, state: dict, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_sync_streams_one_weight_at_a_time_to_the_engine_rank(tmp_path, monkeypatch):
     """~40 s: one two-rank spawn for both layouts."""
@@ -116,7 +108,7 @@ def test_the_sync_streams_one_weight_at_a_time_to_the_engine_rank(tmp_path, monk
     assert total > 3 * largest  # a model the bound tells apart from a whole copy
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # large tensors mapped and unmapped (glibc, the children)
     out = str(tmp_path / "sync")
-    mp.spawn(_worker, args=(_port(), state, out), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), state, out), nprocs=2)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     for name in LAYOUTS:
         assert ranks[0][name]["same"] and ranks[0][name]["got"] > 0, name
