@@ -10,6 +10,7 @@ from analysis.runs import vocab
 ANALYSIS = Path(vocab.__file__).parent.parent
 TABLE_NAMES = {
     ("figures/fig4b_token_logprobs.py", "tokens"),  # Figure 4b's table of token counts, not the metric
+    ("runs/columns.py", "tokens"),  # Study.tokens, the token-sample table (its output file)
     ("runs/tidy.py", "tokens"),  # Study.tokens, the token-sample table
     ("figures/fig6_routing.py", "slot_mismatch"),  # Figure 6's vs_clip column: each run's mean routing_slot_mismatch
 }
