@@ -5,10 +5,12 @@ Every verifier study.data.tasks cannot score with a grammar of its own runs here
 What the sandbox promises, and how:
 
 - Nothing scored changes how anything else is scored. One server process per set of verifiers, started on first
-  use, imports reasoning-gym, builds the scorers and then never runs a scored text itself: each request is scored in
-  a child forked from it for that request alone (forked ahead, while the previous request scores), which locks
-  itself down, reads its request, scores, replies and exits. What a text does to the interpreter (rebinding `float`,
-  patching a scorer, filling a cache) dies with its child; the next child is a copy of the same clean server.
+  use, imports reasoning-gym, builds the scorers and, before it reads any request, forks its zygote: the process
+  every child is forked from, which never reads a request and never runs a scored text. Each request is scored in a
+  child forked for that request alone (forked ahead, while the previous request scores), which locks itself down,
+  reads its request, scores, replies and exits. What a text does to the interpreter (rebinding `float`, patching a
+  scorer, filling a cache) dies with its child; the next child is a copy of the same clean zygote, and no text,
+  reference answer or metadata scored before it is anywhere in its memory (its frames, `gc.get_objects()`, its heap).
 - A reply is the server's, not the scored code's. The child holds no descriptor of the server's pipes: its stdin is
   its own request pipe, its stdout and stderr /dev/null, and it writes its result on a reply pipe of its own (fd 3).
   The server reads that pipe to its end (the child's exit), accepts exactly one JSON line of at most
@@ -17,11 +19,18 @@ What the sandbox promises, and how:
   `_MAX_REPLY` bytes, no deeper than JSON's nesting allows; any other reply (bad JSON, a wrong id, extra lines, too
   deep, too big, none in time) kills and restarts the server and fails the request.
 - The child computes in the dark: the server runs with an allow-listed environment (`server_env`: no secret of the
-  harness reaches it) in `/`; the child switches to an unprivileged user when started as root, dies with its server,
-  takes rlimits (no new files, no file growth, no processes, bounded memory) and a seccomp filter refusing every
-  syscall that opens, creates, removes, renames or changes a file or reads any path's metadata (stat, access,
-  readlink, xattrs, statfs: `os.stat` fails on every path), starts a process or program, opens a socket, signals,
-  reads or writes another process or lifts a limit.
+  harness reaches it) in `/`; the child enters an IPC namespace of its own (with a user namespace of its own where
+  it runs unprivileged), so the System V shared memory, semaphores and message queues and the POSIX message queues a
+  text creates die with it; it joins a fresh anonymous session keyring (the harness's keys are not its own); it
+  switches to an unprivileged user when started as root, dies with its zygote, takes rlimits (no new files, no file
+  growth, no processes, bounded memory) and a seccomp filter refusing every syscall that opens, creates, removes,
+  renames or changes a file or reads any path's metadata (stat, access, readlink, xattrs, statfs: `os.stat` fails on
+  every path), starts a process or program, opens a socket, signals, reads or writes another process, lifts a
+  limit, touches a keyring or System V or POSIX IPC.
+- The lock-down is named by what it reached, `FULL_LEVEL` ("seccomp+ipc-ns+keyring") where all of it holds. Where the
+  filter or a namespace cannot be had, the sandbox refuses to score (`SandboxRefused`, one line naming what is
+  missing and why) unless `STUDY_ALLOW_WEAK_SANDBOX=1` accepts the lower level; never a silent downgrade. `level`
+  says what a verifier's children reach (a run's manifest records it).
 - Each request has a time limit (`timeout_s`): a child that runs past it is killed. A request that times out, raises,
   crashes its child or gets a malformed reply raises `ScorerFailure` (study.data.tasks scores it 0 and counts it).
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import gc
 import io
 import itertools
@@ -41,6 +51,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -63,6 +74,12 @@ SERVER_SLACK_S = 5.0
 MEMORY_HEADROOM_BYTES = 2 << 30
 """Address space a child may grow by beyond its server's (a scorer building a huge integer gets MemoryError)."""
 
+FULL_LEVEL = "seccomp+ipc-ns+keyring"
+"""The lock-down of a child where every part of it holds (the module doc); anything less is refused by default."""
+
+WEAK_ENV = "STUDY_ALLOW_WEAK_SANDBOX"
+"""Set to 1, sandboxed verifiers score in children locked down below FULL_LEVEL (the level reached is recorded)."""
+
 _MAX_REPLY = 1 << 12
 _MAX_CHILD_REPLY = 1 << 12
 _ENV_ALLOWED = ("PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE")
@@ -72,6 +89,11 @@ _ENV_ALLOWED = ("PYTHONHOME", "LANG", "LC_ALL", "LC_CTYPE")
 class ScorerFailure(RuntimeError):
     """A sandboxed scorer timed out, raised or crashed, its reply was malformed, or its server died or could not
     start; the message says which."""
+
+
+class SandboxRefused(ScorerFailure):
+    """The sandbox's children cannot reach FULL_LEVEL here and WEAK_ENV does not accept less; the message says what
+    is missing, why, and how to accept it."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -98,7 +120,7 @@ class Sandbox:
         self.verifiers = tuple(dict.fromkeys(verifiers))
         self.timeout_s = float(timeout_s)
         self.level = ""
-        """How the children are locked down: "seccomp" (filter, rlimits, fds) or "rlimits" (no seccomp here)."""
+        """How the children are locked down (FULL_LEVEL, or less where WEAK_ENV accepts it); "" before the start."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
         self._ids = itertools.count(1)
@@ -107,8 +129,17 @@ class Sandbox:
     # ------------------------------------------------------------------------------------------ server lifecycle
 
     def _command(self) -> list[str]:
-        """The server's command line."""
-        return [sys.executable, "-P", "-m", "study.data.sandbox", json.dumps(self.verifiers), repr(self.timeout_s)]
+        """The server's command line: its verifiers, time limit and the level every child must reach ("": any)."""
+        required = "" if os.environ.get(WEAK_ENV) == "1" else FULL_LEVEL
+        return [
+            sys.executable,
+            "-P",
+            "-m",
+            "study.data.sandbox",
+            json.dumps(self.verifiers),
+            repr(self.timeout_s),
+            required,
+        ]
 
     def _start(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -126,7 +157,19 @@ class Sandbox:
             self._kill()
             raise ScorerFailure(f"sandbox server did not start: {str(reply.get('error', reply))[:300]}")
         self.level = str(reply["ready"])
+        if self.level != FULL_LEVEL and os.environ.get(WEAK_ENV) != "1":
+            self._kill()
+            raise SandboxRefused(
+                f"sandboxed verifiers refused: their scoring sandbox reaches {self.level} here, not {FULL_LEVEL} "
+                f"({str(reply.get('why', ''))[:150]}); set {WEAK_ENV}=1 to score them with {self.level} only"
+            )
         return proc
+
+    def _running(self) -> None:
+        """Start the server unless it runs (the caller holds the lock)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._kill()
+            self._start()
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -175,6 +218,13 @@ class Sandbox:
             raise self._malformed(what, f"not an object with id {request_id}")
         return reply
 
+    def started(self) -> str:
+        """Start the server unless it runs; the level its children reach (SandboxRefused where it is below
+        FULL_LEVEL and WEAK_ENV does not accept it)."""
+        with self._lock:
+            self._running()
+            return self.level
+
     # ----------------------------------------------------------------------------------------------- scoring
 
     def score(self, verifier: str, answer: str | None, entry: Mapping[str, Any]) -> float:
@@ -184,9 +234,7 @@ class Sandbox:
             raise ValueError(f"verifier {verifier!r} is not served by this sandbox; valid: {', '.join(self.verifiers)}")
         request = json.dumps({"verifier": verifier, "answer": answer, "entry": entry}, default=_jsonable)
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._kill()
-                self._start()
+            self._running()
             assert self._proc is not None and self._proc.stdin is not None
             request_id = next(self._ids)
             try:
@@ -216,6 +264,12 @@ def sandbox_for(verifier: str) -> Sandbox:
         return _SANDBOXES[verifier]
 
 
+def level(verifier: str) -> str:
+    """How the children scoring `verifier` are locked down (FULL_LEVEL, or less where WEAK_ENV accepts it), its
+    sandbox started if it is not running; SandboxRefused where the level is below FULL_LEVEL and not accepted."""
+    return sandbox_for(verifier).started()
+
+
 def start(verifiers: Sequence[str], *, timeout_s: float = TIMEOUT_S) -> Sandbox:
     """One sandbox serving all of `verifiers` (one server instead of one each), used for them from now on."""
     box = Sandbox(verifiers, timeout_s=timeout_s)
@@ -239,7 +293,7 @@ def close_all() -> None:
 
 # Syscalls a child's seccomp filter refuses (EPERM), by architecture: whatever opens, creates, removes, renames or
 # changes a file or reads its metadata, starts a process or program, opens a socket, signals, reads or writes
-# another process, or lifts a limit.
+# another process, lifts a limit, touches a keyring, or makes or reaches a System V or POSIX IPC object.
 _DENY: dict[str, str] = {
     "x86_64": (
         "open=2 openat=257 openat2=437 creat=85 open_by_handle_at=304 name_to_handle_at=303 unlink=87 "
@@ -254,7 +308,9 @@ _DENY: dict[str, str] = {
         "tgkill=234 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 pidfd_open=434 pidfd_getfd=438 "
         "pidfd_send_signal=424 process_vm_readv=310 process_vm_writev=311 io_uring_setup=425 mount=165 "
         "umount2=166 chroot=161 pivot_root=155 unshare=272 setns=308 quotactl=179 open_tree=428 move_mount=429 "
-        "fsopen=430 fsmount=432 fspick=433 "
+        "fsopen=430 fsmount=432 fspick=433 keyctl=250 add_key=248 request_key=249 shmget=29 shmat=30 shmctl=31 "
+        "shmdt=67 semget=64 semop=65 semctl=66 semtimedop=220 msgget=68 msgsnd=69 msgrcv=70 msgctl=71 mq_open=240 "
+        "mq_unlink=241 mq_timedsend=242 mq_timedreceive=243 mq_notify=244 mq_getsetattr=245 "
     ),
     "aarch64": (
         "openat=56 openat2=437 open_by_handle_at=265 name_to_handle_at=264 unlinkat=35 renameat=38 "
@@ -266,19 +322,23 @@ _DENY: dict[str, str] = {
         "connect=203 setrlimit=164 prlimit64=261 ptrace=117 kill=129 tkill=130 tgkill=131 rt_sigqueueinfo=138 "
         "rt_tgsigqueueinfo=240 pidfd_open=434 pidfd_getfd=438 pidfd_send_signal=424 process_vm_readv=270 "
         "process_vm_writev=271 io_uring_setup=425 mount=40 umount2=39 chroot=51 pivot_root=41 unshare=97 "
-        "setns=268 quotactl=60 open_tree=428 move_mount=429 fsopen=430 fsmount=432 fspick=433 "
+        "setns=268 quotactl=60 open_tree=428 move_mount=429 fsopen=430 fsmount=432 fspick=433 keyctl=219 "
+        "add_key=217 request_key=218 mq_open=180 mq_unlink=181 mq_timedsend=182 mq_timedreceive=183 mq_notify=184 "
+        "mq_getsetattr=185 msgget=186 msgctl=187 msgrcv=188 msgsnd=189 semget=190 semctl=191 semtimedop=192 "
+        "semop=193 shmget=194 shmctl=195 shmat=196 shmdt=197 "
     ),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_CLONE_NEWIPC, _CLONE_NEWUSER = 0x08000000, 0x10000000
 
 
-class _Seccomp:
-    """The deny filter, built once in the server; `install` puts it on the calling process (irrevocable, inherited)
-    and says whether it took."""
+class _Kernel:
+    """The kernel calls a child locks itself down with, prepared once in the server: the deny filter (`install` puts
+    it on the calling process, irrevocable and inherited, and says whether it took), the namespaces
+    (`own_namespaces`) and the session keyring (`own_keyring`)."""
 
     def __init__(self) -> None:
         import ctypes
-        import errno
         import platform
 
         self.prog: Any = None
@@ -288,6 +348,10 @@ class _Seccomp:
             return
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        self.libc.syscall.restype = ctypes.c_long
+        self.errno = ctypes.get_errno
+        calls = {name: int(nr) for name, nr in (pair.split("=") for pair in _DENY[arch].split())}
+        self.keyctl = calls["keyctl"]
 
         class SockFilter(ctypes.Structure):
             _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
@@ -297,7 +361,7 @@ class _Seccomp:
 
         ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
         allow, kill_process, deny = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
-        numbers = sorted({int(pair.split("=")[1]) for pair in _DENY[arch].split()})
+        numbers = sorted(set(calls.values()))
         prog: list[tuple[int, int, int, int]] = [
             (ld_abs, 0, 0, 4),  # seccomp_data.arch
             (jeq, 1, 0, _AUDIT_ARCH[arch]),
@@ -325,9 +389,31 @@ class _Seccomp:
             return False
         return self.libc.prctl(22, 2, self.prog, 0, 0) == 0  # SECCOMP_MODE_FILTER
 
+    def _failed(self, call: str) -> str:
+        return f"{call}: {os.strerror(self.errno())}"
 
-def _lock_down(filt: _Seccomp, memory_bytes: int) -> str:
-    """Lock this child down (see the module doc); the level reached: "seccomp" or "rlimits"."""
+    def own_namespaces(self, flags: int) -> str:
+        """Move this (single-threaded) process into new namespaces (`flags`: CLONE_NEW*); "" when it did, else why
+        not."""
+        if self.libc is None:
+            return "no Linux namespaces here"
+        return "" if self.libc.unshare(flags) == 0 else self._failed("unshare")
+
+    def own_keyring(self) -> str:
+        """Join a fresh anonymous session keyring in place of the inherited one; "" when it did (or the kernel has
+        no keyrings), else why not."""
+        if self.libc is None:
+            return "no Linux keyrings here"
+        if self.libc.syscall(self.keyctl, 1, None) >= 0 or self.errno() == errno.ENOSYS:
+            return ""  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous one
+        return self._failed("keyctl")
+
+
+def _lock_down(kernel: _Kernel, memory_bytes: int, parent: int) -> tuple[str, str]:
+    """Lock this child down (see the module doc); (the level reached: its parts joined by "+", "rlimits" when none
+    held; why each missing part is missing)."""
+    ipc = kernel.own_namespaces(_CLONE_NEWIPC)  # root: no user namespace needed
+    keyring = kernel.own_keyring()  # before dropping root: the key quota is root's
     if os.getuid() == 0:
         try:
             os.setgroups([])
@@ -335,6 +421,9 @@ def _lock_down(filt: _Seccomp, memory_bytes: int) -> str:
             os.setuid(65534)
         except OSError:
             pass
+    if ipc:  # unprivileged: a user namespace of its own owns the new IPC namespace
+        ipc = kernel.own_namespaces(_CLONE_NEWUSER | _CLONE_NEWIPC)
+    kernel.die_with_parent(parent)  # a change of user or capabilities clears the parent-death signal
     for limit, value in (
         (resource.RLIMIT_NOFILE, 4),
         (resource.RLIMIT_FSIZE, 0),
@@ -344,38 +433,91 @@ def _lock_down(filt: _Seccomp, memory_bytes: int) -> str:
     ):
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(limit, (value, value))
-    return "seccomp" if filt.install() else "rlimits"
+    seccomp = "" if kernel.install() else "the filter did not install (no seccomp for this kernel or platform)"
+    parts = {"seccomp": seccomp, "ipc-ns": ipc, "keyring": keyring}
+    level = "+".join(part for part, why in parts.items() if not why) or "rlimits"
+    return level, "; ".join(f"no {part}: {why}" for part, why in parts.items() if why)
+
+
+def _reap(pid: int, seconds: float) -> int | None:
+    """The wait status of child `pid` once it exits, or None after killing it when `seconds` pass first (SIGCHLD is
+    blocked in the caller)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        signal.sigtimedwait({signal.SIGCHLD}, left)
 
 
 class _Server:
-    """The clean parent: scorers built, never a scored text run. One spare child is forked ahead, locked down and
-    waiting for its request on a pipe of its own, so the next fork overlaps the current request's scoring."""
+    """The clean parent: scorers built, never a scored text run. Before it reads any request it forks its zygote,
+    which forks every child (it never reads a request): one spare child is forked ahead, locked down and waiting for
+    its request on a pipe of its own, so the next fork overlaps the current request's scoring. Every child must
+    reach the level `required` ("": any)."""
 
-    def __init__(self, scorers: Mapping[str, Any]) -> None:
+    def __init__(self, scorers: Mapping[str, Any], required: str) -> None:
         self.scorers = scorers
+        self.required = required
         os.chdir("/")
         os.closerange(3, 1 << 16)
         self.devnull = os.open(os.devnull, os.O_RDWR)
         with open("/proc/self/statm", "rb") as f:
             self.memory = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + MEMORY_HEADROOM_BYTES
-        self.filt = _Seccomp()
-        self.pid = os.getpid()
+        self.kernel = _Kernel()
         gc.freeze()  # the children's collections skip the server's objects: fewer copy-on-write pages
-        self.spare = self._fork()
+        self.zygote, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = os.getpid()
+        if os.fork() == 0:
+            self.zygote.close()
+            self.kernel.die_with_parent(server)
+            self._zygote(theirs)  # never returns
+        theirs.close()
+        self.zygote.send(b"fork")
+        self.spare = self._spare()
 
-    def _fork(self) -> tuple[int, int, int]:
-        """A new child: (pid, request pipe's write end, reply pipe's read end)."""
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            self.filt.die_with_parent(self.pid)
-            self._child(req_r, rep_w)  # never returns
-        os.close(req_r)
-        os.close(rep_w)
-        return pid, req_w, rep_r
+    def _zygote(self, sock: socket.socket) -> None:
+        """The zygote's whole life: on b"fork", fork a child and send the server its pid with its request pipe's
+        write end and its reply pipe's read end; on b"wait PID SECONDS", reap that child and send its wait status,
+        b"timeout" when it was killed at the time limit; exit when the server does."""
+        try:
+            os.dup2(self.devnull, 0)  # no descriptor of the harness's pipes
+            os.dup2(self.devnull, 1)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # waited for in _reap
+            zygote = os.getpid()
+            while command := sock.recv(64):
+                if command == b"fork":
+                    req_r, req_w = os.pipe()
+                    rep_r, rep_w = os.pipe()
+                    pid = os.fork()
+                    if pid == 0:
+                        sock.close()
+                        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                        self.kernel.die_with_parent(zygote)
+                        self._child(req_r, rep_w, zygote)  # never returns
+                    socket.send_fds(sock, [b"%d" % pid], [req_w, rep_r])
+                    for fd in (req_r, req_w, rep_r, rep_w):
+                        os.close(fd)
+                else:
+                    _, pid, seconds = command.split()
+                    status = _reap(int(pid), float(seconds))
+                    sock.send(b"timeout" if status is None else b"%d" % status)
+        finally:
+            os._exit(0)
 
-    def _child(self, req_r: int, rep_w: int) -> None:
+    def _spare(self) -> tuple[int, int, int]:
+        """The zygote's answer to b"fork": (pid, request pipe's write end, reply pipe's read end)."""
+        msg, fds, _, _ = socket.recv_fds(self.zygote, 64, 2)
+        if not msg or len(fds) != 2:
+            raise RuntimeError("the zygote died")
+        return int(msg), fds[0], fds[1]
+
+    def _child(self, req_r: int, rep_w: int, parent: int) -> None:
         """A child's whole life: its request pipe on fd 0, /dev/null on 1 and 2, its reply pipe on 3, nothing else;
         lock down, read the request, score it, reply, exit."""
         try:
@@ -385,13 +527,15 @@ class _Server:
             os.dup2(rep_w, 3)
             os.closerange(4, 1 << 16)
             sys.stdout = sys.stderr = io.StringIO()  # a scorer's prints go nowhere
-            level = _lock_down(self.filt, self.memory)
+            level, why = _lock_down(self.kernel, self.memory, parent)
             chunks = []
             while chunk := os.read(0, 1 << 16):
                 chunks.append(chunk)
             request = b"".join(chunks)
             if request == b"probe":
-                reply: dict[str, Any] = {"ready": level}
+                reply: dict[str, Any] = {"ready": level, "why": why}
+            elif self.required and level != self.required:
+                raise RuntimeError(f"this child is locked down to {level}, not {self.required} ({why})")
             else:
                 req = load_json(request)
                 scorer = self.scorers[req["verifier"]]
@@ -406,7 +550,8 @@ class _Server:
             os._exit(0)
 
     def serve(self, request: bytes, timeout_s: float) -> dict[str, Any]:
-        """Score `request` in the spare child and fork the next one; the child's validated reply or an error."""
+        """Score `request` in the spare child, the next one forked meanwhile; the child's validated reply or an
+        error."""
         pid, req_w, rep_r = self.spare
         deadline = time.monotonic() + timeout_s
         try:
@@ -417,30 +562,32 @@ class _Server:
             pass  # the child died before it read its request: its exit status says how
         finally:
             os.close(req_w)
-        self.spare = self._fork()
-        data, status = b"", None
+        self.zygote.send(b"fork")
+        self.zygote.send(b"wait %d %f" % (pid, max(deadline - time.monotonic(), 0.0)))
+        data = b""
         try:
             while len(data) <= _MAX_CHILD_REPLY:
-                left = deadline - time.monotonic()
+                # the zygote kills the child at its time limit, which ends the pipe; a second more, then stop reading
+                left = deadline + 1.0 - time.monotonic()
                 if left <= 0 or not select.select([rep_r], [], [], left)[0]:
                     break
                 chunk = os.read(rep_r, 1 << 12)
                 if not chunk:
-                    status = os.waitpid(pid, 0)[1]
                     break
                 data += chunk
         finally:
             os.close(rep_r)
-            if status is None:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-        return _child_reply(data, status, timeout_s, probe=request == b"probe")
+        self.spare = self._spare()
+        status = self.zygote.recv(64)
+        if not status:
+            raise RuntimeError("the zygote died")
+        return _child_reply(data, None if status == b"timeout" else int(status), timeout_s, probe=request == b"probe")
 
 
 def _child_reply(data: bytes, status: int | None, timeout_s: float, *, probe: bool) -> dict[str, Any]:
     """What the server answers for a child that wrote `data` and exited with wait status `status` (None: it ran past
-    `timeout_s` or wrote too much and was killed). Only one line holding {"score": number} or {"error": string} (the
-    probe's: {"ready": level}) is a reply."""
+    `timeout_s` and was killed). Only one line holding {"score": number} or {"error": string} (the probe's:
+    {"ready": level, "why": string}) is a reply."""
     if len(data) > _MAX_CHILD_REPLY:
         return {"error": f"malformed reply (longer than {_MAX_CHILD_REPLY} bytes)"}
     if status is None:
@@ -453,16 +600,19 @@ def _child_reply(data: bytes, status: int | None, timeout_s: float, *, probe: bo
         reply = load_json(data)
     except ValueError:
         return {"error": "malformed reply (not JSON)"}
+    ready = probe and isinstance(reply, dict) and set(reply) == {"ready", "why"}
+    if ready and all(isinstance(value, str) for value in reply.values()):
+        return {"ready": reply["ready"][:100], "why": reply["why"][:300]}
     if isinstance(reply, dict) and len(reply) == 1:
         key, value = next(iter(reply.items()))
         if key == "score" and not probe and isinstance(value, int | float) and not isinstance(value, bool):
             return {"score": float(value)}
-        if (key == "error" or (probe and key == "ready")) and isinstance(value, str):
+        if key == "error" and isinstance(value, str):
             return {key: value[:300]}
     return {"error": "malformed reply (not a score or an error)"}
 
 
-def _main(verifiers: Sequence[str], timeout_s: float) -> None:
+def _main(verifiers: Sequence[str], timeout_s: float, required: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness handles Ctrl-C and kills its servers
 
     def send(obj: dict[str, Any]) -> None:
@@ -485,7 +635,7 @@ def _main(verifiers: Sequence[str], timeout_s: float) -> None:
             continue
         with contextlib.suppress(Exception):  # warm lazy imports inside the scorer
             scorers[name]("0", {"question": "", "answer": "0", "metadata": {}})
-    server = _Server(scorers)
+    server = _Server(scorers, required)
     ready = server.serve(b"probe", START_TIMEOUT_S)
     send({"id": 0, **ready})
     if "ready" not in ready:
@@ -497,4 +647,4 @@ def _main(verifiers: Sequence[str], timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    _main(load_json(sys.argv[1]), float(sys.argv[2]))
+    _main(load_json(sys.argv[1]), float(sys.argv[2]), sys.argv[3])

@@ -166,7 +166,7 @@ class _Misbehaving(sandbox.Sandbox):
     def _command(self) -> list[str]:
         script = (
             "import os, sys, json\n"
-            'os.write(1, b\'{"id": 0, "ready": "none"}\\n\')\n'
+            f'os.write(1, b\'{{"id": 0, "ready": "{sandbox.FULL_LEVEL}"}}\\n\')\n'
             "for line in sys.stdin.buffer:\n"
             "    i = int(line.split(b' ', 1)[0])\n"
             f"    os.write(1, ({self.reply}).encode())\n"

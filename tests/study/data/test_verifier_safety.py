@@ -107,7 +107,7 @@ def test_a_hanging_scorer_scores_zero_is_counted_and_the_next_request_works(box:
 
 def test_sandbox_is_locked_down(box: sandbox.Sandbox) -> None:
     tasks.score(_item("bitwise_arithmetic", "7", problem="(3 | 4)"), "#### 7")
-    assert box.level == "seccomp"  # Linux on x86_64 or aarch64: the filter is in place, not only rlimits
+    assert box.level == sandbox.FULL_LEVEL  # Linux on x86_64 or aarch64: the filter, namespaces and keyring hold
 
 
 def test_sandbox_scores_match_reasoning_gym_on_its_own_items(box: sandbox.Sandbox) -> None:
