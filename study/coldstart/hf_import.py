@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from runfiles.bounded import load_json, read_json
 from study.core.model_config import ModelConfig
-from study.core.weights import check_checkpoint, hf_param_names, hf_to_megatron, is_hf_checkpoint
+from study.core.weights import check_checkpoint, confined, hf_param_names, hf_to_megatron, is_hf_checkpoint
 from study.data import chat_template
 from study.data.tokenizer import TaskTokenizer
 from study.run.rundir import json_problem
@@ -65,38 +64,20 @@ def _where(directory: Path) -> str:
     return f"coldstart = {str(directory)!r}"
 
 
-def _roots(directory: Path) -> tuple[Path, ...]:
-    """Where a shard may resolve to: the checkpoint's folder, and in a Hugging Face hub cache (a snapshot folder,
-    REPO/snapshots/REVISION, whose files link to REPO/blobs/) that repository's blobs folder."""
-    root = directory.resolve(strict=True)
-    blobs = root.parent.parent / "blobs"
-    return (root, blobs.resolve()) if root.parent.name == "snapshots" and blobs.is_dir() else (root,)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""The tokenizer's files in a checkpoint's folder (study.data.tokenizer.TaskTokenizer.load reads each present)."""
+
+FOLDER_FILES = ("config.json", INDEX, *TOKENIZER_FILES)
+"""The files of a checkpoint's folder a run reads besides its shards, each where present."""
 
 
-def _confined(directory: Path, name: Any, source: str) -> Path:
-    """`directory / name` when `name` is a relative path that stays in `directory` (no `..`, not absolute, no link
-    resolving outside it or its hub cache's blobs, `_roots`) and names a file; ValueError naming `source` (the file
-    that named it) otherwise."""
-    where = f"{_where(directory)}: {source}"
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise ValueError(f"{where}: shard {str(name)[:100]!r}; valid: a file name in the checkpoint's folder")
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts:
-        raise ValueError(f"{where}: shard {name[:200]!r} is outside the checkpoint's folder; valid: a file in it")
-    path = directory / rel
-    try:
-        target = path.resolve(strict=True)
-        inside = any(target.is_relative_to(root) for root in _roots(directory))
-    except (OSError, RuntimeError):  # missing, a link loop
-        raise ValueError(f"{where}: shard {name[:200]!r} is missing") from None
-    if not inside:
-        raise ValueError(
-            f"{where}: shard {name[:200]!r} is a link to {path.resolve()}, outside the checkpoint's "
-            "folder; valid: a file in it"
-        )
-    if not path.is_file():
-        raise ValueError(f"{where}: shard {name[:200]!r} is not a file")
-    return path
+def check_links(directory: str | Path, names: tuple[str, ...] = FOLDER_FILES) -> None:
+    """Each of `names` present in the checkpoint's folder resolves inside it or its hub cache's blobs
+    (study.core.weights.confined), checked before any of them is read; ValueError naming the file otherwise."""
+    directory = Path(directory)
+    for name in names:
+        if os.path.lexists(directory / name):
+            confined(directory, name, "the folder", "file")
 
 
 def _weight_map(directory: Path) -> dict[str, str] | None:
@@ -128,19 +109,19 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
 
 def shard_files(directory: str | Path) -> list[Path]:
     """The checkpoint's safetensors files in load order: model.safetensors.index.json's weight map order when the
-    index exists, else sorted by name; each a file inside the checkpoint's folder (`_confined`)."""
+    index exists, else sorted by name; each a file inside the checkpoint's folder (study.core.weights.confined)."""
     directory = Path(directory)
     weight_map = _weight_map(directory)
     if weight_map is not None:
-        return [_confined(directory, f, INDEX) for f in dict.fromkeys(weight_map.values())]
-    return [_confined(directory, p.name, "the folder") for p in sorted(directory.glob("*.safetensors"))]
+        return [confined(directory, f, INDEX) for f in dict.fromkeys(weight_map.values())]
+    return [confined(directory, p.name, "the folder") for p in sorted(directory.glob("*.safetensors"))]
 
 
 def safetensors_names(path: Path, where: str) -> list[str]:
     """The tensor names of a safetensors file, its header checked against the file without reading any tensor: the
     header's length within the file (at most MAX_HEADER_BYTES), the header a JSON object (runfiles.bounded), each
     tensor a known dtype with a shape whose size is its byte range, the ranges tiling the data exactly. ValueError
-    naming the file otherwise."""
+    naming the file otherwise (never with the bytes of a file that has no header)."""
     import math
     import struct
 
@@ -152,8 +133,8 @@ def safetensors_names(path: Path, where: str) -> list[str]:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise ValueError(
-                f"{where}: the header says it is {n} bytes, the file has {size - 8} after the length; "
-                "not a safetensors file, or cut short"
+                f"{where}: its first 8 bytes are no header length within its {size - 8} bytes after them (at most "
+                f"{MAX_HEADER_BYTES}); not a safetensors file, or cut short"
             )
         raw = f.read(n)
     try:
@@ -209,6 +190,7 @@ def check_files(directory: str | Path, cfg: ModelConfig) -> None:
     (study.data.chat_template.check). ValueError naming the file and why."""
     directory = Path(directory)
     where = _where(directory)
+    check_links(directory)
     weight_map = _weight_map(directory)
     files = shard_files(directory)
     if not files:
@@ -238,10 +220,11 @@ def check_files(directory: str | Path, cfg: ModelConfig) -> None:
 
 
 def check_tokenizer(directory: str | Path) -> None:
-    """The folder's tokenizer files load (study.data.tokenizer.TaskTokenizer.load: bounded, checked JSON) and its
-    chat template, if any, renders a prompt under the limits of study.data.chat_template.check. ValueError naming
-    the file and why."""
+    """The folder's tokenizer files, confined to it (`check_links`), load (study.data.tokenizer.TaskTokenizer.load:
+    bounded, checked JSON) and its chat template, if any, renders a prompt under the limits of
+    study.data.chat_template.check. ValueError naming the file and why."""
     directory = Path(directory)
+    check_links(directory, TOKENIZER_FILES)
     try:
         tok = TaskTokenizer.load(directory)
     except (ValueError, FileNotFoundError) as err:
@@ -343,8 +326,9 @@ class HFCheckpoint:
 
 
 def load_checkpoint(directory: str | Path, cfg: ModelConfig) -> tuple[TaskTokenizer, HFCheckpoint]:
-    """(tokenizer, lazily read weights) of the HF checkpoint in `directory`."""
+    """(tokenizer, lazily read weights) of the HF checkpoint in `directory` (its files confined, `check_links`)."""
     directory = Path(directory)
+    check_links(directory)
     tok = TaskTokenizer.load(directory)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(

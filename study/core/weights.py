@@ -405,6 +405,50 @@ def is_hf_checkpoint(directory: str | Path) -> bool:
     return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
+def _roots(directory: Path) -> tuple[Path, ...]:
+    """Where a file of the checkpoint may resolve to (real paths): the checkpoint's folder, and in a Hugging Face hub
+    cache (a snapshot folder, REPO/snapshots/REVISION, whose files link to REPO/blobs/) that repository's blobs
+    folder. ValueError when REPO/blobs is a link out of the repository (every path would count as inside)."""
+    root = Path(os.path.realpath(directory, strict=True))
+    repo = root.parent.parent
+    blobs = repo / "blobs"
+    if root.parent.name != "snapshots" or not os.path.lexists(blobs):
+        return (root,)
+    real = Path(os.path.realpath(blobs))
+    if not real.is_relative_to(repo):
+        raise ValueError(
+            f"coldstart = {str(directory)!r}: the hub cache's {blobs} is a link to {real}, outside its repository "
+            f"{repo}; valid: a blobs folder in the repository"
+        )
+    return (root, real) if real.is_dir() else (root,)
+
+
+def confined(directory: Path, name: Any, source: str, what: str = "shard") -> Path:
+    """`directory / name` when `name` is a relative path that stays in `directory` (no `..`, not absolute, its real
+    path inside the checkpoint's folder or its hub cache's blobs, `_roots`) and names a file; ValueError naming
+    `source` (the file that named it) otherwise. `what`: the kind of file, for the message."""
+    where = f"coldstart = {str(directory)!r}: {source}"
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ValueError(f"{where}: {what} {str(name)[:100]!r}; valid: a file name in the checkpoint's folder")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"{where}: {what} {name[:200]!r} is outside the checkpoint's folder; valid: a file in it")
+    path = directory / rel
+    try:
+        target = Path(os.path.realpath(path, strict=True))
+        roots = _roots(directory)
+    except (OSError, RuntimeError):  # missing, a link loop
+        raise ValueError(f"{where}: {what} {name[:200]!r} is missing") from None
+    if not any(target.is_relative_to(root) for root in roots):
+        raise ValueError(
+            f"{where}: {what} {name[:200]!r} is a link to {target}, outside the checkpoint's folder; valid: a file "
+            "in it"
+        )
+    if not target.is_file():
+        raise ValueError(f"{where}: {what} {name[:200]!r} is not a file")
+    return path
+
+
 def _rope_theta(hf: dict[str, Any]) -> Any:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return hf.get("rope_theta", params.get("rope_theta"))
@@ -477,8 +521,9 @@ def _flow(spec: ModelSpec) -> str:
 def check_checkpoint(directory: str | Path, model: ModelSpec | ModelConfig) -> None:
     """Raise ValueError naming `coldstart` and `model` unless the HF checkpoint in `directory` can initialise the
     model shape `model` (a preset name, a model mapping, or a ModelConfig: config fields, tokenizer file). Reads
-    config.json only: no weights are loaded."""
+    config.json only (a file of the folder, `confined`): no weights are loaded."""
     directory = Path(directory)
+    confined(directory, "config.json", "the folder", "file")
     try:
         hf = read_json(directory / "config.json")
     except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (runfiles.bounded)

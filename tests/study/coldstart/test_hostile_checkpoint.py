@@ -6,6 +6,7 @@ template that runs too long or builds a huge string."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -138,7 +139,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
         ),
         "which does not hold it",
     ),
-    "header length past the file": (_lie_length, "model.safetensors: the header says it is 4611686018427387904 bytes"),
+    "header length past the file": (_lie_length, "model.safetensors: its first 8 bytes are no header length within"),
     "offsets past the file": (_lie_offsets, "data_offsets [0, 1099511"),
     "shape not its bytes": (_lie_shape, "shape [7, 7] of F32 is 196 bytes, its data_offsets"),
     "a shard cut short": (_cut_short, "outside the file's"),
@@ -244,3 +245,55 @@ def test_a_hub_cache_snapshot_linking_to_its_blobs_passes(valid: Path, tmp_path:
     with pytest.raises(ValueError, match=r"shard 'model\.safetensors' is a link to .*, outside the checkpoint's"):
         lifecycle.preflight(cfg, tmp_path / "results" / "runs" / cfg.run_id, tmp_path / "results")
     assert not (tmp_path / "results").exists()
+
+
+def _preflight(directory: Path, results: Path) -> None:
+    """The config's checks and the run's preflight, as `study run` makes them before it writes anything."""
+    from study import lifecycle
+    from study.run.config import load_config
+
+    cfg = load_config(preset="tiny", sets=[f"coldstart={directory}", *SCRATCH])
+    lifecycle.preflight(cfg, results / "runs" / cfg.run_id, results)
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+)
+def test_a_file_linked_out_of_the_checkpoint_is_refused(valid: Path, tmp_path: Path, name: str) -> None:
+    """Every file of the folder a run reads, not only the shards: a link to another folder's identical copy."""
+    directory, other = tmp_path / "checkpoint", tmp_path / "other"
+    shutil.copytree(valid, directory)
+    other.mkdir()
+    shutil.copy(directory / name, other / name)
+    (directory / name).unlink()
+    (directory / name).symlink_to(other / name)
+    with pytest.raises(ValueError, match=rf"file '{re.escape(name)}' is a link to .*, outside the checkpoint's"):
+        _preflight(directory, tmp_path / "results")
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_hub_cache_whose_blobs_link_out_of_the_repository_is_refused(valid: Path, tmp_path: Path) -> None:
+    """REPO/blobs -> / would make every path count as inside: a shard linked through it to a file elsewhere."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot, elsewhere = repo / "snapshots" / "rev1", tmp_path / "elsewhere"
+    shutil.copytree(valid, snapshot)
+    elsewhere.mkdir()
+    shutil.copy(valid / "model.safetensors", elsewhere / "model.safetensors")
+    (repo / "blobs").symlink_to("/")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / elsewhere.relative_to("/") / "model.safetensors")
+    with pytest.raises(ValueError, match=r"the hub cache's .*/blobs is a link to /, outside its repository"):
+        _preflight(snapshot, tmp_path / "results")
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_file_that_is_no_shard_is_refused_without_its_bytes(
+    valid: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(valid, directory)
+    first = b"hunter2!"
+    (directory / "model.safetensors").write_bytes(first + bytes(4096))
+    line = _run(directory, tmp_path / "results", capsys)
+    assert "model.safetensors: its first 8 bytes are no header length within its 4096 bytes" in line, line
+    assert str(int.from_bytes(first, "little")) not in line and "hunter2" not in line, line
