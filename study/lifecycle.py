@@ -244,15 +244,26 @@ def _last_step(run_dir: Path) -> int:
 def manifest(cfg: RunConfig) -> dict:
     """The run's manifest (rundir.manifest: git sha, packages, seed, host, job id), with its run id (analysis
     tells a copied run directory by it), which engine ran emulated
-    (study/core/precision.py), whether the optional C kernels ran, and the parallel layout (a runtime choice, not in
-    the run id)."""
+    (study/core/precision.py), whether the optional C kernels ran, how its verifier's scoring is sandboxed
+    (`scoring_sandbox`), and the parallel layout (a runtime choice, not in the run id)."""
     return {
         **rundir.manifest(cfg.seed, cfg.threads),
         "run_id": cfg.run_id,
         **precision_mod.labels(*cfg.precisions),
         "native_kernels": _kernels_available(),
+        "scoring_sandbox": _sandbox_level(cfg),
         "parallel": cfg.layout.to_dict(),
     }
+
+
+def _sandbox_level(cfg: RunConfig) -> str | None:
+    """The lock-down of the children scoring the run's verifier (study.data.sandbox.level, e.g.
+    "seccomp+ipc-ns+keyring"); None when it is scored on a grammar of study.data.tasks, in process."""
+    from study.data import sandbox, tasks
+
+    if cfg.task != "user" or cfg.verifier in tasks.NATIVE_VERIFIERS:
+        return None
+    return sandbox.level(cfg.verifier)
 
 
 def recorded_layout(run_dir: Path) -> ParallelLayout | None:

@@ -308,3 +308,15 @@ def test_a_sandbox_below_the_full_level_is_refused_unless_accepted(tmp_path: Pat
 
 def test_the_full_level_holds_here(box: sandbox.Sandbox) -> None:
     assert box.started() == sandbox.FULL_LEVEL == sandbox.level("string_insertion")
+
+
+def test_the_manifest_records_the_level(tmp_path: Path) -> None:
+    from study import lifecycle
+    from study.run.config import load_config
+
+    rows = tmp_path / "rows.jsonl"
+    row = {"prompt": "p\n", "answer": "7", "metadata": {"problem": "(3 | 4)"}}
+    rows.write_text("".join(json.dumps({**row, "prompt": f"p{i}\n"}) + "\n" for i in range(6)))
+    sets = ["task=user", f"data={rows}", "verifier=bitwise_arithmetic", "eval_size=2", "coldstart=scratch"]
+    assert lifecycle.manifest(load_config(preset="tiny", sets=sets))["scoring_sandbox"] == sandbox.FULL_LEVEL
+    assert lifecycle.manifest(load_config(preset="tiny", sets=["coldstart=scratch"]))["scoring_sandbox"] is None
