@@ -1,10 +1,11 @@
-"""The step's samples for the trainer: the prompts the task stream gives (the `mastered` prompt filter) and the
-engine's samples laid out as right-padded teacher-forcing tensors (`Batch`, made by `pad`)."""
+"""The step's samples for the trainer: the prompts the task stream gives (the `mastered` prompt filter), the
+engine's samples laid out as right-padded teacher-forcing tensors (`Batch`, made by `pad`), and a minibatch's rows of
+them with what its loss is computed against (`Minibatch`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,6 +52,29 @@ class Batch:
     @property
     def n(self) -> int:
         return self.input_ids.shape[0]
+
+    def minibatch(self, idx: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None) -> Minibatch:
+        """The rows idx and what their loss is computed against: pi_old's log-probs `old_logp` (B, T) and the KL
+        reference's `ref_logp` (B, T; None: no KL hook) of every row."""
+        return Minibatch(
+            idx,
+            old_logp[idx],
+            self.advantages[idx],
+            self.mask[idx],
+            self.rollout_logp[idx],
+            None if ref_logp is None else ref_logp[idx],
+        )
+
+
+class Minibatch(NamedTuple):
+    """Rows of the step's batch and what their loss is computed against."""
+
+    idx: torch.Tensor  # (b,) the rows
+    old_logp: torch.Tensor  # (b, T) pi_old's log-probs
+    advantages: torch.Tensor  # (b,) the algorithm's advantages
+    mask: torch.Tensor  # (b, T) float: 1 on response tokens
+    rollout_logp: torch.Tensor  # (b, T) the engine's log-probs of the sampled tokens
+    ref_logp: torch.Tensor | None  # (b, T) KL hook: the frozen reference's log-probs
 
 
 def pad(samples: list[dict[str, Any]], max_new: int, multiple: int = 1, temperature: float = 1.0) -> Batch | None:

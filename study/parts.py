@@ -1,17 +1,18 @@
 """What a run is made of, built once at its start (`setup`: the cold start's tokenizer and weights, the policy and
 its optimiser, the routing controller, the rollout engine, the task data, the KL reference), and the trainer's
 forwards of a batch's rows (one process: those rows; a parallel layout: this rank's share, then every rank's
-gathered). The loop that uses them is study/rl.py.
+gathered): a step's, pi_old's pass and the updates', are `StepForwards`'s. The loop that uses them is study/rl.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -262,10 +263,11 @@ def forward_rows(
     return Forward(par.gather_rows(out.logp, n), Routes(par.gather_rows(out.routes.experts, n)), entropy_all)
 
 
-def minibatches(cfg: RunConfig, n: int, step: int) -> list[torch.Tensor]:
-    """The step's n rows in a random order (drawn from (seed, step)) split into M minibatches of rows."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed("mb", cfg.seed, step)))
-    return list(torch.tensor_split(perm, min(cfg.minibatches, n)))
+def minibatches(seed: int, count: int, n: int, step: int) -> list[torch.Tensor]:
+    """The step's n rows in a random order (drawn from (seed, step)) split into `count` minibatches of rows (n of one
+    row when n < count)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed("mb", seed, step)))
+    return list(torch.tensor_split(perm, min(count, n)))
 
 
 @dataclass
@@ -273,44 +275,86 @@ class PiOld:
     """pi_old of the step's batch as the trainer computes it: the policy that sampled it, before any update."""
 
     logp: torch.Tensor  # (B, T) the trainer's recomputed log-probs, detached
-    routes: Routes  # (B, S, L, k) the routes free routing chose in that forward
+    routes: Routes  # (B, S, L, k) the routes free routing chose in that forward (under replay: would have chosen)
     entropy: torch.Tensor  # (B, S, L) each token's router entropy in it
-    first_logp: torch.Tensor | None  # (b, T) minibatch 1's forward, differentiable: its update's; None: recomputed
     ref_logp: torch.Tensor | None  # (B, T) KL hook: the frozen reference's log-probs (its own, free routing)
-    first_s: float  # seconds of minibatch 1's forward: its update's when fused (the step's time_update_s counts it)
+    tokens: int  # the real tokens of the forwards that were pi_old's alone (not the first update's, made with them)
 
 
-def pi_old(cfg: RunConfig, parts: Parts, batch: Batch, chunks: list[torch.Tensor], replay: Routes | None) -> PiOld:
-    """The trainer's pi_old of every row (`replay`: the routes forced, None: free routing recorded), and the
-    reference's log-probs (KL hook).
+class Update(NamedTuple):
+    """One minibatch update: its metrics, and what its forward saw before the optimizer step."""
 
-    The first minibatch is forwarded once: its update runs on the same tokens with the same weights (nothing has
-    been updated yet), so when this rank's share of it fits one forward (micro_batch 0 or at least that many rows), that
-    forward runs here with gradients, its detached log-probs and routes are pi_old's and the update uses it
-    (`first_logp`); in micro-batches every update forwards its rows again, between their backwards. The other rows:
-    at one process in one forward (in micro-batches), under a parallel layout each minibatch as its update sees it."""
-    first, fused = chunks[0], len(micro_chunks(local_positions(parts, len(chunks[0])), cfg.micro_batch)) == 1
-    rest = [torch.cat(chunks[1:])] if parts.trainer is None and len(chunks) > 1 else chunks[1:]
-    with torch.no_grad():
-        forwards = [forward_rows(parts, batch, idx, replay, cfg.micro_batch, entropy=True) for idx in rest]
-    start = time.perf_counter()
-    with torch.enable_grad() if fused else torch.no_grad():
-        head = forward_rows(parts, batch, first, replay, cfg.micro_batch, entropy=True)
-    first_s = time.perf_counter() - start
-    forwards.insert(0, dataclasses.replace(head, logp=head.logp.detach()))
-    old = Forward.cat(forwards).rows(torch.cat(chunks).argsort())  # the rows back in the batch's order
-    ref_logp = None
-    if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
+    metrics: dict[str, float]
+    routes: Routes  # (b, S, L, k) the routes free routing chose in its forward (under replay: would have chosen)
+    logp: torch.Tensor  # (b, T) its forward's log-probs, detached
+
+
+class StepForwards:
+    """The trainer's forwards of one step's batch, split into its minibatches `chunks` (rows of the batch): pi_old's
+    pass and the updates'. The first minibatch is forwarded once when this rank's share of it fits one forward
+    (`fused`: micro_batch 0 or at least that many rows): pi_old's pass makes that forward with gradients, timed as
+    the update's (`timed`, the step's clock), and the first update takes it (same tokens, same weights: nothing has
+    been updated yet; the same routes: a replaying update forces those that forward ran on). Otherwise each update
+    forwards its rows in micro-batches (`micro`), between their backwards."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        batch: Batch,
+        chunks: list[torch.Tensor],
+        micro_batch: int,
+        timed: Callable[[str], AbstractContextManager[None]],
+    ) -> None:
+        self.parts, self.batch, self.chunks, self.micro_batch, self.timed = parts, batch, chunks, micro_batch, timed
+        self.fused = len(micro_chunks(local_positions(parts, len(chunks[0])), micro_batch)) == 1
+        self.first: Forward | None = None  # the first update's forward (fused), made by pi_old's pass, until taken
+
+    def pi_old(self, replay: Routes | None) -> PiOld:
+        """The trainer's pi_old of every row (`replay`: the routes forced, None: free routing recorded), and the
+        reference's log-probs (KL hook). The rows after the first minibatch's: at one process in one forward (in
+        micro-batches), under a parallel layout each minibatch as its update sees it."""
+        parts, batch, chunks = self.parts, self.batch, self.chunks
+        rest = [torch.cat(chunks[1:])] if parts.trainer is None and len(chunks) > 1 else chunks[1:]
         with torch.no_grad():
-            ref_logp = token_logp(
-                parts.ref,
-                batch.input_ids,
-                batch.targets,
-                attention_mask=batch.attn_mask,
-                positions=batch.pos,
-                temperature=batch.temperature,
-            ).cpu()  # (B, T)
-    return PiOld(old.logp, old.routes, old.entropy, head.logp if fused else None, ref_logp, first_s)
+            forwards = [forward_rows(parts, batch, idx, replay, self.micro_batch, entropy=True) for idx in rest]
+        if self.fused:  # the first update's forward
+            with self.timed("time_update_s"), torch.enable_grad():
+                self.first = forward_rows(parts, batch, chunks[0], replay, entropy=True)
+            head = dataclasses.replace(self.first, logp=self.first.logp.detach())
+        else:
+            with torch.no_grad():
+                head = forward_rows(parts, batch, chunks[0], replay, self.micro_batch, entropy=True)
+        old = Forward.cat([head, *forwards]).rows(torch.cat(chunks).argsort())  # the rows back in the batch's order
+        ref_logp = None
+        if parts.ref is not None:  # KL hook: reference log-probs with the reference's own (free) routing
+            with torch.no_grad():
+                ref_logp = token_logp(
+                    parts.ref,
+                    batch.input_ids,
+                    batch.targets,
+                    attention_mask=batch.attn_mask,
+                    positions=batch.pos,
+                    temperature=batch.temperature,
+                ).cpu()  # (B, T)
+        tokens = sum(int(batch.attn_mask[idx].sum()) for idx in (chunks[1:] if self.fused else chunks))
+        return PiOld(old.logp, old.routes, old.entropy, ref_logp, tokens)
+
+    def update(self, i: int, replay: Routes | None) -> Forward:
+        """Minibatch i's update forward (`fused`), with gradients, `replay`'s routes forced (None: free routing): the
+        first minibatch's made by pi_old's pass (taken once), the others' here."""
+        if i > 0:
+            return forward_rows(self.parts, self.batch, self.chunks[i], replay)
+        if self.first is None:
+            raise RuntimeError("the first update's forward is made by pi_old's pass: `pi_old` first, once a step")
+        forward, self.first = self.first, None
+        return forward
+
+    def micro(self, idx: torch.Tensor, replay: Routes | None) -> Iterator[tuple[torch.Tensor, Forward]]:
+        """The minibatch of rows idx as this rank forwards it in micro-batches (not `fused`), with gradients,
+        `replay`'s routes forced: each micro-batch's positions in the minibatch and its forward, the next made when
+        asked for (after the caller's backward)."""
+        for pos in micro_chunks(local_positions(self.parts, len(idx)), self.micro_batch):
+            yield pos, forward_local(self.parts, self.batch, idx[pos], replay)
 
 
 def broadcast(obj: Any, parts: Parts) -> Any:

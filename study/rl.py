@@ -6,9 +6,10 @@ algorithm decides):
     log-probs; rewards from the task's verifier (truncated responses scored as they stand); ALGO reward shaping
     (DAPO); ALGO advantages `alg.advantages(rewards, G)`; ALGO dynamic sampling: zero-variance groups dropped and
     refilled;
- 2. pi_old (`pi_old`, study/parts.py): log-probs recomputed by the training engine, ALGO with routing recorded or
-    (R3) the engine's routes replayed (the first minibatch's forward is also its update's: same tokens, same
-    weights); ALGO `old_logp_source: rollout` uses the engine's log-probs instead (section 5.4);
+ 2. pi_old (study/parts.py `StepForwards`, the step's trainer forwards): log-probs recomputed by the training
+    engine, ALGO with routing recorded or (R3) the engine's routes replayed (the first minibatch's forward is also its
+    update's: same tokens, same weights); ALGO `old_logp_source: rollout` uses the engine's log-probs instead (section
+    5.4);
  3. minibatch updates: the batch split into M minibatches; for each: forward with ALGO the routing the algorithm asks
     for (free / replay / rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step (`micro_batch` > 0: forward
     and backward in micro-batches, the gradients accumulated before the step);
@@ -16,8 +17,8 @@ algorithm decides):
  5. log: a held-out evaluation every N steps, the metrics row (study/record.py; files written at checkpoints);
  6. checkpoint every N steps (study/checkpoint.py).
 What a step measures besides its loss (seconds, FLOPs, mismatch, routing volatility and, with routing_attribution,
-its share of the log-ratio from one extra forward per off-policy minibatch, expert load) is `StepMeasures`'s, one call
-per stage; each metric's meaning and function: study/run/metrics.py.
+its share of the log-ratio from one extra forward per off-policy minibatch, expert load) is study/measures.py's
+`StepMeasures`, one call per stage; each metric's meaning and function: study/run/metrics.py.
 The run directory, its lock, the manifest and every exit are study/lifecycle.py's.
 Optional (kl_coef > 0, off by default as in the paper): a frozen copy of the initial policy gives reference log-probs
 (its own, free routing) and the loss adds kl_coef x k3 KL(pi_theta || pi_ref), weighted per token as the algorithm
@@ -29,12 +30,11 @@ fixed thread count.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,39 +44,19 @@ import torch
 
 from algorithms import Algorithm
 from study import checkpoint, lifecycle, record
-from study.batch import Batch, pad, take_unmastered
+from study.batch import Batch, Minibatch, pad, take_unmastered
 from study.core.weights import iter_hf_weights
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
-from study.parts import (
-    Forward,
-    Parts,
-    PiOld,
-    broadcast,
-    derive_seed,
-    forward_local,
-    forward_rows,
-    local_positions,
-    micro_chunks,
-    minibatches,
-    pi_old,
-    setup,
-)
+from study.measures import StepMeasures
+from study.parts import Parts, StepForwards, Update, broadcast, derive_seed, minibatches, setup
 from study.policy import parallel
 from study.policy.model import token_logp
 from study.policy.optim import clip_grad_norm
-from study.policy.routing import Routes, RoutingController, expert_load, response_inputs, routing_volatility
+from study.policy.routing import Routes, RoutingController
 from study.run import rundir
 from study.run.config import RunConfig
-from study.run.metrics import (
-    LOGRATIO_METRICS,
-    STEP_METRICS,
-    forward_flops,
-    k3,
-    logratio_metrics,
-    mean_over_minibatches,
-    minibatch_metrics,
-)
+from study.run.metrics import STEP_METRICS, forward_flops, k3
 from study.run.trackers import ENV as TRACKERS_ENV
 from study.run.trackers import RunLogger, Tracking, parse_trackers, saved_tracking
 
@@ -155,6 +135,7 @@ def train(
     if log.step == 0 and not log.rows and cfg.eval_every:  # the start's held-out pass@1: what RL is measured from
         recorder.keep(_start_row(cfg, parts))
 
+    settings = UpdateSettings(cfg.kl_coef, cfg.max_log_ratio, cfg.grad_clip)
     bar = record.ProgressBar(cfg.steps, log.step, progress)
     step, row, outcome = log.step, None, "failed"  # outcome: what the trackers are told at the end
     # The ~400k objects of the libraries and the setup live as long as the run: frozen, the cyclic garbage collector
@@ -169,25 +150,25 @@ def train(
 
             # 1. collect: rollouts, rewards, advantages (rank 0's engine; the batch broadcast to every rank)
             collected = _rollout_batch(cfg, parts, log, step)
-            measure.collected(collected)
+            measure.collected(collected.metrics, collected.flops)
             batch = collected.batch
             if batch is None:  # ALGO dynamic sampling dropped every group (all zero variance): nothing to learn from
                 recorder.add(measure.finish(None), due=checkpoint_step)
                 continue
 
             # 2. pi_old: the trainer's log-probs of the batch, ALGO with routing recorded or (R3) the engine's replayed
-            chunks = minibatches(cfg, batch.n, step)
-            replayed = batch.engine_routes if alg.routing == "rollout_replay" else None  # ALGO routing: R3's
+            chunks = minibatches(cfg.seed, cfg.minibatches, batch.n, step)
+            forwards = StepForwards(parts, batch, chunks, cfg.micro_batch, measure.timed)  # the step's trainer forwards
             with measure.timed("time_old_logp_s"):
-                old = pi_old(cfg, parts, batch, chunks, replayed)
+                old = forwards.pi_old(batch.engine_routes if alg.routing == "rollout_replay" else None)  # ALGO routing
             old_logp = old.logp if cfg.old_logp_source == "recompute" else batch.rollout_logp  # ALGO pi_old (B, T)
-            measure.pi_old(batch, chunks, old, token_samples=step in (1, cfg.steps) or eval_step)
+            measure.pi_old(batch, old, token_samples=step in (1, cfg.steps) or eval_step)
 
             # 3. minibatch updates, ALGO routing free or pi_old's replayed (R3: the engine's)
             replay = {"free": None, "replay": old.routes, "rollout_replay": batch.engine_routes}[alg.routing]
-            old_routes = replayed if replayed is not None else old.routes  # the routes pi_old's forward used
+            targets = [batch.minibatch(idx, old_logp, old.ref_logp) for idx in chunks]
             with measure.timed("time_update_s"):
-                updates = _updates(cfg, parts, batch, chunks, old, old_logp, replay, old_routes, step)
+                updates = _updates(parts, forwards, targets, replay, step, settings, measure)
             measure.updates(batch, chunks, old, updates)
 
             # 4. sync: the weights to the rollout engine
@@ -383,126 +364,78 @@ def _collect(
 # ---------------------------------------------------------------------------------------------------------------------
 # 3. the updates
 # ---------------------------------------------------------------------------------------------------------------------
-class Update(NamedTuple):
-    """One minibatch update: its metrics, and what its forward saw before the optimizer step."""
+class UpdateSettings(NamedTuple):
+    """The run's fields a minibatch update reads (RunConfig's of the same names)."""
 
-    metrics: dict[str, float]
-    routes: Routes  # (b, S, L, k) the routes free routing chose in its forward
-    logp: torch.Tensor  # (b, T) its forward's log-probs, detached
-    routing_logratio: torch.Tensor | None = None  # (b, T) routing_attribution: `_routing_attribution`'s
-    attribution_s: float = 0.0  # the seconds of that extra forward
+    kl_coef: float  # KL hook: the k3 KL(pi_theta || pi_ref) penalty's coefficient (0: no reference)
+    max_log_ratio: float  # a response token's |log pi_theta - log pi_old| above it is a collapse (exploding ratio)
+    grad_clip: float  # the global gradient-norm clip (0: none)
 
 
 def _updates(
-    cfg: RunConfig,
     parts: Parts,
-    batch: Batch,
-    chunks: list[torch.Tensor],
-    old: PiOld,
-    old_logp: torch.Tensor,
+    forwards: StepForwards,
+    targets: list[Minibatch],
     replay: Routes | None,
-    old_routes: Routes,
     step: int,
+    settings: UpdateSettings,
+    measure: StepMeasures,
 ) -> list[Update]:
-    """The step's minibatch updates in order, each against `old_logp` (B, T) with `replay`'s routes forced (None:
-    free routing): the first one from pi_old's fused forward (`old.first_logp`), the others forwarded here; or, with
-    no fused forward, each in micro-batches (`_update_micro`). With routing_attribution, each minibatch after the
-    first is also forwarded once more (`_routing_attribution`, `old_routes`: the routes pi_old's forward used)."""
+    """The step's minibatch updates in order (`targets[i]`: minibatch i's rows, `forwards.chunks[i]`, and what its
+    loss is computed against), ALGO with `replay`'s routes forced (None: free routing): each from one forward of its
+    rows (`forwards.update`: the first one's made by pi_old's pass), or, where this rank's share of a minibatch is more
+    than one micro-batch, in micro-batches (`_update_micro`). `measure` sees the weights each update starts from
+    (routing_attribution)."""
     out = []
-    for i, idx in enumerate(chunks):
-        ref_logp = None if old.ref_logp is None else old.ref_logp[idx]
-        other, seconds = None, 0.0
-        if cfg.routing_attribution and i > 0:  # instrumentation: before the update's forward, on the same weights
-            start = time.perf_counter()
-            other = _other_routing_logp(cfg, parts, batch, idx, replay, old_routes)
-            seconds = time.perf_counter() - start
-        if old.first_logp is None:
-            update = _update_micro(cfg, parts, old_logp[idx], batch, idx, ref_logp, step, replay)
+    for i, mb in enumerate(targets):
+        measure.routing_attribution(forwards, i, replay)  # instrumentation: before the update, on its weights
+        if forwards.fused:
+            forward = forwards.update(i, replay)
+            update = Update(_update(parts, forward.logp, mb, step, settings), forward.routes, forward.logp.detach())
         else:
-            forward = Forward(old.first_logp, old.routes[idx]) if i == 0 else forward_rows(parts, batch, idx, replay)
-            metrics = _update(cfg, parts, forward.logp, old_logp[idx], batch, idx, ref_logp, step)
-            update = Update(metrics, forward.routes, forward.logp.detach())
-        if other is not None:
-            logratio = _routing_attribution(update.logp, other, replayed=replay is not None)
-            update = update._replace(routing_logratio=logratio, attribution_s=seconds)
+            update = _update_micro(parts, forwards, mb, replay, step, settings)
         out.append(update)
     return out
 
 
-@torch.no_grad()
-def _other_routing_logp(
-    cfg: RunConfig, parts: Parts, batch: Batch, idx: torch.Tensor, replay: Routes | None, old_routes: Routes
-) -> torch.Tensor:
-    """(b, T) log-probs of the rows idx on the current weights under the routing the update does not use: pi_old's
-    routes (`old_routes`) replayed when the update routes freely (`replay` None), free routing when it replays. No
-    gradient, no optimizer state, no random draw: instrumentation only."""
-    return forward_rows(parts, batch, idx, old_routes if replay is None else None, cfg.micro_batch).logp
-
-
-def _routing_attribution(update_logp: torch.Tensor, other_logp: torch.Tensor, *, replayed: bool) -> torch.Tensor:
-    """(b, T) the routing-attributable log-ratio log pi_theta(y | free routes) - log pi_theta(y | pi_old's routes)
-    from the update forward's log-probs and the other routing's (`replayed`: the update's forward replayed pi_old's
-    routes); the same weights in both, so only the routing differs."""
-    free, pinned = (other_logp, update_logp) if replayed else (update_logp, other_logp)
-    return free - pinned
-
-
-def _loss(
-    cfg: RunConfig,
-    parts: Parts,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    batch: Batch,
-    idx: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The minibatch's loss from its log-probs `logp` (b, T) against `old_logp` (b, T), and its metrics."""
-    alg, hparams, mask = parts.alg, parts.hparams, batch.mask[idx]  # mask: (b, T)
+def _loss(parts: Parts, logp: torch.Tensor, mb: Minibatch, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The minibatch's loss from its log-probs `logp` (b, T) against `mb.old_logp` (b, T), and its metrics."""
+    alg, hparams = parts.alg, parts.hparams
     # ALGO: the loss
-    extra = {"rollout_logp": batch.rollout_logp[idx]} if alg.needs_rollout_logp else {}
-    loss, metrics = alg.loss(logp, old_logp, batch.advantages[idx], mask, **hparams, **extra)
-    if ref_logp is not None:  # KL hook: + kl_coef x k3 KL(pi_theta || pi_ref), with the algorithm's averaging
-        kl = kl_to_reference(logp, ref_logp, mask, aggregation_weights(alg, mask, hparams))
-        loss = loss + cfg.kl_coef * kl
+    extra = {"rollout_logp": mb.rollout_logp} if alg.needs_rollout_logp else {}
+    loss, metrics = alg.loss(logp, mb.old_logp, mb.advantages, mb.mask, **hparams, **extra)
+    if mb.ref_logp is not None:  # KL hook: + kl_coef x k3 KL(pi_theta || pi_ref), with the algorithm's averaging
+        kl = kl_to_reference(logp, mb.ref_logp, mb.mask, aggregation_weights(alg, mb.mask, hparams))
+        loss = loss + kl_coef * kl
         metrics = {**metrics, "kl_ref": float(kl.detach())}
     return loss, metrics
 
 
 def _update(
-    cfg: RunConfig,
-    parts: Parts,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    batch: Batch,
-    idx: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    step: int,
-    accumulated: bool = False,
+    parts: Parts, logp: torch.Tensor, mb: Minibatch, step: int, settings: UpdateSettings, accumulated: bool = False
 ) -> dict[str, float]:
-    """One minibatch update from its forward's `logp` (b, T) against `old_logp` (b, T): the algorithm's loss
+    """One minibatch update from its forward's `logp` (b, T) against `mb.old_logp` (b, T): the algorithm's loss
     (+ the KL hook), backward, global-norm clip, optimiser step (`accumulated`: the gradients are there already,
     `logp` their forwards' values). Returns the minibatch's metrics; raises Collapse on an exploding ratio or a
     non-finite loss or gradient."""
-    mask = batch.mask[idx]  # (b, T)
+    mask, old_logp = mb.mask, mb.old_logp  # (b, T)
     with torch.no_grad():
         d = torch.where(mask.bool(), old_logp - logp.detach(), 0.0)  # (b, T) log pi_old - log pi_theta
-        if float(d.abs().max()) > cfg.max_log_ratio:
+        if float(d.abs().max()) > settings.max_log_ratio:
             raise Collapse(f"exploding ratio: max |log pi_theta - log pi_old| = {float(d.abs().max()):.3g}")
-    loss, metrics = _loss(cfg, parts, logp, old_logp, batch, idx, ref_logp)
+    loss, metrics = _loss(parts, logp, mb, settings.kl_coef)
     if not torch.isfinite(loss):
         raise Collapse(f"non-finite loss at step {step}")
     if not accumulated:
         _zero_grad(parts)
         _backward(parts, loss)
-    if (
-        parts.trainer is not None
-    ):  # a parallel layout: megatron reduces, the global norm clips (study/policy/parallel.py)
+    if parts.trainer is not None:  # a parallel layout: megatron reduces, the global norm clips (policy/parallel.py)
         _, norm = parts.trainer.step()
         if not math.isfinite(norm):
             raise Collapse(f"non-finite gradient norm at step {step}")
         grad_norm = torch.tensor(norm)
     else:
-        grad_norm = _local_step(cfg, parts, step)
+        grad_norm = _local_step(parts, step, settings.grad_clip)
     n = float(mask.sum().clamp_min(1))
     with torch.no_grad():
         approx_kl = float(torch.where(mask.bool(), k3(d), 0.0).sum() / n)  # k3 KL(pi_old || pi_theta)
@@ -525,36 +458,26 @@ def ratio_gt2_frac(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tenso
 
 
 def _update_micro(
-    cfg: RunConfig,
-    parts: Parts,
-    old_logp: torch.Tensor,
-    batch: Batch,
-    idx: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    step: int,
-    replay: Routes | None,
+    parts: Parts, forwards: StepForwards, mb: Minibatch, replay: Routes | None, step: int, settings: UpdateSettings
 ) -> Update:
-    """`_update` of the minibatch idx with this rank's rows forwarded in micro-batches of `micro_batch` sequences,
-    each backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as
-    constants. Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's
-    gradient is its rows' share of the whole minibatch's, and their sum is the whole minibatch's gradient
+    """`_update` of the minibatch `mb` with this rank's rows forwarded in micro-batches (`forwards.micro`), each
+    backpropagated before the next is forwarded: its rows enter the minibatch's loss, the other rows as constants.
+    Every registered loss is a sum over sequences (weighted by the mask alone), so each micro-batch's gradient is its
+    rows' share of the whole minibatch's, and their sum is the whole minibatch's gradient
     (tests/study/test_memory_switches.py). Returns the metrics, the routes free routing chose and the log-probs
     (gathered)."""
-    n = len(idx)
     values, routes = [], []
     _zero_grad(parts)
-    for pos in micro_chunks(local_positions(parts, n), cfg.micro_batch):
-        rows = idx[pos]
-        forward = forward_local(parts, batch, rows, replay)
-        logp, free = forward.logp, forward.routes  # (m, T), (m, S, L, k)
-        full = old_logp.detach().index_put((pos,), logp)  # (b, T): these rows differentiable, the others constant
-        _backward(parts, _loss(cfg, parts, full, old_logp, batch, idx, ref_logp)[0])
-        values.append(logp.detach())
-        routes.append(free)
+    for pos, forward in forwards.micro(mb.idx, replay):
+        full = mb.old_logp.detach().index_put((pos,), forward.logp)  # (b, T): these rows differentiable, the rest not
+        _backward(parts, _loss(parts, full, mb, settings.kl_coef)[0])
+        values.append(forward.logp.detach())
+        routes.append(forward.routes)
     logp, free = torch.cat(values), Routes.cat(routes)
     if parts.trainer is not None:
+        n = len(mb.idx)
         logp, free = parallel.gather_rows(logp, n), Routes(parallel.gather_rows(free.experts, n))
-    return Update(_update(cfg, parts, logp, old_logp, batch, idx, ref_logp, step, accumulated=True), free, logp)
+    return Update(_update(parts, logp, mb, step, settings, accumulated=True), free, logp)
 
 
 def _zero_grad(parts: Parts) -> None:
@@ -568,13 +491,14 @@ def _backward(parts: Parts, loss: torch.Tensor) -> None:
     (parts.scaler.scale(loss) if parts.scaler is not None else loss).backward()
 
 
-def _local_step(cfg: RunConfig, parts: Parts, step: int) -> torch.Tensor:
-    """One process's clip and optimiser step after the backward; returns the gradient norm before clipping."""
+def _local_step(parts: Parts, step: int, grad_clip: float) -> torch.Tensor:
+    """One process's clip (`grad_clip`, 0: none) and optimiser step after the backward; returns the gradient norm
+    before clipping."""
     scaler = parts.scaler
     params = [p for p in parts.params if p.grad is not None]
     if scaler is not None:
         scaler.unscale_(params)
-    grad_norm = clip_grad_norm(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = clip_grad_norm(params, grad_clip if grad_clip > 0 else math.inf)
     if not torch.isfinite(grad_norm) and scaler is None:
         raise Collapse(f"non-finite gradient norm at step {step}")
     if scaler is not None:
@@ -695,113 +619,3 @@ def _check_reward_floor(cfg: RunConfig, rows: list[dict[str, float]]) -> None:
         raise Collapse(
             f"reward collapse: mean reward {recent:.3f} over {cfg.collapse_window} steps < {cfg.reward_floor}"
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# What a step measures besides its loss
-# ---------------------------------------------------------------------------------------------------------------------
-class StepMeasures:
-    """One step's metric row and what goes into it besides the algorithm's loss: the stages' seconds, the FLOPs
-    (added to the run's cumulative count in `log` as the stages run), the training-inference mismatch, pi_old's
-    expert load and the engine's, each minibatch's routing volatility against pi_old, and routing_layers.parquet's
-    rows. The loop makes one call per stage."""
-
-    def __init__(self, cfg: RunConfig, parts: Parts, log: record.Progress, step: int) -> None:
-        self.cfg, self.parts, self.log, self.step = cfg, parts, log, step
-        self.start = time.perf_counter()
-        self.row: dict[str, float] = dict.fromkeys(STEP_METRICS, math.nan)
-        self.row.update(step=step, lr=cfg.lr, precision_emulated=float(parts.emulated))  # precision hook: a label
-        self.load: dict[str, float] = {}  # pi_old's expert load per layer, for the step's routing_layers rows
-        self.first_update_s = 0.0  # the first update's forward, made in pi_old's pass
-
-    @contextlib.contextmanager
-    def timed(self, name: str) -> Iterator[None]:
-        """The block's seconds as the row's `name`."""
-        start = time.perf_counter()
-        yield
-        self.row[name] = time.perf_counter() - start
-
-    def _flops(self, batch: Batch, tokens: int, passes: int = 1) -> None:
-        """`passes` forwards' FLOPs (a forward and its backward: 3) of `tokens` tokens of the batch, into the run's
-        count."""
-        self.log.compute += passes * forward_flops(self.parts.mcfg, tokens, batch.input_ids.shape[1] / 2)
-
-    def collected(self, collected: Collected) -> None:
-        """The rollout's statistics and seconds, its FLOPs."""
-        self.log.compute += collected.flops
-        self.row.update(collected.metrics)
-
-    def pi_old(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, *, token_samples: bool) -> None:
-        """The mismatch of pi_old's recompute against the engine's log-probs (and, with `token_samples`, a sample of
-        both), pi_old's expert load and router entropy over the real tokens, the engine's (its routes' slot mismatch
-        against the trainer's free routing of the same tokens), and the FLOPs of the forwards that were pi_old's
-        alone (a fused first minibatch's forward is its update's)."""
-        row, attention, experts = self.row, batch.attn_mask, self.parts.routing.num_experts
-        if old.first_logp is not None:  # the fused forward's seconds are its update's
-            row["time_old_logp_s"] -= old.first_s
-            self.first_update_s = old.first_s
-        if old.ref_logp is not None:  # KL hook: the reference's forward
-            self._flops(batch, int(attention.sum()))
-        row.update(record.mismatch(old.logp, batch.rollout_logp, batch.mask))
-        if token_samples:
-            self.log.token_frames.append(record.token_samples(self.step, old.logp, batch.rollout_logp, batch.mask))
-        self.load = expert_load(old.routes, experts, attention, old.entropy)  # per layer too
-        if batch.engine_routes is not None:  # the engine's routing vs the trainer's free routing of the same tokens
-            vol = routing_volatility(batch.engine_routes, old.routes, attention, per_layer=False)
-            row["engine_routing_slot_mismatch"] = vol["slot_mismatch"]
-            engine_load = expert_load(batch.engine_routes, experts, attention)
-            self.load.update({f"engine_{k}": v for k, v in engine_load.items()})
-        row.update({k: v for k, v in self.load.items() if k in STEP_METRICS})  # the means over layers
-        if self.cfg.old_logp_source == "recompute":  # the forwards that were pi_old's alone
-            fused = int(attention[chunks[0]].sum()) if old.first_logp is not None else 0  # its update's forward
-            self._flops(batch, int(attention.sum()) - fused)
-
-    def updates(self, batch: Batch, chunks: list[torch.Tensor], old: PiOld, updates: list[Update]) -> None:
-        """The loss metrics' means over the minibatches, the per-minibatch columns, the routing volatility of each
-        update forward's free routing against pi_old's (from minibatch 2: the first forward is pi_old's own), the
-        log-ratios of minibatches 2..M (the weights' from the update's forward; with routing_attribution the
-        routing's, its extra forwards' seconds moved from time_update_s to time_attribution_s and their FLOPs left out
-        of the count), routing_layers.parquet's rows of the step, and the updates' FLOPs."""
-        sums: dict[str, float] = {}
-        volatility: list[dict[str, float]] = []
-        per_minibatch: list[dict[str, float]] = []  # each minibatch's own values (MINIBATCH_METRICS)
-        logratios: list[dict[str, float]] = []  # minibatches 2..M: the log-ratios of the weights' and the routing's
-        attribution_s = 0.0
-        attention = batch.attn_mask
-        response = response_inputs(batch.pos, batch.mask, attention.shape[1])  # (B, S) the response tokens' positions
-        for i, (idx, update) in enumerate(zip(chunks, updates, strict=True)):
-            metrics, routes = update.metrics, update.routes
-            per_minibatch.append({k: metrics[k] for k in ("ratio_gt2_frac", "grad_norm", "clip_frac") if k in metrics})
-            if i > 0:  # the first minibatch's forward precedes every update: its routing is pi_old's itself
-                # the old vs the new policy's choice of experts for the same tokens
-                volatility.append(routing_volatility(old.routes[idx], routes, attention[idx]))
-                changed = routing_volatility(old.routes[idx], routes, response[idx], per_layer=False)
-                per_minibatch[-1].update(
-                    routing_slot_mismatch=volatility[-1]["slot_mismatch"],
-                    routing_token_changed_frac=changed["token_flip_rate"],
-                )
-                mask = batch.mask[idx]  # (b, T)
-                logratios.append(logratio_metrics("weight_logratio", update.logp - old.logp[idx], mask))
-                if update.routing_logratio is not None:  # routing_attribution
-                    logratios[-1].update(logratio_metrics("routing_logratio", update.routing_logratio, mask))
-                    attribution_s += update.attribution_s
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value
-            self._flops(batch, int(attention[idx].sum()), passes=3)
-        self.row.update({k: v / len(chunks) for k, v in sums.items()})
-        self.row["time_update_s"] += self.first_update_s - attribution_s
-        self.row.update(mean_over_minibatches(logratios, LOGRATIO_METRICS))
-        if self.cfg.routing_attribution:
-            self.row["time_attribution_s"] = attribution_s
-        self.row.update(record.mean_volatility(volatility))
-        self.row.update(minibatch_metrics(per_minibatch))
-        self.log.layer_rows += record.layer_rows(self.step, volatility, self.load, self.parts.routing.num_layers)
-
-    def finish(self, batch: Batch | None) -> dict[str, float]:
-        """The step's wall seconds into the run's; with a batch, the cumulative compute, memory and tokens. The row."""
-        self.log.wall += time.perf_counter() - self.start
-        self.row["wall_s"] = self.log.wall
-        if batch is not None:
-            self.row.update(compute_flops=self.log.compute, peak_rss_gb=record.peak_rss_gb())
-            self.row["tokens_total"] = int(batch.attn_mask.sum())
-        return self.row

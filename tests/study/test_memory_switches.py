@@ -6,6 +6,7 @@ core attention in the backward, and a run's metrics are the same. Both are runti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 import algorithms
 from study import parts, rl
-from study.parts import forward_rows, setup
+from study.parts import StepForwards, forward_rows, setup
 from study.policy.optim import build_optimizer
 from study.run.config import load_config
 
@@ -59,10 +60,12 @@ def _one_update(cfg, parts, batch, name: str, micro_batch: int) -> tuple[dict, l
         pi_old = forward_rows(p, batch, idx, engine_routes)
     old = pi_old.logp + 0.2 * torch.randn(pi_old.logp.shape) * batch.mask  # (B, T)
     replay = {"free": None, "replay": pi_old.routes, "rollout_replay": engine_routes}[alg.routing]
+    mb, settings = batch.minibatch(idx, old, None), rl.UpdateSettings(cfg.kl_coef, cfg.max_log_ratio, cfg.grad_clip)
     if micro_batch:
-        metrics = rl._update_micro(cfg, p, old, batch, idx, None, 1, replay).metrics
+        forwards = StepForwards(p, batch, [idx], micro_batch, timed=lambda _: contextlib.nullcontext())
+        metrics = rl._update_micro(p, forwards, mb, replay, 1, settings).metrics
     else:
-        metrics = rl._update(cfg, p, forward_rows(p, batch, idx, replay).logp, old, batch, idx, None, 1)
+        metrics = rl._update(p, forward_rows(p, batch, idx, replay).logp, mb, 1, settings)
     grads = [q.grad.clone() if q.grad is not None else None for q in p.params]
     return metrics, grads, [q.detach().clone() for q in p.params]
 

@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 import torch
 
-from study import rl
-from study.parts import forward_rows, minibatches, pi_old, setup
+from study import record, rl
+from study.measures import StepMeasures, routing_logratio
+from study.parts import StepForwards, forward_rows, minibatches, setup
 from study.policy.optim import build_optimizer
 from study.policy.routing import routing_volatility
 from study.run.config import load_config
@@ -48,22 +49,20 @@ def scratch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_the_routes_replayed_that_free_routing_chose_give_the_same_logp(scratch: tuple) -> None:
     """The same weights under the same routes, once chosen and once forced: the very same log-probs, so the measure
     is 0 exactly where no route moved (under either routing of the update)."""
-    _, cfg, parts, batch = scratch
+    _, _, parts, batch = scratch
     idx = torch.arange(batch.n)
     with torch.no_grad():
         free = forward_rows(parts, batch, idx, None)
-    replayed = rl._other_routing_logp(cfg, parts, batch, idx, None, free.routes)  # an update that routed freely
-    assert torch.equal(rl._routing_attribution(free.logp, replayed, replayed=False), torch.zeros_like(free.logp))
-    with torch.no_grad():
         forced = forward_rows(parts, batch, idx, free.routes)
-    unforced = rl._other_routing_logp(cfg, parts, batch, idx, free.routes, free.routes)  # an update that replayed
-    assert torch.equal(rl._routing_attribution(forced.logp, unforced, replayed=True), torch.zeros_like(free.logp))
+    zero = torch.zeros_like(free.logp)
+    assert torch.equal(routing_logratio(free.logp, forced.logp, replayed=False), zero)  # an update that routed freely
+    assert torch.equal(routing_logratio(forced.logp, free.logp, replayed=True), zero)  # an update that replayed
 
 
 def test_the_sign_is_free_minus_pi_olds_routes() -> None:
     update, other = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
-    assert torch.equal(rl._routing_attribution(update, other, replayed=False), update - other)  # the update: free
-    assert torch.equal(rl._routing_attribution(update, other, replayed=True), other - update)  # the update: replayed
+    assert torch.equal(routing_logratio(update, other, replayed=False), update - other)  # the update: free
+    assert torch.equal(routing_logratio(update, other, replayed=True), other - update)  # the update: replayed
 
 
 def test_logratio_metrics_over_the_response_tokens() -> None:
@@ -87,27 +86,34 @@ def test_updates_at_a_high_lr_move_the_moes_ratios_through_routing_and_never_the
     optimizer = build_optimizer(parts.policy, lr=cfg.lr, weight_decay=0.0, eps=1e-8, router_lr_scale=1.0)
     saved = [p.detach().clone() for p in parts.params]
     p = dataclasses.replace(parts, optimizer=optimizer)
-    chunks = minibatches(cfg, batch.n, 1)
-    old = pi_old(cfg, p, batch, chunks, None)
-    assert (old.first_logp is None) == (micro_batch > 0)  # micro-batches: every update in _update_micro
+    chunks = minibatches(cfg.seed, cfg.minibatches, batch.n, 1)
+    measure = StepMeasures(cfg, p, record.Progress(), 1)
+    forwards = StepForwards(p, batch, chunks, cfg.micro_batch, measure.timed)
+    assert forwards.fused == (micro_batch == 0)  # micro-batches: every update in _update_micro
+    old = forwards.pi_old(None)
+    measure.pi_old(batch, old, token_samples=False)
     replay = None if routing == "free" else old.routes
+    targets = [batch.minibatch(idx, old.logp, None) for idx in chunks]
+    settings = rl.UpdateSettings(cfg.kl_coef, cfg.max_log_ratio, cfg.grad_clip)
     try:
-        updates = rl._updates(cfg, p, batch, chunks, old, old.logp, replay, old.routes, 1)
+        updates = rl._updates(p, forwards, targets, replay, 1, settings, measure)
     finally:
         with torch.no_grad():  # the module's other tests start from the scratch weights
             for q, s in zip(parts.params, saved, strict=True):
                 q.copy_(s)
-    assert updates[0].routing_logratio is None  # the first minibatch's forward is pi_old's own
+    assert sorted(measure.other_logp) == [1, 2, 3]  # the first minibatch's forward is pi_old's own
+    assert measure.seconds["time_attribution_s"] > 0  # its forwards' seconds: their own stage's
     moved = [
         routing_volatility(old.routes[idx], u.routes, batch.attn_mask[idx])["slot_mismatch"]
         for idx, u in zip(chunks[1:], updates[1:], strict=True)
     ]
-    for idx, u in zip(chunks[1:], updates[1:], strict=True):
+    for i, (idx, u) in enumerate(zip(chunks[1:], updates[1:], strict=True), start=1):
         mask = batch.mask[idx]
         assert logratio_metrics("w", u.logp - old.logp[idx], mask)["w_mean_abs"] > 0
-        routing_part = logratio_metrics("r", u.routing_logratio, mask)["r_mean_abs"]
+        routing = routing_logratio(u.logp, measure.other_logp[i], replayed=replay is not None)
+        routing_part = logratio_metrics("r", routing, mask)["r_mean_abs"]
         if model == "dense":
-            assert torch.equal(u.routing_logratio, torch.zeros_like(u.routing_logratio))
+            assert torch.equal(routing, torch.zeros_like(routing))
         assert (routing_part > 0) == (model == "moe")
     assert (max(moved) > 0) == (model == "moe")
 
