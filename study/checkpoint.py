@@ -56,7 +56,7 @@ at a layout; the environment variable STUDY_FULL_STATE_MAX_GB overrides it. Qwen
 
 
 class Trained(Protocol):
-    """What a checkpoint saves and restores of a run's parts (study.rl.Parts)."""
+    """What a checkpoint saves and restores of a run's parts (study.parts.Parts)."""
 
     mcfg: Any
     policy: torch.nn.Module

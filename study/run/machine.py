@@ -1,4 +1,4 @@
-"""Does a run fit the machine that is about to run it? Checked before anything is written (rl.preflight).
+"""Does a run fit the machine that is about to run it? Checked before anything is written (study.lifecycle.preflight).
 
 The estimate is the planner's (study.run.plan.cpu_run_estimate: the process and what the run loads, the trainer's
 weights, grads and AdamW state, one minibatch's activations, the rollout engine's weights, and the larger of the
