@@ -18,12 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from runfiles import LAYERS, METRICS, TOKEN_SAMPLES
 from study.run import rundir
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS, k3
 
-METRICS = "metrics.parquet"
-LAYERS = "routing_layers.parquet"
-TOKEN_SAMPLES = "token_samples.parquet"
 TOKEN_SAMPLE_SEQS = 64  # sequences per written step (step 1, every eval step, the last step)
 CHECKPOINT_KEY = b"study.checkpoint"
 """metrics.parquet's key-value metadata: the step of the run's last complete checkpoint when it was written."""

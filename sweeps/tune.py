@@ -74,6 +74,7 @@ from typing import Any
 import yaml
 
 from algorithms import Spec, catalog
+from runfiles import METRICS
 from study.run.config import RunConfig
 from study.run.rundir import Stopped
 from sweeps.expand import Sweep, load_sweep
@@ -443,9 +444,9 @@ def _evals(run_dir: Path, objective: str) -> list[tuple[int, float]]:
     from study.run import rundir
 
     status = rundir.read_status(run_dir)
-    if status is None or not (run_dir / "metrics.parquet").exists():
+    if status is None or not (run_dir / METRICS).exists():
         return []
-    frame = pd.read_parquet(run_dir / "metrics.parquet", columns=["step", objective])
+    frame = pd.read_parquet(run_dir / METRICS, columns=["step", objective])
     # training evals only: step 0 is the start's evaluation, not a step a pruner judges
     frame = frame[(frame["step"] > 0) & (frame["step"] <= status.get("step", 0))].dropna()
     return [(int(s), float(v)) for s, v in zip(frame["step"], frame[objective], strict=True)]

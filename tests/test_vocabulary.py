@@ -1,10 +1,10 @@
-"""One metric vocabulary: every name analysis reads (analysis/vocab.py) is one the run writes (study/run/metrics.py),
+"""One metric vocabulary: every name analysis reads (analysis/runs/vocab.py) is one the run writes (study/run/metrics.py),
 so a renamed metric fails here instead of turning a claim "inconclusive" silently."""
 
 from __future__ import annotations
 
 import algorithms
-from analysis import vocab
+from analysis.runs import vocab
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
 
 

@@ -77,7 +77,7 @@ TABLES = "tables"
 def data_fingerprint(study: Study) -> str:
     """A hash of what a study's figures are drawn from, per run: id, state, rows, last step and compute, and the
     missing and unreadable run ids (with the reason). Run directories only grow (a resumed run appends steps), so
-    equal fingerprints mean figures drawn from one can be reused for the other (`analysis.report.build_report(
+    equal fingerprints mean figures drawn from one can be reused for the other (`analysis.report.build.build_report(
     figures_dir=...)`)."""
     import hashlib
     import json

@@ -1,7 +1,7 @@
 """The metric vocabulary of an RL run, in one table: each column of the run's tables with its sentence and the
 function that computes it. Every reader takes it from here: the run's files and trackers (study/record.py,
-study/run/trackers.py), analysis (analysis/vocab.py names the columns it reads; tests/test_vocabulary.py holds them to
-this table) and the docs (the tables in analysis/README.md and docs/algorithms.md are `markdown_table`'s output,
+study/run/trackers.py), analysis (analysis/runs/vocab.py names the columns it reads; tests/test_vocabulary.py holds them
+to this table) and the docs (the tables in analysis/README.md and docs/algorithms.md are `markdown_table`'s output,
 written by `python -m study.tools.metric_docs` and compared by tests/study/run/test_metrics.py).
 
 metrics.parquet has one row per step. Analysis reads these names and never an algorithm's; every variant logs every
@@ -36,7 +36,7 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.exp() - 1 - log_ratio
 
 
-_LOOP = "study.rl.StepMeasures"
+_LOOP = "study.measures.StepMeasures"
 _COLLECT = "study.rl._collect"
 _UPDATE = "study.rl._update"
 _LOSS_SOURCES = {
@@ -167,7 +167,7 @@ STEP_METRICS: dict[str, Metric] = {
     ),
     "engine_routing_slot_mismatch": Metric(
         ("rollout engine vs trainer routing of the same tokens (NaN when the engine returns no routes)"),
-        "study.rl.StepMeasures.pi_old",
+        "study.measures.StepMeasures.pi_old",
     ),
     "expert_load_imbalance": Metric(
         "trainer expert load: per MoE layer, the most tokens any expert got over the mean per expert (N k / E), "
@@ -186,30 +186,30 @@ STEP_METRICS: dict[str, Metric] = {
         "study.policy.routing.expert_load",
     ),
     "tokens": Metric("response tokens of the step", _COLLECT),
-    "tokens_total": Metric("prompt + response tokens of the step", "study.rl.StepMeasures.finish"),
+    "tokens_total": Metric("prompt + response tokens of the step", "study.measures.StepMeasures.finish"),
     "compute_flops": Metric(
         "cumulative training compute (FLOPs estimate: rollout 2N, pi_old recompute 2N, update 6N per "
         "token, N active parameters, plus attention) - the x-axis of Figure 1",
-        "study.rl.StepMeasures",
+        "study.measures.StepMeasures",
     ),
     "wall_s": Metric(
         "cumulative wall seconds of the run's steps (evaluation and checkpoints excluded)",
-        "study.rl.StepMeasures.finish",
+        "study.measures.StepMeasures.finish",
     ),
     "time_rollout_s": Metric("seconds in rollout this step", _COLLECT),
     "time_old_logp_s": Metric(
-        "seconds in the pi_old recompute (and the KL reference's forward)", "study.rl.StepMeasures.timed"
+        "seconds in the pi_old recompute (and the KL reference's forward)", "study.measures.StepMeasures.timed"
     ),
     "time_update_s": Metric(
         "seconds in the minibatch updates (the first one's forward included where pi_old's pass made it)",
-        "study.rl.StepMeasures.timed",
+        "study.measures.StepMeasures.timed",
     ),
     "time_attribution_s": Metric(
         "routing_attribution only (NaN otherwise): seconds of its extra forwards, not counted in time_update_s "
         "(wall_s counts them)",
-        "study.rl.StepMeasures.updates",
+        "study.measures.StepMeasures.routing_attribution",
     ),
-    "time_sync_s": Metric("seconds pushing weights to the rollout engine", "study.rl.StepMeasures.timed"),
+    "time_sync_s": Metric("seconds pushing weights to the rollout engine", "study.measures.StepMeasures.timed"),
     "sync_parity_mean_abs": Metric(
         "right after the weight sync, every sync_check_every steps (NaN otherwise): mean |logp "
         "trainer - logp engine| of the response tokens of the batch's first 4 sequences, both scored teacher-forced on "

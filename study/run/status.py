@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runfiles import METRICS, flatten
 from runfiles.bounded import load_json, load_yaml
 from study.run.rundir import CRASH_FILE, FAILURE_FILE, LOCK_FILE, STATES, lock_held, read_regular
-from runfiles import flatten
 
 PENDING = "pending"
 """A run the study lists that has no run directory yet."""
@@ -138,13 +138,13 @@ def read_line(run_dir: Path, run_id: str, config: dict[str, Any], now: float) ->
         status = {}
         line.state, line.reason = UNREADABLE, f"status.json: {type(exc).__name__}: {exc}"
     frame = None
-    if (run_dir / "metrics.parquet").exists():
+    if (run_dir / METRICS).exists():
         import pandas as pd
 
         try:
-            if not (run_dir / "metrics.parquet").is_file():  # a FIFO would block the reader
+            if not (run_dir / METRICS).is_file():  # a FIFO would block the reader
                 raise ValueError("not a regular file")
-            frame = pd.read_parquet(run_dir / "metrics.parquet")
+            frame = pd.read_parquet(run_dir / METRICS)
         except Exception as exc:  # a damaged file is reported on the line, not raised
             line.reason = f"metrics.parquet unreadable: {type(exc).__name__}: {exc}"
     line.step = status.get("step") if isinstance(status.get("step"), int) else None

@@ -1,4 +1,4 @@
-"""Every metric name analysis reads is spelled once, in analysis/vocab.py (eval metrics are matched by prefix)."""
+"""Every metric name analysis reads is spelled once, in analysis/runs/vocab.py (eval metrics are matched by prefix)."""
 
 from __future__ import annotations
 
