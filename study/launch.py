@@ -554,20 +554,12 @@ def _raise_cancelled(signum: int, frame: Any) -> None:
 
 
 def _resources(args: argparse.Namespace, *, cpus: int, gpu_mem_gb: float = 0.0) -> Resources:
-    """The job's Resources from the command line's options (Resources validates them)."""
-    return Resources(
-        partition=args.partition,
-        account=args.account,
-        gpus=args.gpus,
-        nodes=args.nodes,
-        tasks_per_node=args.tasks_per_node,
-        gpu_mem_gb=gpu_mem_gb,
-        time_min=args.time_min,
-        mem_gb=args.mem_gb,
-        cpus=cpus,
-        max_timeouts=args.max_timeouts,
-        signal_delay_s=args.signal_delay_s,
-    )
+    """The job's Resources from the command line's options (Resources validates them): each field the option of its
+    name (--time-min: time_min), but `cpus` and `gpu_mem_gb`, which the caller resolves."""
+    options = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(Resources) if f.name not in ("cpus", "gpu_mem_gb")
+    }
+    return Resources(**options, cpus=cpus, gpu_mem_gb=gpu_mem_gb)
 
 
 def main(argv: list[str] | None = None) -> int:

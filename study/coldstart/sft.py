@@ -45,7 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from study.core.model_config import ModelConfig, ModelSpec, base_preset, model_label, model_spec, resolve_model
+from study.core.model_config import (
+    ModelConfig,
+    ModelSpec,
+    base_preset,
+    model_label,
+    model_spec,
+    positive_int,
+    resolve_model,
+)
 from study.data import tasks
 from study.data.tokenizer import EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TaskTokenizer, build_tokenizer
 from study.run.rundir import atomic_write, manifest, write_json
@@ -137,9 +145,7 @@ class ColdStartSettings:
             "threads",
             "tokenizer_n_per_task",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"coldstart.{name} = {value!r}: must be a positive integer")
+            positive_int(f"coldstart.{name}", getattr(self, name))
         for name in ("seed", "warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -35,6 +35,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def positive_int(where: str, value: Any) -> int:
+    """`value`, an int >= 1 (a bool is not one); else ValueError "`where` = `value`: must be a positive integer"."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where} = {value!r}: must be a positive integer")
+    return value
+
+
+def positive_number(where: str, value: Any) -> float | int:
+    """`value`, a finite int or float > 0 (a bool is not one); else ValueError "`where` = `value`: must be a positive
+    finite number"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{where} = {value!r}: must be a positive finite number")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the MoE policy."""
@@ -81,13 +96,9 @@ class ModelConfig:
             "vocab_size",
             "max_seq_len",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} = {value!r}: must be a positive integer")
+            positive_int(f"model.{name}", getattr(self, name))
         for name in ("rotary_base", "norm_eps", "init_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
-                raise ValueError(f"model.{name} = {value!r}: must be a positive finite number")
+            positive_number(f"model.{name}", getattr(self, name))
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"model.num_query_groups = {self.num_query_groups} must divide "
@@ -369,12 +380,8 @@ def _shape_value(key: str, value: Any) -> Any:
         if isinstance(value, str):
             with contextlib.suppress(ValueError):
                 value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"model.{key} = {value!r}: must be a positive finite number")
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"model.{key} = {value!r}: must be a positive integer")
-    return value
+        return float(positive_number(f"model.{key}", value))
+    return positive_int(f"model.{key}", value)
 
 
 def base_preset(spec: ModelSpec) -> str:
@@ -435,9 +442,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in PARALLEL_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"parallel.{name} = {value!r}: must be a positive integer")
+            positive_int(f"parallel.{name}", getattr(self, name))
         for name, what in (("pipeline", "pipeline"), ("context", "context")):
             if getattr(self, name) != 1:
                 raise ValueError(

@@ -93,6 +93,15 @@ def _state_of(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> d
     return dict(model_or_state)
 
 
+def _layer_and_rest(pattern: re.Pattern[str], name: str, unknown: str) -> tuple[int, str]:
+    """A per-layer parameter's layer index and the name after its layer prefix (`pattern`: _MG_LAYER or _HF_LAYER);
+    KeyError "`unknown` `name`" for any other name."""
+    m = pattern.fullmatch(name)
+    if m is None:
+        raise KeyError(f"{unknown} {name!r}")
+    return int(m.group(1)), m.group(2)
+
+
 def _skippable(name: str) -> bool:
     # TransformerEngine's fp8 metadata and router bookkeeping buffers carry no weights.
     return name.endswith("_extra_state") or name.endswith(("local_tokens_per_expert", "expert_bias"))
@@ -154,10 +163,7 @@ def _hf_pieces(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, 
     """The (HF name, view of `t`) pairs of the Megatron weight `name`."""
     if name in _GLOBAL_RENAMES:
         return [(_GLOBAL_RENAMES[name], t)]
-    m = _MG_LAYER.fullmatch(name)
-    if m is None:
-        raise KeyError(f"no HF name for Megatron parameter {name!r}")
-    layer, rest = int(m.group(1)), m.group(2)
+    layer, rest = _layer_and_rest(_MG_LAYER, name, "no HF name for Megatron parameter")
     prefix = f"model.layers.{layer}."
     if rest in _LAYER_RENAMES:
         return [(prefix + _LAYER_RENAMES[rest], t)]
@@ -227,10 +233,7 @@ def hf_to_megatron(
         if name in inv_global:
             out[inv_global[name]] = clone(t)
             continue
-        m = _HF_LAYER.fullmatch(name)
-        if m is None:
-            raise KeyError(f"no Megatron name for HF parameter {name!r}")
-        layer, rest = int(m.group(1)), m.group(2)
+        layer, rest = _layer_and_rest(_HF_LAYER, name, "no Megatron name for HF parameter")
         prefix = f"decoder.layers.{layer}."
         if rest in inv_layer:
             out[prefix + inv_layer[rest]] = clone(t)
