@@ -44,6 +44,9 @@ OFF_VAR = "STUDY_HUGEPAGES"
 allows."""
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_GLIBC = (2, 35)
+MAX_ENV_STRING = 32 * 4096
+"""The kernel's limit on one "NAME=value" string of a new process's environment (MAX_ARG_STRLEN, NUL included):
+a GLIBC_TUNABLES that the tunables would take past it could not be passed to the re-executed process."""
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -98,6 +101,9 @@ def reason(environ: Mapping[str, str], *, platform: str, glibc: tuple[int, int] 
         return f"{found}; the tunable needs glibc >= {MIN_GLIBC[0]}.{MIN_GLIBC[1]}"
     if mode not in ("always", "madvise"):
         return f"the kernel's transparent huge pages are {mode or 'absent'}"
+    size = len(f"GLIBC_TUNABLES={tunables(environ)}".encode(errors="surrogateescape")) + 1
+    if size > MAX_ENV_STRING:
+        return f"GLIBC_TUNABLES with the tunables would be {size} bytes, over the kernel's {MAX_ENV_STRING}"
     return None
 
 
@@ -116,13 +122,18 @@ def environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def reexec(argv: Sequence[str] | None = None) -> None:
     """Replace this process by `argv` (default: its own command line, interpreter options included) with the
-    tunables set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=0 among them); otherwise return."""
+    tunables set, where `why_not` finds no reason against it (STUDY_HUGEPAGES=0 among them); otherwise return. An
+    exec the kernel refuses (an environment too large to pass on) returns too, saying so on stderr: the process goes
+    on with 4 KiB pages, as `describe` then records."""
     if why_not(os.environ) is not None:
         return
     argv = list(sys.orig_argv if argv is None else argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, environment(os.environ))
+    try:
+        os.execve(sys.executable, argv, environment(os.environ))
+    except OSError as err:
+        print(f"huge pages: not re-executed with the malloc tunables ({err.strerror}); 4 KiB pages", file=sys.stderr)
 
 
 def describe(environ: Mapping[str, str] = os.environ) -> str:

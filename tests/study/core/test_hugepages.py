@@ -98,6 +98,26 @@ def test_the_process_re_executes_once_keeping_pid_options_and_arguments() -> Non
     assert done == "done"
 
 
+NEAR_THE_LIMIT = "glibc.malloc.arena_max=4:" + "x" * (128 * 1024 - 100)
+"""A GLIBC_TUNABLES that passes the kernel's limit on one environment string (128 KiB) once the settings are added."""
+
+
+def test_a_glibc_tunables_the_settings_would_take_past_the_kernels_limit_stays_put() -> None:
+    # before: the re-execution's execve failed with E2BIG and every entry point died with a traceback
+    near = {"GLIBC_TUNABLES": NEAR_THE_LIMIT}
+    assert "over the kernel's 131072" in (hugepages.reason(near, **LINUX) or "")
+    assert hugepages.reason({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, **LINUX) is None
+
+
+@pytest.mark.skipif(not _machine_allows(), reason=f"no re-execution here: {hugepages.why_not(ASKED)}")
+def test_an_entry_point_with_a_huge_glibc_tunables_runs_on() -> None:
+    env = _environ(GLIBC_TUNABLES=NEAR_THE_LIMIT)
+    out = subprocess.run([sys.executable, "-B", "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    before, done = out.stdout.splitlines()
+    assert before.split()[1] == env["GLIBC_TUNABLES"] and done == "done"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("asked", [True, False])
 def test_a_cli_run_records_its_memory_pages_in_the_manifest(tmp_path: Path, asked: bool) -> None:
