@@ -69,30 +69,43 @@ def _knobs(run: Any) -> dict[str, Any]:
     }
 
 
-def _with_evaluation(cfg: Any, parts: dict[str, float], eval_size: int, eval_samples: int) -> dict[str, float]:
-    """`parts` with `evaluation`: the held-out evaluation's rollout (eval_size prompts x eval_samples samples in one
+def _with_evaluation(cfg: Any, parts: dict[str, float], evals: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """`parts` with `evaluation`: the largest held-out evaluation's rollout (each set's prompts x samples in one
     generate), which lands on top where the step's rollout or sync would; the peak takes the largest of the three."""
     new_tokens = parts["new_tokens"]
-    evaluation = _estimate(cfg, prompts=eval_size, group=eval_samples, new_tokens=new_tokens, minibatches=1)["rollout"]
+    evaluation = max(
+        _estimate(cfg, prompts=size, group=samples, new_tokens=new_tokens, minibatches=1)["rollout"]
+        for size, samples in evals.values()
+    )
     before = max(parts["rollout"], parts["sync"])
     return {**parts, "evaluation": evaluation, "peak": parts["peak"] - before + max(before, evaluation)}
 
 
-def _run_peak(cfg: Any, knobs: dict[str, Any], evals: tuple[int, int] | None) -> dict[str, float]:
+def _run_peak(cfg: Any, knobs: dict[str, Any], evals: dict[str, tuple[int, int]]) -> dict[str, float]:
     parts = {**_estimate(cfg, **knobs), "new_tokens": knobs["new_tokens"]}
-    parts = _with_evaluation(cfg, parts, *evals) if evals is not None else parts
+    parts = _with_evaluation(cfg, parts, evals) if evals else parts
     parts.pop("new_tokens")
     return parts
 
 
-def _evals(run: Any) -> tuple[int, int] | None:
-    return (run.eval_size, run.eval_samples) if run.eval_every else None
+EVAL_FIELDS = {"validation": ("eval_size", "eval_samples"), "test": ("eval_test_size", "eval_test_samples")}
+"""The (problems, samples per problem) fields of each held-out evaluation a run makes: the validation sets at every
+evaluation, the test split at the first and the last (RunConfig.eval_plan)."""
+
+
+def _evals(run: Any) -> dict[str, tuple[int, int]]:
+    """(problems, samples) of each held-out evaluation `run` makes, by EVAL_FIELDS' name; none without eval_every."""
+    if not run.eval_every:
+        return {}
+    evals = {name: (getattr(run, size), getattr(run, samples)) for name, (size, samples) in EVAL_FIELDS.items()}
+    return {name: shape for name, shape in evals.items() if shape[0] > 0}
 
 
 def run_estimate(run: Any) -> dict[str, float]:
     """Bytes of `run` (a RunConfig) at its peak, by part: the planner's CPU-run estimate (prompts up to 1024 tokens,
-    as `check_run_fits` assumes) plus `positions`, and with held-out evaluations (`eval_every` > 0) the evaluation's
-    rollout of eval_size x eval_samples sequences (`evaluation`)."""
+    as `check_run_fits` assumes) plus `positions`, and with held-out evaluations (`eval_every` > 0) the largest
+    evaluation's rollout: eval_size x eval_samples sequences, or the test split's eval_test_size x eval_test_samples
+    (`evaluation`)."""
     return _run_peak(run.model_config(), _knobs(run), _evals(run))
 
 
@@ -118,10 +131,11 @@ def _culprit(run: Any) -> str:
     for name, knob in _RUN_FIELDS.items():
         smaller = {**knobs, knob: 1, "minibatches": 1}
         trials[f"{name} = {getattr(run, name)}"] = _run_peak(cfg, smaller, _evals(run))["peak"]
-    if run.eval_every:
-        for name in ("eval_size", "eval_samples"):
-            evals = (1, run.eval_samples) if name == "eval_size" else (run.eval_size, 1)
-            trials[f"{name} = {getattr(run, name)}"] = _run_peak(cfg, knobs, evals)["peak"]
+    evals = _evals(run)
+    for which, (size, samples) in evals.items():
+        for i, name in enumerate(EVAL_FIELDS[which]):
+            one = (1, samples) if i == 0 else (size, 1)
+            trials[f"{name} = {getattr(run, name)}"] = _run_peak(cfg, knobs, {**evals, which: one})["peak"]
     return min(trials, key=trials.__getitem__)
 
 

@@ -482,6 +482,7 @@ def test_resume_with_a_truncated_optional_table_warns_and_goes_on(
         (["model.max_seq_len=1000000000"], "model.max_seq_len = 1000000000"),
         (["model.vocab_size=1000000000"], "model.vocab_size = 1000000000"),
         (["eval_every=1", "eval_samples=1000000"], "eval_samples = 1000000"),  # the evaluation's one generate
+        (["eval_every=1", "eval_test_size=512", "eval_test_samples=100000"], "eval_test_samples = 100000"),  # tests
     ],
 )
 def test_a_run_too_big_for_the_machine_is_refused_naming_the_field(
