@@ -7,11 +7,15 @@
 #
 #     scripts/rehearse_offline_node.sh          # results in $OUT (default ./rehearsal)/gpu_check.json and .log
 #     WHEELHOUSE=/path/to/wheelhouse scripts/rehearse_offline_node.sh    # a wheelhouse built before (cp312)
+#     REHEARSAL_SHM_MB=0 scripts/rehearse_offline_node.sh                # the host's /dev/shm
 #
 # Steps: (1) the image, once, into $REHEARSAL_IMAGE (a Python 3.12 venv, from the package index; cached); (2) the
 # wheelhouse for cp312 (cached in ./wheelhouse); (3) the check in a fresh copy of the checkout (git archive HEAD plus
-# the wheelhouse: what travels) with the network cut off (`unshare -rn`: a namespace with no interface but loopback;
-# where that is refused, pip forced offline: PIP_NO_INDEX=1, proxies to nowhere). Exit code: the check's.
+# the wheelhouse: what travels) on the machine a lent node may be: namespaces of its own (`unshare -rmnu`) with no
+# interface but loopback, a /dev/shm of REHEARSAL_SHM_MB MiB (64, a container's default), a host name in no hosts
+# file and a DNS server that never answers (a resolv.conf naming UNROUTED_DNS, routed to loopback inside the
+# namespace: a lookup waits out its timeout, and nothing leaves). Where those namespaces are refused: the network cut
+# off alone (`unshare -rn`), else pip forced offline (PIP_NO_INDEX=1, proxies to nowhere). Exit code: the check's.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -59,15 +63,26 @@ mkdir -p "$OUT"
 export OUT GPU_PYTHON=$IMAGE/bin/python STUDY_NATIVE=0 PIP_NO_INDEX=1 PIP_FIND_LINKS= PIP_CONFIG_FILE=/dev/null \
     HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9 \
     https_proxy=http://127.0.0.1:9 HF_HUB_OFFLINE=1
-if unshare -rn true 2>/dev/null; then
-    NET="unshare -rn"
-    log "network: off (unshare -rn: only loopback)"
+SHM_MB=${REHEARSAL_SHM_MB:-64}
+UNROUTED_DNS=10.255.255.1
+printf 'nameserver %s\n' "$UNROUTED_DNS" >"$WORK.resolv.conf"
+trap 'rm -rf "$WORK" "$WORK.resolv.conf"' EXIT
+MACHINE="ip link set lo up && hostname rehearsal-$RANDOM$RANDOM && mount --bind $WORK.resolv.conf /etc/resolv.conf"
+MACHINE+=" && ip route add $UNROUTED_DNS/32 dev lo"
+(( SHM_MB > 0 )) && MACHINE+=" && mount -t tmpfs -o size=${SHM_MB}m tmpfs /dev/shm"
+if unshare -rmnu bash -c "$MACHINE" 2>/dev/null; then
+    NET="unshare -rmnu"
+    log "machine: only loopback, /dev/shm ${SHM_MB} MiB (0: the host's), a host name in no hosts file, a DNS" \
+        "server that does not answer ($UNROUTED_DNS)"
+elif unshare -rn true 2>/dev/null; then
+    NET="unshare -rn" MACHINE="ip link set lo up"
+    log "machine: unshare -rmnu refused here; the network off alone (unshare -rn: only loopback)"
 else
-    NET=""
-    log "network: unshare -rn refused here; pip forced offline instead (PIP_NO_INDEX=1, proxies to nowhere)"
+    NET="" MACHINE=true
+    log "machine: unshare -rn refused here; pip forced offline instead (PIP_NO_INDEX=1, proxies to nowhere)"
 fi
 set +e
-$NET bash -c 'ip link set lo up 2>/dev/null; cd "$0" && scripts/gpu_check.sh' "$WORK"
+$NET bash -c "$MACHINE"' && cd "$0" && df -m /dev/shm | tail -1 >&2 && scripts/gpu_check.sh' "$WORK"
 RC=$?
 set -e
 log "rc $RC; $(( $(date +%s) - T0 )) s in all; results in $OUT/gpu_check.json, the parts' output in $OUT/gpu_check.log"
