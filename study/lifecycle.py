@@ -44,6 +44,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
     it makes, so RunConfig.validate leaves them to here), the user data's prompts against the model's length, and a
     resumed run's manifest.json and trackers.json."""
+    check_results(run_dir, results)
     check_layout(cfg, results)
     cpus = os.cpu_count() or 1
     if cfg.threads > cpus:
@@ -61,6 +62,17 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     trackers.read_state(run_dir)  # a resume: the trackers' record (their runs, the study and tags), never replaced
 
 
+def check_results(run_dir: Path, results: Path) -> None:
+    """The run directory can be made under the results directory: the nearest of its folders that exists is a
+    directory (a file in the path, `--results out.txt/r`, would fail the first write); ValueError naming it."""
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(
+            f"results = {str(results)!r}: {existing} is a file, not a directory, so the run directory {run_dir} "
+            "cannot be made; valid: --results naming a directory, or a path whose existing parts are directories"
+        )
+
+
 def check_coldstart_dir(cfg: RunConfig) -> None:
     """A named cold start (`coldstart: DIR`): a cold-start directory (policy.pt, a state dict of tensors, checked
     without running anything it holds) or an HF checkpoint (study.coldstart.hf_import.check_files: every file it
@@ -74,6 +86,12 @@ def check_coldstart_dir(cfg: RunConfig) -> None:
             f"coldstart = {cfg.coldstart!r}: no such directory; valid: 'auto', 'scratch', a "
             "cold-start directory (policy.pt) or an HF checkpoint directory"
         )
+    for name in ("policy.pt", "config.json", "tokenizer.json"):
+        if (directory / name).exists() and not (directory / name).is_file():  # a FIFO would be waited on for ever
+            raise ValueError(
+                f"coldstart = {cfg.coldstart!r}: {name} is not a regular file (a FIFO, device or directory); "
+                "valid: a cold-start directory (policy.pt) or an HF checkpoint directory, each file a regular file"
+            )
     policy = directory / "policy.pt"
     if not policy.is_file() and not hf_import.is_hf_checkpoint(directory):
         raise ValueError(

@@ -58,7 +58,7 @@ from typing import Any, Literal
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as RG_DATASETS
 
-from runfiles.bounded import load_json
+from runfiles.bounded import BoundError, load_json, read_bytes
 from study.data import arith, sandbox
 
 ANSWER_DELIMITER = "####"
@@ -690,12 +690,29 @@ def _check_verifier(verifier: str) -> None:
         )
 
 
+MAX_DATA_BYTES = 1 << 30
+"""Largest user data file read (bytes)."""
+
+
+def read_data_file(path: str | Path) -> bytes:
+    """The bytes of the user data file `path`, read with runfiles.bounded's reader (no FIFO, device or directory,
+    at most MAX_DATA_BYTES): what the rows are parsed from and what a run id hashes. FileNotFoundError for none;
+    ValueError naming the file, what it is and the fix otherwise."""
+    try:
+        return read_bytes(path, max_bytes=MAX_DATA_BYTES)
+    except BoundError as err:
+        raise ValueError(f"user data {path}: {err}; valid: a .jsonl or .parquet file") from None
+
+
 def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(row label for errors, row) pairs of a .jsonl or .parquet file."""
     suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"user data {path}: unsupported file type {path.suffix!r}; valid: .jsonl, .parquet")
+    data = read_data_file(path)
     if suffix == ".jsonl":
         rows = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -707,12 +724,24 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             rows.append((where, row))
         return rows
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
-    raise ValueError(f"user data {path}: unsupported file type {path.suffix!r}; valid: .jsonl, .parquet")
+    table = pq.read_table(pa.BufferReader(data))
+    return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def _non_finite(value: Any, where: str) -> str | None:
+    """The dotted place of the first number in `value` that is not finite (inf, -inf, NaN), None when all are."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where} = {value}"
+    if isinstance(value, dict):
+        items: Iterator[tuple[str, Any]] = ((f"{where}.{k}", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for place, v in items if (found := _non_finite(v, place)) is not None), None)
 
 
 def load_user_data(
@@ -728,14 +757,18 @@ def load_user_data(
     (`exact`, `numeric`, or a reasoning-gym task name, whose scorer may read `metadata`, e.g. countdown's numbers
     and target). Prompts are used verbatim. A solution without `####` gets `\\n#### <answer>` appended; a missing
     one becomes `#### <answer>`. Every row's own solution must score 1.0, so a row the verifier cannot accept is
-    caught here. Errors name the file, the row and the field."""
+    caught here, and every number of a row's answer and metadata must be finite. The file is read with the bounded
+    reader (`read_data_file`). Errors name the file, the row and the field; a sandboxed verifier that this machine
+    cannot lock down is refused before any row (study.data.sandbox.SandboxRefused)."""
     _check_verifier(verifier)
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"user data: no such file {path}")
     rows = _read_rows(path)
     if not rows:
         raise ValueError(f"user data {path}: no rows")
+    if verifier not in NATIVE_VERIFIERS:
+        sandbox.level(verifier)  # SandboxRefused, one line naming why and how to allow it, before any row
     items = []
     for where, row in rows:
         prompt = row.get(prompt_field)
@@ -763,6 +796,10 @@ def load_user_data(
                 raise ValueError(f"{where}: field {metadata_field!r} is not valid JSON ({why})") from None
         if not isinstance(metadata, dict):
             raise ValueError(f"{where}: field {metadata_field!r} must be an object, got {type(metadata).__name__}")
+        for name, value in ((answer_field, row.get(answer_field)), (metadata_field, metadata)):
+            found = _non_finite(value, name)
+            if found is not None:  # countdown's target = inf would accept every expression
+                raise ValueError(f"{where}: {found}; valid: finite numbers (no inf, -inf or NaN)")
         item = TaskItem(
             task="user", prompt=prompt, solution=solution, answer=answer, verifier=verifier, metadata=dict(metadata)
         )

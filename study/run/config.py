@@ -9,6 +9,8 @@ import functools
 import hashlib
 import json
 import math
+import re
+import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ ENGINES = ("hf", "vllm")
 """The rollout engines a run may name: the one list of engine names (study/rollout registers a class under each)."""
 PROMPT_FILTERS = ("none", "mastered")
 RECOMPUTE = ("none", "selective")
+EXPERTS = ("auto", "grouped", "sequential")
+"""How the training engine computes a layer's experts (RunConfig.experts; study/policy/experts.py)."""
 """Activation recompute of the training engine (RunConfig.recompute)."""
 """Which training prompts leave the stream (RunConfig.prompt_filter)."""
 
@@ -122,6 +126,12 @@ class RunConfig:
     "selective": each layer's core attention is recomputed in the backward instead of keeping its (B, heads, S, S)
     scores). Megatron's "full" recompute is not offered: the loop backpropagates after the routing-replay context of
     the forward has closed, so a recomputed forward would route freely. The same gradients: not in the run id."""
+    experts: str = "auto"
+    """How the training engine computes each layer's experts (study/policy/experts.py): grouped (each projection of
+    every expert one grouped GEMM, forward and backward), sequential (the experts one after another in one autograd
+    Function; megatron's SequentialMLP where that Function is not exact), or auto (grouped on CUDA, sequential on the
+    CPU, where it is faster: docs/performance.md). The same parameters, names and checkpoints either way, and the
+    same numbers to rounding (bit for bit on the CPU): not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     engine_router_noise: float = 0.0
@@ -244,6 +254,7 @@ class RunConfig:
         _choice("old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
         _choice("prompt_filter", self.prompt_filter, PROMPT_FILTERS)
         _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("experts", self.experts, EXPERTS)
         self._validate_precision()
         for name in (
             "steps",
@@ -366,6 +377,8 @@ class RunConfig:
     def user_rows(self, name: str = "data") -> tuple[Any, ...]:
         """The items of task = "user"'s file `name` ("data" or "eval_data"), one per row in the file's order
         (study.data.tasks.load_user_data, cached by content); () when the field is empty. Errors name the field."""
+        from study.data import sandbox
+
         path = getattr(self, name)
         if not path:
             return ()
@@ -373,6 +386,8 @@ class RunConfig:
             return _load_user_data(path, self.verifier, _file_digest(path))
         except (OSError, ValueError) as e:
             raise ValueError(f"{name} = {path!r}: {e}") from None
+        except sandbox.SandboxRefused as e:
+            raise ValueError(f"verifier = {self.verifier!r}: {e}") from None
 
     def _validate_test_split(self) -> None:
         from study.data import tasks
@@ -501,6 +516,7 @@ NOT_HASHED: tuple[str, ...] = (
     "parallel",
     "micro_batch",
     "recompute",
+    "experts",
 )
 # Fields hashed only when not at their default (added after runs existed; the default computes what runs did before).
 HASHED_IF_SET: dict[str, Any] = {
@@ -548,11 +564,11 @@ def _file_digest(path: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 of the bytes the bounded reader gives (study.data.tasks.read_data_file: a FIFO or device is refused,
+    never waited on)."""
+    from study.data import tasks
+
+    return hashlib.sha256(tasks.read_data_file(path)).hexdigest()
 
 
 @functools.lru_cache(maxsize=16)
@@ -605,9 +621,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} = {value!r}: must be a mapping")
-        return {k: _scalar(v) if isinstance(v, str) else v for k, v in value.items()}
+        return {k: _scalar(v, f"{key}.{k}") if isinstance(v, str) else v for k, v in value.items()}
     if hint is float and isinstance(value, str):
-        value = _scalar(value)  # YAML 1.1 reads 1e-4 as a string
+        value = _scalar(value, key)  # YAML 1.1 reads 1e-4 as a string
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is bool and not isinstance(value, bool):
@@ -665,9 +681,11 @@ def parse_set(items: list[str]) -> dict[str, Any]:
                 "(put a long value in a config file)"
             )
         try:
-            value = _scalar(raw)
+            value = _scalar(raw, key)
         except yaml.YAMLError as err:
             raise ValueError(f"--set {item!r}: the value is not valid YAML ({_yaml_error(err)})") from None
+        except ValueError as err:  # a number of more digits than Python reads
+            raise ValueError(f"--set {err}") from None
         if "." in key:
             key, sub = key.split(".", 1)
             value = {sub: value}
@@ -675,13 +693,15 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _scalar(raw: str) -> Any:
-    """int, then float (YAML 1.1 reads "5e-3" as a string), then any YAML scalar or flow collection."""
+def _scalar(raw: str, key: str = "value") -> Any:
+    """int, then float (YAML 1.1 reads "5e-3" as a string), then any YAML scalar or flow collection; ValueError
+    naming `key` for an integer of more digits than Python reads (which float() would read as inf)."""
     for parse in (int, float):
         try:
             return parse(raw)
         except ValueError:
-            pass
+            if parse is int and re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+                raise ValueError(_too_many_digits(key, raw.strip())) from None
     return load_yaml(raw) if raw else ""
 
 
@@ -711,11 +731,14 @@ def _yaml_error(err: yaml.YAMLError) -> str:
 
 
 def read_yaml_file(path: str | Path, *, what: str) -> Any:
-    """The YAML document in `path`; a missing file, a directory or invalid YAML is a ValueError naming the path and
-    `what` it should be."""
+    """The YAML document in `path`; a missing file, a directory, a FIFO or device, invalid YAML or a number of more
+    digits than Python reads is a ValueError naming the path (and the key) and `what` it should be."""
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{path}: is a directory; give {what}")
+    if p.exists() and not p.is_file():  # a FIFO would be waited on for ever, a device read for ever
+        kind = "a FIFO" if p.is_fifo() else "a device or socket"
+        raise ValueError(f"{path}: not a regular file ({kind}); give {what}")
     try:
         return read_yaml(p)
     except FileNotFoundError:
@@ -724,3 +747,23 @@ def read_yaml_file(path: str | Path, *, what: str) -> Any:
         raise ValueError(f"{path}: unreadable ({err}); give {what}") from None
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({_yaml_error(err)})") from None
+    except ValueError as err:  # the YAML reader's int(): a number of more digits than Python reads
+        found = _LONG_NUMBER.search(p.read_text(encoding="utf-8", errors="replace"))
+        if found is None:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        raise ValueError(f"{path}: {_too_many_digits(found['key'], found['number'])}") from None
+
+
+_LONG_NUMBER = re.compile(
+    r"^[ \t-]*(?P<key>[^\s:#'\"][^:#\n]*?)[ \t]*:[ \t]*(?P<number>[+-]?\d{"
+    + str(sys.get_int_max_str_digits() + 1)
+    + r",})[ \t]*$",
+    re.MULTILINE,
+)
+"""A YAML line `key: <a number of more digits than Python reads>`."""
+
+
+def _too_many_digits(key: str, number: str) -> str:
+    digits = len(number.lstrip("+-"))
+    limit = sys.get_int_max_str_digits()
+    return f"{key} = a {digits}-digit number; valid: a number of at most {limit} digits"

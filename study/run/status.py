@@ -344,8 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = Path(args.results)
     try:
-        if args.interval <= 0:
-            raise ValueError(f"--interval = {args.interval}: valid: a number of seconds > 0")
+        if not (math.isfinite(args.interval) and args.interval > 0):  # nan > 0 is false, and so is nan <= 0
+            raise ValueError(f"--interval = {args.interval}: valid: a finite number of seconds > 0")
         if args.watch:
             return watch(results, args.study, interval=args.interval, as_json=args.json)
         lines = collect(results, args.study)

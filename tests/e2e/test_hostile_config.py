@@ -100,3 +100,56 @@ def test_status_and_analysis_list_a_deep_config_as_unreadable(deep_run: Path) ->
     assert config == {} and NESTED in why, why
     data, reason = rundir._read_config(deep_run)
     assert data == {} and NESTED in reason, reason
+
+
+FIVE_THOUSAND_DIGITS = "1" * 5000
+"""A seed longer than Python reads as a number (4,300 digits): float() read it as inf, int() raised unexplained."""
+
+
+def test_a_5000_digit_seed_names_the_field_and_the_fix(tmp_path: Path, capsys) -> None:
+    results = ["--results", str(tmp_path / "results"), "--quiet"]
+    valid = "valid: a number of at most 4300 digits"
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", f"seed={FIVE_THOUSAND_DIGITS}", *results])
+    assert "seed = a 5000-digit number" in line and valid in line, line
+    config = tmp_path / "run.yaml"
+    config.write_text(f"seed: {FIVE_THOUSAND_DIGITS}\n")
+    line = error_line(capsys, ["run", str(config), "--preset", "tiny", *results])
+    assert f"{config}: seed = a 5000-digit number" in line and valid in line, line
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_nan_interval_names_the_option_and_the_fix(tmp_path: Path, capsys) -> None:
+    line = error_line(capsys, ["status", str(tmp_path), "--watch", "--interval", "nan"])
+    assert line == "error: --interval = nan: valid: a finite number of seconds > 0", line
+
+
+def test_a_results_path_under_a_file_names_it_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    results = afile / "results"
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", "coldstart=scratch", "--results", str(results)])
+    assert f"results = {str(results)!r}: {afile} is a file, not a directory" in line and "valid: --results" in line
+    config = tmp_path / "run.yaml"
+    rundir.write_yaml(config, load_config(preset="tiny", sets=["coldstart=scratch"]).to_dict())
+    line = error_line(capsys, [str(config), "--results", str(results)], main=launch.main)
+    assert f"{afile} is a file, not a directory" in line, line
+    assert afile.read_text() == "x"
+
+
+def test_a_fifo_config_or_cold_start_file_is_refused_not_waited_on(tmp_path: Path, capsys) -> None:
+    import os
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    results = ["--results", str(tmp_path / "results")]
+    line = error_line(capsys, ["run", str(fifo), "--quiet", *results])
+    assert line == f"error: {fifo}: not a regular file (a FIFO); give a YAML file of RunConfig fields", line
+    line = error_line(capsys, [str(fifo), *results], main=launch.main)
+    assert f"{fifo}: not a regular file (a FIFO)" in line, line
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    os.mkfifo(checkpoint / "config.json")
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", f"coldstart={checkpoint}", "--quiet", *results])
+    assert f"coldstart = {str(checkpoint)!r}: config.json is not a regular file (a FIFO" in line, line
+    assert not (tmp_path / "results").exists()

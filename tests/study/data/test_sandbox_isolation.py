@@ -280,8 +280,14 @@ except sandbox.SandboxRefused as e:
     out["refused"] = str(e)
 try:
     tasks.load_user_data(sys.argv[1], verifier="bitwise_arithmetic")
-except ValueError as e:
+except sandbox.SandboxRefused as e:
     out["load"] = str(e)
+from study.run.config import load_config
+try:
+    sets = ["task=user", f"data={sys.argv[1]}", "verifier=bitwise_arithmetic", "coldstart=scratch"]
+    load_config(preset="tiny", sets=sets)
+except ValueError as e:
+    out["config"] = str(e)
 os.environ[sandbox.WEAK_ENV] = "1"
 out["level"] = sandbox.level("bitwise_arithmetic")
 out["items"] = len(tasks.load_user_data(sys.argv[1], verifier="bitwise_arithmetic"))
@@ -302,7 +308,8 @@ def test_a_sandbox_below_the_full_level_is_refused_unless_accepted(tmp_path: Pat
     for part in ("seccomp", sandbox.FULL_LEVEL, "no ipc-ns: unshare: Operation not permitted", "no keyring: keyctl"):
         assert part in refused, refused
     assert f"set {sandbox.WEAK_ENV}=1" in refused and "\n" not in refused, refused
-    assert f"{sandbox.WEAK_ENV}=1" in out.get("load", "") and "\n" not in out["load"], out
+    assert out.get("load") == refused, out  # the refusal itself, before any row: not "failed on this row"
+    assert out.get("config") == f"verifier = 'bitwise_arithmetic': {refused}", out
     assert out["level"] == "seccomp" and out["items"] == 1, out
 
 

@@ -324,6 +324,45 @@ def test_bad_user_parquet_and_files(tmp_path: Path) -> None:
         load_user_data(tmp_path / "missing.jsonl", verifier="exact")
 
 
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ({"metadata": {"numbers": [3, 4, 5], "target": float("inf")}}, r"metadata.target = inf; valid: finite"),
+        ({"metadata": '{"numbers": [3, 4, 5], "target": -Infinity}'}, r"metadata.target = -inf; valid: finite"),
+        ({"metadata": {"numbers": [3, float("nan"), 5], "target": 27}}, r"metadata.numbers\[1\] = nan; valid"),
+    ],
+)
+def test_user_data_numbers_must_be_finite(tmp_path: Path, row: dict, match: str) -> None:
+    # before: "target": Infinity passed, and every expression of the numbers scored 1.0 (|v - inf| <= inf)
+    base = {"prompt": "countdown 27 from 3,4,5\n", "answer": "(4+5)*3"}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({**base, **row}) + "\n")  # json writes inf and nan as Infinity and NaN
+    with pytest.raises(ValueError, match=rf"d.jsonl:1: {match}"):
+        load_user_data(path, verifier="countdown")
+
+
+def test_a_fifo_as_user_data_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """The data file and the run id's hash of it are read with the bounded reader: a FIFO is named, never opened
+    for a read that waits for a writer (before: the run id's hash hung for ever)."""
+    import os
+    import threading
+
+    from study.run.config import load_config
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    rescue = threading.Timer(20, lambda: open(fifo, "w").close())  # frees a reader that waits, so a failure ends
+    rescue.start()
+    try:
+        with pytest.raises(ValueError, match=r"user data .*rows.jsonl: not a regular file \(a FIFO\); valid: a .jsonl"):
+            load_user_data(fifo, verifier="exact")
+        sets = ["task=user", f"data={fifo}", "verifier=exact", "coldstart=scratch"]
+        with pytest.raises(ValueError, match=r"^data = .*rows.jsonl': user data .*: not a regular file \(a FIFO\)"):
+            load_config(preset="tiny", sets=sets)
+    finally:
+        rescue.cancel()
+
+
 @cache
 def _first_item(name: str) -> TaskItem:
     return make_task(name, seed=9)[0]
