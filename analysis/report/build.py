@@ -2,11 +2,12 @@
 and its Markdown twin `index.md`, rebuilt from run directories alone (nothing is rerun), with its tables as CSV under
 `tables/` and the figures (PNG, PDF, SVG) under `figures/`.
 
-What the report shows, section by section, is analysis.report.sections; how a block is written as HTML and Markdown,
+What the report shows is analysis.report.headline (the claims at a glance), analysis.report.evidence (the scorecard
+behind them) and analysis.report.sections (the rest); how a block is written as HTML and Markdown,
 analysis.report.render; where a study's runs, figures, side tables and notes are found, analysis.runs.results. This
 module puts them together: `build_report` for a loaded study, `report_from_results` for a results directory. Every file
 is written atomically (runfiles.atomic); the report is written whatever the runs hold: a run that cannot be read is
-listed with the reason and counted in the headline, never a crash.
+listed with the reason and counted under the headline, never a crash.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pandas as pd
 
 from analysis import figures
 from analysis.claims import declared, scorecard
-from analysis.report import render, sections
+from analysis.figures import claims_forest, style
+from analysis.report import evidence, headline, render, sections
 from analysis.runs import results
 from analysis.runs.tidy import Study
 from analysis.stats import gain
@@ -35,7 +37,7 @@ class Report:
     html: Path
     markdown: Path
     figures: dict[str, Path]
-    """figure name -> PNG embedded in the page."""
+    """figure name -> PNG embedded in the page (the study's figures, then the claims' forest under the headline)."""
     skipped: dict[str, str]
     scorecard: list[scorecard.ClaimResult]
     study: Study
@@ -55,20 +57,20 @@ def blocks(
     notes: results.StudyNotes | None = None,
     rules: scorecard.Rules = scorecard.RULES,
     algorithms: tuple[pd.DataFrame, str] | None = None,
+    forest: render.Figure | None = None,
 ) -> list[render.Block]:
-    """The page, section by section (analysis.report.sections): a line on the study, the outcome along off-policy
-    updates over its figure (when drawn), the headline and Figures 1-3 first, the provenance, configuration and runs
-    last."""
+    """The page, section by section: a line on the study and the headline (every claim's verdict on the first
+    screen, over the claims' `forest` figure), the outcome along off-policy updates over its figure (when drawn),
+    Figures 1-3, the scorecard; the provenance, configuration and runs last."""
     main = sections.figure_blocks(rendered, sections.MAIN_FIGURES, out_dir)
     return [
         sections.lead(study),
+        *headline.headline_section(cards, study, forest, rules),
         *sections.offpolicy_section(rendered, out_dir, rules.min_volatility),
-        render.h(2, "Headline", anchor="headline"),
-        render.Bullets(tuple(sections.headline(cards, study)) + tuple(sections.gain_headline(heldout)), "headline"),
         *([render.h(2, "Figures 1-3", anchor="main-figures"), *main] if main else []),
         *sections.routing_section(rendered, cards, out_dir),
         *sections.budget_section(budgets),
-        *sections.scorecard_section(cards, heldout, algorithms),
+        *evidence.scorecard_section(cards, heldout, algorithms),
         *sections.parity_section(parity),
         *sections.signal_section(study),
         *sections.setup_section(notes),
@@ -126,13 +128,32 @@ def build_report(
         if df is not None and (name not in ("coldstart_budgets", "precision_parity") or not df.empty):
             files.write(out / "tables" / f"{name}.csv", df.to_csv(index=False))
     notes = results.study_notes(sweep, doc) if sweep is not None else None
+    made = claims_forest.claims_forest(cards)
+    drawn = figures.Rendered(
+        {made.name: style.save(made.fig, out / "figures" / made.name)}, {made.name: made.caption}, {}, {}
+    )
+    (forest,) = sections.figure_blocks(drawn, [made.name], out)
     page, md = render.page(
         f"Report: {title}",
-        blocks(study, cards, rendered, problems, table_files, out, heldout, budgets, parity, notes, rules, algorithms),
+        blocks(
+            study,
+            cards,
+            rendered,
+            problems,
+            table_files,
+            out,
+            heldout,
+            budgets,
+            parity,
+            notes,
+            rules,
+            algorithms,
+            forest,
+        ),
     )
     html_path = files.write(out / "index.html", page)
     md_path = files.write(out / "index.md", md)
-    pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in rendered.paths.items()}
+    pngs = {n: next(p for p in ps if p.suffix == ".png") for n, ps in (rendered.paths | drawn.paths).items()}
     return Report(html_path, md_path, pngs, dict(rendered.skipped), cards, study)
 
 

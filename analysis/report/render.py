@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from analysis.figures.claims_forest import VERDICT_COLORS
 from analysis.report import markdown_html
 from analysis.stats.verdicts import css_class
 
@@ -40,15 +41,24 @@ LONG_CELL = 60
 rather than squeezing its text columns to one word per line."""
 
 
-def _html_table(df: pd.DataFrame, cls: str = "") -> str:
+def _html_table(df: pd.DataFrame, cls: str = "", labels: tuple[str, Sequence[str]] | None = None) -> str:
+    """`df` as an HTML table; `labels` = (column, one css class per row): that column's cells written as coloured
+    labels (`<span class="label CLASS">`)."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    column, classes = labels if labels is not None else (None, ())
 
-    def cell(v: Any) -> str:
+    def cell(v: Any, label: str | None) -> str:
         text = fmt(v)
         long = " class='long'" if len(text) > LONG_CELL else ""
-        return f"<td{long}>{html.escape(text)}</td>"
+        inner = html.escape(text) if label is None else f'<span class="label {label}">{html.escape(text)}</span>'
+        return f"<td{long}>{inner}</td>"
 
-    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in df.itertuples(index=False, name=None))
+    body = "".join(
+        "<tr>"
+        + "".join(cell(v, classes[i] if c == column else None) for c, v in zip(df.columns, row, strict=True))
+        + "</tr>"
+        for i, row in enumerate(df.itertuples(index=False, name=None))
+    )
     return f'<div class="wrap"><table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
@@ -100,17 +110,24 @@ def counted(d: Mapping[str, int]) -> str:
     return ", ".join(f"{k} ({n} run{'s' if n != 1 else ''})" for k, n in d.items()) if d else "none recorded"
 
 
+def _label_css() -> str:
+    """A verdict label's border in its verdict's colour (the headline figure's, claims_forest.VERDICT_COLORS)."""
+    return "".join(f".label.{css_class(v)}{{border-color:{c}}}" for v, c in VERDICT_COLORS.items())
+
+
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:.85em}td,th{border:1px solid #ccc;padding:.2em .5em;
 vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:.9em}
 .supported{background:#e5f5e0}.contradicted{background:#fde0dd}.inconclusive{background:#f7f7f7}
 .not-tested-in-regime{background:#e3eef8}
-ul.headline{list-style:none;padding:0}ul.headline li{margin:.3em 0;padding:.3em .6em;border-left:.4em solid #bbb}
-ul.headline li.supported{border-color:#009E73}ul.headline li.contradicted{border-color:#D55E00}
-ul.headline li.not-tested-in-regime{border-color:#0072B2}ul.headline li.not-read{border-color:#E69F00}
-ul.headline li.up{border-color:#009E73}
-ul.headline li.deviation{border-color:#CC79A7;background:#fbe9f3;font-weight:600}
-.wrap{overflow-x:auto}td.long{min-width:24em}"""
+.label{display:inline-block;padding:0 .5em;border:2px solid #bbb;border-radius:.8em;font-weight:600;
+white-space:nowrap}table.headline{margin-bottom:.5em}table.headline td{vertical-align:middle}
+table.headline td:nth-child(2){min-width:13em}table.headline td:nth-child(5){max-width:24em}
+details{margin:.5em 0 1em}summary{cursor:pointer;color:#0072B2}
+ul.lines{list-style:none;padding:0}ul.lines li{margin:.3em 0;padding:.3em .6em;border-left:.4em solid #bbb}
+ul.lines li.not-read{border-color:#E69F00}ul.lines li.up{border-color:#009E73}
+ul.lines li.deviation{border-color:#CC79A7;background:#fbe9f3;font-weight:600}
+.wrap{overflow-x:auto}td.long{min-width:24em}""" + _label_css()
 
 
 @dataclass(frozen=True)
@@ -165,12 +182,15 @@ class Para:
 
 @dataclass(frozen=True)
 class Table:
-    """A table printed in full."""
+    """A table printed in full; with `labels` (column, one css class per row) that column's cells are coloured
+    labels in HTML (the headline's verdicts), plain text in Markdown."""
 
     df: pd.DataFrame
+    labels: tuple[str, tuple[str, ...]] | None = None
+    cls: str = ""
 
     def html(self) -> str:
-        return _html_table(self.df)
+        return _html_table(self.df, self.cls, self.labels)
 
     def markdown(self) -> str:
         return _md_table(self.df)
@@ -204,26 +224,26 @@ class Figure:
 @dataclass(frozen=True)
 class ScorecardTable:
     """The scorecard: in HTML one row per claim coloured by verdict, its evidence one line each; in Markdown the
-    scorecard table."""
+    table. How each verdict was read (split, pairing, role) and its rule are elsewhere, once (the headline's
+    details, the scorecard's collapsed rules)."""
 
     cards: tuple[ClaimResult, ...]
     table: pd.DataFrame
-    """analysis.claims.scorecard.scorecard_table(cards)."""
+    """analysis.claims.scorecard.scorecard_table(cards), without the columns shown elsewhere."""
 
     def html(self) -> str:
         out = [
             '<table class="scorecard"><thead><tr><th>claim</th><th>statement</th><th>verdict</th><th>evidence</th>'
-            "<th>rule</th></tr></thead><tbody>"
+            "</tr></thead><tbody>"
         ]
         for r, row in zip(self.cards, self.table.itertuples(index=False), strict=True):
             ev = "<br>".join(html.escape(str(e)) for e in r.evidence) or html.escape(r.reason)
             strata = f"<br><small>{html.escape(row.strata)}</small>" if row.strata else ""
-            strata += f"<br><small>{html.escape(r.design)}</small>"
             if r.deviations:
                 strata += "<br><b>deviates from the declaration:</b> " + html.escape("; ".join(r.deviations))
             out.append(
                 f'<tr class="{css_class(r.verdict)}"><td>{r.claim}</td><td>{html.escape(r.statement)}</td>'
-                f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td><td>{html.escape(r.rule)}</td></tr>"
+                f"<td>{html.escape(row.verdict)}{strata}</td><td>{ev}</td></tr>"
             )
         out.append("</tbody></table>")
         return "\n".join(out)
@@ -302,7 +322,23 @@ class Notes:
         return "\n".join(out) + "\n"
 
 
-Block = Heading | Para | Table | Figure | ScorecardTable | Bullets | Pre | Notes
+@dataclass(frozen=True)
+class Details:
+    """Blocks one click away: a collapsed `<details>` section in HTML; in Markdown its summary in bold, then the
+    blocks."""
+
+    summary: str
+    blocks: tuple[Block, ...]
+
+    def html(self) -> str:
+        inner = "\n".join(b.html() for b in self.blocks)
+        return f"<details><summary>{html.escape(self.summary)}</summary>\n{inner}\n</details>"
+
+    def markdown(self) -> str:
+        return "\n".join([f"**{md_escape(self.summary)}**\n", *(b.markdown() for b in self.blocks)])
+
+
+Block = Heading | Para | Table | Figure | ScorecardTable | Bullets | Pre | Notes | Details
 
 
 def page(title: str, blocks: Sequence[Block]) -> tuple[str, str]:
@@ -322,6 +358,7 @@ __all__ = [
     "MAX_INLINE_ROWS",
     "Block",
     "Bullets",
+    "Details",
     "Figure",
     "Heading",
     "Inline",

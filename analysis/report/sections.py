@@ -1,13 +1,11 @@
-"""The report's sections, in the order a reader needs them, each a list of blocks (analysis.report.render): a line on
-the study (`lead`); for a study along off-policy updates, the outcome it shows over its figure
-(analysis.claims.offpolicy); the headline (one line per claim C1-C6: its verdict and the number it was decided on, after
-a line on the claims not tested in their regime and on the runs that could not be read; then the held-out gain); Figures
-1-3 and the routing-volatility figure with C3 and C4 per configuration; the cold start's generation budget; the
-scorecard (rules, evidence with intervals, per-stratum verdicts, held-out gain, power); the precision parity; the
-learning signal; how the study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the
-failed, collapsed, unreadable and missing runs with the rule or reason that flagged each; and at the end the study and
-its provenance (git sha, package versions, machine from the manifests; the config common to every run, the swept axes,
-and every run with its axis values and state).
+"""The report's sections after the headline (analysis.report.headline) and the scorecard (analysis.report.evidence),
+each a list of blocks (analysis.report.render): a line on the study (`lead`); for a study along off-policy updates,
+the outcome it shows over its figure (analysis.claims.offpolicy); Figures 1-3 and the routing-volatility figure with
+C3 and C4 per configuration; the cold start's generation budget; the precision parity; the learning signal; how the
+study was set up (its notes, docs/studies/<name>.md); the other figures and their tables; the failed, collapsed,
+unreadable and missing runs with the rule or reason that flagged each; and at the end the study and its provenance
+(git sha, package versions, machine from the manifests; the config common to every run, the swept axes, and every run
+with its axis values and state).
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ from analysis.runs.columns import ALGORITHM, EMULATED, METRIC, RUN_ID, STEP, VAL
 from analysis.runs.natural import natural_sorted
 from analysis.runs.results import StudyNotes
 from analysis.runs.tidy import Study
-from analysis.stats import collapse, design, power
+from analysis.stats import collapse, design
 from analysis.stats import gain as gain_
-from analysis.stats.verdicts import NOT_IN_REGIME, css_class
 
 
 def natural_sorted_text(values: Any) -> list[str]:
@@ -231,118 +228,6 @@ def study_section(study: Study, table_files: Mapping[str, Path], out_dir: Path) 
     ]
 
 
-def headline(cards: Sequence[scorecard.ClaimResult], study: Study | None = None) -> list[tuple[str, str, str]]:
-    """The headline's claim lines: first, when some claim was not tested in its regime (analysis.stats.regime), one line
-    saying which and why (the measured value against the threshold); then, when some runs of `study` could not be
-    read or are missing, one line counting them; then one line per claim: (css class, "C1 supported:", "statement —
-    number"), where the number is the quantity the verdict was read off (estimate [95% interval] (n)), or its range
-    over the strata, or why there is none."""
-    out = []
-    untested = [c for c in cards if c.regime]
-    if untested:
-        whole = [c.claim for c in untested if c.verdict == NOT_IN_REGIME]
-        parts = "; ".join(
-            f"{c.claim}: {c.regime}" + ("" if c.verdict == NOT_IN_REGIME else " (tested in its other strata)")
-            for c in untested
-        )
-        verb = (
-            f"{', '.join(whole)} {'was' if len(whole) == 1 else 'were'} not put to the test"
-            if whole
-            else "Some strata were not put to the test"
-        )
-        out.append(
-            (
-                css_class(NOT_IN_REGIME),
-                "Not tested in regime:",
-                f"{verb}: the runs did not reach the regime the "
-                f"claim is about, so no verdict for or against it is drawn there. {parts}.",
-            )
-        )
-    deviating = [c for c in cards if c.deviations]
-    if deviating:
-        parts = "; ".join(f"{c.claim} ({c.declared}): " + "; ".join(c.deviations) for c in deviating)
-        out.insert(
-            0,
-            (
-                "deviation",
-                "Deviation from the declared comparison:",
-                f"the runs do not match what the sweep "
-                f"file declared, so {', '.join(c.claim for c in deviating)} "
-                f"{'is' if len(deviating) == 1 else 'are'} exploratory, not confirmed: {parts}.",
-            ),
-        )
-    asked, gone = not_read(study) if study is not None else (0, 0)
-    if gone:
-        what = ", ".join(
-            f"{n} {k}" for k, n in (("unreadable", len(study.unreadable)), ("missing", len(study.missing))) if n
-        )
-        out.append(
-            (
-                "not-read",
-                "Runs not read:",
-                f"{gone} of the {asked} runs of the study ({what}) are in no "
-                "verdict, figure or table below; each is listed with the reason under 'Failed, collapsed, "
-                "unreadable and missing runs'.",
-            )
-        )
-    for c in cards:
-        stratified = len(c.strata) > 1
-        firsts = [e for e in c.evidence if e.verdict and e.verdict != scorecard.NO_DATA] if stratified else []
-        if c.verdict == NOT_IN_REGIME:
-            number = c.reason
-        elif stratified and firsts:
-            parts_ = []
-            for name in dict.fromkeys(e.name for e in firsts if e.verdict != NOT_IN_REGIME):
-                est = [e.estimate for e in firsts if e.name == name]
-                parts_.append(
-                    f"{name} = {min(est):.3g}" + (f" to {max(est):.3g}" if len(est) > 1 else "") + f" over {len(est)}"
-                    f" strat{'a' if len(est) > 1 else 'um'}"
-                )
-            number = "; ".join(parts_) + f" ({c.strata_summary})"
-        elif c.evidence and not stratified:
-            number = str(c.evidence[0])
-        else:
-            number = c.reason
-        shown = c.verdict == scorecard.INCONCLUSIVE or c.declared  # a declared verdict says what it is about
-        why = f" ({c.reason})" if shown and c.reason and number != c.reason else ""
-        paper = f"; {c.paper}" if c.paper else ""
-        text = f"{c.statement} \u2014 {number}{why}{paper} [{c.design}]"
-        if c.declared:  # the verdict is about the declared gap: it leads, the claim it is filed under follows
-            text = f"{c.reason}; filed under {c.claim}: \u201c{c.statement}\u201d{paper} [{c.design}]"
-        out.append((css_class(c.verdict), f"{c.claim} {c.reading}:", text))
-    return out
-
-
-def gain_headline(gain: gain_.HeldOutGain) -> list[tuple[str, str, str]]:
-    """The headline's held-out gain lines: per algorithm, what RL did to held-out pass@1 (HeldOutGain.lines), the
-    line green when its interval is above 0 in every configuration; or one line saying why it is not available."""
-    out = []
-    t = gain.table
-    for head, text in gain.lines():
-        rows = t[t["label"].astype(str) == head.removeprefix("Held-out gain, ").removesuffix(":")] if len(t) else t
-        up = len(rows) > 0 and bool((rows["low"].astype(float) > 0).all())
-        out.append(("up" if up else "", head, text))
-    return out
-
-
-def gain_table(gain: gain_.HeldOutGain) -> pd.DataFrame:
-    """The held-out gain table as the report prints it (numbers to 3 decimals: pass@1 values)."""
-    t = gain.table.copy()
-    for c in ("start", "final", "gain", "low", "high"):
-        t[c] = [f"{v:.3f}" if pd.notna(v) else "" for v in t[c]]
-    return t.drop(columns=[ALGORITHM]).rename(columns={"label": "algorithm", "n": "n (with a gain)"})
-
-
-def _gain_section(gain: gain_.HeldOutGain) -> list[render.Block]:
-    """The held-out gain (what RL did to held-out pass@1): its rule and its table, or why it is not available."""
-    out: list[render.Block] = [
-        render.h(3, "Held-out gain", anchor="heldout-gain"),
-        render.p(gain.rule[0].upper() + gain.rule[1:] + "."),
-    ]
-    out.append(render.Table(gain_table(gain)) if gain.available else render.p(f"Not available: {gain.reason}."))
-    return out
-
-
 SIGNAL_METRICS = ("zero_var_group_frac", "zero_var_solved_frac")
 """Groups without a learning signal (every reward equal), and the part of them the policy solves every time."""
 
@@ -397,21 +282,6 @@ def signal_section(study: Study) -> list[render.Block]:
     )
 
 
-SCORECARD_NOTE = (
-    "Intervals: 95% Student t over seeds (a mean: t with n - 1 df; a difference, contrast or ratio of independent "
-    "groups: within each seed, then over seeds, where the compared arms (or C6's lengths) ran the same seeds, else "
-    "Welch's; ratios on the log scale), except collapse "
-    "rates (C3, C4): "
-    "Newcombe's score interval, which unlike a bootstrap stays wide when no run collapsed; n = runs per group. "
-    "Claims are compared within each stratum of the other swept axes, never pooled across them; verdicts combine as: "
-    + scorecard.STRATA_RULE
-    + " (each claim's rule says what it was stratified on). Each verdict names its split (train, validation = "
-    "eval_in_dist / eval_hard, test = test_in_dist), its pairing with the unit of replication, and its role: decided "
-    "from a comparison the sweep file declared before its runs (primary or secondary), or exploratory (no declared "
-    "comparison, or runs that deviate from it): a finding to confirm."
-)
-
-
 ALGORITHM_REPS = 2000
 """Bootstrap resamples of the algorithm table's IQM and probability of improvement."""
 
@@ -458,29 +328,6 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     return out, what + note
 
 
-def scorecard_section(
-    cards: Sequence[scorecard.ClaimResult], gain: gain_.HeldOutGain, algorithms: tuple[pd.DataFrame, str] | None = None
-) -> list[render.Block]:
-    """The scorecard with its note on intervals and strata, the held-out gain, then the per-stratum verdicts when any
-    claim has strata."""
-    out: list[render.Block] = [
-        render.h(2, "Scorecard", anchor="scorecard"),
-        render.p(SCORECARD_NOTE),
-        render.ScorecardTable(tuple(cards), scorecard.scorecard_table(cards)),
-        *_gain_section(gain),
-    ]
-    if algorithms is not None and not algorithms[0].empty:
-        out += [
-            render.h(3, "Algorithms: mean, IQM and probability of improvement", anchor="algorithms"),
-            render.p(algorithms[1]),
-            render.Table(algorithms[0]),
-        ]
-    strata_df = scorecard.strata_table(cards)
-    if not strata_df.empty:
-        out += [render.h(3, "Per-stratum verdicts"), render.Table(strata_df)]
-    return out + _power_section(cards)
-
-
 def parity_section(parity: pd.DataFrame | None) -> list[render.Block]:
     """Emulated against real low precision on the machine that made the study (study/tools/parity.py, rule
     precision_parity): the |delta| distributions whose tail C5's mismatch depends on; nothing without the table."""
@@ -508,56 +355,6 @@ def parity_section(parity: pd.DataFrame | None) -> list[render.Block]:
             "(sweeps/precision.yaml) may show a larger drop."
         ),
         render.Table(shown),
-    ]
-
-
-def power_table(cards: Sequence[scorecard.ClaimResult]) -> pd.DataFrame:
-    """One row per (claim, stratum) with a smallest-detectable-difference line (analysis/power.py): the quantity,
-    its estimate and 95% interval, the smallest |difference| these seeds detect, and the verdict."""
-    rows = []
-    for c in cards:
-        sizes = scorecard.detectable_lines(c)
-        for d in sizes:
-            quantity = d.name.removeprefix(power.PREFIX + " |").split("|")[0]
-            stratum = next((s for s in c.strata if (s.label if len(c.strata) > 1 else "") == d.stratum), None)
-            e = next((e for e in (stratum.evidence if stratum else []) if e.name == quantity), None)
-            rows.append(
-                {
-                    "claim": c.claim,
-                    "stratum": d.stratum or "all runs",
-                    "quantity": quantity,
-                    "estimate": f"{e.estimate:.3g} [{e.low:.3g}, {e.high:.3g}]" if e else "",
-                    "smallest detectable |difference|": f"{d.estimate:.3g}" if np.isfinite(d.estimate) else "n/a",
-                    "seed SD, df": d.name.rsplit("seed SD ", 1)[-1].rstrip(")").split("; ")[0],
-                    f"seeds per group to detect {power.TARGET:g}": _needed(d.name),
-                    "n": d.n,
-                    "verdict": stratum.verdict if stratum else "",
-                }
-            )
-    return pd.DataFrame(rows)
-
-
-def _needed(name: str) -> str:
-    """The "TARGET needs N seeds" part of a detectable-difference line (power.sentence), or "n/a"."""
-    tail = name.rsplit("; ", 1)[-1]
-    return tail.split(" needs ")[1].split(" ")[0] if " needs " in tail else "n/a"
-
-
-def _power_section(cards: Sequence[scorecard.ClaimResult]) -> list[render.Block]:
-    """The smallest difference each stratum's seeds can detect (C5, C6's length part), from the measured seed noise."""
-    t = power_table(cards)
-    if t.empty:
-        return []
-    return [
-        render.h(3, "Power: the smallest difference these seeds detect", anchor="power"),
-        render.p(
-            f"From the pooled seed standard deviation of each compared group's final-window reward: smallest "
-            f"detectable |d| = (t(1 - {power.ALPHA:g}/2, df) + t({power.POWER:g}, df)) x SE(d), SE(d) = SD x "
-            "sqrt(sum of w^2 / n) over the contrast's groups (analysis/power.py). An inconclusive verdict means the "
-            "effect, if any, is smaller than about this size; a difference of this size would have been detected "
-            f"with probability {power.POWER:.0%}."
-        ),
-        render.Table(t),
     ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import re
 import shutil
 import subprocess
@@ -14,8 +15,9 @@ import pytest
 
 from analysis import figures
 from analysis.claims import scorecard
+from analysis.figures import claims_forest
 from analysis.report import build as report
-from analysis.report import render, sections
+from analysis.report import evidence, headline, render, sections
 from analysis.runs import names, results, tidy
 from analysis.stats import gain
 from tests.analysis import synthetic
@@ -53,7 +55,10 @@ def test_report_files_and_embedded_figures(built) -> None:
         assert base64.b64encode(png.read_bytes()).decode() in imgs, name
         assert f"id='{name}'" in page
     assert "src='figures/" not in page and '<img src="http' not in page  # self-contained
-    assert len(rep.figures) + len(rep.skipped) == len(figures.FIGURES)
+    assert set(rep.figures) | set(rep.skipped) == {
+        *figures.FIGURES,
+        claims_forest.NAME,
+    }  # + the claims under the headline
     for why in rep.skipped.values():
         assert why.split(";")[0][:30] in page.replace("&#x27;", "'")
 
@@ -89,36 +94,46 @@ def test_cli_rebuilds_report(built, tmp_path) -> None:
     assert "data:image/png;base64," in (out / "index.html").read_text()
 
 
-@pytest.mark.slow
-def test_report_renders_in_headless_chromium(built, tmp_path) -> None:
+SCREEN = (1280, 900)
+"""The first screen a reader sees (px): every verdict is on it."""
+
+
+def dump_dom(page: str, on_load: str, tmp_path: Path) -> str:
+    """The DOM headless Chromium holds once `page` has loaded in a SCREEN-sized window and run the JavaScript
+    `on_load` (the slow tier: a skip where Chromium is missing, a failure where STUDY_REQUIRE names it)."""
     from tests.shared import chromium, require
 
-    require("chromium")  # tests/shared.py: a skip here, a failure where STUDY_REQUIRE names chromium (CI)
-    exe = chromium()
-    _, rep = built
-    page = rep.html.read_text()
-    probe = (
-        "<script>window.addEventListener('load',()=>{const i=[...document.images];"
-        "document.title='IMG:'+i.length+':'+i.filter(x=>x.complete&&x.naturalWidth>0).length;});</script>"
-    )
-    probe_html = tmp_path / "probe.html"
-    probe_html.write_text(page.replace("</body>", probe + "</body>"))
+    require("chromium")
+    probe = tmp_path / "probe.html"
+    script = f"<script>window.addEventListener('load',()=>{{{on_load}}});</script>"
+    probe.write_text(page.replace("</body>", script + "</body>"))
     res = subprocess.run(
         [
-            exe,
+            chromium(),
             "--headless",
             "--no-sandbox",
             "--disable-gpu",
+            "--hide-scrollbars",
+            f"--window-size={SCREEN[0]},{SCREEN[1]}",
             "--virtual-time-budget=10000",
             "--dump-dom",
-            probe_html.as_uri(),
+            probe.as_uri(),
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    m = re.search(r"<title>IMG:(\d+):(\d+)</title>", res.stdout)
-    assert m, res.stderr[-2000:]
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_report_renders_in_headless_chromium(built, tmp_path) -> None:
+    _, rep = built
+    loaded = "i.filter(x=>x.complete&&x.naturalWidth>0).length"
+    count = f"const i=[...document.images];document.title='IMG:'+i.length+':'+{loaded};"
+    m = re.search(r"<title>IMG:(\d+):(\d+)</title>", dump_dom(rep.html.read_text(), count, tmp_path))
+    assert m
     assert int(m.group(1)) == len(rep.figures) and m.group(1) == m.group(2)
 
 
@@ -207,6 +222,25 @@ def test_blocks_write_themselves_in_both_formats(tmp_path) -> None:
     assert fig.markdown() == "![f](figures/f.png)\n\nFigure 1. [PDF](figures/f.pdf)\n"
 
 
+def headline_html(page: str) -> str:
+    """The headline section of a report page: from its heading to the next section's."""
+    return page.split("<h2 id='headline'>")[1].split("<h2")[0]
+
+
+def headline_rows(page: str) -> list[list[str]]:
+    """The headline table's rows as text, one list of cells per row."""
+    table = headline_html(page).split('<table class="headline">')[1].split("</table>")[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>")[1])
+    return [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", r)] for r in rows]
+
+
+def visible_words(section: str) -> int:
+    """The words a reader sees in an HTML section: tags and images out, a collapsed <details> down to its summary."""
+    shown = re.sub(r"<details>.*?<summary>(.*?)</summary>.*?</details>", r"\1", section, flags=re.DOTALL)
+    shown = re.sub(r"<img[^>]*>", " ", shown)
+    return len(html.unescape(re.sub(r"<[^>]+>", " ", shown)).split())
+
+
 def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     # the reader comes for the verdicts and Figures 1-3, not the study table, provenance, packages, the configuration
     # and the runs
@@ -214,6 +248,8 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     page, md = rep.html.read_text(), rep.markdown.read_text()
     order = [
         "id='headline'",
+        '<table class="headline">',
+        f"<figure id='{claims_forest.NAME}'",
         "<figure id='figure1_reward'",
         "<figure id='figure3_routing_replay'",
         "id='scorecard'",
@@ -223,21 +259,61 @@ def test_report_leads_with_the_headline_and_figures_1_to_3(built) -> None:
     ]
     pos = [page.index(marker) for marker in order]
     assert pos == sorted(pos)
-    headline = re.search(r'<ul class="headline">(.*?)</ul>', page).group(1)
-    lines = re.findall(r'<li class="(\w+)"><b>(C\d) exploratory: (\w+):</b> ([^<]*)</li>', headline)  # no declaration
-    assert [c for _, c, _, _ in lines] == ["C1", "C2", "C3", "C4", "C5", "C6"]
-    for cls, _, verdict, text in lines:
-        assert cls == verdict and verdict in ("supported", "contradicted", "inconclusive") and " \u2014 " in text
-    assert any(re.search(r"= -?[\d.]+(e[-+]\d+)? to -?[\d.]+", t) for *_, t in lines)  # the numbers, over strata
-    assert "- **C2 " in md and md.index("## Headline") < md.index("## Scorecard") < md.index("## Study and provenance")
+    assert md.index("## Headline") < md.index("## Scorecard") < md.index("## Study and provenance")
     assert '{"' not in page and '{"' not in md  # values as text, not JSON
     assert "<p>24 runs (completed 12, " in page  # under the title: 24 runs, their states as text
+
+
+def test_the_headline_is_one_table_of_the_claims_in_at_most_250_words(built) -> None:
+    # did the paper's claims hold here? a row per claim, its verdict a coloured label, read in seconds: the split,
+    # pairing and role one click away (collapsed), never a bracket per line; the Markdown twin has the same table
+    _, rep = built
+    page, md = rep.html.read_text(), rep.markdown.read_text()
+    section = headline_html(page)
+    assert visible_words(section) <= 250
+    assert section.count("<table") == 2 and section.count("<details>") == 1  # the claims; how each was read, collapsed
+    rows = headline_rows(page)
+    assert [r[0] for r in rows] == ["C1", "C2", "C3", "C4", "C5", "C6"]
+    labels = re.findall(r'<span class="label ([\w-]+)">([^<]+)</span>', section)
+    assert len(labels) == 6
+    for (cls, verdict), row, card in zip(labels, rows, rep.scorecard, strict=True):
+        assert verdict == card.verdict == row[headline.COLUMNS.index("verdict")] and cls == verdict.replace(" ", "-")
+    by_claim = {r[0]: dict(zip(headline.COLUMNS, r, strict=True)) for r in rows}
+    assert by_claim["C1"]["verdict"] == "supported" and " to " in by_claim["C1"]["this study: estimate [95% CI]"]
+    assert by_claim["C2"]["paper"].startswith("~100x")
+    assert (
+        by_claim["C5"]["regime"] == "not in this study" and by_claim["C5"]["this study: estimate [95% CI]"] == "\u2014"
+    )
+    assert by_claim["C6"]["this study: estimate [95% CI]"].startswith("compute: ")  # a claim of two parts
+    assert "split: train" not in re.sub(r"<details>.*?</details>", "", section, flags=re.DOTALL)
+    assert section.count("split: train") == 6  # once per claim, collapsed
+    problems = "1 of the 25 runs of the study (1 missing) are in no verdict, figure or table; 6 failed, in no verdict"
+    assert f"Runs not read:</b> {problems}" in section
+    # the Markdown twin: the same table, row for row
+    md_head = md.split("## Headline")[1].split("\n## ")[0]
+    assert "| " + " | ".join(headline.COLUMNS) + " |" in md_head
+    for row in rows:
+        assert "| " + " | ".join(row) + " |" in md_head
+    assert f"![{claims_forest.NAME}](figures/{claims_forest.NAME}.png)" in md_head
+
+
+def test_the_claims_forest_draws_each_verdicts_number_against_its_threshold(built) -> None:
+    # the picture under the table: per claim the number each stratum's verdict was read off, and the thresholds
+    _, rep = built
+    cards = {c.claim: c for c in rep.scorecard}
+    c1 = claims_forest.estimates(cards["C1"])
+    assert [e.label for e in c1] == ["max_new_tokens=256", "max_new_tokens=1024"]
+    assert all(e.name.startswith("reward(gspo) - reward(grpo_rr)") and e.low < e.estimate < e.high for e in c1)
+    assert claims_forest.thresholds(cards["C1"]) == (0.0,) and claims_forest.thresholds(cards["C2"]) == (10.0,)
+    assert claims_forest.thresholds(cards["C3"]) == (0.0, 0.5)
+    assert claims_forest.estimates(cards["C5"]) == []  # not in this study: no number
+    assert {e.part for e in claims_forest.estimates(cards["C6"])} == {"compute", "length"}
+    assert rep.figures[claims_forest.NAME].read_bytes()[:4] == b"\x89PNG"
 
 
 def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp_path) -> None:
     # read_csv's float_precision is deprecated in pandas 3 (Pandas4Warning); its default parser reads back exactly
     # the floats to_csv wrote, which is what the reused tables must hold
-    import json
     import warnings
 
     import numpy as np
@@ -264,15 +340,16 @@ def test_reused_tables_read_back_exactly_without_deprecation_warnings(built, tmp
     assert table["x"].to_numpy().tobytes() == values.tobytes()  # bit for bit
 
 
-def test_headline_has_the_heldout_gain_and_the_scorecard_its_table(built) -> None:
+def test_the_heldout_gain_has_a_line_per_algorithm_over_its_table(built) -> None:
     _, rep = built
     md = rep.markdown.read_text()
-    headline = md.split("## Headline")[1].split("\n## ")[0]
+    gain_md = md.split("### Held-out gain")[1].split("\n### ")[0]
     for alg in ("grpo", "grpo_rr", "gspo"):  # sapo failed: no gain
-        assert f"**Held-out gain, {names.label(alg)}:** RL " in headline
-    assert "over 2 configurations of max_new_tokens" in headline
-    assert "### Held-out gain" in md and (rep.html.parent / "tables" / "heldout_gain.csv").is_file()
-    assert gain.GAIN_RULE.format(metric="eval_in_dist")[1:40] in md
+        assert f"**Held-out gain, {names.label(alg)}:** RL " in gain_md
+    assert "over 2 configurations of max_new_tokens" in gain_md
+    assert (rep.html.parent / "tables" / "heldout_gain.csv").is_file()
+    assert gain.GAIN_RULE.format(metric="eval_in_dist")[1:40] in gain_md
+    assert "Held-out gain" not in md.split("## Headline")[1].split("\n## ")[0]
 
 
 def test_routing_volatility_figure_follows_figures_1_3_with_c3_c4_per_configuration(built) -> None:
@@ -336,7 +413,7 @@ def test_length_report_has_the_coldstart_budget_table_power_and_emulation_tables
     assert (tmp_path / "rep" / "tables" / "coldstart_budgets.csv").is_file()
     # C6's length part (max_new_tokens 1024 vs 256) gets a smallest detectable difference per stratum
     assert "Power: the smallest difference these seeds detect" in md and "length gain (max_new_tokens" in md
-    power_rows = sections.power_table(rep.scorecard)
+    power_rows = evidence.power_table(rep.scorecard)
     assert set(power_rows["claim"]) == {"C6"} and (power_rows["smallest detectable |difference|"] != "n/a").all()
     assert power_rows["seeds per group to detect 0.03"].str.isdigit().all()
     assert "bf16 cross-engine mismatch p99 0.0586 emulated vs 0.121 real (ratio 0.48)" in md
@@ -378,8 +455,6 @@ def test_the_report_embeds_the_studys_notes_from_docs_studies(built, tmp_path) -
 
 def no_figures(root: Path, study: str | None = None) -> Path:
     """A `figures` output of the runs under `root` that drew no figure: a report given it draws none either (fast)."""
-    import json
-
     st = results.load(root, study, warn_missing=False)
     out = root / "no-figures"
     out.mkdir(exist_ok=True)
@@ -388,36 +463,37 @@ def no_figures(root: Path, study: str | None = None) -> Path:
     return out
 
 
-def test_headline_says_first_that_c3_c4_were_not_tested_below_their_regime(tmp_path) -> None:
-    # the routing moved 0.29% of expert slots since pi_old (router_lr_scale 1), far below the 5% C3 and C4 need: the
-    # headline says so before any verdict, in its own colour, and no claim is called contradicted; with the
-    # threshold set below what was measured (--min-volatility), the normal verdicts come back
+def test_the_headline_says_c3_c4_were_not_tested_below_their_regime(tmp_path) -> None:
+    # the routing moved 0.29% of expert slots since pi_old (router_lr_scale 1), far below the 5% C3 and C4 need: their
+    # rows say so once, in the regime column, with the verdict in its own colour, and no claim is called
+    # contradicted; with the threshold set below what was measured (--min-volatility), the normal verdicts come back
     from analysis.__main__ import main
 
     synthetic.make_routing_study(tmp_path, scales=(1.0,), seeds=(0, 1, 2, 3, 4), n_steps=30)
     rep = report.report_from_results(tmp_path, out_dir=tmp_path / "rep", figures_dir=no_figures(tmp_path))
     page, md = rep.html.read_text(), rep.markdown.read_text()
-    items = re.findall(r'<li class="([\w-]+)"><b>([^<]*)</b> ([^<]*)</li>', page.split('<ul class="headline">')[1])
-    cls, head, text = items[0]
-    assert (cls, head) == ("not-tested-in-regime", "Not tested in regime:")
-    assert text.startswith("C3, C4 were not put to the test")
-    c3 = (
-        "C3: routing volatility: cumulative 0.29%, per update 0.29% of expert slots changed since pi_old (n=10 runs), "
-        "below the 5% per update the claim needs (the paper's model: ~10% after one update)"
-    )
-    assert c3 in html.unescape(text)
-    verdicts = {h.split()[0]: (c, h) for c, h, _ in items[1:] if h.startswith("C")}
+    rows = {r[0]: dict(zip(headline.COLUMNS, r, strict=True)) for r in headline_rows(page)}
     for claim in ("C3", "C4"):
-        assert verdicts[claim] == ("not-tested-in-regime", f"{claim} not tested in regime:")
-    assert "contradicted" not in page.split('<ul class="headline">')[1].split("</ul>")[0]
+        assert rows[claim]["verdict"] == "not tested in regime"
+        assert rows[claim]["regime"] == "not in regime: 0.29% per update (needs 5%; paper ~10%)"
+    assert rows["C3"]["this study: estimate [95% CI]"] == "0 [-0.434, 0.434] (n=5 vs 5)"  # evidence about this scale
+    assert '<span class="label not-tested-in-regime">' in headline_html(page)
+    assert "contradicted" not in headline_html(page)
+    assert headline_html(page).count("0.29%") == 2  # said once per claim, not again in a line above the table
     assert ".not-tested-in-regime{background:#e3eef8}" in page  # its own colour, not the contradicted red
     assert '<tr class="not-tested-in-regime"><td>C3</td>' in page
-    assert "- **C3 not tested in regime:** GRPO without Routing Replay" in md
-    assert "grpo collapsed in 0 of 5 runs and grpo_rr in 0 of 5: evidence about this scale" in md
+    assert "| C3 | GRPO collapses without Routing Replay | not tested in regime |" in md
+    assert "grpo collapsed in 0 of 5 runs and grpo_rr in 0 of 5: evidence about this scale" in md  # the scorecard
     st = tidy.load_study(tmp_path)
-    lines = sections.headline(scorecard.scorecard(st, scorecard.Rules(min_volatility=0.001)))
-    heads = ["C1 exploratory: supported:", "C2 exploratory: supported:", "C3 exploratory: contradicted:"]
-    assert [h for _, h, _ in lines[:4]] == [*heads, "C4 exploratory: supported:"]
+    rules = scorecard.Rules(min_volatility=0.001)
+    table = headline.headline_table(scorecard.scorecard(st, rules), rules).df.set_index("claim")
+    assert list(table.loc[["C1", "C2", "C3", "C4"], "verdict"]) == [
+        "supported",
+        "supported",
+        "contradicted",
+        "supported",
+    ]
+    assert table.loc["C3", "regime"] == "in regime: 0.29% per update (needs 0.1%; paper ~10%)"
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep3"), "--min-volatility", "-1"]) == 2
 
 
@@ -446,10 +522,32 @@ def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_rep
     sweep.write_text(yaml.safe_dump({"name": "confirm", "comparisons": [entry]}))
     rep = report.report_from_results(tmp_path, out_dir=tmp_path / "rep", figures_dir=no_figures(tmp_path), sweep=sweep)
     page, md = rep.html.read_text(), rep.markdown.read_text()
-    items = re.findall(r'<li class="([\w-]+)"><b>([^<]*)</b> ([^<]*)</li>', page.split('<ul class="headline">')[1])
+    section = headline_html(page)
+    items = re.findall(r'<li class="([\w-]+)"><b>([^<]*)</b> ([^<]*)</li>', section.split('<ul class="lines">')[1])
     cls, head, text = items[0]
     assert (cls, head) == ("deviation", "Deviation from the declared comparison:")
     assert "C3 (replay_cost_grpo)" in text and "declared seed(s) [3] have no usable run" in text
-    assert "ul.headline li.deviation{" in page and "deviates from the declaration:" in page
-    assert "- **Deviation from the declared comparison:**" in md.split("## Headline")[1].split("\n")[2]
-    assert "- **C3 exploratory, declared replay_cost_grpo: " in md and "- **C1 exploratory: " in md
+    assert "ul.lines li.deviation{" in page and "deviates from the declaration:" in page
+    assert md.split("## Headline")[1].split("\n\n")[2].startswith("- **Deviation from the declared comparison:**")
+    rows = {r[0]: dict(zip(headline.COLUMNS, r, strict=True)) for r in headline_rows(page)}
+    assert rows["C3"]["in a few words"].endswith("(declared replay_cost_grpo)")
+    assert rows["C3"]["verdict"].startswith("exploratory: ") and rows["C1"]["verdict"] in scorecard.VERDICTS
+    assert "exploratory (the runs deviate from replay_cost_grpo)" in section  # how it was read, collapsed
+    assert visible_words(section) <= 250
+
+
+@pytest.mark.slow
+def test_every_verdict_is_on_the_first_screen_in_chromium(built, tmp_path) -> None:
+    # a reader opening the report on a 1280 x 900 screen sees every claim's verdict without scrolling: headless
+    # Chromium lays the page out at that size and writes each verdict label's bottom edge into the page it dumps
+    _, rep = built
+    labels = "[...document.querySelectorAll('table.headline span.label')].map(e=>e.getBoundingClientRect().bottom)"
+    measure = (
+        "const p=document.createElement('pre');p.id='probe';"
+        f"p.textContent=JSON.stringify({{height:window.innerHeight,bottoms:{labels}}});document.body.appendChild(p);"
+    )
+    m = re.search(r'<pre id="probe">(.*?)</pre>', dump_dom(rep.html.read_text(), measure, tmp_path))
+    assert m
+    seen = json.loads(html.unescape(m.group(1)))
+    assert seen["height"] <= SCREEN[1] and len(seen["bottoms"]) == 6
+    assert all(0 < b <= SCREEN[1] for b in seen["bottoms"]), seen
