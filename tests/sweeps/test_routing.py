@@ -6,7 +6,7 @@ from __future__ import annotations
 from study.core.model_config import dense_control, resolve_model
 from sweeps.expand import load_sweep
 from tests.shared import ROOT
-from tests.sweeps.test_sweeps import _snakemake, expected_coldstarts, job_counts
+from tests.sweeps.helpers import expected_coldstarts, job_counts, snakemake
 
 SWEEP = ROOT / "sweeps" / "routing.yaml"
 
@@ -32,7 +32,7 @@ def test_the_arms_and_the_dense_control() -> None:
 
 
 def test_the_workflow_plans_the_study(tmp_path) -> None:
-    proc = _snakemake("-n", "--cores", "2", "--config", f"results={tmp_path}", f"sweep={SWEEP.relative_to(ROOT)}")
+    proc = snakemake("-n", "--cores", "2", "--config", f"results={tmp_path}", f"sweep={SWEEP.relative_to(ROOT)}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = job_counts(proc.stdout)
     assert counts["run"] == len(load_sweep(SWEEP).expand())

@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -16,23 +15,17 @@ import yaml
 import algorithms
 from analysis.__main__ import main as analysis_main
 from analysis.__main__ import rst_escape
-from study.coldstart import resolve_settings
-from study.coldstart.store import run_coldstart
 from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import SweepError, validate_sweep
-from tests.shared import sharing_coldstart
-
-ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = sorted((ROOT / "sweeps").glob("*.yaml"))
-SWEEP_FILES = [p for p in SHIPPED if p.name not in ("config.yaml", "config.schema.yaml")]
-# `python -m snakemake` that says on leaving whether it imported torch: planning a workflow must not (its dry runs
-# would each load torch; tests/sweeps/test_torch_free.py names the import chain when one does)
-SNAKEMAKE = [
-    sys.executable,
-    "-c",
-    "import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
-    "sys.argv[0] = 'snakemake'; from snakemake.cli import main; main()",
-]
+from tests.shared import ROOT, sharing_coldstart
+from tests.sweeps.helpers import (
+    SWEEP_FILES,
+    coldstart_dir,
+    expected_coldstarts,
+    job_counts,
+    planned_without_torch,
+    snakemake,
+)
 
 
 def sweep(**overrides):
@@ -180,7 +173,7 @@ def test_snakemake_dry_run_crosses_shapes_with_algorithms(tmp_path):
     to `python -m study.launch --coldstart` as a JSON mapping."""
     sweep_file = tmp_path / "shapes.yaml"
     sweep_file.write_text(yaml.safe_dump(sweep(name="shapes", axes={"model": SHAPES, "algorithm": ["grpo", "gspo"]})))
-    proc = _snakemake("-n", "-p", "--cores", "2", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
+    proc = snakemake("-n", "-p", "--cores", "2", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = job_counts(proc.stdout)
     assert counts["coldstart"] == 2 and counts["run"] == 4, proc.stdout
@@ -201,34 +194,9 @@ def test_expand_cli_error_is_clear(tmp_path):
     assert "axes.algorithm[0] = 'nope'; valid:" in proc.stderr
 
 
-def _snakemake(*args, cwd=ROOT, timeout=300):
-    return subprocess.run([*SNAKEMAKE, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
-
-
-def planned_without_torch(proc: subprocess.CompletedProcess) -> bool:
-    """Whether a `_snakemake` process said on leaving that it never imported torch."""
-    return "torch imported: False" in proc.stderr.splitlines()
-
-
-def job_counts(stdout: str) -> dict[str, int]:
-    """The "Job stats" table of a dry run: rule -> number of jobs."""
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", stdout, re.M) if m[1] != "total"}
-
-
-def expected_coldstarts(path: Path) -> set[str]:
-    """results/coldstart/<name> of the sweep's runs with coldstart = "auto" (what study.rl makes them use)."""
-    runs = load_sweep(path).expand().values()
-    return {coldstart_dir(c) for c in runs if c.coldstart == "auto"}
-
-
-def coldstart_dir(cfg) -> str:
-    """results/coldstart/<name> of a run with coldstart = "auto": its shape, task, band and task knobs."""
-    return resolve_settings(cfg.model, cfg.task, **run_coldstart(cfg)).dirname
-
-
 @pytest.mark.parametrize("sweep_file", [None, "sweeps/smoke.yaml"], ids=["default", "smoke"])
 def test_snakemake_lint(sweep_file):
-    proc = _snakemake("--lint", *(["--config", f"sweep={sweep_file}"] if sweep_file else []))
+    proc = snakemake("--lint", *(["--config", f"sweep={sweep_file}"] if sweep_file else []))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Lints for" not in proc.stdout + proc.stderr
     assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
@@ -244,7 +212,7 @@ def test_snakemake_dry_run(name, profile, tmp_path):
     args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"]), "--config", f"results={tmp_path}"]
     if name != "default":  # the default study is what a bare `snakemake` runs
         args.append(f"sweep=sweeps/{name}.yaml")
-    proc = _snakemake(*args)
+    proc = snakemake(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert planned_without_torch(proc), proc.stderr[-2000:]
     sweep_path = ROOT / "sweeps" / f"{name}.yaml"
@@ -280,7 +248,7 @@ def test_length_and_precision_studies_plan_their_extra_tables(name, profile, ext
     max_new_tokens gets the cold start's budget table, a study emulating low precision the emulated-vs-real table,
     each read by the report rule."""
     args = ["-n", "-p", *(["--profile", "slurm"] if profile else ["--cores", "2"])]
-    proc = _snakemake(*args, "--config", f"results={tmp_path}", f"sweep=sweeps/{name}.yaml")
+    proc = snakemake(*args, "--config", f"results={tmp_path}", f"sweep=sweeps/{name}.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert planned_without_torch(proc), proc.stderr[-2000:]
     counts = job_counts(proc.stdout)
@@ -304,7 +272,7 @@ def test_the_gpu_precision_study_shares_the_laptop_studys_fp32_runs():
 def test_no_coldstart_job_for_runs_given_a_checkpoint(tmp_path):
     sweep_file = tmp_path / "scratch.yaml"
     sweep_file.write_text(yaml.safe_dump(sweep(name="scratch", base={"steps": 2, "coldstart": "scratch"})))
-    proc = _snakemake("-n", "--cores", "1", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
+    proc = snakemake("-n", "--cores", "1", "--config", f"sweep={sweep_file}", f"results={tmp_path}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = job_counts(proc.stdout)
     assert counts.get("coldstart", 0) == 0 and counts["run"] == 1, proc.stdout
@@ -338,7 +306,7 @@ def test_figure_captions_render_verbatim_in_rst():
 def test_snakemake_rejects_a_bad_sweep_before_any_job(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(sweep(base={"train_precision": "fp8"})))
-    proc = _snakemake("-n", "--cores", "1", "--config", f"sweep={bad}", f"results={tmp_path}")
+    proc = snakemake("-n", "--cores", "1", "--config", f"sweep={bad}", f"results={tmp_path}")
     assert proc.returncode != 0
     assert "base.train_precision = 'fp8'; valid: fp32, bf16, fp16" in proc.stdout + proc.stderr
 
@@ -351,7 +319,7 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path, tiny_coldstart):
     results = sharing_coldstart(tiny_coldstart.parent.parent, tmp_path / "results")
     copied = {p.parent.name for p in (results / "coldstart").glob("*/coldstart.json")}
     config = ["--config", "sweep=sweeps/smoke.yaml", f"results={results}"]
-    proc = _snakemake("--cores", "2", *config, timeout=1100)
+    proc = snakemake("--cores", "2", *config, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = results / "smoke" / "report" / "index.html"
     assert report.is_file()
@@ -373,7 +341,7 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path, tiny_coldstart):
     index = json.loads((results / "smoke" / "figures" / "figures.json").read_text())
     assert {f"{name}.png" for name in index["figures"]} == figures
     snake_report = tmp_path / "snakemake-report.html"
-    rep = _snakemake(*config, "--report", str(snake_report))
+    rep = snakemake(*config, "--report", str(snake_report))
     assert rep.returncode == 0, rep.stdout + rep.stderr
     page = snake_report.read_text()
     for name, fig in index["figures"].items():
@@ -383,7 +351,7 @@ def test_smoke_study_runs_then_reruns_nothing(tmp_path, tiny_coldstart):
     assert "Adding index.html" in rep.stdout + rep.stderr and "Adding scorecard.csv" in rep.stdout + rep.stderr
     assert "System Message" not in page  # every caption is valid reStructuredText
 
-    rerun = _snakemake("--cores", "2", *config)
+    rerun = snakemake("--cores", "2", *config)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
     assert {p: p.stat().st_mtime_ns for p in statuses} == before
@@ -429,7 +397,7 @@ def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(
     build_tokenizer(cfg.model_config().vocab_size, [cfg.task], n_per_task=50).save(broken)
     torch.save({"embedding.word_embeddings.weight": torch.zeros(3, 3)}, broken / "policy.pt")
     results = tmp_path / "results"
-    proc = _snakemake("--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}")
+    proc = snakemake("--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}")
     assert proc.returncode != 0
     run_dir = results / "runs" / run_id
     assert not (run_dir / "status.json").exists()  # Snakemake's doing
@@ -456,7 +424,7 @@ def test_a_run_refused_by_its_preflight_under_snakemake_is_named_and_reported(tm
     runs = load_sweep(sweep_file).expand()
     refused = next(run_id for run_id, cfg in runs.items() if cfg.coldstart == str(missing))
     results = tmp_path / "results"
-    proc = _snakemake(
+    proc = snakemake(
         "--cores", "1", "--keep-going", "--config", f"sweep={sweep_file}", f"results={results}", timeout=600
     )
     assert proc.returncode != 0
