@@ -5,7 +5,9 @@
 # sharded 40 (distributed optimizer, distributed checkpoint, streamed sync), qwen_layer 45, vllm_parity 80,
 # weight_sync 15, r3_routes 15, rl 190 (GRPO + R3 through vLLM, or the hf engine without it; checkpoint and resume,
 # sync parity, bf16 master weights). One verdict line per part, then a JSON summary; results in
-# $OUT/gpu_check.json ($OUT unset: the checkout), the parts' output in gpu_check.log beside it.
+# $OUT/gpu_check.json ($OUT unset: the checkout), the parts' output in gpu_check.log beside it. One machine: the parts'
+# process groups bind loopback (GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo where the environment names no interface);
+# /dev/shm is asked for only where a part starts the vLLM engine; a host name that does not resolve is a warning.
 #
 #     scripts/gpu_check.sh                   # OUT=/some/dir scripts/gpu_check.sh
 #     scripts/gpu_check.sh --parts preflight,sharded --budget sharded=60
