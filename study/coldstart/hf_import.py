@@ -18,14 +18,21 @@ of one fused tensor until its last part arrives). A tensor-/expert-parallel rank
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from runfiles.bounded import load_json, read_json
 from study.core.model_config import ModelConfig
-from study.core.weights import check_checkpoint, confined, hf_param_names, hf_to_megatron, is_hf_checkpoint
+from study.core.weights import (
+    check_checkpoint,
+    confined,
+    hf_param_names,
+    hf_param_shapes,
+    hf_to_megatron,
+    is_hf_checkpoint,
+)
 from study.data import chat_template
 from study.data.tokenizer import TaskTokenizer
 from study.run.rundir import json_problem
@@ -58,6 +65,9 @@ DTYPE_BYTES = {
     "C64": 8,
 }
 """Bytes per element of each safetensors dtype."""
+
+WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
+"""The dtypes a model's tensor may have in a checkpoint: the floating-point formats its parameters are cast from."""
 
 
 def _where(directory: Path) -> str:
@@ -117,11 +127,12 @@ def shard_files(directory: str | Path) -> list[Path]:
     return [confined(directory, p.name, "the folder") for p in sorted(directory.glob("*.safetensors"))]
 
 
-def safetensors_names(path: Path, where: str) -> list[str]:
+def safetensors_names(path: Path, where: str, shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[str]:
     """The tensor names of a safetensors file, its header checked against the file without reading any tensor: the
     header's length within the file (at most MAX_HEADER_BYTES), the header a JSON object (runfiles.bounded), each
-    tensor a known dtype with a shape whose size is its byte range, the ranges tiling the data exactly. ValueError
-    naming the file otherwise (never with the bytes of a file that has no header)."""
+    tensor a known dtype with a shape whose size is its byte range, the ranges tiling the data exactly, and each
+    tensor named in `shapes` (the model's) a WEIGHT_DTYPES float of exactly that shape. ValueError naming the file
+    otherwise (never with the bytes of a file that has no header)."""
     import math
     import struct
 
@@ -168,6 +179,11 @@ def safetensors_names(path: Path, where: str) -> list[str]:
                 f"{bad}: shape {shape} of {dtype} is {math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its "
                 f"data_offsets {offsets} hold {offsets[1] - offsets[0]}"
             )
+        if shapes is not None and name in shapes and (tuple(shape) != shapes[name] or dtype not in WEIGHT_DTYPES):
+            raise ValueError(
+                f"{bad}: shape {shape} of {dtype}; the model's is {list(shapes[name])} of a float dtype "
+                f"({', '.join(WEIGHT_DTYPES)})"
+            )
         ranges.append((offsets[0], offsets[1], name))
     end = 0
     for begin, stop, name in sorted(ranges):
@@ -185,7 +201,8 @@ def safetensors_names(path: Path, where: str) -> list[str]:
 def check_files(directory: str | Path, cfg: ModelConfig) -> None:
     """Everything of the HF checkpoint in `directory` a run reads, checked before the run writes anything, no tensor
     read: config.json (study.core.weights.check_checkpoint), the index's shard names inside the folder, every
-    shard's header (`safetensors_names`), each of the model's tensors exactly once (in the shard the index names),
+    shard's header (`safetensors_names`: each of the model's tensors of its shape and a float dtype), each of the
+    model's tensors exactly once (in the shard the index names),
     the tokenizer files and the chat template, rendered once under a time and memory limit
     (study.data.chat_template.check). ValueError naming the file and why."""
     directory = Path(directory)
@@ -196,8 +213,9 @@ def check_files(directory: str | Path, cfg: ModelConfig) -> None:
     if not files:
         raise ValueError(f"{where}: no *.safetensors files")
     found: dict[str, Path] = {}
+    shapes = hf_param_shapes(cfg)
     for path in files:
-        for name in safetensors_names(path, where):
+        for name in safetensors_names(path, where, shapes):
             if name in found:
                 raise ValueError(f"{where}: tensor {name[:200]!r} is in {found[name].name} and in {path.name}")
             found[name] = path

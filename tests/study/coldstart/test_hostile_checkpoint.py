@@ -79,6 +79,14 @@ def _lie_shape(directory: Path) -> None:
     _write_header(path, header)
 
 
+def _retype(directory: Path, change: Callable[[dict], None]) -> None:
+    """The first two-dimensional tensor's header entry changed by `change`, its bytes (and so its size) kept."""
+    path = directory / "model.safetensors"
+    header = _header(path)
+    change(next(info for name, info in header.items() if name != "__metadata__" and len(info["shape"]) == 2))
+    _write_header(path, header)
+
+
 def _lie_length(directory: Path) -> None:
     path = directory / "model.safetensors"
     raw = path.read_bytes()
@@ -143,6 +151,14 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "offsets past the file": (_lie_offsets, "data_offsets [0, 1099511"),
     "shape not its bytes": (_lie_shape, "shape [7, 7] of F32 is 196 bytes, its data_offsets"),
     "a shard cut short": (_cut_short, "outside the file's"),
+    "the right size in the wrong shape": (
+        lambda d: _retype(d, lambda info: info.update(shape=info["shape"][::-1])),
+        "; the model's is [",
+    ),
+    "the right size in the wrong dtype": (
+        lambda d: _retype(d, lambda info: info.update(dtype="I32")),
+        " of I32; the model's is [",
+    ),
     "config.json nested deep": (
         lambda d: (d / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
         "config.json (nested deeper than 64 levels)",
