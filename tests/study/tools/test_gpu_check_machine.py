@@ -84,9 +84,10 @@ def _machine(
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_a_small_dev_shm_fails_no_check_without_an_engine(tmp_path: Path) -> None:
-    """/dev/shm of 64 MiB (a container's default): the engine's bucket and slack (320 MiB at the check's shape) do
-    not fit, and no selected part starts an engine."""
+    """~35 s. /dev/shm of 64 MiB (a container's default): the engine's bucket and slack (320 MiB at the check's
+    shape) do not fit, and no selected part starts an engine."""
     proc, results = _machine(tmp_path, "preflight", shm_mb=64)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pre = results["parts"]["preflight"]
@@ -94,9 +95,10 @@ def test_a_small_dev_shm_fails_no_check_without_an_engine(tmp_path: Path) -> Non
     assert (pre["shm_need_mb"], pre["shm_for"]) == (0, [])
 
 
+@pytest.mark.slow
 def test_a_check_that_starts_the_engine_still_needs_its_shared_memory(tmp_path: Path) -> None:
-    """The same /dev/shm, the preflight's process of a check that starts the vLLM engine: it fails naming the need
-    and the fix, where vLLM is installed (without vLLM the engine parts skip, and nothing needs /dev/shm)."""
+    """~30 s. The same /dev/shm, the preflight's process of a check that starts the vLLM engine: it fails naming the
+    need and the fix, where vLLM is installed (without vLLM the engine parts skip, and nothing needs /dev/shm)."""
     proc, results = _machine(tmp_path, "preflight", shm_mb=64, child_selected="preflight,vllm_parity")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pre = results["parts"]["preflight"]
