@@ -3,4 +3,6 @@ conftest.py, so that a failing comparison inside a helper shows its values."""
 
 import pytest
 
-pytest.register_assert_rewrite("tests.shared", "tests.study.policy.helpers", "tests.sweeps.helpers")
+pytest.register_assert_rewrite(
+    "tests.shared", "tests.algorithms.helpers", "tests.study.policy.helpers", "tests.sweeps.helpers"
+)

@@ -11,7 +11,7 @@ import torch
 import algorithms
 from algorithms.grpo import grpo_loss
 from algorithms.gspo import gspo_loss
-from tests.algorithms.test_losses import ADV, MASK, W_TOKEN, batch, grad_of
+from tests.algorithms.helpers import ADV, MASK, W_TOKEN, batch, grad_of
 
 # GRPO's per-token terms on the shared batch (see test_losses.test_grpo_hand_numbers_and_gradient)
 GRPO_TERMS = [[2.54, 1.8, 2.0], [-0.8, -1.1]]

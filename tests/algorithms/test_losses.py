@@ -14,27 +14,7 @@ import torch
 
 import algorithms
 from algorithms.dapo import overlong_penalty
-
-MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-ADV = torch.tensor([2.0, -1.0])
-OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.3, -0.7]])
-PAD = 50.0
-
-
-def batch(w: list[list[float]], old: torch.Tensor = OLD) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp with grad, old_logp) such that exp(logp - old_logp) = w on response tokens."""
-    logw = torch.tensor([[math.log(x) for x in row] + [0.0] * (3 - len(row)) for row in w])
-    logp = torch.where(MASK.bool(), old + logw, PAD).requires_grad_(True)
-    return logp, old
-
-
-def grad_of(loss: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    (g,) = torch.autograd.grad(loss, logp)
-    return g
-
-
-# Ratios for the token-level variants: both clipping sides active (1.5 with A > 0, 0.5 with A < 0).
-W_TOKEN = [[1.5, 0.9, 1.0], [0.5, 1.1]]
+from tests.algorithms.helpers import ADV, MASK, W_TOKEN, batch, grad_of
 
 
 def test_grpo_hand_numbers_and_gradient() -> None:

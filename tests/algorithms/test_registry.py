@@ -229,9 +229,9 @@ def test_a_new_variant_is_one_file(tmp_path: Path) -> None:
 
 def test_the_readme_variant_passes_the_contract_and_planning_imports_no_torch(tmp_path: Path) -> None:
     """The README's example as written (it imports torch at module level) in a copy of the package: this file's
-    contract test passes on it, and the workflow's planning (tests/sweeps/test_torch_free.py's probe: the rule
+    contract test passes on it, and the workflow's planning (tests/sweeps/helpers.py's probe: the rule
     files' imports, every shipped sweep expanded and placed) sees it and still imports no torch."""
-    from tests.sweeps.test_torch_free import planning_probe
+    from tests.sweeps.helpers import planning_probe
 
     root, name = readme_variant_package(tmp_path)
     assert "\nimport torch\n" in readme_variant()[1]
