@@ -20,6 +20,7 @@ from analysis.report import build as report
 from analysis.report import evidence, headline, render, sections
 from analysis.runs import names, results, tidy
 from analysis.stats import gain
+from analysis.stats.verdicts import VERDICTS
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -531,7 +532,7 @@ def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_rep
     assert md.split("## Headline")[1].split("\n\n")[2].startswith("- **Deviation from the declared comparison:**")
     rows = {r[0]: dict(zip(headline.COLUMNS, r, strict=True)) for r in headline_rows(page)}
     assert rows["C3"]["in a few words"].endswith("(declared replay_cost_grpo)")
-    assert rows["C3"]["verdict"].startswith("exploratory: ") and rows["C1"]["verdict"] in scorecard.VERDICTS
+    assert rows["C3"]["verdict"].startswith("exploratory: ") and rows["C1"]["verdict"] in VERDICTS
     assert "exploratory (the runs deviate from replay_cost_grpo)" in section  # how it was read, collapsed
     assert visible_words(section) <= 250
 
