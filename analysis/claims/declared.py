@@ -3,11 +3,13 @@ COMPARISON_FIELDS), checked against the runs that finished, sized by a power cal
 
 `deviations` lists every way the finished runs differ from the declaration (an arm without runs, a seed missing or
 extra, a seed with one arm, the metric not logged, no step-0 evaluation for a gain, a stratum value no run has): a
-verdict read off runs that deviate is exploratory, and the report says which deviation. `power_paired` is the power
-of the declared test (a one-sample t test on the paired differences: the noncentral t with n - 1 df and
-noncentrality gap / (sd / sqrt(n)); Welch's two-sample test when unpaired, by its normal-theory df), and
-`seeds_for_power` the fewest seeds reaching a target power: what a confirmation sweep is sized with. `confirm` reads
-the declared comparison: the declared window of each run, paired by seed (analysis.stats.design), a family of one.
+verdict read off runs that deviate is exploratory, and the report says which deviation. `sizing` is the power of the
+declared test at the declaration's own numbers (analysis.stats.power: the noncentral t of the paired or two-sample t
+test), what a confirmation sweep is sized with. `confirm` reads the declared comparison: the declared window of each
+run, paired by seed (analysis.stats.design), a family of one.
+
+An arm, a stratum: the rows whose axis holds the declared value (`_rows_where`), a number compared as a number (the
+sweep file's 32 is the runs' 32.0).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from analysis.runs.columns import METRIC, RUN_ID, SEED, START_STEP, STEP, VALUE
-from analysis.stats import design
+from analysis.stats import curves, design, power
 from runfiles.bounded import read_yaml
 
 
@@ -77,60 +79,9 @@ def declared(sweep: Mapping[str, Any]) -> list[Comparison]:
 
 
 # --- power ------------------------------------------------------------------------------------------------------------
-def power_paired(sd: float, gap: float, seeds: int, *, alpha: float = 0.05, alternative: str = "two-sided") -> float:
-    """Power of the paired t test (n = `seeds` pairs, differences of SD `sd`) to detect a mean difference `gap`: the
-    noncentral t distribution with n - 1 df and noncentrality gap sqrt(n) / sd."""
-    if seeds < 2 or not sd > 0:
-        return float("nan")
-    df, nc = seeds - 1, gap * np.sqrt(seeds) / sd
-    return _t_power(df, nc, alpha, alternative)
-
-
-def power_unpaired(sd: float, gap: float, seeds: int, *, alpha: float = 0.05, alternative: str = "two-sided") -> float:
-    """Power of the two-sample t test (`seeds` runs per arm, each of SD `sd`): 2 (n - 1) df, noncentrality
-    gap / (sd sqrt(2 / n))."""
-    if seeds < 2 or not sd > 0:
-        return float("nan")
-    df, nc = 2 * (seeds - 1), gap / (sd * np.sqrt(2.0 / seeds))
-    return _t_power(df, nc, alpha, alternative)
-
-
-def _t_power(df: int, nc: float, alpha: float, alternative: str) -> float:
-    """P(reject) under the noncentral t; where scipy's noncentral t returns NaN (large noncentrality, power ~ 1),
-    the normal approximation with the same critical value."""
-    if alternative not in ("two-sided", "greater", "less"):
-        raise ValueError(f"alternative = {alternative!r}; valid: two-sided, greater, less")
-    crit = sps.t.ppf(1 - (alpha / 2 if alternative == "two-sided" else alpha), df)
-    upper = 0.0 if alternative == "less" else sps.nct.sf(crit, df, nc)
-    lower = 0.0 if alternative == "greater" else sps.nct.cdf(-crit, df, nc)
-    if not np.isfinite(upper):
-        upper = sps.norm.sf(crit - nc)
-    if not np.isfinite(lower):
-        lower = sps.norm.cdf(-crit - nc)
-    return float(min(1.0, upper + lower))
-
-
-def seeds_for_power(
-    sd: float,
-    gap: float,
-    *,
-    power: float = 0.8,
-    alpha: float = 0.05,
-    alternative: str = "two-sided",
-    paired: bool = True,
-    max_seeds: int = 1000,
-) -> int | None:
-    """The fewest seeds (pairs, or runs per arm unpaired) whose test reaches `power` at `gap`; None beyond max_seeds."""
-    fn = power_paired if paired else power_unpaired
-    for n in range(2, max_seeds + 1):
-        if fn(sd, gap, n, alpha=alpha, alternative=alternative) >= power:
-            return n
-    return None
-
-
 def sizing(c: Comparison) -> float:
     """The power the declaration's own numbers give (assumed_sd, threshold, seeds, alpha, alternative, pairing)."""
-    fn = power_paired if c.pairing == "seed" else power_unpaired
+    fn = power.power_paired if c.pairing == "seed" else power.power_unpaired
     return fn(c.assumed_sd, abs(c.threshold), len(c.seeds), alpha=c.alpha, alternative=c.alternative)
 
 
@@ -149,11 +100,16 @@ def _run_table(long: pd.DataFrame, runs: pd.DataFrame | None) -> pd.DataFrame:
     return table
 
 
+def _rows_where(table: pd.DataFrame, axis: str, value: Any) -> np.ndarray:
+    """Which rows of `table` have `value` on `axis` (as declared: equal, or equal as numbers)."""
+    return table[axis].map(lambda v: _same(v, value)).to_numpy(dtype=bool)
+
+
 def _in_stratum(table: pd.DataFrame, c: Comparison) -> pd.DataFrame:
+    """The rows of `table` in the declared stratum (a stratum axis `table` lacks raises KeyError)."""
     mask = np.ones(len(table), dtype=bool)
     for axis, value in c.stratum.items():
-        if axis in table:
-            mask &= table[axis].map(lambda v, value=value: _same(v, value)).to_numpy(dtype=bool)
+        mask &= _rows_where(table, axis, value)
     return table[mask]
 
 
@@ -175,7 +131,7 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
     if out:
         return out
     for axis, value in c.stratum.items():
-        if not table[axis].map(lambda v, value=value: _same(v, value)).any():
+        if not _rows_where(table, axis, value).any():
             have = sorted(map(str, pd.unique(table[axis])))
             out.append(f"{c.name}: stratum {axis} = {value!r}: no run has it (the runs have {', '.join(have)})")
     table = _in_stratum(table, c)
@@ -184,7 +140,7 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
         out.append(f"{c.name}: metric {c.metric!r} not logged by any run")
     seeds_by_arm = {}
     for side, arm in (("treatment", c.treatment), ("control", c.control)):
-        rows = table[table[c.axis].map(lambda v, arm=arm: _same(v, arm)).to_numpy(dtype=bool)]
+        rows = table[_rows_where(table, c.axis, arm)]
         if rows.empty:
             out.append(f"{c.name}: {side} arm {c.axis} = {arm!r}: no usable run")
             continue
@@ -221,13 +177,13 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
 
 def window_values(long: pd.DataFrame, c: Comparison) -> pd.DataFrame:
     """Per run: the declared window of the declared metric (columns as analysis.stats.gain.per_run /
-    design.compute_window: the run's axes, seed, value)."""
+    curves.compute_window: the run's axes, seed, value)."""
     from analysis.stats import gain
 
     if c.window == "gain":
         return gain.per_run(long, c.metric)
     if c.window == "last_10pct_compute":
-        return design.compute_window(long, c.metric)
+        return curves.compute_window(long, c.metric)
     per = gain.per_run(long, c.metric)  # final_eval: the run's last evaluation after its start
     return per.assign(value=per["final"])
 
@@ -257,19 +213,16 @@ def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None)
     from analysis.stats import intervals
 
     devs = tuple(deviations(long, c, runs))
-    per = window_values(long, c)
-    for axis, value in c.stratum.items():
-        per = per[per[axis].map(lambda v, value=value: _same(v, value)).to_numpy(dtype=bool)]
+    per = _in_stratum(window_values(long, c), c)
     per = per[per[SEED].astype(int).isin(c.seeds)]
-    arm = per[c.axis].astype(object)
+    arms = [(arm, per[_rows_where(per, c.axis, arm)]) for arm in (c.treatment, c.control)]  # treatment, control
     if c.pairing == "seed":
-        paired = design.paired_arms(per.assign(**{c.axis: arm}), c.axis, c.treatment, c.control)
+        paired = design.paired_difference(*(design.per_unit(rows, f"{c.axis} = {arm!r}") for arm, rows in arms))
         est, d = paired.ci, np.asarray(paired.differences)
         p = float(sps.ttest_1samp(d, 0.0, alternative=c.alternative).pvalue) if d.size > 1 else np.nan
     else:
         paired = None
-        x = per.loc[arm.map(lambda v: _same(v, c.treatment)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
-        y = per.loc[arm.map(lambda v: _same(v, c.control)).to_numpy(dtype=bool), "value"].to_numpy(np.float64)
+        x, y = (rows["value"].to_numpy(np.float64) for _, rows in arms)
         est = intervals.mean_difference(x, y)
         test = sps.ttest_ind(x, y, equal_var=False, alternative=c.alternative)
         p = float(test.pvalue) if min(x.size, y.size) > 1 else np.nan
@@ -316,10 +269,7 @@ __all__ = [
     "deviations",
     "family",
     "hypothesis",
-    "power_paired",
-    "power_unpaired",
     "read",
-    "seeds_for_power",
     "sizing",
     "window_values",
 ]

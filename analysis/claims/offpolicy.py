@@ -11,7 +11,7 @@ Two outcomes, stated with their numbers either way:
     highest volatility at which the dense control still learned, and, within the regime reached, the GRPO minus GRPO
     + Routing Replay held-out gaps the seeds exclude (those outside its 95% interval at each M, paired by seed).
 
-The claims are about the paper's algorithms, so this module names them (through analysis.claims.scorecard's names and
+The claims are about the paper's algorithms, so this module names them (through analysis.claims.common's names and
 the registry's replay partner).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.claims import scorecard
+from analysis.claims.common import GRPO, GSPO, comparison_pairs
 from analysis.runs import names, vocab
 from analysis.runs.columns import ALGORITHM, RUN_ID, SEED
 from analysis.runs.select import DENSE, MOE, MissingData, configurations, model_of, need_metric, short, varying
@@ -35,25 +35,224 @@ from analysis.stats import collapse, curves, design, gain, intervals, regime
 # --- Figure 9's tables ------------------------------------------------------------------------------------------------
 HELD_OUT, FINAL = "held-out gain", "final reward"
 """Figure 9's quantities (its tables' `quantity` column)."""
+INTERVAL = ("mean", "low", "high", "n")
+"""The columns of a mean over runs with its t interval."""
 
 
-def _mechanism(study: Study, arm: Mapping[tuple[str, str, Any], list[str]]) -> pd.DataFrame:
-    """offpolicy_tables' `mechanism`: per (model, algorithm, M) of `arm` (-> its run ids), the mean over its runs of
-    each run's mean over steps of the routing volatility and of each log-ratio metric (NaN where none measured it)."""
-    names = [vocab.ROUTING_SLOT, *(m for m in vocab.LOGRATIOS if m in study.metrics)]
-    per_run = {
-        m: dict(zip(r[RUN_ID].astype(str), r["value"].astype(float), strict=True))
-        for m in names
-        if len(r := curves.run_mean(study.long, m))
+def _interval(ci: intervals.CI) -> tuple[float, float, float, int]:
+    return ci.estimate, ci.low, ci.high, ci.n
+
+
+def _bounds(name: str) -> tuple[str, str, str]:
+    """The columns of an estimate `name` with its interval: name, name_low, name_high."""
+    return name, f"{name}_low", f"{name}_high"
+
+
+@dataclass(frozen=True)
+class _Arms:
+    """The runs of an off-policy study by arm, and the per-run quantities its tables read."""
+
+    arm: dict[tuple[str, str, Any], list[str]]
+    """(model, algorithm, M) -> the arm's run ids."""
+    ms: list[Any]
+    """The M values, in order (the first: the fewest)."""
+    moe: pd.DataFrame
+    """The MoE's runs (study.runs rows)."""
+    algs: dict[str, list[str]]
+    """Per model (MOE, DENSE): its algorithms, in registry order."""
+    quantities: dict[str, dict[str, float]]
+    """Per quantity (HELD_OUT when measured, FINAL): run id -> its value."""
+    seed_of: dict[str, Any]
+
+    @property
+    def dense(self) -> str | None:
+        """The dense control's algorithm (the first), None without a dense control."""
+        return self.algs[DENSE][0] if self.algs[DENSE] else None
+
+    def values(self, q: str, mod: str, alg: str, m: Any) -> np.ndarray:
+        """Quantity `q` of each run of the arm (model, algorithm, M); NaN where a run has none."""
+        return np.array([self.quantities[q].get(r, np.nan) for r in self.arm.get((mod, alg, m), [])], np.float64)
+
+    def by_seed(self, q: str, mod: str, alg: str, m: Any) -> dict[Any, float] | None:
+        """The arm's values keyed by seed; None when a seed has several runs (the seed then identifies no pair)."""
+        ids = self.arm.get((mod, alg, m), [])
+        seeds = [self.seed_of[r] for r in ids]
+        if len(set(seeds)) < len(seeds):
+            return None
+        return {s: self.quantities[q].get(r, np.nan) for s, r in zip(seeds, ids, strict=True)}
+
+    def dense_at(self, *ms: Any) -> bool:
+        """Whether the dense control ran at every M of `ms`."""
+        return self.dense is not None and all((DENSE, self.dense, m) in self.arm for m in ms)
+
+
+def _per_run(per_run: pd.DataFrame) -> dict[str, float]:
+    return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
+
+
+def _read_arms(study: Study, frac: float) -> _Arms:
+    """The off-policy study's arms (offpolicy_tables: what it needs of the study, else MissingData)."""
+    axis = vocab.MINIBATCH_AXIS
+    swept = varying(study)
+    if axis not in swept:
+        raise MissingData(
+            f"the off-policy figure compares minibatches per rollout batch ({axis!r}); this study does not sweep it "
+            f"(swept axes: {', '.join(swept) or 'none'})"
+        )
+    for m in (vocab.ROUTING_SLOT, vocab.REWARD):
+        need_metric(study, m)
+    other = [a for a in swept if a != axis and a.split(".")[0] != "model"]
+    if other:
+        raise MissingData(
+            f"the off-policy figure reads one configuration besides {axis} and the model; this study "
+            f"also sweeps {', '.join(other)}: select one value of each (where=)"
+        )
+    keys, m_of = configurations(study, [axis])
+    runs = study.runs[study.runs[RUN_ID].astype(str).isin(m_of)].copy()
+    runs["model"] = model_of(study, runs[RUN_ID].astype(str).tolist())
+    shape_cols = [a for a in swept if a.split(".")[0] == "model"]
+    moe = runs[runs["model"] == MOE]
+    if moe.empty:
+        raise MissingData(f"the off-policy figure needs MoE runs; every run's {vocab.NUM_EXPERTS_KEY} is 1")
+    if shape_cols and len(moe[shape_cols].astype(str).drop_duplicates()) > 1:
+        raise MissingData(
+            f"the off-policy figure reads one MoE shape; this study sweeps several ({', '.join(shape_cols)}"
+            "): select one (where=)"
+        )
+    arm = {
+        (mod, str(alg), m): grp[RUN_ID].astype(str).tolist()
+        for (mod, alg, m), grp in runs.groupby(["model", ALGORITHM, axis], observed=True, sort=False)
     }
+    quantities = {}
+    if vocab.EVAL_IN_DIST in study.metrics:
+        gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
+        if len(gains):
+            quantities[HELD_OUT] = _per_run(gains)
+    quantities[FINAL] = _per_run(curves.compute_window(study.long, vocab.REWARD, frac=frac))
+    return _Arms(
+        arm=arm,
+        ms=[k[0] for k in keys],
+        moe=moe,
+        algs={mod: names.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)},
+        quantities=quantities,
+        seed_of=dict(zip(runs[RUN_ID].astype(str), runs[SEED], strict=True)),
+    )
+
+
+def _volatility(study: Study, arms: _Arms, threshold: float) -> pd.DataFrame:
+    """offpolicy_tables' `volatility`: per M, the MoE's cumulative and per-update volatility over its runs."""
+    axis = vocab.MINIBATCH_AXIS
+    vol = _per_run(curves.run_mean(study.long, vocab.ROUTING_SLOT))
+    one = _per_run(curves.run_mean(study.long, regime.PER_UPDATE)) if regime.PER_UPDATE in study.metrics else {}
     rows = []
-    for (mod, alg, m), ids in arm.items():
-        row: dict[str, Any] = {"model": mod, ALGORITHM: alg, vocab.MINIBATCH_AXIS: m, "n": len(ids)}
-        for name in names:
+    for m in arms.ms:
+        ids = arms.moe.loc[arms.moe[axis] == m, RUN_ID].astype(str)
+        cum, per = (np.array([q.get(r, np.nan) for r in ids], np.float64) for q in (vol, one))
+        ci, pu = intervals.mean_ci(cum[np.isfinite(cum)]), intervals.mean_ci(per[np.isfinite(per)])
+        rows.append((m, *_interval(ci), *_interval(pu), threshold, bool(pu.n > 0 and pu.estimate >= threshold)))
+    columns = [axis, *INTERVAL, *_bounds("per_update"), "per_update_n", "threshold", "in_regime"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _arm_means(arms: _Arms) -> pd.DataFrame:
+    """offpolicy_tables' `arms`: per model, algorithm, M and quantity, the mean over seeds with its t interval."""
+    rows = []
+    for mod, q, m in itertools.product((MOE, DENSE), arms.quantities, arms.ms):
+        for alg in arms.algs[mod]:
+            if (mod, alg, m) in arms.arm:
+                rows.append((mod, alg, m, q, *_interval(intervals.mean_ci(arms.values(q, mod, alg, m)))))
+    return pd.DataFrame(rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "quantity", *INTERVAL])
+
+
+def _gaps(arms: _Arms, x_of: Mapping[Any, float]) -> pd.DataFrame:
+    """offpolicy_tables' `gaps`: each MoE algorithm minus its Routing Replay partner and the dense control's
+    off-policy loss, per quantity and M, read as one family (`design.read_as_family`)."""
+    axis = vocab.MINIBATCH_AXIS
+    head = ("comparison", "minuend", "subtrahend", "model", axis, "volatility", "quantity")
+    pairs = [(free, rr) for rr, free, claim in comparison_pairs(arms.algs[MOE]) if claim in ("C3", "C4")]
+    m0, dense = arms.ms[0], arms.dense
+
+    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, ka: tuple, kb: tuple) -> dict[str, Any]:
+        """minuend arm `ka` minus subtrahend arm `kb` ((model, algorithm, M)): paired by seed when both arms ran the
+        same seeds (two or more, one run each), else Welch."""
+        gap = design.arm_gap(arms.values(q, *ka), arms.values(q, *kb), arms.by_seed(q, *ka), arms.by_seed(q, *kb))
+        return {**dict(zip(head, (what, a, b, model, m, x_of[m], q), strict=True)), **gap}
+
+    rows = []
+    for q, m in itertools.product(arms.quantities, arms.ms):
+        for free, rr in pairs:
+            if (MOE, free, m) in arms.arm and (MOE, rr, m) in arms.arm:
+                what = f"{names.label(free)} - {names.label(rr)}"
+                rows.append(gap_row(what, free, rr, MOE, m, q, (MOE, free, m), (MOE, rr, m)))
+        if dense is not None and m != m0 and arms.dense_at(m, m0):
+            what = f"dense control ({names.label(dense)}): at M minus at M = {short(m0)}"
+            rows.append(gap_row(what, dense, dense, DENSE, m, q, (DENSE, dense, m), (DENSE, dense, m0)))
+    design.read_as_family(rows)
+    return pd.DataFrame(rows, columns=[*head, *design.GAP_COLUMNS])
+
+
+def _offpolicy_loss(arms: _Arms, x_of: Mapping[Any, float]) -> pd.DataFrame:
+    """offpolicy_tables' `offpolicy_loss`: per MoE algorithm and M, its loss from its routing family's arm at the
+    fewest M and that loss's excess over the dense control's."""
+    m0, dense = arms.ms[0], arms.dense
+    at0 = [a for (md, a, m) in arms.arm if md == MOE and m == m0]
+    rows = []
+    for q, alg, m in itertools.product(arms.quantities, arms.algs[MOE], arms.ms[1:]):
+        base = _base_of(alg, at0)
+        if (MOE, alg, m) not in arms.arm or base is None:
+            continue
+        groups = [arms.values(q, MOE, alg, m), arms.values(q, MOE, base, m0)]
+        loss = intervals.mean_difference(*groups)
+        excess = intervals.CI(np.nan, np.nan, np.nan, 0)
+        if arms.dense_at(m, m0):
+            dense_groups = [arms.values(q, DENSE, dense, m), arms.values(q, DENSE, dense, m0)]
+            excess = intervals.contrast_ci([*groups, *dense_groups], (1.0, -1.0, -1.0, 1.0))
+        rows.append((alg, base, m, x_of[m], q, *_interval(loss)[:3], *_interval(excess)[:3], excess.n or loss.n))
+    columns = [
+        ALGORITHM,
+        "baseline",
+        vocab.MINIBATCH_AXIS,
+        "volatility",
+        "quantity",
+        *_bounds("loss"),
+        *_bounds("excess"),
+        "n",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _collapse_rate(study: Study, arms: _Arms) -> pd.DataFrame | None:
+    """offpolicy_tables' `collapse_rate`: per model, algorithm and M, its collapsed runs with a Wilson interval; None
+    when no run collapsed."""
+    coll = collapse.collapse_table(study.long, study.runs)
+    fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))
+    if not any(fell.get(r, False) for ids in arms.arm.values() for r in ids):
+        return None
+    rows = []
+    for mod, m in itertools.product((MOE, DENSE), arms.ms):
+        for alg in arms.algs[mod]:
+            ids = arms.arm.get((mod, alg, m), [])
+            if ids:
+                k = sum(fell.get(r, False) for r in ids)
+                rows.append((mod, alg, m, k, len(ids), k / len(ids), *intervals.wilson_interval(k, len(ids))))
+    return pd.DataFrame(
+        rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "collapsed", "runs", "rate", "low", "high"]
+    )
+
+
+def _mechanism(study: Study, arms: _Arms) -> pd.DataFrame:
+    """offpolicy_tables' `mechanism`: per (model, algorithm, M) arm, the mean over its runs of each run's mean over
+    steps of the routing volatility and of each log-ratio metric (NaN where none measured it)."""
+    metrics = [vocab.ROUTING_SLOT, *(m for m in vocab.LOGRATIOS if m in study.metrics)]
+    per_run = {m: _per_run(r) for m in metrics if len(r := curves.run_mean(study.long, m))}
+    rows = []
+    for (mod, alg, m), ids in arms.arm.items():
+        means = []
+        for name in metrics:
             vals = np.array([per_run.get(name, {}).get(r, np.nan) for r in ids], np.float64)
-            row[name] = float(np.nanmean(vals)) if np.isfinite(vals).any() else np.nan
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "n", *names])
+            means.append(float(np.nanmean(vals)) if np.isfinite(vals).any() else np.nan)
+        rows.append((mod, alg, m, len(ids), *means))
+    return pd.DataFrame(rows, columns=["model", ALGORITHM, vocab.MINIBATCH_AXIS, "n", *metrics])
 
 
 def _base_of(alg: str, present: Sequence[str]) -> str | None:
@@ -65,11 +264,13 @@ def _base_of(alg: str, present: Sequence[str]) -> str | None:
     return next((v for v in names.registry().routing_variants(alg) if v in present), None)
 
 
-def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None = None) -> dict[str, pd.DataFrame]:
+def offpolicy_tables(
+    study: Study, *, frac: float = curves.WINDOW_FRAC, threshold: float | None = None
+) -> dict[str, pd.DataFrame]:
     """Figure 9's data, along the minibatches per rollout batch M (vocab.MINIBATCH_AXIS), for the MoE and its dense
     control (runs whose model has one expert; failed runs left out). Per run: its routing volatility (mean
     routing_slot_mismatch over its steps), its held-out gain (analysis.stats.gain.per_run) and its final reward
-    (`design.compute_window`: the mean over the last `frac` of its compute, the window the scorecard's claims read).
+    (`curves.compute_window`: the mean over the last `frac` of its compute, the window the scorecard's claims read).
 
     - `volatility`: per M, the MoE's volatility, cumulative (`mean`: routing_slot_mismatch, over minibatches 2..M)
       and per update (`per_update`: routing_slot_mismatch_mb2, the change after one update, the paper's unit): mean
@@ -88,242 +289,24 @@ def offpolicy_tables(study: Study, *, frac: float = 0.1, threshold: float | None
     - `mechanism` (only when runs measured the routing log-ratio, routing_attribution): per model, algorithm and M,
       the seed means of each run's step means of the routing volatility and of the off-policy minibatches'
       log-ratios (vocab.LOGRATIOS: the routing's part and the weights');
-    - `collapse_rate` (only when some run collapsed, analysis.stats.collapse): per model, algorithm and M, collapsed
-    runs
-      of the runs, with a Wilson interval.
+    - `collapse_rate` (only when some run collapsed, analysis.stats.collapse): per model, algorithm and M, the
+      collapsed runs of the runs, with a Wilson interval.
     """
     threshold = regime.MIN_VOLATILITY if threshold is None else float(threshold)
-    axis = vocab.MINIBATCH_AXIS
-    swept = varying(study)
-    if axis not in swept:
-        raise MissingData(
-            f"the off-policy figure compares minibatches per rollout batch ({axis!r}); this study does not sweep it "
-            f"(swept axes: {', '.join(swept) or 'none'})"
-        )
-    for m in (vocab.ROUTING_SLOT, vocab.REWARD):
-        need_metric(study, m)
-    other = [a for a in swept if a != axis and a.split(".")[0] != "model"]
-    if other:
-        raise MissingData(
-            f"the off-policy figure reads one configuration besides {axis} and the model; this study "
-            f"also sweeps {', '.join(other)}: select one value of each (where=)"
-        )
-    keys, m_of = configurations(study, [axis])
-    ms = [k[0] for k in keys]
-    runs = study.runs[study.runs[RUN_ID].astype(str).isin(m_of)].copy()
-    runs["model"] = model_of(study, runs[RUN_ID].astype(str).tolist())
-    shape_cols = [a for a in swept if a.split(".")[0] == "model"]
-    moe = runs[runs["model"] == MOE]
-    if moe.empty:
-        raise MissingData(f"the off-policy figure needs MoE runs; every run's {vocab.NUM_EXPERTS_KEY} is 1")
-    if shape_cols and len(moe[shape_cols].astype(str).drop_duplicates()) > 1:
-        raise MissingData(
-            f"the off-policy figure reads one MoE shape; this study sweeps several ({', '.join(shape_cols)}"
-            "): select one (where=)"
-        )
-    arm = {
-        (mod, str(alg), m): grp[RUN_ID].astype(str).tolist()
-        for (mod, alg, m), grp in runs.groupby(["model", ALGORITHM, axis], observed=True, sort=False)
-    }
-
-    def values(per_run: pd.DataFrame) -> dict[str, float]:
-        return dict(zip(per_run[RUN_ID].astype(str), per_run["value"].astype(float), strict=True))
-
-    vol = values(curves.run_mean(study.long, vocab.ROUTING_SLOT))
-    one = values(curves.run_mean(study.long, regime.PER_UPDATE)) if regime.PER_UPDATE in study.metrics else {}
-    quantities = {}
-    if vocab.EVAL_IN_DIST in study.metrics:
-        gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
-        if len(gains):
-            quantities[HELD_OUT] = values(gains)
-    quantities[FINAL] = values(design.compute_window(study.long, vocab.REWARD, frac=frac))
-
-    def of(q: Mapping[str, float], mod: str, alg: str, m: Any) -> np.ndarray:
-        return np.array([q.get(r, np.nan) for r in arm.get((mod, alg, m), [])], np.float64)
-
-    seed_of = dict(zip(runs[RUN_ID].astype(str), runs[SEED], strict=True))
-
-    def by_seed(q: Mapping[str, float], mod: str, alg: str, m: Any) -> dict[Any, float] | None:
-        """The arm's values keyed by seed; None when a seed has several runs (the seed then identifies no pair)."""
-        ids = arm.get((mod, alg, m), [])
-        seeds = [seed_of[r] for r in ids]
-        return None if len(set(seeds)) < len(seeds) else {s: q.get(r, np.nan) for s, r in zip(seeds, ids, strict=True)}
-
-    rows = []
-    for m in ms:
-        ids = moe.loc[moe[axis] == m, RUN_ID].astype(str)
-        v = np.array([vol.get(r, np.nan) for r in ids], np.float64)
-        ci = intervals.mean_ci(v[np.isfinite(v)])
-        u = np.array([one.get(r, np.nan) for r in ids], np.float64)
-        pu = intervals.mean_ci(u[np.isfinite(u)])
-        rows.append(
-            {
-                axis: m,
-                "mean": ci.estimate,
-                "low": ci.low,
-                "high": ci.high,
-                "n": ci.n,
-                "per_update": pu.estimate,
-                "per_update_low": pu.low,
-                "per_update_high": pu.high,
-                "per_update_n": pu.n,
-                "threshold": threshold,
-                "in_regime": bool(pu.n > 0 and pu.estimate >= threshold),
-            }
-        )
-    vol_cols = [
-        axis,
-        "mean",
-        "low",
-        "high",
-        "n",
-        "per_update",
-        "per_update_low",
-        "per_update_high",
-        "per_update_n",
-        "threshold",
-        "in_regime",
-    ]
-    volatility = pd.DataFrame(rows, columns=vol_cols)
-    x_of = dict(zip(volatility[axis], volatility["mean"], strict=True))
-
-    algs = {mod: names.order({a for (md, a, _m) in arm if md == mod}) for mod in (MOE, DENSE)}
-    rows = []
-    for mod, q, m in itertools.product((MOE, DENSE), quantities, ms):
-        for alg in algs[mod]:
-            if (mod, alg, m) in arm:
-                ci = intervals.mean_ci(of(quantities[q], mod, alg, m))
-                rows.append(
-                    {
-                        "model": mod,
-                        ALGORITHM: alg,
-                        axis: m,
-                        "quantity": q,
-                        "mean": ci.estimate,
-                        "low": ci.low,
-                        "high": ci.high,
-                        "n": ci.n,
-                    }
-                )
-    arms = pd.DataFrame(rows, columns=["model", ALGORITHM, axis, "quantity", "mean", "low", "high", "n"])
-
-    present = algs[MOE]
-    pairs = [(free, rr) for rr, free, claim in scorecard.comparison_pairs(present) if claim in ("C3", "C4")]
-    dense_alg = algs[DENSE][0] if algs[DENSE] else None
-    m0 = ms[0]
-
-    def gap_row(what: str, a: str, b: str, model: str, m: Any, q: str, ka: tuple, kb: tuple) -> dict[str, Any]:
-        """minuend arm `ka` minus subtrahend arm `kb` ((model, algorithm, M)): paired by seed when both arms ran the
-        same seeds (two or more, one run each), else Welch."""
-        v = quantities[q]
-        gap = design.arm_gap(of(v, *ka), of(v, *kb), by_seed(v, *ka), by_seed(v, *kb))
-        return {
-            "comparison": what,
-            "minuend": a,
-            "subtrahend": b,
-            "model": model,
-            axis: m,
-            "volatility": x_of[m],
-            "quantity": q,
-            **gap,
-        }
-
-    rows = []
-    for q, m in itertools.product(quantities, ms):
-        for free, rr in pairs:
-            if (MOE, free, m) in arm and (MOE, rr, m) in arm:
-                what = f"{names.label(free)} - {names.label(rr)}"
-                rows.append(gap_row(what, free, rr, MOE, m, q, (MOE, free, m), (MOE, rr, m)))
-        if dense_alg is not None and m != m0 and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
-            what = f"dense control ({names.label(dense_alg)}): at M minus at M = {short(m0)}"
-            rows.append(gap_row(what, dense_alg, dense_alg, DENSE, m, q, (DENSE, dense_alg, m), (DENSE, dense_alg, m0)))
-    design.read_as_family(rows)
-    gap_cols = [
-        "comparison",
-        "minuend",
-        "subtrahend",
-        "model",
-        axis,
-        "volatility",
-        "quantity",
-        *design.GAP_COLUMNS,
-    ]
-    gaps = pd.DataFrame(rows, columns=gap_cols)
-
-    rows = []
-    at0 = [a for (md, a, m) in arm if md == MOE and m == m0]
-    for q, alg, m in itertools.product(quantities, present, ms[1:]):
-        base = _base_of(alg, at0)
-        if (MOE, alg, m) not in arm or base is None:
-            continue
-        groups = [of(quantities[q], MOE, alg, m), of(quantities[q], MOE, base, m0)]
-        loss = intervals.mean_difference(*groups)
-        excess = intervals.CI(np.nan, np.nan, np.nan, 0)
-        if dense_alg is not None and (DENSE, dense_alg, m) in arm and (DENSE, dense_alg, m0) in arm:
-            dense = [of(quantities[q], DENSE, dense_alg, m), of(quantities[q], DENSE, dense_alg, m0)]
-            excess = intervals.contrast_ci([*groups, *dense], (1.0, -1.0, -1.0, 1.0))
-        rows.append(
-            {
-                ALGORITHM: alg,
-                "baseline": base,
-                axis: m,
-                "volatility": x_of[m],
-                "quantity": q,
-                "loss": loss.estimate,
-                "loss_low": loss.low,
-                "loss_high": loss.high,
-                "excess": excess.estimate,
-                "excess_low": excess.low,
-                "excess_high": excess.high,
-                "n": excess.n or loss.n,
-            }
-        )
-    loss_cols = [
-        ALGORITHM,
-        "baseline",
-        axis,
-        "volatility",
-        "quantity",
-        "loss",
-        "loss_low",
-        "loss_high",
-        "excess",
-        "excess_low",
-        "excess_high",
-        "n",
-    ]
+    arms = _read_arms(study, frac)
+    volatility = _volatility(study, arms, threshold)
+    x_of = dict(zip(volatility[vocab.MINIBATCH_AXIS], volatility["mean"], strict=True))
     tables = {
         "volatility": volatility,
-        "arms": arms,
-        "gaps": gaps,
-        "offpolicy_loss": pd.DataFrame(rows, columns=loss_cols),
+        "arms": _arm_means(arms),
+        "gaps": _gaps(arms, x_of),
+        "offpolicy_loss": _offpolicy_loss(arms, x_of),
     }
     if vocab.ROUTING_LOGRATIO in study.metrics:  # runs with routing_attribution: the mechanism beside the volatility
-        tables["mechanism"] = _mechanism(study, arm)
-
-    coll = collapse.collapse_table(study.long, study.runs)
-    fell = dict(zip(coll[RUN_ID].astype(str), coll["collapsed"].astype(bool), strict=True))
-    if any(fell.get(r, False) for ids in arm.values() for r in ids):
-        rows = []
-        for mod, m in itertools.product((MOE, DENSE), ms):
-            for alg in algs[mod]:
-                ids = arm.get((mod, alg, m), [])
-                if ids:
-                    k = sum(fell.get(r, False) for r in ids)
-                    lo, hi = intervals.wilson_interval(k, len(ids))
-                    rows.append(
-                        {
-                            "model": mod,
-                            ALGORITHM: alg,
-                            axis: m,
-                            "collapsed": k,
-                            "runs": len(ids),
-                            "rate": k / len(ids),
-                            "low": lo,
-                            "high": hi,
-                        }
-                    )
-        tables["collapse_rate"] = pd.DataFrame(rows)
+        tables["mechanism"] = _mechanism(study, arms)
+    rate = _collapse_rate(study, arms)
+    if rate is not None:
+        tables["collapse_rate"] = rate
     return tables
 
 
@@ -372,7 +355,7 @@ def outcome(tables: Mapping[str, pd.DataFrame], threshold: float | None = None) 
     vol, arms, gaps = (tables[k] for k in ("volatility", "arms", "gaps"))
     thr = float(vol["threshold"].iloc[0]) if threshold is None else float(threshold)
     reg = names.registry()
-    grpo, gspo = scorecard.GRPO, scorecard.GSPO
+    grpo, gspo = GRPO, GSPO
     rr = reg.replay_partner(grpo)
     dense_algs = names.order_or_sorted(arms.loc[arms["model"] == DENSE, ALGORITHM].astype(str))
     moe_algs = set(arms.loc[arms["model"] == MOE, ALGORITHM].astype(str))
@@ -504,7 +487,7 @@ def mechanism(tables: Mapping[str, pd.DataFrame]) -> tuple[str, ...]:
     mech = tables.get("mechanism")
     if mech is None or mech.empty or vocab.ROUTING_LOGRATIO not in mech:
         return ()
-    axis, grpo = vocab.MINIBATCH_AXIS, scorecard.GRPO
+    axis, grpo = vocab.MINIBATCH_AXIS, GRPO
     moe = mech[(mech["model"] == MOE) & (mech[ALGORITHM].astype(str) == grpo)]
     moe = moe[np.isfinite(moe[vocab.ROUTING_LOGRATIO].astype(float))]
     if moe.empty:

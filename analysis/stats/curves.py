@@ -1,14 +1,23 @@
 """Per-run reductions and curves of the tidy long table (`analysis.runs.tidy`): a metric's rows per run, the final
-windows (the last part of a run's points or of its compute), summaries over seeds per configuration, and curves
-aggregated on a common compute grid.
+windows, summaries over seeds per configuration, and curves aggregated on a common compute grid.
 
 "A configuration" is a group of runs that differ only by seed: by default the grouping columns are `algorithm` and
 every swept axis (all columns of the long table that are not run_id, seed, step, compute_flops, wall_s, metric, value).
+
+The final window is the last WINDOW_FRAC (10%) of a run's training (the step-0 evaluation of the start is not part of
+it), read one of two ways:
+
+- by points (`final_window`): the last 10% of the points the run logged, at least one, whatever compute they
+  span. Figures 4 and 5 read it (Figure 4 through `final_summary`), and `run_mean` is its frac 1: every point.
+- by compute (`compute_window`): the steps whose compute_flops lie in [(1 - frac) x C, C], C the run's last logged
+  compute (RUN_END) or one budget for every run (COMMON_END: the compute every compared group reached, so that every
+  run is read over the same compute range). The claims and Figures 8 and 9 read it; WINDOW_RULE (`window_rule`) is
+  its text, which they quote.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -73,37 +82,84 @@ def training_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[st > START_STEP] if (st <= START_STEP).any() else rows
 
 
-def final_window(long: pd.DataFrame, metric: str, *, frac: float = 0.1, min_points: int = 1) -> pd.DataFrame:
+# --- final windows ----------------------------------------------------------------------------------------------------
+WINDOW_FRAC = 0.1
+"""The final window's share of a run: its last 10%."""
+WINDOW_RULE = (
+    "the last {pct:g}% of compute: per run, the mean over its training steps whose compute_flops lie in "
+    "[(1 - {frac:g}) x C, C], C {end}"
+)
+"""The rule text of `compute_window` (format with pct, frac and end, what C is); the text the claims quote."""
+RUN_END = "the run's last logged compute"
+"""What C is without a budget (`compute_window`'s default)."""
+COMMON_END = (
+    "the compute every compared group reached (the least, over the groups, of each group's longest run); a collapsed "
+    "run that stopped before the window is held at its last value"
+)
+"""What C is for a comparison at equal compute (`compute_window` with that budget; the claims C1 and C4-C6)."""
+
+
+def window_rule(frac: float = WINDOW_FRAC, end: str = RUN_END) -> str:
+    """WINDOW_RULE for `frac`, C described by `end` (RUN_END: each run's own end; COMMON_END: equal compute)."""
+    return WINDOW_RULE.format(pct=100 * frac, frac=frac, end=end)
+
+
+def _window(long: pd.DataFrame, metric: str, frac: float, inside: Callable[[np.ndarray], np.ndarray]) -> pd.DataFrame:
+    """Per run: the mean of `metric` over the training points (step >= 1) `inside` picks, given their compute in
+    step order (-> their indices, in order; none: NaN). Columns: run_id, the grouping columns, seed, value,
+    n_points, step_from, step_to, compute_from, compute_to."""
+    if not 0 < frac <= 1:
+        raise ValueError(f"frac = {frac}: valid range is (0, 1]")
+    rows = training_rows(metric_rows(long, metric))
+    slices = run_slices(rows)
+    info = run_info(rows, slices, [*group_columns(long), SEED])
+    v, st = rows[VALUE].to_numpy(np.float64), rows[STEP].to_numpy()
+    cx = rows[COMPUTE].to_numpy(np.float64) if COMPUTE in rows else np.full(len(rows), np.nan)
+    out: dict[str, list] = {k: [] for k in ("value", "n_points", "step_from", "step_to", "compute_from", "compute_to")}
+    for start, stop in slices:
+        idx = inside(cx[start:stop]) + start
+        out["value"].append(float(np.mean(v[idx])) if idx.size else np.nan)
+        out["n_points"].append(int(idx.size))
+        out["step_from"].append(int(st[idx[0]]) if idx.size else -1)
+        out["step_to"].append(int(st[idx[-1]]) if idx.size else -1)
+        out["compute_from"].append(float(cx[idx[0]]) if idx.size else np.nan)
+        out["compute_to"].append(float(cx[idx[-1]]) if idx.size else np.nan)
+    for k, col in out.items():
+        info[k] = col
+    return info
+
+
+def final_window(long: pd.DataFrame, metric: str, *, frac: float = WINDOW_FRAC, min_points: int = 1) -> pd.DataFrame:
     """Per run: the mean of `metric` over the last `frac` of its logged points during training (at least
     `min_points`; the step-0 evaluation of the start is not one of them).
 
     Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_to.
     A collapsed or failed run's window is the last stretch it logged before stopping.
     """
-    if not 0 < frac <= 1:
-        raise ValueError(f"frac = {frac}: valid range is (0, 1]")
-    rows = training_rows(metric_rows(long, metric))
-    slices = run_slices(rows)
-    v = rows[VALUE].to_numpy()
-    st = rows[STEP].to_numpy()
-    cx = rows[COMPUTE].to_numpy() if COMPUTE in rows else np.full(len(rows), np.nan)
-    cols = [*group_columns(long), SEED]
-    info = run_info(rows, slices, cols)
-    out_v, out_n, out_from, out_to, out_c = [], [], [], [], []
-    for start, stop in slices:
-        k = max(min_points, int(np.ceil(frac * (stop - start))))
-        lo = max(start, stop - k)
-        out_v.append(float(np.mean(v[lo:stop])))
-        out_n.append(stop - lo)
-        out_from.append(int(st[lo]))
-        out_to.append(int(st[stop - 1]))
-        out_c.append(float(cx[stop - 1]))
-    info["value"] = out_v
-    info["n_points"] = out_n
-    info["step_from"] = out_from
-    info["step_to"] = out_to
-    info["compute_to"] = out_c
-    return info
+
+    def last_points(c: np.ndarray) -> np.ndarray:
+        return np.arange(max(0, c.size - max(min_points, int(np.ceil(frac * c.size)))), c.size)
+
+    return _window(long, metric, frac, last_points).drop(columns="compute_from")
+
+
+def compute_window(
+    long: pd.DataFrame, metric: str, *, frac: float = WINDOW_FRAC, budget: float | None = None
+) -> pd.DataFrame:
+    """Per run: the mean of `metric` over its training steps (step >= 1) whose compute_flops lie in
+    [(1 - frac) C, C], C = `budget` when given (the same for every run: a run that stopped before (1 - frac) C has
+    no value, NaN), else the run's last logged compute. At least the last step when the window holds no step.
+
+    Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_from, compute_to."""
+
+    def last_compute(c: np.ndarray) -> np.ndarray:
+        end = float(budget) if budget is not None else float(np.nanmax(c))
+        inside = (c >= (1 - frac) * end) & (c <= end)
+        if budget is None and not inside.any():
+            inside[-1] = True
+        return np.flatnonzero(inside)
+
+    return _window(long, metric, frac, last_compute)
 
 
 def run_mean(long: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -146,7 +202,7 @@ def final_summary(
     long: pd.DataFrame,
     metric: str,
     *,
-    frac: float = 0.1,
+    frac: float = WINDOW_FRAC,
     by: Sequence[str] | None = None,
     runs: pd.DataFrame | None = None,
     states: Sequence[str] | None = None,

@@ -14,9 +14,8 @@ powerful than Bonferroni; statsmodels' multipletests), `simultaneous` widens eac
 (Bonferroni), so all m cover together with probability >= 1 - alpha. The confirmatory comparison a sweep declares
 (analysis.claims.declared) is a family of one; everything else is exploratory and is read with these.
 
-The window. "The last 10% of compute" is, per run, the steps whose compute_flops lie in [(1 - frac) C, C], C the
-run's last logged compute (or a budget given for every run): `compute_window`, with WINDOW_RULE its text, is what
-C1, C4 and the off-policy figure's "final reward" read alike.
+The window. "The last 10% of compute" is analysis.stats.curves' `compute_window` (its text `window_rule`), which the
+claims and the routing figures read alike; this module names it for them.
 
 Libraries: rliable (Agarwal et al., NeurIPS 2021) for the interquartile mean and the probability of improvement, with
 its stratified bootstrap run by scipy; scipy for the t quantiles and tests; statsmodels for Holm.
@@ -33,9 +32,9 @@ import pandas as pd
 from scipy import stats as sps
 
 from analysis.runs import vocab
-from analysis.runs.columns import COMPUTE, SEED, STEP, VALUE
+from analysis.runs.columns import SEED
 from analysis.stats import regime
-from analysis.stats.curves import group_columns, metric_rows, run_info, run_slices, training_rows
+from analysis.stats.curves import compute_window, window_rule
 from analysis.stats.intervals import CI, mean_band, mean_ci, mean_difference
 
 UNIT = SEED
@@ -92,14 +91,20 @@ def paired_arms(
     """`paired_difference` of a per-run table (one row per run: `arm`, `unit`, `value`, e.g. stats.final_window's or
     gain.per_run's) between the rows whose `arm` is `treatment` and those whose `arm` is `control`. Raises when an arm
     has two runs of one unit (then the unit does not identify a pair)."""
-    arms = {}
-    for name in (treatment, control):
-        rows = per_run[per_run[arm].astype(object) == name]
-        dup = rows[unit][rows[unit].duplicated()].tolist()
-        if dup:
-            raise ValueError(f"{arm} = {name!r} has several runs of {unit} {dup}; pair within one stratum at a time")
-        arms[name] = dict(zip(rows[unit].tolist(), rows[value].astype(float).tolist(), strict=True))
-    return paired_difference(arms[treatment], arms[control], unit=unit, confidence=confidence)
+    arms = [
+        per_unit(per_run[per_run[arm].astype(object) == name], f"{arm} = {name!r}", unit=unit, value=value)
+        for name in (treatment, control)
+    ]
+    return paired_difference(*arms, unit=unit, confidence=confidence)
+
+
+def per_unit(rows: pd.DataFrame, what: str, *, unit: str = UNIT, value: str = "value") -> dict:
+    """One arm's rows (`what` names the arm) as {unit: value}; raises when a unit has two runs (then the unit does
+    not identify a pair)."""
+    dup = rows[unit][rows[unit].duplicated()].tolist()
+    if dup:
+        raise ValueError(f"{what} has several runs of {unit} {dup}; pair within one stratum at a time")
+    return dict(zip(rows[unit].tolist(), rows[value].astype(float).tolist(), strict=True))
 
 
 # --- a family of comparisons ------------------------------------------------------------------------------------------
@@ -205,60 +210,6 @@ def read_as_family(rows: list[dict[str, Any]]) -> None:
         )
 
 
-# --- the window -------------------------------------------------------------------------------------------------------
-WINDOW_FRAC = 0.1
-WINDOW_RULE = (
-    "the last {pct:g}% of compute: per run, the mean over its training steps whose compute_flops lie in "
-    "[(1 - {frac:g}) x C, C], C {end}"
-)
-"""The rule text of `compute_window` (format with pct, frac and end, what C is); the text the claims quote."""
-RUN_END = "the run's last logged compute"
-"""What C is without a budget (`compute_window`'s default)."""
-COMMON_END = (
-    "the compute every compared group reached (the least, over the groups, of each group's longest run); a collapsed "
-    "run that stopped before the window is held at its last value"
-)
-"""What C is for a comparison at equal compute (`compute_window` with that budget; scorecard C1, C4-C6)."""
-
-
-def window_rule(frac: float = WINDOW_FRAC, end: str = RUN_END) -> str:
-    """WINDOW_RULE for `frac`, C described by `end` (RUN_END: each run's own end; COMMON_END: equal compute)."""
-    return WINDOW_RULE.format(pct=100 * frac, frac=frac, end=end)
-
-
-def compute_window(
-    long: pd.DataFrame, metric: str, *, frac: float = WINDOW_FRAC, budget: float | None = None
-) -> pd.DataFrame:
-    """Per run: the mean of `metric` over its training steps (step >= 1) whose compute_flops lie in
-    [(1 - frac) C, C], C = `budget` when given (the same for every run: a run that stopped before (1 - frac) C has
-    no value, NaN), else the run's last logged compute. At least the last step when the window holds no step.
-
-    Columns: run_id, the grouping columns, seed, value, n_points, step_from, step_to, compute_from, compute_to."""
-    if not 0 < frac <= 1:
-        raise ValueError(f"frac = {frac}: valid range is (0, 1]")
-    rows = training_rows(metric_rows(long, metric))
-    slices = run_slices(rows)
-    info = run_info(rows, slices, [*group_columns(long), SEED])
-    v, st, cx = rows[VALUE].to_numpy(np.float64), rows[STEP].to_numpy(), rows[COMPUTE].to_numpy(np.float64)
-    out: dict[str, list] = {k: [] for k in ("value", "n_points", "step_from", "step_to", "compute_from", "compute_to")}
-    for start, stop in slices:
-        c = cx[start:stop]
-        end = float(budget) if budget is not None else float(np.nanmax(c))
-        inside = (c >= (1 - frac) * end) & (c <= end)
-        if budget is None and not inside.any():
-            inside[-1] = True
-        idx = np.flatnonzero(inside) + start
-        out["value"].append(float(np.mean(v[idx])) if idx.size else np.nan)
-        out["n_points"].append(int(idx.size))
-        out["step_from"].append(int(st[idx[0]]) if idx.size else -1)
-        out["step_to"].append(int(st[idx[-1]]) if idx.size else -1)
-        out["compute_from"].append(float(cx[idx[0]]) if idx.size else np.nan)
-        out["compute_to"].append(float(cx[idx[-1]]) if idx.size else np.nan)
-    for k, col in out.items():
-        info[k] = col
-    return info
-
-
 # --- routing volatility: per update vs cumulative ---------------------------------------------------------------------
 PAPER_PER_UPDATE = regime.PAPER_PER_UPDATE
 PER_UPDATE = regime.PER_UPDATE
@@ -283,28 +234,16 @@ def volatility(long: pd.DataFrame, run_ids: Sequence[str] | None = None, *, thre
     regime only when the per-update volatility reaches `threshold`; "not tested in regime: cumulative X%, per update
     Y%" when only the cumulative one does (many off-policy updates add up to what one update of the paper's model
     does), and when neither does."""
-    from analysis.stats.curves import run_mean
-    from analysis.stats.regime import percent
-
-    def measure(metric: str) -> CI:
-        try:
-            per = run_mean(long, metric)
-        except KeyError:
-            return CI(np.nan, np.nan, np.nan, 0)
-        if run_ids is not None:
-            per = per[per["run_id"].astype(str).isin([str(r) for r in run_ids])]
-        return mean_ci(per["value"].to_numpy(np.float64))
-
-    one, cum = measure(PER_UPDATE), measure(vocab.ROUTING_SLOT)
+    one, cum = regime.over_runs(long, PER_UPDATE, run_ids), regime.over_runs(long, vocab.ROUTING_SLOT, run_ids)
     in_regime = bool(np.isfinite(one.estimate) and one.estimate >= threshold)
-    numbers = f"cumulative {percent(cum.estimate)}, per update {percent(one.estimate)}"
+    numbers = f"cumulative {regime.percent(cum.estimate)}, per update {regime.percent(one.estimate)}"
     if in_regime:
-        sentence = f"in regime: per update {percent(one.estimate)} >= {percent(threshold)} ({numbers})"
+        sentence = f"in regime: per update {regime.percent(one.estimate)} >= {regime.percent(threshold)} ({numbers})"
     elif not np.isfinite(one.estimate):
         sentence = f"not tested in regime: per-update volatility ({PER_UPDATE}) not measured; {numbers}"
     else:
         reach = " (only the cumulative reaches it)" if cum.estimate >= threshold else ""
-        sentence = f"not tested in regime: {numbers}; threshold {percent(threshold)} per update{reach}"
+        sentence = f"not tested in regime: {numbers}; threshold {regime.percent(threshold)} per update{reach}"
     return Volatility(one, cum, threshold, in_regime, sentence)
 
 
@@ -557,14 +496,10 @@ def algorithm_table(
 
 __all__ = [
     "ALGORITHM_TABLE_NOTE",
-    "COMMON_END",
     "PAPER_CLIP_RATIO",
     "PAPER_PER_UPDATE",
     "PER_UPDATE",
-    "RUN_END",
     "UNIT",
-    "WINDOW_FRAC",
-    "WINDOW_RULE",
     "LengthDecomposition",
     "Paired",
     "SizeReading",
@@ -576,6 +511,7 @@ __all__ = [
     "length_decomposition",
     "paired_arms",
     "paired_difference",
+    "per_unit",
     "probability_of_improvement",
     "simultaneous",
     "size_against_paper",

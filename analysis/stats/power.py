@@ -1,7 +1,11 @@
-"""Power of a claim's comparison from the measured seed noise: the smallest difference the study's seeds can detect.
+"""Power: the smallest difference a study's seeds can detect (from the measured seed noise), and the power of a
+declared comparison's test (from the SD its sizing assumes). Both read a contrast of group means at n seeds per group
+through the same pieces: the t test's critical value (`_critical`) and the search for the fewest seeds
+(`_fewest_seeds`).
 
-A claim's quantity is a contrast of group means, d = sum_i w_i * mean_i (C5: (GRPO recompute - GRPO rollout) -
-(GSPO recompute - GSPO rollout), weights +1 -1 -1 +1; the length part of C6: longest minus shortest budget, +1 -1).
+The smallest detectable difference. A claim's quantity is a contrast of group means, d = sum_i w_i * mean_i (C5:
+(GRPO recompute - GRPO rollout) - (GSPO recompute - GSPO rollout), weights +1 -1 -1 +1; the length part of C6: longest
+minus shortest budget, +1 -1).
 With s the pooled seed standard deviation of the groups' per-run values (df = runs - groups), the standard error of d
 is SE = s * sqrt(sum_i w_i^2 / n_i), and the smallest difference detected with probability `power` by a two-sided test
 at level `alpha` is
@@ -10,12 +14,19 @@ at level `alpha` is
 
 (the textbook normal-approximation formula with Student t quantiles for few seeds). It answers "how large would the
 effect have to be for these seeds to see it", which is what an inconclusive verdict must say; more seeds shrink it as
-1 / sqrt(n). The verdicts themselves come from the t intervals (scorecard.py), not from this formula.
+1 / sqrt(n). The verdicts themselves come from the t intervals (analysis.claims), not from this formula.
+
+The power of a declared test (analysis.claims.declared sizes a confirmation sweep with it). Paired, a one-sample t test
+on the n per-seed differences of SD sd: the noncentral t with n - 1 df and noncentrality gap sqrt(n) / sd; unpaired,
+the two-sample test of n runs per arm: 2 (n - 1) df, noncentrality gap / (sd sqrt(2 / n)) (`t_power`;
+`power_paired`, `power_unpaired`, and `seeds_for_power`, the fewest seeds reaching a target power). Not the same
+calculation as the smallest detectable difference: that is the normal-approximation formula with t quantiles, this
+the exact noncentral t.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +71,7 @@ def detectable(
         return Detectable(np.nan, np.nan, np.nan, df)
     sd = float(np.sqrt(sum(((g - g.mean()) ** 2).sum() for g in gs) / df))
     se = sd * float(np.sqrt(sum(w * w / g.size for w, g in zip(weights, gs, strict=True))))
-    mdd = float((sps.t.ppf(1 - alpha / 2, df) + sps.t.ppf(power, df)) * se)
+    mdd = float(_quantiles(df, alpha, power) * se)
     return Detectable(mdd, sd, se, df)
 
 
@@ -73,11 +84,24 @@ def seeds_needed(
     if not (np.isfinite(d.sd) and d.sd > 0 and target > 0):
         return None
     w2 = float(sum(w * w for w in weights))
-    for n in range(2, 10_000):
-        df = len(weights) * (n - 1)
-        if (sps.t.ppf(1 - alpha / 2, df) + sps.t.ppf(power, df)) * d.sd * np.sqrt(w2 / n) <= target:
-            return n
-    return None
+    return _fewest_seeds(
+        lambda n: _quantiles(len(weights) * (n - 1), alpha, power) * d.sd * np.sqrt(w2 / n) <= target, 9_999
+    )
+
+
+def _critical(df: float, alpha: float, alternative: str = "two-sided") -> float:
+    """The t test's critical value at level `alpha`: t_{1 - alpha/2, df} two-sided, t_{1 - alpha, df} one-sided."""
+    return sps.t.ppf(1 - (alpha / 2 if alternative == "two-sided" else alpha), df)
+
+
+def _quantiles(df: float, alpha: float, power: float) -> float:
+    """t_{1 - alpha/2, df} + t_{power, df}: the smallest detectable difference in standard errors."""
+    return _critical(df, alpha) + sps.t.ppf(power, df)
+
+
+def _fewest_seeds(reaches: Callable[[int], bool], max_seeds: int) -> int | None:
+    """The fewest seeds n in 2..max_seeds for which `reaches(n)`; None when none does."""
+    return next((n for n in range(2, max_seeds + 1) if reaches(n)), None)
 
 
 def sentence(name: str, d: Detectable, needed: int | None = None) -> str:
@@ -87,4 +111,65 @@ def sentence(name: str, d: Detectable, needed: int | None = None) -> str:
     return f"{PREFIX} |{name}| ({POWER:.0%} power, {ALPHA:g} two-sided; seed SD {d.sd:.3g}, df {d.df}{tail})"
 
 
-__all__ = ["ALPHA", "POWER", "PREFIX", "TARGET", "Detectable", "detectable", "seeds_needed", "sentence"]
+# --- the power of a declared test -------------------------------------------------------------------------------------
+def power_paired(sd: float, gap: float, seeds: int, *, alpha: float = ALPHA, alternative: str = "two-sided") -> float:
+    """Power of the paired t test (n = `seeds` pairs, differences of SD `sd`) to detect a mean difference `gap`: the
+    noncentral t distribution with n - 1 df and noncentrality gap sqrt(n) / sd."""
+    if seeds < 2 or not sd > 0:
+        return float("nan")
+    return t_power(seeds - 1, gap * np.sqrt(seeds) / sd, alpha, alternative)
+
+
+def power_unpaired(sd: float, gap: float, seeds: int, *, alpha: float = ALPHA, alternative: str = "two-sided") -> float:
+    """Power of the two-sample t test (`seeds` runs per arm, each of SD `sd`): 2 (n - 1) df, noncentrality
+    gap / (sd sqrt(2 / n))."""
+    if seeds < 2 or not sd > 0:
+        return float("nan")
+    return t_power(2 * (seeds - 1), gap / (sd * np.sqrt(2.0 / seeds)), alpha, alternative)
+
+
+def t_power(df: int, nc: float, alpha: float, alternative: str) -> float:
+    """P(reject) of a t test with `df` degrees of freedom at level `alpha` under the noncentral t of noncentrality
+    `nc`; where scipy's noncentral t returns NaN (large noncentrality, power ~ 1), the normal approximation with the
+    same critical value."""
+    if alternative not in ("two-sided", "greater", "less"):
+        raise ValueError(f"alternative = {alternative!r}; valid: two-sided, greater, less")
+    crit = _critical(df, alpha, alternative)
+    upper = 0.0 if alternative == "less" else sps.nct.sf(crit, df, nc)
+    lower = 0.0 if alternative == "greater" else sps.nct.cdf(-crit, df, nc)
+    if not np.isfinite(upper):
+        upper = sps.norm.sf(crit - nc)
+    if not np.isfinite(lower):
+        lower = sps.norm.cdf(-crit - nc)
+    return float(min(1.0, upper + lower))
+
+
+def seeds_for_power(
+    sd: float,
+    gap: float,
+    *,
+    power: float = POWER,
+    alpha: float = ALPHA,
+    alternative: str = "two-sided",
+    paired: bool = True,
+    max_seeds: int = 1000,
+) -> int | None:
+    """The fewest seeds (pairs, or runs per arm unpaired) whose test reaches `power` at `gap`; None beyond max_seeds."""
+    fn = power_paired if paired else power_unpaired
+    return _fewest_seeds(lambda n: fn(sd, gap, n, alpha=alpha, alternative=alternative) >= power, max_seeds)
+
+
+__all__ = [
+    "ALPHA",
+    "POWER",
+    "PREFIX",
+    "TARGET",
+    "Detectable",
+    "detectable",
+    "power_paired",
+    "power_unpaired",
+    "seeds_for_power",
+    "seeds_needed",
+    "sentence",
+    "t_power",
+]

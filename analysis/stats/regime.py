@@ -26,6 +26,8 @@ from analysis.runs import vocab
 from analysis.stats.verdicts import Evidence
 
 if TYPE_CHECKING:  # the command line reads the thresholds without loading pandas and scipy
+    import pandas as pd
+
     from analysis.runs.tidy import Study
     from analysis.stats.intervals import CI
 
@@ -91,20 +93,26 @@ class Precondition:
 
     def measure(self, study: Study, run_ids: Iterable[str]) -> Measured:
         """The quantity over the runs `run_ids` (each run's mean over its RL steps, then the mean over runs)."""
-        from analysis.runs.columns import RUN_ID
-        from analysis.stats import curves, intervals
-
         ids = {str(r) for r in run_ids}
+        companion = over_runs(study.long, self.companion, ids) if self.companion else None
+        return Measured(self, over_runs(study.long, self.metric, ids), companion)
 
-        def of(metric: str) -> CI:
-            values = np.array([], np.float64)
-            if metric in study.metrics:
-                per_run = curves.run_mean(study.long, metric)
-                per_run = per_run[per_run[RUN_ID].astype(str).isin(ids)]
-                values = per_run["value"].to_numpy(np.float64)
-            return intervals.mean_ci(values[np.isfinite(values)])
 
-        return Measured(self, of(self.metric), of(self.companion) if self.companion else None)
+def over_runs(long: pd.DataFrame, metric: str, run_ids: Iterable[str] | None = None) -> CI:
+    """A regime's quantity: each run's mean of `metric` over its RL steps (`curves.run_mean`), then the mean over the
+    runs `run_ids` (every run when None) with its t interval; a run without a finite value does not count, and a
+    metric not logged has no value (n = 0)."""
+    from analysis.runs.columns import RUN_ID
+    from analysis.stats import curves, intervals
+
+    try:
+        per_run = curves.run_mean(long, metric)
+    except KeyError:  # not logged
+        return intervals.CI(np.nan, np.nan, np.nan, 0)
+    if run_ids is not None:
+        per_run = per_run[per_run[RUN_ID].astype(str).isin({str(r) for r in run_ids})]
+    values = per_run["value"].to_numpy(np.float64)
+    return intervals.mean_ci(values[np.isfinite(values)])
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,7 @@ __all__ = [
     "Precondition",
     "mismatch",
     "nats",
+    "over_runs",
     "percent",
     "volatility",
 ]

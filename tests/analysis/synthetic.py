@@ -436,3 +436,20 @@ def make_offpolicy_study(
                 root, curves, seeds=seeds, grid=grid, n_steps=OFFPOLICY_STEPS, eval_every=OFFPOLICY_EVERY, **kwargs
             )
     return ids
+
+
+COMPARISON = {
+    "name": "replay_cost",
+    "role": "primary",
+    "claim": "C3",
+    "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
+    "metric": "eval_in_dist",
+    "window": "gain",
+    "threshold": 0.1,
+    "seeds": [0, 1, 2],
+    "power": 0.8,
+    "assumed_sd": 0.05,
+    "pairing": "seed",
+}
+"""A sweep file's declared comparison (a `comparisons:` entry, sweeps.schema.COMPARISON_FIELDS) of synthetic runs:
+GRPO's held-out gain minus GRPO + Routing Replay's, paired by seed over seeds 0-2."""

@@ -12,24 +12,13 @@ import pytest
 import yaml
 
 from analysis.claims import declared
+from analysis.stats import power
 from sweeps.schema import SweepError, validate_sweep
+from tests.analysis import synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTH = {"grpo": [0, 1, 2], "grpo_rr": [0, 1, 2]}
-ENTRY = {
-    "name": "replay_cost",
-    "role": "primary",
-    "claim": "C3",
-    "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
-    "metric": "eval_in_dist",
-    "window": "gain",
-    "stratum": {"minibatches": 32},
-    "threshold": 0.1,
-    "seeds": [0, 1, 2],
-    "power": 0.8,
-    "assumed_sd": 0.05,
-    "pairing": "seed",
-}
+ENTRY = {**synthetic.COMPARISON, "stratum": {"minibatches": 32}}
 
 
 def runs_long(arms: dict[str, list[int]], gain: dict[str, float], *, minibatches: int = 32) -> pd.DataFrame:
@@ -60,11 +49,11 @@ def test_power_matches_statsmodels_and_sizes_the_seeds() -> None:
 
     for sd, gap, n in ((0.05, 0.1, 6), (0.07, 0.1, 6), (0.05, 0.05, 4)):
         want = TTestPower().power(effect_size=gap / sd, nobs=n, alpha=0.05, alternative="two-sided")
-        assert declared.power_paired(sd, gap, n) == pytest.approx(want, rel=1e-6)
-    n = declared.seeds_for_power(0.05, 0.1, power=0.8)
-    assert declared.power_paired(0.05, 0.1, n) >= 0.8 > declared.power_paired(0.05, 0.1, n - 1)
-    assert declared.seeds_for_power(0.05, 0.1, paired=False) > n  # Welch needs more runs than pairs
-    assert declared.power_paired(0.05, 0.1, 6, alternative="greater") > declared.power_paired(0.05, 0.1, 6)
+        assert power.power_paired(sd, gap, n) == pytest.approx(want, rel=1e-6)
+    n = power.seeds_for_power(0.05, 0.1, power=0.8)
+    assert power.power_paired(0.05, 0.1, n) >= 0.8 > power.power_paired(0.05, 0.1, n - 1)
+    assert power.seeds_for_power(0.05, 0.1, paired=False) > n  # Welch needs more runs than pairs
+    assert power.power_paired(0.05, 0.1, 6, alternative="greater") > power.power_paired(0.05, 0.1, 6)
 
 
 def test_runs_that_match_the_declaration_have_no_deviation_and_are_read_as_declared() -> None:
@@ -180,4 +169,4 @@ def test_the_confirmation_sweep_declares_one_primary_sized_for_its_power() -> No
     assert c.metric == "test_in_dist" and c.pairing == "seed" and data["base"]["eval_test_size"] > 0
     routing = yaml.safe_load((ROOT / "sweeps" / "routing.yaml").read_text())
     assert not set(c.seeds) & set(routing["axes"]["seed"])  # seeds not used before
-    assert np.isfinite(declared.power_paired(c.assumed_sd, c.threshold, len(c.seeds)))
+    assert np.isfinite(power.power_paired(c.assumed_sd, c.threshold, len(c.seeds)))

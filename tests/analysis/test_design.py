@@ -87,10 +87,10 @@ def test_the_window_the_rule_names_is_the_one_computed() -> None:
     compute = np.cumsum(np.linspace(1.0, 3.0, 40)) * 1e12  # steps grow: the last 10% of steps is not of compute
     runs = {"a": {"algorithm": "grpo", "seed": 0}, "b": {"algorithm": "grpo", "seed": 1}}
     long = long_table(runs, {vocab.REWARD: lambda info: np.arange(40.0) + info["seed"]}, compute)
-    rule = design.window_rule()
+    rule = curves.window_rule()
     frac = float(re.search(r"\[\(1 - ([0-9.]+)\) x C, C\]", rule).group(1))
-    assert "the last 10% of compute" in rule and frac == design.WINDOW_FRAC
-    win = design.compute_window(long, vocab.REWARD)
+    assert "the last 10% of compute" in rule and frac == curves.WINDOW_FRAC
+    win = curves.compute_window(long, vocab.REWARD)
     end = compute[-1]
     inside = np.flatnonzero(compute >= (1 - frac) * end)
     assert (win["compute_from"] == compute[inside[0]]).all() and (win["compute_to"] == end).all()
@@ -100,7 +100,7 @@ def test_the_window_the_rule_names_is_the_one_computed() -> None:
     assert inside.size != curves.final_window(long, vocab.REWARD)["n_points"].iloc[0]  # 10% of steps differs
     # a common budget: a run that stopped before the window has no value
     cut = long[~((long["run_id"] == "b") & (long["step"] > 20))]
-    assert np.isnan(design.compute_window(cut, vocab.REWARD, budget=end)["value"].iloc[1])
+    assert np.isnan(curves.compute_window(cut, vocab.REWARD, budget=end)["value"].iloc[1])
 
 
 @pytest.mark.parametrize(

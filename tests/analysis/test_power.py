@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from analysis.claims.scorecard import _paired
+from analysis.claims.common import paired_by_seed
 from analysis.stats import power
 
 
@@ -43,12 +43,16 @@ def _unit(k: int) -> np.ndarray:
 
 
 def test_paired_aligns_by_seed_and_refuses_unmatched_seeds() -> None:
-    m = _paired([np.array([1.0, 2.0]), np.array([20.0, 10.0])], [[0, 1], [1, 0]])
+    m = paired_by_seed([np.array([1.0, 2.0]), np.array([20.0, 10.0])], [[0, 1], [1, 0]])
     assert m.tolist() == [[1.0, 10.0], [2.0, 20.0]]
     # a seed some group lacks is left out; fewer than two common seeds: no pairing
-    three = _paired([np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])], [[0, 1, 2], [2, 0]])
+    three = paired_by_seed([np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])], [[0, 1, 2], [2, 0]])
     assert three.tolist() == [[1.0, 5.0], [3.0, 4.0]]
-    assert _paired([np.array([1.0, 2.0]), np.array([1.0, 2.0])], [[0, 1], [0, 2]]) is None
-    assert _paired([np.array([1.0, np.nan]), np.array([1.0, 2.0])], [[0, 1], [0, 1]]) is None  # seed 1 lost a value
-    assert _paired([np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0])], [[0, 0, 1], [0, 1]]) is None  # seed 0 twice
-    assert _paired([np.array([1.0]), np.array([1.0])], [[0], [0]]) is None  # one seed: no interval
+    assert paired_by_seed([np.array([1.0, 2.0]), np.array([1.0, 2.0])], [[0, 1], [0, 2]]) is None
+    assert (
+        paired_by_seed([np.array([1.0, np.nan]), np.array([1.0, 2.0])], [[0, 1], [0, 1]]) is None
+    )  # seed 1 lost a value
+    assert (
+        paired_by_seed([np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0])], [[0, 0, 1], [0, 1]]) is None
+    )  # seed 0 twice
+    assert paired_by_seed([np.array([1.0]), np.array([1.0])], [[0], [0]]) is None  # one seed: no interval

@@ -7,10 +7,18 @@ import re
 import numpy as np
 import pytest
 
-from analysis.claims import scorecard
-from analysis.claims.scorecard import CONTRADICTED, INCONCLUSIVE, NOT_IN_REGIME, NOT_IN_STUDY, SUPPORTED
+from analysis.claims import common, scorecard
+from analysis.claims.c1_reward import claim_c1
+from analysis.claims.c2_clipping import claim_c2
+from analysis.claims.c3_grpo_replay import claim_c3
+from analysis.claims.c4_gspo_replay import claim_c4
+from analysis.claims.c5_precision import claim_c5
+from analysis.claims.c6_scaling import claim_c6
+from analysis.claims.common import NOT_IN_STUDY
+from analysis.claims.replay import runs_to_exclude
 from analysis.runs import tidy
 from analysis.stats import power
+from analysis.stats.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, NOT_IN_REGIME, SUPPORTED
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -23,7 +31,7 @@ def _load(tmp_path, curves, *, seeds=(0, 1, 2, 3, 4), n_steps=60, grid=None):
 
 def test_c2_clearly_above_ten_is_supported(tmp_path) -> None:
     st = _load(tmp_path, {"gspo": C(clip_low=0.05, clip_high=0.1), "grpo": C(clip_low=0.0005, clip_high=0.0008)})
-    r = scorecard.claim_c2(st)
+    r = claim_c2(st)
     assert r.verdict == SUPPORTED, r
     assert r.evidence[0].low >= 10 and r.evidence[0].estimate == pytest.approx(0.15 / 0.0013, rel=0.05)
     assert "grpo" in r.evidence[0].name and "10" in r.rule
@@ -31,7 +39,7 @@ def test_c2_clearly_above_ten_is_supported(tmp_path) -> None:
 
 def test_c2_clearly_below_ten_is_contradicted(tmp_path) -> None:
     st = _load(tmp_path, {"gspo": C(clip_low=0.01, clip_high=0.02), "grpo": C(clip_low=0.005, clip_high=0.01)})
-    r = scorecard.claim_c2(st)
+    r = claim_c2(st)
     assert r.verdict == CONTRADICTED, r
     assert r.evidence[0].high < 10 and r.evidence[0].estimate == pytest.approx(2.0, rel=0.05)
 
@@ -46,7 +54,7 @@ def test_c2_noisy_around_ten_is_inconclusive(tmp_path) -> None:
     factors = {rid: float(rng.uniform(0.3, 1.7)) for rid in runs.index}
     long.loc[is_clip, "value"] *= long.loc[is_clip, "run_id"].astype(str).map(factors).to_numpy()
     st.long = long
-    r = scorecard.claim_c2(st)
+    r = claim_c2(st)
     assert r.verdict == INCONCLUSIVE, r
     assert r.evidence[0].low < 10 <= r.evidence[0].high
 
@@ -95,15 +103,15 @@ def test_c3_no_collapse_in_either_arm_is_inconclusive_with_three_seeds_not_contr
     assert c3.verdict == INCONCLUSIVE, c3
     assert c3.evidence[0].estimate == 0 and c3.evidence[0].high == pytest.approx(1.96**2 / (3 + 1.96**2), abs=1e-3)
     assert c3.reason.startswith("too few runs: 3 run(s) of grpo, no compared run collapsed")
-    assert f"at least {scorecard.runs_to_exclude()} runs of grpo" in c3.reason and scorecard.runs_to_exclude() == 4
+    assert f"at least {runs_to_exclude()} runs of grpo" in c3.reason and runs_to_exclude() == 4
     c4 = three["C4"]  # the same reading for GSPO's collapse part: 3 runs without a collapse do not show it is stable
     assert (
         c4.verdict == INCONCLUSIVE and "too few runs: 3 run(s) of gspo" in c4.reason and "(for the claim)" in c4.reason
     )
-    c3_5 = scorecard.claim_c3(_load(tmp_path / "5", same, seeds=(0, 1, 2, 3, 4)))
-    assert c3_5.verdict == CONTRADICTED and c3_5.evidence[0].high < scorecard.COLLAPSE_MARGIN
+    c3_5 = claim_c3(_load(tmp_path / "5", same, seeds=(0, 1, 2, 3, 4)))
+    assert c3_5.verdict == CONTRADICTED and c3_5.evidence[0].high < common.COLLAPSE_MARGIN
     # the rule says so, in the numbers the code uses
-    for text in (str(scorecard.COLLAPSE_DECISION), "Newcombe", f"only from {scorecard.runs_to_exclude()} runs"):
+    for text in (str(common.COLLAPSE_DECISION), "Newcombe", f"only from {runs_to_exclude()} runs"):
         assert text in c3.rule
 
 
@@ -125,14 +133,14 @@ def test_rate_difference_matches_newcombe_1998_and_wilson_bounds() -> None:
 
 def test_c4_contradicted_when_gspo_needs_replay(tmp_path) -> None:
     curves = {"gspo": C(a=0.8, c_mid=2e12, collapse_step=30), "gspo_rr": C(a=0.8, c_mid=2e12)}
-    assert scorecard.claim_c4(_load(tmp_path, curves)).verdict == CONTRADICTED
+    assert claim_c4(_load(tmp_path, curves)).verdict == CONTRADICTED
 
 
 def test_c5_and_c6_with_axes(tmp_path) -> None:
     # rollout log-probs hurt nobody here (same curves) -> the drop difference is ~0: inconclusive, with evidence
     curves = {"gspo": C(a=0.8, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)}
     st = _load(tmp_path, curves, seeds=(0, 1, 2), grid={"old_logp_source": ["recompute", "rollout"]})
-    r = scorecard.claim_c5(st)
+    r = claim_c5(st)
     assert r.verdict == INCONCLUSIVE and len(r.evidence) == 5 and r.evidence[0].low < 0 < r.evidence[0].high
     # the mismatch the claim needs was measured (synthetic mismatch_mean_abs ~0.0105 >= 0.001), last
     assert r.evidence[4].name.startswith("engine/trainer mismatch") and r.evidence[4].estimate == pytest.approx(
@@ -141,9 +149,9 @@ def test_c5_and_c6_with_axes(tmp_path) -> None:
     # every arm ran seeds 0-2: the contrast is paired by seed, and the verdict states the smallest detectable size
     assert r.evidence[0].n == "3 seeds, paired" and r.evidence[3].name.startswith(power.PREFIX)
     assert 0 < r.evidence[3].estimate < 1 and "these seeds detect a difference of" in r.reason
-    assert scorecard.detectable_lines(r) == [r.evidence[3]]
+    assert common.detectable_lines(r) == [r.evidence[3]]
     assert f"; {power.TARGET:g} needs " in r.evidence[3].name  # and how many seeds would detect the target size
-    c6 = scorecard.claim_c6(st)
+    c6 = claim_c6(st)
     assert c6.evidence[0].low > 0  # the sigmoid still rises over the last half of 60 steps
     # compute part supported, length part not in this study: the conjunction is inconclusive, saying why
     assert c6.verdict == INCONCLUSIVE and "axis max_new_tokens not swept" in c6.reason, c6
@@ -174,7 +182,7 @@ def test_c1_strata_that_disagree_are_contradicted_though_the_pooled_mean_favours
             1024: {"gspo": C(a=0.5, c_mid=2e12), "grpo": C(a=0.6, c_mid=2e12)},  # GSPO behind
         },
     )
-    r = scorecard.claim_c1(st)
+    r = claim_c1(st)
     assert [s.verdict for s in r.strata] == [SUPPORTED, CONTRADICTED]
     assert [s.key for s in r.strata] == [{"max_new_tokens": 256}, {"max_new_tokens": 1024}]
     assert r.verdict == CONTRADICTED  # contradicted in any stratum with data -> contradicted
@@ -194,7 +202,7 @@ def test_c1_strata_that_disagree_are_contradicted_though_the_pooled_mean_favours
 def test_c1_supported_only_when_every_stratum_with_data_is(tmp_path) -> None:
     same = {"gspo": C(a=0.6, c_mid=2e12, noise=0.05), "grpo": C(a=0.6, c_mid=2e12, noise=0.05)}
     st = _two_strata(tmp_path, {256: {"gspo": C(a=0.9, c_mid=2e12), "grpo": C(a=0.3, c_mid=2e12)}, 1024: same})
-    r = scorecard.claim_c1(st)
+    r = claim_c1(st)
     assert [s.verdict for s in r.strata] == [SUPPORTED, INCONCLUSIVE] and r.verdict == INCONCLUSIVE
 
 
@@ -207,10 +215,10 @@ def test_stratum_without_one_algorithm_has_no_data_and_does_not_count(tmp_path) 
         },
         axis="rollout_precision",
     )
-    r = scorecard.claim_c2(st)
-    assert [s.verdict for s in r.strata] == [SUPPORTED, scorecard.NO_DATA]
+    r = claim_c2(st)
+    assert [s.verdict for s in r.strata] == [SUPPORTED, NO_DATA]
     assert r.verdict == SUPPORTED and "(1 without)" in r.reason
-    assert any(e.verdict == scorecard.NO_DATA and e.stratum == "rollout_precision=fp16" for e in r.evidence)
+    assert any(e.verdict == NO_DATA and e.stratum == "rollout_precision=fp16" for e in r.evidence)
 
 
 def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_path) -> None:
@@ -231,7 +239,7 @@ def test_algorithm_specific_axes_are_pooled_and_determined_axes_not_split(tmp_pa
             )
     st = tidy.load_study(tmp_path)
     assert st.axes == ["hparams.eps_high", "train_dtype", "train_precision"]
-    r = scorecard.claim_c2(st)
+    r = claim_c2(st)
     assert len(r.strata) == 2 and [list(s.key) for s in r.strata] == [["train_dtype"], ["train_dtype"]]
     assert "CONFOUNDED, not stratified: the compared groups share no value of hparams.eps_high" in r.rule
     assert "Determined by the stratified axes: train_precision" in r.rule
@@ -247,7 +255,7 @@ def test_c5_stratifies_on_the_other_axes_but_not_its_own(tmp_path) -> None:
         n_steps=40,
         grid={"old_logp_source": ["recompute", "rollout"], "rollout_precision": ["bf16", "fp16"]},
     )
-    r = scorecard.claim_c5(tidy.load_study(tmp_path))
+    r = claim_c5(tidy.load_study(tmp_path))
     assert [s.key for s in r.strata] == [{"rollout_precision": "bf16"}, {"rollout_precision": "fp16"}]
     assert "Not stratified on the claim's own axis old_logp_source" in r.rule
 
@@ -256,9 +264,9 @@ def test_every_rule_quotes_the_decisions_its_verdict_is_read_from(tmp_path) -> N
     curves = {"grpo": C(a=0.5), "grpo_rr": C(a=0.6), "gspo": C(a=0.8), "gspo_rr": C(a=0.8)}
     st = _load(tmp_path, curves, seeds=(0, 1), n_steps=20)
     for r in [*scorecard.scorecard(st), *scorecard.scorecard(_load(tmp_path / "empty", {"sapo": C()}, seeds=(0,)))]:
-        for decision in scorecard.DECISIONS[r.claim]:
+        for decision in common.DECISIONS[r.claim]:
             assert str(decision) in r.rule, (r.claim, r.rule)
-    assert set(scorecard.DECISIONS) == set(scorecard.CLAIMS)
+    assert set(common.DECISIONS) == set(common.CLAIMS)
 
 
 # --- C6's verdict: compute and length parts ---------------------------------------------------------------------------
@@ -271,7 +279,7 @@ def test_c6_supported_when_longer_generation_learns_more_and_contradicted_when_l
         {256: {"gspo": C(a=0.6, c_mid=1e13, noise=0.01)}, 1024: {"gspo": C(a=long_a, c_mid=1e13, noise=0.01)}},
         seeds=(0, 1, 2),
     )
-    r = scorecard.claim_c6(st)
+    r = claim_c6(st)
     assert r.verdict == verdict, r
     length = [e for e in r.evidence if e.name.startswith("RL's length gain") and e.verdict]
     assert len(length) == 1 and (length[0].low > 0 if verdict == SUPPORTED else length[0].high < 0)
@@ -311,7 +319,7 @@ def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_con
         assert "evidence about this scale" in r.reason and r.label.startswith(f"{NOT_IN_REGIME}: routing volatility")
         assert "at or above 5% of expert slots changed since pi_old" in r.rule  # the threshold, in the rule sentence
     # the same runs with a threshold they reach: C3's normal verdict comes back, the measured value last
-    low = {r.claim: r for r in scorecard.scorecard(st, scorecard.Rules(min_volatility=0.002))}
+    low = {r.claim: r for r in scorecard.scorecard(st, common.Rules(min_volatility=0.002))}
     assert low["C3"].verdict == CONTRADICTED and low["C3"].evidence[-1].name.startswith("routing volatility")
     assert "at or above 0.2% of expert slots changed since pi_old" in low["C3"].rule and not low["C3"].regime
 
@@ -319,7 +327,7 @@ def test_c3_c4_below_the_volatility_threshold_are_not_tested_in_regime_never_con
 def test_high_volatility_gives_the_normal_verdicts_and_mixed_strata_count_only_those_in_regime(tmp_path) -> None:
     # scale 300: 2.1% of slots since pi_old, GRPO without replay collapses at step 40 in every seed; scale 1: 0.26%
     st = _routing(tmp_path, (1.0, 300.0))
-    rules = scorecard.Rules(min_volatility=0.02)
+    rules = common.Rules(min_volatility=0.02)
     cards = {r.claim: r for r in scorecard.scorecard(st, rules)}
     c3 = cards["C3"]
     assert [s.verdict for s in c3.strata] == [NOT_IN_REGIME, SUPPORTED]
@@ -348,7 +356,7 @@ def test_c3_without_an_off_policy_minibatch_is_not_tested(tmp_path) -> None:
             i = t.column_names.index(name)
             t = t.set_column(i, name, pa.array([None] * t.num_rows, pa.float64()))
         pq.write_table(t, path)
-    r = scorecard.claim_c3(tidy.load_study(tmp_path))
+    r = claim_c3(tidy.load_study(tmp_path))
     assert r.verdict == NOT_IN_REGIME and "not measured (routing_slot_mismatch_mb2, routing_slot_mismatch)" in r.reason
 
 
@@ -360,7 +368,7 @@ def test_a_volatility_reached_only_cumulatively_is_not_the_papers_regime(tmp_pat
         for alg in ("grpo", "grpo_rr", "gspo", "gspo_rr")
     }
     st = _load(tmp_path, curves, seeds=(0, 1, 2, 3, 4), n_steps=40)
-    for r in (scorecard.claim_c3(st), scorecard.claim_c4(st)):
+    for r in (claim_c3(st), claim_c4(st)):
         assert r.verdict == NOT_IN_REGIME, r
         head = rf"{NOT_IN_REGIME}: routing volatility: cumulative 7\.[6-9]%, per update 0\.6[4-8]% of expert slots"
         assert re.match(head, r.label), r.label  # the synthetic truth, 1.1 x each (drift)
@@ -373,7 +381,7 @@ def test_a_volatility_reached_only_cumulatively_is_not_the_papers_regime(tmp_pat
         seeds=(0, 1, 2, 3, 4),
         n_steps=40,
     )
-    assert scorecard.claim_c3(st2).verdict != NOT_IN_REGIME
+    assert claim_c3(st2).verdict != NOT_IN_REGIME
 
 
 def test_c5_needs_a_measured_engine_trainer_mismatch(tmp_path) -> None:
@@ -388,31 +396,31 @@ def test_c5_needs_a_measured_engine_trainer_mismatch(tmp_path) -> None:
             grid={"old_logp_source": [src]},
         )
     st = tidy.load_study(tmp_path)
-    r = scorecard.claim_c5(st)
+    r = claim_c5(st)
     assert r.verdict == NOT_IN_REGIME, r
     head = "engine/trainer mismatch 1.05e-06 nats per response token (n=12 runs), below the 0.001 nats the claim needs"
     assert r.reason == head
     assert "at or above 0.001 nats per response token" in r.rule
-    assert scorecard.claim_c5(st, scorecard.Rules(min_mismatch=1e-7)).verdict == SUPPORTED
+    assert claim_c5(st, common.Rules(min_mismatch=1e-7)).verdict == SUPPORTED
 
 
 def test_rules_refuse_what_is_not_a_threshold() -> None:
     for bad in (-0.1, float("nan"), "5%"):
         with pytest.raises(ValueError, match="min_volatility"):
-            scorecard.Rules(min_volatility=bad)
+            common.Rules(min_volatility=bad)
 
 
 def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
-    """C1 reads design.compute_window over the compute both arms reached, and its rule quotes that window's text."""
+    """C1 reads curves.compute_window over the compute both arms reached, and its rule quotes that window's text."""
     from analysis.runs import vocab
-    from analysis.stats import design
+    from analysis.stats import curves
 
     st = _load(tmp_path, {"gspo": C(a=0.8, c_mid=1e12), "grpo": C(a=0.5, c_mid=1e12)}, seeds=(0, 1, 2), n_steps=40)
-    res = scorecard.claim_c1(st)
-    assert design.window_rule(design.WINDOW_FRAC, design.COMMON_END) in res.rule
+    res = claim_c1(st)
+    assert curves.window_rule(curves.WINDOW_FRAC, curves.COMMON_END) in res.rule
     assert "the last 10% of compute" in res.rule
     c_end = float(st.runs["last_compute"].max())
-    win = design.compute_window(st.long, vocab.REWARD, budget=c_end)
+    win = curves.compute_window(st.long, vocab.REWARD, budget=c_end)
     alg = win["algorithm"].astype(str)
     by_alg = {e.name: e.estimate for e in res.evidence}
     for name in ("gspo", "grpo"):
@@ -423,20 +431,7 @@ def test_c1_window_is_the_one_its_rule_names(tmp_path) -> None:
 def _declared(seeds, **kw):
     from analysis.claims import declared
 
-    entry = {
-        "name": "replay_cost_grpo",
-        "role": "primary",
-        "claim": "C3",
-        "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
-        "metric": "eval_in_dist",
-        "window": "gain",
-        "threshold": -0.1,
-        "seeds": list(seeds),
-        "power": 0.8,
-        "assumed_sd": 0.05,
-        "pairing": "seed",
-        **kw,
-    }
+    entry = {**synthetic.COMPARISON, "name": "replay_cost_grpo", "threshold": -0.1, "seeds": list(seeds), **kw}
     return declared.Comparison.from_entry(entry)
 
 
@@ -452,7 +447,7 @@ def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(
     c3, c1 = cards["C3"], cards["C1"]
     conf = declared.confirm(st.long, comp, st.runs)
     assert not conf.deviations and c3.verdict == conf.reading == SUPPORTED  # grpo's gain is far below grpo_rr's
-    assert (c3.role, c3.split, c3.pairing, c3.declared) == ("primary", "validation", scorecard.PAIRED, comp.name)
+    assert (c3.role, c3.split, c3.pairing, c3.declared) == ("primary", "validation", common.PAIRED, comp.name)
     assert c3.evidence[0].estimate == pytest.approx(conf.estimate.estimate) and "paired" in c3.evidence[0].n
     assert (
         c3.label.startswith("primary, declared replay_cost_grpo: declared gap supported")
@@ -491,7 +486,7 @@ def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) 
     # GSPO clips 0.06 of tokens, GRPO 0.0012: ratio 50, log(50) / log(100) = 0.85 of the paper's orders of magnitude
     curves = {"gspo": C(clip_low=0.02, clip_high=0.04), "grpo": C(clip_low=0.0004, clip_high=0.0008)}
     st = _load(tmp_path, curves, seeds=(0, 1, 2))
-    r = scorecard.claim_c2(st)
+    r = claim_c2(st)
     ratio = r.evidence[0]
     assert ratio.estimate == pytest.approx(50, rel=0.05) and ratio.low > 1
     want = design.size_against_paper(CI(ratio.estimate, ratio.low, ratio.high, 3))
@@ -513,7 +508,7 @@ def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
         },
         seeds=(0, 1, 2),
     )
-    r = scorecard.claim_c6(st)
+    r = claim_c6(st)
     rl = next(e for e in r.evidence if e.name.startswith("RL's length gain"))
     trunc = next(e for e in r.evidence if e.name.startswith("truncation's part before RL"))
     assert rl.high < 0 and trunc.low > 0.1 and trunc.estimate == pytest.approx(0.9 * 0.2, abs=0.03)
@@ -547,13 +542,13 @@ def test_c1_pairs_by_seed_where_the_arms_share_seeds(tmp_path) -> None:
 
     st = _load(tmp_path, {"gspo": C(a=0.65, c_mid=1e12, noise=0.0), "grpo": C(a=0.6, c_mid=1e12, noise=0.0)})
     _shift_by_seed(st, "reward_mean", {0: -0.2, 1: 0.15, 2: 0.0, 3: 0.25, 4: -0.1})
-    res = scorecard.claim_c1(st)
+    res = claim_c1(st)
     first = res.evidence[0]
     assert first.n == "5 seeds, paired" and first.low > 0, first
     assert res.verdict == SUPPORTED and "paired by seed" in res.pairing
     seeds: dict[str, list] = {}
     groups = {g: st.runs["algorithm"].astype(str) == g for g in ("gspo", "grpo")}
-    vals, _ = scorecard._final_reward_at_common_compute(st, groups, seeds=seeds)
+    vals, _ = common.final_at_common_compute(st, groups, seeds=seeds)
     welch = intervals.mean_difference(vals["gspo"], vals["grpo"])
     assert welch.low < 0 < welch.high and first.estimate == pytest.approx(welch.estimate)
 
@@ -562,7 +557,7 @@ def test_c1_and_c2_fall_back_to_welch_when_the_arms_ran_other_seeds(tmp_path) ->
     synthetic.make_study(tmp_path, {"gspo": C(a=0.7, c_mid=1e12, clip_low=0.05, clip_high=0.1)}, seeds=(0, 1, 2))
     synthetic.make_study(tmp_path, {"grpo": C(a=0.5, c_mid=1e12, clip_low=0.001, clip_high=0.002)}, seeds=(5, 6, 7))
     st = tidy.load_study(tmp_path)
-    for res in (scorecard.claim_c1(st), scorecard.claim_c2(st)):
+    for res in (claim_c1(st), claim_c2(st)):
         assert res.evidence[0].n == "3 vs 3", res.evidence[0]
 
 
@@ -576,6 +571,6 @@ def test_c2_pairs_the_log_ratio_by_seed(tmp_path) -> None:
     rows = long["metric"].astype(str) == "clip_frac"
     long.loc[rows, "value"] *= long.loc[rows, "run_id"].astype(str).map(seed_of).map(factor).to_numpy()
     st.long = long
-    first = scorecard.claim_c2(st).evidence[0]
+    first = claim_c2(st).evidence[0]
     assert first.n == "5 seeds, paired" and first.estimate == pytest.approx(20.0, rel=0.05), first
     assert 15 < first.low <= first.high < 27, first
