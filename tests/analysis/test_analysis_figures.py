@@ -95,37 +95,6 @@ def test_missing_axis_is_a_clear_error(study):
         figures.figure5_length(study, axis="no.such.axis")
 
 
-def _layout_problems(fig):
-    """Overlapping tick labels (unrotated) on any axis, and legends over any panel that shows data."""
-    import itertools
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    r = fig.canvas.get_renderer()
-    problems = []
-    every = [*fig.axes, *(c for ax in fig.axes for c in ax.child_axes)]  # secondary axes are children
-    for k, ax in enumerate(every):
-        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-            ticks = [*axis.get_ticklabels(), *axis.get_ticklabels(minor=True)]
-            labels = [t for t in ticks if t.get_visible() and t.get_text() and t.get_rotation() == 0]
-            for a, b in itertools.combinations(labels, 2):
-                if a.get_window_extent(r).overlaps(b.get_window_extent(r)):
-                    problems.append(f"axes {k} {name} ticks {a.get_text()!r} and {b.get_text()!r} overlap")
-    texts = [(k, t) for k, ax in enumerate(every) for t in (ax.xaxis.label, ax.yaxis.label, ax.title) if t.get_text()]
-    for (i, a), (j, b) in itertools.combinations(texts, 2):  # axis labels and titles of different panels
-        if i != j and a.get_window_extent(r).overlaps(b.get_window_extent(r)):
-            problems.append(f"axes {i} {a.get_text()!r} and axes {j} {b.get_text()!r} overlap")
-    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
-    for leg in legends:
-        box = leg.get_window_extent(r)
-        for k, ax in enumerate(fig.axes):
-            if ax.has_data() and box.overlaps(ax.get_window_extent(r)):
-                problems.append(f"a legend covers axes {k} ({ax.get_title()!r})")
-    return problems
-
-
 @pytest.fixture(scope="module")
 def small_study(tmp_path_factory):
     # a laptop default study: 4 algorithms x 3 seeds, 40 steps of ~1.5e10 FLOPs, evals every 10 steps, flat
@@ -141,14 +110,14 @@ def small_study(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["study", "small_study"])
-def test_every_figure_reads_at_a_glance(which, request):
+def test_every_figure_reads_at_a_glance(which, request, layout_problems):
     st = request.getfixturevalue(which)
     for name, fn in figures.FIGURES.items():
         try:
             made = fn(st, n_boot=20) if name == "figure7_fits" else fn(st)
         except MissingData:
             continue
-        assert _layout_problems(made.fig) == [], name
+        assert layout_problems(made.fig) == [], name
         # one legend per figure, outside every panel that holds data
         assert not [ax for ax in made.fig.axes if ax.get_legend() is not None and ax.has_data()], name
 
@@ -178,7 +147,7 @@ def test_curves_begin_where_every_seed_has_logged(study):
 
 
 # --- the step-0 row and the routing-volatility figure -----------------------------------------------------------------
-def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, tmp_path):
+def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, tmp_path, layout_problems):
     made = figures.figure1_reward(study)
     for metric, table in made.tables.items():
         at0 = table[table["compute_flops"] == 0]
@@ -191,7 +160,7 @@ def test_figure1_eval_panels_begin_at_the_start_and_the_reward_at_step_1(study, 
         assert ax.get_xscale() == "symlog" and ax.get_xlim()[0] == 0
     assert [line for line in made.fig.axes[1].get_lines() if line.get_gid() == "start"]
     assert "held-out panels begin at compute 0" in made.caption
-    assert _layout_problems(made.fig) == []
+    assert layout_problems(made.fig) == []
     assert made.fig.axes[1].xaxis.get_major_locator()()[0] == 0.0  # "0" is the first tick
 
     # runs without a step-0 row: a plain log axis from the first evaluation, and the caption says why
@@ -242,7 +211,7 @@ def routing_study(tmp_path_factory):
     return tidy.load_study(root)
 
 
-def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_study):
+def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_study, layout_problems):
     from tests.analysis import synthetic
 
     made = figures.figure8_routing_volatility(routing_study)
@@ -266,7 +235,7 @@ def test_figure8_gaps_against_routing_volatility_have_the_known_answer(routing_s
     assert set(load["metric"]) == {"expert_load_imbalance", "router_entropy"} and (load["n"] == 3).all()
     imb = load[(load["metric"] == "expert_load_imbalance") & (load["algorithm"] == "grpo_rr")]["mean"]
     assert imb.is_monotonic_increasing
-    assert _layout_problems(made.fig) == []
+    assert layout_problems(made.fig) == []
     assert not [ax for ax in made.fig.axes if ax.get_legend() is not None]
     assert "router_lr_scale" in made.caption and "C3" in made.caption
 

@@ -121,24 +121,11 @@ def test_study_level_summary_counts_collapsed_runs(study):
 
 
 # --- the step-0 row: the starting policy's evaluation, before any RL step ------------------------------------------
-def _with_and_without_start(tmp_path):
-    from analysis.runs import tidy
-    from tests.analysis import synthetic
-
-    C = synthetic.Curve
-    curves = {"grpo": C(a=0.5, c_mid=2e12, collapse_step=30), "grpo_rr": C(a=0.6, c_mid=2e12), "gspo": C(a=0.8)}
-    out = []
-    for start in (True, False):
-        synthetic.make_study(tmp_path / str(start), curves, seeds=(0, 1, 2), n_steps=40, start_eval=start)
-        out.append(tidy.load_study(tmp_path / str(start)))
-    return out
-
-
-def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(tmp_path):
+def test_the_step0_row_changes_nothing_but_where_the_evaluations_start(with_and_without_start):
     from analysis.claims import scorecard
     from analysis.stats import fit
 
-    new, old = _with_and_without_start(tmp_path)
+    new, old = with_and_without_start
     assert new.runs["start_eval"].all() and not old.runs["start_eval"].any()
     assert new.runs["n_steps"].tolist() == old.runs["n_steps"].tolist()  # RL steps, the step-0 row is none
     assert (new.runs.loc[new.runs["state"] == "completed", "n_steps"] == 40).all()

@@ -6,7 +6,6 @@ import pytest
 from analysis.runs import names, tidy
 from analysis.stats import gain
 from tests.analysis import synthetic
-from tests.analysis.test_analysis_stats import _with_and_without_start
 
 C = synthetic.Curve
 
@@ -16,10 +15,10 @@ def _load(tmp_path, curves, *, seeds=(0, 1, 2, 3, 4), n_steps=60, grid=None):
     return tidy.load_study(tmp_path)
 
 
-def test_heldout_gain_is_the_last_evaluation_minus_the_step0_one(tmp_path):
+def test_heldout_gain_is_the_last_evaluation_minus_the_step0_one(tmp_path, with_and_without_start):
     import pyarrow.parquet as pq
 
-    new, old = _with_and_without_start(tmp_path)
+    new, old = with_and_without_start
     per_run = gain.per_run(new.long).set_index("run_id")
     assert (
         len(per_run) == len(new.runs) and gain.per_run(old.long).empty

@@ -20,9 +20,8 @@ from analysis.figures.fig8_routing_volatility import routing_volatility_tables
 from analysis.report import build as report
 from analysis.runs import columns, names, tidy, vocab
 from analysis.runs.results import CSV_EXACT
-from analysis.stats import design
+from analysis.stats import curves, design
 from tests.analysis import synthetic
-from tests.analysis.test_analysis_figures import _layout_problems
 
 M = vocab.MINIBATCH_AXIS
 RUN = {"n_steps": synthetic.OFFPOLICY_STEPS, "flops_per_step": 1e11}
@@ -59,7 +58,7 @@ def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(stud
     # the dense control's config overrides model.moe_ffn_hidden_size, the MoE's does not: the per-run tables and the
     # figures that group by every axis read it as missing for the MoE instead of failing
     _, st = studies[True]
-    per_run = design.compute_window(st.long, vocab.REWARD)
+    per_run = curves.compute_window(st.long, vocab.REWARD)
     ffn = per_run.set_index("run_id")["model.moe_ffn_hidden_size"]
     dense = st.runs.loc[st.runs["model.num_experts"] == 1, "run_id"]
     assert (ffn[dense] == 1024).all() and ffn.drop(dense).isna().all()
@@ -67,7 +66,7 @@ def test_an_axis_only_the_dense_control_sets_is_read_as_missing_for_the_moe(stud
     assert len(routing_volatility_tables(st)["volatility"]) == 8  # 4 M x (MoE, dense)
 
 
-def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
+def test_figure9_tables_hold_the_known_answer(made, tmp_path, layout_problems) -> None:
     tables = made[True].tables
     vol, arms, gaps, loss = (tables[k] for k in ("volatility", "arms", "gaps", "offpolicy_loss"))
     # (a) the MoE's volatility per M: none at M = 1 (no off-policy minibatch), 1.1 x the truth elsewhere (+20% drift)
@@ -114,7 +113,7 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
     # the figure renders, reads at a glance, and its caption states the definitions and n
     paths = style.save(made[True].fig, tmp_path / made[True].name)
     assert all(p.stat().st_size > 1000 for p in paths) and paths[0].suffix == ".png"
-    assert _layout_problems(made[True].fig) == []
+    assert layout_problems(made[True].fig) == []
     assert not [ax for ax in made[True].fig.axes if ax.get_legend() is not None]
     cap = made[True].caption
     assert (
@@ -133,8 +132,8 @@ def test_figure9_tables_hold_the_known_answer(made, tmp_path) -> None:
 def test_figure9_final_reward_is_the_compute_window_its_caption_names(made, studies) -> None:
     _, st = studies[True]
     arms, caption = made[True].tables["arms"], made[True].caption
-    assert design.window_rule() in caption
-    win = design.compute_window(st.long, vocab.REWARD).set_index("run_id")
+    assert curves.window_rule() in caption
+    win = curves.compute_window(st.long, vocab.REWARD).set_index("run_id")
     runs = st.runs[st.runs["model.num_experts"] != 1]
     for _, r in arms[(arms["model"] == MOE) & (arms["quantity"] == offpolicy.FINAL)].iterrows():
         ids = runs.loc[(runs["algorithm"].astype(str) == r["algorithm"]) & (runs[M] == r[M]), "run_id"].astype(str)
