@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import algorithms
 from study.core import precision as precision_mod
@@ -42,8 +43,8 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     """What a config cannot say about itself, checked on the machine that runs it before anything is written
     (ValueError naming the field or the file): the parallel layout (`check_layout`), the thread count against this
     machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
-    it makes, so RunConfig.validate leaves them to here), the user data's prompts against the model's length, and a
-    resumed run's manifest.json and trackers.json."""
+    it makes, so RunConfig.validate leaves them to here), the prompts the run is known to use against its tokenizer
+    and the model's length (`check_prompts`), and a resumed run's manifest.json and trackers.json."""
     check_results(run_dir, results)
     check_layout(cfg, results)
     cpus = os.cpu_count() or 1
@@ -52,8 +53,7 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
     machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
     if cfg.coldstart not in ("auto", "scratch"):
         check_coldstart_dir(cfg)
-    if cfg.task == "user":
-        check_prompt_lengths(cfg)
+    check_prompts(cfg)
     if (run_dir / "manifest.json").exists():  # a resume: the record of the layout the run last ran under
         try:
             recorded_layout(run_dir)
@@ -116,24 +116,39 @@ def check_coldstart_dir(cfg: RunConfig) -> None:
         hf_import.check_files(directory, cfg.model_config())
 
 
-def check_prompt_lengths(cfg: RunConfig) -> None:
-    """task = "user": every prompt the run uses (the rows of `data`, the first eval_size of `eval_data`) leaves
-    room for max_new_tokens within model.max_seq_len, in the tokens of the run's tokenizer (`user_tokenizer`);
-    ValueError naming the file and the row. `scratch`'s tokenizer (byte-level, no chat template) spends at most a
-    token a byte plus <bos>, so it is trained here only when a prompt is longer than that bound."""
+def check_prompts(cfg: RunConfig) -> None:
+    """The prompts the run is known to use, against its tokenizer, before anything is written. A named cold start's
+    tokenizer renders and encodes each in a child process under the chat template's time and memory limits
+    (study.data.tokenizer.prompt_lengths), so a template that loops or a split rule that backtracks or panics on one
+    of them is one line naming it: a generated task's validation sets, test split and first step's prompts; task =
+    "user"'s every prompt (the rows of `data`, the first eval_size of `eval_data`), which must also leave room for
+    max_new_tokens within model.max_seq_len (ValueError naming the file and the row). `scratch`'s tokenizer
+    (byte-level, no chat template) spends at most a token a byte plus <bos>, so it is trained here only when a
+    prompt is longer than that bound."""
     from study.data import tasks
+    from study.data.tokenizer import prompt_lengths
 
+    named = cfg.coldstart not in ("auto", "scratch")
+    where = f"coldstart = {cfg.coldstart!r}"
+    if cfg.task != "user":
+        if named:
+            prompt_lengths(cfg.coldstart, [item.prompt for item in generated_prompts(cfg)], where=where)
+        return
     limit = cfg.model_config().max_seq_len - cfg.max_new_tokens
-    scratch = cfg.coldstart == "scratch"
-    tok = None if scratch else user_tokenizer(cfg)
-    for name in ("data", "eval_data"):
-        rows = cfg.user_rows(name)
-        for i, item in enumerate(rows if name == "data" else rows[: cfg.eval_size]):
-            if scratch and len(item.prompt.encode()) + 1 <= limit:
+    used = {"data": cfg.user_rows("data"), "eval_data": cfg.user_rows("eval_data")[: cfg.eval_size]}
+    prompts = [item.prompt for rows in used.values() for item in rows]
+    counts = iter(prompt_lengths(cfg.coldstart, prompts, where=where)) if named else None
+    tok = None
+    for name, rows in used.items():
+        for i, item in enumerate(rows):
+            if counts is not None:
+                n = next(counts)
+            elif len(item.prompt.encode()) + 1 <= limit:
                 continue
-            if tok is None:
-                tok = user_tokenizer(cfg)
-            n = len(tok.encode_prompt(item.prompt))
+            else:
+                if tok is None:
+                    tok = user_tokenizer(cfg)
+                n = len(tok.encode_prompt(item.prompt))
             if n > limit:
                 path = getattr(cfg, name)
                 where = tasks._read_rows(Path(path))[i][0]  # the row's label as the loader's errors give it
@@ -143,6 +158,17 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
                     f"{cfg.model_config().max_seq_len}; valid: prompts of at most {limit} tokens (shorten or drop the "
                     "row), a smaller max_new_tokens or a larger model.max_seq_len"
                 )
+
+
+def generated_prompts(cfg: RunConfig) -> list[Any]:
+    """The items of a generated task's run known before it starts: its first step's training prompts and what its
+    first evaluation scores, the validation sets and the test split (study.parts.task_data, RunConfig.eval_plan: as
+    the run draws them)."""
+    from study import parts
+
+    stream, validation = parts.task_data(cfg)
+    evaluated = [item for ev in cfg.eval_plan(validation, 0) for item in ev.items]
+    return [*stream.take(cfg.prompts_per_step), *evaluated]
 
 
 def user_tokenizer(cfg: RunConfig) -> TaskTokenizer:

@@ -30,10 +30,9 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from runfiles.bounded import json_problem, load_json, read_json, read_text
 from runfiles.atomic import atomic_write
+from runfiles.bounded import json_problem, load_json, read_json, read_text
 from study.data import chat_template
-from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -42,6 +41,9 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 """Bytes plus special tokens: the smallest vocabulary that can encode every text."""
 MAX_TOKENIZER_BYTES = 256 << 20
 """Largest tokenizer.json read (a large model's is tens of MB)."""
+PROMPT_S = 0.01
+"""Seconds `prompt_lengths` allows each prompt's render and encoding, beyond chat_template.TIMEOUT_S for the child's
+start and the tokenizer's load (a real tokenizer takes well under a millisecond)."""
 
 _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -62,7 +64,6 @@ class TaskTokenizer:
         template; prompts are then formatted with it (`format_prompt`)."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._template: Any = None
         if specials is None:
             for token, expected in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
                 got = tokenizer.token_to_id(token)
@@ -90,8 +91,14 @@ class TaskTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, no special tokens; ValueError in one line where the tokenizers library panics (a
+        split rule whose regex backtracks past its retry limit)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except BaseException as err:  # pyo3's PanicException derives from BaseException
+            if type(err).__name__ != "PanicException":
+                raise
+            raise ValueError(f"tokenizer: cannot encode a text ({' '.join(str(err).split())[:300]})") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens dropped."""
@@ -99,12 +106,11 @@ class TaskTokenizer:
 
     def format_prompt(self, prompt: str) -> str:
         """The prompt as the model reads it: with a chat template, one user message and the generation prompt
-        (the template adds its own special tokens); else the prompt itself."""
+        (the template adds its own special tokens), rendered in a child process under a time and memory limit
+        (study.data.chat_template.bounded_render); else the prompt itself."""
         if self.chat_template is None:
             return prompt
-        if self._template is None:
-            self._template = chat_template.environment().from_string(self.chat_template)
-        return chat_template.render(self._template, prompt, self.specials)
+        return chat_template.bounded_render(self.chat_template, prompt, self.specials)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """<bos> + prompt (just the prompt for a tokenizer without bos); with a chat template, the formatted prompt
@@ -174,6 +180,48 @@ class TaskTokenizer:
     def to_json(self) -> str:
         """The tokenizer.json text (what `save` writes, less the trailing newline)."""
         return self.tokenizer.to_str(pretty=True)
+
+
+def prompt_lengths(directory: str | Path, prompts: Sequence[str], *, where: str) -> list[int]:
+    """The token count of each of `prompts` as the tokenizer saved in `directory` encodes it
+    (`TaskTokenizer.encode_prompt`, its chat template applied), computed in a child process under the chat template's
+    limits (study.data.chat_template: MEMORY_BYTES, TIMEOUT_S plus PROMPT_S a prompt), so a template that loops or a
+    split rule that backtracks (or panics) on one of them is a ValueError naming `where` and the prompt, before a run
+    writes anything."""
+    prompts = list(prompts)
+    reply = chat_template.run_child(
+        "study.data.tokenizer:_lengths_child",
+        {
+            "directory": str(directory),
+            "prompts": prompts,
+            "timeout_s": chat_template.TIMEOUT_S + PROMPT_S * len(prompts),
+        },
+        where=where,
+        subject="the tokenizer",
+        task=f"render and encode the run's {len(prompts)} prompts",
+        valid="a tokenizer whose split rules and chat template take well under a millisecond a prompt",
+    )
+    return [int(n) for n in reply["lengths"]]
+
+
+def _lengths_child() -> None:
+    """`prompt_lengths`' child: loads the tokenizer, encodes each prompt (the template rendered here, under the
+    limits already)."""
+
+    def lengths(request: dict[str, Any]) -> dict[str, Any]:
+        tok = TaskTokenizer.load(request["directory"])
+        prompts = request["prompts"]
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                out.append(len(tok.encode_prompt(prompt)))
+            except Exception as err:  # encode's ValueError says why in one line; anything else says its type
+                shown = prompt if len(prompt) <= 80 else f"{prompt[:80]}..."
+                why = " ".join(str(err).split())[:300] if type(err) is ValueError else chat_template.one_line(err)
+                return {"error": f"prompt {i + 1} of {len(prompts)}, {shown!r}: {why}"}
+        return {"lengths": out}
+
+    chat_template.child_main(lengths)
 
 
 def _special_tokens(directory: Path) -> dict[str, str | None] | None:
@@ -259,13 +307,16 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int) -> TaskTokenizer:
     return TaskTokenizer(tok)
 
 
-def task_corpus(tasks: Sequence[str] = TASKS, *, n_per_task: int = 2000, seed: int = 0) -> list[str]:
-    """Tokenizer training text: prompt + solution of training items of each task, half at its default knobs and
-    half at its hard knobs (so longer problems are covered too). Held-out evaluation prompts are not included."""
+def task_corpus(tasks: Sequence[str] | None = None, *, n_per_task: int = 2000, seed: int = 0) -> list[str]:
+    """Tokenizer training text: prompt + solution of training items of each task (None: every generated task,
+    study.data.tasks.TASKS), half at its default knobs and half at its hard knobs (so longer problems are covered
+    too). Held-out evaluation prompts are not included."""
+    from study.data.tasks import DEFAULT_KNOBS, HARD_KNOBS, TASKS, make_task
+
     if not isinstance(n_per_task, int) or n_per_task < 2:
         raise ValueError(f"tokenizer corpus n_per_task = {n_per_task!r}; valid: an int >= 2")
     texts = []
-    for name in tasks:
+    for name in TASKS if tasks is None else tasks:
         half = n_per_task // 2
         for knobs, n in ((DEFAULT_KNOBS[name], n_per_task - half), (HARD_KNOBS[name], half)):
             texts.extend(item.prompt + item.solution for item in make_task(name, seed=seed, **knobs).take(n))
@@ -273,7 +324,8 @@ def task_corpus(tasks: Sequence[str] = TASKS, *, n_per_task: int = 2000, seed: i
 
 
 def build_tokenizer(
-    vocab_size: int, tasks: Sequence[str] = TASKS, *, n_per_task: int = 2000, seed: int = 0
+    vocab_size: int, tasks: Sequence[str] | None = None, *, n_per_task: int = 2000, seed: int = 0
 ) -> TaskTokenizer:
-    """The tokenizer for a model with `vocab_size` embedding rows, trained on `task_corpus(tasks, ...)`."""
+    """The tokenizer for a model with `vocab_size` embedding rows, trained on `task_corpus(tasks, ...)` (None: every
+    generated task)."""
     return train_tokenizer(task_corpus(tasks, n_per_task=n_per_task, seed=seed), vocab_size=vocab_size)

@@ -115,6 +115,26 @@ def _template(directory: Path, template: str) -> None:
     path.write_text(json.dumps(config))
 
 
+BACKTRACKS = r"(?:\S|\s|\w|\W|\d|\D|.|[^\n])*[a-z]$"
+"""A split rule whose regex backtracks past Oniguruma's retry limit on a prompt that ends in a digit (every task
+prompt): the tokenizers library panics."""
+
+LOOPS_BUT_ON_THE_SAMPLE = (
+    f"{{% if messages[0]['content'] != {chat_template.SAMPLE_PROMPT!r} %}}"
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
+    "{{ messages[0]['content'] }}"
+)
+"""A chat template that renders the check's sample prompt at once and loops for hours on any other."""
+
+
+def _split_rule(directory: Path, pattern: str) -> None:
+    path = directory / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, tokenizer["pre_tokenizer"]]}
+    path.write_text(json.dumps(tokenizer))
+
+
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "index to /etc/passwd": (
         lambda d: _index(d, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): "../../../../etc/passwd"})),
@@ -188,6 +208,14 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda d: _template(d, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"),
         "tokenizer_config.json: the chat template did not render a prompt within 3 s",
     ),
+    "a template that loops on every prompt but the sample": (
+        lambda d: _template(d, LOOPS_BUT_ON_THE_SAMPLE),
+        "the tokenizer did not render and encode the run's 20 prompts within 3.2 s",
+    ),
+    "a split rule that backtracks on every prompt": (
+        lambda d: _split_rule(d, BACKTRACKS),
+        "the tokenizer could not render and encode the run's 20 prompts (prompt 1 of 20, 'sum ",
+    ),
     "a template that does not compile": (
         lambda d: _template(d, "{% for %}"),
         "tokenizer_config.json: the chat template could not render a prompt (TemplateSyntaxError",
@@ -223,6 +251,7 @@ def test_the_valid_checkpoint_passes_the_preflight(valid: Path, tmp_path: Path) 
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.timeout(300)  # a damage that gets past the preflight may hang the run: a failure, not a stuck suite
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_hostile_checkpoint_is_refused_before_anything_is_written(
     valid: Path, tmp_path: Path, damage: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -313,3 +342,37 @@ def test_a_file_that_is_no_shard_is_refused_without_its_bytes(
     line = _run(directory, tmp_path / "results", capsys)
     assert "model.safetensors: its first 8 bytes are no header length within its 4096 bytes" in line, line
     assert str(int.from_bytes(first, "little")) not in line and "hunter2" not in line, line
+
+
+RENDER = """
+import sys
+from study.data import chat_template
+from study.data.tokenizer import TaskTokenizer
+
+chat_template.TIMEOUT_S = 2.0
+tok = TaskTokenizer.load(sys.argv[1])
+print(len(tok.encode_prompt(chat_template.SAMPLE_PROMPT)))
+try:
+    tok.encode_prompt("sum 1+2\\n")
+except ValueError as err:
+    print(err)
+"""
+
+
+def test_a_template_that_loops_past_the_checks_is_bounded_at_render_time(valid: Path, tmp_path: Path) -> None:
+    """Each prompt a run renders is rendered in a child under the check's limits, so a template that loops only on
+    prompts the checks never saw stops the run at that prompt with one line (before: it hung the run for hours)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(valid, directory)
+    _template(directory, LOOPS_BUT_ON_THE_SAMPLE)
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", RENDER, str(directory)], capture_output=True, text=True, timeout=60, cwd=root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rendered, error = done.stdout.splitlines()
+    assert int(rendered) > 0
+    assert error.startswith("tokenizer chat template: did not render the prompt 'sum 1+2\\n' within 2 s"), error
