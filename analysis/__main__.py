@@ -110,6 +110,19 @@ def say_not_read(st: Any) -> None:
         print(f"run {rid} missing: no run directory", file=sys.stderr)
 
 
+def check_comparisons(sweep: str) -> None:
+    """The comparisons sweep file `sweep` declares can be read (analysis.claims.declared.from_sweep), or ValueError
+    naming the file and the entry."""
+    from analysis.claims import declared
+
+    try:
+        declared.from_sweep(sweep)
+    except TypeError as err:  # `comparisons:` that is no list
+        raise ValueError(
+            f"sweep file {sweep}: comparisons: {err}; valid: a list of comparisons (sweeps.schema.COMPARISON_FIELDS)"
+        ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -171,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         check_study(args.results_dir, args.study)  # before anything is written
+        if args.command == "report" and args.sweep is not None:
+            check_comparisons(args.sweep)  # before any figure is drawn
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -118,6 +118,25 @@ def test_a_copied_run_and_a_non_integer_seed_are_set_aside_and_names_stay_text(t
     assert f"run {copy} not read: manifest.json names run {ids[0]}" in err
 
 
+@pytest.mark.parametrize(
+    ("comparisons", "why"),
+    [
+        ("\n  - name: c\n", "comparisons[0]: KeyError 'arms'"),
+        (" 5\n", "comparisons: 'int' object is not iterable; valid: a list of comparisons"),
+        ("\n  - 7\n", "comparisons[0]: TypeError"),
+    ],
+)
+def test_a_malformed_comparison_is_one_line_before_any_figure(tmp_path, capsys, comparisons: str, why: str) -> None:
+    # before: the report drew every figure, then died with a traceback
+    _study(tmp_path)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"description: d\ncomparisons:{comparisons}")
+    assert main(["report", str(tmp_path), "--study", "s", "--sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: sweep file {sweep}: ") and why in err[0], err
+    assert not (tmp_path / "s" / "report").exists()
+
+
 def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
     import pandas as pd
 
