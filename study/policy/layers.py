@@ -7,7 +7,8 @@ megatron's own code where it would not be exact (hooks on the module, a torch mo
 1. core attention: torch's SDPA instead of the local DotProductAttention's baddbmm, Python softmax and bmm (~15% of a
    tiny update), and where the C kernels apply (study/kernels/__init__.py) the C attention over each query's visible
    span (~40% less than SDPA forward and backward at ~80 tokens);
-2. experts: megatron's SequentialMLP computed by one autograd Function (study/policy/experts.py), bit for bit;
+2. experts: megatron's SequentialMLP computed by one autograd Function (study/policy/experts.py): per expert in turn,
+   bit for bit, or as grouped GEMMs (`experts`: grouped on CUDA by default);
 3. RMSNorms (the layers' eight per forward): torch's RMSNorm module whose forward is one C pass each way;
 4. RoPE: megatron's fused-RoPE slot (which TransformerEngine fills on GPUs) filled with the C RoPE, bit for bit the
    unfused code's, which runs itself where the kernel does not apply;
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from study.policy.experts import fused_sequential_mlp
+from study.policy.experts import fused_sequential_mlp, grouped_sequential_mlp
 
 try:  # the optional C kernels: without study/kernels/ every path below runs its torch code
     from study.kernels.attention import attention
@@ -33,11 +34,13 @@ except ImportError:
     attention = cross_entropy = rope = FusedRMSNorm = None
 
 
-def speed_up(spec: Any) -> None:
-    """Put the fast modules (module doc, 1-3) into megatron's local transformer-layer `spec`, in place."""
+def speed_up(spec: Any, experts: str = "sequential") -> None:
+    """Put the fast modules (module doc, 1-3) into megatron's local transformer-layer `spec`, in place; `experts`:
+    "grouped" or "sequential" (study.policy.model.experts_path)."""
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = fused_core_attention()
-    spec.submodules.mlp.submodules.experts.module = fused_sequential_mlp()
+    grouped = experts == "grouped"
+    spec.submodules.mlp.submodules.experts.module = grouped_sequential_mlp() if grouped else fused_sequential_mlp()
     if FusedRMSNorm is not None:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = FusedNormSpec
         attn.q_layernorm = attn.k_layernorm = FusedNormSpec

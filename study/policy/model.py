@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from study.core.model_config import DTYPES, TORCH_DTYPES, ModelConfig, ParallelLayout
 from study.policy import compat as megatron_compat
 from study.policy import layers as fast_layers
+from study.policy.experts import device_experts
+from study.run.config import EXPERTS
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -196,13 +198,19 @@ def device_paths(cuda: bool | None = None) -> dict[str, object]:
       streams), the all-gather dispatcher on the CPU;
     - initialisation: on the GPU under CUDA (each tensor-parallel shard drawn on its rank from megatron's
       model-parallel RNG; runs load their cold start's weights over it), on the CPU from full master weights there;
-    - experts: megatron's SequentialMLP (study/policy/experts.py computes it in one autograd Function) on both. The
-      local spec's grouped GEMM (megatron's GroupedMLP) needs the separately built `grouped_gemm` CUDA package and
-      names its weights `weight1` / `weight2`, which the HF weight map, the weight sync and the checkpoints do not
-      read; TransformerEngine's grouped experts need TransformerEngine, which the CUDA stack leaves out
-      (study/policy/compat.py)."""
+    - experts: megatron's SequentialMLP, computed by study/policy/experts.py in one autograd Function: grouped GEMMs
+      (torch's `_grouped_mm`) on CUDA, the per-expert loop on the CPU (`experts_path`, build_policy's `experts`
+      "auto"). Megatron's own grouped GEMM (the local spec's GroupedMLP) needs the separately built `grouped_gemm`
+      CUDA package and names its weights `weight1` / `weight2`, which the HF weight map, the weight sync and the
+      checkpoints do not read; TransformerEngine's grouped experts need TransformerEngine, which the CUDA stack
+      leaves out (study/policy/compat.py)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    return {"dispatcher": "alltoall" if cuda else "allgather", "cpu_init": not cuda, "grouped_gemm": False}
+    return {
+        "dispatcher": "alltoall" if cuda else "allgather",
+        "cpu_init": not cuda,
+        "grouped_gemm": False,
+        "experts": device_experts(cuda),
+    }
 
 
 def transformer_config(
@@ -290,6 +298,16 @@ LAYERS = ("fast", "megatron")
 they apply) or "megatron" (megatron's local spec as it stands: the reference the fast layers are tested against)."""
 
 
+def experts_path(experts: str, layers: str = "fast") -> str:
+    """build_policy's `experts` (study.run.config.EXPERTS) resolved on this device: "grouped" or "sequential";
+    "auto" is `device_paths()["experts"]`. Only the fast layers choose (megatron's spec is the reference)."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts = {experts!r}; valid: {', '.join(EXPERTS)}")
+    if layers != "fast" and experts != "auto":
+        raise ValueError(f"experts = {experts!r} needs layers = 'fast' (layers = {layers!r} is megatron's own spec)")
+    return device_paths()["experts"] if experts == "auto" else experts
+
+
 def build_policy(
     cfg: ModelConfig,
     *,
@@ -297,6 +315,7 @@ def build_policy(
     dtype: str = "fp32",
     routing_replay: bool = True,
     layers: str = "fast",
+    experts: str = "auto",
     parallel: ParallelLayout | None = None,
 ) -> GPTModel:
     """Build the MoE policy as a megatron-core GPTModel on the current device, initialised from `seed`.
@@ -307,7 +326,8 @@ def build_policy(
     `study_dtype`. Parameter names are megatron's (`decoder.layers.{i}.mlp.router.weight`,
     `...experts.local_experts.{e}...`) whatever `layers` is; keep them stable, the HF weight map depends on them.
     `layers` (LAYERS): "fast" computes the same function as "megatron" to ~1e-6 (bit for bit with `STUDY_NATIVE=0`
-    but for SDPA's attention sums, tests/study/policy/test_model.py).
+    but for SDPA's attention sums, tests/study/policy/test_model.py). `experts` (study.run.config.EXPERTS, fast
+    layers only): how the experts are computed, "auto" by device (`experts_path`); the same parameters either way.
     `parallel` (None: one process): this rank's shard of the policy under that layout (study/policy/parallel.py
     wraps it for training, loads full weights into it and exports them). Its dense weights are the one-process
     model's slices (megatron initialises on the CPU from full master weights); its experts are not (their init
@@ -324,6 +344,7 @@ def build_policy(
     if layers not in LAYERS:
         raise ValueError(f"layers = {layers!r}; valid: {', '.join(LAYERS)}")
     fast = layers == "fast"
+    experts = experts_path(experts, layers)
     rope_fusion = fast and fast_layers.install_rope()
     tconfig = transformer_config(
         cfg, dtype=dtype, routing_replay=routing_replay, rope_fusion=rope_fusion, parallel=parallel
@@ -334,7 +355,7 @@ def build_policy(
     )
     model_class = GPTModel
     if fast:
-        fast_layers.speed_up(spec)
+        fast_layers.speed_up(spec, experts)
         model_class = fast_layers.gpt_model()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -550,6 +571,7 @@ __all__ = [
     "device_paths",
     "dist_backend",
     "dist_timeout",
+    "experts_path",
     "init_distributed",
     "local_device_index",
     "logits",

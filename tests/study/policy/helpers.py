@@ -1,6 +1,6 @@
 """What the policy's tests across ranks share (test_parallel.py, test_parallel_checkpoint.py,
-test_routing_parallel.py): the tiny preset's fixed global batch and its GSPO loss, and a short RL run at one process
-against the same run at a parallel layout."""
+test_routing_parallel.py, test_grouped_experts.py): the tiny preset's fixed global batch, its GSPO loss and one update
+of it at a layout, and a short RL run at one process against the same run at a parallel layout."""
 
 from __future__ import annotations
 
@@ -42,6 +42,32 @@ def gspo_loss(logp_full):
     alg = algorithms.get("gspo")
     old = logp_full.detach() + offsets
     return alg.loss(logp_full, old, adv, mask, **alg.check_hparams({}))
+
+
+def update_at_layout(model, trainer) -> dict:  # type: ignore[no-untyped-def]
+    """One GSPO update of the global batch at a parallel layout: this rank's rows through `model`, megatron's
+    reduction, then `trainer`'s clipped step. Returns rows, logp, loss, metrics, grads (every gradient after the
+    reduction, full weights), took_step and norm (the global gradient norm before clipping)."""
+    from study.policy import parallel as P
+
+    trainer.zero_grad()
+    rows = P.data_rows(ROWS)
+    logp = forward(model, rows)
+    loss, metrics = gspo_loss(P.gather_rows(logp, ROWS))
+    loss.backward()
+    trainer.reduce()
+    grads = dict(P.full_weights(model, grads=True))
+    trainer.reduce = lambda: None  # already reduced: step() clips and steps
+    took_step, norm = trainer.step()
+    return {
+        "rows": rows,
+        "logp": logp.detach(),
+        "loss": float(loss.detach()),
+        "metrics": metrics,
+        "grads": grads,
+        "took_step": took_step,
+        "norm": norm,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,17 @@ import torch
 
 from study.core.model_config import ParallelLayout
 from tests.shared import free_port, set_rank_env
-from tests.study.policy.helpers import CFG, CLOSE, ROWS, RUN_SETS, assert_same_run, forward, gspo_loss, one_and_layout
+from tests.study.policy.helpers import (
+    CFG,
+    CLOSE,
+    ROWS,
+    RUN_SETS,
+    assert_same_run,
+    forward,
+    gspo_loss,
+    one_and_layout,
+    update_at_layout,
+)
 
 
 def _one_process() -> dict:
@@ -90,27 +100,13 @@ def _worker(rank: int, port: int, ref: dict, out: str) -> None:
         P.load_full_state(model, ref["state"])
         export = {k: v.clone() for k, v in P.full_hf_weights(model)}  # views of the weights: copied
         trainer = P.ShardedTrainer(model, lr=1e-3, grad_clip=0.5, distributed_optimizer=distributed)
-        trainer.zero_grad()
-        rows = P.data_rows(ROWS)
-        logp = forward(model, rows)
-        loss, metrics = gspo_loss(P.gather_rows(logp, ROWS))
-        loss.backward()
-        trainer.reduce()
-        grads = dict(P.full_weights(model, grads=True))
-        trainer.reduce = lambda: None  # already reduced: step() clips and steps
-        stepped, norm = trainer.step()
+        update = update_at_layout(model, trainer)
         adam = torch.tensor(_adam_numel(trainer))
         torch.distributed.all_reduce(adam)
         results[name] = {
-            "rows": rows,
-            "logp": logp.detach(),
-            "loss": float(loss.detach()),
-            "metrics": metrics,
-            "grads": grads,
-            "norm": norm,
+            **update,
             "stepped": P.full_state_dict(model),
             "export_same": _same(export, megatron_to_hf(ref["state"], CFG)),
-            "took_step": stepped,
             "optimizers": [type(o).__name__ for o in trainer.optimizer.chained_optimizers],
             "adam_numel": (_adam_numel(trainer), int(adam)),
         }
