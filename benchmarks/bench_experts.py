@@ -15,16 +15,23 @@ Each row gives the best of `--repeats` interleaved rounds (ms per call) and the 
 grouped_mm.
 One torch thread, no autograd.
 
-    .venv/bin/python benchmarks/bench_experts.py --policy [--tokens 800 3000 10368]
+    .venv/bin/python benchmarks/bench_experts.py --policy [--preset routing small] [--dtype fp32 bf16]
+        [--tokens 1536 12288] [--repeats 7]
 
-`--policy` times the training side instead: layer 0's experts of the megatron policy (megatron's SequentialMLP: a
-loop of per-expert MLPs over the permuted rows), forward + backward, against torch's grouped GEMM over the same
-weights (stacked per call, so the gradients reach each expert's own parameters) and against `ExpertsFunction`
-(study/policy/experts.py, what the policy runs), the same per-expert GEMMs in one autograd
-Function with a hand-written backward (no module calls, no per-op autograd nodes: the least Python the loop can
-have), on `--tokens` routed rows split over the experts. Rows: routed rows per layer (an 8-sequence minibatch of ~50
-positions at top-2: ~800). The GFLOP/s column is SequentialMLP's rate: 3 x the forward's 2 x rows x 3 x hidden x
-expert width.
+`--policy` times the training side instead: one MoE layer's experts of the megatron policy, forward + backward, on
+`--tokens` routed rows spread over the experts as a router spreads them (a softmax's top-k over random logits), per
+path of study/policy/experts.py:
+- megatron: megatron's SequentialMLP, one MLP module per expert (the reference);
+- sequential: the path `experts = "sequential"` runs, the experts one after another in one autograd Function
+  (`ExpertsFunction`) where it is exact (fp32), else SequentialMLP (bf16, whose routing probs stay fp32);
+- grouped: `experts = "grouped"`, each projection of every expert one grouped GEMM (`GroupedExpertsFunction`, the
+  weights read in place from their stacked buffer).
+Each round times every path in turn (interleaved, so a slow phase of the shared machine hits all of them); a cell is
+the best of `--repeats` rounds, and the ratio column the median over the rounds of sequential's time / grouped's
+(above 1: grouped is faster). `--preset` takes the model presets and `routing`, the routing study's MoE
+(sweeps/routing.yaml: 64 experts of width 1024, top-1, hidden 64). Rows: 1,536 are a 32-sequence minibatch of ~48
+positions at top-1 (the routing study's M = 32), 12,288 its M = 4. The outputs and gradients of the three paths are
+checked equal before timing (bit for bit on the CPU).
 """
 
 from __future__ import annotations
@@ -68,8 +75,8 @@ def implementations() -> dict[str, Callable[..., torch.Tensor]]:
     }
 
 
-def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s: float = 0.02) -> dict[str, float]:
-    """Seconds per call of each function: the best of `repeats` rounds, each round timing every function in turn
+def time_rounds(fns: dict[str, Callable[[], object]], repeats: int, block_s: float = 0.02) -> list[dict[str, float]]:
+    """Seconds per call of each function in each of `repeats` rounds, each round timing every function in turn
     (interleaved, so a slow phase of the machine hits all of them) over enough calls to fill ~`block_s`."""
     calls = {}
     for name, fn in fns.items():
@@ -77,14 +84,22 @@ def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s
         for _ in range(3):  # warm-up and calibration
             fn()
         calls[name] = max(1, min(200, round(block_s / ((time.perf_counter() - t0) / 3))))
-    best = dict.fromkeys(fns, float("inf"))
+    rounds = []
     for _ in range(repeats):
+        secs = {}
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(calls[name]):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
-    return best
+            secs[name] = (time.perf_counter() - t0) / calls[name]
+        rounds.append(secs)
+    return rounds
+
+
+def time_calls(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, block_s: float = 0.02) -> dict[str, float]:
+    """Seconds per call of each function: the best of `time_rounds`'s rounds."""
+    rounds = time_rounds(fns, repeats, block_s)
+    return {name: min(r[name] for r in rounds) for name in fns}
 
 
 def bench(preset_name: str, tokens: list[int], repeats: int) -> None:
@@ -118,93 +133,114 @@ def _forward_backward(fn: Callable[..., torch.Tensor], args: tuple, grad: torch.
     fn(*args).backward(grad)
 
 
-def policy_bench(preset_name: str, rows_list: list[int], repeats: int) -> None:
+def policy_model(name: str):  # type: ignore[no-untyped-def]
+    """The ModelConfig `--preset` names: a preset, or `routing` (the MoE model of sweeps/routing.yaml's runs)."""
     from study.core.model_config import preset
-    from study.policy.experts import ExpertsFunction
+
+    if name != "routing":
+        return preset(name)
+    from pathlib import Path
+
+    from sweeps.expand import load_sweep
+
+    runs = load_sweep(Path(__file__).resolve().parents[1] / "sweeps" / "routing.yaml").expand().values()
+    return next(c.model_config() for c in runs if c.model_config().num_experts > 1)
+
+
+def _experts_modules(cfg, dtype: str) -> dict[str, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    """Layer 0's experts of a one-layer policy of `cfg`'s shape, per path, with the same weights."""
     from study.policy.model import build_policy
 
-    cfg = preset(preset_name)
-    experts = build_policy(cfg, seed=0, layers="megatron").decoder.layers[0].mlp.experts
-    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    one = cfg.replace(num_layers=1)
+    paths = {
+        "megatron": {"layers": "megatron"},
+        "sequential": {"experts": "sequential"},
+        "grouped": {"experts": "grouped"},
+    }
+    return {k: build_policy(one, seed=0, dtype=dtype, **kw).decoder.layers[0].mlp.experts for k, kw in paths.items()}
 
-    def grouped(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        local = experts.local_experts
-        fc1 = torch.stack([e.linear_fc1.weight for e in local]).transpose(1, 2)  # (E, H, 2F)
-        fc2 = torch.stack([e.linear_fc2.weight for e in local]).transpose(1, 2)  # (E, F, H)
-        offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
-        gate, up = grouped_mm(x, fc1, offs=offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up * probs[:, None], fc2, offs=offs)
 
-    def sequential(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return experts(x, per_expert, probs)[0]
+def _routed(cfg, rows: int, dtype: str, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    """`rows` routed rows of a router's spread: tokens_per_expert from the top-k of a softmax over random logits,
+    the permuted rows (N, H), their gates (N,) in fp32 (megatron's router dtype in bf16) and an output grad."""
+    from study.core.model_config import TORCH_DTYPES
 
-    local = experts.local_experts
-    weights = [e.linear_fc1.weight for e in local] + [e.linear_fc2.weight for e in local]
+    tokens = rows // cfg.moe_top_k
+    chosen = torch.randn(tokens, cfg.num_experts, generator=gen).topk(cfg.moe_top_k).indices.flatten()
+    per_expert = torch.bincount(chosen, minlength=cfg.num_experts)
+    per_expert[0] += rows - int(per_expert.sum())
+    x = torch.randn(rows, cfg.hidden_size, generator=gen).to(TORCH_DTYPES[dtype])
+    probs = torch.rand(rows, generator=gen)
+    grad = torch.randn(rows, cfg.hidden_size, generator=gen).to(TORCH_DTYPES[dtype])
+    return per_expert, x, probs, grad
 
-    def function(x: torch.Tensor, per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return ExpertsFunction.apply(x, probs, per_expert.tolist(), *weights)
 
+def _experts_call(module: torch.nn.Module, x: torch.Tensor, per_expert, probs, grad) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Forward + backward of one call: [output, input grad, probs grad, every weight's grad]."""
+    x, probs = x.detach().requires_grad_(), probs.detach().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(x, per_expert, probs)[0]
+    out.backward(grad)
+    return [out.detach(), x.grad, probs.grad, *(p.grad for p in module.parameters())]
+
+
+def policy_bench(name: str, dtypes: list[str], rows_list: list[int], repeats: int) -> None:
+    import statistics
+
+    cfg = policy_model(name)
     print(
-        f"\npolicy experts, preset {preset_name}: megatron {type(experts).__name__} vs grouped_mm and one Function, "
-        f"forward + backward, ms per call (best of {repeats}); {cfg.num_experts} experts, hidden {cfg.hidden_size}, "
-        f"expert width {cfg.moe_ffn_hidden_size}"
+        f"\npolicy experts, {name}: {cfg.num_experts} experts top-{cfg.moe_top_k}, hidden {cfg.hidden_size}, expert "
+        f"width {cfg.moe_ffn_hidden_size}; forward + backward of one layer, ms per call (best of {repeats} interleaved "
+        "rounds)"
     )
-    print(
-        "| routed rows | SequentialMLP | GFLOP/s | grouped_mm | one Function | max difference: grouped_mm forward; "
-        "Function forward, input grad, weight grads, probs grad |\n|---:|---:|---:|---:|---:|---|"
-    )
+    print("| dtype | routed rows | megatron | sequential | grouped | sequential / grouped (median of rounds) |")
+    print("|---|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
-    for rows in rows_list:
-        x = torch.randn(rows, cfg.hidden_size, generator=gen, requires_grad=True)
-        per_expert = torch.full((cfg.num_experts,), rows // cfg.num_experts)
-        per_expert[0] += rows - int(per_expert.sum())
-        probs = torch.rand(rows, generator=gen, requires_grad=True)  # the router's gates: trained through
-        grad = torch.randn(rows, cfg.hidden_size, generator=gen)
-        diff = (sequential(x, per_expert, probs) - grouped(x, per_expert, probs)).abs().max().item()
-        grads = {}
-        for name, f in (("sequential", sequential), ("function", function)):
-            for t in (x, probs, *weights):
-                t.grad = None
-            y = f(x, per_expert, probs)
-            y.backward(grad)
-            grads[name] = [y.detach(), x.grad, torch.cat([w.grad.flatten() for w in weights]), probs.grad]
-        fn_diff = ", ".join(f"{(a - b).abs().max().item():.0e}" for a, b in zip(*grads.values(), strict=True))
-        calls = {
-            k: functools.partial(_forward_backward, f, (x, per_expert, probs), grad)
-            for k, f in (("sequential", sequential), ("grouped", grouped), ("function", function))
-        }
-        secs = time_calls(calls, repeats)
-        gflop = 3 * 2 * rows * 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size / 1e9
-        print(
-            f"| {rows} | {secs['sequential'] * 1e3:.3f} | {gflop / secs['sequential']:.1f} | "
-            f"{secs['grouped'] * 1e3:.3f} | {secs['function'] * 1e3:.3f} | {diff:.0e}; {fn_diff} |"
-        )
+    for dtype in dtypes:
+        modules = _experts_modules(cfg, dtype)
+        for rows in rows_list:
+            per_expert, x, probs, grad = _routed(cfg, rows, dtype, gen)
+            results = {k: _experts_call(m, x, per_expert, probs, grad) for k, m in modules.items()}
+            for k, got in results.items():
+                if not all(torch.equal(a, b) for a, b in zip(got, results["megatron"], strict=True)):
+                    raise SystemExit(f"{name} {dtype} {rows} rows: the {k} path differs from megatron's")
+            calls = {k: functools.partial(_experts_call, m, x, per_expert, probs, grad) for k, m in modules.items()}
+            rounds = time_rounds(calls, repeats)
+            best = {k: min(r[k] for r in rounds) for k in calls}
+            ratio = statistics.median(r["sequential"] / r["grouped"] for r in rounds)
+            print(
+                f"| {dtype} | {rows} | {best['megatron'] * 1e3:.1f} | {best['sequential'] * 1e3:.1f} | "
+                f"{best['grouped'] * 1e3:.1f} | {ratio:.2f} |"
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", nargs="+", default=["tiny", "default"])
-    ap.add_argument("--tokens", nargs="+", type=int, default=[32, 64, 256, 1024], help="tokens per call")
+    ap.add_argument("--preset", nargs="+", help="model presets (and, with --policy, routing); default: tiny default")
+    ap.add_argument("--tokens", nargs="+", type=int, help="tokens (--policy: routed rows) per call")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--policy", action="store_true", help="the megatron policy's experts, forward + backward")
+    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"], help="--policy only")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    presets = args.preset or (["routing", "small"] if args.policy else ["tiny", "default"])
+    tokens = args.tokens or ([1536, 12288] if args.policy else [32, 64, 256, 1024])
     from study.core.model_config import preset
 
     try:
-        for name in args.preset:
-            preset(name)
+        for name in presets:
+            (policy_model if args.policy else preset)(name)
     except ValueError as e:
         raise SystemExit(f"--preset: {e}") from None
-    if min(args.tokens) < 1 or args.repeats < 1:
+    if min(tokens) < 1 or args.repeats < 1:
         raise SystemExit("--tokens and --repeats take positive integers")
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    for name in args.preset:
+    for name in presets:
         if args.policy:
-            policy_bench(name, args.tokens, args.repeats)
+            policy_bench(name, args.dtype, tokens, args.repeats)
         else:
-            bench(name, args.tokens, args.repeats)
+            bench(name, tokens, args.repeats)
 
 
 if __name__ == "__main__":
