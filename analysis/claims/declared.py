@@ -276,7 +276,7 @@ __all__ = [
 
 
 def from_sweep(sweep: str | os.PathLike[str]) -> list[Any]:
-    """The comparisons sweep file `sweep` declares (`comparisons:`, analysis.claims.Comparison; none: []). A file
+    """The comparisons sweep file `sweep` declares (`comparisons:`, as `Comparison`s; none: []). A file
     that cannot be read, or an entry without a field the declaration needs, raises ValueError naming it."""
     import yaml
 

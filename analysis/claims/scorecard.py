@@ -211,7 +211,6 @@ def strata_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-_grpo_baseline = grpo_baseline
 """The GRPO baseline of the claims' comparisons, as the report's algorithm table names it."""
 
 __all__ = [

@@ -25,7 +25,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
     - `volatility`: the configuration's routing volatility: each run's mean routing_slot_mismatch over its steps, then
       the mean over every run of the configuration (all algorithms) with a 95% t interval over runs;
     - `gaps`: per comparison the claims make (scorecard.comparison_pairs: C1 GSPO minus the GRPO baseline, C3 and C4
-      the Routing Replay partner minus the algorithm), the gap in final reward (`design.compute_window`: each run's
+      the Routing Replay partner minus the algorithm), the gap in final reward (`curves.compute_window`: each run's
       mean over the last `frac` of its compute) and, when runs evaluated their start, in held-out gain (last
       evaluation of eval_in_dist minus step 0): `design.arm_gap`, paired by seed where both arms ran the same seeds,
       else Welch, with its 95% interval; the gaps read as one exploratory family (`design.read_as_family`: Holm's
@@ -72,7 +72,7 @@ def routing_volatility_tables(study: Study, *, frac: float = 0.1) -> dict[str, p
 
     present = sorted(set(study.runs.loc[~study.runs["state"].isin(["failed", "unknown"]), ALGORITHM].astype(str)))
     pairs = scorecard.comparison_pairs(present)
-    quantities = {"final reward": per_config(design.compute_window(study.long, vocab.REWARD, frac=frac))}
+    quantities = {"final reward": per_config(curves.compute_window(study.long, vocab.REWARD, frac=frac))}
     if vocab.EVAL_IN_DIST in study.metrics:
         gains = gain.per_run(study.long, vocab.EVAL_IN_DIST)
         if len(gains):

@@ -17,7 +17,7 @@ from analysis.runs import names, vocab
 from analysis.runs.columns import ALGORITHM
 from analysis.runs.select import DENSE, MOE, select, short
 from analysis.runs.tidy import Study
-from analysis.stats import design
+from analysis.stats import curves
 
 
 def _log2_axis(ax: Axes, ms: Sequence[Any]) -> None:
@@ -217,7 +217,7 @@ def figure9_offpolicy_replay(
         f"whose model has {vocab.NUM_EXPERTS_KEY} = 1: one expert of the MoE's active width, nothing to route), the "
         "off-policy damage without routing; minibatch m of M follows m - 1 updates since pi_old. (c), (d) Each "
         "algorithm minus its Routing Replay partner, in held-out gain (c) and in final reward (d: the reward over "
-        f"{design.window_rule(frac)}), at the volatility of each M "
+        f"{curves.window_rule(frac)}), at the volatility of each M "
         "(negative: dropping replay cost that much), with 95% t intervals paired by seed (a seed's arms share "
         "prompts, cold start and evaluation sampling; Welch where the arms' seeds differ); grey: the dense control's "
         "off-policy loss, its value at M minus at the fewest M, paired alike. The table gaps reads them as one "

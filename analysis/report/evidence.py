@@ -93,7 +93,7 @@ def scorecard_section(
 
 
 def power_table(cards: Sequence[scorecard.ClaimResult]) -> pd.DataFrame:
-    """One row per (claim, stratum) with a smallest-detectable-difference line (analysis/power.py): the quantity,
+    """One row per (claim, stratum) with a smallest-detectable-difference line (analysis/stats/power.py): the quantity,
     its estimate and 95% interval, the smallest |difference| these seeds detect, and the verdict."""
     rows = []
     for c in cards:
@@ -134,8 +134,8 @@ def _power_section(cards: Sequence[scorecard.ClaimResult]) -> list[render.Block]
         render.p(
             f"From the pooled seed standard deviation of each compared group's final-window reward: smallest "
             f"detectable |d| = (t(1 - {power.ALPHA:g}/2, df) + t({power.POWER:g}, df)) x SE(d), SE(d) = SD x "
-            "sqrt(sum of w^2 / n) over the contrast's groups (analysis/power.py). An inconclusive verdict means the "
-            "effect, if any, is smaller than about this size; a difference of this size would have been detected "
+            "sqrt(sum of w^2 / n) over the contrast's groups (analysis/stats/power.py). An inconclusive verdict means "
+            "the effect, if any, is smaller than about this size; a difference of this size would have been detected "
             f"with probability {power.POWER:.0%}."
         ),
         render.Table(t),

@@ -296,7 +296,7 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     per = per[per[RUN_ID].astype(str).isin(set(study.runs.loc[study.runs["state"] != "failed", RUN_ID].astype(str)))]
     algs = names.order_or_sorted(per[ALGORITHM].astype(str).unique())
     tasks = [a for a in study.axes if a in per]  # a configuration of the other swept axes is a task
-    ref = scorecard._grpo_baseline(algs) or algs[0]
+    ref = scorecard.grpo_baseline(algs) or algs[0]
     per = per.assign(**{ALGORITHM: pd.Categorical(per[ALGORITHM].astype(str), categories=algs, ordered=True)})
     per = per.sort_values(ALGORITHM, kind="stable")
     t = design.algorithm_table(per, tasks, reference=ref, reps=reps)

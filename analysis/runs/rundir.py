@@ -5,6 +5,7 @@ into a study's tables."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
@@ -67,6 +68,20 @@ class RunRecord:
         if len(seeds) == 1:
             return seeds[0]
         return self.manifest.get("seed")
+
+    @property
+    def content(self) -> str:
+        """A hash of what makes the run the run it is, whatever its directory or manifest.json calls it: its seed,
+        its resolved config, its status and its metrics (every column's values). Two directories with the same
+        content are one run under two names (a copy), which a study counts once (analysis.runs.tidy.load_study)."""
+        recorded = [self.seed_value, self.config, self.status]
+        digest = hashlib.sha256(json.dumps(recorded, sort_keys=True, default=str).encode())
+        for name in sorted(self.metrics.column_names) if self.metrics is not None else ():
+            column = self.metrics.column(name)
+            numeric = (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)) and not column.null_count
+            digest.update(f"{name}:{column.type}".encode())
+            digest.update(column.to_numpy().tobytes() if numeric else repr(column.to_pylist()).encode())
+        return digest.hexdigest()
 
     @property
     def precision_emulated(self) -> bool | None:

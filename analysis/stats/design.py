@@ -14,9 +14,6 @@ powerful than Bonferroni; statsmodels' multipletests), `simultaneous` widens eac
 (Bonferroni), so all m cover together with probability >= 1 - alpha. The confirmatory comparison a sweep declares
 (analysis.claims.declared) is a family of one; everything else is exploratory and is read with these.
 
-The window. "The last 10% of compute" is analysis.stats.curves' `compute_window` (its text `window_rule`), which the
-claims and the routing figures read alike; this module names it for them.
-
 Libraries: rliable (Agarwal et al., NeurIPS 2021) for the interquartile mean and the probability of improvement, with
 its stratified bootstrap run by scipy; scipy for the t quantiles and tests; statsmodels for Holm.
 """
@@ -34,7 +31,6 @@ from scipy import stats as sps
 from analysis.runs import vocab
 from analysis.runs.columns import SEED
 from analysis.stats import regime
-from analysis.stats.curves import compute_window, window_rule
 from analysis.stats.intervals import CI, mean_band, mean_ci, mean_difference
 
 UNIT = SEED
@@ -505,7 +501,6 @@ __all__ = [
     "SizeReading",
     "Volatility",
     "algorithm_table",
-    "compute_window",
     "holm",
     "iqm_interval",
     "length_decomposition",
@@ -516,5 +511,4 @@ __all__ = [
     "simultaneous",
     "size_against_paper",
     "volatility",
-    "window_rule",
 ]

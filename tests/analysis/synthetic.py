@@ -403,7 +403,7 @@ def expected_gain(curve: Curve, *, n_steps: int, flops_per_step: float, eval_eve
 
 def expected_final_reward(curve: Curve, *, n_steps: int, flops_per_step: float, frac: float = 0.1) -> float:
     """The expectation of a synthetic run's final reward: the mean over its last `frac` of compute
-    (analysis.stats.design.compute_window: the steps whose compute is at least (1 - frac) x the run's last)."""
+    (analysis.stats.curves.compute_window: the steps whose compute is at least (1 - frac) x the run's last)."""
     last = n_steps if curve.collapse_step is None else min(n_steps, curve.collapse_step + 2)
     step = np.arange(1, last + 1)
     reward = sigmoid(flops_per_step * step, r0=curve.r0, a=curve.a, b=curve.b, c_mid=curve.c_mid)

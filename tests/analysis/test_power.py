@@ -1,4 +1,4 @@
-"""The smallest detectable difference (analysis/power.py) and the seed pairing of C5's contrast."""
+"""The smallest detectable difference (analysis/stats/power.py) and the seed pairing of C5's contrast."""
 
 from __future__ import annotations
 

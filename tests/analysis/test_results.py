@@ -137,6 +137,25 @@ def test_a_malformed_comparison_is_one_line_before_any_figure(tmp_path, capsys, 
     assert not (tmp_path / "s" / "report").exists()
 
 
+def test_a_copied_run_with_its_manifest_renamed_counts_once_with_a_note(tmp_path, capsys) -> None:
+    # before: the copy, its manifest's run id edited to its new name, counted as one more seed of its configuration
+    import shutil
+
+    ids = _study(tmp_path)
+    runs = tmp_path / "runs"
+    copy = f"{ids[0]}-copy"
+    shutil.copytree(runs / ids[0], runs / copy)
+    manifest = runs / copy / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "run_id": copy}))
+    (tmp_path / "s" / "run_ids.txt").write_text("\n".join([*ids, copy]) + "\n")
+    md, index, err = _figures_then_report(tmp_path, capsys)
+    note = f"the same run as {ids[0]} (the same seed, config and metrics): one run under a second name, counted once"
+    assert list(index["unreadable"]) == [copy] and index["unreadable"][copy].startswith(note), index["unreadable"]
+    assert f"run {copy} not read: {note}" in err
+    assert "4 runs (completed 4; 1 unreadable)" in md.split("## Headline")[0]
+    assert sorted(results.load(tmp_path, "s").runs["run_id"]) == sorted(ids)
+
+
 def test_the_markdown_twin_keeps_html_in_names_as_text() -> None:
     import pandas as pd
 

@@ -463,8 +463,8 @@ def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(
     assert "unit of replication" in c1.pairing and "no declared comparison" in c1.design
 
 
-def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headline(tmp_path) -> None:
-    from analysis.report import sections
+def test_runs_that_deviate_from_the_declaration_are_flagged_under_the_headline(tmp_path) -> None:
+    from analysis.report import headline
 
     st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
     cards = scorecard.scorecard(st, comparisons=[_declared((0, 1, 2, 3))])  # seed 3 was never run
@@ -472,14 +472,14 @@ def test_runs_that_deviate_from_the_declaration_are_flagged_first_in_the_headlin
     assert c3.role == "exploratory" and any("[3]" in d for d in c3.deviations)
     assert c3.label.startswith("exploratory, declared replay_cost_grpo: ")
     assert "the runs deviate from replay_cost_grpo" in c3.design
-    head = sections.headline(cards, st)
-    assert head[0][0] == "deviation" and "C3" in head[0][2] and "[3]" in head[0][2]
+    cls, _, text = headline.deviation_line(cards)
+    assert cls == "deviation" and "C3" in text and "[3]" in text
     table = scorecard.scorecard_table(cards).set_index("claim")
     assert "[3]" in table.loc["C3", "deviations"] and table.loc["C1", "deviations"] == ""
 
 
 def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) -> None:
-    from analysis.report import sections
+    from analysis.report import headline
     from analysis.stats import design
     from analysis.stats.intervals import CI
 
@@ -492,8 +492,10 @@ def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) 
     want = design.size_against_paper(CI(ratio.estimate, ratio.low, ratio.high, 3))
     assert r.paper.startswith("direction supported, size 0.85 of the paper's") and r.paper == want.sentence
     assert "vs the paper's ~100x" in r.paper and "two orders of magnitude" in r.rule
-    head = next(t for _, h, t in sections.headline([r]) if h.startswith("C2"))
-    assert "direction supported, size 0.85 of the paper's" in head
+    row = headline.headline_table([r]).df.iloc[0]  # the headline: the paper's ~100x beside this study's ratio
+    assert row["paper"].startswith("~100x") and row["this study: estimate [95% CI]"].startswith(
+        f"{ratio.estimate:.3g} ["
+    )
 
 
 def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
