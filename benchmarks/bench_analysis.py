@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the synthetic runs are the tests' (tests/analysis)
 
-from analysis import fit, stats, tidy
+from analysis.runs import tidy
+from analysis.stats import fit
 from tests.analysis import synthetic
 
 
@@ -53,11 +54,11 @@ def main() -> None:
     timings["load"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    stats.final_summary(study.long, "reward_mean", runs=study.runs)
+    curves.final_summary(study.long, "reward_mean", runs=study.runs)
     for metric in ("reward_mean", "clip_frac"):
-        stats.aggregate_curves(study.long, metric, n_grid=100)
+        curves.aggregate_curves(study.long, metric, n_grid=100)
     for metric in ("clip_frac", "clip_frac_low", "clip_frac_high"):
-        stats.summarize(stats.run_mean(study.long, metric), by=["algorithm"])
+        curves.summarize(curves.run_mean(study.long, metric), by=["algorithm"])
     timings["aggregate"] = time.perf_counter() - t
 
     with tempfile.TemporaryDirectory() as out:

@@ -187,7 +187,7 @@ CLAIMS = ("C1", "C2", "C3", "C4", "C5", "C6")
 """The paper's claims (docs/references.md) a comparison may confirm."""
 WINDOWS = ("final_eval", "gain", "last_10pct_compute")
 """What a comparison reads of each run's metric: its last evaluation; its last evaluation minus its step-0 one (the
-held-out gain); its mean over the last 10% of compute (analysis.design.compute_window)."""
+held-out gain); its mean over the last 10% of compute (analysis.stats.curves.compute_window)."""
 PAIRINGS = ("seed", "none")
 """seed: the arms of one seed share prompts, cold start and evaluation sampling, compared within it; none: Welch."""
 ALTERNATIVES = ("two-sided", "greater", "less")

@@ -1,5 +1,5 @@
 """A real run feeds the analysis: two short runs (GSPO and GRPO) from the session's tiny cold start, loaded by
-analysis.tidy and scored by the scorecard. Every metric of the run's vocabulary (study.run.metrics.STEP_METRICS,
+analysis.runs.tidy and scored by the scorecard. Every metric of the run's vocabulary (study.run.metrics.STEP_METRICS,
 LAYER_METRICS, TOKEN_SAMPLE_COLUMNS) is a column of the tidy study and holds a number (not NaN) on every step where
 it applies. The loop pre-fills each step's row with NaN, so a metric it stopped computing would otherwise show up
 only as an all-NaN column and a claim turned quietly inconclusive.
@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import gain, scorecard, tidy
+from analysis.claims import scorecard
+from analysis.runs import tidy
+from analysis.stats import gain
 from study import rl
 from study.run.config import load_config
 from study.run.metrics import LAYER_METRICS, STEP_METRICS, TOKEN_SAMPLE_COLUMNS
