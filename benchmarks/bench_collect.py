@@ -42,7 +42,7 @@ def main() -> None:
 
     cfg = RunConfig.from_dict({**PRESET_RUNS["tiny"], "coldstart": "scratch"})
     tok, _ = parts.initial_policy(cfg, results=None)  # the scratch cold start's tokenizer (nothing is written)
-    stream, _ = parts.task_data(cfg)
+    stream, _ = cfg.task_data()
     print(f"torch {torch.__version__}, 1 thread, load average {os.getloadavg()[0]:.2f}; task {cfg.task}")
     print(f"{'batch':>10} {'take':>8} {'encode':>8} {'decode':>8} {'score':>8} {'pad':>8}  (ms per step)")
     rng = random.Random(0)

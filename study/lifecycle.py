@@ -162,11 +162,9 @@ def check_prompts(cfg: RunConfig) -> None:
 
 def generated_prompts(cfg: RunConfig) -> list[Any]:
     """The items of a generated task's run known before it starts: its first step's training prompts and what its
-    first evaluation scores, the validation sets and the test split (study.parts.task_data, RunConfig.eval_plan: as
+    first evaluation scores, the validation sets and the test split (RunConfig.task_data, RunConfig.eval_plan: as
     the run draws them)."""
-    from study import parts
-
-    stream, validation = parts.task_data(cfg)
+    stream, validation = cfg.task_data()
     evaluated = [item for ev in cfg.eval_plan(validation, 0) for item in ev.items]
     return [*stream.take(cfg.prompts_per_step), *evaluated]
 

@@ -86,20 +86,6 @@ def load_initial(model: torch.nn.Module, init_state: Any, parallel: bool = False
         init_state.load_into(model)
 
 
-def task_data(cfg: RunConfig) -> tuple[Any, dict[str, list[tasks.TaskItem]]]:
-    """(training stream with `take(n, start)`, held-out sets by split: `in_dist` drawn with the training knobs,
-    `hard` with HARD_KNOBS). task = "user": the user's training rows cycled in a seed-dependent order per epoch, and
-    their held-out split (or eval_data) as `in_dist`."""
-    if cfg.task == "user":
-        train, held = cfg.user_split()
-        return tasks.UserTask(tuple(train), cfg.seed), {"in_dist": held}
-    stream = tasks.make_task(cfg.task, seed=cfg.seed, held_out_test=cfg.eval_test_size > 0, **cfg.task_knobs)
-    return stream, {
-        split: tasks.eval_set(cfg.task, split, size=cfg.eval_size, knobs=cfg.task_knobs if split == "in_dist" else None)
-        for split in tasks.EVAL_SPLITS
-    }
-
-
 @dataclass
 class Parts:
     """What a run is made of, built once at its start (`setup`)."""
@@ -168,7 +154,7 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     engine = (
         get_engine(cfg.rollout_engine, mcfg, dtype=cfg.rollout_dtype, **engine_kw) if lifecycle.is_rank0() else None
     )
-    stream, evals = task_data(cfg)
+    stream, evals = cfg.task_data()
     ref, ref_prec = None, None
     if cfg.kl_coef > 0:  # KL hook: a frozen copy of the initial policy, the trainer's seed, weights and precision
         ref = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)

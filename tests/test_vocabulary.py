@@ -1,5 +1,5 @@
-"""One metric vocabulary: every name analysis reads (analysis/runs/vocab.py) is one the run writes (study/run/metrics.py),
-so a renamed metric fails here instead of turning a claim "inconclusive" silently."""
+"""One metric vocabulary: every name analysis reads (analysis/runs/vocab.py) is one the run writes
+(study/run/metrics.py), so a renamed metric fails here instead of turning a claim "inconclusive" silently."""
 
 from __future__ import annotations
 

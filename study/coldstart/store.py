@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
 from runfiles.bounded import load_yaml, read_json
+from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
 from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
 from study.run.rundir import json_problem

@@ -374,6 +374,23 @@ class RunConfig:
         except ValueError as e:
             raise ValueError(f"data = {self.data!r}: {e}") from None
 
+    def task_data(self) -> tuple[Any, dict[str, list[Any]]]:
+        """(training stream with `take(n, start)`, held-out sets by split: `in_dist` drawn with the training knobs,
+        `hard` with the task's hard knobs). task = "user": the user's training rows cycled in a seed-dependent order
+        per epoch, and their held-out split (or eval_data) as `in_dist`."""
+        from study.data import tasks
+
+        if self.task == "user":
+            train, held = self.user_split()
+            return tasks.UserTask(tuple(train), self.seed), {"in_dist": held}
+        stream = tasks.make_task(self.task, seed=self.seed, held_out_test=self.eval_test_size > 0, **self.task_knobs)
+        return stream, {
+            split: tasks.eval_set(
+                self.task, split, size=self.eval_size, knobs=self.task_knobs if split == "in_dist" else None
+            )
+            for split in tasks.EVAL_SPLITS
+        }
+
     def user_rows(self, name: str = "data") -> tuple[Any, ...]:
         """The items of task = "user"'s file `name` ("data" or "eval_data"), one per row in the file's order
         (study.data.tasks.load_user_data, cached by content); () when the field is empty. Errors name the field."""
