@@ -51,8 +51,8 @@ import yaml
 
 from runfiles import FAILURE, STATES, STATUS, bounded
 from runfiles.atomic import FILE_MODE, write_text
-from runfiles.atomic import atomic_write as atomic_write  # the one atomic write, for the run's other files
 from runfiles.atomic import WriteError as WriteError  # the error of every write of a run's files
+from runfiles.atomic import atomic_write as atomic_write  # the one atomic write, for the run's other files
 from runfiles.bounded import json_problem as json_problem  # where a text stops being JSON
 from study.core import hugepages
 
