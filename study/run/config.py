@@ -131,7 +131,7 @@ class RunConfig:
     every expert one grouped GEMM, forward and backward), sequential (the experts one after another in one autograd
     Function; megatron's SequentialMLP where that Function is not exact), or auto (grouped on CUDA, sequential on the
     CPU, where it is faster: docs/performance.md). The same parameters, names and checkpoints either way, and the
-    same numbers to rounding (bit for bit on the CPU): not in the run id."""
+    same numbers to rounding (bit for bit on the CPU at one thread): not in the run id."""
     old_logp_source: str = "recompute"
     """pi_old log-probs: recomputed by the training engine (routing recorded) or taken from the rollout engine."""
     engine_router_noise: float = 0.0
