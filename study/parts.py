@@ -129,7 +129,11 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     recompute = {} if cfg.recompute == "none" else {"recompute_granularity": cfg.recompute}
     trained = dataclasses.replace(mcfg, extra={**mcfg.extra, **recompute})
     policy = build_policy(
-        trained, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel
+        trained,
+        seed=derive_seed("init", cfg.seed),
+        dtype=train_prec.storage_dtype,
+        experts=cfg.experts,  # the experts' path (RunConfig.experts): grouped GEMMs or one expert after another
+        parallel=parallel,
     )
     load_initial(policy, init_state, parallel is not None)
     prec = precision_mod.apply_precision(policy, train_prec)  # rounds the loaded weights when emulated
@@ -157,7 +161,13 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
     stream, evals = cfg.task_data()
     ref, ref_prec = None, None
     if cfg.kl_coef > 0:  # KL hook: a frozen copy of the initial policy, the trainer's seed, weights and precision
-        ref = build_policy(mcfg, seed=derive_seed("init", cfg.seed), dtype=train_prec.storage_dtype, parallel=parallel)
+        ref = build_policy(
+            mcfg,
+            seed=derive_seed("init", cfg.seed),
+            dtype=train_prec.storage_dtype,
+            experts=cfg.experts,
+            parallel=parallel,
+        )
         load_initial(ref, init_state, parallel is not None)
         ref_prec = precision_mod.apply_precision(ref, train_prec)
         ref.requires_grad_(False)
