@@ -11,8 +11,9 @@ string_insertion, gcd, complex_arithmetic), one sandbox serving all of them star
 the scored responses alternate the reference answer and a wrong one. Native: chain_sum items (the default study's
 verifier) scored the same way. Each figure is the best of `--reps` timed passes of `--n` scores (the machine's other
 load only ever slows a pass), with the median latency of one score in that pass; sandboxed passes also report the CPU
-time one score costs: this process's, plus the sandbox process's and every child it reaped (/proc/<pid>/stat), which
-the machine's other load does not inflate as it does wall time.
+time one score costs: this process's, plus the sandbox process's, its live descendants' (the zygote and its scoring
+children) and every child each reaped (/proc/<pid>/stat), which the machine's other load does not inflate as it does
+wall time.
 """
 
 from __future__ import annotations
@@ -22,18 +23,26 @@ import os
 import resource
 import statistics
 import time
+from pathlib import Path
 
 SANDBOXED = ("bitwise_arithmetic", "string_insertion", "gcd", "complex_arithmetic")
 
 
 def _cpu_s(pid: int | None) -> float:
-    """CPU seconds of this process, plus those of process `pid` and the children it reaped."""
+    """CPU seconds of this process, plus those of process `pid`, of its live descendants (the zygote and the scoring
+    children it forks, found through /proc/<pid>/task/*/children) and of every child each of them reaped."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     total = own.ru_utime + own.ru_stime
-    if pid is not None:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+    pending = [] if pid is None else [pid]
+    while pending:
+        proc = Path(f"/proc/{pending.pop()}")
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            children = [int(c) for task in (proc / "task").iterdir() for c in (task / "children").read_text().split()]
+        except OSError:  # it ended between the listing and the read: its parent's cutime has it
+            continue
         total += sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        pending += children
     return total
 
 
