@@ -37,8 +37,8 @@ Tables (pandas; `Study.write` stores each as parquet):
 - `missing`: the run ids a study asked for that have no directory (also warned about: nothing is dropped silently).
 - `unreadable`: with `load_study(unreadable=...)`, the runs set aside because they cannot be read (run_id,
   algorithm, seed, state, reason, path; `unreadable_reason` says what that means), in none of the tables above;
-  and, always, a run that repeats another's seed, config and metrics under a second name (counted once, the reason
-  naming the run kept).
+  and, always, a run that repeats another's seed, config, status and metrics under a second name (counted once,
+  the reason naming the run kept).
 
 `runs.precision_emulated` says whether a run's low precision was emulated (the manifest's `precision_emulated`, else
 a `*_precision` config value ending in "-emulated"; None when the run says nothing).
@@ -193,7 +193,7 @@ def load_study(
     cap becomes min(max_token_rows, token_budget // runs)); Study.sequences always uses every token row.
     `unreadable(record)`, when given, says why a run cannot be read (e.g. `unreadable_reason`) or None: such runs are
     set aside in `Study.unreadable` with the reason, in none of the other tables; without it every run is read. A run
-    with the seed, config and metrics of another (RunRecord.content: a copy under a second name, whatever its
+    with the seed, config, status and metrics of another (RunRecord.content: a copy under a second name, whatever its
     manifest.json says) is set aside the same way, its reason naming the run it repeats, so it counts once.
     """
     base = runs_dir(results_dir)
@@ -242,9 +242,9 @@ def load_study(
 
 
 def _copies(records: Sequence[RunRecord], why: Sequence[str | None]) -> list[str | None]:
-    """`why` with a reason for every run that has the content (RunRecord.content: seed, config, metrics) of another
-    run kept: one run under a second name, counted once. The one kept is the first whose manifest.json names its own
-    directory, else the first; runs already set aside take no part."""
+    """`why` with a reason for every run that has the content (RunRecord.content: seed, config, status, metrics) of
+    another run kept: one run under a second name, counted once. The one kept is the first whose manifest.json names
+    its own directory, else the first; runs already set aside take no part."""
     content = [None if w else r.content for r, w in zip(records, why, strict=True)]
     kept: dict[str, int] = {}
     for i in sorted(range(len(records)), key=lambda i: records[i].manifest.get("run_id") != records[i].run_id):
@@ -255,7 +255,7 @@ def _copies(records: Sequence[RunRecord], why: Sequence[str | None]) -> list[str
         if c is not None and kept[c] != i:
             first = records[kept[c]].run_id
             out[i] = (
-                f"the same run as {first} (the same seed, config and metrics): one run under a second name, "
+                f"the same run as {first} (the same seed, config, status and metrics): one run under a second name, "
                 f"counted once (as {first})"
             )
     return out

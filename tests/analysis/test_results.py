@@ -149,7 +149,7 @@ def test_a_copied_run_with_its_manifest_renamed_counts_once_with_a_note(tmp_path
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "run_id": copy}))
     (tmp_path / "s" / "run_ids.txt").write_text("\n".join([*ids, copy]) + "\n")
     md, index, err = _figures_then_report(tmp_path, capsys)
-    note = f"the same run as {ids[0]} (the same seed, config and metrics): one run under a second name, counted once"
+    note = f"the same run as {ids[0]} (the same seed, config, status and metrics): one run under a second name"
     assert list(index["unreadable"]) == [copy] and index["unreadable"][copy].startswith(note), index["unreadable"]
     assert f"run {copy} not read: {note}" in err
     assert "4 runs (completed 4; 1 unreadable)" in md.split("## Headline")[0]
