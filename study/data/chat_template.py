@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from runfiles.bounded import load_json
+
 MAX_TEMPLATE_CHARS = 1 << 20
 """Longest chat template read (characters); real ones are a few KB."""
 
@@ -39,6 +41,8 @@ MEMORY_BYTES = 2 << 30
 SAMPLE_PROMPT = "What is 12 + 30?\n"
 
 _ROOT = str(Path(__file__).resolve().parents[2])
+_MAX_LINE = 8 * max(MAX_TEMPLATE_CHARS, MAX_RENDER_CHARS) + 4096
+"""Longest line a `Renderer` and its child send each other: a template, a prompt or a render, JSON-escaped."""
 _limited = False
 """True in a child process `child_main` runs: it is under the limits already, so templates render in it directly."""
 
@@ -98,8 +102,6 @@ def run_child(
         )
     except subprocess.TimeoutExpired:
         raise ValueError(f"{where}: {subject} did not {task} within {timeout_s:g} s; valid: {valid}") from None
-    from runfiles.bounded import load_json
-
     try:
         reply = load_json(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -145,8 +147,6 @@ def child_main(handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """The body of a `run_child` entry: reads the request (stdin), limits this process (MEMORY_BYTES, the
     request's timeout_s of CPU), replies `handler(request)` as one JSON line; an error of the handler is the reply's
     `error`, in one line (a Rust panic of the tokenizers library included)."""
-    from runfiles.bounded import load_json
-
     request = load_json(sys.stdin.read(), max_bytes=1 << 31)  # the parent's own request
     _limit(MEMORY_BYTES, float(request["timeout_s"]))
     try:
@@ -233,7 +233,7 @@ class Renderer:
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 return None
             chunk = os.read(fd, 1 << 20)
-            if not chunk or len(data) > 8 * MAX_RENDER_CHARS:  # dead, or no reply a render can give
+            if not chunk or len(data) > _MAX_LINE:  # dead, or no reply a render can give
                 return None
             data += chunk
         return data
@@ -255,7 +255,7 @@ class Renderer:
                     f"(limits: {MEMORY_BYTES >> 30} GiB, {TIMEOUT_S:g} s a prompt); valid: a template that renders "
                     "in well under a second"
                 )
-        reply = json.loads(line)
+        reply = load_json(line, max_bytes=_MAX_LINE)
         if "error" in reply:
             raise ValueError(f"tokenizer chat template: could not render a prompt ({reply['error']})")
         return str(reply["text"])
@@ -274,7 +274,7 @@ class Renderer:
 def _serve() -> None:
     """`Renderer`'s child: the template and specials on the first line, then one prompt a line, one reply a line
     (`text`, or `error` in one line)."""
-    first = json.loads(sys.stdin.readline())
+    first = load_json(sys.stdin.readline(), max_bytes=_MAX_LINE)
     _die_with_parent(int(first["parent"]))
     _limit(MEMORY_BYTES, None)
     try:
@@ -285,7 +285,8 @@ def _serve() -> None:
         try:
             if isinstance(template, Exception):
                 raise template
-            reply: dict[str, Any] = {"text": render(template, json.loads(line)["prompt"], first["specials"])}
+            prompt = load_json(line, max_bytes=_MAX_LINE)["prompt"]
+            reply: dict[str, Any] = {"text": render(template, prompt, first["specials"])}
         except MemoryError:
             reply = {"error": f"it ran out of memory (limit {MEMORY_BYTES >> 30} GiB)"}
         except Exception as err:
