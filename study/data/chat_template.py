@@ -20,6 +20,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ class Renderer:
     started the child starts its own."""
 
     def __init__(self, template: str, specials: Mapping[str, str | None]) -> None:
-        self._first = json.dumps({"template": template, "specials": dict(specials), "parent": os.getpid()})
+        self._template, self._specials = template, dict(specials)
         self._proc: subprocess.Popen[bytes] | None = None
         self._owner = 0
         self._lock = threading.Lock()
@@ -214,7 +215,7 @@ class Renderer:
                 stderr=subprocess.DEVNULL,
             )
             self._owner = os.getpid()
-            self._send(self._first)
+            self._send(json.dumps({"template": self._template, "specials": self._specials, "parent": self._owner}))
         return self._proc
 
     def _send(self, line: str) -> None:
@@ -224,8 +225,6 @@ class Renderer:
 
     def _reply(self, timeout_s: float) -> bytes | None:
         """The child's next line, None when it gives none within `timeout_s` (or dies)."""
-        import time
-
         assert self._proc is not None and self._proc.stdout is not None
         fd, data, deadline = self._proc.stdout.fileno(), b"", time.monotonic() + timeout_s
         while not data.endswith(b"\n"):
