@@ -240,15 +240,16 @@ def _figures_dir(root: Path, st: tidy.Study) -> Path:
     return out
 
 
-def test_the_report_leads_with_the_outcome_over_figure9(studies) -> None:
+def test_the_report_gives_the_outcome_over_figure9_after_the_headline(studies) -> None:
     root, st = studies[True]
     rep = report.build_report(st, root / "report", figures_dir=_figures_dir(root, st))
     md, page = rep.markdown.read_text(), rep.html.read_text()
     said = offpolicy.outcome(figures.figure9_offpolicy_replay(st).tables)
     lead = md.index("54 runs (completed 51, collapsed 3")
     section = md.index("## Routing Replay along off-policy updates")
-    assert lead < section < md.index(said.sentences[0]) < md.index("![figure9_offpolicy_replay]")
-    assert md.index("![figure9_offpolicy_replay]") < md.index("## Headline") < md.index("**C1 ")
+    # the headline's table first (every verdict on the first screen), then the outcome in sentences over Figure 9
+    assert lead < md.index("## Headline") < md.index("| C1 |") < section
+    assert section < md.index(said.sentences[0]) < md.index("![figure9_offpolicy_replay]")
     assert page.count("<figure id='figure9_offpolicy_replay'>") == 1  # not repeated under "More figures"
     assert (rep.html.parent / "tables" / "figure9_offpolicy_replay.gaps.csv").is_file()
 
