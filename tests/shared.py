@@ -107,6 +107,18 @@ def needs(name: str) -> pytest.MarkDecorator:
 needs_slurm = needs("slurm")
 
 
+SCRATCH_STEP = (
+    "coldstart=scratch",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "prompts_per_step=4",
+    "group_size=4",
+    "max_new_tokens=12",
+)
+"""--set overrides of the smallest RL step on the tiny preset from a scratch cold start (no evaluation, no
+checkpoint): what the tests of the step's forwards and measurements build their runs from."""
+
+
 def smoke_config(algorithm: str = "grpo", **changes) -> RunConfig:
     """A run of the smoke study (sweeps/smoke.yaml), with `changes`."""
     runs = load_sweep(ROOT / "sweeps" / "smoke.yaml").expand()

@@ -94,11 +94,12 @@ def test_an_hf_models_deep_config_json_is_one_line(tmp_path: Path, capsys) -> No
 
 def test_status_and_analysis_list_a_deep_config_as_unreadable(deep_run: Path) -> None:
     """Readers that list runs report a hostile one and go on, never crash."""
+    from analysis.runs import rundir as run_reader
     from study.run import status
 
     config, why = status._read_yaml(deep_run / "config.yaml")
     assert config == {} and NESTED in why, why
-    data, reason = rundir._read_config(deep_run)
+    data, reason = run_reader._read_config(deep_run)
     assert data == {} and NESTED in reason, reason
 
 

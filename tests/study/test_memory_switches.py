@@ -19,15 +19,9 @@ from study import parts, rl
 from study.parts import StepForwards, forward_rows, setup
 from study.policy.optim import build_optimizer
 from study.run.config import load_config
+from tests.shared import SCRATCH_STEP
 
-SETS = [
-    "coldstart=scratch",
-    "eval_every=0",
-    "checkpoint_every=0",
-    "prompts_per_step=4",
-    "group_size=4",
-    "max_new_tokens=12",
-]
+SETS = list(SCRATCH_STEP)
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,9 @@ from study.policy.optim import build_optimizer
 from study.policy.routing import routing_volatility
 from study.run.config import load_config
 from study.run.metrics import LOGRATIO_METRICS, logratio_metrics
+from tests.shared import SCRATCH_STEP
 
-SCRATCH = [
-    "coldstart=scratch",
-    "eval_every=0",
-    "checkpoint_every=0",
-    "prompts_per_step=4",
-    "group_size=4",
-    "max_new_tokens=12",
-    "minibatches=4",
-    "routing_attribution=true",
-]
+SCRATCH = [*SCRATCH_STEP, "minibatches=4", "routing_attribution=true"]
 MODELS = {"moe": [], "dense": ["model.num_experts=1", "model.moe_top_k=1"]}
 TIMING = ("wall_s", "time_rollout_s", "time_old_logp_s", "time_update_s", "time_sync_s", "peak_rss_gb")
 
