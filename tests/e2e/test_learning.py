@@ -15,8 +15,7 @@ without the update does.
 GSPO runs at the default study's clip range (ScaleRL's 3e-3 / 5e-3, sweeps/default.yaml's per_algorithm) and at its
 rollout temperature 1.4 only. On an AMD machine without AVX-512 (cold start 0.267 held-out) GSPO at the paper's clip
 range gained +0.001 at temperature 1 in 60 steps, at ScaleRL's +0.013 at temperature 1 (within one evaluation's
-noise) and +0.054 at 1.4; the code before and after the analysis refactor gave the same numbers, so this is the
-recipe on that CPU kind, not a regression.
+noise) and +0.054 at 1.4: the recipe's reach on that CPU kind.
 """
 
 from __future__ import annotations
