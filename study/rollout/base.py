@@ -55,6 +55,17 @@ class Rollout:
         return sum(len(t) for t in self.tokens)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """`generate`'s sampling arguments, checked."""
+
+    seed: int
+    temperature: float
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    return_routes: bool
+
+
 class RolloutEngine(ABC):
     """A rollout engine built from a ModelConfig; weights come from the training engine via `load_weights`."""
 
@@ -78,7 +89,6 @@ class RolloutEngine(ABC):
         a stream of (name, tensor) pairs (study.core.weights.iter_hf_weights), whose tensors the engine copies while
         the iteration runs and does not keep."""
 
-    @abstractmethod
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -90,7 +100,15 @@ class RolloutEngine(ABC):
         stop_token_ids: Sequence[int] = (),
         return_routes: bool = False,
     ) -> Rollout:
-        """Sample `n` responses for each prompt (token-id lists); see the module docstring for the semantics."""
+        """Sample `n` responses for each prompt (token-id lists); see the module docstring for the semantics. The
+        arguments are checked here, once for every engine, before the engine's `_sample` runs."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
+        sampling = Sampling(seed, temperature, max_new_tokens, tuple(int(t) for t in stop_token_ids), return_routes)
+        return self._sample(prompts, n, sampling)
+
+    @abstractmethod
+    def _sample(self, prompts: Sequence[Sequence[int]], n: int, s: Sampling) -> Rollout:
+        """The engine's sampling of checked arguments (`generate`'s)."""
 
     def offload(self) -> None:  # noqa: B027 - optional hook
         """Between rollout and the next `load_weights`: release what the trainer's update could use (vLLM

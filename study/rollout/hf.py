@@ -34,7 +34,7 @@ import torch
 
 from study.core.model_config import TORCH_DTYPES, ModelConfig, route_index_dtype
 from study.core.weights import hf_config, hf_param_names
-from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
+from study.rollout.base import Rollout, RolloutEngine, Sampling, register_engine
 
 NOISE_SEED_OFFSET = 0x9E3779B97F4A7C15
 """Added to a `generate` call's seed to seed its router noise (`router_noise`), a stream apart from the sampling's."""
@@ -591,21 +591,11 @@ class HFEngine(RolloutEngine):
     # -- sampling --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        *,
-        seed: int,
-        temperature: float = 1.0,
-        max_new_tokens: int,
-        stop_token_ids: Sequence[int] = (),
-        return_routes: bool = False,
-    ) -> Rollout:
+    def _sample(self, prompts: Sequence[Sequence[int]], n: int, s: Sampling) -> Rollout:
         """Sample `n` responses per prompt; see study.rollout.base for the semantics."""
         from transformers import DynamicCache
 
-        check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
+        seed, temperature, max_new_tokens, return_routes = s.seed, s.temperature, s.max_new_tokens, s.return_routes
         dev = self.device
         prompt_index = [p for p in range(len(prompts)) for _ in range(n)]
         lens = torch.tensor([len(prompts[p]) for p in prompt_index])
@@ -619,7 +609,7 @@ class HFEngine(RolloutEngine):
         mask = (torch.arange(P)[None, :] >= (P - prompt_lens)[:, None]).long()  # (prompts, P)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (prompts, P) positions restart at 0 after the padding
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=dev)
+        stops = torch.tensor(sorted(set(s.stop_token_ids)), dtype=torch.long, device=dev)
 
         gen = torch.Generator(device=dev).manual_seed(seed)
         store: list[list[torch.Tensor]] = [[] for _ in self._routers]

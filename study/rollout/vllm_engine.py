@@ -53,7 +53,7 @@ import torch
 
 from study.core.model_config import TORCH_DTYPES, ModelConfig
 from study.core.weights import hf_config, hf_param_shapes
-from study.rollout.base import Rollout, RolloutEngine, check_generate_args, register_engine
+from study.rollout.base import Rollout, RolloutEngine, Sampling, register_engine
 from study.run.rollout_runtime import EngineSettings
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -447,19 +447,9 @@ class VLLMEngine(RolloutEngine):
         bounds = [count * r // d for r in range(d + 1)]
         return list(itertools.pairwise(bounds))
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        *,
-        seed: int,
-        temperature: float = 1.0,
-        max_new_tokens: int,
-        stop_token_ids: Sequence[int] = (),
-        return_routes: bool = False,
-    ) -> Rollout:
+    def _sample(self, prompts: Sequence[Sequence[int]], n: int, s: Sampling) -> Rollout:
         """Sample `n` responses per prompt; see study.rollout.base for the semantics."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, self.cfg)
+        return_routes = s.return_routes
         if return_routes and not self.routes_supported:
             raise NotImplementedError(
                 "routed experts from vLLM need its model runner V2 (Triton, CUDA only): R3 through vLLM is GPU-only; "
@@ -472,10 +462,10 @@ class VLLMEngine(RolloutEngine):
                 "generate",
                 prompts=[list(map(int, p)) for p in prompts[lo:hi]],
                 n=n,
-                seed=seed + lo * n,
-                temperature=temperature,
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=[int(t) for t in stop_token_ids],
+                seed=s.seed + lo * n,
+                temperature=s.temperature,
+                max_new_tokens=s.max_new_tokens,
+                stop_token_ids=list(s.stop_token_ids),
                 return_routes=return_routes,
             )
         results = [r.recv() for r, _, _ in parts]
