@@ -43,9 +43,10 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
         f"third quarter; (b) RL's length gain = the held-out gain (eval_in_dist's last evaluation minus its step-0 "
-        f"evaluation of the cold start, per run) at the largest {axis} minus at the smallest (Welch: each length its "
-        "own runs), with RL's gain at each length; truncation's part (the cold start's difference between the two "
-        "lengths: what the budget does before any RL) is reported beside it and does not decide; without step-0 "
+        f"evaluation of the cold start, per run) at the largest {axis} minus at the smallest (paired by seed where "
+        "both lengths ran the same seeds, one run each, else Welch over the runs), with RL's gain at each "
+        "length; truncation's part (the cold start's difference between the two lengths: what the budget does "
+        "before any RL) is reported beside it and does not decide; without step-0 "
         f"evaluations, the final-window reward ({FINAL_RULE}) at the largest minus at the smallest. Each "
         f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
     )
