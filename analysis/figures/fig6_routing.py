@@ -72,8 +72,10 @@ def figure6_routing(study: Study, *, where: Mapping[str, Any] | None = None, smo
         ax_c.set_title("vs clipping (per run)")
     _legend(fig, extra=_curve_legend(over_training, varying(st)))
     caption = (
-        "Figure 6. Routing volatility: the expert-slot mismatch mean(1 - |S_old & S_new| / k) between the routing "
-        "before and after an update, per MoE layer (mean over steps and seeds, 95% CI), over training, and per run "
-        "against the average clipped-token fraction."
+        "Figure 6. Routing volatility: the expert-slot mismatch mean(1 - |S_old & S_new| / k) between pi_old's "
+        "routing and the routing of the update's forward in minibatches 2..M of a step, i.e. after 1 to M - 1 "
+        "updates since pi_old (the cumulative unit; the per-update one, after exactly one update, is the scorecard's "
+        "regime measure), per MoE layer (mean over steps and seeds, 95% CI), over training, and per run against "
+        "the average clipped-token fraction."
     )
     return Made(fig, "figure6_routing", caption, tables)
