@@ -439,6 +439,33 @@ def run_workload(run: Any, *, prompt_len: int = 1024, micro_batch: int = 1) -> W
     )
 
 
+def planned_workload(run: Any, dp: int, *, prompt_len: int = 1024) -> Workload:
+    """The Workload a run is planned at on `dp` data-parallel ranks: prompts of `prompt_len` tokens, or what the
+    model's max_seq_len leaves beside max_new_tokens when less (an upper bound: a task's prompts are shorter), and its
+    micro-batch (0: each rank's whole share of a minibatch in one forward; a run config without the field: 1)."""
+    micro = getattr(run, "micro_batch", 1)
+    if not micro:
+        micro = max(1, run.prompts_per_step * run.group_size // run.minibatches // dp)
+    room = max(1, run.model_config().max_seq_len - run.max_new_tokens)
+    return run_workload(run, prompt_len=min(prompt_len, room), micro_batch=micro)
+
+
+def place_run(run: Any, *, gpus_per_node: int, gpu_mem_gb: float, max_nodes: int = 64) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a run's job: the fewest GPUs, a power of two, on which `check_run_fits` fits it on
+    nodes of `gpus_per_node` GPUs of `gpu_mem_gb`; whole nodes beyond one. ValueError (the last misfit's reason)
+    when no cluster of up to `max_nodes` nodes fits it."""
+    gpus = 1
+    while True:
+        try:
+            check_run_fits(run, gpus=gpus, gpu_mem_gb=gpu_mem_gb, gpus_per_node=min(gpus_per_node, gpus))
+            break
+        except ValueError as err:
+            if gpus * 2 > max_nodes * gpus_per_node:
+                raise ValueError(f"run {run.run_id} fits on no cluster of up to {max_nodes} nodes: {err}") from None
+            gpus *= 2
+    return (1, gpus) if gpus <= gpus_per_node else (-(-gpus // gpus_per_node), gpus_per_node)
+
+
 def run_layout(run: Any) -> Layout | None:
     """The planner's Layout of a run's `parallel` section (None: one process, the planner picks): megatron's
     sequence parallelism with TP, the distributed optimizer (study/policy/parallel.py ShardedTrainer's default), and
@@ -481,14 +508,8 @@ def check_run_fits(
     why = engine.check(cfg, node) if run.rollout_engine == "vllm" else None
     if why:
         raise ValueError(f"run {run.run_id}: rollout_runtime: {why}")
-    micro = getattr(run, "micro_batch", 1)
     layout = run_layout(run)
-    dp = layout.dp if layout is not None else 1
-    if not micro:  # 0: each rank forwards its whole share of a minibatch at once
-        micro = max(1, run.prompts_per_step * run.group_size // run.minibatches // dp)
-    work = run_workload(
-        run, prompt_len=min(prompt_len, max(1, cfg.max_seq_len - run.max_new_tokens)), micro_batch=micro
-    )
+    work = planned_workload(run, layout.dp if layout is not None else 1, prompt_len=prompt_len)
     if layout is not None:
         if layout.world != gpus:
             raise ValueError(

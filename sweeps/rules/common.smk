@@ -72,23 +72,17 @@ _PLACEMENTS = {}
 
 def run_placement(run_id):
     """(nodes, GPUs per node) of a run: the fewest GPUs, a power of two, on which study.run.plan fits it, on the
-    config's cluster (gpus_per_node GPUs of gpu_mem_gb each); whole nodes beyond one. Refused at parse time (before
-    any job) when no cluster of up to 64 nodes fits it."""
+    config's cluster (gpus_per_node GPUs of gpu_mem_gb each); whole nodes beyond one (study.run.plan.place_run).
+    Refused at parse time (before any job) when no cluster of up to 64 nodes fits it."""
     if run_id not in _PLACEMENTS:
         from study.run import plan
 
-        per_node, mem = config["gpus_per_node"], config["gpu_mem_gb"]
-        gpus, error = 1, None
-        while gpus <= 64 * per_node:
-            try:
-                plan.check_run_fits(RUNS[run_id], gpus=gpus, gpu_mem_gb=mem, gpus_per_node=min(per_node, gpus))
-                break
-            except ValueError as err:
-                error = err
-                gpus *= 2
-        else:
-            raise WorkflowError(f"run {run_id} fits on no cluster of up to 64 nodes: {error}")
-        _PLACEMENTS[run_id] = (1, gpus) if gpus <= per_node else (-(-gpus // per_node), per_node)
+        try:
+            _PLACEMENTS[run_id] = plan.place_run(
+                RUNS[run_id], gpus_per_node=config["gpus_per_node"], gpu_mem_gb=config["gpu_mem_gb"]
+            )
+        except ValueError as err:
+            raise WorkflowError(str(err)) from None
     return _PLACEMENTS[run_id]
 
 
@@ -99,6 +93,36 @@ def run_nodes(wildcards):
 def run_gpus(wildcards):
     """GPUs per node of the run's job (the profile's `gpus:` overrides it)."""
     return run_placement(wildcards.run_id)[1]
+
+
+def _profile_run_gpus():
+    """The GPUs per node a profile forces on every run (`set-resources: run: gpus: N`), or None."""
+    forced = workflow.resource_settings.overwrite_resources.get("run", {})
+    value = forced.get("gpus") if hasattr(forced, "get") else None
+    return getattr(value, "value", value)
+
+
+def run_runtime(wildcards):
+    """Minutes of the run's job (its SLURM time limit): the run's time plan (study.run.timing.plan_run: its steps,
+    evaluations, checkpoints and start) on the config's GPU kind at the run's placement, or on one CPU where the
+    profile asks for no GPU (`set-resources: run: gpus: 0`), times TIME_LIMIT_FACTOR plus TIME_LIMIT_PAD_MIN minutes
+    (study/run/timing.py), at most the config's max_job_min (a longer run is requeued and resumes from its last
+    checkpoint). A profile's `runtime:` overrides it."""
+    from study.run import timing
+
+    run = RUNS[wildcards.run_id]
+    if _profile_run_gpus() == 0:
+        planned = timing.plan_run(run, dev=timing.device("cpu"))
+    else:
+        nodes, per_node = run_placement(wildcards.run_id)
+        planned = timing.plan_run(
+            run,
+            dev=timing.device(config["gpu"]),
+            gpus=nodes * per_node,
+            gpu_mem_gb=config["gpu_mem_gb"],
+            gpus_per_node=config["gpus_per_node"],
+        )
+    return timing.time_limit_min(planned.seconds, most=config["max_job_min"])
 
 
 def run_threads(wildcards):

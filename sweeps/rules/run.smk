@@ -85,7 +85,9 @@ rule run:
         nodes=run_nodes,
         tasks_per_node=0,  # ranks per node; 0: one per GPU
         gpu_mem_gb=config["gpu_mem_gb"],  # the fit check study.launch makes before it asks SLURM for the job
-        runtime=120,
+        # Minutes: the run's time plan x 2 + 10 (study.run.timing, on the config's `gpu` kind; on the CPU under a
+        # profile that asks for no GPU). A profile's `runtime:` overrides it.
+        runtime=run_runtime,
         mem_gb=16,
         # One per run: `--resources concurrent_runs=N` (the slurm profile) caps the runs in flight.
         concurrent_runs=1,
