@@ -415,21 +415,32 @@ def check_slurm_commands() -> None:
         )
 
 
-def json_mapping(option: str, text: str) -> dict[str, Any]:
+def json_mapping(option: str, text: str, *, valid: dict[str, str] | None = None) -> dict[str, Any]:
     """A JSON mapping given as a command-line option; ValueError naming the option and where the text stops being
-    JSON."""
+    JSON, or the key whose number has more digits than Python reads and its valid values (`valid`: by key)."""
     from runfiles.bounded import load_json
     from study.run.rundir import json_problem
 
     try:
         value = load_json(text)
     except ValueError as err:
+        found = LONG_JSON_NUMBER.search(text)
+        if found is not None and not isinstance(err, json.JSONDecodeError):  # Python's limit on an int's digits
+            key, digits = found["key"], len(found["number"].lstrip("-"))
+            values = (valid or {}).get(key, f"a number of at most {sys.get_int_max_str_digits()} digits")
+            raise ValueError(f"{option}: {key} = a {digits}-digit number; valid: {values}") from None
         raise ValueError(
             f"{option} = {clip_value(text)}: {json_problem(err)}; valid: a JSON mapping, e.g. '{{\"tp\": 2}}'"
         ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{option} = {clip_value(text)}: a JSON {type(value).__name__}; valid: a JSON mapping")
     return value
+
+
+LONG_JSON_NUMBER = re.compile(
+    r'"(?P<key>[^"\\]{1,200})"\s*:\s*(?P<number>-?\d{' + str(sys.get_int_max_str_digits() + 1) + ",})"
+)
+"""A JSON member `"key": <an integer of more digits than Python reads>` (json.loads raises a bare ValueError)."""
 
 
 def clip_value(text: str, limit: int = 200) -> str:
@@ -453,8 +464,27 @@ def launch(
     cfg = RunConfig.from_dict(config, where="launch")
     res = layout_ranks(cfg, res)
     check_resources(cfg, launcher, res)
+    run_dir = Path(results) / "runs" / cfg.run_id
+    if launcher != "in-process":  # the job's folder goes under the run directory: refuse first what a job would
+        check_run(cfg, run_dir, Path(results))
     call = Run(cfg.to_dict(), str(results), tracking)
-    return _submit_and_wait(call, launcher, Path(results) / "runs" / cfg.run_id / "submitit", res, cfg.run_id)
+    return _submit_and_wait(call, launcher, run_dir / "submitit", res, cfg.run_id)
+
+
+def check_run(cfg: Any, run_dir: Path, results: Path) -> None:
+    """The preflight's checks that hold wherever the run trains (study.lifecycle.preflight with `here` False), before
+    a job is asked for, so that a run they refuse leaves the results directory as it was (no job folder, no log).
+    A refusal is recorded as the job's preflight records it (lifecycle.record_refusal: only in a run directory a
+    workflow made for the run's log). A finished run is not checked: the job skips it."""
+    from study import lifecycle
+
+    if lifecycle.finished(run_dir):
+        return
+    try:
+        lifecycle.preflight(cfg, run_dir, results, here=False)
+    except ValueError as err:
+        lifecycle.record_refusal(cfg, run_dir, err)
+        raise
 
 
 def layout_ranks(cfg: Any, res: Resources) -> Resources:
@@ -521,10 +551,14 @@ def launch_coldstart(
 
     extra = dict(extra or {})
     res = dataclasses.replace(res, nodes=1, tasks_per_node=1)  # the cold start trains on one rank
+    from study.run.rundir import check_results
+
     settings = resolve_settings(model, task, threads=res.cpus, **extra)  # raises on an unknown preset, field or task
     name = settings.dirname
+    folder = Path(results) / "coldstart" / "submitit" / name
+    check_results(folder, results)  # before the job's folder is made
     call = ColdStart(settings.model, task, str(results), threads=res.cpus, settings=extra)
-    return _submit_and_wait(call, launcher, Path(results) / "coldstart" / "submitit" / name, res, f"coldstart-{name}")
+    return _submit_and_wait(call, launcher, folder, res, f"coldstart-{name}")
 
 
 def _submit_and_wait(call: Any, launcher: str, folder: Path, res: Resources, job_name: str) -> dict[str, Any]:
@@ -688,9 +722,11 @@ def main(argv: list[str] | None = None) -> int:
             check_resources(cfg, args.launcher, res)  # before any job is asked for
         if args.coldstart:
             from study.coldstart import resolve_settings
+            from study.coldstart.sft import MAX_SEED
             from study.coldstart.store import parse_model
 
-            extra = json_mapping("--coldstart-settings", args.coldstart_settings)
+            valid = {"seed": f"an integer in 0..{MAX_SEED}"}  # a number past Python's digits names its range
+            extra = json_mapping("--coldstart-settings", args.coldstart_settings, valid=valid)
             coldstart = (parse_model(args.coldstart[0]), args.coldstart[1])
             resolve_settings(*coldstart, threads=res.cpus, **extra)  # settings errors: before any job
         if args.launcher == "slurm":

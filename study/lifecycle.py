@@ -39,18 +39,22 @@ def finished(run_dir: Path) -> bool:
 
 
 # -- before anything is written ---------------------------------------------------------------------------------------
-def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
+def preflight(cfg: RunConfig, run_dir: Path, results: Path, *, here: bool = True) -> None:
     """What a config cannot say about itself, checked on the machine that runs it before anything is written
-    (ValueError naming the field or the file): the parallel layout (`check_layout`), the thread count against this
-    machine's CPUs, the planner's memory estimate, a named cold start's files (a sweep may name one that a job before
-    it makes, so RunConfig.validate leaves them to here), the prompts the run is known to use against its tokenizer
-    and the model's length (`check_prompts`), and a resumed run's manifest.json and trackers.json."""
-    check_results(run_dir, results)
-    check_layout(cfg, results)
-    cpus = os.cpu_count() or 1
-    if cfg.threads > cpus:
-        raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
-    machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
+    (ValueError naming the field or the file): the results directory (rundir.check_results), the parallel layout
+    (`check_layout`), the thread count against this machine's CPUs, the planner's memory estimate, a named cold
+    start's files (a sweep may name one that a job before it makes, so RunConfig.validate leaves them to here), the
+    prompts the run is known to use against its tokenizer and the model's length (`check_prompts`), and a resumed
+    run's manifest.json and trackers.json. `here` False: only what holds wherever the run trains, not the layout
+    against the launcher's world nor this machine's CPUs and memory (study.launch checks it before it asks for a
+    job, whose folder is made under the run directory; the job checks everything again)."""
+    rundir.check_results(run_dir, results)
+    if here:
+        check_layout(cfg, results)
+        cpus = os.cpu_count() or 1
+        if cfg.threads > cpus:
+            raise ValueError(f"threads = {cfg.threads}: this machine has {cpus} CPUs; valid: 1..{cpus}")
+        machine.check_fits(cfg)  # the planner's memory estimate against this machine, naming the field
     if cfg.coldstart not in ("auto", "scratch"):
         check_coldstart_dir(cfg)
     check_prompts(cfg)
@@ -60,17 +64,6 @@ def preflight(cfg: RunConfig, run_dir: Path, results: Path) -> None:
         except rundir.RunStateError as err:
             raise rundir.RunStateError(f"{err}; restore it, or {rundir.RESTART}") from None
     trackers.read_state(run_dir)  # a resume: the trackers' record (their runs, the study and tags), never replaced
-
-
-def check_results(run_dir: Path, results: Path) -> None:
-    """The run directory can be made under the results directory: the nearest of its folders that exists is a
-    directory (a file in the path, `--results out.txt/r`, would fail the first write); ValueError naming it."""
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
-    if not existing.is_dir():
-        raise ValueError(
-            f"results = {str(results)!r}: {existing} is a file, not a directory, so the run directory {run_dir} "
-            "cannot be made; valid: --results naming a directory, or a path whose existing parts are directories"
-        )
 
 
 def check_coldstart_dir(cfg: RunConfig) -> None:

@@ -64,6 +64,10 @@ if TYPE_CHECKING:  # imported where a tensor is made: a run's plan reads the set
 FORMAT_VERSION = 1
 """Bumped when the directory layout or the training recipe changes meaning (it is part of the hash)."""
 
+MAX_SEED = 2**32 - 1
+"""Largest cold-start seed: the policy's initialisation (seed) and each check's sampling (seed x 1,000,003 + step)
+seed torch's generators, which take seeds below 2**64."""
+
 STATUSES = ("in_band", "overshoot", "budget")
 """Outcome of a cold start: pass@1 inside the band / jumped above it / step budget spent below it."""
 
@@ -146,10 +150,12 @@ class ColdStartSettings:
             "tokenizer_n_per_task",
         ):
             positive_int(f"coldstart.{name}", getattr(self, name))
-        for name in ("seed", "warmup_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"coldstart.{name} = {value!r}: must be a non-negative integer")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+            big = isinstance(self.seed, int) and self.seed.bit_length() > 256  # repr: too long, or past Python's limit
+            shown = f"an integer of {self.seed.bit_length()} bits" if big else repr(self.seed)
+            raise ValueError(f"coldstart.seed = {shown}: valid: an integer in 0..{MAX_SEED}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise ValueError(f"coldstart.warmup_steps = {self.warmup_steps!r}: must be a non-negative integer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"coldstart.lr = {self.lr!r}: must be a positive number")
         if self.weight_decay < 0 or self.grad_clip < 0:

@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 
 from runfiles.bounded import load_yaml, read_json
-from study.coldstart.sft import ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
+from study.coldstart.sft import MAX_SEED, ColdStartSettings, read_policy_file, resolve_settings, train_coldstart
 from study.core.model_config import PRESETS, SHAPE_FIELDS, ModelSpec
 from study.data import tasks
-from study.run.rundir import json_problem
+from study.run.rundir import check_results, json_problem
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ def ensure_coldstart(
     )
     root = Path(results) / "coldstart"
     directory = root / settings.dirname
+    check_results(directory, results)  # a file in the path: one line naming --results, before any training
     if not is_complete(directory):
         with _exclusive(root / f".{settings.dirname}.lock"):
             if not is_complete(directory):  # another process may have finished it while we waited
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("LOW", "HIGH"),
         help="target pass@1 band (default: 0.1 0.5)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    p.add_argument("--seed", type=parse_seed, default=0, help=f"seed, 0..{MAX_SEED} (default: 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--max-steps", type=int, default=None, help="SFT step budget (default: the preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
@@ -197,6 +198,16 @@ def parse_model(text: str) -> ModelSpec:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"model = {shown}: not a mapping {{preset: NAME, FIELD: VALUE, ...}}")
     return value
+
+
+def parse_seed(text: str) -> int:
+    """The --seed option: an integer in 0..MAX_SEED; argparse.ArgumentTypeError naming the valid range (a number of
+    more digits than Python reads is named by its length, not printed)."""
+    digits = text.strip().lstrip("+-")
+    shown = f"a {len(digits)}-digit number" if len(text) > 40 else repr(text)
+    if not digits.isdigit() or len(digits) > 40 or not 0 <= int(text) <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed = {shown}; valid: an integer in 0..{MAX_SEED}")
+    return int(text)
 
 
 def with_sets(model: ModelSpec, sets: Sequence[str]) -> ModelSpec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -242,6 +243,10 @@ def model_spec(spec: Any, *, default_preset: str = "tiny") -> str | dict[str, An
             return spec
         if is_checkpoint_dir(spec):
             return spec_of(read_hf_config(spec))
+        if os.path.isdir(spec):
+            raise ValueError(
+                f"model = {spec!r}: a directory without config.json; valid: {', '.join(PRESETS)}, {_MAPPING_HELP}"
+            )
         raise ValueError(f"model = {spec!r}: unknown model preset; valid: {', '.join(PRESETS)}, {_MAPPING_HELP}")
     if not isinstance(spec, Mapping):
         raise ValueError(f"model = {spec!r}: must be a preset name ({', '.join(PRESETS)}), {_MAPPING_HELP}")
@@ -277,23 +282,24 @@ HF_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe",)
 
 
 def is_checkpoint_dir(path: str | Any) -> bool:
-    """True when `path` is a directory holding a config.json (an HF model directory; weights are not looked at)."""
-    import os
-
-    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, "config.json"))
+    """True when `path` is a directory holding an entry named config.json (an HF model directory; weights are not
+    looked at). The entry is not opened here: `read_hf_config` refuses one that is not a regular file (a FIFO would
+    be waited on for ever) in one line."""
+    return isinstance(path, (str, os.PathLike)) and os.path.lexists(os.path.join(path, "config.json"))
 
 
 def read_hf_config(directory: str | Any) -> ModelConfig:
     """The ModelConfig of the HF checkpoint in `directory` (its config.json, `hf_model_config`)."""
-    import os
-
     from runfiles.bounded import read_json
 
     path = os.path.join(directory, "config.json")
     try:
-        hf = read_json(path)
-    except (OSError, ValueError) as e:  # unreadable; not JSON, not UTF-8 or past a bound (runfiles.bounded)
-        raise ValueError(f"model = {str(directory)!r}: cannot read config.json ({e})") from None
+        hf = read_json(path)  # opened without blocking: a FIFO, device or directory is refused (runfiles.bounded)
+    except (OSError, ValueError) as e:  # unreadable; not a regular file, not JSON, not UTF-8 or past a bound
+        raise ValueError(
+            f"model = {str(directory)!r}: cannot read config.json ({e}); valid: an HF checkpoint directory whose "
+            "config.json is a regular JSON file"
+        ) from None
     return hf_model_config(hf, where=f"model = {str(directory)!r}: config.json")
 
 

@@ -122,6 +122,18 @@ def write_yaml(path: Path, data: Any) -> None:
     write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
+def check_results(directory: Path, results: str | Path) -> None:
+    """`directory` (a run's or a cold start's) can be made under the results directory `results`: the nearest of its
+    folders that exists is a directory (a file in the path, `--results out.txt/r`, would fail the first write, after
+    the work); ValueError naming --results and the file, before anything is written."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(
+            f"results = {str(results)!r}: {existing} is a file, not a directory, so {directory} cannot be made; "
+            "valid: --results naming a directory, or a path whose existing parts are directories"
+        )
+
+
 def set_status(run_dir: Path, state: str, **fields: Any) -> None:
     """Write status.json; a `failed` status is also written to failure.json (see the module docstring)."""
     if state not in STATES:

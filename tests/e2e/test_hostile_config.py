@@ -154,3 +154,72 @@ def test_a_fifo_config_or_cold_start_file_is_refused_not_waited_on(tmp_path: Pat
     line = error_line(capsys, ["run", "--preset", "tiny", "--set", f"coldstart={checkpoint}", "--quiet", *results])
     assert f"coldstart = {str(checkpoint)!r}: config.json is not a regular file (a FIFO" in line, line
     assert not (tmp_path / "results").exists()
+
+
+def test_a_model_directory_without_a_regular_config_json_is_named(tmp_path: Path, capsys) -> None:
+    import os
+
+    model = tmp_path / "checkpoint"
+    model.mkdir()
+    results = ["--results", str(tmp_path / "results"), "--quiet"]
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", f"model={model}", *results])
+    assert f"model = {str(model)!r}: a directory without config.json; valid: tiny, " in line, line
+    os.mkfifo(model / "config.json")  # opened for reading, it would wait for a writer for ever
+    line = error_line(capsys, ["run", "--preset", "tiny", "--set", f"model={model}", *results])
+    assert f"model = {str(model)!r}: cannot read config.json (not a regular file (a FIFO)); valid: " in line, line
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_cold_start_results_path_under_a_file_names_it(tmp_path: Path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    results = afile / "x"
+    named = f"results = {str(results)!r}: {afile} is a file, not a directory"
+    line = error_line(capsys, ["coldstart", "--results", str(results), "--quiet"])
+    assert line.startswith(f"coldstart: {named}") and "valid: --results naming a directory" in line, line
+    for launcher in ("in-process", "local"):
+        argv = ["--coldstart", "tiny", "chain_sum", "--results", str(results), "--launcher", launcher]
+        line = error_line(capsys, argv, main=launch.main)
+        assert line.startswith(f"error: {named}"), line
+    assert afile.read_text() == "x"
+
+
+def test_a_5000_digit_cold_start_seed_names_the_field_and_its_range(tmp_path: Path, capsys) -> None:
+    from study.coldstart.sft import MAX_SEED
+
+    results = ["--results", str(tmp_path / "results")]
+    valid = f"valid: an integer in 0..{MAX_SEED}"
+    line = error_line(capsys, ["coldstart", "--seed", FIVE_THOUSAND_DIGITS, *results])
+    assert line == f"python -m study coldstart: error: argument --seed: seed = a 5000-digit number; {valid}", line
+    coldstart = ["--coldstart", "tiny", "chain_sum", *results, "--coldstart-settings"]
+    line = error_line(capsys, [*coldstart, f'{{"seed": {FIVE_THOUSAND_DIGITS}}}'], main=launch.main)
+    assert line == f"error: --coldstart-settings: seed = a 5000-digit number; {valid}", line
+    line = error_line(capsys, [*coldstart, f'{{"seed": {MAX_SEED + 1}}}'], main=launch.main)
+    assert line == f"error: coldstart.seed = {MAX_SEED + 1}: {valid}", line  # torch seeds its generators below 2**64
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_run_its_preflight_refuses_leaves_the_results_untouched(tmp_path: Path, capsys) -> None:
+    """The local launcher asks for no job (whose folder and logs go under the run directory) for a run its preflight
+    refuses; in a run directory a workflow made for the run's log, the refusal is recorded as the job records it."""
+    config = tmp_path / "run.yaml"
+    cfg = load_config(preset="tiny", sets=[f"coldstart={tmp_path / 'no-such-coldstart'}"])
+    rundir.write_yaml(config, cfg.to_dict())
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    (results / "notes.txt").write_text("kept")
+
+    def listing() -> list[str]:
+        return sorted(str(p.relative_to(results)) for p in results.rglob("*"))
+
+    before = listing()
+    argv = [str(config), "--results", str(results), "--launcher", "local"]
+    line = error_line(capsys, argv, main=launch.main)
+    assert line.startswith(f"error: coldstart = {str(tmp_path / 'no-such-coldstart')!r}: no such directory"), line
+    assert listing() == before, "a refused launch wrote under --results"
+    made = results / "runs" / cfg.run_id  # as Snakemake makes it for run.log
+    made.mkdir()
+    assert error_line(capsys, argv, main=launch.main) == line
+    assert sorted(p.name for p in made.iterdir()) == ["config.yaml", rundir.FAILURE_FILE], "no job folder"
+    record = rundir.read_json(made / rundir.FAILURE_FILE)
+    assert record["error"] == f"refused before it started: {line.removeprefix('error: ')}", record
