@@ -3,6 +3,7 @@
     python -m analysis collect STATUS.json ... --study NAME --out FILE  # these run directories' ids -> FILE
     python -m analysis figures RESULTS_DIR --study NAME --out DIR       # the study's figures -> DIR (nothing is rerun)
     python -m analysis report RESULTS_DIR --study NAME [--out DIR] [--figures DIR]  # -> RESULTS_DIR/NAME/report/
+    python -m analysis claims RESULTS_DIR [--out DIR]  # every claim, each study's headline -> RESULTS_DIR/claims.html
 
 A study's runs are those listed in RESULTS_DIR/NAME/run_ids.txt (what `collect` writes) or study.json; without
 --study, every run under RESULTS_DIR/runs.
@@ -175,11 +176,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
         "nats per response token) reaches this (default %(default)g)",
     )
+    cla = sub.add_parser("claims", help="write RESULTS_DIR/claims.html (+ .md): every claim, each study's verdict")
+    cla.add_argument("results_dir")
+    cla.add_argument("--out", default=None, help="folder for claims.html and claims.md (default: RESULTS_DIR)")
     args = parser.parse_args(argv)
 
     if args.command == "collect":
         collect(args.out, args.status, study=args.study)
         return 0
+    if args.command == "claims":
+        from analysis.report import claims_page
+
+        return claims_page.main(args.results_dir, args.out)
     from analysis.runs.results import check_study
 
     try:

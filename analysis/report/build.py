@@ -119,6 +119,7 @@ def build_report(
     for name, df in (
         ("algorithms", algorithms[0] if not algorithms[0].empty else None),
         ("scorecard", scorecard.scorecard_table(cards)),
+        ("headline", headline.headline_table(cards, rules).df),
         ("heldout_gain", heldout.table),
         ("scorecard_strata", scorecard.strata_table(cards)),
         ("problem_runs", problems),

@@ -20,7 +20,7 @@ from analysis.report import build as report
 from analysis.report import evidence, headline, render, sections
 from analysis.runs import names, results, tidy
 from analysis.stats import gain
-from analysis.stats.verdicts import VERDICTS
+from analysis.stats.verdicts import VERDICTS, css_class
 from tests.analysis import synthetic
 
 C = synthetic.Curve
@@ -552,3 +552,54 @@ def test_every_verdict_is_on_the_first_screen_in_chromium(built, tmp_path) -> No
     seen = json.loads(html.unescape(m.group(1)))
     assert seen["height"] <= SCREEN[1] and len(seen["bottoms"]) == 6
     assert all(0 < b <= SCREEN[1] for b in seen["bottoms"]), seen
+
+
+def test_the_claims_page_holds_each_studys_headline_and_names_the_studies_it_could_not_read(built, tmp_path) -> None:
+    from analysis.report import claims_page
+
+    root, rep = built
+    results_dir = tmp_path / "results"
+    shutil.copytree(root / "mystudy", results_dir / "mystudy")
+    (results_dir / "later").mkdir()  # a study whose runs are listed but whose report is not built yet
+    (results_dir / "later" / "run_ids.txt").write_text("# study later: 0 run(s)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "analysis", "claims", str(results_dir)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 studies: mystudy" in done.stdout and "later: not on the page" in done.stdout
+    page = (results_dir / "claims.md").read_text()
+    want = headline.headline_table(rep.scorecard).df
+    for _, row in want.iterrows():  # every claim's verdict, estimate and regime as the study's report gives them
+        line = next(ln for ln in page.splitlines() if ln.startswith(f"| {row['claim']} |"))
+        assert "| mystudy |" in line and f"| {row['verdict']} |" in line
+        assert render.md_escape(row["this study: estimate [95% CI]"]) in line
+        assert claims_page.regime_kind(row["regime"]) in line
+    assert "later" in page and "not built by this version" in page
+    shown = (results_dir / "claims.html").read_text()
+    for card in rep.scorecard:  # each verdict a label coloured by the verdict, as in the report's headline
+        label = f'<span class="label {css_class(card.verdict)}">{html.escape(headline.verdict_text(card))}</span>'
+        assert label in shown, card.claim
+
+
+@pytest.mark.parametrize(
+    ("regime", "kind"),
+    [
+        ("\u2014", "\u2014"),
+        ("not in this study", "not in this study"),
+        ("partly not in this study", "partly not in this study"),
+        ("not in regime: 0.26% per update (needs 5%; paper ~10%)", "not reached"),
+        ("in regime: 8.1% per update (needs 5%)", "natural"),
+        ("emulated regime: 10.9% per update (needs 5%; paper ~10%)", "emulated"),
+    ],
+)
+def test_the_claims_page_names_the_regime_a_study_reached(regime, kind) -> None:
+    from analysis.report import claims_page
+
+    assert claims_page.regime_kind(regime) == kind
+
+
+def test_the_claims_page_refuses_a_results_folder_that_is_not_one(tmp_path) -> None:
+    from analysis.report import claims_page
+
+    with pytest.raises(ValueError, match="not a directory; valid: a results folder"):
+        claims_page.write_claims_page(tmp_path / "nowhere")
