@@ -85,8 +85,9 @@ def _evidence_of(card: scorecard.ClaimResult) -> list[scorecard.Evidence]:
 
 
 def regime_text(card: scorecard.ClaimResult, rules: scorecard.Rules = scorecard.RULES) -> str:
-    """ "in regime: 8.1% per update (needs 5%)", "not in regime: 0.29% per update (needs 5%; paper ~10%)", "in regime
-    in 2 of 4 strata: ...", "not in this study", or "—" for a claim without a precondition."""
+    """ "in regime: 8.1% per update (needs 5%)", "emulated regime: 10% per update (needs 5%; paper ~10%)" (reached
+    through an emulation: regime.EMULATED), "not in regime: 0.29% per update (needs 5%; paper ~10%)", "in regime in 2
+    of 4 strata: ...", "not in this study", or "—" for a claim without a precondition."""
     if card.reason.startswith(scorecard.NOT_IN_STUDY):
         return scorecard.NOT_IN_STUDY if not estimates(card) else f"partly {scorecard.NOT_IN_STUDY}"
     lines = [e for e in _evidence_of(card) if is_precondition(e.name)]
@@ -106,9 +107,10 @@ def regime_text(card: scorecard.ClaimResult, rules: scorecard.Rules = scorecard.
     below = sum(s.verdict == NOT_IN_REGIME for s in card.strata)
     if card.verdict == NOT_IN_REGIME:
         return f"not in regime: {measured} {needs}"
+    reached = regime.EMULATED if any(regime.EMULATED in e.name for e in lines) else "in regime"
     if card.regime and below:
-        return f"in regime in {len(lines) - below} of {len(lines)} strata: {measured} {needs}"
-    return f"in regime: {measured} {needs}"
+        return f"{reached} in {len(lines) - below} of {len(lines)} strata: {measured} {needs}"
+    return f"{reached}: {measured} {needs}"
 
 
 def verdict_text(card: scorecard.ClaimResult) -> str:

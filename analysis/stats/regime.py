@@ -80,6 +80,9 @@ class Precondition:
     """What `metric` is, in words, beside the companion ("per update")."""
     reference: str = ""
     """The paper's own value, for the sentence ("the paper's model: ~10% after one update")."""
+    emulation: Callable[[Study, set[str]], str] | None = None
+    """What emulated the regime in the runs `ids` of a study, in words ("routing-volatility dial router_kick = 0.08"),
+    "" where none of them ran an emulation: a regime reached that way is labelled "emulated" wherever it is shown."""
 
     @property
     def rule(self) -> str:
@@ -95,7 +98,8 @@ class Precondition:
         """The quantity over the runs `run_ids` (each run's mean over its RL steps, then the mean over runs)."""
         ids = {str(r) for r in run_ids}
         companion = over_runs(study.long, self.companion, ids) if self.companion else None
-        return Measured(self, over_runs(study.long, self.metric, ids), companion)
+        emulated = self.emulation(study, ids) if self.emulation is not None else ""
+        return Measured(self, over_runs(study.long, self.metric, ids), companion, emulated)
 
 
 def over_runs(long: pd.DataFrame, metric: str, run_ids: Iterable[str] | None = None) -> CI:
@@ -123,6 +127,8 @@ class Measured:
     ci: CI
     companion: CI | None = None
     """The companion metric's value (Precondition.companion), reported, never deciding."""
+    emulated: str = ""
+    """What emulated the regime in these runs (Precondition.emulation), "" when nothing did."""
 
     @property
     def met(self) -> bool:
@@ -155,6 +161,8 @@ class Measured:
         of = f" {p.name}" if p.name else ""
         ref = f" ({p.reference})" if p.reference else ""
         head = f"{p.quantity}: {self.value}" if self.companion is not None else f"{p.quantity} {self.value}"
+        if self.emulated:
+            head = f"{EMULATED} ({self.emulated}): {head}"
         if self.ci.n == 0:
             return f"{head}; the claim needs {p.fmt(p.threshold)}{of}{ref}"
         side = "at or above" if self.met else "below"
@@ -167,8 +175,35 @@ class Measured:
     def evidence(self) -> Evidence:
         """The evidence line: the measured quantity with its t interval over runs, and the threshold."""
         p = self.precondition
-        name = f"{p.quantity} ({p.metric}; threshold {p.threshold:g})"
+        emulated = f"; {EMULATED}: {self.emulated}" if self.emulated else ""
+        name = f"{p.quantity} ({p.metric}; threshold {p.threshold:g}{emulated})"
         return Evidence(name, self.ci.estimate, self.ci.low, self.ci.high, str(self.ci.n))
+
+
+EMULATED = "emulated regime"
+"""The label of a regime reached through an emulation rather than by the runs as they are."""
+ROUTER_KICK = "router_kick"
+"""The routing-volatility dial's config key (study/policy/kick.py): > 0 moves the routers by seeded noise within a
+step, so the routing volatility is emulated, not the runs' own."""
+
+
+def _dialled(study: Study, ids: set[str]) -> str:
+    """The routing-volatility dial's settings among the runs `ids` ("routing-volatility dial router_kick = 0.08"), ""
+    where none ran it."""
+    sigmas = sorted({float(study.configs.get(r, {}).get(ROUTER_KICK) or 0.0) for r in ids} - {0.0})
+    if not sigmas:
+        return ""
+    return f"routing-volatility dial {ROUTER_KICK} = " + ", ".join(f"{x:g}" for x in sigmas)
+
+
+def _emulated_precision(study: Study, ids: set[str]) -> str:
+    """Emulated low precision among the runs `ids` (the runs' precision_emulated), "" where none was."""
+    from analysis.runs.columns import EMULATED as FLAG
+    from analysis.runs.columns import RUN_ID
+
+    runs = study.runs[study.runs[RUN_ID].astype(str).isin(ids)]
+    n = int(runs[FLAG].fillna(False).astype(bool).sum()) if FLAG in runs else 0
+    return f"low precision emulated on the CPU in {n} of {len(runs)} runs (precision_emulated)" if n else ""
 
 
 def volatility(threshold: float = MIN_VOLATILITY) -> Precondition:
@@ -188,6 +223,7 @@ def volatility(threshold: float = MIN_VOLATILITY) -> Precondition:
         companion_name="cumulative",
         name="per update",
         reference=f"the paper's model: ~{percent(PAPER_PER_UPDATE)} after one update",
+        emulation=_dialled,
     )
 
 
@@ -201,14 +237,17 @@ def mismatch(threshold: float = MIN_MISMATCH) -> Precondition:
         "mean |logp_train_old - logp_rollout| of the response tokens, the trainer's pi_old recompute against the "
         "rollout engine's log-probs at the same weights, logged by every arm",
         nats,
+        emulation=_emulated_precision,
     )
 
 
 __all__ = [
+    "EMULATED",
     "MIN_MISMATCH",
     "MIN_VOLATILITY",
     "PAPER_PER_UPDATE",
     "PER_UPDATE",
+    "ROUTER_KICK",
     "Measured",
     "Precondition",
     "mismatch",

@@ -1,0 +1,40 @@
+"""A regime reached through an emulation is labelled so wherever it is shown: runs with the routing-volatility dial
+(router_kick > 0) that reach C3/C4's volatility read their verdicts as before, with "emulated regime" on the
+precondition's evidence line, in the headline's regime column and on the claims page; runs without it read "in
+regime"."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis.claims import common, scorecard
+from analysis.report import claims_page, headline
+from analysis.runs import tidy
+from analysis.stats import regime
+from analysis.stats.verdicts import NOT_IN_REGIME, SUPPORTED
+from tests.analysis import synthetic
+
+
+def _cards(root, grid, rules=common.Rules(min_volatility=0.02)):  # noqa: B008 - a frozen dataclass
+    # router_lr_scale 300 with these truths: 2.1% of slots per update, GRPO without replay collapses in every seed
+    synthetic.make_study(root, synthetic.routing_truth(300.0), seeds=(0, 1, 2, 3, 4), n_steps=60, grid=grid)
+    return {c.claim: c for c in scorecard.scorecard(tidy.load_study(root), rules)}
+
+
+@pytest.mark.parametrize(("kick", "reached"), [(0.08, regime.EMULATED), (0.0, "in regime")])
+def test_a_dialled_regime_is_labelled_emulated_and_an_undialled_one_is_not(tmp_path, kick, reached) -> None:
+    cards = _cards(tmp_path, {"router_kick": [kick], "router_lr_scale": [300.0]})
+    c3 = cards["C3"]
+    assert c3.verdict == SUPPORTED  # the emulation labels the regime; it does not change the verdict
+    (line,) = [e for e in c3.evidence if e.name.startswith("routing volatility (")]
+    assert (f"{regime.EMULATED}: routing-volatility dial router_kick = 0.08" in line.name) == bool(kick)
+    text = headline.regime_text(c3, common.Rules(min_volatility=0.02))
+    assert text.startswith(f"{reached}: 2.") and "per update" in text
+    assert claims_page.regime_kind(text) == ("emulated" if kick else "natural")
+
+
+def test_a_dialled_study_below_the_regime_still_reads_not_tested(tmp_path) -> None:
+    c3 = _cards(tmp_path, {"router_kick": [0.01], "router_lr_scale": [300.0]}, common.RULES)["C3"]
+    assert c3.verdict == NOT_IN_REGIME  # 2.1% per update against the default 5%: the dial did not reach the regime
+    assert c3.reason.startswith(f"{regime.EMULATED} (routing-volatility dial router_kick = 0.01): routing volatility")
+    assert headline.regime_text(c3).startswith("not in regime: ")
