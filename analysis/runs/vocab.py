@@ -19,7 +19,10 @@ from __future__ import annotations
 REWARD = "reward_mean"
 EVAL_PREFIXES = ("eval_", "eval/")
 EVAL_IN_DIST = "eval_in_dist"
-"""The in-distribution held-out set: the held-out gain (last evaluation minus the step-0 one) is measured on it."""
+"""The in-distribution validation set (the held-out set a study's design may have been chosen on)."""
+TEST_IN_DIST = "test_in_dist"
+"""The held-out test split (runs with eval_test_size > 0), scored at the first and last evaluations only: the
+held-out gain (last evaluation minus the step-0 one) is read on it where a study has it, else on EVAL_IN_DIST."""
 CLIP, CLIP_LOW, CLIP_HIGH = "clip_frac", "clip_frac_low", "clip_frac_high"
 MISMATCH_MEAN_ABS, MISMATCH_MAX_ABS = "mismatch_mean_abs", "mismatch_max_abs"
 MISMATCH_K3, MISMATCH_FRAC_GT2 = "mismatch_k3", "mismatch_frac_gt2"

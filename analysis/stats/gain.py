@@ -69,6 +69,11 @@ class HeldOutGain:
         return GAIN_RULE.format(metric=self.metric)
 
     @property
+    def split(self) -> str:
+        """The metric and what it is: "test_in_dist, the test split, which no choice of the design saw"."""
+        return f"{self.metric}, {SPLIT_OF[self.metric]}" if self.metric in SPLIT_OF else self.metric
+
+    @property
     def available(self) -> bool:
         return not self.reason
 
@@ -90,7 +95,7 @@ class HeldOutGain:
                 interval = f"[{r['low']:.3f}, {r['high']:.3f}]" if np.isfinite(r["low"]) else "(no interval)"
                 size = f"{interval} (n={int(r['n'])})"
                 text = (
-                    f"RL {verb} held-out pass@1 ({self.metric}) by "
+                    f"RL {verb} held-out pass@1 ({self.split}) by "
                     + (f"{g:.3f} {size}" if g >= 0 else f"{-g:.3f}: gain {g:.3f} {size}")
                     + f": {r['start']:.3f} at step 0 -> {r['final']:.3f} at step {r['final_step']}"
                 )
@@ -98,7 +103,7 @@ class HeldOutGain:
                 lo, hi = float(rows["gain"].min()), float(rows["gain"].max())
                 up = int((rows["low"] > 0).sum())
                 text = (
-                    f"RL changed held-out pass@1 ({self.metric}) by {lo:+.3f} to {hi:+.3f} over {len(rows)} "
+                    f"RL changed held-out pass@1 ({self.split}) by {lo:+.3f} to {hi:+.3f} over {len(rows)} "
                     f"configurations of {', '.join(self.axes)} (interval above 0 in {up}; each in the table "
                     "'Held-out gain')"
                 )
@@ -106,9 +111,23 @@ class HeldOutGain:
         return out
 
 
-def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
-    """The held-out gain (GAIN_RULE) per configuration of the usable runs; `reason` says why when no run has one
-    (the metric not logged, runs written before the loop evaluated its start, no evaluation after it)."""
+SPLIT_OF = {
+    vocab.TEST_IN_DIST: "the test split, which no choice of the design saw",
+    vocab.EVAL_IN_DIST: "the validation split, the held-out set the design may have been chosen on",
+}
+"""What each held-out metric the gain can be read on is, for the report's lines."""
+
+
+def heldout_metric(study: Study) -> str:
+    """The held-out set the gain is read on: the test split where the study scored one, else the validation set."""
+    return vocab.TEST_IN_DIST if vocab.TEST_IN_DIST in study.metrics else vocab.EVAL_IN_DIST
+
+
+def heldout_gain(study: Study, metric: str | None = None) -> HeldOutGain:
+    """The held-out gain (GAIN_RULE) per configuration of the usable runs, on `metric` (default `heldout_metric`:
+    the test split where there is one); `reason` says why when no run has one (the metric not logged, runs written
+    before the loop evaluated its start, no evaluation after it)."""
+    metric = metric or heldout_metric(study)
     axes = list(study.axes)
     cols = [ALGORITHM, "label", *axes, "start", "final", "final_step", "gain", "low", "high", "n", "runs"]
     empty = pd.DataFrame(columns=cols)
@@ -139,4 +158,4 @@ def heldout_gain(study: Study, metric: str = vocab.EVAL_IN_DIST) -> HeldOutGain:
     return HeldOutGain(metric, out[cols].reset_index(drop=True), axes)
 
 
-__all__ = ["GAIN_RULE", "HeldOutGain", "heldout_gain", "per_run"]
+__all__ = ["GAIN_RULE", "SPLIT_OF", "HeldOutGain", "heldout_gain", "heldout_metric", "per_run"]

@@ -49,10 +49,36 @@ def test_heldout_gain_per_configuration_and_why_not_for_older_runs(tmp_path) -> 
     assert "over 2 configurations of max_new_tokens" in g.lines()[0][1]
     one = gain.heldout_gain(_load(tmp_path / "one", {"gspo": C(a=0.8, c_mid=2e12)}, seeds=(0, 1, 2)))
     ((_, text),) = one.lines()
-    assert text.startswith("RL raised held-out pass@1 (eval_in_dist) by 0.") and "(n=3): 0.0" in text, text
+    assert text.startswith("RL raised held-out pass@1 (eval_in_dist, the validation split,") and "(n=3): 0.0" in text, (
+        text
+    )
     assert "at step 0 -> " in text and text.endswith("at step 60")
     synthetic.make_study(tmp_path / "old", {"gspo": C()}, seeds=(0, 1), n_steps=20, start_eval=False)
     old = gain.heldout_gain(tidy.load_study(tmp_path / "old"))
     assert not old.available and old.table.empty
     assert old.lines() == [("Held-out gain:", f"not available: {old.reason}")]
     assert "no run has an evaluation of its starting policy" in old.reason
+
+
+def test_the_heldout_gain_reads_the_test_split_where_the_study_scored_one(tmp_path) -> None:
+    import pandas as pd
+
+    from analysis.runs import vocab
+
+    st = _load(tmp_path / "s", {"gspo": C(a=0.8, c_mid=2e12, noise=0.0)}, seeds=(0, 1, 2))
+    assert gain.heldout_metric(st) == vocab.EVAL_IN_DIST
+    ev = st.long[st.long["metric"] == vocab.EVAL_IN_DIST]
+    first_last = ev.groupby("run_id", observed=True)["step"].transform(lambda s: s.isin([s.min(), s.max()]))
+    test = ev[first_last].assign(value=ev.loc[first_last, "value"] + 0.25 * (ev.loc[first_last, "step"] > 0))
+    test = test.assign(metric=vocab.TEST_IN_DIST)  # scored at the first and last evaluations, as runs score it
+    cats = [*st.long["metric"].cat.categories, vocab.TEST_IN_DIST]
+    long = pd.concat([st.long.astype({"metric": str}), test.astype({"metric": str})], ignore_index=True)
+    st.long = long.astype({"metric": pd.CategoricalDtype(cats)})
+    g = gain.heldout_gain(st)
+    validation = gain.heldout_gain(st, vocab.EVAL_IN_DIST)
+    assert g.metric == vocab.TEST_IN_DIST and validation.metric == vocab.EVAL_IN_DIST
+    assert g.table["gain"].iloc[0] == pytest.approx(validation.table["gain"].iloc[0] + 0.25)
+    ((_, text),) = g.lines()
+    assert text.startswith("RL raised held-out pass@1 (test_in_dist, the test split, which no choice of the design")
+    ((_, text),) = validation.lines()
+    assert "(eval_in_dist, the validation split, the held-out set the design may have been chosen on)" in text
