@@ -332,6 +332,43 @@ _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _CLONE_NEWIPC, _CLONE_NEWUSER = 0x08000000, 0x10000000
 
 
+_LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # classic BPF: load seccomp_data word, jump if ==, if >=, return
+_ALLOW, _KILL_PROCESS, _DENY_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
+_LEAF = 4
+"""Most syscall numbers a leaf of the filter's search tree compares one by one."""
+
+
+def _deny_filter(numbers: Sequence[int], audit_arch: int, *, x32: bool) -> list[tuple[int, int, int, int]]:
+    """The child's seccomp program, (code, jt, jf, k) instructions: another ABI than `audit_arch` kills the process
+    (its numbers differ: i386 on x86_64), a syscall number in `numbers` (sorted) fails with EPERM, any other is
+    allowed; `x32`: numbers with bit 30 set (the x32 ABI's, which alias these) fail too. The numbers are found by a
+    binary search (`>=` at each node, `==` in leaves of at most `_LEAF`): the kernel emulates a filter for every
+    syscall number when it installs it (to cache the ones it always allows) and compiles it, so a search tree
+    installs in about half the time a chain of one comparison per number takes, in every child."""
+
+    def search(nums: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        if len(nums) <= _LEAF:  # each match jumps past the allow to the deny after it
+            return [(_JEQ, len(nums) - i, 0, nr) for i, nr in enumerate(nums)] + [
+                (_RET, 0, 0, _ALLOW),
+                (_RET, 0, 0, _DENY_EPERM),
+            ]
+        half = len(nums) // 2
+        high, low = search(nums[half:]), search(nums[:half])
+        if len(high) > 255:  # a jump's offset is one byte
+            raise ValueError(f"{len(nums)} syscall numbers: too many for one filter")
+        return [(_JGE, 0, len(high), nums[half]), *high, *low]
+
+    prog = [
+        (_LD_ABS, 0, 0, 4),  # seccomp_data.arch
+        (_JEQ, 1, 0, audit_arch),
+        (_RET, 0, 0, _KILL_PROCESS),
+        (_LD_ABS, 0, 0, 0),  # seccomp_data.nr
+    ]
+    if x32:
+        prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _DENY_EPERM)]
+    return prog + search(list(numbers))
+
+
 class _Kernel:
     """The kernel calls a child locks itself down with, prepared once in the server: the deny filter (`install` puts
     it on the calling process, irrevocable and inherited, and says whether it took), the namespaces
@@ -359,20 +396,7 @@ class _Kernel:
         class SockFprog(ctypes.Structure):
             _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-        ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-        allow, kill_process, deny = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
-        numbers = sorted(set(calls.values()))
-        prog: list[tuple[int, int, int, int]] = [
-            (ld_abs, 0, 0, 4),  # seccomp_data.arch
-            (jeq, 1, 0, _AUDIT_ARCH[arch]),
-            (ret, 0, 0, kill_process),  # another ABI (i386 on x86_64): its numbers differ
-            (ld_abs, 0, 0, 0),  # seccomp_data.nr
-        ]
-        checks = [(jge, 0x40000000)] if arch == "x86_64" else []  # the x32 ABI's numbers alias these with bit 30 set
-        checks += [(jeq, nr) for nr in numbers]
-        deny_at = len(prog) + len(checks) + 1  # after the checks and the allow
-        prog += [(code, deny_at - (len(prog) + i) - 1, 0, k) for i, (code, k) in enumerate(checks)]
-        prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+        prog = _deny_filter(sorted(set(calls.values())), _AUDIT_ARCH[arch], x32=arch == "x86_64")
         self._filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
         self._fprog = SockFprog(len(prog), self._filters)
         self.prog = ctypes.cast(ctypes.pointer(self._fprog), ctypes.c_void_p)

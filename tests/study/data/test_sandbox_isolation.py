@@ -327,3 +327,40 @@ def test_the_manifest_records_the_level(tmp_path: Path) -> None:
     sets = ["task=user", f"data={rows}", "verifier=bitwise_arithmetic", "eval_size=2", "coldstart=scratch"]
     assert lifecycle.manifest(load_config(preset="tiny", sets=sets))["scoring_sandbox"] == sandbox.FULL_LEVEL
     assert lifecycle.manifest(load_config(preset="tiny", sets=["coldstart=scratch"]))["scoring_sandbox"] is None
+
+
+# ------------------------------------------------------------------------------------------------------ filter
+
+
+def _verdict(prog: list[tuple[int, int, int, int]], arch: int, nr: int) -> int:
+    """What the classic BPF program `prog` returns for a syscall `nr` of ABI `arch` (its loads, jumps and returns)."""
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == sandbox._LD_ABS:
+            acc, pc = (arch if k == 4 else nr), pc + 1
+        elif code in (sandbox._JEQ, sandbox._JGE):
+            taken = acc == k if code == sandbox._JEQ else acc >= k
+            pc += 1 + (jt if taken else jf)
+        else:
+            assert code == sandbox._RET, code
+            return k
+
+
+@pytest.mark.parametrize("arch", sorted(sandbox._DENY))
+def test_the_filter_refuses_exactly_its_syscalls(arch: str) -> None:
+    """Every syscall number of the deny list fails with EPERM, every other one is allowed (x86_64's x32 numbers, bit
+    30 set, all fail), and another ABI's call kills the process; on this machine, that program is the one installed."""
+    numbers = sorted({int(pair.split("=")[1]) for pair in sandbox._DENY[arch].split()})
+    audit = sandbox._AUDIT_ARCH[arch]
+    prog = sandbox._deny_filter(numbers, audit, x32=arch == "x86_64")
+    assert all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in prog)
+    for nr in range(1024):
+        expected = sandbox._DENY_EPERM if nr in numbers else sandbox._ALLOW
+        assert _verdict(prog, audit, nr) == expected, nr
+        x32 = sandbox._DENY_EPERM if arch == "x86_64" else sandbox._ALLOW  # aarch64 has no such ABI
+        assert _verdict(prog, audit, nr | 0x40000000) == x32, nr
+        assert _verdict(prog, 0x40000003, nr) == sandbox._KILL_PROCESS  # i386
+    if arch == platform.machine():
+        installed = [(f.code, f.jt, f.jf, f.k) for f in sandbox._Kernel()._filters]
+        assert installed == prog
