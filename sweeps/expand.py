@@ -46,7 +46,7 @@ from algorithms import catalog
 from runfiles.bounded import read_yaml
 from study.run import rundir
 from study.run.config import PRESET_RUNS, RunConfig, merge_field
-from sweeps.schema import SweepError, validate_sweep, validate_tuned_file
+from sweeps.schema import SweepError, check_comparison_runs, validate_sweep, validate_tuned_file
 
 MAX_RUNS = 10_000
 """Most runs a sweep may expand to unless it raises the cap (`max_runs:` or --max-runs)."""
@@ -122,6 +122,8 @@ class Sweep:
             exclude,
         )
         sweep.check_size()
+        if data.get("comparisons"):  # every declaration readable from the runs the sweep makes, before any runs
+            check_comparison_runs(data, [sweep.run_data(c) for c in sweep.combinations()], where)
         return sweep
 
     def size(self) -> int:

@@ -32,6 +32,7 @@ The tuned file (what `tuned:` names) has its own schema, `tuned_file_schema()`.
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from typing import Any
@@ -192,6 +193,13 @@ PAIRINGS = ("seed", "none")
 """seed: the arms of one seed share prompts, cold start and evaluation sampling, compared within it; none: Welch."""
 ALTERNATIVES = ("two-sided", "greater", "less")
 """The direction a comparison tests, treatment minus control."""
+TESTS = ("difference", "minimum_effect", "exclude", "equivalence")
+"""What a comparison tests about D = treatment - control (analysis.claims.declared reads each): difference, D = 0
+rejected (`threshold`: the gap it is sized for, its sign the declared direction); minimum_effect, D beyond
+`threshold` shown (at least the declared size); exclude, D as far as `threshold` excluded; equivalence, |D| <
+`threshold` shown (TOST, for claims of no effect)."""
+ONE_SIDED = ("minimum_effect", "exclude")
+"""Tests of a declared size in one direction: `alternative` greater (threshold > 0) or less (threshold < 0)."""
 ROLES = ("primary", "secondary")
 """A sweep declares at most one primary comparison: the one its size and power are for."""
 COMPARISON_FIELDS = {
@@ -202,8 +210,13 @@ COMPARISON_FIELDS = {
     "metric": "a metrics.parquet column (study.run.metrics.STEP_METRICS), e.g. test_in_dist",
     "window": "final_eval, gain or last_10pct_compute",
     "stratum": "{axis: value} of the other swept axes the comparison is read in ({} = the only one)",
-    "threshold": "the gap (treatment - control, in the metric's unit) the comparison is sized to detect",
-    "alternative": "two-sided (default), greater or less",
+    "test": "what it tests (TESTS): difference, minimum_effect, exclude or equivalence",
+    "threshold": "treatment - control in the metric's unit: the gap a difference test is sized for; the declared size "
+    "of minimum_effect and exclude; the margin of equivalence (> 0)",
+    "alternative": "the declared direction: two-sided (default; difference and equivalence), greater (threshold > 0) "
+    "or less (threshold < 0)",
+    "assumed_gap": "the true treatment - control the sizing assumes (required for minimum_effect, beyond the "
+    "threshold; default: the threshold for difference, 0 for exclude and equivalence)",
     "alpha": "the test's level (default 0.05)",
     "seeds": "the seeds (units of replication) each arm runs",
     "power": "the power at `threshold` it was sized for",
@@ -224,6 +237,7 @@ def comparisons_schema() -> dict[str, Any]:
             "arms",
             "metric",
             "window",
+            "test",
             "threshold",
             "seeds",
             "power",
@@ -243,7 +257,9 @@ def comparisons_schema() -> dict[str, Any]:
             "metric": {"type": "string"},
             "window": {"enum": list(WINDOWS)},
             "stratum": {"type": "object"},
+            "test": {"enum": list(TESTS)},
             "threshold": {"type": "number", "not": {"const": 0}},
+            "assumed_gap": {"type": "number"},
             "alternative": {"enum": list(ALTERNATIVES)},
             "alpha": prob,
             "seeds": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2, "uniqueItems": True},
@@ -256,9 +272,57 @@ def comparisons_schema() -> dict[str, Any]:
     return {"type": "array", "items": entry, "minItems": 1}
 
 
+NUMBERS = ("threshold", "alpha", "power", "assumed_sd", "assumed_gap")
+"""The numbers of a declaration, each finite (YAML reads .nan and .inf as numbers)."""
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two axis values are the same value: numbers equal as numbers (32 is 32.0, true is not 1), anything
+    else equal exactly (never a substring: 'al' is not 'all')."""
+    number = (int, float)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, number) and isinstance(b, number):
+        return float(a) == float(b)
+    return type(a) is type(b) and a == b
+
+
+def _check_numbers(c: dict[str, Any], at: str) -> None:
+    """Finite numbers; the threshold's sign against the declared direction; the test's own rules."""
+    for name in NUMBERS:
+        if name in c and not math.isfinite(c[name]):
+            raise SweepError(f"{at}.{name} = {c[name]!r}: not a finite number; valid: {COMPARISON_FIELDS[name]}")
+    test, alt, thr = c["test"], c.get("alternative", "two-sided"), c["threshold"]
+    if (alt == "greater" and thr < 0) or (alt == "less" and thr > 0):
+        want = "> 0" if alt == "greater" else "< 0"
+        raise SweepError(
+            f"{at}.threshold = {thr!r} with alternative = {alt!r}: a {alt} gap is {want}; valid: threshold {want}, "
+            f"or alternative {'less' if alt == 'greater' else 'greater'}"
+        )
+    if test in ONE_SIDED and alt == "two-sided":
+        raise SweepError(
+            f"{at}.alternative = 'two-sided' with test = {test!r}: a declared size has a direction; valid: greater "
+            "(threshold > 0) or less (threshold < 0)"
+        )
+    if test == "equivalence" and (alt != "two-sided" or thr < 0):
+        raise SweepError(
+            f"{at}: test = 'equivalence' with alternative = {alt!r}, threshold = {thr!r}; valid: alternative "
+            "two-sided and threshold > 0 (the margin)"
+        )
+    gap = c.get("assumed_gap")
+    if test == "minimum_effect" and (gap is None or (gap - thr) * (1 if alt == "greater" else -1) <= 0):
+        side = "above" if alt == "greater" else "below"
+        raise SweepError(
+            f"{at}.assumed_gap = {gap!r}: test = 'minimum_effect' is sized at a true gap {side} the threshold; "
+            f"valid: a number {side} {thr!r}"
+        )
+
+
 def check_comparisons(data: dict[str, Any], where: str) -> None:
-    """The cross-field rules of a sweep's declared comparisons: arms and stratum name axes of the sweep and values
-    on them, the metric is a logged column, the seeds are the sweep's, at most one primary, names unique."""
+    """The cross-field rules of a sweep's declared comparisons: finite numbers and the threshold's sign against the
+    declared direction (`_check_numbers`), arms and stratum name undotted axes of the sweep and values on them
+    (`same_value`), the metric is a logged column, the seeds are the sweep's, at most one primary, names unique.
+    What the sweep's runs must hold for each comparison is `check_comparison_runs`'s."""
     from study.run.metrics import STEP_METRICS
 
     axes = data.get("axes") or {}
@@ -269,24 +333,26 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
             f"{where}: comparisons: {len(primaries)} primary comparisons {primaries}; valid: one "
             "(role: secondary for the rest)"
         )
+    plain = [a for a in axes if "." not in a]
     seen: set[str] = set()
     for i, c in enumerate(data.get("comparisons") or ()):
         at = f"{where}: comparisons[{i}]"
         if c["name"] in seen:
             raise SweepError(f"{at}.name = {c['name']!r}: declared twice; valid: a name per comparison")
         seen.add(c["name"])
+        _check_numbers(c, at)
         arms = c["arms"]
-        if arms["axis"] not in axes:
-            raise SweepError(f"{at}.arms.axis = {arms['axis']!r}: not an axis of the sweep; valid: {', '.join(axes)}")
-        values = axes[arms["axis"]]
-        values = list(catalog.names()) if values == "all" else values
+        if arms["axis"] not in plain:
+            why = "a dotted axis is no column of the runs' table" if "." in arms["axis"] else "not an axis of the sweep"
+            raise SweepError(f"{at}.arms.axis = {arms['axis']!r}: {why}; valid: {', '.join(plain)}")
+        values = _axis_values(axes, arms["axis"])
         for side in ("treatment", "control"):
-            if arms[side] not in values:
+            if not any(same_value(arms[side], v) for v in values):
                 raise SweepError(
                     f"{at}.arms.{side} = {arms[side]!r}: not a value of axes.{arms['axis']}; valid: "
                     f"{', '.join(map(str, values))}"
                 )
-        if arms["treatment"] == arms["control"]:
+        if same_value(arms["treatment"], arms["control"]):
             raise SweepError(f"{at}.arms: treatment = control = {arms['control']!r}; valid: two different values")
         if c["metric"] not in STEP_METRICS:
             raise SweepError(
@@ -299,17 +365,66 @@ def check_comparisons(data: dict[str, Any], where: str) -> None:
                 ">= 1, or a validation metric"
             )
         for axis, value in (c.get("stratum") or {}).items():
-            if axis in (arms["axis"], "seed") or axis not in axes:
-                valid = ", ".join(a for a in axes if a not in (arms["axis"], "seed"))
-                raise SweepError(f"{at}.stratum.{axis}: not another axis of the sweep; valid: {valid or 'none'}")
-            if value not in axes[axis]:
+            if axis in (arms["axis"], "seed") or axis not in plain:
+                valid = ", ".join(a for a in plain if a not in (arms["axis"], "seed"))
+                dotted = " (a dotted axis is no column of the runs' table)" if "." in axis else ""
+                raise SweepError(
+                    f"{at}.stratum.{axis}: not another axis of the sweep{dotted}; valid: {valid or 'none'}"
+                )
+            if not any(same_value(value, v) for v in _axis_values(axes, axis)):
                 raise SweepError(
                     f"{at}.stratum.{axis} = {value!r}: not a value of axes.{axis}; valid: "
-                    f"{', '.join(map(str, axes[axis]))}"
+                    f"{', '.join(map(str, _axis_values(axes, axis)))}"
                 )
         swept = axes.get("seed", [base.get("seed", 0)])
         if sorted(c["seeds"]) != sorted(swept):
             raise SweepError(f"{at}.seeds = {c['seeds']}: the sweep runs seeds {swept}; valid: the same seeds")
+
+
+def _axis_values(axes: dict[str, Any], axis: str) -> list[Any]:
+    values = axes[axis]
+    return list(catalog.names()) if values == "all" else list(values)
+
+
+def check_comparison_runs(data: dict[str, Any], runs: list[dict[str, Any]], where: str) -> None:
+    """What the sweep's runs (`runs`: each run's resolved fields, after `exclude:`, zip or grid) must hold for each
+    declared comparison to be read: in the declared stratum, each arm runs every declared seed once and no other
+    seed, and scores the split its metric is on (a test_* metric: eval_test_size >= 1; any held-out metric:
+    eval_every >= 1). Checked when the sweep file is read, before any run."""
+    defaults = {name: getattr(RunConfig, name) for name in ("seed", "eval_test_size", "eval_every")}
+
+    def get(run: dict[str, Any], name: str) -> Any:
+        return run.get(name, defaults.get(name))
+
+    for i, c in enumerate(data.get("comparisons") or ()):
+        at = f"{where}: comparisons[{i}]"
+        arms, stratum = c["arms"], c.get("stratum") or {}
+        inside = [r for r in runs if all(same_value(get(r, a), v) for a, v in stratum.items())]
+        for side in ("treatment", "control"):
+            mine = [r for r in inside if same_value(get(r, arms["axis"]), arms[side])]
+            seeds = sorted(int(get(r, "seed")) for r in mine)
+            if sorted(c["seeds"]) != sorted(set(seeds)):
+                raise SweepError(
+                    f"{at}.arms.{side} = {arms[side]!r}: the sweep runs it with seeds {sorted(set(seeds))} in the "
+                    f"stratum {stratum or '{}'} (after exclude, or paired so by mode: zip); valid: both arms run the "
+                    f"declared seeds {sorted(c['seeds'])}"
+                )
+            if len(seeds) != len(set(seeds)):
+                varied = sorted(a for a in (data.get("axes") or {}) if a not in (arms["axis"], "seed", *stratum))
+                raise SweepError(
+                    f"{at}.stratum = {stratum}: arm {arms[side]!r} runs a seed several times in it (axes "
+                    f"{', '.join(varied)} vary); valid: a stratum naming one value of each"
+                )
+            if c["metric"].startswith("test_") and any(get(r, "eval_test_size") < 1 for r in mine):
+                raise SweepError(
+                    f"{at}.metric = {c['metric']!r}: arm {arms[side]!r} scores no test split (eval_test_size 0); "
+                    "valid: eval_test_size >= 1 for every run of both arms, or a validation metric"
+                )
+            if c["metric"].startswith(("test_", "eval_")) and any(get(r, "eval_every") < 1 for r in mine):
+                raise SweepError(
+                    f"{at}.metric = {c['metric']!r}: arm {arms[side]!r} never evaluates (eval_every 0); valid: "
+                    "eval_every >= 1, or a training metric"
+                )
 
 
 def tune_schema() -> dict[str, Any]:

@@ -144,6 +144,14 @@ RULES = Rules()
 """The default rules."""
 
 
+def precondition(claim: str, rules: Rules = RULES) -> regime.Precondition | None:
+    """The precondition a claim is tested under (C3, C4: the routing volatility; C5: the engine/trainer mismatch, at
+    `rules`' thresholds); None for a claim without one. A declared comparison filed under the claim keeps it."""
+    if claim in ("C3", "C4"):
+        return regime.volatility(rules.min_volatility)
+    return regime.mismatch(rules.min_mismatch) if claim == "C5" else None
+
+
 @dataclass
 class ClaimResult:
     """A claim's verdict, the rule that produced it and its evidence."""
@@ -174,6 +182,10 @@ class ClaimResult:
     deviations: tuple[str, ...] = ()
     """How the finished runs differ from the declared comparison (analysis.claims.declared.deviations): the verdict is
     then exploratory."""
+    declared_reading: str = ""
+    """What the declared comparison(s) found, named for the test each declared (analysis.claims.declared.OUTCOMES),
+    e.g. "replay_cost_grpo: no difference detected"; below the claim's regime, prefixed as the replication of a gap
+    it is."""
     paper: str = ""
     """The measured size read beside the paper's (C2: "direction supported, size 0.6 of the paper's"; C6: truncation's
     part beside RL's), "" when the claim has none."""
@@ -197,8 +209,8 @@ class ClaimResult:
         tested in regime" unprefixed (no reading at all)."""
         if self.verdict == NOT_IN_REGIME:
             return self.verdict
-        if self.declared:  # the verdict is the declared comparison's, about its declared gap (declared.READING)
-            return f"{self.role}, declared {self.declared}: declared gap {self.verdict}"
+        if self.declared:  # the verdict is the declared test's, named for what it tested (declared.READING)
+            return f"{self.role}, declared {self.declared}: {self.verdict} ({self.declared_reading})"
         return f"{self.role}: {self.verdict}"
 
     @property

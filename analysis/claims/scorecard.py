@@ -56,6 +56,7 @@ from analysis.claims.common import (
     comparison_pairs,
     detectable_lines,
     grpo_baseline,
+    precondition,
     split_of,
 )
 from analysis.runs.tidy import Study
@@ -84,86 +85,127 @@ def scorecard(
 ) -> list[ClaimResult]:
     """Every claim C1-C6 of the GSPO paper (docs/references.md) evaluated on `study`; `rules` sets the regime
     thresholds of C3-C5. A claim some of `comparisons` (a sweep file's `comparisons:`, analysis.claims.declared)
-    declares is decided from those comparisons only (`with_declared`); the others are exploratory."""
+    declares is decided from those comparisons only, within its regime (`with_declared`); the others are
+    exploratory."""
     cards = [fn(study, rules) if c in REGIME_CLAIMS else fn(study) for c, fn in CLAIM_FUNCTIONS.items()]
-    return [with_declared(study, r, [c for c in comparisons if c.claim == r.claim]) for r in cards]
+    return [with_declared(study, r, [c for c in comparisons if c.claim == r.claim], rules) for r in cards]
 
 
 DECLARED_RULE = (
     "Decided from the sweep file's declared comparison(s) only (analysis.claims.declared.confirm): the declared "
     "metric and window per run, in the declared stratum and seeds, treatment minus control paired by seed (or Welch "
-    "when declared unpaired), tested at the declared alpha in the declared direction (a family of one per comparison; "
-    "several declared for one claim: Holm-adjusted, then combined: " + CONJUNCTION_RULE + "). The verdict is about "
-    "the declared gap, not the claim it is filed under: " + declared_.READING + ". Runs that deviate from "
-    "the declaration make the verdict exploratory, with each deviation listed."
+    "when declared unpaired), then the test the sweep file declared, at its alpha (several declared for one claim: a "
+    "family of m, each read at alpha / m with its p-value times m, Bonferroni; their verdicts combined: "
+    + CONJUNCTION_RULE
+    + "). Each reading is named for what its test tested: "
+    + declared_.READING
+    + ". The claim's regime holds for its declared comparisons too, measured on the runs they read: below it the "
+    "claim is not tested in regime and the declared reading is reported beside it as the replication of a gap at "
+    "this scale. Runs that deviate from the declaration make the verdict exploratory, with each deviation listed."
 )
+BELOW_REGIME = "replication of an exploratory gap below the claim's regime"
+"""How a declared reading is named when its runs did not reach the claim's precondition: not a test of the claim."""
 
 
-def with_declared(study: Study, res: ClaimResult, comparisons: Sequence[declared_.Comparison]) -> ClaimResult:
-    """`res` decided from the declared `comparisons` of its claim (none: `res` unchanged, exploratory): the verdict
-    is `declared.confirm`'s (several: Holm-adjusted p-values, verdicts combined by `conjunction`), the split is the
-    declared metric's, the pairing the declared one, the role the declaration's when the runs match it, else
-    exploratory with `declared.deviations` listed; the exploratory reading is kept in the reason."""
+def _confirm(study: Study, c: declared_.Comparison) -> tuple[declared_.Confirmation, str]:
+    """The declared comparison read on the study (`declared.confirm`), and "" ; or, when the runs lack what it reads
+    (two runs of one seed in an arm, a missing axis), a confirmation without a reading and why."""
+    try:
+        return declared_.confirm(study.long, c, study.runs), ""
+    except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
+        why = str(exc).strip("'\"")
+        devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
+        nan = intervals.CI(np.nan, np.nan, np.nan, 0)
+        none = declared_.Reading(f"no reading ({why})", INCONCLUSIVE, nan, np.nan, c.alpha)
+        return declared_.Confirmation(c, None, intervals.Spread(np.nan, np.nan, np.nan, 0), none, devs), why
+
+
+def with_declared(
+    study: Study, res: ClaimResult, comparisons: Sequence[declared_.Comparison], rules: Rules = RULES
+) -> ClaimResult:
+    """`res` decided from the declared `comparisons` of its claim (none: `res` unchanged, exploratory): each read by
+    its declared test (`declared.read`; several: a Bonferroni family, verdicts combined by `conjunction`), within the
+    claim's regime measured on the runs the comparisons read (`common.precondition`; below it: NOT_IN_REGIME, the
+    declared reading beside it as BELOW_REGIME). The split is the declared metric's, the pairing the declared one,
+    the role the declaration's when the runs match it, else exploratory with `declared.deviations` listed; the
+    exploratory reading is kept in the reason."""
     if not comparisons:
         return res
-    confs, unread = [], {}
-    for c in comparisons:
-        try:
-            confs.append(declared_.confirm(study.long, c, study.runs))
-        except (KeyError, ValueError) as exc:  # the runs lack what the declaration reads: a deviation, no reading
-            unread[c.name] = str(exc).strip("'\"")
-            devs = tuple(declared_.deviations(study.long, c, study.runs)) or (f"{c.name}: {exc}",)
-            nan = intervals.CI(np.nan, np.nan, np.nan, 0)
-            confs.append(declared_.Confirmation(c, None, nan, np.nan, devs, INCONCLUSIVE, INCONCLUSIVE))
-    adjusted = declared_.family(confs) if len(confs) > 1 else [c.p_value for c in confs]
-    verdicts, evidence, sentences = [], [], []
-    for conf, p in zip(confs, adjusted, strict=True):
+    m = len(comparisons)
+    pairs = [_confirm(study, c) for c in comparisons]
+    evidence, sentences, outcomes, verdicts = [], [], [], []
+    for conf, why in pairs:
         c = conf.comparison
-        est = conf.estimate
-        verdicts.append(declared_.read(p, est, c) if len(confs) > 1 else conf.reading)
-        if c.name not in unread:
-            sentences.append(_declared_sentence(conf, p, verdicts[-1]))
-        pair = f"{est.n} seeds, paired" if c.pairing == "seed" else f"{est.n} runs, unpaired"
-        name = f"{c.name}: {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
-        if c.name in unread:
-            evidence.append(Evidence(f"{name}: no reading ({unread[c.name]})", np.nan, np.nan, np.nan, "0"))
+        r = declared_.read(conf.spread, c, family=m) if m > 1 and not why else conf.reading
+        verdicts.append(r.verdict)
+        outcomes.append(f"{c.name}: {r.outcome}")
+        pair = f"{conf.spread.n} seeds, paired" if c.pairing == "seed" else f"{conf.spread.n} runs per arm, unpaired"
+        name = f"{c.name} ({c.test}): {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
+        if why:
+            evidence.append(Evidence(f"{name}: no reading ({why})", np.nan, np.nan, np.nan, "0"))
             continue
-        evidence.append(Evidence(name, est.estimate, est.low, est.high, pair))
-        what = "Holm-adjusted p" if len(confs) > 1 else "p"
-        evidence.append(Evidence(f"{c.name}: {what} ({c.alternative}, alpha {c.alpha:g})", p, np.nan, np.nan, pair))
-    devs = tuple(d for conf in confs for d in conf.deviations)
+        sentences.append(_declared_sentence(c, r, m))
+        ci = r.interval
+        evidence.append(Evidence(f"{name}, {_interval_name(c, r)}", ci.estimate, ci.low, ci.high, pair))
+        what = f"p x {m} (Bonferroni)" if m > 1 else "p"
+        evidence.append(Evidence(f"{c.name}: {what} ({c.test}, alpha {c.alpha:g})", r.p_value, np.nan, np.nan, pair))
+    devs = tuple(d for conf, _ in pairs for d in conf.deviations)
     splits = {split_of(c.metric) for c in comparisons}
     roles = {c.role for c in comparisons}
+    verdict = conjunction(verdicts) if m > 1 else verdicts[0]
+    reading = "; ".join(outcomes)
+    found = "; ".join(sentences)
+    regime_, pre = "", precondition(res.claim, rules)
+    if pre is not None:
+        ids = sorted({r for c in comparisons for r in declared_.run_ids(study.long, c, study.runs)})
+        measured = pre.measure(study, ids)
+        if measured.met:
+            evidence.append(measured.evidence())
+        else:
+            verdict, regime_, reading = NOT_IN_REGIME, measured.sentence, f"{BELOW_REGIME}: {reading}"
+            evidence.insert(0, measured.evidence())
+            found = f"{measured.sentence}; {BELOW_REGIME}, not a test of the claim: {found or reading}"
+    exploratory = f"the exploratory reading of the whole study: {res.verdict}" + (
+        f" ({res.reason})" if res.reason else ""
+    )
     return dataclasses.replace(
         res,
-        verdict=conjunction(verdicts) if len(verdicts) > 1 else verdicts[0],
+        verdict=verdict,
         rule=f"{DECLARED_RULE} Exploratory reading, for reference: {res.rule}",
         evidence=evidence,
-        reason="; ".join(sentences)
-        + ("; " if sentences else "")
-        + f"the exploratory reading of the whole study: {res.verdict}"
-        + (f" ({res.reason})" if res.reason else ""),
+        reason=f"{found}; {exploratory}" if found else exploratory,
         strata=[],
         split=splits.pop() if len(splits) == 1 else TEST if TEST in splits else VALIDATION,
         pairing=PAIRED if all(c.pairing == "seed" for c in comparisons) else UNPAIRED,
         role=EXPLORATORY if devs else (PRIMARY if PRIMARY in roles else SECONDARY),
         declared=", ".join(c.name for c in comparisons),
         deviations=devs,
-        regime="",
+        regime=regime_,
+        declared_reading=reading,
     )
 
 
-def _declared_sentence(conf: declared_.Confirmation, p: float, verdict: str) -> str:
-    """What the declared comparison found, in words: its declared gap, the interval and the test."""
-    c, est = conf.comparison, conf.estimate
-    interval = f"{est.estimate:+.3g} [{est.low:+.3g}, {est.high:+.3g}]"
-    if verdict == SUPPORTED:
-        found = f"a difference with the declared gap's sign, {interval}, p = {p:.3g} < {c.alpha:g}"
-    elif verdict == CONTRADICTED:
-        found = f"the 95% interval {interval} excludes the declared gap (p = {p:.3g} against no difference)"
-    else:
-        found = f"{interval}: neither a difference at alpha {c.alpha:g} (p = {p:.3g}) nor the declared gap excluded"
-    return f"{c.name} declared {declared_.hypothesis(c)}: {found}"
+def _interval_name(c: declared_.Comparison, r: declared_.Reading) -> str:
+    """What the interval of a reading is: "two-sided 95% interval", "one-sided 95% bound", "90% interval (TOST)"."""
+    level = f"{100 * r.interval.confidence:.4g}%"
+    if c.test == "equivalence":
+        return f"{level} interval (TOST at alpha {r.level:.3g})"
+    if c.test == "difference" and c.alternative == "two-sided":
+        return f"two-sided {level} interval"
+    return f"one-sided {level} bound"
+
+
+def _declared_sentence(c: declared_.Comparison, r: declared_.Reading, family: int) -> str:
+    """What the declared test found, in words: what it tested, its outcome, the interval and the p-value."""
+    ci = r.interval
+    if r.outcome == declared_.TOO_FEW:
+        return f"{c.name} declared {declared_.hypothesis(c)}: {r.outcome} ({ci.n} seed(s) or runs per arm)"
+    interval = f"{ci.estimate:+.3g} [{ci.low:+.3g}, {ci.high:+.3g}]"
+    adj = f" x {family}, Bonferroni" if family > 1 else ""
+    return (
+        f"{c.name} declared {declared_.hypothesis(c)}: {r.outcome}, {interval} ({_interval_name(c, r)}), "
+        f"p = {r.p_value:.3g}{adj} (alpha {c.alpha:g})"
+    )
 
 
 def scorecard_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
@@ -214,6 +256,7 @@ def strata_table(results: Sequence[ClaimResult]) -> pd.DataFrame:
 """The GRPO baseline of the claims' comparisons, as the report's algorithm table names it."""
 
 __all__ = [
+    "BELOW_REGIME",
     "CLAIMS",
     "CLAIM_FUNCTIONS",
     "CONTRADICTED",

@@ -77,6 +77,51 @@ def mean_band(values: np.ndarray, *, confidence: float = 0.95) -> tuple[np.ndarr
     return mean, low, high, n
 
 
+@dataclass(frozen=True)
+class Spread:
+    """A mean (or a contrast of independent groups' means) with its standard error and degrees of freedom: what a t
+    test and a t interval are both read from, so a test and its interval agree by construction."""
+
+    estimate: float
+    se: float
+    """NaN with fewer than two samples in a group; 0 when every sample is equal."""
+    df: float
+    n: int
+    """Samples (the smallest group's size for a contrast)."""
+
+
+def mean_spread(samples: Sequence[float] | np.ndarray) -> Spread:
+    """The mean of `samples` (NaN ignored) with s / sqrt(n) and n - 1 degrees of freedom (`mean_ci`'s pieces)."""
+    x = np.asarray(samples, dtype=np.float64)
+    x = x[~np.isnan(x)]
+    n = int(x.size)
+    est = float(x.mean()) if n else np.nan
+    se = float(x.std(ddof=1) / np.sqrt(n)) if n >= 2 else np.nan
+    return Spread(est, se, float(n - 1), n)
+
+
+def contrast_spread(groups: Sequence[Sequence[float] | np.ndarray], weights: Sequence[float]) -> Spread:
+    """sum_i w_i mean_i over independent groups with SE^2 = sum_i w_i^2 s_i^2 / n_i and the Welch-Satterthwaite
+    degrees of freedom (`contrast_ci`'s pieces); NaN samples are ignored, SE is NaN when a group has fewer than two
+    and 0 (df NaN) when every group is constant."""
+    gs = [np.asarray(g, np.float64) for g in groups]
+    gs = [g[~np.isnan(g)] for g in gs]
+    if len(gs) != len(weights):
+        raise ValueError(f"{len(gs)} groups but {len(weights)} weights")
+    n = int(min(g.size for g in gs))
+    if n == 0:
+        return Spread(np.nan, np.nan, np.nan, 0)
+    est = float(sum(w * g.mean() for w, g in zip(weights, gs, strict=True)))
+    if n < 2:
+        return Spread(est, np.nan, np.nan, n)
+    parts = np.array([w * w * g.var(ddof=1) / g.size for w, g in zip(weights, gs, strict=True)])
+    se2 = float(parts.sum())
+    if se2 == 0.0:
+        return Spread(est, 0.0, np.nan, n)
+    df = se2**2 / float(sum(p * p / (g.size - 1) for p, g in zip(parts, gs, strict=True)))
+    return Spread(est, float(np.sqrt(se2)), df, n)
+
+
 def contrast_ci(
     groups: Sequence[Sequence[float] | np.ndarray], weights: Sequence[float], *, confidence: float = 0.95
 ) -> CI:
@@ -84,23 +129,13 @@ def contrast_ci(
     the Welch-Satterthwaite degrees of freedom (unequal variances; for two groups with weights (1, -1) this is
     Welch's t interval of a difference). NaN samples are ignored; no interval when a group has fewer than two.
     `n` is the smallest group's size."""
-    gs = [np.asarray(g, np.float64) for g in groups]
-    gs = [g[~np.isnan(g)] for g in gs]
-    if len(gs) != len(weights):
-        raise ValueError(f"{len(gs)} groups but {len(weights)} weights")
-    n = int(min(g.size for g in gs))
-    if n == 0:
-        return CI(np.nan, np.nan, np.nan, 0, confidence)
-    est = float(sum(w * g.mean() for w, g in zip(weights, gs, strict=True)))
-    if n < 2:
-        return CI(est, np.nan, np.nan, n, confidence)
-    parts = np.array([w * w * g.var(ddof=1) / g.size for w, g in zip(weights, gs, strict=True)])
-    se2 = float(parts.sum())
-    if se2 == 0.0:
-        return CI(est, est, est, n, confidence)
-    df = se2**2 / float(sum(p * p / (g.size - 1) for p, g in zip(parts, gs, strict=True)))
-    half = float(_t(confidence, df) * np.sqrt(se2))
-    return CI(est, est - half, est + half, n, confidence)
+    s = contrast_spread(groups, weights)
+    if s.n == 0 or not np.isfinite(s.se):
+        return CI(s.estimate, np.nan, np.nan, s.n, confidence)
+    if s.se == 0.0:
+        return CI(s.estimate, s.estimate, s.estimate, s.n, confidence)
+    half = float(_t(confidence, s.df) * s.se)
+    return CI(s.estimate, s.estimate - half, s.estimate + half, s.n, confidence)
 
 
 def mean_difference(

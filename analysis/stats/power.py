@@ -144,6 +144,30 @@ def t_power(df: int, nc: float, alpha: float, alternative: str) -> float:
     return float(min(1.0, upper + lower))
 
 
+def tost_power(sd: float, margin: float, gap: float, seeds: int, *, alpha: float = ALPHA, paired: bool = True) -> float:
+    """Power of the two one-sided tests (TOST, each at `alpha`) to show |mean difference| < `margin` when the true
+    difference is `gap`: paired, n = `seeds` differences of SD `sd` (n - 1 df); unpaired, `seeds` runs per arm
+    (2 (n - 1) df, SE sd sqrt(2 / n)). Exact: given the sample SD s, the test passes when the mean lies within
+    margin - t_{1 - alpha} SE(s) of 0, a normal probability, integrated over s's chi distribution."""
+    from scipy import integrate
+
+    if seeds < 2 or not sd > 0 or not margin > 0:
+        return float("nan")
+    df = seeds - 1 if paired else 2 * (seeds - 1)
+    se = sd * (np.sqrt(1.0 / seeds) if paired else np.sqrt(2.0 / seeds))
+    crit = _critical(df, alpha, "greater")
+
+    def given(u: float) -> float:  # u ~ chi2(df): the sample SE is se sqrt(u / df)
+        half = margin - crit * se * np.sqrt(u / df)
+        if half <= 0:
+            return 0.0
+        inside = sps.norm.cdf((half - gap) / se) - sps.norm.cdf((-half - gap) / se)
+        return float(inside * sps.chi2.pdf(u, df))
+
+    top = df * (margin / (crit * se)) ** 2  # beyond it the interval is wider than the margins
+    return float(min(1.0, integrate.quad(given, 0.0, top, limit=200)[0]))
+
+
 def seeds_for_power(
     sd: float,
     gap: float,
@@ -172,4 +196,5 @@ __all__ = [
     "seeds_needed",
     "sentence",
     "t_power",
+    "tost_power",
 ]

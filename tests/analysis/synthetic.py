@@ -445,6 +445,7 @@ COMPARISON = {
     "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
     "metric": "eval_in_dist",
     "window": "gain",
+    "test": "difference",
     "threshold": 0.1,
     "seeds": [0, 1, 2],
     "power": 0.8,

@@ -44,6 +44,15 @@ def runs_long(arms: dict[str, list[int]], gain: dict[str, float], *, minibatches
     return pd.DataFrame(rows)
 
 
+def paired_runs(gaps: tuple[float, ...]) -> pd.DataFrame:
+    """One run per arm and seed whose eval_in_dist gain differs by gaps[seed] (a seed moves both arms alike)."""
+    rows = []
+    for s, d in enumerate(gaps):
+        base = 0.1 + 0.05 * s
+        rows += [("grpo", s, base + d), ("grpo_rr", s, base)]
+    return pd.concat([runs_long({a: [s]}, {a: v}).assign(run_id=f"{a}-{s}") for a, s, v in rows], ignore_index=True)
+
+
 def test_power_matches_statsmodels_and_sizes_the_seeds() -> None:
     from statsmodels.stats.power import TTestPower
 
@@ -58,35 +67,80 @@ def test_power_matches_statsmodels_and_sizes_the_seeds() -> None:
 
 def test_runs_that_match_the_declaration_have_no_deviation_and_are_read_as_declared() -> None:
     c = declared.Comparison.from_entry(ENTRY)
-    long = runs_long(BOTH, {"grpo": 0.19, "grpo_rr": 0.09})
+    long = paired_runs((0.1, 0.11, 0.09))
     assert declared.deviations(long, c) == []
     got = declared.confirm(long, c)
     assert got.verdict == "supported" and got.paired is not None and got.paired.unit == "seed"
-    assert got.estimate.estimate == pytest.approx(0.1) and got.estimate.low > 0.05
+    assert got.reading.outcome == "difference detected, with the declared sign"
+    assert got.reading.interval.estimate == pytest.approx(0.1) and got.reading.interval.low > 0.05
+
+
+NULL = (0.0, 0.01, -0.01, 0.02, -0.02, 0.0)
+NOISY = (0.0, 0.2, -0.2, 0.3, -0.25, 0.1)
+OTHER_WAY = (-0.1, -0.12, -0.09, -0.11, -0.1, -0.1)
+AS_DECLARED = (0.1, 0.12, 0.09, 0.11, 0.1, 0.1)
+SMALLER = (0.03, 0.04, 0.02, 0.03, 0.035, 0.025)
+FAR_BELOW = (-0.2, -0.25, -0.22, -0.23, -0.2, -0.24)  # an interval about [-0.25, -0.20] against a declared +0.1
 
 
 @pytest.mark.parametrize(
-    ("gaps", "threshold", "expected"),
+    ("gaps", "declaration", "outcome", "verdict"),
     [
-        ((0.0, 0.01, -0.01, 0.02, -0.02, 0.0), 0.1, "contradicted"),  # a null: the interval excludes +0.1
-        ((0.0, 0.01, -0.01, 0.02, -0.02, 0.0), -0.1, "contradicted"),  # likewise a declared -0.1
-        ((0.0, 0.2, -0.2, 0.3, -0.25, 0.1), 0.1, "inconclusive"),  # too noisy to exclude 0.1 or to find a gap
-        ((-0.1, -0.12, -0.09, -0.11, -0.1, -0.1), 0.1, "contradicted"),  # significant, the other way
-        ((0.1, 0.12, 0.09, 0.11, 0.1, 0.1), 0.1, "supported"),
-        ((0.03, 0.04, 0.02, 0.03, 0.035, 0.025), 0.1, "supported"),  # a gap with the declared sign, smaller
+        (NULL, {"test": "difference"}, "no difference detected", "inconclusive"),  # a null is not a contradiction
+        (NULL, {"test": "exclude", "alternative": "greater"}, "the declared size excluded", "contradicted"),
+        (NULL, {"test": "exclude", "alternative": "less", "threshold": -0.1}, "the declared size excluded", "contra"),
+        (NULL, {"test": "equivalence", "threshold": 0.05}, "equivalent within the declared margin", "supported"),
+        (NOISY, {"test": "difference"}, "no difference detected", "inconclusive"),
+        (NOISY, {"test": "equivalence", "threshold": 0.05}, "equivalence not shown", "inconclusive"),
+        (OTHER_WAY, {"test": "difference"}, "difference detected, opposite to the declared sign", "contradicted"),
+        (AS_DECLARED, {"test": "difference"}, "difference detected, with the declared sign", "supported"),
+        (SMALLER, {"test": "difference"}, "difference detected, with the declared sign", "supported"),
+        # a gap of the declared sign but smaller: the declared size is neither shown nor left standing
+        (
+            SMALLER,
+            {"test": "minimum_effect", "alternative": "greater", "assumed_gap": 0.15},
+            "the declared size no",
+            "",
+        ),
+        (SMALLER, {"test": "exclude", "alternative": "greater"}, "the declared size excluded", "contradicted"),
+        (AS_DECLARED, {"test": "exclude", "alternative": "greater"}, "the declared size not excluded", "inconclusive"),
+        (
+            FAR_BELOW,
+            {"test": "minimum_effect", "alternative": "greater", "assumed_gap": 0.2},
+            "the declared size no",
+            "",
+        ),
+        (FAR_BELOW, {"test": "difference", "alternative": "greater"}, "no difference detected", "inconclusive"),
     ],
 )
-def test_a_declared_gap_is_read_as_declared_a_null_that_excludes_it_included(gaps, threshold, expected) -> None:
-    """Paired differences per seed -> the reading about the declared gap (declared.READING)."""
-    seeds = list(range(len(gaps)))
-    c = declared.Comparison.from_entry({**ENTRY, "seeds": seeds, "threshold": threshold})
-    rows = []
-    for s, d in zip(seeds, gaps, strict=True):
-        base = 0.1 + 0.05 * s  # the seed moves both arms alike
-        rows += [("grpo", s, base + d), ("grpo_rr", s, base)]
-    long = pd.concat([runs_long({a: [s]}, {a: v}).assign(run_id=f"{a}-{s}") for a, s, v in rows], ignore_index=True)
-    got = declared.confirm(long, c)
-    assert got.reading == expected, (got.estimate, got.p_value)
+def test_a_declared_test_is_read_as_what_it_tests(gaps, declaration, outcome, verdict) -> None:
+    """Paired differences per seed -> the reading named for the declared test (declared.OUTCOMES)."""
+    c = declared.Comparison.from_entry({**ENTRY, "seeds": list(range(len(gaps))), **declaration})
+    got = declared.confirm(paired_runs(gaps), c)
+    assert got.reading.outcome.startswith(outcome) and got.reading.verdict.startswith(verdict), got.reading
+    assert got.reading.outcome == declared.OUTCOMES[(c.test, got.reading.verdict)]
+
+
+def test_two_seeds_without_spread_are_no_reading_not_a_verdict() -> None:
+    """Two seeds whose differences are equal: no spread, so no interval and no test (a zero-width interval from two
+    seeds once read as 'contradicted' with p = nan)."""
+    for test, extra in (("difference", {}), ("exclude", {"alternative": "greater"})):
+        c = declared.Comparison.from_entry({**ENTRY, "seeds": [0, 1], "test": test, **extra})
+        got = declared.confirm(paired_runs((0.02, 0.02)), c)
+        assert got.reading.outcome == declared.TOO_FEW and got.reading.verdict == "inconclusive", got.reading
+        assert np.isnan(got.reading.p_value) and np.isnan(got.reading.interval.low)
+
+
+def test_a_family_reads_each_comparison_at_alpha_over_its_size() -> None:
+    """Bonferroni: the interval at alpha / m, the p-value times m; the reading agrees with both."""
+    c = declared.Comparison.from_entry({**ENTRY, "seeds": list(range(6))})
+    conf = declared.confirm(paired_runs(SMALLER), c)
+    one, three = conf.reading, declared.read(conf.spread, c, family=3)
+    assert three.level == pytest.approx(0.05 / 3) and three.interval.confidence == pytest.approx(1 - 0.05 / 3)
+    assert three.p_value == pytest.approx(min(1.0, 3 * one.p_value))
+    assert three.interval.low < one.interval.low and three.interval.high > one.interval.high
+    for r in (one, three):
+        assert (r.p_value < c.alpha) == (r.verdict == "supported")
 
 
 @pytest.mark.parametrize(
@@ -149,6 +203,35 @@ def sweep_with(**change) -> dict:
         ({"stratum": {"minibatches": 8}}, r"stratum.minibatches = 8: not a value of axes.minibatches; valid: 1, 4, 32"),
         ({"stratum": {"seed": 0}}, r"comparisons\[0\].stratum.seed: not another axis of the sweep; valid: model, mi"),
         ({"extra": 1}, r"comparisons\[0\]: unknown field\(s\) \['extra'\]; valid: name, role, claim, arms"),
+        ({"test": "gap"}, r"comparisons\[0\].test = 'gap'; valid: difference, minimum_effect, exclude, equivalence"),
+        (
+            {"threshold": -0.1, "alternative": "greater"},
+            r"threshold = -0.1 with alternative = 'greater': a greater gap",
+        ),
+        ({"threshold": 0.1, "alternative": "less"}, r"threshold = 0.1 with alternative = 'less': a less gap is < 0"),
+        ({"threshold": float("nan")}, r"comparisons\[0\].threshold = nan: not a finite number; valid: treatment -"),
+        ({"threshold": float("inf")}, r"comparisons\[0\].threshold = inf: not a finite number"),
+        ({"alpha": float("nan")}, r"comparisons\[0\].alpha = nan: not a finite number; valid: the test's level"),
+        ({"power": float("nan")}, r"comparisons\[0\].power = nan: not a finite number"),
+        ({"assumed_sd": float("inf")}, r"comparisons\[0\].assumed_sd = inf: not a finite number"),
+        ({"assumed_gap": float("-inf")}, r"comparisons\[0\].assumed_gap = -inf: not a finite number"),
+        ({"test": "minimum_effect"}, r"alternative = 'two-sided' with test = 'minimum_effect': .*valid: greater"),
+        ({"test": "exclude", "alternative": "less"}, r"threshold = 0.1 with alternative = 'less'"),
+        ({"test": "minimum_effect", "alternative": "greater"}, r"assumed_gap = None: .*valid: a number above 0.1"),
+        (
+            {"test": "minimum_effect", "alternative": "greater", "assumed_gap": 0.05},
+            r"assumed_gap = 0.05: test = 'minimum_effect' is sized at a true gap above the threshold",
+        ),
+        (
+            {"test": "equivalence", "alternative": "greater"},
+            r"test = 'equivalence' with alternative = 'greater'.*two-sided",
+        ),
+        (
+            {"arms": {"axis": "model.num_experts", "treatment": 64, "control": 1}},
+            r"arms.axis = 'model.num_experts': .*valid: algorithm, model, minibatches, seed",
+        ),
+        ({"stratum": {"minibatches": "3"}}, r"stratum.minibatches = '3': not a value of axes.minibatches"),
+        ({"stratum": {"minibatches": True}}, r"stratum.minibatches = True: not a value of axes.minibatches"),
     ],
 )
 def test_a_bad_declaration_names_the_field_and_the_valid_values(change: dict, message: str) -> None:
@@ -170,3 +253,83 @@ def test_the_confirmation_sweep_declares_one_primary_sized_for_its_power() -> No
     routing = yaml.safe_load((ROOT / "sweeps" / "routing.yaml").read_text())
     assert not set(c.seeds) & set(routing["axes"]["seed"])  # seeds not used before
     assert np.isfinite(power.power_paired(c.assumed_sd, c.threshold, len(c.seeds)))
+
+
+SMALL = {
+    "name": "small",
+    "preset": "tiny",
+    "base": {"steps": 2, "eval_every": 1},
+    "axes": {"algorithm": ["grpo", "grpo_rr"], "seed": [0, 1]},
+    "mode": "grid",
+}
+"""A sweep whose runs the declared comparison (synthetic.COMPARISON at seeds 0 and 1) can be read from."""
+
+
+def small_sweep(entry: dict | None = None, **change) -> dict:
+    data = copy.deepcopy({**SMALL, **change})
+    data["comparisons"] = [{**synthetic.COMPARISON, "seeds": [0, 1], **(entry or {})}]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "entry", "message"),
+    [
+        (  # the treatment arm left out by exclude
+            {"exclude": [{"algorithm": ["grpo"]}]},
+            {},
+            r"comparisons\[0\].arms.treatment = 'grpo': the sweep runs it with seeds \[\] in the stratum \{\} \(after "
+            r"exclude.*valid: both arms run the declared seeds \[0, 1\]",
+        ),
+        (  # zip mode: grpo runs seed 0, grpo_rr seed 1: no seed runs both arms
+            {"mode": "zip"},
+            {},
+            r"arms.treatment = 'grpo': the sweep runs it with seeds \[0\] in the stratum",
+        ),
+        (  # another axis varies inside the comparison: two runs of a seed per arm
+            {"axes": {"algorithm": ["grpo", "grpo_rr"], "lr": [1e-4, 2e-4], "seed": [0, 1]}},
+            {},
+            r"comparisons\[0\].stratum = \{\}: arm 'grpo' runs a seed several times in it \(axes lr vary\); valid: a "
+            "stratum naming one value of each",
+        ),
+        (  # a test metric, but the axis that names the test split's size says 0
+            {"axes": {"algorithm": ["grpo", "grpo_rr"], "eval_test_size": [0], "seed": [0, 1]}},
+            {"metric": "test_in_dist"},
+            r"metric = 'test_in_dist': arm 'grpo' scores no test split \(eval_test_size 0\); valid: eval_test_size",
+        ),
+        (  # one arm's own settings switch the test split off
+            {
+                "base": {"steps": 2, "eval_every": 1, "eval_test_size": 64},
+                "per_algorithm": {"grpo_rr": {"eval_test_size": 0}},
+            },
+            {"metric": "test_in_dist"},
+            r"arm 'grpo_rr' scores no test split",
+        ),
+        (  # a held-out metric of runs that never evaluate
+            {"base": {"steps": 2, "eval_every": 0}},
+            {},
+            r"metric = 'eval_in_dist': arm 'grpo' never evaluates \(eval_every 0\)",
+        ),
+        (  # a stratum value matched exactly, not as a substring of `all`
+            {"axes": {"algorithm": "all", "minibatches": [1, 4], "seed": [0, 1]}},
+            {"arms": {"axis": "minibatches", "treatment": 4, "control": 1}, "stratum": {"algorithm": "al"}},
+            r"comparisons\[0\].stratum.algorithm = 'al': not a value of axes.algorithm; valid: .*grpo, ",
+        ),
+    ],
+)
+def test_a_declaration_the_sweeps_runs_cannot_answer_is_refused_when_the_file_is_read(change, entry, message) -> None:
+    from sweeps.expand import Sweep
+
+    Sweep.from_dict(small_sweep(), where="small.yaml")  # readable as it stands
+    with pytest.raises(SweepError, match=message):
+        Sweep.from_dict(small_sweep(entry, **change), where="small.yaml")
+
+
+def test_every_sweep_files_comparisons_are_readable_from_its_runs() -> None:
+    from sweeps.expand import load_sweep
+
+    files = [p for p in sorted((ROOT / "sweeps").glob("*.yaml")) if "comparisons" in yaml.safe_load(p.read_text())]
+    assert files
+    for path in files:
+        load_sweep(path)  # raises naming the field when a declaration cannot be read from the runs
+        for c in declared.from_sweep(path):
+            assert c.test in declared.TESTS and np.isfinite(declared.sizing(c))
