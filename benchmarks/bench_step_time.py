@@ -1,7 +1,9 @@
 """The time planner's CPU form (study/run/timing.py, device `cpu`) against measured steps of real runs, per stage.
 
-    nice -n 10 .venv/bin/python benchmarks/bench_step_time.py [--shapes tiny,tiny-32x8x64,default,routing,small]
-        [--steps 3] [--json]
+    nice -n 10 .venv/bin/python benchmarks/bench_step_time.py [--shapes tiny,default,...] [--steps 3] [--json]
+
+Shapes (`SHAPES`; default: all): tiny, tiny-32x8x64, default, routing (the routing study's MoE), small, and dense
+(the routing study's dense control, held out: not used to choose the `cpu` device's constants).
 
 Each shape is one `python -m study run` (fp32, hf engine, coldstart scratch, no evaluation, one thread) in a fresh
 process under the malloc tunables `python -m study` sets, its timers reading the process's CPU seconds
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ROUTING_MOE = {"preset": "tiny", "num_layers": 4, "num_experts": 64, "moe_top_k": 1, "moe_ffn_hidden_size": 1024}
+DENSE = {"preset": "tiny", "num_layers": 4, "num_experts": 1, "moe_top_k": 1, "moe_ffn_hidden_size": 1024}
 SHAPES: dict[str, dict] = {
     # name: the run's fields (P x G x T, M, model)
     "tiny": {"model": "tiny", "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 32, "minibatches": 4},
@@ -35,6 +38,8 @@ SHAPES: dict[str, dict] = {
     "default": {"model": "default", "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 48, "minibatches": 4},
     "routing": {"model": ROUTING_MOE, "prompts_per_step": 64, "group_size": 16, "max_new_tokens": 32, "minibatches": 4},
     "small": {"model": "small", "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 64, "minibatches": 4},
+    # held out: the routing study's dense control (one expert of width 1024), not used to choose the CPU constants
+    "dense": {"model": DENSE, "prompts_per_step": 32, "group_size": 16, "max_new_tokens": 32, "minibatches": 4},
 }
 CHILD = r"""
 import sys, time

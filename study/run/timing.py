@@ -13,8 +13,9 @@ the same layouts in time, from four things:
   one grouped GEMM per projection (`grouped`; RunConfig.experts, docs/performance.md "The experts");
 - a device's published peak numbers (`DEVICES`, each with its source) times a stated efficiency per kind of work.
 
-Each stage is the roofline max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) plus launches x the
-dispatch time of one op plus its collectives (not overlapped: a plan errs long). Lengths are the workload's maxima:
+Each stage is the roofline max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) on a GPU (the sum on a
+CPU thread, which does one at a time) plus launches x the dispatch time of one op plus its collectives (not
+overlapped: a plan errs long). Lengths are the workload's maxima:
 every response at max_new_tokens, the trainer's batch padded to the longest sequence, as study/batch.py pads it.
 
 The `cpu` device is this form on one CPU thread, calibrated against measured steps (benchmarks/bench_step_time.py,
@@ -63,13 +64,16 @@ class Device:
     train_eff: float  # share of peak FLOP/s the trainer's GEMM mix sustains
     prefill_eff: float  # share of peak FLOP/s the engine's prefill sustains
     decode_bw_eff: float  # share of mem_bw a decode step reaches reading weights and KV cache
+    train_bw_eff: float  # share of mem_bw the trainer's weight reads and activation traffic reach
     link_eff: float  # share of link_bw / net_bw a large collective reaches (NCCL's bus bandwidth)
     launch_s: float  # seconds per eager op of the trainer (framework dispatch + kernel launch)
     engine_step_s: float  # seconds per decode step besides its kernels (scheduler, sampling, Python)
     startup_s: float  # seconds to start a run before its first step: imports, build, engine start
     load_bw: float  # bytes/s reading the starting weights and writing checkpoints (filesystem)
     source: str
-    cpu: bool = False  # a CPU: the experts' `auto` path is sequential, the engine is the run's own process
+    cpu: bool = False
+    """A CPU thread: its compute and memory traffic add up (one core does one at a time; a GPU's overlap, and a
+    stage takes the larger), the experts' `auto` path is sequential, the engine is in the run's process."""
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -84,6 +88,8 @@ _HOPPER_EFFICIENCIES = dict(
     prefill_eff=0.5,
     # decode kernels (fused MoE, paged attention) read weights and KV at 50-70% of HBM bandwidth
     decode_bw_eff=0.6,
+    # the trainer's elementwise ops (norms, SwiGLU, permutes) each read and write their activations: a few passes
+    train_bw_eff=0.3,
     # NCCL's all-gather / reduce-scatter bus bandwidth is 70-80% of NVLink's and of InfiniBand's peak
     link_eff=0.75,
     # an eager PyTorch op costs ~5-10 us of CPU dispatch; kernels shorter than that leave the GPU idle
@@ -131,10 +137,11 @@ DEVICES: dict[str, Device] = {
         mem_gb=0.0,
         source="measured on the machine kind of docs/performance.md (1 thread); efficiencies and per-op times "
         "calibrated by benchmarks/bench_step_time.py",
-        train_eff=0.55,  # the update's GEMMs at ~70% of the peak, its elementwise ops and AdamW besides
-        prefill_eff=0.55,  # the engine's C prefill and decode GEMMs, the same mix
+        train_eff=0.9,  # the GEMMs, their elementwise traffic priced apart (below); bench_peak: 82% of peak overall
+        prefill_eff=0.5,  # the C decode loop's GEMMs, a few rows each, and its attention over the KV cache
         decode_bw_eff=0.6,  # the C decode loop's reads of weights and KV cache
-        link_eff=1.0,
+        train_bw_eff=0.2,  # megatron's elementwise ops read and write each activation several times
+        link_eff=0.6,  # the weight sync copies weight by weight: ~60% of one streaming copy
         launch_s=20e-6,  # one torch op of megatron's layers with autograd, Python included
         engine_step_s=2e-4,  # the C loop's sampling and bookkeeping per decode step
         startup_s=10.0,  # imports, the policy's build, the engine's, the run directory (a tiny run's first 10 s)
@@ -158,6 +165,7 @@ ROUTER_OPS = 15  # pre-MLP norm, router GEMM, softmax and top-k, the dispatcher'
 EXPERT_OPS = 8  # sequential, per local expert: gather its rows, fc1, SwiGLU (3 ops), fc2, scale by the gate, scatter
 GROUPED_OPS = 10  # grouped: fc1 and fc2 one grouped GEMM each, SwiGLU and the gate over all rows at once, stacking
 HEAD_OPS = 10  # embedding, final norm, output layer, log-softmax and the label gather
+SYNC_LAYER_TENSORS = 7  # a layer's weights besides its experts' (3 each): QKV, output, 4 norms, router
 
 TIME_LIMIT_FACTOR = 2.0
 """A job's time limit is the plan times this plus TIME_LIMIT_PAD_MIN: the plan is a model (the calibration's
@@ -210,7 +218,8 @@ class _Cost:
     def seconds(self, dev: Device, dtype: str, flops_eff: float, bw_eff: float) -> float:
         compute = self.flops / (dev.peak(dtype) * flops_eff)
         memory = self.bytes / (dev.mem_bw * bw_eff)
-        return max(compute, memory) + self.launches * dev.launch_s + self.comm_s
+        bound = compute + memory if dev.cpu else max(compute, memory)
+        return bound + self.launches * dev.launch_s + self.comm_s
 
 
 def _collective_s(nbytes: float, group: int, dev: Device, within_node: bool) -> float:
@@ -332,11 +341,15 @@ def rollout_seconds(
 
 def sync_seconds(cfg: ModelConfig, layout: Layout, engine: EngineLayout, dev: Device, gpus_per_node: int) -> float:
     """Seconds of the weight sync: every weight, gathered from its TP / EP shards, sent once at the engine's dtype
-    over the interconnect (the network when the trainer spans nodes); on a CPU, one process copies its weights into
-    the engine's (read + write)."""
-    nbytes = param_counts(cfg).total * DTYPE_BYTES[engine.dtype]
+    over the interconnect (the network when the trainer spans nodes). On a CPU the hf engine is in the run's process:
+    each weight tensor is one copy (an op), the weights are read and written once, the experts once more where the
+    engine stacks them."""
+    counts = param_counts(cfg)
+    nbytes = counts.total * DTYPE_BYTES[engine.dtype]
     if dev.cpu:
-        return 2 * nbytes / (dev.mem_bw * dev.link_eff)
+        tensors = cfg.num_layers * (SYNC_LAYER_TENSORS + 3 * cfg.num_experts) + 3
+        moved = 2 * (nbytes + counts.experts * DTYPE_BYTES[engine.dtype])
+        return moved / (dev.mem_bw * dev.link_eff) + tensors * dev.launch_s
     bw = dev.link_bw if layout.world <= gpus_per_node else dev.net_bw
     return nbytes / (bw * dev.link_eff)
 
@@ -370,12 +383,13 @@ def step_time(
     rollout = rollout_seconds(cfg, engine, work, layout.world, dev, kv_capacity=kv)
 
     forward = _trainer_forward(cfg, layout, work, rows, precision, dev, experts, gpus_per_node)
-    pi_old = forward.seconds(dev, dtype, dev.train_eff, 1.0)
+    pi_old = forward.seconds(dev, dtype, dev.train_eff, dev.train_bw_eff)
 
     share = _trainer_forward(cfg, layout, work, rows / minibatches, precision, dev, experts, gpus_per_node)
     backward = share * 2 + (share if layout.recompute else _Cost())  # a backward: twice a forward, + the recompute
     optim, reduce_s = _optimizer_step(cfg, layout, precision, dev, gpus_per_node)
-    per_minibatch = (share + backward).seconds(dev, dtype, dev.train_eff, 1.0) + optim.seconds(dev, dtype, 1, 1)
+    per_minibatch = (share + backward).seconds(dev, dtype, dev.train_eff, dev.train_bw_eff)
+    per_minibatch += optim.seconds(dev, dtype, 1.0, 1.0)  # a fused AdamW streams its state once
     update = minibatches * (per_minibatch + reduce_s)
 
     sync = sync_seconds(cfg, layout, engine, dev, gpus_per_node)

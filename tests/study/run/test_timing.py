@@ -97,7 +97,20 @@ def test_decode_reads_the_weights_and_the_kv_cache_every_step() -> None:
     weights = 4 * (c.vocab + c.attention + c.replicated + c.experts * touched)
     kv = 4 * (6 + 10 / 2) * 1 * 2 * 2 * 32 * 4  # sequences x context x layers x (K, V) x groups x head_dim x fp32
     assert step.rollout == pytest.approx(10 * (weights + kv) / (1e9 * 0.5))
-    assert step.sync == pytest.approx(2 * 4 * c.total / 1e9)  # one process: read + write of the fp32 weights
+    # one process: read + write of the fp32 weights, the experts once more (the engine stacks them)
+    assert step.sync == pytest.approx(2 * 4 * (c.total + c.experts) / 1e9)
+
+
+def test_a_cpu_adds_compute_and_memory_a_gpu_takes_the_larger() -> None:
+    compute_only = COMPUTE
+    memory_only = dataclasses.replace(COMPUTE, peak_flops={"fp32": 1e30}, mem_bw=1e6)
+    both = dataclasses.replace(COMPUTE, mem_bw=1e6)
+    c, m, cpu, gpu = (
+        timing.step_time(SHAPE, plan.Layout(), WORK, dev=dev, precision=FP32, engine=ENGINE).pi_old
+        for dev in (compute_only, memory_only, both, dataclasses.replace(both, cpu=False))
+    )
+    assert c > 0 and m > 0
+    assert cpu == pytest.approx(c + m) and gpu == pytest.approx(max(c, m))
 
 
 def test_collectives_and_the_optimizer_are_priced_per_minibatch() -> None:
