@@ -1,12 +1,14 @@
 """What a run is made of, built once at its start (`setup`: the cold start's tokenizer and weights, the policy and
-its optimiser, the routing controller, the rollout engine, the task data, the KL reference), and the trainer's
-forwards of a batch's rows (one process: those rows; a parallel layout: this rank's share, then every rank's
-gathered): a step's, pi_old's pass and the updates', are `StepForwards`'s. The loop that uses them is study/rl.py.
+its optimiser, the routing controller and the routers' kicks (RunConfig.router_kick), the rollout engine, the task
+data, the KL reference), and the trainer's forwards of a batch's rows (one process: those rows; a parallel layout:
+this rank's share, then every rank's gathered): a step's, pi_old's pass and the updates', are `StepForwards`'s. The
+loop that uses them is study/rl.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -25,6 +27,7 @@ from study.core.model_config import ModelConfig, ParallelLayout
 from study.data import tasks
 from study.data.tokenizer import TaskTokenizer
 from study.policy import parallel as par
+from study.policy.kick import RouterKick
 from study.policy.model import build_policy, token_logp
 from study.policy.optim import DynamicLossScaler, build_optimizer
 from study.policy.routing import Routes, RoutingController
@@ -100,6 +103,7 @@ class Parts:
     scaler: DynamicLossScaler | None  # fp16 loss scaling
     params: list[torch.nn.Parameter]  # walked after every backward: listed once here, not a module walk each time
     routing: RoutingController
+    kick: RouterKick  # the routing-volatility dial (RunConfig.router_kick): the routers' kicks within a step
     engine: Any  # the rollout engine (study/rollout/); None on a parallel layout's ranks other than 0
     stream: Any
     evals: dict[str, list[tasks.TaskItem]]
@@ -171,6 +175,7 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
         load_initial(ref, init_state, parallel is not None)
         ref_prec = precision_mod.apply_precision(ref, train_prec)
         ref.requires_grad_(False)
+    routing = RoutingController(policy)
     return Parts(
         alg=alg,
         hparams=alg.check_hparams(cfg.hparams),
@@ -181,7 +186,8 @@ def setup(cfg: RunConfig, results: Path) -> Parts:
         optimizer=optimizer,
         scaler=DynamicLossScaler() if cfg.train_dtype == "fp16" else None,
         params=list(policy.parameters()),
-        routing=RoutingController(policy),
+        routing=routing,
+        kick=RouterKick(routing.routers, cfg.router_kick, functools.partial(derive_seed, "router_kick", cfg.seed)),
         engine=engine,
         stream=stream,
         evals=evals,

@@ -12,7 +12,8 @@ algorithm decides):
     5.4);
  3. minibatch updates: the batch split into M minibatches; for each: forward with ALGO the routing the algorithm asks
     for (free / replay / rollout_replay), ALGO `alg.loss`, backward, clip, AdamW step (`micro_batch` > 0: forward
-    and backward in micro-batches, the gradients accumulated before the step);
+    and backward in micro-batches, the gradients accumulated before the step); with router_kick > 0 minibatch m's
+    forwards route through m - 1 Gaussian kicks to the routers, never held by the weights (study/policy/kick.py);
  4. sync: the weights pushed to the rollout engine;
  5. log: a held-out evaluation every N steps, the metrics row (study/record.py; files written at checkpoints);
  6. checkpoint every N steps (study/checkpoint.py).
@@ -385,15 +386,17 @@ def _updates(
     loss is computed against), ALGO with `replay`'s routes forced (None: free routing): each from one forward of its
     rows (`forwards.update`: the first one's made by pi_old's pass), or, where this rank's share of a minibatch is more
     than one micro-batch, in micro-batches (`_update_micro`). `measure` sees the weights each update starts from
-    (routing_attribution)."""
+    (routing_attribution). With RunConfig.router_kick each minibatch's forwards route through the kicks drawn after
+    the updates before it (study/policy/kick.py); the weights never hold them."""
     out = []
     for i, mb in enumerate(targets):
-        measure.routing_attribution(forwards, i, replay)  # instrumentation: before the update, on its weights
-        if forwards.fused:
-            forward = forwards.update(i, replay)
-            update = Update(_update(parts, forward.logp, mb, step, settings), forward.routes, forward.logp.detach())
-        else:
-            update = _update_micro(parts, forwards, mb, replay, step, settings)
+        with parts.kick.minibatch(step, i):  # the routing-volatility dial (router_kick): the routers' i kicks so far
+            measure.routing_attribution(forwards, i, replay)  # instrumentation: before the update, on its weights
+            if forwards.fused:
+                forward = forwards.update(i, replay)
+                update = Update(_update(parts, forward.logp, mb, step, settings), forward.routes, forward.logp.detach())
+            else:
+                update = _update_micro(parts, forwards, mb, replay, step, settings)
         out.append(update)
     return out
 

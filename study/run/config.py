@@ -139,6 +139,12 @@ class RunConfig:
     noise the rollout engine adds to every MoE router's logits before its top-k (the gates then softmax the noisy
     logits), drawn from the seed of each `generate` call (the run's seed and step: rollouts, and the held-out
     evaluations alike); the engine's `score` and the trainer route without it. 0 = off; rollout_engine = 'hf' only."""
+    router_kick: float = 0.0
+    """The routing-volatility dial (study/policy/kick.py), in the router weights' units: after each minibatch's
+    optimizer step a Gaussian kick of this standard deviation per router weight entry, drawn from (seed, step,
+    minibatch) alone, so minibatch m of a step routes through the m - 1 kicks before it; taken back before the weight
+    sync (the rollout policy, evaluations and checkpoints never carry it). An emulated regime: a run with it > 0 moves
+    its routing by noise, not by its updates alone (docs/studies/regime.md). 0 = off."""
     eval_every: int = 10
     """Evaluate on the held-out sets every this many steps (and at the end); 0 = never."""
     eval_size: int = 32
@@ -293,6 +299,12 @@ class RunConfig:
                 f"engine_router_noise = {self.engine_router_noise} perturbs the router logits of "
                 f"rollout_engine = 'hf' only (rollout_engine = {self.rollout_engine!r} has no hook for "
                 "it); valid: engine_router_noise = 0, or rollout_engine = 'hf'"
+            )
+        if self.router_kick and (self.minibatches < 2 or model.num_experts < 2):
+            raise ValueError(
+                f"router_kick = {self.router_kick} moves the routing of minibatches 2..M of an MoE (minibatches = "
+                f"{self.minibatches}, model.num_experts = {model.num_experts}); valid: router_kick = 0, or "
+                "minibatches >= 2 with num_experts >= 2"
             )
         if self.old_logp_source == "rollout" and alg.routing == "replay":
             raise ValueError(
@@ -522,6 +534,7 @@ FLOAT_RANGES: dict[str, tuple[tuple[float, str], tuple[float, str], str]] = {
     "max_log_ratio": ((0.0, "("), (_INF, ")"), ""),
     "kl_coef": ((0.0, "["), (_INF, ")"), " (0 = no KL penalty)"),
     "engine_router_noise": ((0.0, "["), (_INF, ")"), " (0 = off)"),
+    "router_kick": ((0.0, "["), (_INF, ")"), " (0 = off)"),
 }
 """The valid interval of each float field of RunConfig (checked by validate, besides finiteness)."""
 
@@ -549,6 +562,7 @@ HASHED_IF_SET: dict[str, Any] = {
     "eval_test_size": 0,
     "eval_test_samples": 8,
     "routing_attribution": False,
+    "router_kick": 0.0,
 }
 
 
