@@ -167,6 +167,10 @@ GROUPED_OPS = 10  # grouped: fc1 and fc2 one grouped GEMM each, SwiGLU and the g
 HEAD_OPS = 10  # embedding, final norm, output layer, log-softmax and the label gather
 SYNC_LAYER_TENSORS = 7  # a layer's weights besides its experts' (3 each): QKV, output, 4 norms, router
 
+HOST_BW = 50e9
+"""Bytes/s per GPU between an offloading layout's GPU and its host optimizer: a DGX H100's PCIe Gen5 x16 link per GPU
+(64 GB/s per direction) and its share of the host's memory bandwidth are both of this order."""
+
 TIME_LIMIT_FACTOR = 2.0
 """A job's time limit is the plan times this plus TIME_LIMIT_PAD_MIN: the plan is a model (the calibration's
 errors, docs/performance.md), a machine's speed drifts, and a job that runs out is requeued and resumes from its last
@@ -263,8 +267,10 @@ def _trainer_forward(
     # TP + SP: each layer all-gathers its input and reduce-scatters its output, twice (attention, MoE)
     h_bytes = mb_tokens * cfg.hidden_size * precision.act_bytes
     tp_s = 4 * _collective_s(h_bytes, layout.tp, dev, within_node=True)
-    # EP: each layer's token dispatch and combine, k copies of every token, an all-to-all over the EP group
-    ep_s = 2 * _collective_s(h_bytes * cfg.moe_top_k, layout.ep, dev, within_node=layout.ep <= gpus_per_node)
+    # EP: each layer's token dispatch and combine, k copies of each of the rank's tokens (with SP, its 1 / TP share of
+    # the sequence), an all-to-all over the EP group
+    local = h_bytes / (layout.tp if layout.sp else 1)
+    ep_s = 2 * _collective_s(local * cfg.moe_top_k, layout.ep, dev, within_node=layout.ep <= gpus_per_node)
     flops = forward_flops(cfg, rows * layout.dp * work.seq_len, work.seq_len / 2) / layout.world
     return _Cost(
         flops=flops,
@@ -286,19 +292,19 @@ def _optimizer_step(
     cfg: ModelConfig, layout: Layout, precision: Precision, dev: Device, gpus_per_node: int
 ) -> tuple[_Cost, float]:
     """One optimizer step on one rank: (AdamW's memory traffic over the rank's share of the state, the seconds of
-    the data-parallel gradient reduction and, with the distributed optimizer, the weights' all-gather)."""
+    the data-parallel gradient reduction and, with the distributed optimizer, the weights' all-gather). An
+    offloading layout (published ones) runs AdamW on the host: its state streams at HOST_BW, the gradients go down
+    and the weights come back over the same link."""
     dense, expert = param_counts(cfg).per_rank(layout.tp, layout.ep)
-    if layout.offload:
-        state = 0.0
-    elif layout.dist_opt:
-        state = dense / layout.dp + expert / layout.edp
-    else:
-        state = dense + expert
+    state = dense / layout.dp + expert / layout.edp if layout.dist_opt else dense + expert
     within = layout.world <= gpus_per_node
     per_param = precision.grad_bytes + (precision.weight_bytes if layout.dist_opt else precision.grad_bytes)
     comm = _collective_s(dense * per_param, layout.dp, dev, within) + _collective_s(
         expert * per_param, layout.edp, dev, within
     )
+    if layout.offload:
+        host = state * (adam_bytes_per_param(precision) + precision.grad_bytes + precision.weight_bytes)
+        return _Cost(), comm + host / HOST_BW
     return _Cost(bytes=state * adam_bytes_per_param(precision)), comm
 
 

@@ -42,11 +42,12 @@ PUBLISHED_THROUGHPUT = {
     "engine": EngineLayout(tp=2, ep=1, gpu_memory=0.6),
     "work": Workload(prompts=64, group_size=32, prompt_len=512, response_len=3584, micro_batch=1),
     "minibatches": 4,
-    "source": "NeMo-RL docs/about/performance-summary.md: GRPO, bf16, Megatron TP 1 / EP 8, vLLM TP 2, 4k max "
-    "length, 32 H100, on-policy, 2,048 samples a step in training batches of 512",
+    "source": "docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html: GRPO, bf16, Megatron TP 1 / EP 8, "
+    "vLLM TP 2, 4k max length, 32 H100, on-policy, 2,048 samples a step in training batches of 512",
 }
 """The one published RL throughput for Qwen3-30B-A3B (docs/gpu.md), and its shape as the plan prices it: 64 prompts
-x 32 samples, 4,096 tokens at most (taken as 512 + 3,584), 4 updates of 512, vLLM at NeMo-RL's usual 0.6 of a GPU.
+x 32 samples, 4,096 tokens at most (taken as 512 + 3,584), 4 updates of 512, vLLM at 0.6 of a GPU (assumed: the
+summary does not give it).
 NeMo-RL counts the tokens the step generated; the plan counts every sequence at its maximum length."""
 
 
