@@ -117,17 +117,21 @@ def holm(p_values: Sequence[float], *, alpha: float = 0.05) -> np.ndarray:
     return out
 
 
-def simultaneous(samples: Sequence[Sequence[float] | np.ndarray], *, confidence: float = 0.95) -> list[CI]:
+def simultaneous(
+    samples: Sequence[Sequence[float] | np.ndarray], *, confidence: float = 0.95, family: int | None = None
+) -> list[CI]:
     """Simultaneous intervals of a family of means (each family member: its paired differences over units): each a t
     interval at 1 - (1 - confidence) / m (Bonferroni), so all m cover their means together with probability at
-    least `confidence`. `CI.confidence` holds the per-interval level."""
+    least `confidence`. m is `family` when given (the whole family's size, when `samples` are only some of its
+    members: the paired rows of a family that also holds Welch rows), else the members of `samples` with two or more
+    units. `CI.confidence` holds the per-interval level."""
     if not samples:
         return []
     width = max(len(np.asarray(x)) for x in samples)
     mat = np.full((width, len(samples)), np.nan)  # (units, family members)
     for j, x in enumerate(samples):
         mat[: len(np.asarray(x)), j] = np.asarray(x, dtype=np.float64)
-    m = int((np.isfinite(mat).sum(axis=0) >= 2).sum())
+    m = int((np.isfinite(mat).sum(axis=0) >= 2).sum()) if family is None else family
     level = 1 - (1 - confidence) / max(m, 1)
     mean, low, high, n = mean_band(mat, confidence=level)
     return [CI(float(e), float(lo), float(hi), int(k), level) for e, lo, hi, k in zip(mean, low, high, n, strict=True)]
@@ -184,14 +188,15 @@ FAMILY = (
 
 def read_as_family(rows: list[dict[str, Any]]) -> None:
     """`arm_gap` rows read together as one exploratory family: `p_holm` (`holm` over the rows with a p-value) and
-    the simultaneous intervals (`simultaneous`, Bonferroni over the paired rows' differences; a Welch row gets its
-    interval at the same per-interval level); each row's `family` says so. In place; the private keys are dropped."""
+    the simultaneous intervals (Bonferroni over the whole family of m rows with a p-value: `simultaneous` of the
+    paired rows' differences and Welch's interval of the others, each at 1 - 0.05 / m); each row's `family` says so.
+    In place; the private keys are dropped."""
     m = int(sum(np.isfinite(r["p"]) for r in rows))
     for r, adj in zip(rows, holm([r["p"] for r in rows]), strict=True):
         r["p_holm"] = float(adj)
     level = 1 - 0.05 / max(m, 1)
     paired = [r for r in rows if len(r["_diffs"]) >= 2]
-    for r, ci in zip(paired, simultaneous([r["_diffs"] for r in paired]), strict=True):
+    for r, ci in zip(paired, simultaneous([r["_diffs"] for r in paired], family=m), strict=True):
         r["simultaneous_low"], r["simultaneous_high"] = ci.low, ci.high
     for r in rows:
         x, y = r.pop("_xy")
@@ -251,7 +256,7 @@ its Figure 2: ~115x)."""
 
 @dataclass(frozen=True)
 class SizeReading:
-    """A ratio read beside the paper's: the direction, and the size as a fraction of the paper's."""
+    """A ratio read beside the paper's: the direction, and the size as a fraction of the paper's, with its interval."""
 
     ratio: CI
     paper: float
@@ -260,12 +265,24 @@ class SizeReading:
     size_of_paper: float
     """log(ratio) / log(paper): 1 = the paper's size, 0.5 = half its orders of magnitude."""
     sentence: str
+    size: CI | None = None
+    """`size_of_paper` with the ratio's interval on the same scale (log(low) / log(paper), log(high) / log(paper):
+    a monotone map of the ratio's interval, so it covers as often); None without a positive interval."""
+    paper_outside: str = ""
+    """"above" or "below" when the paper's ratio lies outside the ratio's interval, "" when inside or unknown."""
 
 
 def size_against_paper(ratio: CI, paper: float = PAPER_CLIP_RATIO) -> SizeReading:
-    """C2's reading: "direction supported, size X of the paper's" (the size on the log scale: orders of magnitude)."""
+    """C2's reading: "direction supported, size X of the paper's (... log scale: size [low, high])" (the size on the
+    log scale: orders of magnitude, its interval the ratio's interval on that scale), and whether the paper's ratio
+    lies outside the ratio's interval (then the data rule out the paper's size)."""
     direction = None if not np.isfinite(ratio.low) else (True if ratio.low > 1 else False if ratio.high < 1 else None)
     size = float(np.log(ratio.estimate) / np.log(paper)) if ratio.estimate > 0 else np.nan
+    band = None
+    if np.isfinite(ratio.low) and np.isfinite(ratio.high) and ratio.low > 0:
+        lo, hi = (float(np.log(x) / np.log(paper)) for x in (ratio.low, ratio.high))
+        band = CI(size, lo, hi, ratio.n, ratio.confidence)
+    outside = "" if band is None else "above" if paper > ratio.high else "below" if paper < ratio.low else ""
     ratio_text = f"{ratio.estimate:.3g}x [{ratio.low:.3g}, {ratio.high:.3g}] (n={ratio.n})"
     if direction is True:
         head = "direction supported"
@@ -273,8 +290,18 @@ def size_against_paper(ratio: CI, paper: float = PAPER_CLIP_RATIO) -> SizeReadin
         head = "direction contradicted"
     else:
         head = "direction not decided"
-    sentence = f"{head}, size {size:.2g} of the paper's (ratio {ratio_text} vs the paper's ~{paper:g}x, log scale)"
-    return SizeReading(ratio, paper, direction, size, sentence)
+    size_band = f": size [{band.low:.2g}, {band.high:.2g}]" if band is not None else ""
+    sentence = (
+        f"{head}, size {size:.2g} of the paper's (ratio {ratio_text} vs the paper's ~{paper:g}x, log scale{size_band})"
+    )
+    if band is not None:
+        where = (
+            f"the paper's ~{paper:g}x lies {outside} the interval: this study's ratio is not the paper's"
+            if outside
+            else f"the paper's ~{paper:g}x lies inside the interval"
+        )
+        sentence = f"{sentence}; {where}"
+    return SizeReading(ratio, paper, direction, size, sentence, band, outside)
 
 
 @dataclass(frozen=True)
@@ -405,12 +432,22 @@ def probability_of_improvement(
     return _stratified(metrics.probability_of_improvement, [x, y], reps=reps, confidence=confidence, seed=seed)
 
 
+IQM_COVERAGE = {3: 0.75, 4: 0.87, 5: 0.90, 6: 0.91, 8: 0.93, 10: 0.93}
+"""How often the IQM's stratified percentile bootstrap at a nominal 95% covers on normal runs with one task, by runs
+per task (4,000 simulated studies each; tests/analysis/test_design_coverage.py measures it at 4 runs with
+`iqm_interval` itself). Short of 95% at every size here: with 4 runs, say, no resample's IQM leaves the runs' range,
+which holds the mean 1 - 2 / 2^4 = 87.5% of the time. The table's note states it; no bootstrap over so few runs
+reaches its label."""
 ALGORITHM_TABLE_NOTE = (
     "Per algorithm, its runs pooled over the configurations of the other swept axes (tasks): the mean over runs with "
     "its 95% Student t interval; rliable's interquartile mean (the mean of the middle 50% of all run x task scores, "
     "robust to an outlying seed) and its probability of improvement P(algorithm > {ref}) (the Mann-Whitney "
-    "statistic per task, averaged over tasks), each with a 95% stratified percentile bootstrap over runs within each "
-    "task ({reps} resamples). A task keeps the seeds every algorithm ran in it; exploratory (no declared comparison)."
+    "statistic per task, averaged over tasks), each with a stratified percentile bootstrap over runs within each "
+    "task ({reps} resamples) at a nominal 95%, which covers less with few runs: the IQM's, on normal runs with one "
+    "task, "
+    + ", ".join(f"{c:.0%} at {n} runs" for n, c in IQM_COVERAGE.items())
+    + " (design.IQM_COVERAGE, measured by simulation); the t interval of the mean has its label. A task keeps the "
+    "seeds every algorithm ran in it; exploratory (no declared comparison)."
 )
 """The text under the report's algorithm table (format with ref, reps)."""
 
@@ -492,6 +529,7 @@ def algorithm_table(
 
 __all__ = [
     "ALGORITHM_TABLE_NOTE",
+    "IQM_COVERAGE",
     "PAPER_CLIP_RATIO",
     "PAPER_PER_UPDATE",
     "PER_UPDATE",
