@@ -75,6 +75,25 @@ class Comparison:
     assumed_gap: float | None = None
     """The true D the sizing assumes (`sizing`); None: the threshold (difference) or 0 (exclude, equivalence)."""
 
+    def __post_init__(self) -> None:
+        """The numbers a reading depends on, refused when they cannot be read (a sweep file the analysis is handed
+        need not have passed sweeps.schema's checks): finite, alpha in (0, 1), a nonzero threshold on the side its
+        one-sided alternative names."""
+        for name in ("threshold", "alpha", "power", "assumed_sd", "assumed_gap"):
+            v = getattr(self, name)
+            if v is not None and not np.isfinite(v):
+                raise ValueError(f"{self.name}: {name} = {v!r}; valid: a finite number")
+        if not 0 < self.alpha < 1 or self.threshold == 0:
+            raise ValueError(
+                f"{self.name}: alpha = {self.alpha!r}, threshold = {self.threshold!r}; valid: 0 < alpha < 1, "
+                "threshold != 0"
+            )
+        if (self.alternative == "greater") != (self.threshold > 0) and self.alternative != "two-sided":
+            raise ValueError(
+                f"{self.name}: threshold = {self.threshold!r} with alternative = {self.alternative!r}; valid: greater "
+                "with threshold > 0, less with threshold < 0"
+            )
+
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any]) -> Comparison:
         arms = entry["arms"]

@@ -333,3 +333,22 @@ def test_every_sweep_files_comparisons_are_readable_from_its_runs() -> None:
         load_sweep(path)  # raises naming the field when a declaration cannot be read from the runs
         for c in declared.from_sweep(path):
             assert c.test in declared.TESTS and np.isfinite(declared.sizing(c))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"threshold": float("inf")}, r"comparisons\[0\]: ValueError replay_cost: threshold = inf; valid: a finite"),
+        ({"alpha": float("nan")}, r"replay_cost: alpha = nan; valid: a finite number"),
+        ({"threshold": -0.1, "alternative": "greater"}, r"threshold = -0.1 with alternative = 'greater'; valid: great"),
+        ({"test": "gap"}, r"test = 'gap'; valid: difference, minimum_effect, exclude, equivalence"),
+        ({"test": None}, r"test = None; valid: difference"),
+    ],
+)
+def test_the_analysis_refuses_a_declaration_it_cannot_read(tmp_path, change: dict, message: str) -> None:
+    """A sweep file handed to the report need not have passed the sweep's checks: numbers no reading can use are
+    refused there too (an infinite threshold once read "contradicted" off any interval)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "comparisons": [{**synthetic.COMPARISON, **change}]}))
+    with pytest.raises(ValueError, match=message):
+        declared.from_sweep(path)
