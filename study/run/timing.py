@@ -102,29 +102,28 @@ _HOPPER_EFFICIENCIES = dict(
     load_bw=2e9,
 )
 
+H100 = Device(
+    name="h100",
+    peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    mem_bw=3.35e12,
+    link_bw=450e9,
+    net_bw=50e9,
+    mem_gb=80.0,
+    source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 1,979 TFLOPS with sparsity (989.5 dense), "
+    "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction); NVIDIA DGX H100 datasheet: 8 x ConnectX-7 "
+    "400 Gb/s, one 50 GB/s port per GPU",
+    **_HOPPER_EFFICIENCIES,
+)
+
 DEVICES: dict[str, Device] = {
-    "h100": Device(
-        name="h100",
-        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-        mem_bw=3.35e12,
-        link_bw=450e9,
-        net_bw=50e9,
-        mem_gb=80.0,
-        source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 1,979 TFLOPS with sparsity (989.5 "
-        "dense), FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction); NVIDIA DGX H100 datasheet: "
-        "8 x ConnectX-7 400 Gb/s, one 50 GB/s port per GPU",
-        **_HOPPER_EFFICIENCIES,
-    ),
-    "h200": Device(
+    "h100": H100,
+    "h200": dataclasses.replace(
+        H100,
         name="h200",
-        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
         mem_bw=4.8e12,
-        link_bw=450e9,
-        net_bw=50e9,
         mem_gb=141.0,
         source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: the H100 SXM's FLOPS, 141 GB HBM3e at 4.8 TB/s, "
         "NVLink 900 GB/s; the DGX H200's network as the DGX H100's",
-        **_HOPPER_EFFICIENCIES,
     ),
     "cpu": Device(
         name="cpu",

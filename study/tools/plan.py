@@ -47,8 +47,8 @@ PUBLISHED_THROUGHPUT = {
 }
 """The one published RL throughput for Qwen3-30B-A3B (docs/gpu.md), and its shape as the plan prices it: 64 prompts
 x 32 samples, 4,096 tokens at most (taken as 512 + 3,584), 4 updates of 512, vLLM at 0.6 of a GPU (assumed: the
-summary does not give it).
-NeMo-RL counts the tokens the step generated; the plan counts every sequence at its maximum length."""
+summary does not give it). NeMo-RL counts the tokens the step generated; the plan counts every sequence at its
+maximum length."""
 
 
 def format_table(

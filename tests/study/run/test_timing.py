@@ -12,24 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from study.core.model_config import ModelConfig, resolve_model
+from study.core.model_config import PRESETS, resolve_model
 from study.run import plan, timing
 from study.run.config import RunConfig
 from study.tools.plan import plan_main
 from tests.shared import ROOT
 
-# One MoE layer: hidden 64, 2 heads of 32 (2 KV groups), 4 experts of width 128, top-2, vocabulary 512.
-SHAPE = ModelConfig(
-    num_layers=1,
-    hidden_size=64,
-    num_attention_heads=2,
-    num_query_groups=2,
-    head_dim=32,
-    num_experts=4,
-    moe_top_k=2,
-    moe_ffn_hidden_size=128,
-    vocab_size=512,
-)
+# One MoE layer of `tiny`: hidden 64, 2 heads of 32 (2 KV groups), 4 experts of width 128, top-2, vocabulary 512.
+SHAPE = PRESETS["tiny"].replace(num_layers=1)
 # 2 prompts x 2 samples of 6 + 10 tokens: 4 sequences of 16, 64 tokens
 WORK = plan.Workload(prompts=2, group_size=2, prompt_len=6, response_len=10, micro_batch=0)
 FP32 = plan.Precision.of("fp32")
