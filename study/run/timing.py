@@ -317,9 +317,10 @@ def rollout_seconds(
     kv_capacity: float | None = None,
 ) -> float:
     """Seconds the engine's replicas take to generate work.sequences responses of work.response_len tokens after
-    prompts of work.prompt_len: each replica's prefill (compute-bound) and response_len decode steps (the larger of
-    their FLOPs and the weights and KV cache they read), in waves when `kv_capacity` (bytes per GPU) holds fewer
-    sequences than the replica's share."""
+    prompts of work.prompt_len: each replica's prefill (compute-bound) and response_len decode steps (their FLOPs
+    against the bytes they read: the replica's dense weights, the embedding counted whole, the experts the batch
+    touches and the KV cache at the mean context), in waves when `kv_capacity` (bytes per GPU) holds fewer sequences
+    than the replica's share."""
     counts = param_counts(cfg)
     gpus = max(engine.tp, engine.ep)
     replicas = engine.dp or max(1, world // gpus)

@@ -256,7 +256,7 @@ def _headline(what: str, layout: Layout, t: timing.RunTime) -> str:
     return (
         f"{what}: {layout.label()}: {s.total:,.1f} s/step (rollout {s.rollout:,.1f}, pi_old {s.pi_old:,.1f}, update "
         f"{s.update:,.1f}, weight sync {s.sync:,.1f}), {s.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-        f"{t.seconds / 3600:,.1f} h and {t.gpu_hours:,.0f} GPU-hours for {t.steps} steps on {s.gpus} GPUs"
+        f"{t.seconds / 3600:,.1f} h and {t.gpu_hours:,.1f} GPU-hours for {t.steps} steps on {s.gpus} GPUs"
     )
 
 

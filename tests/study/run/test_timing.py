@@ -156,7 +156,7 @@ def test_the_paper_run_prints_time_throughput_and_gpu_hours(capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "PLANNED on h100" in out and "s/step" in out and "tok/s/GPU" in out and "GPU-h" in out
     headline = re.search(
-        r"^planned: (.+?): ([\d,.]+) s/step .* ([\d,]+) tokens/s/GPU, .* ([\d,]+) GPU-hours", out, re.M
+        r"^planned: (.+?): ([\d,.]+) s/step .* ([\d,]+) tokens/s/GPU, .* ([\d,.]+) GPU-hours", out, re.M
     )
     assert headline, out
     fit = [e for e in plan.plan(resolve_model("qwen3-30b-a3b"), 16, 80, plan.Workload()) if e.fits(80 * plan.GB)]
