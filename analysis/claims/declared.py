@@ -111,7 +111,7 @@ class Comparison:
             assumed_sd=float(entry["assumed_sd"]),
             pairing=entry["pairing"],
             stratum=dict(entry.get("stratum") or {}),
-            test=_known(entry["test"], TESTS, "test"),
+            test=_known(entry.get("test"), TESTS, "test"),  # required: what the comparison tests
             alternative=_known(entry.get("alternative", "two-sided"), ALTERNATIVES, "alternative"),
             alpha=float(entry.get("alpha", 0.05)),
             role=entry.get("role", "secondary"),
