@@ -62,7 +62,7 @@ class Device:
     net_bw: float  # bytes/s per device between nodes (InfiniBand)
     mem_gb: float  # device memory, GB (the default of `study plan --gpu-mem`)
     train_eff: float  # share of peak FLOP/s the trainer's GEMM mix sustains
-    prefill_eff: float  # share of peak FLOP/s the engine's prefill sustains
+    prefill_eff: float  # share of peak FLOP/s the engine's prefill and decode GEMMs sustain
     decode_bw_eff: float  # share of mem_bw a decode step reaches reading weights and KV cache
     train_bw_eff: float  # share of mem_bw the trainer's weight reads and activation traffic reach
     link_eff: float  # share of link_bw / net_bw a large collective reaches (NCCL's bus bandwidth)
@@ -81,7 +81,17 @@ class Device:
         return self.peak_flops[dtype]
 
 
-_HOPPER_EFFICIENCIES = dict(
+H100 = Device(
+    name="h100",
+    peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    mem_bw=3.35e12,
+    link_bw=450e9,
+    net_bw=50e9,
+    mem_gb=80.0,
+    source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 1,979 TFLOPS with sparsity (989.5 dense), "
+    "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction); NVIDIA DGX H100 datasheet: 8 x ConnectX-7 "
+    "400 Gb/s, one 50 GB/s port per GPU",
+    # the efficiencies the plan assumes of a Hopper GPU (H200: the same), none measured here:
     # megatron-core MoE training sustains 30-40% of the bf16 peak: expert GEMMs of a few hundred rows, permutes
     train_eff=0.35,
     # prefill is long dense GEMMs over the prompts: about half of the peak
@@ -100,19 +110,6 @@ _HOPPER_EFFICIENCIES = dict(
     startup_s=300.0,
     # a parallel filesystem's read or write per node, order of GB/s
     load_bw=2e9,
-)
-
-H100 = Device(
-    name="h100",
-    peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    mem_bw=3.35e12,
-    link_bw=450e9,
-    net_bw=50e9,
-    mem_gb=80.0,
-    source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 1,979 TFLOPS with sparsity (989.5 dense), "
-    "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction); NVIDIA DGX H100 datasheet: 8 x ConnectX-7 "
-    "400 Gb/s, one 50 GB/s port per GPU",
-    **_HOPPER_EFFICIENCIES,
 )
 
 DEVICES: dict[str, Device] = {
