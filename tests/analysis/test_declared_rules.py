@@ -34,13 +34,13 @@ def slack(alpha: float) -> float:
 
 def studies(true_gap: float, sd: float, n: int, *, paired: bool, seed: int = 0) -> tuple[np.ndarray, ...]:
     """REPS studies' (estimate, se, df) of treatment - control: paired, n differences of SD sd; unpaired, n runs per
-    arm of SD sd / sqrt(2) each (so a difference has the same SD) with Welch's SE and degrees of freedom."""
+    arm of SD sd each (what `assumed_sd` states unpaired) with Welch's SE and degrees of freedom."""
     rng = np.random.default_rng(seed)
     if paired:
         d = rng.normal(true_gap, sd, (REPS, n))
         return d.mean(1), d.std(1, ddof=1) / np.sqrt(n), np.full(REPS, n - 1.0)
-    x = rng.normal(true_gap, sd / np.sqrt(2), (REPS, n))
-    y = rng.normal(0.0, sd / np.sqrt(2), (REPS, n))
+    x = rng.normal(true_gap, sd, (REPS, n))
+    y = rng.normal(0.0, sd, (REPS, n))
     vx, vy = x.var(1, ddof=1) / n, y.var(1, ddof=1) / n
     df = (vx + vy) ** 2 / (vx**2 / (n - 1) + vy**2 / (n - 1))
     return x.mean(1) - y.mean(1), np.sqrt(vx + vy), df
@@ -107,3 +107,43 @@ def test_a_family_of_three_keeps_its_familywise_error_at_alpha() -> None:
         sup, con, *_ = declared.decide("difference", "two-sided", c.threshold, c.alpha / 3, est, se, df)
         any_false |= sup | con
     assert any_false.mean() <= c.alpha + slack(c.alpha), any_false.mean()
+
+
+@pytest.mark.parametrize(
+    "declaration",
+    [
+        {"test": "difference"},
+        {"test": "difference", "alternative": "less", "threshold": -0.1},
+        {"test": "minimum_effect", "alternative": "greater", "assumed_gap": 0.2},
+        {"test": "exclude", "alternative": "greater"},
+        {"test": "equivalence", "threshold": 0.1, "assumed_gap": 0.02},
+    ],
+    ids=lambda d: "-".join(str(v) for v in d.values()),
+)
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "welch"])
+def test_sizing_is_the_power_the_rule_has_at_the_assumed_gap(declaration: dict, paired: bool) -> None:
+    """`declared.sizing` (what a sweep is sized with) against the rule's rate of reading its hypothesis shown when
+    the true difference is the assumed gap, simulated: within 4 Monte-Carlo standard errors (Welch: the sizing's
+    pooled two-sample t, so 0.02 more)."""
+    base = design()
+    entry = {
+        "name": base.name,
+        "claim": base.claim,
+        "arms": {"axis": base.axis, "treatment": base.treatment, "control": base.control},
+        "metric": base.metric,
+        "window": base.window,
+        "threshold": base.threshold,
+        "seeds": list(base.seeds),
+        "power": base.power,
+        "assumed_sd": base.assumed_sd,
+        "pairing": "seed" if paired else "none",
+        **declaration,
+    }
+    c = declared.Comparison.from_entry(entry)
+    gap = c.assumed_gap if c.assumed_gap is not None else (c.threshold if c.test == "difference" else 0.0)
+    est, se, df = studies(gap, c.assumed_sd, len(c.seeds), paired=paired)
+    sup, con, *_ = declared.decide(c.test, c.alternative, c.threshold, c.alpha, est, se, df)
+    shown = float((con if c.test == "exclude" else sup).mean())
+    want = declared.sizing(c)
+    tolerance = SLACK * np.sqrt(want * (1 - want) / REPS) + (0 if paired else 0.02)
+    assert abs(shown - want) <= tolerance, (shown, want)
