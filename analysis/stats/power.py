@@ -19,7 +19,9 @@ effect have to be for these seeds to see it", which is what an inconclusive verd
 The power of a declared test (analysis.claims.declared sizes a confirmation sweep with it). Paired, a one-sample t test
 on the n per-seed differences of SD sd: the noncentral t with n - 1 df and noncentrality gap sqrt(n) / sd; unpaired,
 the two-sample test of n runs per arm: 2 (n - 1) df, noncentrality gap / (sd sqrt(2 / n)) (`t_power`;
-`power_paired`, `power_unpaired`, and `seeds_for_power`, the fewest seeds reaching a target power). Not the same
+`power_paired`, `power_unpaired`, and `seeds_for_power`, the fewest seeds reaching a target power; a one-sided test
+of a declared size is the same with the gap measured from that size; an equivalence test's two one-sided tests,
+`tost_power`). Not the same
 calculation as the smallest detectable difference: that is the normal-approximation formula with t quantiles, this
 the exact noncentral t.
 """
