@@ -315,8 +315,9 @@ def estimate(
     activations = training_activations(cfg, layout, work, precision.act_bytes)
     # The engine: one replica holds the model over engine.tp x engine.ep GPUs (attention and vocabulary over TP,
     # experts over EP); the replicas split the rollout batch; the KV cache keeps every sequence at full length.
-    e_dense, e_expert = counts.per_rank(engine.tp, engine.ep)
     replica_gpus = max(engine.tp, engine.ep)
+    # without EP vLLM shards every expert over TP (FusedMoE's intermediate dimension); with EP, over the EP group
+    e_dense, e_expert = counts.per_rank(engine.tp, replica_gpus)
     replicas = engine.dp or max(1, layout.world // replica_gpus)
     engine_weights = (e_dense + e_expert) * DTYPE_BYTES[engine.dtype]
     kv_heads = max(1, cfg.num_query_groups // engine.tp)  # vLLM replicates KV heads when TP > groups

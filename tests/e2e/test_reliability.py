@@ -517,6 +517,8 @@ def test_yaml_nested_too_deep_is_refused_everywhere(tmp_path: Path, capsys) -> N
         ("--response-len", "0", "--response-len = 0: valid"),
         ("--gpus", "100000000000", "--gpus = 100000000000: valid: an integer in [1, 1048576]"),
         ("--gpus", "0", "--gpus = 0: valid"),
+        ("--gpu", "a100", "--gpu = 'a100': unknown GPU kind; valid: h100, h200"),
+        ("--experts", "bogus", "--experts = 'bogus': valid: auto, grouped, sequential"),
     ],
 )
 def test_plan_refuses_absurd_options(option: str, value: str, message: str, capsys) -> None:

@@ -137,3 +137,14 @@ def test_a_run_is_planned_at_its_own_layout_and_engine() -> None:
         plan.check_run_fits(
             run.replace(rollout_runtime={"tp": 4, "ep": 4, "dp": 2, "gpu_memory": 0.15}), gpus=16, gpu_mem_gb=80
         )
+
+
+def test_an_engine_without_expert_parallelism_slices_its_experts_over_tp() -> None:
+    # vLLM's FusedMoE without EP shards every expert's intermediate dimension over TP: 1/4 of the experts' weights
+    # per GPU at TP 4, the same bytes as splitting the experts over an EP group of 4
+    cfg, work = PRESETS["qwen3-30b-a3b"], plan.Workload()
+    sliced = plan.estimate(cfg, plan.Layout(tp=4, dp=4), work, engine=plan.EngineLayout(tp=4, ep=1))
+    split = plan.estimate(cfg, plan.Layout(tp=4, dp=4), work, engine=plan.EngineLayout(tp=4, ep=4))
+    counts = plan.param_counts(cfg)
+    per_gpu = ((counts.vocab + counts.attention) / 4 + counts.replicated + counts.experts / 4) * 2  # bf16
+    assert sliced.engine_weights == split.engine_weights == pytest.approx(per_gpu)
