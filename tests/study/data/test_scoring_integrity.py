@@ -215,17 +215,25 @@ def secret_box(monkeypatch: pytest.MonkeyPatch) -> Iterator[sandbox.Sandbox]:
 
 
 def test_the_server_environment_is_an_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from study.core import hugepages
+
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.check=3:{SECRET}")  # the harness's own: never passed on
     env = sandbox.server_env()
     assert SECRET not in "".join(env.values())
     assert set(env) <= {
         *sandbox._ENV_ALLOWED,
+        *sandbox.HUGE_PAGES,
         "PYTHONPATH",
         "OMP_NUM_THREADS",
         "OPENBLAS_NUM_THREADS",
         "MKL_NUM_THREADS",
         "PYTHONDONTWRITEBYTECODE",
     }
+    if hugepages.why_not({}) is None:  # Linux, glibc >= 2.35, transparent huge pages
+        assert {k: env[k] for k in sandbox.HUGE_PAGES} == sandbox.HUGE_PAGES
+    monkeypatch.setenv(hugepages.OFF_VAR, "0")
+    assert not set(sandbox.server_env()) & set(sandbox.HUGE_PAGES)
 
 
 def test_no_scored_text_reads_the_harness_environment(secret_box: sandbox.Sandbox, tmp_path: Path) -> None:
