@@ -64,11 +64,12 @@ def claim_c2(study: Study) -> ClaimResult:
         x, y = vals[GSPO], vals[base]
         est, lo, hi, n = difference(vals, seeds, GSPO, base, log=True)
         size = design.size_against_paper(intervals.CI(est, lo, hi, min(x.size, y.size), 0.95))
+        size_ci = (size.size.low, size.size.high) if size.size is not None else (np.nan, np.nan)
         ev = [
             Evidence(f"clip_frac({GSPO}) / clip_frac({base})", est, lo, hi, n),
             mean_evidence(f"clip_frac({GSPO})", x),
             mean_evidence(f"clip_frac({base})", y),
-            Evidence(f"{PAPER_SIZE}: {size.sentence}", size.size_of_paper, np.nan, np.nan, n_label(x, y)),
+            Evidence(f"{PAPER_SIZE}: {size.sentence}", size.size_of_paper, *size_ci, n_label(x, y)),
         ]
         return CLIP_DECISION(lo, hi), ev
 

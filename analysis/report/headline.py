@@ -114,8 +114,9 @@ def regime_text(card: scorecard.ClaimResult, rules: scorecard.Rules = scorecard.
 
 
 def verdict_text(card: scorecard.ClaimResult) -> str:
-    """The verdict; a verdict decided from a declared comparison with its role ("primary: supported")."""
-    return f"{card.role}: {card.verdict}" if card.declared else card.verdict
+    """The verdict; a verdict decided from a declared comparison with its role ("primary: supported"); "not tested in
+    regime" without one (a declared comparison below the claim's regime decides nothing)."""
+    return f"{card.role}: {card.verdict}" if card.declared and card.verdict != NOT_IN_REGIME else card.verdict
 
 
 def headline_table(cards: Sequence[scorecard.ClaimResult], rules: scorecard.Rules = scorecard.RULES) -> render.Table:

@@ -307,11 +307,11 @@ def algorithm_table(study: Study, gain: gain_.HeldOutGain, *, reps: int = ALGORI
     out[f"{gain.metric} gain, mean [95% t]"] = [
         f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in zip(t["mean"], t["low"], t["high"], strict=True)
     ]
-    out["IQM [95% bootstrap]"] = [
+    out["IQM [nominal 95% bootstrap]"] = [
         f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else fmt(m)
         for m, lo, hi in zip(t["iqm"], t["iqm_low"], t["iqm_high"], strict=True)
     ]
-    out[f"P(> {names.label_or_name(ref)}) [95% bootstrap]"] = [
+    out[f"P(> {names.label_or_name(ref)}) [nominal 95% bootstrap]"] = [
         "" if not np.isfinite(p) else f"{p:.2f} [{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"{p:.2f}"
         for p, lo, hi in zip(t["p_improve"], t["p_low"], t["p_high"], strict=True)
     ]

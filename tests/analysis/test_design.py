@@ -206,8 +206,8 @@ def test_algorithm_table_puts_iqm_and_probability_of_improvement_beside_the_t_in
     table, note = sections.algorithm_table(st, gain.heldout_gain(st), reps=300)
     assert list(table.columns[2:5]) == [
         "eval_in_dist gain, mean [95% t]",
-        "IQM [95% bootstrap]",
-        "P(> GRPO) [95% bootstrap]",
+        "IQM [nominal 95% bootstrap]",
+        "P(> GRPO) [nominal 95% bootstrap]",
     ]
     assert table.iloc[1, 4].startswith("1.00 [") and "stratified percentile bootstrap" in note and "exploratory" in note
 

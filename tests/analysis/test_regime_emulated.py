@@ -38,3 +38,10 @@ def test_a_dialled_study_below_the_regime_still_reads_not_tested(tmp_path) -> No
     assert c3.verdict == NOT_IN_REGIME  # 2.1% per update against the default 5%: the dial did not reach the regime
     assert c3.reason.startswith(f"{regime.EMULATED} (routing-volatility dial router_kick = 0.01): routing volatility")
     assert headline.regime_text(c3).startswith("not in regime: ")
+
+
+def test_a_declared_claim_below_its_regime_shows_no_role_in_the_headline() -> None:
+    below = common.ClaimResult("C3", "s", NOT_IN_REGIME, "rule", role="primary", declared="replay_cost_grpo")
+    tested = common.ClaimResult("C3", "s", SUPPORTED, "rule", role="primary", declared="replay_cost_grpo")
+    assert headline.verdict_text(below) == NOT_IN_REGIME  # a comparison below the regime decides nothing
+    assert headline.verdict_text(tested) == f"primary: {SUPPORTED}"

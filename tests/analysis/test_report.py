@@ -509,6 +509,7 @@ def test_a_declared_comparison_the_runs_do_not_match_is_flagged_first_in_the_rep
         "name": "replay_cost_grpo",
         "role": "primary",
         "claim": "C3",
+        "test": "difference",
         "metric": "eval_in_dist",
         "arms": {"axis": "algorithm", "treatment": "grpo", "control": "grpo_rr"},
         "window": "gain",
