@@ -345,7 +345,7 @@ _CLONE_NEWIPC, _CLONE_NEWUSER = 0x08000000, 0x10000000
 
 _LD_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # classic BPF: load seccomp_data word, jump if ==, if >=, return
 _ALLOW, _KILL_PROCESS, _DENY_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
-_LEAF = 4
+_LEAF = 8
 """Most syscall numbers a leaf of the filter's search tree compares one by one."""
 
 
@@ -355,7 +355,8 @@ def _deny_filter(numbers: Sequence[int], audit_arch: int, *, x32: bool) -> list[
     allowed; `x32`: numbers with bit 30 set (the x32 ABI's, which alias these) fail too. The numbers are found by a
     binary search (`>=` at each node, `==` in leaves of at most `_LEAF`): the kernel emulates a filter for every
     syscall number when it installs it (to cache the ones it always allows) and compiles it, so a search tree
-    installs in about half the time a chain of one comparison per number takes, in every child."""
+    installs in 75 us where a chain of one comparison per number took 190 (x86_64, a 2-core VM; leaves of 4: 86 us,
+    of 16: 81)."""
 
     def search(nums: Sequence[int]) -> list[tuple[int, int, int, int]]:
         if len(nums) <= _LEAF:  # each match jumps past the allow to the deny after it
