@@ -52,7 +52,8 @@ def _common_config(configs: Mapping[str, Mapping[str, Any]], axes: Sequence[str]
 
 
 def provenance(study: Study) -> dict[str, Any]:
-    """What the manifests say: git shas, package versions, python, machine and host (each with its run count)."""
+    """What the manifests say: git shas, package versions, python, machine, host and how the verifier was sandboxed
+    (each with its run count)."""
     mans = list(study.manifests.values())
 
     def count(key: str) -> dict[str, int]:
@@ -68,6 +69,9 @@ def provenance(study: Study) -> dict[str, Any]:
         "machine": count("machine"),
         "host": count("host"),
         "cpu_count": count("cpu_count"),
+        "scoring_sandbox": dict(
+            Counter(str(m["scoring_sandbox"] or "none (native grammars)") for m in mans if "scoring_sandbox" in m)
+        ),
         "packages": {k: dict(v) for k, v in sorted(packages.items())},
     }
 

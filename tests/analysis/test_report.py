@@ -604,3 +604,22 @@ def test_the_claims_page_refuses_a_results_folder_that_is_not_one(tmp_path) -> N
 
     with pytest.raises(ValueError, match="not a directory; valid: a results folder"):
         claims_page.write_claims_page(tmp_path / "nowhere")
+
+
+def test_the_provenance_says_how_the_verifier_was_sandboxed() -> None:
+    """The manifest's scoring_sandbox (the sandbox's level, null for the native grammars) counted like the host; runs
+    whose manifest predates it are left out of the count."""
+    import pandas as pd
+
+    manifests = {
+        "a": {"scoring_sandbox": "seccomp+ipc-ns+keyring"},
+        "b": {"scoring_sandbox": "seccomp+ipc-ns+keyring"},
+        "c": {"scoring_sandbox": "seccomp"},
+        "d": {"scoring_sandbox": None},
+        "e": {},
+    }
+    empty = pd.DataFrame()
+    study = tidy.Study(long=empty, runs=empty, layers=empty, axes=[], missing=[], manifests=manifests)
+    seen = sections.provenance(study)["scoring_sandbox"]
+    assert seen == {"seccomp+ipc-ns+keyring": 2, "seccomp": 1, "none (native grammars)": 1}
+    assert render.counted(seen).startswith("seccomp+ipc-ns+keyring (2 runs), seccomp (1 run), none (native")
