@@ -466,22 +466,23 @@ def launch(
     check_resources(cfg, launcher, res)
     run_dir = Path(results) / "runs" / cfg.run_id
     if launcher != "in-process":  # the job's folder goes under the run directory: refuse first what a job would
-        check_run(cfg, run_dir, Path(results))
+        check_run(cfg, run_dir, Path(results), here=launcher == "local" and cfg.layout.world_size == 1)
     call = Run(cfg.to_dict(), str(results), tracking)
     return _submit_and_wait(call, launcher, run_dir / "submitit", res, cfg.run_id)
 
 
-def check_run(cfg: Any, run_dir: Path, results: Path) -> None:
-    """The preflight's checks that hold wherever the run trains (study.lifecycle.preflight with `here` False), before
-    a job is asked for, so that a run they refuse leaves the results directory as it was (no job folder, no log).
-    A refusal is recorded as the job's preflight records it (lifecycle.record_refusal: only in a run directory a
-    workflow made for the run's log). A finished run is not checked: the job skips it."""
+def check_run(cfg: Any, run_dir: Path, results: Path, *, here: bool) -> None:
+    """The job's preflight (study.lifecycle.preflight) before the job is asked for, so that a run it refuses leaves
+    the results directory as it was (no job folder, no log): whole where the job runs here as one process (`here`:
+    the local launcher, one rank), else the checks that hold wherever the run trains. A refusal is recorded as the
+    job's preflight records it (lifecycle.record_refusal: only in a run directory a workflow made for the run's log).
+    A finished run is not checked: the job skips it."""
     from study import lifecycle
 
     if lifecycle.finished(run_dir):
         return
     try:
-        lifecycle.preflight(cfg, run_dir, results, here=False)
+        lifecycle.preflight(cfg, run_dir, results, here=here)
     except ValueError as err:
         lifecycle.record_refusal(cfg, run_dir, err)
         raise

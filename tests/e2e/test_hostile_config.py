@@ -202,6 +202,8 @@ def test_a_5000_digit_cold_start_seed_names_the_field_and_its_range(tmp_path: Pa
 def test_a_run_its_preflight_refuses_leaves_the_results_untouched(tmp_path: Path, capsys) -> None:
     """The local launcher asks for no job (whose folder and logs go under the run directory) for a run its preflight
     refuses; in a run directory a workflow made for the run's log, the refusal is recorded as the job records it."""
+    import os
+
     config = tmp_path / "run.yaml"
     cfg = load_config(preset="tiny", sets=[f"coldstart={tmp_path / 'no-such-coldstart'}"])
     rundir.write_yaml(config, cfg.to_dict())
@@ -223,3 +225,9 @@ def test_a_run_its_preflight_refuses_leaves_the_results_untouched(tmp_path: Path
     assert sorted(p.name for p in made.iterdir()) == ["config.yaml", rundir.FAILURE_FILE], "no job folder"
     record = rundir.read_json(made / rundir.FAILURE_FILE)
     assert record["error"] == f"refused before it started: {line.removeprefix('error: ')}", record
+    cpus = os.cpu_count() or 1  # a local job runs on this machine: its CPUs are checked before it is asked for
+    rundir.write_yaml(config, load_config(preset="tiny", sets=["coldstart=scratch", f"threads={cpus + 1}"]).to_dict())
+    before = listing()
+    line = error_line(capsys, argv, main=launch.main)
+    assert line == f"error: threads = {cpus + 1}: this machine has {cpus} CPUs; valid: 1..{cpus}", line
+    assert listing() == before, "a refused launch wrote under --results"
