@@ -233,3 +233,26 @@ def test_a_kicked_run_at_tp2_equals_one_process(tmp_path: Path, easy_coldstart: 
     assert_same_run(a, b, (*CLOSE, "routing_slot_mismatch_mb2", "router_entropy"))
     assert (a["routing_slot_mismatch_mb2"] > 0.05).all() and (a["grad_norm"] > 0).any()
     assert not math.isnan(float(b["routing_slot_mismatch_mb2"].iloc[-1]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The calibration
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_calibration_prints_a_row_per_kick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    from tests.shared import ROOT
+
+    spec = importlib.util.spec_from_file_location("calibrate", ROOT / "scripts" / "calibrate_router_kick.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    small = ["coldstart=scratch", "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "eval_size=4"]
+    args = ["--sigmas", "0", str(SIGMA), "--algorithms", "grpo", "--steps", "1", "--results", str(tmp_path)]
+    assert calibrate.main([*args, *(f"--set={s}" for s in small)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == list(calibrate.HEADER) and len(lines) == 4
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    assert [r[:2] for r in rows] == [["0", "grpo"], [f"{SIGMA:g}", "grpo"]]
+    per_update = [float(r[2].rstrip("%")) for r in rows]
+    assert per_update[0] < 10 < per_update[1]  # percent of expert slots after one update
+    assert rows[0][4] == rows[1][4]  # one start: the same held-out pass@1 before any kick
