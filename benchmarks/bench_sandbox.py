@@ -8,12 +8,12 @@ Side by side with another checkout's code (the script itself needs nothing of th
 
 Sandboxed: reasoning-gym items of a few verifiers the native grammars do not cover (bitwise_arithmetic,
 string_insertion, gcd, complex_arithmetic), one sandbox serving all of them started and warmed before the clock;
-the scored responses alternate the reference answer and a wrong one. Native: chain_sum items (the default study's
-verifier) scored the same way. Each figure is the best of `--reps` timed passes of `--n` scores (the machine's other
-load only ever slows a pass), with the median latency of one score in that pass; sandboxed passes also report the CPU
-time one score costs: this process's, plus the sandbox process's, its live descendants' (the zygote and its scoring
-children) and every child each reaped (/proc/<pid>/stat), which the machine's other load does not inflate as it does
-wall time.
+the scored responses alternate the reference answer and a wrong one. In process: the same scorers called in this
+process, unsandboxed (for scale). Native: chain_sum items (the default study's verifier) scored the same way. Each
+figure is the best of `--reps` timed passes of `--n` scores (the machine's other load only ever slows a pass), with
+the median latency of one score in that pass; sandboxed passes also report the CPU time one score costs: this
+process's, plus the sandbox process's, its live descendants' (the zygote and its scoring children) and every child
+each reaped (/proc/<pid>/stat), which the machine's other load does not inflate as it does wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 SANDBOXED = ("bitwise_arithmetic", "string_insertion", "gcd", "complex_arithmetic")
 
@@ -46,9 +47,11 @@ def _cpu_s(pid: int | None) -> float:
     return total
 
 
-def _pass(items: list, n: int, pid: int | None = None) -> tuple[float, float, float]:
+def _pass(items: list, n: int, pid: int | None = None, score: Any = None) -> tuple[float, float, float]:
+    """(scores/s, median ms/score, CPU ms/score) of `n` scores by `score(item, response)` (tasks.score by default)."""
     from study.data import tasks
 
+    score = score or tasks.score
     lat = []
     cpu = _cpu_s(pid)
     start = time.perf_counter()
@@ -56,7 +59,7 @@ def _pass(items: list, n: int, pid: int | None = None) -> tuple[float, float, fl
         item = items[i % len(items)]
         answer = item.answer if i % 2 == 0 else item.answer + "1"
         t = time.perf_counter()
-        tasks.score(item, f"#### {answer}")
+        score(item, f"#### {answer}")
         lat.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
     return n / wall, statistics.median(lat) * 1e3, (_cpu_s(pid) - cpu) / n * 1e3
@@ -70,6 +73,7 @@ def main() -> None:
     os.chdir("/")  # a sandbox worker started with `-m` must not pick up a checkout from the working directory
 
     import reasoning_gym
+    from reasoning_gym.factory import get_score_answer_fn
 
     from study.data import sandbox, tasks
 
@@ -97,6 +101,14 @@ def main() -> None:
         f"failures {failures + tasks.take_scorer_failures()}"
     )
     box.close()
+    scorers = {name: get_score_answer_fn(name) for name in SANDBOXED}  # the same scorers, unsandboxed, for scale
+
+    def in_process(item: tasks.TaskItem, response: str) -> float:
+        entry = {"question": item.metadata["question"], "answer": item.answer, "metadata": item.metadata}
+        return scorers[item.verifier](tasks.extract_answer(response), entry)
+
+    best = max((_pass(items, args.n * 10, score=in_process) for _ in range(args.reps)), key=lambda r: r[0])
+    print(f"in process, unsandboxed: {best[0]:8.1f} scores/s  median {best[1]:7.3f} ms/score")
     native = tasks.make_task("chain_sum", seed=0, terms=(2, 3), digits=1).take(64)
     best = max((_pass(native, args.n * 10) for _ in range(args.reps)), key=lambda r: r[0])
     print(f"native chain_sum:   {best[0]:8.1f} scores/s  median {best[1]:7.3f} ms/score")
