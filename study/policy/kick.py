@@ -13,9 +13,9 @@ Within step s of M minibatches (`RouterKick.minibatch(s, m)`, m = 0..M-1):
    kicks back is exact by construction.
 
 Under Routing Replay the replayed routes override the kicked routers' top-k (the gates still softmax the kicked
-logits of the forced experts), and the free routing measured alongside is the kicked one: routing_slot_mismatch_mb{m}
-is the slot mismatch the update's forward saw. That is the paper's mechanism at its size: the routing the update
-sees has moved since pi_old, and replay pins it back.
+logits of the forced experts), and the free routing measured alongside is the kicked one: the columns
+routing_slot_mismatch_mb2..mbM are the slot mismatches the update forwards saw. That is the paper's mechanism at its
+size: the routing the update sees has moved since pi_old, and replay pins it back.
 
 An emulation, not a reproduction: the paper's routing moves because every weight moves after an update, and the
 rollout policy of the next step carries that move; here the routers alone are moved, within a step, by noise that is
