@@ -133,38 +133,43 @@ def with_declared(
         return res
     m = len(comparisons)
     pairs = [_confirm(study, c) for c in comparisons]
-    evidence, sentences, outcomes, verdicts = [], [], [], []
+    pre = precondition(res.claim, rules)
+    evidence, sentences, plain, outcomes, verdicts, below = [], [], [], [], [], []
     for conf, why in pairs:
         c = conf.comparison
         r = declared_.read(conf.spread, c, family=m) if m > 1 and not why else conf.reading
-        verdicts.append(r.verdict)
-        outcomes.append(f"{c.name}: {r.outcome}")
+        measured = pre.measure(study, declared_.run_ids(study.long, c, study.runs)) if pre is not None else None
+        if measured is not None and not measured.met:  # this comparison's runs are below the claim's regime
+            below.append(measured.sentence)
+            outcomes.append(f"{BELOW_REGIME}: {c.name}: {r.outcome}")
+        else:
+            verdicts.append(r.verdict)
+            outcomes.append(f"{c.name}: {r.outcome}")
         pair = f"{conf.spread.n} seeds, paired" if c.pairing == "seed" else f"{conf.spread.n} runs per arm, unpaired"
         name = f"{c.name} ({c.test}): {c.metric} ({c.window}) {c.axis}={c.treatment} - {c.axis}={c.control}"
         if why:
             evidence.append(Evidence(f"{name}: no reading ({why})", np.nan, np.nan, np.nan, "0"))
             continue
-        sentences.append(_declared_sentence(c, r, m))
+        sentence = _declared_sentence(c, r, m)
+        plain.append(sentence)
+        sentences.append(sentence if measured is None or measured.met else f"{measured.sentence}; {sentence}")
         ci = r.interval
         evidence.append(Evidence(f"{name}, {_interval_name(c, r)}", ci.estimate, ci.low, ci.high, pair))
         what = f"p x {m} (Bonferroni)" if m > 1 else "p"
         evidence.append(Evidence(f"{c.name}: {what} ({c.test}, alpha {c.alpha:g})", r.p_value, np.nan, np.nan, pair))
+        if measured is not None:  # each comparison's own regime, measured on the runs it reads
+            evidence.append(dataclasses.replace(measured.evidence(), stratum=c.name))
     devs = tuple(d for conf, _ in pairs for d in conf.deviations)
     splits = {split_of(c.metric) for c in comparisons}
     roles = {c.role for c in comparisons}
-    verdict = conjunction(verdicts) if m > 1 else verdicts[0]
+    verdict = conjunction(verdicts) if len(verdicts) > 1 else verdicts[0] if verdicts else NOT_IN_REGIME
     reading = "; ".join(outcomes)
     found = "; ".join(sentences)
-    regime_, pre = "", precondition(res.claim, rules)
-    if pre is not None:
-        ids = sorted({r for c in comparisons for r in declared_.run_ids(study.long, c, study.runs)})
-        measured = pre.measure(study, ids)
-        if measured.met:
-            evidence.append(measured.evidence())
-        else:
-            verdict, regime_, reading = NOT_IN_REGIME, measured.sentence, f"{BELOW_REGIME}: {reading}"
-            evidence.insert(0, measured.evidence())
-            found = f"{measured.sentence}; {BELOW_REGIME}, not a test of the claim: {found or reading}"
+    regime_ = "; ".join(below)
+    if verdict == NOT_IN_REGIME:  # no comparison in regime: the measured regime first, as a stratum below it
+        found = f"{regime_}; {BELOW_REGIME}, not a test of the claim: {'; '.join(plain) or reading}"
+        regime_lines = [e for e in evidence if e.name.startswith(pre.quantity + " (")] if pre is not None else []
+        evidence = regime_lines + [e for e in evidence if e not in regime_lines]
     exploratory = f"the exploratory reading of the whole study: {res.verdict}" + (
         f" ({res.reason})" if res.reason else ""
     )

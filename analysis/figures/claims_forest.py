@@ -75,13 +75,18 @@ def is_precondition(name: str) -> bool:
 
 
 def estimates(card: scorecard.ClaimResult) -> list[Estimate]:
-    """Per stratum with data (none: the whole claim), its first evidence line that is not a precondition, with the
-    stratum's verdict; [] for a claim with no number (not in this study)."""
+    """Per stratum with data (none: the whole claim; several declared comparisons: each), its first evidence line that
+    is not a precondition, with the stratum's verdict; [] for a claim with no number (not in this study)."""
     if card.strata:
         sources = [
             (s.label if len(card.strata) > 1 or s.part else "", s.evidence, s.verdict, s.part)
             for s in card.strata
             if s.verdict != NO_DATA
+        ]
+    elif card.declared and "," in card.declared:  # several declared comparisons: one row each, named
+        sources = [
+            (name, [e for e in card.evidence if e.name.startswith(f"{name} (")], card.verdict, "")
+            for name in card.declared.split(", ")
         ]
     else:
         sources = [("", card.evidence, card.verdict, "")]

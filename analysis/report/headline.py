@@ -52,8 +52,13 @@ TESTED = (SUPPORTED, CONTRADICTED, INCONCLUSIVE)
 
 
 def _interval(e: Estimate) -> str:
+    """ "0.017 [-0.0276, 0.0616]"; a one-sided bound open on its other side: "-0.000895 [-0.0135, +inf)"."""
     if np.isfinite(e.low) and np.isfinite(e.high):
         return f"{e.estimate:.3g} [{e.low:.3g}, {e.high:.3g}]"
+    if np.isfinite(e.low) and e.high == np.inf:
+        return f"{e.estimate:.3g} [{e.low:.3g}, +inf)"
+    if np.isfinite(e.high) and e.low == -np.inf:
+        return f"{e.estimate:.3g} (-inf, {e.high:.3g}]"
     return f"{e.estimate:.3g}"
 
 

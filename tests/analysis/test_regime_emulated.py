@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from analysis.claims import common, scorecard
+from analysis.figures import claims_forest
 from analysis.report import claims_page, headline
 from analysis.runs import tidy
 from analysis.stats import regime
@@ -45,3 +46,36 @@ def test_a_declared_claim_below_its_regime_shows_no_role_in_the_headline() -> No
     tested = common.ClaimResult("C3", "s", SUPPORTED, "rule", role="primary", declared="replay_cost_grpo")
     assert headline.verdict_text(below) == NOT_IN_REGIME  # a comparison below the regime decides nothing
     assert headline.verdict_text(tested) == f"primary: {SUPPORTED}"
+
+
+def test_each_declared_comparison_is_read_in_its_own_strata_regime(tmp_path) -> None:
+    """Two declared comparisons of C3, one per dose: the dose whose runs stay below the regime is reported as the
+    replication it is, and the claim is decided by the one in regime alone, its volatility measured on its own runs
+    (not averaged with the other dose's)."""
+    from analysis.claims import declared
+
+    c = synthetic.Curve
+    for kick, per_update in ((0.01, 0.009), (0.06, 0.10)):
+        curves = {"grpo": c(a=0.3, c_mid=2e12), "grpo_rr": c(a=0.8, c_mid=2e12)}
+        curves = {k: c(a=v.a, c_mid=2e12, slot_mismatch=per_update, per_update=per_update) for k, v in curves.items()}
+        synthetic.make_study(tmp_path, curves, seeds=(0, 1, 2), n_steps=40, grid={"router_kick": [kick]})
+    study = tidy.load_study(tmp_path)
+    comparisons = [
+        declared.Comparison.from_entry(
+            {**synthetic.COMPARISON, "name": f"at_{kick}", "stratum": {"router_kick": kick}, "threshold": -0.1}
+        )
+        for kick in (0.01, 0.06)
+    ]
+    c3 = {r.claim: r for r in scorecard.scorecard(study, comparisons=comparisons)}["C3"]
+    assert c3.verdict == SUPPORTED  # GRPO gains far less than GRPO + RR at 10% per update
+    assert c3.declared_reading.startswith(f"{scorecard.BELOW_REGIME}: at_0.01: ") and "at_0.06: difference" in (
+        c3.declared_reading
+    )
+    volatility = {e.stratum: e.estimate for e in c3.evidence if e.name.startswith("routing volatility (")}
+    assert volatility["at_0.01"] == pytest.approx(0.009, rel=0.2) and volatility["at_0.06"] == pytest.approx(
+        0.1, rel=0.2
+    )
+    assert "per update 0.9" in c3.regime  # the comparison below the regime, named with its measured value
+    text = headline.regime_text(c3)
+    assert text.startswith(f"{regime.EMULATED}: 0.") and "to 1" in text  # each comparison's own value
+    assert [e.label for e in claims_forest.estimates(c3)] == ["at_0.01", "at_0.06"]
