@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     sub.add_parser("export", help="a run's policy as a Hugging Face checkpoint; see `export --help`", add_help=False)
-    sub.add_parser("plan", help="memory, step time and GPU-hours of each parallel layout; see `plan --help`", add_help=False)
+    sub.add_parser("plan", help="memory, step time and GPU-hours per layout; see `plan --help`", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
