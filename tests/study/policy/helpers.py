@@ -59,15 +59,13 @@ def update_at_layout(model, trainer) -> dict:  # type: ignore[no-untyped-def]
     grads = dict(P.full_weights(model, grads=True))
     trainer.reduce = lambda: None  # already reduced: step() clips and steps
     took_step, norm = trainer.step()
-    return {
-        "rows": rows,
-        "logp": logp.detach(),
-        "loss": float(loss.detach()),
-        "metrics": metrics,
-        "grads": grads,
-        "took_step": took_step,
-        "norm": norm,
-    }
+    return update_record(logp, loss, metrics, grads, rows=rows, took_step=took_step, norm=norm)
+
+
+def update_record(logp, loss, metrics, grads, **more) -> dict:  # type: ignore[no-untyped-def]
+    """One update of the global batch as a layout's and the one process's are compared: its log-probs and loss
+    (detached), the loss's metrics, the gradients by name, and `more` (the grad norm, ...)."""
+    return {"logp": logp.detach(), "loss": float(loss.detach()), "metrics": metrics, "grads": grads, **more}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

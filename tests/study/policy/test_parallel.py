@@ -38,6 +38,7 @@ from tests.study.policy.helpers import (
     gspo_loss,
     one_and_layout,
     update_at_layout,
+    update_record,
 )
 
 
@@ -56,15 +57,8 @@ def _one_process() -> dict:
     opt = build_optimizer(model, lr=1e-3)
     norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5))
     opt.step()
-    return {
-        "state": state,
-        "logp": logp.detach(),
-        "loss": float(loss.detach()),
-        "metrics": metrics,
-        "grads": grads,
-        "norm": norm,
-        "stepped": {n: p.detach().clone() for n, p in model.named_parameters()},
-    }
+    stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return update_record(logp, loss, metrics, grads, state=state, norm=norm, stepped=stepped)
 
 
 LAYOUTS = {"ep2": ParallelLayout(expert=2, data=2), "tp2sp": ParallelLayout(tensor=2), "dp2": ParallelLayout(data=2)}
