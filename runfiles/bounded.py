@@ -179,3 +179,10 @@ def json_problem(err: ValueError) -> str:
     if isinstance(err, UnicodeDecodeError):
         return f"not UTF-8 text (byte {err.start}: {err.reason})"
     return f"not valid JSON ({err})"
+
+
+def json_file_problem(err: OSError | ValueError) -> str:
+    """Why `read_json` could not read a file: `unreadable (...)` for an OSError, else `json_problem`'s words."""
+    if isinstance(err, OSError):
+        return f"unreadable ({err})"
+    return json_problem(err)

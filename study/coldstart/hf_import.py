@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from runfiles.bounded import load_json, read_json
+from runfiles.bounded import json_file_problem, load_json, read_json
 from study.core.model_config import ModelConfig
 from study.core.weights import (
     check_checkpoint,
@@ -98,10 +98,8 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
         return None
     try:
         data = read_json(index)
-    except OSError as err:
-        raise ValueError(f"{_where(directory)}: {index}: unreadable ({err})") from None
-    except ValueError as err:  # not JSON, not UTF-8, past a bound
-        raise ValueError(f"{_where(directory)}: {index}: {json_problem(err)}") from None
+    except (OSError, ValueError) as err:  # unreadable; not JSON, not UTF-8, past a bound
+        raise ValueError(f"{_where(directory)}: {index}: {json_file_problem(err)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(

@@ -31,7 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from runfiles.atomic import atomic_write
-from runfiles.bounded import json_problem, load_json, read_json, read_text
+from runfiles.bounded import json_file_problem, load_json, read_json, read_text
 from study.data import chat_template
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -169,10 +169,8 @@ class TaskTokenizer:
             text = read_text(path, max_bytes=MAX_TOKENIZER_BYTES)
             load_json(text, max_bytes=MAX_TOKENIZER_BYTES)  # the bounds (depth, duplicate keys), before the parser
             tokenizer = Tokenizer.from_str(text)
-        except OSError as err:
-            raise ValueError(f"{path}: unreadable ({err})") from None
-        except ValueError as err:
-            raise ValueError(f"{path}: {json_problem(err)}") from None
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: {json_file_problem(err)}") from None
         except Exception as err:  # the tokenizers library's own error: valid JSON that is not a tokenizer
             raise ValueError(f"{path}: not a tokenizer ({' '.join(str(err).split())[:300]})") from None
         return cls(tokenizer, specials=_special_tokens(Path(directory)), chat_template=_chat_template(Path(directory)))
@@ -265,10 +263,8 @@ def _json_object(path: Path) -> dict[str, Any]:
     """The JSON object in `path` (runfiles.bounded's bounds); ValueError naming the file otherwise."""
     try:
         data = read_json(path)
-    except OSError as err:
-        raise ValueError(f"{path}: unreadable ({err})") from None
-    except ValueError as err:
-        raise ValueError(f"{path}: {json_problem(err)}") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: {json_file_problem(err)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a JSON {type(data).__name__}; valid: a JSON object")
     return data
