@@ -192,6 +192,10 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+FINISHED = ("completed", "collapsed")
+"""The run states whose window is the declared one: the run reached its last step, or stopped there by collapsing."""
+
+
 def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None) -> list[str]:
     """Every way the usable (not failed) runs of `long` differ from the declared comparison `c`; [] when they match.
     Each line names what was declared and what the runs have."""
@@ -240,6 +244,25 @@ def deviations(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = No
                         f"{c.name}: {side} arm {arm!r}: window 'gain' needs a step-0 {c.metric}; run(s) "
                         f"{sorted(ids - started - set(without))} have none"
                     )
+            if c.window in ("gain", "final_eval"):
+                later = set(got.loc[got[STEP] > START_STEP, RUN_ID].astype(str))
+                if ids - later - set(without):
+                    out.append(
+                        f"{c.name}: {side} arm {arm!r}: window {c.window!r} reads a {c.metric} after step 0; run(s) "
+                        f"{sorted(ids - later - set(without))} have none"
+                    )
+        if runs is not None and "state" in runs:
+            state = dict(zip(runs[RUN_ID].astype(str), runs["state"].astype(str), strict=True))
+            unfinished = [
+                f"{r} ({state.get(r, 'unknown')})"
+                for r in sorted(rows[RUN_ID].astype(str))
+                if state.get(r) not in FINISHED
+            ]
+            if unfinished:
+                out.append(
+                    f"{c.name}: {side} arm {arm!r}: run(s) {', '.join(unfinished)} did not finish: read before their "
+                    "last step (resume them: the workflow's next invocation does)"
+                )
     if c.pairing == "seed" and len(seeds_by_arm) == 2:
         alone = sorted(seeds_by_arm["treatment"] ^ seeds_by_arm["control"])
         if alone:

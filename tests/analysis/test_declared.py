@@ -177,6 +177,25 @@ def test_a_gain_without_a_step0_evaluation_is_a_deviation() -> None:
     assert any("window 'gain' needs a step-0 eval_in_dist; run(s) ['grpo_rr-0']" in d for d in found), found
 
 
+def test_a_run_stopped_before_its_last_evaluation_is_a_deviation_not_a_silent_drop() -> None:
+    """A run killed early (status stopped) keeps its step-0 evaluation only: its seed drops out of the pairing, so the
+    reading stands on fewer seeds than declared; the deviation names the run, its state and what it lacks."""
+    c = declared.Comparison.from_entry(ENTRY)
+    long = runs_long(BOTH, {"grpo": 0.19, "grpo_rr": 0.09})
+    long = long[~((long["run_id"] == "grpo-2") & (long["step"] > 0))]
+    ids = sorted(set(long["run_id"]))
+    runs = pd.DataFrame({"run_id": ids, "state": ["stopped" if r == "grpo-2" else "completed" for r in ids]})
+    found = declared.deviations(long, c, runs)
+    assert any("window 'gain' reads a eval_in_dist after step 0; run(s) ['grpo-2'] have none" in d for d in found)
+    assert any("run(s) grpo-2 (stopped) did not finish" in d for d in found), found
+    conf = declared.confirm(long, c, runs)
+    assert conf.spread.n == 2 and conf.verdict.startswith("exploratory")
+    # the same runs, every one finished: no deviation
+    assert (
+        declared.deviations(runs_long(BOTH, {"grpo": 0.19, "grpo_rr": 0.09}), c, runs.assign(state="completed")) == []
+    )
+
+
 def sweep_with(**change) -> dict:
     data = yaml.safe_load((ROOT / "sweeps" / "routing.yaml").read_text())
     data = copy.deepcopy(data)
