@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.stats.regime import MIN_MISMATCH, MIN_VOLATILITY
+from analysis.stats.regime import MAX_TRUNCATION, MIN_MISMATCH, MIN_VOLATILITY
 from runfiles import atomic as files
 from runfiles.bounded import read_json
 
@@ -176,6 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="C5 is tested only where the compared runs' engine/trainer mismatch (mismatch_mean_abs, "
         "nats per response token) reaches this (default %(default)g)",
     )
+    rep.add_argument(
+        "--max-truncation",
+        type=float,
+        default=MAX_TRUNCATION,
+        metavar="FRACTION",
+        help="C6's length part is tested only where the shortest compared budget cuts at most this fraction of "
+        "rollout responses (truncation_rate) (default %(default)g)",
+    )
     cla = sub.add_parser("claims", help="write RESULTS_DIR/claims.html (+ .md): every claim, each study's verdict")
     cla.add_argument("results_dir")
     cla.add_argument("--out", default=None, help="folder for claims.html and claims.md (default: RESULTS_DIR)")
@@ -207,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from analysis.report import build as report
 
     try:
-        rules = Rules(min_volatility=args.min_volatility, min_mismatch=args.min_mismatch)
+        rules = Rules(args.min_volatility, args.min_mismatch, args.max_truncation)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

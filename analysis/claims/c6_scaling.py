@@ -1,8 +1,9 @@
 """C6: performance keeps improving with more compute and longer generation length. For GSPO, (a) the compute part:
 each run's mean reward over the last quarter of its steps minus over the third; (b) the length part: RL's held-out
 gain at the longest generation budget minus at the shortest (`design.length_decomposition`, paired by seed where both
-lengths ran the same seeds), with truncation's part (the cold start's difference) reported beside it; each part per
-stratum of the other swept axes, the parts joined by `conjunction`."""
+lengths ran the same seeds), with truncation's part (the cold start's difference) reported beside it, tested only where
+the shortest budget does not cut the answers (`regime.truncation`); each part per stratum of the other swept axes, the
+parts joined by `conjunction`."""
 
 from __future__ import annotations
 
@@ -15,40 +16,50 @@ from analysis.claims.common import (
     GSPO,
     NOT_IN_STUDY,
     POSITIVE,
+    RULES,
     TRAIN,
-    VALIDATION,
     ClaimResult,
+    Rules,
     absent,
     alg_mask,
     bounds,
     detectable_evidence,
     final_at_common_compute,
+    measure_strata,
     n_label,
     present_algorithms,
+    regime_note,
+    regime_verdict,
+    split_of,
     usable_run_ids,
     with_power,
+    with_regime,
 )
 from analysis.runs import vocab
 from analysis.runs.columns import ALGORITHM, RUN_ID
 from analysis.runs.tidy import Study
-from analysis.stats import curves, design, gain, intervals
+from analysis.stats import curves, design, gain, intervals, regime
 from analysis.stats.strata import combine, run_strata, stratify
 from analysis.stats.verdicts import CONJUNCTION_RULE, INCONCLUSIVE, NO_DATA, Evidence, conjunction
 
 
-def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
-    """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length;
-    each part per stratum of the other swept axes, combined by STRATA_RULE, then the parts combined."""
+def claim_c6(study: Study, rules: Rules = RULES, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
+    """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length
+    where the shortest does not cut the answers (`rules.max_truncation`); each part per stratum of the other swept
+    axes, combined by STRATA_RULE, then the parts combined."""
     present = present_algorithms(study)
+    held_metric = gain.heldout_metric(study)
+    pre = regime.truncation(rules.max_truncation, axis)
     rule = (
         "For GSPO: (a) compute gain = per-run mean reward over the last quarter of its logged steps minus over the "
-        f"third quarter; (b) RL's length gain = the held-out gain (eval_in_dist's last evaluation minus its step-0 "
+        f"third quarter; (b) RL's length gain = the held-out gain ({held_metric}'s last evaluation minus its step-0 "
         f"evaluation of the cold start, per run) at the largest {axis} minus at the smallest (paired by seed where "
         "both lengths ran the same seeds, one run each, else Welch over the runs), with RL's gain at each "
         "length; truncation's part (the cold start's difference between the two lengths: what the budget does "
         "before any RL) is reported beside it and does not decide; without step-0 "
         f"evaluations, the final-window reward ({FINAL_RULE}) at the largest minus at the smallest. Each "
-        f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept)."
+        f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept). "
+        f"The length part's {pre.rule}"
     )
     if GSPO not in present:
         return absent("C6", rule, f"{GSPO} absent")
@@ -75,10 +86,15 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
         ev = [Evidence(name, ci.estimate, ci.low, ci.high, str(ci.n)), detectable_evidence(name, [x], (1,))]
         return POSITIVE(ci.low, ci.high), ev
 
-    held = gain.per_run(study.long, vocab.EVAL_IN_DIST) if vocab.EVAL_IN_DIST in study.metrics else pd.DataFrame()
+    held = gain.per_run(study.long, held_metric) if held_metric in study.metrics else pd.DataFrame()
     truncation: list[str] = []
+    measured: dict[int, regime.Measured] = {}
 
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
+        verdict_ev = _length_part(mask)
+        return None if verdict_ev is None else regime_verdict(*verdict_ev, measured.get(id(mask)))
+
+    def _length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable_ids)
         lens = study.runs.loc[m, axis]
         if lens.nunique() < 2:
@@ -131,9 +147,12 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     no_compute = strata[0].verdict == NO_DATA and len(s_compute.strata) == 1
     compute_note = "no data (no GSPO run with at least 4 logged steps)" if no_compute else part_verdicts[0]
     swept = axis in study.axes and study.runs.loc[gspo[GSPO], axis].nunique() > 1
+    note = ""
     if swept:
         s_length = stratify(study, gspo, exclude=[axis])
+        measured.update(measure_strata(study, s_length, gspo, pre))
         length = run_strata(study, s_length, gspo, length_part, part="length")
+        note = regime_note(length, measured, s_length)
         strata += length
         part_verdicts.append(combine([s.verdict for s in length]))
         text = f" (a) {s_compute.text().strip()} (b) {s_length.text([axis]).strip()}"
@@ -155,5 +174,5 @@ def claim_c6(study: Study, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
             )
     res = ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
     res.paper = "; ".join(truncation)
-    res.split = f"{TRAIN} + {VALIDATION}" if truncation else TRAIN
-    return with_power(res)
+    res.split = f"{TRAIN} + {split_of(held_metric)}" if truncation else TRAIN
+    return with_regime(with_power(res), note)

@@ -132,12 +132,22 @@ class Rules:
     """C3, C4: routing volatility in the off-policy minibatches, fraction of expert slots changed since pi_old."""
     min_mismatch: float = regime.MIN_MISMATCH
     """C5: engine/trainer mismatch, mean |logp_train_old - logp_rollout| per response token (nats)."""
+    max_truncation: float = regime.MAX_TRUNCATION
+    """C6's length part: the most the shortest compared budget may truncate, fraction of rollout responses."""
 
     def __post_init__(self) -> None:
-        for name in ("min_volatility", "min_mismatch"):
+        for name in ("min_volatility", "min_mismatch", "max_truncation"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"Rules.{name} = {v!r}: a finite number >= 0")
+
+    def preconditions(self) -> tuple[regime.Precondition, ...]:
+        """Every claim's precondition at these thresholds."""
+        return (
+            regime.volatility(self.min_volatility),
+            regime.mismatch(self.min_mismatch),
+            regime.truncation(self.max_truncation),
+        )
 
 
 RULES = Rules()
@@ -145,11 +155,11 @@ RULES = Rules()
 
 
 def precondition(claim: str, rules: Rules = RULES) -> regime.Precondition | None:
-    """The precondition a claim is tested under (C3, C4: the routing volatility; C5: the engine/trainer mismatch, at
-    `rules`' thresholds); None for a claim without one. A declared comparison filed under the claim keeps it."""
-    if claim in ("C3", "C4"):
-        return regime.volatility(rules.min_volatility)
-    return regime.mismatch(rules.min_mismatch) if claim == "C5" else None
+    """The precondition a claim is tested under (C3, C4: the routing volatility; C5: the engine/trainer mismatch; C6:
+    its length part's truncation at the shortest budget; at `rules`' thresholds); None for a claim without one. A
+    declared comparison filed under the claim keeps it."""
+    volatility, mismatch, truncation = rules.preconditions()
+    return {"C3": volatility, "C4": volatility, "C5": mismatch, "C6": truncation}.get(claim)
 
 
 @dataclass
@@ -422,8 +432,8 @@ def regime_note(strata: Sequence[Stratum], measured: dict[int, regime.Measured],
     of = f" {pre.name}" if pre.name else ""
     ref = f" ({pre.reference})" if pre.reference else ""
     return (
-        f"{pre.quantity}{of} {what} in {len(below)} of {len(strata)} strata, below the {pre.fmt(pre.threshold)}{of} "
-        f"the claim needs{ref}"
+        f"{pre.quantity}{of} {what} in {len(below)} of {len(strata)} strata, {pre.sides[1]} the "
+        f"{pre.fmt(pre.threshold)}{of} the claim {'allows at most' if pre.at_most else 'needs'}{ref}"
     )
 
 

@@ -4,7 +4,8 @@ the rule that produced it.
 Every verdict is one of "supported", "contradicted", "inconclusive" (at this scale) or "not tested in regime" (the
 claim's precondition, a measured quantity of the runs it compares, was not reached: C3 and C4 need the routing
 volatility of the off-policy minibatches at or above `Rules.min_volatility`, C5 the engine/trainer mismatch at or
-above `Rules.min_mismatch`; the verdict then names the measured value and the threshold) and comes with the numbers it
+above `Rules.min_mismatch`, C6's length part a shortest budget truncating at most `Rules.max_truncation`; the verdict
+then names the measured value and the threshold) and comes with the numbers it
 was decided on (point estimate, 95% Student t interval over seeds, n) and the rule as a sentence, so a
 reader can disagree with the rule rather than with a hidden threshold. The verdict is read off the interval by the
 claim's `Decision`s (DECISIONS, analysis.stats.verdicts) and the rule quotes their own sentences, so prose and code
@@ -76,7 +77,7 @@ from analysis.stats.verdicts import (
 CLAIM_FUNCTIONS = {"C1": claim_c1, "C2": claim_c2, "C3": claim_c3, "C4": claim_c4, "C5": claim_c5, "C6": claim_c6}
 
 
-REGIME_CLAIMS = ("C3", "C4", "C5")
+REGIME_CLAIMS = ("C3", "C4", "C5", "C6")
 """The claims with a precondition (analysis.stats.regime), whose functions take the scorecard's `Rules`."""
 
 

@@ -43,7 +43,7 @@ PAPER_VALUES = {"C2": design.PAPER_CLIP_RATIO}
 LOG_SCALE = ("C2",)
 """Claims whose quantity is a ratio, drawn on a log axis."""
 
-_PRECONDITIONS = tuple(p.quantity + " (" for p in (regime.volatility(), regime.mismatch()))
+_PRECONDITIONS = tuple(p.quantity + " (" for p in (regime.volatility(), regime.mismatch(), regime.truncation()))
 """How a precondition's evidence line starts (regime.Measured.evidence): a claim's regime, not its quantity."""
 
 

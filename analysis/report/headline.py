@@ -98,19 +98,15 @@ def regime_text(card: scorecard.ClaimResult, rules: scorecard.Rules = scorecard.
     lines = [e for e in _evidence_of(card) if is_precondition(e.name)]
     if not lines:
         return "\u2014"
-    pre = next(
-        p
-        for p in (regime.volatility(rules.min_volatility), regime.mismatch(rules.min_mismatch))
-        if lines[0].name.startswith(p.quantity + " (")
-    )
+    pre = next(p for p in rules.preconditions() if lines[0].name.startswith(p.quantity + " ("))
     values = [e.estimate for e in lines if np.isfinite(e.estimate)]
     of = f" {pre.name}" if pre.name else ""
     shown = list(dict.fromkeys(pre.fmt(v) for v in sorted(values)))
     measured = (shown[0] + (f" to {shown[-1]}" if len(shown) > 1 else "") + of) if values else "not measured"
     paper = f"; paper ~{pre.fmt(PAPER_REGIME[pre.metric])}" if pre.metric in PAPER_REGIME else ""
-    needs = f"(needs {pre.fmt(pre.threshold)}{paper})"
+    needs = f"(needs {'at most ' if pre.at_most else ''}{pre.fmt(pre.threshold)}{paper})"
     below = sum(s.verdict == NOT_IN_REGIME for s in card.strata)
-    if card.verdict == NOT_IN_REGIME:
+    if card.verdict == NOT_IN_REGIME or below == len(lines):
         return f"not in regime: {measured} {needs}"
     reached = regime.EMULATED if any(regime.EMULATED in e.name for e in lines) else "in regime"
     if card.regime and below:

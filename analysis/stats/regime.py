@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,6 +47,11 @@ MIN_MISMATCH = 1e-3
 token in nats. The same weights in fp32 in both engines measure about 1e-6 (the weight sync's fidelity), bf16 about
 1e-2; GSPO clips its length-normalised sequence log-ratio at about 3e-4, so below 1e-3 the engine's log-probs are,
 for either algorithm, the recompute's."""
+MAX_TRUNCATION = 0.02
+"""C6's length part: the most the shortest compared generation budget may cut, as the fraction of rollout responses
+cut at max_new_tokens. A budget that cuts answers gains from a longer one before any RL (truncation's part), so its
+comparison would not say whether RL does better with more room; 2% leaves room for the rare sample that rambles past
+an answer that fits."""
 
 
 def percent(x: float) -> str:
@@ -83,20 +89,33 @@ class Precondition:
     emulation: Callable[[Study, set[str]], str] | None = None
     """What emulated the regime in the runs `ids` of a study, in words ("routing-volatility dial router_kick = 0.08"),
     "" where none of them ran an emulation: a regime reached that way is labelled "emulated" wherever it is shown."""
+    at_most: bool = False
+    """The threshold is a ceiling: the claim is tested where the quantity is at or below it (C6's truncation)."""
+    select: Callable[[Study, set[str]], set[str]] | None = None
+    """The compared runs the quantity is measured on, of the runs `ids` (C6: those at the shortest budget); None: all
+    of them."""
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        """How a value in the regime and one outside it stand to the threshold."""
+        return ("at or below", "above") if self.at_most else ("at or above", "below")
 
     @property
     def rule(self) -> str:
         """The sentence the claim's rule quotes."""
+        inside, outside = self.sides
         return (
             f"Regime: the claim is tested only where the {self.quantity} of the compared runs ({self.metric}: "
-            f"{self.definition}; mean over steps per run, then over the compared runs) is at or above "
-            f"{self.fmt(self.threshold)} {self.unit}; below it, or where no compared run measured it, the verdict is "
-            "'not tested in regime' (never contradicted), with the measured value."
+            f"{self.definition}; mean over steps per run, then over the compared runs) is {inside} "
+            f"{self.fmt(self.threshold)} {self.unit}; {outside} it, or where no compared run measured it, the verdict "
+            "is 'not tested in regime' (never contradicted), with the measured value."
         )
 
     def measure(self, study: Study, run_ids: Iterable[str]) -> Measured:
         """The quantity over the runs `run_ids` (each run's mean over its RL steps, then the mean over runs)."""
         ids = {str(r) for r in run_ids}
+        if self.select is not None:
+            ids = self.select(study, ids)
         companion = over_runs(study.long, self.companion, ids) if self.companion else None
         emulated = self.emulation(study, ids) if self.emulation is not None else ""
         return Measured(self, over_runs(study.long, self.metric, ids), companion, emulated)
@@ -132,7 +151,8 @@ class Measured:
 
     @property
     def met(self) -> bool:
-        return self.ci.n > 0 and self.ci.estimate >= self.precondition.threshold
+        p = self.precondition
+        return self.ci.n > 0 and (self.ci.estimate <= p.threshold if p.at_most else self.ci.estimate >= p.threshold)
 
     @property
     def value(self) -> str:
@@ -163,14 +183,15 @@ class Measured:
         head = f"{p.quantity}: {self.value}" if self.companion is not None else f"{p.quantity} {self.value}"
         if self.emulated:
             head = f"{EMULATED} ({self.emulated}): {head}"
+        needs = "allows at most" if p.at_most else "needs"
         if self.ci.n == 0:
-            return f"{head}; the claim needs {p.fmt(p.threshold)}{of}{ref}"
-        side = "at or above" if self.met else "below"
+            return f"{head}; the claim {needs} {p.fmt(p.threshold)}{of}{ref}"
+        side = p.sides[0] if self.met else p.sides[1]
         only = ""
         c = self.companion
         if not self.met and c is not None and c.n and c.estimate >= p.threshold:
             only = f"; only the {p.companion_name} reaches it"
-        return f"{head}, {side} the {p.fmt(p.threshold)}{of} the claim needs{ref}{only}"
+        return f"{head}, {side} the {p.fmt(p.threshold)}{of} the claim {needs}{ref}{only}"
 
     def evidence(self) -> Evidence:
         """The evidence line: the measured quantity with its t interval over runs, and the threshold."""
@@ -241,8 +262,34 @@ def mismatch(threshold: float = MIN_MISMATCH) -> Precondition:
     )
 
 
+def _shortest(study: Study, ids: set[str], *, axis: str) -> set[str]:
+    """The runs of `ids` at the smallest value of `axis` among them (all of `ids` where the runs lack the axis)."""
+    from analysis.runs.columns import RUN_ID
+
+    runs = study.runs[study.runs[RUN_ID].astype(str).isin(ids)]
+    if axis not in runs or runs[axis].isna().all():
+        return ids
+    return set(runs.loc[runs[axis] == runs[axis].min(), RUN_ID].astype(str))
+
+
+def truncation(threshold: float = MAX_TRUNCATION, axis: str = vocab.LENGTH_AXIS) -> Precondition:
+    """C6's length part's precondition: the shortest compared budget does not cut the answers, so a longer budget's
+    gain is RL's, not truncation's."""
+    return Precondition(
+        "truncation at the shortest budget",
+        vocab.TRUNCATION,
+        threshold,
+        "of responses cut at the budget",
+        f"the fraction of rollout responses cut at max_new_tokens, measured on the compared runs at the smallest "
+        f"{axis}: where that budget cuts answers, a longer one gains before any RL",
+        at_most=True,
+        select=partial(_shortest, axis=axis),
+    )
+
+
 __all__ = [
     "EMULATED",
+    "MAX_TRUNCATION",
     "MIN_MISMATCH",
     "MIN_VOLATILITY",
     "PAPER_PER_UPDATE",
@@ -254,5 +301,6 @@ __all__ = [
     "nats",
     "over_runs",
     "percent",
+    "truncation",
     "volatility",
 ]

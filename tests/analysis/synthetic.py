@@ -52,6 +52,8 @@ class Curve:
     """router_entropy, nats (mean over the run)."""
     mismatch: float = 0.01
     """Engine/trainer mismatch: mismatch_mean_abs is this plus up to a tenth of it (uniform)."""
+    truncation: float = 0.05
+    """truncation_rate rises linearly from 0 to this over the run (mean about half of it)."""
 
 
 def synthetic_metrics(
@@ -93,7 +95,7 @@ def synthetic_metrics(
         vocab.ROUTING_FLIP: 0.2 + 0.01 * rng.standard_normal(n_steps),
         vocab.ROUTING_ENGINE: 0.03 + 0.005 * rng.random(n_steps),
         vocab.RESPONSE_LEN: 100 + 50 * frac,
-        vocab.TRUNCATION: 0.05 * frac,
+        vocab.TRUNCATION: curve.truncation * frac,
         vocab.TOKENS: np.full(n_steps, 4096.0),
     }
     for i in range(n_extra):

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from analysis.claims import common, scorecard
+from analysis.claims import common, declared, scorecard
 from analysis.claims.c1_reward import claim_c1
 from analysis.claims.c2_clipping import claim_c2
 from analysis.claims.c3_grpo_replay import claim_c3
@@ -16,6 +16,7 @@ from analysis.claims.c5_precision import claim_c5
 from analysis.claims.c6_scaling import claim_c6
 from analysis.claims.common import NOT_IN_STUDY
 from analysis.claims.replay import runs_to_exclude
+from analysis.report import headline
 from analysis.runs import tidy
 from analysis.stats import power
 from analysis.stats.verdicts import CONTRADICTED, INCONCLUSIVE, NO_DATA, NOT_IN_REGIME, SUPPORTED
@@ -274,13 +275,13 @@ def test_every_rule_quotes_the_decisions_its_verdict_is_read_from(tmp_path) -> N
 def test_c6_supported_when_longer_generation_learns_more_and_contradicted_when_less(tmp_path, long_a, verdict):
     # every GSPO run still rises over its last half (c_mid far out); at max_new_tokens 1024 the asymptote is long_a,
     # at 256 it is 0.6: the length gain's sign decides the claim
-    st = _two_strata(
-        tmp_path,
-        {256: {"gspo": C(a=0.6, c_mid=1e13, noise=0.01)}, 1024: {"gspo": C(a=long_a, c_mid=1e13, noise=0.01)}},
-        seeds=(0, 1, 2),
-    )
+    short, long = C(a=0.6, c_mid=1e13, noise=0.01, truncation=0.02), C(a=long_a, c_mid=1e13, noise=0.01)
+    st = _two_strata(tmp_path, {256: {"gspo": short}, 1024: {"gspo": long}}, seeds=(0, 1, 2))
     r = claim_c6(st)
     assert r.verdict == verdict, r
+    # the shortest budget cut ~1% of the responses: in the length part's regime, measured on the 256-token runs only
+    trunc = next(e for e in r.evidence if e.name.startswith("truncation at the shortest budget ("))
+    assert trunc.estimate == pytest.approx(0.01, abs=2e-3) and trunc.n == "3" and not r.regime
     length = [e for e in r.evidence if e.name.startswith("RL's length gain") and e.verdict]
     assert len(length) == 1 and (length[0].low > 0 if verdict == SUPPORTED else length[0].high < 0)
     assert "compute part supported, length part " + verdict in r.reason
@@ -468,9 +469,7 @@ def test_a_declared_comparison_decides_its_claim_and_the_others_are_exploratory(
 def test_a_declared_comparison_below_the_claims_regime_leaves_the_claim_not_tested(tmp_path) -> None:
     """Runs at 0.9% of expert slots moved per update (the claim needs 5%; the paper's model ~10%) where replay helped
     GRPO: C3 stays not tested in regime, its regime line kept, and the declared reading stands beside it as the
-    replication of a gap at this scale (it once replaced the verdict and dropped the regime)."""
-    from analysis.report import headline
-
+    replication of a gap at this scale."""
     below = {k: C(a=v.a, c_mid=2e12, slot_mismatch=0.07, per_update=0.009) for k, v in _REPLAY.items()}
     st = _load(tmp_path, below, seeds=(0, 1, 2), n_steps=40)
     assert claim_c3(st).verdict == NOT_IN_REGIME
@@ -491,8 +490,6 @@ def test_a_declared_comparison_below_the_claims_regime_leaves_the_claim_not_test
 
 
 def test_runs_that_deviate_from_the_declaration_are_flagged_under_the_headline(tmp_path) -> None:
-    from analysis.report import headline
-
     st = _load(tmp_path, _REPLAY, seeds=(0, 1, 2), n_steps=40)
     cards = scorecard.scorecard(st, comparisons=[_declared((0, 1, 2, 3))])  # seed 3 was never run
     c3 = {r.claim: r for r in cards}["C3"]
@@ -506,7 +503,6 @@ def test_runs_that_deviate_from_the_declaration_are_flagged_under_the_headline(t
 
 
 def test_c2_reads_its_ratio_beside_the_papers_two_orders_of_magnitude(tmp_path) -> None:
-    from analysis.report import headline
     from analysis.stats import design
     from analysis.stats.intervals import CI
 
@@ -532,8 +528,8 @@ def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
     st = _two_strata(
         tmp_path,
         {
-            256: {"gspo": C(a=0.7, r0=0.1, c_mid=1e12, noise=0.01)},
-            1024: {"gspo": C(a=0.7, r0=0.3, c_mid=1e12, noise=0.01)},
+            256: {"gspo": C(a=0.7, r0=0.1, c_mid=1e12, noise=0.01, truncation=0.02)},
+            1024: {"gspo": C(a=0.7, r0=0.3, c_mid=1e12, noise=0.01, truncation=0.02)},
         },
         seeds=(0, 1, 2),
     )
@@ -543,6 +539,52 @@ def test_c6_length_is_decided_on_rls_part_not_on_truncations(tmp_path) -> None:
     assert rl.high < 0 and trunc.low > 0.1 and trunc.estimate == pytest.approx(0.9 * 0.2, abs=0.03)
     assert "length part contradicted" in r.reason and r.verdict == CONTRADICTED
     assert "truncation's part before RL" in r.paper and "beside RL's" in r.paper
+
+
+def test_c6_length_part_is_not_tested_where_the_shortest_budget_cuts_the_answers(tmp_path) -> None:
+    # the same gain as a supported length part, but the 256-token budget cut ~15% of the responses: the length part
+    # is not tested in regime (measured on the shortest budget's runs), so it decides nothing and the claim, whose
+    # compute part alone is supported, is inconclusive
+    short, long = C(a=0.6, c_mid=1e13, noise=0.01, truncation=0.3), C(a=0.8, c_mid=1e13, noise=0.01, truncation=0.0)
+    st = _two_strata(tmp_path, {256: {"gspo": short}, 1024: {"gspo": long}}, seeds=(0, 1, 2))
+    r = claim_c6(st)
+    assert r.verdict == INCONCLUSIVE and "length part not tested in regime" in r.reason, r.reason
+    trunc = next(e for e in r.evidence if e.name.startswith("truncation at the shortest budget ("))
+    assert trunc.estimate == pytest.approx(0.15, abs=0.01)  # the 256-token runs' mean only, not the 1024's 0
+    assert r.regime.startswith("truncation at the shortest budget 15% of responses cut at the budget (n=3 runs)")
+    assert "above the 2% the claim allows at most" in r.regime
+    assert headline.regime_text(r).startswith("not in regime: 15% (needs at most 2%")
+    # a looser ceiling, set as the scorecard's rule, puts the same runs in regime
+    assert claim_c6(st, common.Rules(max_truncation=0.2)).verdict == SUPPORTED
+
+
+def test_a_declared_length_comparison_keeps_c6s_regime(tmp_path) -> None:
+    # a declared comparison of the two budgets, its runs below the regime (the 256-token budget cuts ~15%): C6 stays
+    # not tested in regime, with the declared reading beside it
+    short, long = C(a=0.6, c_mid=1e13, noise=0.01, truncation=0.3), C(a=0.8, c_mid=1e13, noise=0.01, truncation=0.0)
+    st = _two_strata(tmp_path, {256: {"gspo": short}, 1024: {"gspo": long}}, seeds=(0, 1, 2))
+    c = declared.Comparison(
+        name="rl_length_gain",
+        claim="C6",
+        role="primary",
+        axis="max_new_tokens",
+        treatment=1024,
+        control=256,
+        metric="eval_in_dist",
+        window="gain",
+        test="difference",
+        threshold=0.05,
+        alternative="greater",
+        alpha=0.05,
+        seeds=(0, 1, 2),
+        power=0.8,
+        assumed_sd=0.03,
+        pairing="seed",
+        stratum={"algorithm": "gspo"},
+    )
+    c6 = {r.claim: r for r in scorecard.scorecard(st, comparisons=[c])}["C6"]
+    assert c6.verdict == NOT_IN_REGIME and scorecard.BELOW_REGIME in c6.reason
+    assert "truncation at the shortest budget 15%" in c6.regime
 
 
 def test_a_declaration_the_runs_cannot_be_read_by_says_so_instead_of_a_number(tmp_path) -> None:
