@@ -359,17 +359,25 @@ def test_sigterm_is_recorded_stopped_resumable_without_a_traceback(tmp_path: Pat
     assert not (run_dir / rundir.LOCK_FILE).exists() and not (run_dir / rundir.CRASH_FILE).exists()
 
 
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str, unable: str) -> typing.Iterator[Path]:
+    """A tmpfs mounted (`-o options`) on the directory `path` and unmounted after; the test is skipped with `unable`
+    where mounting is not allowed."""
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip(unable)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> typing.Iterator[Path]:
     """A 1 MiB tmpfs: room for a tiny run's small files, not for its 3.6 MB checkpoint (needs root, else skipped)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with _tmpfs(mount, "size=1m", "cannot mount a tmpfs here (needs root)"):
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_is_recorded_naming_the_file(small_disk: Path, capsys) -> None:
@@ -550,12 +558,8 @@ def read_only_dir(tmp_path: Path) -> typing.Iterator[Path]:
         yield path
         path.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here")
-    try:
+    with _tmpfs(path, "ro,size=1m", "cannot mount a read-only tmpfs here"):
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.parametrize("disk", ["read_only", "full"])
