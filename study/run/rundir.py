@@ -118,6 +118,17 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
         raise RunStateError(f"{path}: {json_problem(err)}") from None
 
 
+def read_record(path: Path, fix: str) -> Any:
+    """A JSON file of the run directory (`read_json`) whose every failure, an unreadable file included, is a
+    RunStateError naming the file and ending with `fix` (what to do about it)."""
+    try:
+        return read_json(path)
+    except RunStateError as err:
+        raise RunStateError(f"{err}; {fix}") from None
+    except OSError as err:
+        raise RunStateError(f"{path}: unreadable ({err}); {fix}") from None
+
+
 def write_yaml(path: Path, data: Any) -> None:
     write_text(path, yaml.safe_dump(data, sort_keys=False))
 
@@ -149,12 +160,7 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / STATUS
     if not path.exists():
         return None
-    try:
-        status = read_json(path)
-    except RunStateError as err:
-        raise RunStateError(f"{err}; {RESTART}") from None
-    except OSError as err:
-        raise RunStateError(f"{path}: unreadable ({err}); {RESTART}") from None
+    status = read_record(path, RESTART)
     if not isinstance(status, dict) or status.get("state") not in STATES:
         raise RunStateError(f"{path}: not a run status (state must be one of {', '.join(STATES)}); {RESTART}")
     return status

@@ -126,12 +126,7 @@ def read_state(run_dir: str | Path) -> dict[str, Any]:
         "restore it, or delete it to go on without it (the trackers then start new runs, and the study and tags "
         "it recorded are lost)"
     )
-    try:
-        state = rundir.read_json(path)
-    except rundir.RunStateError as err:
-        raise rundir.RunStateError(f"{err}; {fix}") from None
-    except OSError as err:
-        raise rundir.RunStateError(f"{path}: unreadable ({err}); {fix}") from None
+    state = rundir.read_record(path, fix)
     if not isinstance(state, dict):
         raise rundir.RunStateError(f"{path}: a JSON {type(state).__name__}, not the trackers' record; {fix}")
     return state
