@@ -10,30 +10,24 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.claims import common
 from analysis.claims.common import (
     CLAIMS,
     FINAL_RULE,
     GSPO,
     NOT_IN_STUDY,
     POSITIVE,
-    RULES,
     TRAIN,
     ClaimResult,
-    Rules,
     absent,
     alg_mask,
     bounds,
     detectable_evidence,
     final_at_common_compute,
-    measure_strata,
     n_label,
     present_algorithms,
-    regime_note,
-    regime_verdict,
-    split_of,
     usable_run_ids,
     with_power,
-    with_regime,
 )
 from analysis.runs import vocab
 from analysis.runs.columns import ALGORITHM, RUN_ID
@@ -43,7 +37,7 @@ from analysis.stats.strata import combine, run_strata, stratify
 from analysis.stats.verdicts import CONJUNCTION_RULE, INCONCLUSIVE, NO_DATA, Evidence, conjunction
 
 
-def claim_c6(study: Study, rules: Rules = RULES, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
+def claim_c6(study: Study, rules: common.Rules = common.RULES, *, axis: str = vocab.LENGTH_AXIS) -> ClaimResult:
     """C6: GSPO's reward still rises over the last half of training, and is higher at the longest generation length
     where the shortest does not cut the answers (`rules.max_truncation`); each part per stratum of the other swept
     axes, combined by STRATA_RULE, then the parts combined."""
@@ -92,7 +86,7 @@ def claim_c6(study: Study, rules: Rules = RULES, *, axis: str = vocab.LENGTH_AXI
 
     def length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         verdict_ev = _length_part(mask)
-        return None if verdict_ev is None else regime_verdict(*verdict_ev, measured.get(id(mask)))
+        return None if verdict_ev is None else common.regime_verdict(*verdict_ev, measured.get(id(mask)))
 
     def _length_part(mask: pd.Series) -> tuple[str, list[Evidence]] | None:
         m = gspo[GSPO] & mask & study.runs[RUN_ID].astype(str).isin(usable_ids)
@@ -150,9 +144,9 @@ def claim_c6(study: Study, rules: Rules = RULES, *, axis: str = vocab.LENGTH_AXI
     note = ""
     if swept:
         s_length = stratify(study, gspo, exclude=[axis])
-        measured.update(measure_strata(study, s_length, gspo, pre))
+        measured.update(common.measure_strata(study, s_length, gspo, pre))
         length = run_strata(study, s_length, gspo, length_part, part="length")
-        note = regime_note(length, measured, s_length)
+        note = common.regime_note(length, measured, s_length)
         strata += length
         part_verdicts.append(combine([s.verdict for s in length]))
         text = f" (a) {s_compute.text().strip()} (b) {s_length.text([axis]).strip()}"
@@ -174,5 +168,5 @@ def claim_c6(study: Study, rules: Rules = RULES, *, axis: str = vocab.LENGTH_AXI
             )
     res = ClaimResult("C6", CLAIMS["C6"], verdict, rule + text, evidence, reason, strata)
     res.paper = "; ".join(truncation)
-    res.split = f"{TRAIN} + {split_of(held_metric)}" if truncation else TRAIN
-    return with_regime(with_power(res), note)
+    res.split = f"{TRAIN} + {common.split_of(held_metric)}" if truncation else TRAIN
+    return common.with_regime(with_power(res), note)

@@ -563,25 +563,9 @@ def test_a_declared_length_comparison_keeps_c6s_regime(tmp_path) -> None:
     # not tested in regime, with the declared reading beside it
     short, long = C(a=0.6, c_mid=1e13, noise=0.01, truncation=0.3), C(a=0.8, c_mid=1e13, noise=0.01, truncation=0.0)
     st = _two_strata(tmp_path, {256: {"gspo": short}, 1024: {"gspo": long}}, seeds=(0, 1, 2))
-    c = declared.Comparison(
-        name="rl_length_gain",
-        claim="C6",
-        role="primary",
-        axis="max_new_tokens",
-        treatment=1024,
-        control=256,
-        metric="eval_in_dist",
-        window="gain",
-        test="difference",
-        threshold=0.05,
-        alternative="greater",
-        alpha=0.05,
-        seeds=(0, 1, 2),
-        power=0.8,
-        assumed_sd=0.03,
-        pairing="seed",
-        stratum={"algorithm": "gspo"},
-    )
+    arms = {"axis": "max_new_tokens", "treatment": 1024, "control": 256}
+    entry = {**synthetic.COMPARISON, "claim": "C6", "arms": arms, "threshold": 0.05, "alternative": "greater"}
+    c = declared.Comparison.from_entry({**entry, "stratum": {"algorithm": "gspo"}})
     c6 = {r.claim: r for r in scorecard.scorecard(st, comparisons=[c])}["C6"]
     assert c6.verdict == NOT_IN_REGIME and scorecard.BELOW_REGIME in c6.reason
     assert "truncation at the shortest budget 15%" in c6.regime
