@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import runfiles
 from analysis.stats.regime import MAX_TRUNCATION, MIN_MISMATCH, MIN_VOLATILITY
 from runfiles import atomic as files
 from runfiles.bounded import read_json
@@ -35,16 +36,17 @@ def rst_escape(text: str) -> str:
     return re.sub(r"([^0-9A-Za-z\s])", r"\\\1", " ".join(text.split()))
 
 
-def collect(out: str | os.PathLike[str], status_files: Sequence[str], *, study: str) -> Path:
-    """Write the run ids of `status_files` (RESULTS/runs/RUN_ID/status.json), in the given order, to `out`, one a
-    line after a `# study NAME` header; print how many runs ended in each state."""
+def collect(out: str | os.PathLike[str], run_files: Sequence[str], *, study: str) -> Path:
+    """Write the run ids of `run_files` (each a run's status.json or the workflow's marker beside it,
+    RESULTS/runs/RUN_ID/workflow.done), in the given order, to `out`, one a line after a `# study NAME` header; print
+    how many runs ended in each state (their status.json)."""
     ids, states = [], Counter()
-    for path in map(Path, status_files):
-        if path.name != "status.json":
-            raise SystemExit(f"collect: {path} is not a run's status.json")
+    for path in map(Path, run_files):
+        if path.name not in (runfiles.STATUS, runfiles.DONE):
+            raise SystemExit(f"collect: {path} is not a run's {runfiles.STATUS} or {runfiles.DONE}")
         ids.append(path.parent.name)
         try:
-            states[str(read_json(path).get("state", "unknown"))] += 1
+            states[str(read_json(path.parent / runfiles.STATUS).get("state", "unknown"))] += 1
         except (OSError, ValueError, AttributeError):
             states["unreadable"] += 1
     unique = list(dict.fromkeys(ids))
@@ -132,8 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     study_help = "study name: its runs are listed in RESULTS_DIR/NAME/run_ids.txt or study.json"
 
-    col = sub.add_parser("collect", help="write the run ids of the given run directories' status.json files")
-    col.add_argument("status", nargs="*", help="RESULTS_DIR/runs/RUN_ID/status.json of every run of the study")
+    col = sub.add_parser("collect", help="write the run ids of the given run directories' files")
+    col.add_argument(
+        "status", nargs="*", help="RESULTS_DIR/runs/RUN_ID/status.json (or workflow.done) of every run of the study"
+    )
     col.add_argument("--study", required=True, help="study name (written in the file's header)")
     col.add_argument("--out", required=True, help="output file (RESULTS_DIR/<study>/run_ids.txt)")
 

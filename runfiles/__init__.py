@@ -11,6 +11,9 @@ of the project and no torch, so every package can import it.
         metrics.parquet          one row per step (METRICS)
         routing_layers.parquet   per-layer routing volatility, one row per (step, layer) (LAYERS)
         token_samples.parquet    trainer vs engine log-probs of sampled response tokens (TOKEN_SAMPLES)
+        workflow.done            written by the workflow's run rule once the run's job ended with the run finished
+                                 (completed or collapsed): the rule's output, so a run stopped or killed part-way is
+                                 run again (resumed) by the next invocation, whatever its status.json says (DONE)
         run.lock, crash.txt, log.txt, checkpoint/, tensorboard/, trackers.json: the run's own (study/run/rundir.py)
 
 Modules: `bounded` (the one reader of YAML and JSON, bounded in size, depth and alias expansion, refusing duplicate
@@ -30,6 +33,7 @@ FAILURE = "failure.json"
 METRICS = "metrics.parquet"
 LAYERS = "routing_layers.parquet"
 TOKEN_SAMPLES = "token_samples.parquet"
+DONE = "workflow.done"
 STATES = ("running", "completed", "collapsed", "failed", "stopped")
 """status.json's `state`: stopped is halted on purpose before its last step (resumable), e.g. a pruned trial."""
 

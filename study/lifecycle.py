@@ -264,16 +264,9 @@ def recorded_exit(run_dir: Path) -> Iterator[None]:
     included, as `failed` with its traceback (status.json and failure.json), after the temporary files of failed
     writes are removed; re-raised. A body that returns clears an earlier attempt's failure.json (the loop records
     `completed` or `collapsed` itself)."""
-    with rundir.recorded(run_dir, lambda: _last_step(run_dir)):
+    with rundir.recorded(run_dir, lambda: rundir.last_step(run_dir)):
         yield
     (run_dir / rundir.FAILURE_FILE).unlink(missing_ok=True)
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        return int((rundir.read_status(run_dir) or {}).get("step", 0))
-    except (rundir.RunStateError, TypeError, ValueError):
-        return 0
 
 
 def manifest(cfg: RunConfig) -> dict:

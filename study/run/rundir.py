@@ -145,6 +145,10 @@ def check_results(directory: Path, results: str | Path) -> None:
         )
 
 
+_WRITTEN_STEP: dict[str, int] = {}
+"""The step of the last status this process wrote, per run directory (`last_step`)."""
+
+
 def set_status(run_dir: Path, state: str, **fields: Any) -> None:
     """Write status.json; a `failed` status is also written to failure.json (see the module docstring)."""
     if state not in STATES:
@@ -153,6 +157,20 @@ def set_status(run_dir: Path, state: str, **fields: Any) -> None:
     if state == "failed":
         write_json(run_dir / FAILURE_FILE, record)
     write_json(run_dir / STATUS, record)
+    if isinstance(fields.get("step"), int):
+        _WRITTEN_STEP[str(run_dir)] = fields["step"]
+
+
+def last_step(run_dir: Path) -> int:
+    """The step the run reached: the last status this process wrote there, else status.json's (0 without one). What
+    this process wrote comes first, so a status.json another process deleted or replaced while the run stopped (a
+    workflow removing a killed job's outputs) does not turn a stop at step 83 into one at step 0."""
+    if str(run_dir) in _WRITTEN_STEP:
+        return _WRITTEN_STEP[str(run_dir)]
+    try:
+        return int((read_status(run_dir) or {}).get("step", 0))
+    except (RunStateError, TypeError, ValueError):
+        return 0
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from snakemake.utils import validate
 sys.path.insert(0, workflow.basedir)  # the repository root: study, sweeps, analysis
 
 from study.coldstart import resolve_settings  # noqa: E402
+import runfiles  # noqa: E402
 from runfiles.bounded import read_json  # noqa: E402
 from study.coldstart.store import run_coldstart  # noqa: E402
 from study.run.trackers import ENV as TRACKERS_ENV, parse_trackers  # noqa: E402
@@ -130,8 +131,17 @@ def run_threads(wildcards):
     return RUNS[wildcards.run_id].threads
 
 
-def status_files(wildcards):
-    return [f"{RESULTS}/runs/{run_id}/status.json" for run_id in RUNS]
+def run_state(run_id):
+    """The state in the run's status.json; None without a readable one."""
+    try:
+        return read_json(f"{RESULTS}/runs/{run_id}/{runfiles.STATUS}").get("state")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def run_markers(wildcards):
+    """Every run's workflow.done (runfiles.DONE): there once its job ended with the run finished."""
+    return [f"{RESULTS}/runs/{run_id}/{runfiles.DONE}" for run_id in RUNS]
 
 
 def coldstart_of_run(wildcards):
@@ -164,7 +174,7 @@ def configs_dir(wildcards, output):
 
 
 def results_of_run(wildcards, output):
-    """The results root, from results/runs/{run_id}/status.json (or results/coldstart/{coldstart}/coldstart.json)."""
+    """The results root, from results/runs/{run_id}/workflow.done (or results/coldstart/{coldstart}/coldstart.json)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(output[0])))
 
 

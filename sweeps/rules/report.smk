@@ -4,7 +4,7 @@
 
 rule collect:
     input:
-        status_files,
+        run_markers,
     output:
         f"{STUDY_DIR}/run_ids.txt",
     log:
@@ -15,7 +15,7 @@ rule collect:
     conda:
         "../envs/study.yaml"
     shell:
-        # The ids are the parents of the input status files: exactly the runs this workflow ran.
+        # The ids are the parents of the input markers: exactly the runs this workflow ran.
         "{params.python} -m analysis collect {input} --study {params.study} --out {output} > {log} 2>&1"
 
 
@@ -77,14 +77,13 @@ onsuccess:
 
 
 onerror:
-    # Snakemake deletes the declared outputs of a failed job, a run's status.json among them; the run keeps its
-    # failure record (RESULTS/runs/RUN_ID/failure.json, error and traceback). Name the study's failed runs, then write
+    # A failed run keeps its record (RESULTS/runs/RUN_ID/status.json and failure.json, error and traceback): the run
+    # rule's output is the workflow's marker, which a failed run never gets. Name the study's failed runs, then write
     # the report of what there is (python -m analysis report, which lists them with their error) when the study's
     # configs were resolved.
     failed = [
         run_id for run_id in RUNS
-        if os.path.exists(f"{RESULTS}/runs/{run_id}/failure.json")
-        and not os.path.exists(f"{RESULTS}/runs/{run_id}/status.json")
+        if os.path.exists(f"{RESULTS}/runs/{run_id}/failure.json") and run_state(run_id) in ("failed", None)
     ]
     for run_id in failed:
         try:

@@ -67,7 +67,9 @@ rule run:
         # Likewise the cold start: its directory is named by the hash of its settings.
         coldstart=ancient(coldstart_of_run),
     output:
-        f"{RESULTS}/runs/{{run_id}}/status.json",
+        # The workflow's marker, made once the launcher returned 0 (the run completed or collapsed): a run stopped
+        # part-way keeps its status.json (stopped, resumable) and no marker, so the next invocation resumes it.
+        touch(f"{RESULTS}/runs/{{run_id}}/{runfiles.DONE}"),
     log:
         f"{RESULTS}/runs/{{run_id}}/run.log",
     params:

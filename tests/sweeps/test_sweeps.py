@@ -20,6 +20,7 @@ from sweeps.expand import Sweep, load_sweep
 from sweeps.schema import SweepError, validate_sweep
 from tests.shared import ROOT, sharing_coldstart
 from tests.sweeps.helpers import (
+    SNAKEMAKE,
     SWEEP_FILES,
     coldstart_dir,
     expected_coldstarts,
@@ -257,7 +258,7 @@ def test_length_and_precision_studies_plan_their_extra_tables(name, profile, ext
     for rule in ("coldstart_budgets", "precision_parity"):
         assert counts.get(rule, 0) == (rule == extra), (rule, counts)
     if extra == "coldstart_budgets":
-        assert "--budgets 12 16 24" in proc.stdout or "--budgets 128 256 512" in proc.stdout
+        assert "--budgets 32 64" in proc.stdout or "--budgets 128 256 512" in proc.stdout
     if extra == "precision_parity":
         assert "--precisions bf16 --seqs" in proc.stdout
 
@@ -290,7 +291,10 @@ def test_collect_lists_the_runs_it_is_given(tmp_path, capsys):
     assert analysis_main(["collect", *statuses, "--study", "t", "--out", str(out)]) == 0
     assert out.read_text().splitlines() == ["# study t: 2 run(s)", "gspo-bbbbbbbbbbbb", "grpo-aaaaaaaaaaaa"]
     assert "2 run id(s) of study t (1 collapsed, 1 completed)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"not a run's status\.json"):
+    markers = [str(runs / "grpo-aaaaaaaaaaaa" / "workflow.done")]  # the workflow's marker: its run's status read
+    assert analysis_main(["collect", *markers, "--study", "t", "--out", str(out)]) == 0
+    assert "1 run id(s) of study t (1 collapsed)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"not a run's status\.json or workflow\.done"):
         analysis_main(["collect", str(runs), "--study", "t", "--out", str(out)])
 
 
@@ -383,8 +387,8 @@ def test_analysis_report_refuses_a_bad_study_or_results_dir(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(tmp_path):
-    """Snakemake deletes a failed job's declared output (the run's status.json); the run's failure.json stays, the
-    workflow names the run, and the report of the study so far lists it as failed with its error. The run fails at
+    """A failed run keeps its status.json and failure.json (the run rule's output is the workflow's marker, which it
+    never gets), the workflow names the run, and the report of the study so far lists it as failed with its error. The run fails at
     its first line of compute: a cold start of another shape (one that is not there, or lacks its tokenizer, is
     refused before the run directory is written)."""
     import torch
@@ -402,7 +406,8 @@ def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(
     proc = snakemake("--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}")
     assert proc.returncode != 0
     run_dir = results / "runs" / run_id
-    assert not (run_dir / "status.json").exists()  # Snakemake's doing
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"  # kept: no marker, no deletion
+    assert not (run_dir / "workflow.done").exists()  # so the next invocation runs it again
     record = json.loads((run_dir / "failure.json").read_text())
     assert record["state"] == "failed" and "Error(s) in loading state_dict" in record["error"]
     assert "Traceback" in record["traceback"]
@@ -455,3 +460,44 @@ def test_sweep_vars_default_and_override(tmp_path):
         load_sweep(paper, {"checkpoint": ""})
     with pytest.raises(SweepError, match=r"vars"):
         validate_sweep(sweep(vars={"checkpoint": 3}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_study_killed_mid_run_resumes_that_run_on_the_next_invocation(tmp_path, tiny_coldstart):
+    """SIGTERM to the whole workflow (a closed terminal, a scheduler's cancel) while a run trains: the run records
+    `stopped` (resumable) with its status.json in place, and the next `snakemake` resumes it to its last step rather
+    than counting the stopped run as done."""
+    import os
+    import signal
+    import time
+
+    results = sharing_coldstart(tiny_coldstart.parent.parent, tmp_path / "results")
+    sweep_file = tmp_path / "killed.yaml"
+    base = {"steps": 40, "eval_every": 0, "checkpoint_every": 2}
+    sweep_file.write_text(yaml.safe_dump(sweep(name="killed", base=base)))
+    ((run_id, _),) = load_sweep(sweep_file).expand().items()
+    status = results / "runs" / run_id / "status.json"
+    config = ["--cores", "1", "--config", f"sweep={sweep_file}", f"results={results}"]
+    proc = subprocess.Popen(
+        [*SNAKEMAKE, *config], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:  # until the run has a checkpoint to resume from
+        if status.is_file() and json.loads(status.read_text()).get("step", 0) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, "the study ended before it could be killed: " + proc.stdout.read()[-3000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=300)
+    record = json.loads(status.read_text())
+    assert record["state"] == "stopped" and 3 <= record["step"] < 40, record
+
+    rerun = snakemake(*config, timeout=1100)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    record = json.loads(status.read_text())
+    assert record["state"] == "completed" and record["step"] == 40, record
+    import pandas as pd
+
+    steps = pd.read_parquet(results / "runs" / run_id / "metrics.parquet")["step"].tolist()
+    assert steps == list(range(1, 41)), steps  # every step once: resumed from the checkpoint, no step lost or doubled
