@@ -7,7 +7,9 @@ change after one update") and the held-out pass@1 on the validation split.
 
 Each run is the sweep's run of that algorithm (its preset, base and per_algorithm fields; the first of its runs on the
 other axes), with router_kick = sigma, `--seed`, `--steps` steps, held-out evaluations at the start and the end only,
-no test split and no checkpoint between, then the `--set` overrides. The runs go one after another in this process
+no checkpoint between, then the `--set` overrides. It keeps the sweep's test split, so it starts from the study's own
+cold start (whose SFT stream holds that split out: a run without it would train another cold start); the calibration
+reads the validation split only. The runs go one after another in this process
 (study.rl.run: each under `--results`/runs/{run_id}, so a rerun reads a finished run back). Printed, one Markdown
 row per run:
 - per update: routing_slot_mismatch_mb2, minibatch 2's update forward against pi_old after one update (and one
@@ -53,7 +55,7 @@ def calibration_runs(
                 found = sorted({c.algorithm for c in runs})
                 raise ValueError(f"--algorithms {algorithm}: {sweep} runs none; valid: {', '.join(found)}")
             changes = {"router_kick": sigma, "seed": seed, "steps": steps, "eval_every": steps}
-            changes.update(checkpoint_every=0, eval_test_size=0)
+            changes.update(checkpoint_every=0)
             out.append(cfg.replace(**changes, **parse_set(list(sets))))
     return out
 

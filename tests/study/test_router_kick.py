@@ -260,7 +260,7 @@ def test_a_kicked_run_at_tp2_equals_one_process(tmp_path: Path, easy_coldstart: 
 # ---------------------------------------------------------------------------------------------------------------------
 # The calibration
 # ---------------------------------------------------------------------------------------------------------------------
-def test_the_calibration_prints_a_row_per_kick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _calibration_script():
     import importlib.util
 
     from tests.shared import ROOT
@@ -268,7 +268,27 @@ def test_the_calibration_prints_a_row_per_kick(tmp_path: Path, capsys: pytest.Ca
     spec = importlib.util.spec_from_file_location("calibrate", ROOT / "scripts" / "calibrate_router_kick.py")
     calibrate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calibrate)
+    return calibrate
+
+
+def test_the_calibration_starts_from_the_studys_own_cold_start() -> None:
+    """The calibration's runs start where the study's do: the same cold-start settings (the test split held out of
+    the SFT stream), so sigma is chosen on the model the study kicks, not on another cold start."""
+    from study.coldstart.store import run_coldstart
+    from sweeps.expand import load_sweep
+    from tests.shared import ROOT
+
+    sweep = ROOT / "sweeps" / "regime.yaml"
+    study = next(iter(load_sweep(sweep).expand().values()))
+    (cfg,) = _calibration_script().calibration_runs(sweep, [0.06], ["grpo"], seed=0, steps=60)
+    assert run_coldstart(cfg) == run_coldstart(study) and run_coldstart(cfg)["held_out_test"]
+    assert (cfg.router_kick, cfg.seed, cfg.steps, cfg.eval_every) == (0.06, 0, 60, 60)
+
+
+def test_the_calibration_prints_a_row_per_kick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calibrate = _calibration_script()
     small = ["coldstart=scratch", "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "eval_size=4"]
+    small.append("eval_test_size=0")
     args = ["--sigmas", "0", str(SIGMA), "--algorithms", "grpo", "--steps", "1", "--results", str(tmp_path)]
     assert calibrate.main([*args, *(f"--set={s}" for s in small)]) == 0
     lines = capsys.readouterr().out.splitlines()
