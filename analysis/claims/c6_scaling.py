@@ -53,7 +53,7 @@ def claim_c6(study: Study, rules: common.Rules = common.RULES, *, axis: str = vo
         "before any RL) is reported beside it and does not decide; without step-0 "
         f"evaluations, the final-window reward ({FINAL_RULE}) at the largest minus at the smallest. Each "
         f"gain: {POSITIVE}. The claim: {CONJUNCTION_RULE} (the length part is inconclusive when {axis} is not swept). "
-        f"The length part's {pre.rule}"
+        f"Length part: {pre.rule}"
     )
     if GSPO not in present:
         return absent("C6", rule, f"{GSPO} absent")

@@ -186,7 +186,8 @@ def reading_table(cards: Sequence[scorecard.ClaimResult]) -> pd.DataFrame:
 
 READING_NOTE = (
     "Regime: whether the compared runs reached what the claim is about (C3, C4: the routing's change after one "
-    "update; C5: the engine/trainer log-prob mismatch); below it a claim is not tested, whatever its interval says. "
+    "update; C5: the engine/trainer log-prob mismatch; C6's length part: a shortest budget that does not cut the "
+    "answers); outside it a claim is not tested, whatever its interval says. "
     "Exploratory: no comparison declared in the sweep file before the runs (or runs that deviate from it): a finding "
     "to confirm. Primary or secondary: decided from the declared comparison alone. The estimates are the quantities "
     "each claim's rule reads (the scorecard below: evidence, per-stratum verdicts, and the decision rules)."
