@@ -189,6 +189,9 @@ class ClaimResult:
     (analysis.claims.declared), and the runs match the declaration; EXPLORATORY otherwise."""
     declared: str = ""
     """The declared comparison(s) the verdict was decided from ("" when none was declared for the claim)."""
+    read_at: tuple[float, ...] = ()
+    """The values the declared readings were read against (0 for a difference, the declared size for a minimum
+    effect or an exclusion, +-margin for an equivalence); () without a declared comparison."""
     deviations: tuple[str, ...] = ()
     """How the finished runs differ from the declared comparison (analysis.claims.declared.deviations): the verdict is
     then exploratory."""

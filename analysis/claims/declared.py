@@ -427,6 +427,14 @@ def confirm(long: pd.DataFrame, c: Comparison, runs: pd.DataFrame | None = None)
     return Confirmation(c, paired, spread, read(spread, c), devs)
 
 
+def read_at(c: Comparison) -> tuple[float, ...]:
+    """The values the declared test reads its interval against: 0 for a difference, the declared size for a minimum
+    effect or an exclusion, -margin and +margin for an equivalence."""
+    if c.test == "difference":
+        return (0.0,)
+    return (-abs(c.threshold), abs(c.threshold)) if c.test == "equivalence" else (c.threshold,)
+
+
 def hypothesis(c: Comparison) -> str:
     """What the declared test tests, in words, e.g. "test_in_dist (gain) algorithm=grpo - algorithm=grpo_rr differs
     from 0 (two-sided; sized for +0.1)"."""
@@ -478,6 +486,7 @@ __all__ = [
     "from_sweep",
     "hypothesis",
     "read",
+    "read_at",
     "run_ids",
     "sizing",
     "window_values",

@@ -185,6 +185,7 @@ def with_declared(
         pairing=PAIRED if all(c.pairing == "seed" for c in comparisons) else UNPAIRED,
         role=EXPLORATORY if devs else (PRIMARY if PRIMARY in roles else SECONDARY),
         declared=", ".join(c.name for c in comparisons),
+        read_at=tuple(sorted({v for c in comparisons for v in declared_.read_at(c)})),
         deviations=devs,
         regime=regime_,
         declared_reading=reading,

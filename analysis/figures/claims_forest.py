@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 
 from analysis.claims import scorecard
@@ -99,9 +100,11 @@ def estimates(card: scorecard.ClaimResult) -> list[Estimate]:
 
 
 def thresholds(card: scorecard.ClaimResult) -> tuple[float, ...]:
-    """The values the claim's verdict is read at: the bounds of its first decision (scorecard.DECISIONS); 0 for a
-    verdict decided from a declared comparison (a difference against none)."""
-    if card.declared or card.claim not in scorecard.DECISIONS:
+    """The values the claim's verdict is read at: the bounds of its first decision (scorecard.DECISIONS); for a
+    verdict decided from declared comparisons, what their tests read against (0, the declared size, the margins)."""
+    if card.declared:
+        return card.read_at or (0.0,)
+    if card.claim not in scorecard.DECISIONS:
         return (0.0,)
     decision = scorecard.DECISIONS[card.claim][0]
     return tuple(sorted({decision.supported.value, decision.contradicted.value}))
@@ -114,10 +117,23 @@ def _short_stratum(label: str) -> str:
     return ": ".join(x for x in (part, values) if x) or key
 
 
+def _arrows(ax: Axes, one_sided: list[tuple[float, Estimate, str]], values: list[float]) -> None:
+    """Each one-sided interval as an arrow from its finite bound to the panel's edge on the open side, the panel
+    widened to hold every finite value with a margin (an open end has no value to draw)."""
+    finite = [v for v in values if np.isfinite(v)]
+    lo, hi = min(finite), max(finite)
+    pad = 0.15 * (hi - lo) if hi > lo else 0.01
+    ax.set_xlim(lo - pad, hi + pad)
+    for yi, e, color in one_sided:
+        start, end = (e.low, hi + pad) if np.isfinite(e.low) else (e.high, lo - pad)
+        ax.annotate("", xy=(end, yi), xytext=(start, yi), arrowprops={"arrowstyle": "->", "color": color, "lw": 2})
+
+
 @style.styled
 def claims_forest(cards: Sequence[scorecard.ClaimResult]) -> Made:
-    """One panel per claim: each stratum's estimate and 95% interval coloured by its verdict, the thresholds the verdict
-    is read at (dashed) and the paper's value (dotted), the panel's title the claim's verdict."""
+    """One panel per claim: each stratum's estimate and 95% interval coloured by its verdict (a one-sided bound as an
+    arrow to the panel's edge), the thresholds the verdict is read at (dashed) and the paper's value (dotted), the
+    panel's title the claim's verdict."""
     ncols = 3
     nrows = -(-len(cards) // ncols)
     rows = max([len(estimates(c)) for c in cards] + [3])
@@ -133,13 +149,18 @@ def claims_forest(cards: Sequence[scorecard.ClaimResult]) -> Made:
             ax.text(0.0, 0.8, textwrap.fill(card.reason.split(";")[0], 34), transform=ax.transAxes, va="top", size=7)
             continue
         y = np.arange(len(ests))[::-1]
+        one_sided = []
         for yi, e in zip(y, ests, strict=True):
             color = VERDICT_COLORS.get(e.verdict, style.NEUTRAL)
             if np.isfinite(e.low) and np.isfinite(e.high):
                 ax.plot([e.low, e.high], [yi, yi], color=color, lw=2, solid_capstyle="butt")
+            elif np.isfinite(e.low) or np.isfinite(e.high):  # a one-sided bound: an arrow to the panel's edge
+                one_sided.append((yi, e, color))
             ax.plot([e.estimate], [yi], "o", color=color, ms=5, mec="white", mew=0.8)
         for t in thresholds(card):
             ax.axvline(t, color=style.NEUTRAL, ls="--", lw=0.8)
+        if one_sided:
+            _arrows(ax, one_sided, [*thresholds(card), *(v for e in ests for v in (e.estimate, e.low, e.high))])
         paper = PAPER_VALUES.get(card.claim)
         if paper is not None and not card.declared:
             ax.axvline(paper, color="black", ls=":", lw=1.2)
@@ -161,8 +182,9 @@ def claims_forest(cards: Sequence[scorecard.ClaimResult]) -> Made:
     labels = [h.get_label() for h in handles]
     fig.legend(handles=handles, loc="outside lower center", ncols=style.legend_ncols(labels, max_cols=len(labels)))
     caption = (
-        "Each claim's estimate and 95% interval per stratum, coloured by verdict, against the threshold its verdict is "
-        "read at (dashed) and the paper's value where it gives one (dotted)."
+        "Each claim's estimate and 95% interval per stratum (a one-sided bound: an arrow towards its open side), "
+        "coloured by verdict, against the threshold its verdict is read at (dashed) and the paper's value where it "
+        "gives one (dotted)."
     )
     return Made(fig, NAME, caption)
 

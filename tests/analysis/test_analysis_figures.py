@@ -266,3 +266,29 @@ def test_figure8_without_a_compared_pair_draws_the_volatility_and_says_why(tmp_p
     why = "gap: no two algorithms the claims compare here"
     assert texts == [f"no final reward {why}", f"no held-out gain {why}"]
     assert len(made.tables["volatility"]) == 2 and len(made.tables["routing_load"]) == 8
+
+
+def test_the_claims_forest_draws_a_one_sided_bound_as_an_arrow_to_its_open_side():
+    """A declared one-sided reading ([low, +inf) or (-inf, high]) has no second end to draw: its finite bound is drawn
+    with an arrow to the panel's edge, inside a panel wide enough to show it and the threshold."""
+    from matplotlib.text import Annotation
+
+    from analysis.claims.common import ClaimResult
+    from analysis.figures import claims_forest
+    from analysis.stats.verdicts import Evidence
+
+    evidence = [
+        Evidence("gain (difference): d", -0.003, -0.022, np.inf, "6 seeds, paired"),
+        Evidence("size (exclude): d", -0.003, -np.inf, 0.015, "6 seeds, paired"),
+    ]
+    card = ClaimResult("C6", "claim", "contradicted", "rule", evidence, declared="gain, size", read_at=(0.0, 0.05))
+    made = claims_forest.claims_forest([card])
+    ax = made.fig.axes[0]
+    arrows = sorted(
+        (a.xyann[0], a.xy[0]) for a in ax.get_children() if isinstance(a, Annotation) and a.arrow_patch is not None
+    )
+    low, high = ax.get_xlim()
+    assert arrows == [(-0.022, high), (0.015, low)]  # from each finite bound to the open side's edge
+    assert low < -0.022 and high > 0.05  # both bounds and what they are read against (0, the declared 0.05) inside
+    dashed = sorted(line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == "--")
+    assert dashed == [0.0, 0.05]

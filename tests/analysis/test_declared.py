@@ -371,3 +371,15 @@ def test_the_analysis_refuses_a_declaration_it_cannot_read(tmp_path, change: dic
     path.write_text(yaml.safe_dump({"name": "s", "comparisons": [{**synthetic.COMPARISON, **change}]}))
     with pytest.raises(ValueError, match=message):
         declared.from_sweep(path)
+
+
+def test_each_test_names_what_its_interval_is_read_against() -> None:
+    """The forest draws these: 0 for a difference, the declared size for a minimum effect or an exclusion, the two
+    margins for an equivalence."""
+    got = {
+        test: declared.read_at(declared.Comparison.from_entry({**ENTRY, "test": test, "alternative": "greater"}))
+        for test in ("difference", "minimum_effect", "exclude")
+    }
+    eq = declared.Comparison.from_entry({**ENTRY, "test": "equivalence", "alternative": "two-sided"})
+    assert got == {"difference": (0.0,), "minimum_effect": (0.1,), "exclude": (0.1,)}
+    assert declared.read_at(eq) == (-0.1, 0.1)

@@ -569,6 +569,7 @@ def test_a_declared_length_comparison_keeps_c6s_regime(tmp_path) -> None:
     c6 = {r.claim: r for r in scorecard.scorecard(st, comparisons=[c])}["C6"]
     assert c6.verdict == NOT_IN_REGIME and scorecard.BELOW_REGIME in c6.reason
     assert "truncation at the shortest budget 15%" in c6.regime
+    assert c6.read_at == (0.0,)  # a difference is read against 0
 
 
 def test_a_declaration_the_runs_cannot_be_read_by_says_so_instead_of_a_number(tmp_path) -> None:
