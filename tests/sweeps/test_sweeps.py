@@ -388,9 +388,9 @@ def test_analysis_report_refuses_a_bad_study_or_results_dir(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_run_failing_under_snakemake_keeps_its_record_and_the_report_lists_it(tmp_path):
     """A failed run keeps its status.json and failure.json (the run rule's output is the workflow's marker, which it
-    never gets), the workflow names the run, and the report of the study so far lists it as failed with its error. The run fails at
-    its first line of compute: a cold start of another shape (one that is not there, or lacks its tokenizer, is
-    refused before the run directory is written)."""
+    never gets), the workflow names the run, and the report of the study so far lists it as failed with its error.
+    The run fails at its first line of compute: a cold start of another shape (one that is not there, or lacks its
+    tokenizer, is refused before the run directory is written)."""
     import torch
 
     from study.data.tokenizer import build_tokenizer
