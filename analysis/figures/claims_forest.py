@@ -69,6 +69,14 @@ class Estimate:
         """The quantity's name without its parenthesis: "RL's length gain", "reward(gspo) - reward(grpo_rr)"."""
         return self.name.split(" (")[0].split(" at ")[0]
 
+    @property
+    def quantity(self) -> str:
+        """What the panel's axis measures: `short`, or for a declared comparison ("NAME (TEST): METRIC (WINDOW)
+        TREATMENT - CONTROL, INTERVAL") the difference it reads ("test_in_dist (gain) algorithm=grpo_rr -
+        algorithm=grpo"), which its rows' names already tell apart."""
+        _, sep, rest = self.name.partition("): ")
+        return rest.rsplit(", ", 1)[0] if sep and " - " in rest else self.short
+
 
 def is_precondition(name: str) -> bool:
     """Whether an evidence line is a measured precondition (regime.Measured.evidence), not the claim's quantity."""
@@ -108,6 +116,22 @@ def thresholds(card: scorecard.ClaimResult) -> tuple[float, ...]:
         return (0.0,)
     decision = scorecard.DECISIONS[card.claim][0]
     return tuple(sorted({decision.supported.value, decision.contradicted.value}))
+
+
+def _wrapped(name: str, width: int = 22) -> str:
+    """A long declared comparison's name over lines of at most `width` characters, broken after its underscores
+    ("replay_gain_grpo_at_paper_volatility" -> "replay_gain_grpo_at_\npaper_volatility"); other labels as they are."""
+    if len(name) <= width or " " in name:
+        return name
+    lines = [""]
+    for word in name.split("_"):
+        piece = word if not lines[-1] else f"_{word}"
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines[-1] += "_"
+            lines.append(word)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
 
 
 def _short_stratum(label: str) -> str:
@@ -166,10 +190,10 @@ def claims_forest(cards: Sequence[scorecard.ClaimResult]) -> Made:
             ax.axvline(paper, color="black", ls=":", lw=1.2)
         if card.claim in LOG_SCALE and all(e.low > 0 for e in ests if np.isfinite(e.low)):
             style.log_scale(ax, "x")
-        ax.set_yticks(y, [_short_stratum(e.label) if e.label else "all runs" for e in ests])
+        ax.set_yticks(y, [_wrapped(_short_stratum(e.label)) if e.label else "all runs" for e in ests])
         ax.set_ylim(-0.7, len(ests) - 0.3)
         ax.grid(axis="y", visible=False)
-        ax.set_xlabel(textwrap.fill(" | ".join(dict.fromkeys(e.short for e in ests)), 42))
+        ax.set_xlabel(textwrap.fill(" | ".join(dict.fromkeys(e.quantity for e in ests)), 30))
     handles = [
         Line2D([], [], color=c, marker="o", ms=5, mec="white", mew=0.8, lw=2, label=v)
         for v, c in VERDICT_COLORS.items()

@@ -120,13 +120,19 @@ def verdict_text(card: scorecard.ClaimResult) -> str:
     return f"{card.role}: {card.verdict}" if card.declared and card.verdict != NOT_IN_REGIME else card.verdict
 
 
+def _one_declared(card: scorecard.ClaimResult) -> bool:
+    """Whether one declared comparison decided the claim: its name goes beside the claim's words (several are each
+    named before their estimate)."""
+    return bool(card.declared) and "," not in card.declared
+
+
 def headline_table(cards: Sequence[scorecard.ClaimResult], rules: scorecard.Rules = scorecard.RULES) -> render.Table:
     """One row per claim (COLUMNS), its verdict a coloured label."""
     df = pd.DataFrame(
         [
             (
                 c.claim,
-                IN_A_FEW_WORDS.get(c.claim, c.statement) + (f" (declared {c.declared})" if c.declared else ""),
+                IN_A_FEW_WORDS.get(c.claim, c.statement) + (f" (declared {c.declared})" if _one_declared(c) else ""),
                 verdict_text(c),
                 PAPER.get(c.claim, ""),
                 estimate_text(c),

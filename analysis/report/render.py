@@ -122,7 +122,8 @@ vertical-align:top}th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 
 .not-tested-in-regime{background:#e3eef8}
 .label{display:inline-block;padding:0 .5em;border:2px solid #bbb;border-radius:.8em;font-weight:600;
 white-space:nowrap}table.headline{margin-bottom:.5em}table.headline td{vertical-align:middle}
-table.headline td:nth-child(2){min-width:13em}table.headline td:nth-child(5){max-width:24em}
+table.headline td:nth-child(2){min-width:13em}table.headline td:nth-child(5){max-width:24em;overflow-wrap:anywhere}
+table.headline td:nth-child(6){min-width:12em;max-width:16em}
 details{margin:.5em 0 1em}summary{cursor:pointer;color:#0072B2}
 ul.lines{list-style:none;padding:0}ul.lines li{margin:.3em 0;padding:.3em .6em;border-left:.4em solid #bbb}
 ul.lines li.not-read{border-color:#E69F00}ul.lines li.up{border-color:#009E73}

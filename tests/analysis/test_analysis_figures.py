@@ -292,3 +292,15 @@ def test_the_claims_forest_draws_a_one_sided_bound_as_an_arrow_to_its_open_side(
     assert low < -0.022 and high > 0.05  # both bounds and what they are read against (0, the declared 0.05) inside
     dashed = sorted(line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == "--")
     assert dashed == [0.0, 0.05]
+
+
+@pytest.mark.parametrize(
+    "name", ["replay_neutral_gspo_at_triple_volatility", "rl_length_gain_gspo_size", "at_0.01", "length: 256, bf16"]
+)
+def test_the_forest_breaks_a_long_comparison_name_after_its_underscores(name):
+    from analysis.figures.claims_forest import _wrapped
+
+    lines = _wrapped(name).split("\n")
+    assert "".join(lines) == name  # nothing lost or added: the breaks fall after underscores
+    assert all(len(line) <= 23 for line in lines) or len(lines) == 1
+    assert all(line.endswith("_") for line in lines[:-1])
